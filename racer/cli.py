@@ -1,0 +1,132 @@
+"""The ``racer`` command line.
+
+Every subcommand has ``--help``. Errors a user can fix (a missing file, a bad line, a bad option)
+print one line on stderr and exit with status 2; nothing prints a traceback for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+
+
+class UsageError(Exception):
+    """An error caused by the command's input; printed without a traceback."""
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    from workloads.loaders import LOADERS
+
+    p.add_argument("--trace", required=True, choices=sorted(LOADERS), help="trace format")
+    p.add_argument("--path", default=None,
+                   help="trace file (default: the sample under $RACER_DATA_DIR or ../shared/data)")
+    p.add_argument("--item-path", default=None, help="amazon only: RecBole item file for categories")
+    p.add_argument("--num-shards", type=int, default=64, help="embedding shards for the item -> shard map (default 64)")
+    p.add_argument("--max-rows", type=int, default=None, help="read at most this many interactions")
+
+
+def _add_regime_args(p: argparse.ArgumentParser, regime_required: bool) -> None:
+    from workloads.regimes import REGIMES
+
+    p.add_argument("--regime", choices=REGIMES, required=regime_required, help="workload regime")
+    p.add_argument("--rate", type=float, default=1_000.0, help="base request rate, req/s (default 1000)")
+    p.add_argument("--duration", type=float, default=120.0, help="run length, s (default 120)")
+    p.add_argument("--users", type=int, default=None, help="number of users (default: the trace's; more are resampled)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--history-scale", type=float, default=1.0, help="stretch trace histories by this factor (default 1)")
+
+
+def _load(args):
+    from workloads.loaders import load_trace
+
+    kwargs = {"num_shards": args.num_shards, "max_rows": args.max_rows}
+    if args.item_path:
+        if args.trace != "amazon":
+            raise UsageError("--item-path applies to --trace amazon only")
+        kwargs["item_path"] = args.item_path
+    if args.num_shards < 1:
+        raise UsageError(f"--num-shards must be >= 1, got {args.num_shards}")
+    return load_trace(args.trace, args.path, **kwargs)
+
+
+def _stream(trace, args):
+    from workloads.regimes import generate
+
+    return generate(trace, regime=args.regime, rate_rps=args.rate, duration_s=args.duration,
+                    num_users=args.users, seed=args.seed, history_scale=args.history_scale)
+
+
+def cmd_workload_describe(args) -> int:
+    trace = _load(args)
+    out = trace.describe()
+    if args.regime:
+        stream = _stream(trace, args)
+        out["stream"] = stream.summary()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            if isinstance(v, dict):
+                print(f"{k}:")
+                for k2, v2 in v.items():
+                    print(f"  {k2:<24} {v2}")
+            else:
+                print(f"{k:<24} {v}")
+    return 0
+
+
+def cmd_workload_plot(args) -> int:
+    from workloads.plot import write_stream_plots
+
+    trace = _load(args)
+    stream = _stream(trace, args)
+    paths = write_stream_plots(stream, args.out, window_s=args.window)
+    summary = {"files": paths, "num_requests": len(stream), "bursts_s": stream.bursts}
+    print(json.dumps(summary) if args.json else "\n".join(f"wrote {p}" for p in paths.values()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="racer", description=(
+        "RACER: runtime EMB/KV memory splitting for generative-recommender serving."))
+    parser.add_argument("--version", action="version", version=f"racer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    wl = sub.add_parser("workload", help="load traces, describe them, generate and plot request streams",
+                        description="Real-trace workloads and the steady / trend / burst regimes.")
+    wl_sub = wl.add_subparsers(dest="workload_command", metavar="SUBCOMMAND", required=True)
+
+    d = wl_sub.add_parser("describe", help="statistics of a trace (and of a generated stream with --regime)",
+                          description="Print a trace's statistics; with --regime, also the generated stream's.")
+    _add_trace_args(d)
+    _add_regime_args(d, regime_required=False)
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.set_defaults(func=cmd_workload_describe)
+
+    pl = wl_sub.add_parser("plot", help="plot request rate and hot-user ratio of a regime over time",
+                           description="Write an HTML and a PNG plot of a generated stream (bursts shaded).")
+    _add_trace_args(pl)
+    _add_regime_args(pl, regime_required=True)
+    pl.add_argument("--out", required=True, help="output directory")
+    pl.add_argument("--window", type=float, default=1.0, help="statistics window, s (default 1)")
+    pl.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    pl.set_defaults(func=cmd_workload_plot)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"racer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
