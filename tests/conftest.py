@@ -1,0 +1,29 @@
+"""Shared pytest set-up: CUDA-marked tests run only where torch sees a GPU; paths to sample data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path(os.environ.get("RACER_DATA_DIR", REPO.parent / "shared" / "data"))
+TAOBAO_SAMPLE = SHARED_DATA / "taobao_userbehavior" / "UserBehavior_userprefix_84k.csv"
+AMAZON_SAMPLE = SHARED_DATA / "amazon_video_games" / "Amazon_Video_Games.inter"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if any("cuda" in item.keywords for item in items) and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)

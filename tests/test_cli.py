@@ -1,0 +1,96 @@
+"""The `racer` command: help everywhere, describe/plot outputs, clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from racer.cli import build_parser, main
+
+from .conftest import TAOBAO_SAMPLE
+
+
+def all_subcommand_paths(parser, prefix=()):
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        for name, sub in action.choices.items():
+            yield prefix + (name,)
+            yield from all_subcommand_paths(sub, prefix + (name,))
+
+
+def test_help_on_every_subcommand(capsys):
+    paths = list(all_subcommand_paths(build_parser()))
+    assert ("workload", "describe") in paths and ("workload", "plot") in paths
+    for path in [()] + paths:
+        with pytest.raises(SystemExit) as e:
+            main(list(path) + ["--help"])
+        assert e.value.code == 0
+        assert "usage: racer" in capsys.readouterr().out
+
+
+@pytest.fixture
+def small_csv(tmp_path):
+    rows = [f"{u},{100 + (u * 7 + k) % 13},{k % 3},pv,{1000 + k}" for u in range(1, 30) for k in range(u % 5 + 2)]
+    p = tmp_path / "ub.csv"
+    p.write_text("\n".join(rows) + "\n1,2,3,pv")
+    return p
+
+
+def test_describe_json(small_csv, capsys):
+    assert main(["workload", "describe", "--trace", "taobao", "--path", str(small_csv), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in ("num_users", "num_items", "num_interactions", "num_skipped_lines", "seq_len_p50",
+                "seq_len_p99", "top1pct_item_share"):
+        assert key in d
+    assert d["num_users"] == 29 and d["num_skipped_lines"] == 1
+
+
+def test_describe_with_regime_adds_stream(small_csv, capsys):
+    assert main(["workload", "describe", "--trace", "taobao", "--path", str(small_csv), "--regime", "trend",
+                 "--rate", "200", "--duration", "10", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stream"]["regime"] == "trend" and d["stream"]["num_requests"] > 1000
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, small_csv, capsys):
+    assert main(["workload", "describe", "--trace", "taobao", "--path", str(tmp_path / "missing.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("racer: error: trace file not found") and err.count("\n") == 1
+    bad = tmp_path / "bad.csv"
+    bad.write_text("1,2,3,pv,5\n1,2,3,pv,x\n1,2,3,pv,6\n")
+    assert main(["workload", "describe", "--trace", "taobao", "--path", str(bad)]) == 2
+    assert f"{bad}:2: timestamp 'x' is not a number" in capsys.readouterr().err
+    assert main(["workload", "plot", "--trace", "taobao", "--path", str(small_csv), "--regime", "burst",
+                 "--rate", "-5", "--out", str(tmp_path)]) == 2
+    assert "rate_rps must be a positive number" in capsys.readouterr().err
+
+
+def test_plot_writes_html_and_png(small_csv, tmp_path, capsys):
+    out = tmp_path / "plots"
+    assert main(["workload", "plot", "--trace", "taobao", "--path", str(small_csv), "--regime", "burst",
+                 "--rate", "300", "--duration", "60", "--out", str(out), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    html, png = res["files"]["html"], res["files"]["png"]
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    text = open(html, encoding="utf-8").read()
+    assert "request rate" in text and "hot-user ratio" in text
+    assert len(res["bursts_s"]) == 2
+    assert text.count('"type":"rect"') >= 2 * 4  # each burst shaded on each of the 4 panels
+
+
+def test_console_script_runs_as_a_process(small_csv):
+    exe = shutil.which("racer") or str(__import__("pathlib").Path(sys.executable).with_name("racer"))
+    out = subprocess.run([exe, "workload", "describe", "--trace", "taobao", "--path", str(small_csv), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_skipped_lines"] == 1
+
+
+@pytest.mark.skipif(not TAOBAO_SAMPLE.exists(), reason="../shared/data not present")
+def test_describe_default_path_is_the_sample(capsys):
+    assert main(["workload", "describe", "--trace", "taobao", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["num_users"] == 815 and d["num_items"] == 55368
