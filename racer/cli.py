@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--window", type=float, default=1.0, help="statistics window, s (default 1)")
     pl.add_argument("--json", action="store_true", help="print the written paths as JSON")
     pl.set_defaults(func=cmd_workload_plot)
+
+    from policies.cli import add_policy_parser
+
+    add_policy_parser(sub)
     return parser
 
 

@@ -1,0 +1,194 @@
+"""Latency of one SmartAllocator decision on one core.
+
+    python -m bench.allocator [--json] [--artifact DIR] [--rounds 20] [--decisions 5000]
+
+Times ``SmartAllocator.decide`` end to end -- features -> onnxruntime (IOBinding) -> residual ->
+recovery -> override/guards -> the decision record -- over a scripted stream of control
+intervals that exercises every path (steady drift, bursts that enter, hold and hand back, an
+operator override that expires, step-limited moves), with the adapter learning between decisions
+as in the node agent (``observe`` is timed separately). The process is pinned to one CPU, and
+onnxruntime and torch run one thread. The machine is shared and noisy, so it runs many rounds and
+reports percentiles over all decisions (``decision_us_p50``, ``decision_us_p99``) plus the spread
+of the per-round medians. The paper's figure is 32 us per decision.
+
+The policy is ``--artifact`` when given, else ``policies/default`` when it exists, else a fresh
+untrained actor (seed 0) exported to a temporary directory: the network's size, not its weights,
+sets the cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+
+TARGET_P50_US = 32.0
+DEFAULT_ARTIFACT = Path(__file__).resolve().parent.parent / "policies" / "default"
+
+
+def _pin_one_core() -> list[int] | None:
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[-1]})
+    return sorted(os.sched_getaffinity(0))
+
+
+def scripted_stats(num: int, seed: int = 0) -> list:
+    """``num`` consecutive 1-s intervals: noisy steady load with slow drift, a burst (rate x4,
+    hot-user ratio x6) every 60 s lasting 4 s, latency rising with load."""
+    from policies.features import WindowStats
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        t = i % 60
+        burst = 30 <= t < 34
+        rate = 1000.0 * (1 + 0.2 * math.sin(i / 90)) * (4.0 if burst else 1.0) * float(rng.normal(1, 0.03))
+        hot = (0.15 if burst else 0.025) * float(rng.normal(1, 0.08))
+        p50 = 80.0 * (1 + 0.3 * math.sin(i / 300))
+        kv_hit = min(0.95, max(0.05, 0.6 + float(rng.normal(0, 0.05)) - (0.2 if burst else 0)))
+        emb_hit = min(0.99, max(0.05, 0.8 + float(rng.normal(0, 0.03))))
+        p99 = 22.0 * (1.6 if burst else 1.0) * float(rng.normal(1, 0.1))
+        out.append(WindowStats(
+            interval_s=1.0, num_requests=int(rate), arrival_rate_rps=rate, hot_user_ratio=min(1.0, max(0.0, hot)),
+            history_len_p50=p50, history_len_p99=p50 * 5, emb_lookups_per_request=120.0, emb_hit_rate=emb_hit,
+            kv_hit_rate=kv_hit, kv_recompute_us_per_token=0.5, emb_transfer_us_per_row=2.0, emb_share=0.5,
+            load=min(1.0, rate / 5000), p99_ms=max(0.0, p99), slo_ms=30.0, refill_bytes=float(rng.uniform(0, 1e8)),
+            arena_bytes=8e9))
+    return out
+
+
+def _artifact(path: str | None, tmp: str) -> Path:
+    if path:
+        return Path(path)
+    if (DEFAULT_ARTIFACT / "manifest.json").is_file():
+        return DEFAULT_ARTIFACT
+    import torch
+
+    torch.set_num_threads(1)
+    from policies.actor import make_initial_actor
+    from policies.export import export_actor
+
+    out = Path(tmp) / "policy"
+    export_actor(make_initial_actor(0, head_gain=1.0), out, training_config={"note": "untrained, for timing"})
+    return out
+
+
+def _pct(xs_ns: list[int] | np.ndarray, q: float) -> float:
+    return float(np.percentile(np.asarray(xs_ns, dtype=np.float64), q)) / 1000.0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.allocator", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--artifact", default=None, help="policy artifact directory (default: see module doc)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--decisions", type=int, default=5000, help="decisions per round")
+    args = ap.parse_args(argv)
+
+    cpus = _pin_one_core()
+    from node_agent.allocator import AllocatorConfig, SmartAllocator
+    from policies.features import build_features
+
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = _artifact(args.artifact, tmp)
+        alloc = SmartAllocator(AllocatorConfig(intra_op_num_threads=1), policy_dir=artifact)
+        policy = alloc.policy
+        stats = scripted_stats(args.decisions)
+        decide_ns: list[int] = []
+        observe_ns: list[int] = []
+        round_p50: list[float] = []
+        perf = time.perf_counter_ns
+        now = 0.0
+        for r in range(args.rounds + 1):  # round 0 warms up and is not reported
+            gc.collect()
+            ns = [0] * len(stats)
+            for i, s in enumerate(stats):
+                if i == 1000:
+                    alloc.set_override(0.4, now_s=now, expires_at_s=now + 20, reason="bench")
+                t0 = perf()
+                alloc.observe(s)
+                t1 = perf()
+                alloc.decide(s, now)
+                t2 = perf()
+                ns[i] = t2 - t1
+                if r:
+                    observe_ns.append(t1 - t0)
+                now += 1.0
+            if r:
+                decide_ns.extend(ns)
+                round_p50.append(_pct(ns, 50))
+
+        # component medians (each timed alone, same inputs)
+        row = policy.input_row
+        comp = {"features": [], "onnxruntime": [], "residual": []}
+        prev = None
+        for s in stats:
+            t0 = perf()
+            build_features(s, prev, out=row)
+            t1 = perf()
+            policy.run()
+            t2 = perf()
+            alloc.residual.predict(row)
+            t3 = perf()
+            comp["features"].append(t1 - t0)
+            comp["onnxruntime"].append(t2 - t1)
+            comp["residual"].append(t3 - t2)
+            prev = s
+        empty = []
+        for _ in range(len(stats)):
+            t0 = perf()
+            t1 = perf()
+            empty.append(t1 - t0)
+
+        import onnxruntime as ort
+
+        out = {
+            "decision_us_p50": round(_pct(decide_ns, 50), 2),
+            "decision_us_p99": round(_pct(decide_ns, 99), 2),
+            "decision_us_p999": round(_pct(decide_ns, 99.9), 2),
+            "decision_us_mean": round(float(np.mean(decide_ns)) / 1000, 2),
+            "target_p50_us": TARGET_P50_US,
+            "meets_target": _pct(decide_ns, 50) <= TARGET_P50_US,
+            "round_p50_us": {"min": round(min(round_p50), 2), "median": round(statistics.median(round_p50), 2),
+                             "max": round(max(round_p50), 2)},
+            "components_us_p50": {k: round(_pct(v, 50), 2) for k, v in comp.items()},
+            "observe_us_p50": round(_pct(observe_ns, 50), 2),
+            "timer_overhead_us_p50": round(_pct(empty, 50), 3),
+            "num_decisions": len(decide_ns),
+            "rounds": args.rounds,
+            "decision_sources": dict(alloc.num_decisions),
+            "policy_id": policy.policy_id,
+            "providers": policy.providers,
+            "cpu_affinity": cpus,
+            "intra_op_num_threads": 1,
+            "onnxruntime": ort.__version__,
+            "python": sys.version.split()[0],
+        }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"decision latency over {out['num_decisions']:,} decisions ({args.rounds} rounds, one core): "
+              f"p50 {out['decision_us_p50']} us, p99 {out['decision_us_p99']} us "
+              f"(target p50 <= {TARGET_P50_US:g} us: {'met' if out['meets_target'] else 'NOT met'})")
+        print(f"per-round p50: {out['round_p50_us']}")
+        print(f"components p50 (us): {out['components_us_p50']}; observe p50 {out['observe_us_p50']} us")
+        print(f"decision sources: {out['decision_sources']}; policy {out['policy_id']} on {out['providers']}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

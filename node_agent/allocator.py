@@ -1,0 +1,898 @@
+"""SmartAllocator: one EMB:KV split decision per control interval (see docs/allocator.md).
+
+    alloc = SmartAllocator(AllocatorConfig(), policy_dir="policies/default")
+    every control interval, with the stats of the interval that just ended:
+        alloc.observe(stats)                  # the residual adapter learns from the last decision
+        decision = alloc.decide(stats, now_s) # -> AllocatorDecision; decision.emb_share feeds the memory manager
+
+Layers, in order (each decision records which one set its value, as ``source``):
+
+1. ``base``: the frozen PPO actor in onnxruntime (`OnnxPolicy`): CUDA provider only when
+   ``torch.cuda.is_available()``, else CPU; one intra-op thread; input and output bound in advance
+   (IOBinding) to preallocated numpy buffers, into which `build_features` writes directly.
+2. ``residual``: `ResidualAdapter`, a linear model of the features trained online by normalised
+   LMS after each interval; its correction is added to the base output, bounded by
+   ``|correction| <= max_correction`` (0.1).
+3. ``recovery``: `RecoveryController`, a burst detector with hysteresis over slow EWMA baselines
+   of the arrival rate and the hot-user ratio; in a burst it caps emb_share at the split in force
+   when the burst began minus ``kv_shift`` (memory moves to the KV cache), then hands control back.
+4. ``override``: an operator's emb_share (validated against the bounds when set), which takes
+   precedence over every layer until it expires (``expires_at_s``, compared with ``now_s``).
+5. ``guard``: the max step per decision (asymmetric: growing EMB needs a background refill,
+   shrinking it is metadata-only) and then the [min, max] bounds; the source becomes ``guard``
+   when a guard changed the value, and also when the allocator had to hold the split (invalid
+   stats, a non-finite base output, no policy loaded).
+
+Pure over snapshots: nothing here reads the clock; ``now_s`` comes with every call.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from policies.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
+                               read_manifest, read_onnx_bytes)
+from policies.features import FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, miss_costs_us
+
+DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
+
+
+class PolicyLoadError(ArtifactError):
+    """A policy artifact was refused; the allocator keeps running its previous policy."""
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# --------------------------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Hard limits on every decision.
+
+    - ``min_emb_share`` / ``max_emb_share``: bounds of the split (0 <= min < max <= 1);
+    - ``max_step_up``: most emb_share may grow in one decision (new EMB pages need a background
+      refill over PCIe, so growth is rate-limited);
+    - ``max_step_down``: most it may shrink in one decision (giving pages to the KV pool is
+      metadata-only, so this may be larger, which lets the recovery controller act fast).
+    The step limit applies first, then the bounds, so the bounds always hold.
+    """
+
+    min_emb_share: float = 0.05
+    max_emb_share: float = 0.95
+    max_step_up: float = 0.05
+    max_step_down: float = 0.10
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("min_emb_share", "max_emb_share", "max_step_up", "max_step_down"):
+            if not _num(getattr(self, name)):
+                problems.append(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if not problems:
+            if not 0 <= self.min_emb_share < self.max_emb_share <= 1:
+                problems.append(f"need 0 <= min_emb_share < max_emb_share <= 1, got {self.min_emb_share}, "
+                                f"{self.max_emb_share}")
+            for name in ("max_step_up", "max_step_down"):
+                if not 0 < getattr(self, name) <= 1:
+                    problems.append(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if problems:
+            raise ValueError("invalid GuardConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ResidualConfig:
+    """The online residual adapter (see `ResidualAdapter` for the target and update rule).
+
+    - ``enabled``: False turns the layer off (correction 0, no learning): the ``ppo`` ablation;
+    - ``max_correction``: bound on |correction| (0 < B <= 0.1);
+    - ``learning_rate``: NLMS step size mu, in (0, 1];
+    - ``leak``: per-update decay of the weights toward zero, in [0, 0.1);
+    - ``gain``: emb_share moved per unit of (SLO pressure x miss-cost imbalance), in (0, 1];
+    - ``relax``: with latency headroom, the target keeps ``1 - relax`` of the correction, in [0, 1];
+    - ``target_p99_over_slo``: the P99/SLO the adapter steers below, in (0, 2];
+    - ``pressure_max``: clip of the SLO pressure, in (0, 10];
+    - ``reset_on_policy_swap``: zero the adapter when a new base policy is loaded (its corrections
+      were learnt against the old policy's errors).
+    """
+
+    enabled: bool = True
+    max_correction: float = 0.1
+    learning_rate: float = 0.5
+    leak: float = 0.001
+    gain: float = 0.1
+    relax: float = 0.1
+    target_p99_over_slo: float = 0.9
+    pressure_max: float = 1.0
+    reset_on_policy_swap: bool = True
+
+    def __post_init__(self) -> None:
+        problems = [f"{n} must be a bool, got {getattr(self, n)!r}" for n in ("enabled", "reset_on_policy_swap")
+                    if not isinstance(getattr(self, n), bool)]
+        rules = {  # name: (test, range in words)
+            "max_correction": (lambda v: 0 < v <= 0.1, "(0, 0.1]"),
+            "learning_rate": (lambda v: 0 < v <= 1, "(0, 1]"),
+            "leak": (lambda v: 0 <= v < 0.1, "[0, 0.1)"),
+            "gain": (lambda v: 0 < v <= 1, "(0, 1]"),
+            "relax": (lambda v: 0 <= v <= 1, "[0, 1]"),
+            "target_p99_over_slo": (lambda v: 0 < v <= 2, "(0, 2]"),
+            "pressure_max": (lambda v: 0 < v <= 10, "(0, 10]"),
+        }
+        for name, (ok, words) in rules.items():
+            v = getattr(self, name)
+            if not (_num(v) and ok(v)):
+                problems.append(f"{name} must be in {words}, got {v!r}")
+        if problems:
+            raise ValueError("invalid ResidualConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """The burst recovery controller (see `RecoveryController`).
+
+    Ratios compare the interval with slow EWMA baselines (time constant ``baseline_tau_s``, frozen
+    during a burst). Enter when rate ratio >= ``enter_rate_ratio`` AND hot-user ratio ratio >=
+    ``enter_hot_ratio`` (a spike of hot-user requests; not before ``warmup_s`` of baseline). Exit
+    when both are <= their ``exit_*`` thresholds (lower than the enter ones: hysteresis) on every
+    interval for ``exit_confirm_s``, and at least ``min_hold_s`` after entry; a burst longer than
+    ``max_burst_s`` is a new regime: the baselines jump to the current values and control returns.
+    In a burst emb_share is capped at (split at entry - ``kv_shift``).
+    ``rate_floor_rps`` and ``hot_floor`` keep the ratios finite near zero baselines.
+    """
+
+    enabled: bool = True
+    baseline_tau_s: float = 60.0
+    warmup_s: float = 10.0
+    enter_rate_ratio: float = 1.8
+    enter_hot_ratio: float = 1.6
+    exit_rate_ratio: float = 1.3
+    exit_hot_ratio: float = 1.3
+    min_hold_s: float = 3.0
+    exit_confirm_s: float = 1.0
+    max_burst_s: float = 60.0
+    kv_shift: float = 0.15
+    rate_floor_rps: float = 1.0
+    hot_floor: float = 0.005
+
+    def __post_init__(self) -> None:
+        problems = [] if isinstance(self.enabled, bool) else [f"enabled must be a bool, got {self.enabled!r}"]
+        names = ("baseline_tau_s", "warmup_s", "enter_rate_ratio", "enter_hot_ratio", "exit_rate_ratio",
+                 "exit_hot_ratio", "min_hold_s", "exit_confirm_s", "max_burst_s", "kv_shift", "rate_floor_rps",
+                 "hot_floor")
+        bad = [n for n in names if not _num(getattr(self, n))]
+        problems += [f"{n} must be a finite number, got {getattr(self, n)!r}" for n in bad]
+        if not bad:
+            for n in ("baseline_tau_s", "max_burst_s", "rate_floor_rps", "hot_floor"):
+                if getattr(self, n) <= 0:
+                    problems.append(f"{n} must be > 0, got {getattr(self, n)}")
+            for n in ("warmup_s", "min_hold_s", "exit_confirm_s"):
+                if getattr(self, n) < 0:
+                    problems.append(f"{n} must be >= 0, got {getattr(self, n)}")
+            if not 1 <= self.exit_rate_ratio < self.enter_rate_ratio:
+                problems.append(f"need 1 <= exit_rate_ratio < enter_rate_ratio, got {self.exit_rate_ratio}, "
+                                f"{self.enter_rate_ratio}")
+            if not 1 <= self.exit_hot_ratio < self.enter_hot_ratio:
+                problems.append(f"need 1 <= exit_hot_ratio < enter_hot_ratio, got {self.exit_hot_ratio}, "
+                                f"{self.enter_hot_ratio}")
+            if not 0 < self.kv_shift <= 1:
+                problems.append(f"kv_shift must be in (0, 1], got {self.kv_shift}")
+            if self.max_burst_s <= self.min_hold_s:
+                problems.append(f"max_burst_s ({self.max_burst_s}) must exceed min_hold_s ({self.min_hold_s})")
+        if problems:
+            raise ValueError("invalid RecoveryConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The SmartAllocator's config: one block per layer plus the runtime's own settings.
+
+    - ``initial_emb_share``: the split assumed before the first valid stats arrive;
+    - ``device``: ``auto`` (CUDA execution provider when torch sees a GPU, else CPU), ``cpu``, ``cuda``;
+    - ``intra_op_num_threads``: onnxruntime's intra-op threads (1: one decision on one core);
+    - ``golden_tolerance``: max |ORT - golden| accepted when loading; None: the manifest's
+      export tolerance on CPU, 1e-4 on CUDA (cuBLAS may sum in another order).
+    """
+
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    initial_emb_share: float = 0.5
+    device: str = "auto"
+    intra_op_num_threads: int = 1
+    golden_tolerance: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, cls in (("guard", GuardConfig), ("residual", ResidualConfig), ("recovery", RecoveryConfig)):
+            if not isinstance(getattr(self, name), cls):
+                problems.append(f"{name} must be a {cls.__name__}")
+        if not (_num(self.initial_emb_share) and 0 <= self.initial_emb_share <= 1):
+            problems.append(f"initial_emb_share must be in [0, 1], got {self.initial_emb_share!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if isinstance(self.intra_op_num_threads, bool) or not isinstance(self.intra_op_num_threads, int) \
+                or self.intra_op_num_threads < 1:
+            problems.append(f"intra_op_num_threads must be an integer >= 1, got {self.intra_op_num_threads!r}")
+        tol = self.golden_tolerance
+        if tol is not None and not (_num(tol) and 0 < tol <= 1e-2):
+            problems.append(f"golden_tolerance must be None or in (0, 1e-2], got {self.golden_tolerance!r}")
+        if problems:
+            raise ValueError("invalid AllocatorConfig: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------- base
+
+
+def cuda_available() -> bool:
+    """torch's view of the GPU (onnxruntime-gpu's own get_device() says GPU even without one)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class OnnxPolicy:
+    """A loaded, accepted base policy: an onnxruntime session with its I/O bound in advance.
+
+    Loading checks, in order (any failure raises `PolicyLoadError` naming the artifact and the reason):
+    the manifest (format, feature schema version and names, I/O spec), the ONNX file's sha256,
+    ``onnx.checker``, the session's input/output names, ranks, element types and widths, then runs
+    the golden inputs (finite, in [0, 1], within tolerance of the stored outputs) and the probe
+    inputs (finite, in [0, 1]).
+
+    ``input_row`` (float32, NUM_FEATURES) is the bound input: write features there, call `run`.
+    """
+
+    def __init__(self, artifact_dir: str | Path, *, device: str = "auto", intra_op_num_threads: int = 1,
+                 golden_tolerance: float | None = None):
+        self.artifact_dir = Path(artifact_dir)
+        try:
+            self._load(device, intra_op_num_threads, golden_tolerance)
+        except ArtifactError as e:
+            raise PolicyLoadError(f"policy {self.artifact_dir} refused: {e}") from None
+        except Exception as e:  # anything unforeseen still refuses the policy instead of crashing the agent
+            raise PolicyLoadError(f"policy {self.artifact_dir} refused: {type(e).__name__}: {e}") from None
+
+    def _load(self, device: str, threads: int, golden_tolerance: float | None) -> None:
+        import onnx
+        import onnxruntime as ort
+
+        manifest = read_manifest(self.artifact_dir)
+        data = read_onnx_bytes(self.artifact_dir, manifest)
+        try:
+            onnx.checker.check_model(onnx.load_from_string(data), full_check=True)
+        except Exception as e:  # DecodeError, ValidationError, ...
+            raise ArtifactError(f"corrupt ONNX file {manifest['onnx_file']}: {type(e).__name__}: {e}") from None
+
+        use_cuda = device == "cuda" or (device == "auto" and cuda_available())
+        available = ort.get_available_providers()
+        if use_cuda and "CUDAExecutionProvider" not in available:
+            raise ArtifactError(f"device {device!r} wants CUDA but onnxruntime offers only {available}")
+        providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"])
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        try:
+            sess = ort.InferenceSession(data, so, providers=providers)
+        except Exception as e:
+            raise ArtifactError(f"onnxruntime cannot load {manifest['onnx_file']}: {type(e).__name__}: {e}") from None
+
+        ins, outs = sess.get_inputs(), sess.get_outputs()
+        if len(ins) != 1 or ins[0].name != INPUT_NAME or ins[0].type != "tensor(float)" or len(ins[0].shape) != 2 \
+                or ins[0].shape[1] != NUM_FEATURES:
+            got = [(i.name, i.shape, i.type) for i in ins]
+            raise ArtifactError(f"wrong input: the model takes {got}, the runtime feeds one {INPUT_NAME!r} "
+                                f"float tensor of shape [batch, {NUM_FEATURES}] (feature schema "
+                                f"{manifest['feature_schema_version']})")
+        if len(outs) != 1 or outs[0].name != OUTPUT_NAME or outs[0].type != "tensor(float)" \
+                or len(outs[0].shape) != 2 or outs[0].shape[1] != 1:
+            got = [(o.name, o.shape, o.type) for o in outs]
+            raise ArtifactError(f"wrong output: the model gives {got}, expected one {OUTPUT_NAME!r} float tensor "
+                                f"of shape [batch, 1]")
+        batch_dim = ins[0].shape[0]
+        dynamic_batch = batch_dim is None or isinstance(batch_dim, str)
+        if not dynamic_batch and batch_dim != 1:
+            raise ArtifactError(f"input batch dimension is {batch_dim}, expected 1 or dynamic")
+
+        providers_used = sess.get_providers()
+        on_cuda = providers_used[0] == "CUDAExecutionProvider"
+        tol = golden_tolerance if golden_tolerance is not None else (
+            max(1e-4, manifest["parity"]["tolerance"]) if on_cuda else manifest["parity"]["tolerance"])
+        golden_in, golden_out = read_golden(self.artifact_dir, manifest)
+
+        def run_rows(x: np.ndarray, what: str) -> np.ndarray:
+            try:
+                if dynamic_batch:
+                    return sess.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
+                return np.concatenate([sess.run([OUTPUT_NAME], {INPUT_NAME: x[i:i + 1]})[0] for i in range(len(x))])
+            except Exception as e:
+                raise ArtifactError(f"onnxruntime fails on the {what} inputs: {type(e).__name__}: {e}") from None
+
+        got = run_rows(golden_in, "golden")
+        check_outputs(got, "golden")
+        diff = float(np.max(np.abs(got.astype(np.float64) - golden_out.astype(np.float64))))
+        if not diff <= tol:
+            raise ArtifactError(f"parity failed: onnxruntime ({providers_used[0]}) differs from the golden outputs "
+                                f"by {diff:.3g} > {tol:g}")
+        check_outputs(run_rows(probe_inputs(), "probe"), "probe")
+
+        self.input = np.zeros((1, NUM_FEATURES), dtype=np.float32)
+        self.input_row = self.input[0]
+        self.output = np.zeros((1, 1), dtype=np.float32)
+        binding = sess.io_binding()
+        binding.bind_input(INPUT_NAME, "cpu", 0, np.float32, [1, NUM_FEATURES], self.input.ctypes.data)
+        binding.bind_output(OUTPUT_NAME, "cpu", 0, np.float32, [1, 1], self.output.ctypes.data)
+        self._session = sess
+        self._binding = binding
+        self._run = sess.run_with_iobinding
+        self.manifest = manifest
+        self.policy_id: str = manifest["policy_id"]
+        self.providers: list[str] = providers_used
+        self.golden_max_abs_diff = diff
+        self.golden_tolerance = tol
+        self.input_row[:] = golden_in[0]
+        self.run()  # warm-up through the binding
+        if not abs(float(self.output[0, 0]) - float(golden_out[0, 0])) <= tol:
+            raise ArtifactError("the IOBinding path disagrees with the golden output")
+
+    def run(self) -> float:
+        """Run on ``input_row`` (already written) and return the emb_share the policy proposes."""
+        self._run(self._binding)
+        return float(self.output[0, 0])
+
+    def describe(self) -> dict:
+        return {"policy_id": self.policy_id, "artifact_dir": str(self.artifact_dir), "providers": self.providers,
+                "feature_schema_version": self.manifest["feature_schema_version"],
+                "golden_max_abs_diff": self.golden_max_abs_diff, "golden_tolerance": self.golden_tolerance}
+
+
+# --------------------------------------------------------------------------------------------- residual
+
+
+@dataclass(frozen=True)
+class ResidualUpdate:
+    """What `ResidualAdapter.update` (via `SmartAllocator.observe`) did with one outcome."""
+
+    updated: bool
+    reason: str
+    target: float = 0.0
+    prediction: float = 0.0
+    error: float = 0.0
+    slo_pressure: float = 0.0
+    miss_imbalance: float = 0.0
+
+
+@dataclass(frozen=True)
+class ResidualState:
+    enabled: bool
+    weights: tuple[float, ...]
+    bias: float
+    num_updates: int
+    num_skipped: int
+    num_resets: int
+    last_target: float
+    last_error: float
+    mean_abs_error: float
+    last_reset_reason: str | None
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["weights"] = dict(zip(FEATURE_NAMES, self.weights))
+        return d
+
+
+class ResidualAdapter:
+    """Online linear correction of the base policy: ``r(x) = clip(w . x + b, -B, B)``.
+
+    Target. After a decision made on features ``x`` with correction ``r``, the next interval's
+    stats (the outcome) say which way the split should have gone:
+
+    - SLO pressure ``p = clip(p99_ms / slo_ms - target_p99_over_slo, -pressure_max, pressure_max)``;
+    - miss-cost imbalance ``m = (emb_miss_us - kv_miss_us) / (emb_miss_us + kv_miss_us)`` in
+      [-1, 1] (0 when both are 0), from `policies.features.miss_costs_us` with the observed hit
+      rates: positive when embedding misses cost requests more time than KV recomputation;
+    - ``y = r + gain * p * m`` when ``p > 0`` (over the target: move toward the side whose misses
+      cost more, in proportion to how far over), else ``y = (1 - relax) * r`` (headroom: fade the
+      correction, giving control back to the base policy, which was trained for the long-horizon
+      trade-off); finally ``y = clip(y, -B, B)``.
+
+    Update (normalised LMS with leak): with ``x~ = [x, 1]`` and the unclipped prediction
+    ``yhat = w~ . x~``, ``w~ <- (1 - leak) w~ + mu (y - yhat) x~ / (eps + |x~|^2)``. NLMS is stable
+    for any input scale (mu in (0, 1]) and, unlike RLS, has no covariance to wind up when the
+    features stop moving; the leak keeps the weights bounded without excitation. `reset` zeroes
+    everything (the correction becomes 0 at once).
+    """
+
+    _EPS = 1e-6
+
+    def __init__(self, config: ResidualConfig | None = None):
+        self.config = config or ResidualConfig()
+        self._w = np.zeros(NUM_FEATURES + 1, dtype=np.float64)  # last entry: bias
+        self._w32 = np.zeros(NUM_FEATURES, dtype=np.float32)
+        self._b = 0.0
+        self.num_updates = 0
+        self.num_skipped = 0
+        self.num_resets = 0
+        self.last_target = 0.0
+        self.last_error = 0.0
+        self.mean_abs_error = 0.0
+        self.last_reset_reason: str | None = None
+
+    def predict(self, x: np.ndarray) -> float:
+        """The bounded correction for features ``x`` (0 when disabled)."""
+        if not self.config.enabled:
+            return 0.0
+        r = float(self._w32 @ x) + self._b
+        b = self.config.max_correction
+        return b if r > b else (-b if r < -b else r)
+
+    def target(self, correction: float, outcome: WindowStats) -> tuple[float, float, float]:
+        """``(y, p, m)``: the target correction, SLO pressure and miss-cost imbalance (see class doc)."""
+        c = self.config
+        p = outcome.p99_ms / outcome.slo_ms - c.target_p99_over_slo
+        p = max(-c.pressure_max, min(c.pressure_max, p))
+        kv_us, emb_us = miss_costs_us(outcome)
+        total = kv_us + emb_us
+        m = (emb_us - kv_us) / total if total > 0 else 0.0
+        y = correction + c.gain * p * m if p > 0 else (1.0 - c.relax) * correction
+        return max(-c.max_correction, min(c.max_correction, y)), p, m
+
+    def update(self, x: np.ndarray, correction: float, outcome: WindowStats) -> ResidualUpdate:
+        y, p, m = self.target(correction, outcome)
+        xa = np.append(x.astype(np.float64), 1.0)
+        yhat = float(self._w @ xa)
+        err = y - yhat
+        c = self.config
+        self._w *= 1.0 - c.leak
+        self._w += (c.learning_rate * err / (self._EPS + float(xa @ xa))) * xa
+        self._w32[:] = self._w[:-1]
+        self._b = float(self._w[-1])
+        self.num_updates += 1
+        self.last_target, self.last_error = y, err
+        weight = 0.05 if self.num_updates > 20 else 1.0 / self.num_updates  # running mean, then an EWMA
+        self.mean_abs_error += (abs(err) - self.mean_abs_error) * weight
+        return ResidualUpdate(True, f"target {y:+.4f} (slo pressure {p:+.3f}, miss imbalance {m:+.3f}); "
+                                    f"prediction {yhat:+.4f} -> {float(self._w @ xa):+.4f}",
+                              target=y, prediction=yhat, error=err, slo_pressure=p, miss_imbalance=m)
+
+    def skip(self, reason: str) -> ResidualUpdate:
+        self.num_skipped += 1
+        return ResidualUpdate(False, reason)
+
+    def reset(self, reason: str = "reset") -> None:
+        self._w[:] = 0.0
+        self._w32[:] = 0.0
+        self._b = 0.0
+        self.num_resets += 1
+        self.last_target = self.last_error = self.mean_abs_error = 0.0
+        self.last_reset_reason = reason
+
+    def state(self) -> ResidualState:
+        return ResidualState(enabled=self.config.enabled, weights=tuple(float(v) for v in self._w[:-1]),
+                             bias=float(self._w[-1]), num_updates=self.num_updates, num_skipped=self.num_skipped,
+                             num_resets=self.num_resets, last_target=self.last_target, last_error=self.last_error,
+                             mean_abs_error=self.mean_abs_error, last_reset_reason=self.last_reset_reason)
+
+
+# --------------------------------------------------------------------------------------------- recovery
+
+
+@dataclass(frozen=True)
+class RecoveryState:
+    phase: str  # "warmup", "normal", "burst"
+    rate_baseline_rps: float | None
+    hot_baseline: float | None
+    rate_ratio: float
+    hot_ratio: float
+    burst_started_s: float | None
+    entry_emb_share: float | None
+    cap_emb_share: float | None
+    num_bursts: int
+    last_event: str | None
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class RecoveryController:
+    """Burst detection with hysteresis; in a burst, a KV-ward cap on emb_share.
+
+    Per decision (stats of the interval just ended, ``now_s``):
+
+    - ``rate_ratio = arrival_rate_rps / max(rate_baseline, rate_floor_rps)`` and
+      ``hot_ratio = hot_user_ratio / max(hot_baseline, hot_floor)``;
+    - baselines: EWMAs with weight ``max(1 - exp(-dt / baseline_tau_s), 1 / n)`` (the running mean
+      over the first samples, then a time-constant average), updated only outside bursts, so a
+      burst never becomes its own baseline;
+    - phase ``warmup`` until ``warmup_s`` of baseline exist; ``normal`` -> ``burst`` when both ratios
+      reach their enter thresholds; ``burst`` -> ``normal`` (hand back) when both ratios are at or
+      below the exit thresholds on every interval for ``exit_confirm_s``, and ``min_hold_s`` has
+      passed since entry; or after ``max_burst_s`` (a lasting shift, not a burst: the baselines
+      are set to the current values);
+    - in a burst the cap is ``max(0, entry_emb_share - kv_shift)`` with ``entry_emb_share`` the
+      split in force at entry; the allocator uses ``min(proposal, cap)``.
+
+    ``update`` returns the event of this step (``"entered"``, ``"ended"``, ``"expired"``) or None.
+    """
+
+    def __init__(self, config: RecoveryConfig | None = None):
+        self.config = config or RecoveryConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        self.phase = "warmup"
+        self.rate_baseline: float | None = None
+        self.hot_baseline: float | None = None
+        self.rate_ratio = 1.0
+        self.hot_ratio = 1.0
+        self.burst_started_s: float | None = None
+        self.entry_emb_share: float | None = None
+        self.cap: float | None = None
+        self.num_bursts = 0
+        self.last_event: str | None = None
+        self._first_s: float | None = None
+        self._last_s: float | None = None
+        self._n = 0
+        self._below_since_s: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.phase == "burst"
+
+    def _baseline(self, rate: float, hot: float, now_s: float) -> None:
+        self._n += 1
+        dt = now_s - self._last_s if self._last_s is not None else 0.0
+        a = max(1.0 - math.exp(-dt / self.config.baseline_tau_s), 1.0 / self._n)
+        self.rate_baseline += a * (rate - self.rate_baseline)
+        self.hot_baseline += a * (hot - self.hot_baseline)
+
+    def update(self, rate_rps: float, hot_user_ratio: float, now_s: float, current_emb_share: float) -> str | None:
+        c = self.config
+        event = None
+        if self.rate_baseline is None:
+            self.rate_baseline, self.hot_baseline = rate_rps, hot_user_ratio
+            self._first_s = self._last_s = now_s
+            self._n = 1
+            return None
+        rb = self.rate_baseline if self.rate_baseline > c.rate_floor_rps else c.rate_floor_rps
+        hb = self.hot_baseline if self.hot_baseline > c.hot_floor else c.hot_floor
+        self.rate_ratio = rate_ratio = rate_rps / rb
+        self.hot_ratio = hot_ratio = hot_user_ratio / hb
+        if self.phase == "burst":
+            held = now_s - self.burst_started_s
+            below = rate_ratio <= c.exit_rate_ratio and hot_ratio <= c.exit_hot_ratio
+            if not below:
+                self._below_since_s = None
+            elif self._below_since_s is None:
+                self._below_since_s = now_s
+            if held >= c.max_burst_s:
+                self.phase, event = "normal", "expired"
+                self.rate_baseline, self.hot_baseline = rate_rps, hot_user_ratio
+                self._n = 1
+            elif below and held >= c.min_hold_s and now_s - self._below_since_s >= c.exit_confirm_s:
+                self.phase, event = "normal", "ended"
+        else:
+            if self.phase == "warmup" and now_s - self._first_s >= c.warmup_s:
+                self.phase = "normal"
+            if self.phase == "normal" and rate_ratio >= c.enter_rate_ratio and hot_ratio >= c.enter_hot_ratio:
+                self.phase, event = "burst", "entered"
+                self.burst_started_s = now_s
+                self.entry_emb_share = current_emb_share
+                self.cap = max(0.0, current_emb_share - c.kv_shift)
+                self._below_since_s = None
+                self.num_bursts += 1
+            else:
+                self._baseline(rate_rps, hot_user_ratio, now_s)
+        self._last_s = now_s
+        if event is not None:
+            self.last_event = event
+        return event
+
+    def state(self) -> RecoveryState:
+        return RecoveryState(phase=self.phase, rate_baseline_rps=self.rate_baseline, hot_baseline=self.hot_baseline,
+                             rate_ratio=self.rate_ratio, hot_ratio=self.hot_ratio,
+                             burst_started_s=self.burst_started_s if self.active else None,
+                             entry_emb_share=self.entry_emb_share if self.active else None,
+                             cap_emb_share=self.cap if self.active else None, num_bursts=self.num_bursts,
+                             last_event=self.last_event)
+
+
+# --------------------------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Override:
+    """An operator's emb_share; in force from ``set_at_s`` until ``expires_at_s`` (None: until cleared)."""
+
+    emb_share: float
+    set_at_s: float
+    expires_at_s: float | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AllocatorDecision:
+    """One control interval's decision, with everything needed to explain it.
+
+    ``emb_share`` is what the memory manager should apply; ``source`` the layer that set it
+    (one of `DECISION_SOURCES`); ``reason`` says why in words. ``proposed_emb_share`` is the value
+    before the guards, ``base_emb_share`` the policy's raw output (NaN when the base did not run),
+    ``residual`` the adapter's correction, ``features`` a copy of the policy input (zeros when the
+    stats were invalid and the allocator held the split).
+    """
+
+    seq: int
+    now_s: float
+    emb_share: float
+    source: str
+    reason: str
+    prev_emb_share: float
+    proposed_emb_share: float
+    base_emb_share: float
+    residual: float
+    recovery_active: bool
+    override_active: bool
+    policy_id: str | None
+    features: np.ndarray
+
+    def to_dict(self) -> dict:
+        """JSON-able (NaN base becomes None; features as name -> value)."""
+        d = {k: getattr(self, k) for k in self.__slots__ if k != "features"}
+        if math.isnan(d["base_emb_share"]):
+            d["base_emb_share"] = None
+        d["features"] = {n: float(v) for n, v in zip(FEATURE_NAMES, self.features)}
+        return d
+
+
+@dataclass(frozen=True)
+class PolicySwap:
+    previous_policy_id: str | None
+    policy_id: str
+    providers: list[str]
+    now_s: float | None
+
+
+class SmartAllocator:
+    """The node's EMB:KV split controller (see the module docstring for the layers).
+
+    Call order per control interval: ``observe(stats)`` (learn from the previous decision's
+    outcome), then ``decide(stats, now_s)``. ``load_policy`` swaps the base policy atomically: the
+    new one is fully checked before it replaces the old, and a refused one raises
+    `PolicyLoadError` while the old keeps running. ``set_override`` / ``clear_override`` are the
+    operator's controls; ``reset_residual`` zeroes the adapter. ``state()`` reports everything.
+    """
+
+    def __init__(self, config: AllocatorConfig | None = None, policy_dir: str | Path | None = None):
+        self.config = config or AllocatorConfig()
+        self.residual = ResidualAdapter(self.config.residual)
+        self.recovery = RecoveryController(self.config.recovery)
+        self._policy: OnnxPolicy | None = None
+        self._scratch = np.zeros(NUM_FEATURES, dtype=np.float32)  # feature buffer when no policy is loaded
+        self._share: float | None = None
+        self._prev_stats: WindowStats | None = None
+        self._last_now_s: float | None = None
+        self._seq = 0
+        self._override: Override | None = None
+        self._pending: AllocatorDecision | None = None
+        self._pending_learnable = False
+        self.last_decision: AllocatorDecision | None = None
+        self.last_load_error: str | None = None
+        self.num_decisions = {s: 0 for s in DECISION_SOURCES}
+        self._lock = threading.Lock()  # serialises load_policy with itself (decide reads one reference)
+        if policy_dir is not None:
+            self.load_policy(policy_dir)
+
+    # ---- policy
+    @property
+    def policy(self) -> OnnxPolicy | None:
+        return self._policy
+
+    def load_policy(self, artifact_dir: str | Path, now_s: float | None = None) -> PolicySwap:
+        """Load, check and swap in a new base policy; on refusal raise `PolicyLoadError` and keep
+        the previous policy running."""
+        c = self.config
+        with self._lock:
+            try:
+                new = OnnxPolicy(artifact_dir, device=c.device, intra_op_num_threads=c.intra_op_num_threads,
+                                 golden_tolerance=c.golden_tolerance)
+            except PolicyLoadError as e:
+                self.last_load_error = str(e)
+                raise
+            old = self._policy
+            self._policy = new
+            self.last_load_error = None
+            if old is not None and self.config.residual.reset_on_policy_swap:
+                self.residual.reset(f"base policy swapped: {old.policy_id} -> {new.policy_id}")
+                self._pending = None  # the last decision's correction belongs to the old policy
+        return PolicySwap(previous_policy_id=old.policy_id if old else None, policy_id=new.policy_id,
+                          providers=new.providers, now_s=now_s)
+
+    # ---- operator
+    def set_override(self, emb_share: float, *, now_s: float, expires_at_s: float | None = None,
+                     reason: str = "operator override") -> Override:
+        g = self.config.guard
+        if not (_num(emb_share) and g.min_emb_share <= emb_share <= g.max_emb_share):
+            raise ValueError(f"override emb_share must be within the guard bounds [{g.min_emb_share}, "
+                             f"{g.max_emb_share}], got {emb_share!r}")
+        if not _num(now_s):
+            raise ValueError(f"now_s must be a finite number, got {now_s!r}")
+        if expires_at_s is not None and not (_num(expires_at_s) and expires_at_s > now_s):
+            raise ValueError(f"expires_at_s must be a finite time after now_s={now_s}, got {expires_at_s!r}")
+        self._override = Override(float(emb_share), float(now_s), expires_at_s, str(reason))
+        return self._override
+
+    def clear_override(self) -> Override | None:
+        old, self._override = self._override, None
+        return old
+
+    @property
+    def override(self) -> Override | None:
+        return self._override
+
+    def reset_residual(self, reason: str = "operator reset") -> None:
+        self.residual.reset(reason)
+
+    # ---- the decision
+    def decide(self, stats: WindowStats, now_s: float) -> AllocatorDecision:
+        """One decision for the coming interval from ``stats`` of the interval that just ended."""
+        if self._last_now_s is not None and not now_s >= self._last_now_s:
+            raise ValueError(f"now_s went backwards or is not a number: {now_s!r} after {self._last_now_s!r}")
+        self._last_now_s = now_s
+        policy = self._policy
+        row = policy.input_row if policy is not None else self._scratch
+        base = math.nan
+        residual = 0.0
+        learnable = False
+        notes = None
+        try:
+            build_features(stats, self._prev_stats, out=row)
+            valid = True
+        except FeatureError as e:
+            valid = False
+            row[:] = 0.0
+            hold_reason = f"holding: {e}"
+        prev = self._share
+        if prev is None:
+            prev = stats.emb_share if valid else self.config.initial_emb_share
+        g = self.config.guard
+
+        # layers: base, residual, recovery
+        if valid:
+            self._prev_stats = stats
+            if policy is not None:
+                base = policy.run()
+                if 0.0 <= base <= 1.0:  # False for NaN
+                    residual = self.residual.predict(row)
+                    proposed = base + residual
+                    if residual != 0.0:
+                        source = "residual"
+                        reason = f"base policy {policy.policy_id} {base:.4f} + residual {residual:+.4f}"
+                    else:
+                        source = "base"
+                        reason = f"base policy {policy.policy_id} {base:.4f}"
+                    learnable = True
+                else:
+                    proposed, source = prev, "guard"
+                    reason = f"holding: base policy {policy.policy_id} output {base!r} is not an emb_share"
+            else:
+                proposed, source, reason = prev, "guard", "holding: no base policy loaded"
+            if self.config.recovery.enabled:
+                event = self.recovery.update(stats.arrival_rate_rps, stats.hot_user_ratio, now_s, prev)
+                rec = self.recovery
+                if rec.phase == "burst":
+                    learnable = False
+                    detail = (f"burst {'entered at' if event == 'entered' else 'since'} t={rec.burst_started_s:g}s "
+                              f"(rate x{rec.rate_ratio:.2f}, hot-user ratio x{rec.hot_ratio:.2f} of baseline)")
+                    if proposed > rec.cap:
+                        reason = f"{detail}: KV-ward cap {rec.cap:.4f} (entry {rec.entry_emb_share:.4f} - " \
+                                 f"{self.config.recovery.kv_shift:g}) under {source} proposal {proposed:.4f} " \
+                                 f"({reason})"
+                        proposed = rec.cap
+                    else:
+                        reason = f"{detail}: {source} proposal {proposed:.4f} already under the KV-ward cap " \
+                                 f"{rec.cap:.4f} ({reason})"
+                    source = "recovery"
+                elif event is not None:
+                    if event == "ended":
+                        why = "burst ended"
+                    else:
+                        why = f"burst lasted {self.config.recovery.max_burst_s:g}s (new regime; baselines reset)"
+                    note = f"{why} at t={now_s:g}s: control handed back to the base policy"
+                    notes = note if notes is None else f"{notes}; {note}"
+        else:
+            proposed, source, reason = prev, "guard", hold_reason
+
+        # override
+        ov = self._override
+        override_active = False
+        if ov is not None:
+            if ov.expires_at_s is not None and now_s >= ov.expires_at_s:
+                self._override = None
+                note = f"override {ov.emb_share:.4f} expired at t={ov.expires_at_s:g}s"
+                notes = note if notes is None else f"{notes}; {note}"
+            else:
+                override_active = True
+                learnable = False
+                until = "until cleared" if ov.expires_at_s is None else f"until t={ov.expires_at_s:g}s"
+                reason = f"operator override {ov.emb_share:.4f} ({ov.reason}) {until}; layers proposed " \
+                         f"{proposed:.4f} via {source} ({reason})"
+                proposed, source = ov.emb_share, "override"
+
+        # guards: step limit (not for overrides), then bounds
+        share = proposed
+        if not override_active:
+            if share > prev + g.max_step_up:
+                share = prev + g.max_step_up
+                reason = f"step limited to +{g.max_step_up:g} from {prev:.4f}; {source}: {reason}"
+                source = "guard"
+            elif share < prev - g.max_step_down:
+                share = prev - g.max_step_down
+                reason = f"step limited to -{g.max_step_down:g} from {prev:.4f}; {source}: {reason}"
+                source = "guard"
+        if share > g.max_emb_share:
+            share = g.max_emb_share
+            reason = f"clamped to max_emb_share {g.max_emb_share:g}; {source}: {reason}"
+            source = "guard"
+        elif share < g.min_emb_share:
+            share = g.min_emb_share
+            reason = f"clamped to min_emb_share {g.min_emb_share:g}; {source}: {reason}"
+            source = "guard"
+        if notes is not None:
+            reason = f"{reason} [{notes}]"
+
+        self._seq += 1
+        d = AllocatorDecision(self._seq, now_s, share, source, reason, prev, proposed, base, residual,
+                              self.recovery.phase == "burst", override_active,
+                              policy.policy_id if policy is not None else None, row.copy())
+        self._share = share
+        self._pending = d
+        self._pending_learnable = learnable and self.residual.config.enabled
+        self.num_decisions[source] += 1
+        self.last_decision = d
+        return d
+
+    def observe(self, outcome: WindowStats) -> ResidualUpdate:
+        """Train the residual adapter on the outcome (the stats of the interval that ran under the
+        last decision). Each decision is learnt from at most once; intervals run under an
+        override, a burst, or a hold (invalid stats, no/failed base) are skipped, as are empty
+        intervals (no requests: no latency evidence)."""
+        d, self._pending = self._pending, None
+        ra = self.residual
+        if not ra.config.enabled:
+            return ra.skip("residual adapter disabled")
+        if d is None:
+            return ra.skip("no decision to pair the outcome with")
+        if not self._pending_learnable:
+            return ra.skip(f"decision {d.seq} ran under {d.source}, not base + residual: its outcome does not "
+                           "measure the correction")
+        problems = outcome.problems()
+        if problems:
+            return ra.skip("invalid outcome: " + "; ".join(problems))
+        if outcome.num_requests == 0:
+            return ra.skip("no requests in the interval: no latency evidence")
+        return ra.update(d.features, d.residual, outcome)
+
+    # ---- reporting
+    def state(self) -> dict:
+        ov = self._override
+        return {
+            "emb_share": self._share,
+            "policy": self._policy.describe() if self._policy is not None else None,
+            "last_load_error": self.last_load_error,
+            "override": None if ov is None else {"emb_share": ov.emb_share, "set_at_s": ov.set_at_s,
+                                                 "expires_at_s": ov.expires_at_s, "reason": ov.reason},
+            "residual": self.residual.state().to_dict(),
+            "recovery": self.recovery.state().to_dict(),
+            "num_decisions": dict(self.num_decisions),
+            "last_decision": self.last_decision.to_dict() if self.last_decision is not None else None,
+        }

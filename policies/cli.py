@@ -1,0 +1,79 @@
+"""The ``racer policy`` subcommands; racer/cli.py registers them with `add_policy_parser`.
+
+    racer policy export --checkpoint CKPT --out DIR [--num-golden 64] [--seed 0] [--tolerance 1e-5] [--force] [--json]
+    racer policy verify DIR [--json]
+
+Errors a user can fix (missing checkpoint, refused export, bad artifact) raise ValueError /
+FileNotFoundError / FileExistsError subclasses, which racer's ``main`` prints as one line with
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def cmd_policy_export(args) -> int:
+    from .export import export_checkpoint
+
+    try:
+        manifest = export_checkpoint(args.checkpoint, args.out, num_golden=args.num_golden, seed=args.seed,
+                                     tolerance=args.tolerance, overwrite=args.force)
+    except FileExistsError as e:  # racer's main prints ValueError / FileNotFoundError as usage errors
+        raise ValueError(str(e)) from None
+    summary = {"artifact": str(args.out), "policy_id": manifest["policy_id"],
+               "onnx_sha256": manifest["onnx_sha256"], "onnx_bytes": manifest["onnx_bytes"],
+               "feature_schema_version": manifest["feature_schema_version"], "num_golden": manifest["num_golden"],
+               "parity_max_abs_diff": manifest["parity"]["max_abs_diff"], "tolerance": manifest["parity"]["tolerance"]}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"exported policy {summary['policy_id']} to {args.out} "
+              f"(parity max |ort - torch| = {summary['parity_max_abs_diff']:.2e} <= {summary['tolerance']:g}, "
+              f"{summary['num_golden']} golden inputs, {summary['onnx_bytes']} bytes)")
+    return 0
+
+
+def cmd_policy_verify(args) -> int:
+    from .export import verify_artifact
+
+    manifest = verify_artifact(args.artifact)
+    summary = {"artifact": str(args.artifact), "policy_id": manifest["policy_id"], "accepted": True,
+               "feature_schema_version": manifest["feature_schema_version"]}
+    print(json.dumps(summary) if args.json else f"{args.artifact}: policy {manifest['policy_id']} accepted")
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def add_policy_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``policy`` (with ``export`` and ``verify``) to racer's top-level subparsers."""
+    pol = subparsers.add_parser("policy", help="export and verify SmartAllocator policy artifacts",
+                                description="SmartAllocator base policies: ONNX artifacts with parity checks.")
+    sub = pol.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", required=True)
+
+    e = sub.add_parser("export", help="export a trained actor checkpoint to an ONNX policy artifact",
+                       description="ONNX export + onnx.checker + ORT-vs-torch parity on golden inputs; the "
+                                   "artifact (policy.onnx, golden.npz, manifest.json) is written only if all pass.")
+    e.add_argument("--checkpoint", required=True, help="actor checkpoint (policies.actor.save_checkpoint)")
+    e.add_argument("--out", required=True, help="artifact directory to create")
+    e.add_argument("--num-golden", type=int, default=64, help="golden inputs stored with the artifact (default 64)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the golden inputs (default 0)")
+    e.add_argument("--tolerance", type=_positive_float, default=1e-5,
+                   help="max |onnxruntime - torch| on the golden inputs (default 1e-5)")
+    e.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_policy_export)
+
+    v = sub.add_parser("verify", help="re-check an artifact (manifest, sha256, checker, parity, probes)",
+                       description="Check a policy artifact from its files alone, as the node agent does on load.")
+    v.add_argument("artifact", help="artifact directory")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.set_defaults(func=cmd_policy_verify)
+    return pol

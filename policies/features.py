@@ -1,0 +1,266 @@
+"""The feature contract: one control interval on one node -> the policy's state vector.
+
+The same `build_features` runs in PPO training, in the simulator and in the node agent, so a
+policy trained offline sees exactly the numbers it will see in production. It is pure (no clock,
+no globals that change), cheap (a few microseconds: straight-line float arithmetic written into a
+caller-supplied float32 buffer) and validating: a `WindowStats` with a NaN, an infinity, a value
+of the wrong type or out of its range raises `FeatureError` naming every offending field. Nothing
+is silently replaced: a node agent that gets a `FeatureError` holds its current split (the
+allocator records that as a `guard` decision) instead of feeding garbage to the policy.
+
+Normalisation (the constants below are part of the schema; changing one, or the order or meaning of
+a feature, means a new `SCHEMA_VERSION`, and a policy trained on another version is refused):
+
+- rates, lengths and per-unit costs span orders of magnitude: ``log1p(x) / log1p(REF)``, clipped
+  to ``[0, LOG_FEATURE_MAX]``, so the reference value maps to 1;
+- ratios (hit rates, hot-user ratio, emb_share, load, the KV share of the miss cost) are already
+  in ``[0, 1]`` and pass through unchanged;
+- ``p99_over_slo`` is ``p99_ms / slo_ms`` clipped to ``[0, P99_OVER_SLO_MAX]`` (1 = at the SLO);
+- ``refill_fraction`` is ``refill_bytes / arena_bytes`` clipped to ``[0, 1]``;
+- the two burst indicators are differences against the previous interval (``prev``): the hot-user
+  ratio's difference in ``[-1, 1]`` and the log-rate feature's difference, in
+  ``[-LOG_FEATURE_MAX, LOG_FEATURE_MAX]`` since both terms are clipped; both are 0 when ``prev``
+  is None (first interval).
+
+The table in docs/allocator.md lists the features in order, generated from `FEATURE_SPECS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# normalisation references (part of the schema)
+RATE_REF_RPS = 100_000.0
+HISTORY_LEN_REF = 16_384.0
+EMB_LOOKUPS_REF = 16_384.0
+COST_REF_US = 100.0
+LOG_FEATURE_MAX = 2.0
+P99_OVER_SLO_MAX = 4.0
+
+_LOG_RATE_REF = math.log1p(RATE_REF_RPS)
+_LOG_HISTORY_REF = math.log1p(HISTORY_LEN_REF)
+_LOG_LOOKUPS_REF = math.log1p(EMB_LOOKUPS_REF)
+_LOG_COST_REF = math.log1p(COST_REF_US)
+
+
+class FeatureError(ValueError):
+    """A `WindowStats` that cannot be turned into features; ``problems`` lists every bad field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid WindowStats: " + "; ".join(self.problems))
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    """What one node measured over one control interval (a snapshot; the producer fills it).
+
+    - ``interval_s``: length of the interval (> 0);
+    - ``num_requests``: requests that arrived in it (>= 0);
+    - ``arrival_rate_rps``: arrivals per second (>= 0);
+    - ``hot_user_ratio``: share of the interval's requests sent by the top 1% of the users active
+      in it, ranked by their request count in the interval (at least one user), as
+      `workloads.RequestStream.window_stats` defines it; in [0, 1];
+    - ``history_len_p50`` / ``history_len_p99``: percentiles of the requests' history lengths in
+      tokens (p50 <= p99);
+    - ``emb_lookups_per_request``: mean embedding rows looked up per request (history items the KV
+      cache did not cover, new items, candidates);
+    - ``emb_hit_rate``: share of those row lookups served by the EMB hot cache, in [0, 1];
+    - ``kv_hit_rate``: share of history tokens whose K/V came from the KV cache (not recomputed),
+      in [0, 1];
+    - ``kv_recompute_us_per_token`` / ``emb_transfer_us_per_row``: the node's profiled miss costs
+      (>= 0);
+    - ``emb_share``: the split in effect during the interval, in [0, 1];
+    - ``load``: mean queue depth over the queue capacity, the router's ``l(n)``, in [0, 1];
+    - ``p99_ms``: P99 latency of the requests finished in the interval (0 when none finished);
+    - ``slo_ms``: the latency SLO (> 0);
+    - ``refill_bytes``: bytes the memory manager copied host -> device in the background to fill
+      newly granted EMB pages (>= 0); ``arena_bytes``: the HBM arena's size (> 0).
+    """
+
+    interval_s: float
+    num_requests: int
+    arrival_rate_rps: float
+    hot_user_ratio: float
+    history_len_p50: float
+    history_len_p99: float
+    emb_lookups_per_request: float
+    emb_hit_rate: float
+    kv_hit_rate: float
+    kv_recompute_us_per_token: float
+    emb_transfer_us_per_row: float
+    emb_share: float
+    load: float
+    p99_ms: float
+    slo_ms: float
+    refill_bytes: float
+    arena_bytes: float
+
+    def problems(self) -> list[str]:
+        """Every violated constraint, as readable lines (empty when the snapshot is valid)."""
+        out: list[str] = []
+        bad_type: set[str] = set()
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                out.append(f"{f.name} must be a number, got {v!r}")
+                bad_type.add(f.name)
+            elif not math.isfinite(v):
+                out.append(f"{f.name} must be finite, got {v!r}")
+                bad_type.add(f.name)
+
+        def check(name: str, ok, rule: str) -> None:
+            if name not in bad_type and not ok(getattr(self, name)):
+                out.append(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        for name in ("interval_s", "slo_ms", "arena_bytes"):
+            check(name, lambda v: v > 0, "> 0")
+        for name in ("num_requests", "arrival_rate_rps", "history_len_p50", "history_len_p99",
+                     "emb_lookups_per_request", "kv_recompute_us_per_token", "emb_transfer_us_per_row",
+                     "p99_ms", "refill_bytes"):
+            check(name, lambda v: v >= 0, ">= 0")
+        for name in ("hot_user_ratio", "emb_hit_rate", "kv_hit_rate", "emb_share", "load"):
+            check(name, lambda v: 0 <= v <= 1, "in [0, 1]")
+        if "num_requests" not in bad_type and float(self.num_requests) != int(self.num_requests):
+            out.append(f"num_requests must be a whole number, got {self.num_requests!r}")
+        if not ({"history_len_p50", "history_len_p99"} & bad_type) and self.history_len_p50 > self.history_len_p99:
+            out.append(f"history_len_p50 must be <= history_len_p99, got {self.history_len_p50!r} > "
+                       f"{self.history_len_p99!r}")
+        return out
+
+    def validate(self) -> None:
+        """Raise `FeatureError` listing every problem; return None when valid."""
+        p = self.problems()
+        if p:
+            raise FeatureError(p)
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    name: str
+    normalisation: str
+    low: float
+    high: float
+
+
+FEATURE_SPECS: tuple[FeatureSpec, ...] = (
+    FeatureSpec("arrival_rate_log", "log1p(arrival_rate_rps) / log1p(1e5), clipped", 0.0, LOG_FEATURE_MAX),
+    FeatureSpec("hot_user_ratio", "hot_user_ratio", 0.0, 1.0),
+    FeatureSpec("history_len_p50_log", "log1p(history_len_p50) / log1p(16384), clipped", 0.0, LOG_FEATURE_MAX),
+    FeatureSpec("history_len_p99_log", "log1p(history_len_p99) / log1p(16384), clipped", 0.0, LOG_FEATURE_MAX),
+    FeatureSpec("emb_lookups_log", "log1p(emb_lookups_per_request) / log1p(16384), clipped", 0.0, LOG_FEATURE_MAX),
+    FeatureSpec("emb_hit_rate", "emb_hit_rate", 0.0, 1.0),
+    FeatureSpec("kv_hit_rate", "kv_hit_rate", 0.0, 1.0),
+    FeatureSpec("kv_recompute_cost_log", "log1p(kv_recompute_us_per_token) / log1p(100), clipped", 0.0,
+                LOG_FEATURE_MAX),
+    FeatureSpec("emb_transfer_cost_log", "log1p(emb_transfer_us_per_row) / log1p(100), clipped", 0.0, LOG_FEATURE_MAX),
+    FeatureSpec("kv_miss_cost_share", "kv_miss_us / (kv_miss_us + emb_miss_us), 0.5 when both are 0 "
+                "(see miss_costs_us)", 0.0, 1.0),
+    FeatureSpec("emb_share", "emb_share (in effect during the interval)", 0.0, 1.0),
+    FeatureSpec("load", "load", 0.0, 1.0),
+    FeatureSpec("p99_over_slo", "p99_ms / slo_ms, clipped to [0, 4]", 0.0, P99_OVER_SLO_MAX),
+    FeatureSpec("refill_fraction", "refill_bytes / arena_bytes, clipped to [0, 1]", 0.0, 1.0),
+    FeatureSpec("hot_user_ratio_delta", "hot_user_ratio - prev.hot_user_ratio (0 without prev)", -1.0, 1.0),
+    FeatureSpec("arrival_rate_log_delta", "arrival_rate_log - prev's arrival_rate_log (both in [0, 2]; 0 without prev)",
+                -LOG_FEATURE_MAX, LOG_FEATURE_MAX),
+)
+FEATURE_NAMES: tuple[str, ...] = tuple(s.name for s in FEATURE_SPECS)
+NUM_FEATURES = len(FEATURE_NAMES)
+FEATURE_LOW = np.array([s.low for s in FEATURE_SPECS], dtype=np.float32)
+FEATURE_HIGH = np.array([s.high for s in FEATURE_SPECS], dtype=np.float32)
+
+
+def miss_costs_us(stats: WindowStats) -> tuple[float, float]:
+    """Expected miss time per request, ``(kv_miss_us, emb_miss_us)``, from the observed hit rates:
+
+    ``kv_miss_us  = (1 - kv_hit_rate)  * history_len_p50          * kv_recompute_us_per_token``
+    ``emb_miss_us = (1 - emb_hit_rate) * emb_lookups_per_request  * emb_transfer_us_per_row``
+    """
+    kv = (1.0 - stats.kv_hit_rate) * stats.history_len_p50 * stats.kv_recompute_us_per_token
+    emb = (1.0 - stats.emb_hit_rate) * stats.emb_lookups_per_request * stats.emb_transfer_us_per_row
+    return kv, emb
+
+
+def _check(s: WindowStats) -> None:
+    """Fast validation: one sum for finiteness (NaN and inf propagate) and chained range tests;
+    on any failure the slow `WindowStats.problems` names the fields (an overflowing sum of finite
+    values finds no problem and passes)."""
+    try:
+        total = (s.interval_s + s.num_requests + s.arrival_rate_rps + s.hot_user_ratio + s.history_len_p50
+                 + s.history_len_p99 + s.emb_lookups_per_request + s.emb_hit_rate + s.kv_hit_rate
+                 + s.kv_recompute_us_per_token + s.emb_transfer_us_per_row + s.emb_share + s.load + s.p99_ms
+                 + s.slo_ms + s.refill_bytes + s.arena_bytes)
+        ok = (math.isfinite(total) and s.interval_s > 0 and s.slo_ms > 0 and s.arena_bytes > 0
+              and s.num_requests >= 0 and s.arrival_rate_rps >= 0 and 0 <= s.history_len_p50 <= s.history_len_p99
+              and s.emb_lookups_per_request >= 0 and s.kv_recompute_us_per_token >= 0
+              and s.emb_transfer_us_per_row >= 0 and s.p99_ms >= 0 and s.refill_bytes >= 0
+              and 0 <= s.hot_user_ratio <= 1 and 0 <= s.emb_hit_rate <= 1 and 0 <= s.kv_hit_rate <= 1
+              and 0 <= s.emb_share <= 1 and 0 <= s.load <= 1 and s.num_requests == int(s.num_requests))
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        problems = s.problems()
+        if problems:
+            raise FeatureError(problems)
+
+
+def _log_norm(x: float, log_ref: float) -> float:
+    v = math.log1p(x) / log_ref
+    return v if v < LOG_FEATURE_MAX else LOG_FEATURE_MAX
+
+
+def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """The state vector of ``stats`` (float32, ``NUM_FEATURES`` long, in `FEATURE_NAMES` order).
+
+    ``prev`` is the previous interval's snapshot (for the two burst-indicator deltas; None on the
+    first interval). ``out``, when given, is a float32 vector of length ``NUM_FEATURES`` written in
+    place and returned (the node agent passes its ONNX input buffer, so nothing is allocated).
+    Raises `FeatureError` for an invalid ``stats`` or ``prev``.
+    """
+    _check(stats)
+    rate_log = _log_norm(stats.arrival_rate_rps, _LOG_RATE_REF)
+    if prev is None:
+        d_hot = 0.0
+        d_rate = 0.0
+    else:
+        try:
+            prev_ok = 0 <= prev.hot_user_ratio <= 1 and 0 <= prev.arrival_rate_rps < math.inf
+        except TypeError:
+            prev_ok = False
+        if not prev_ok:  # the two fields read from prev; problems() names them
+            raise FeatureError([f"prev.{p}" for p in prev.problems()])
+        d_hot = stats.hot_user_ratio - prev.hot_user_ratio
+        d_rate = rate_log - _log_norm(prev.arrival_rate_rps, _LOG_RATE_REF)
+    kv_miss = (1.0 - stats.kv_hit_rate) * stats.history_len_p50 * stats.kv_recompute_us_per_token
+    emb_miss = (1.0 - stats.emb_hit_rate) * stats.emb_lookups_per_request * stats.emb_transfer_us_per_row
+    miss_total = kv_miss + emb_miss
+    kv_share = kv_miss / miss_total if miss_total > 0 else 0.5
+    p99_over_slo = stats.p99_ms / stats.slo_ms
+    refill = stats.refill_bytes / stats.arena_bytes
+    values = (
+        rate_log,
+        stats.hot_user_ratio,
+        _log_norm(stats.history_len_p50, _LOG_HISTORY_REF),
+        _log_norm(stats.history_len_p99, _LOG_HISTORY_REF),
+        _log_norm(stats.emb_lookups_per_request, _LOG_LOOKUPS_REF),
+        stats.emb_hit_rate,
+        stats.kv_hit_rate,
+        _log_norm(stats.kv_recompute_us_per_token, _LOG_COST_REF),
+        _log_norm(stats.emb_transfer_us_per_row, _LOG_COST_REF),
+        kv_share,
+        stats.emb_share,
+        stats.load,
+        p99_over_slo if p99_over_slo < P99_OVER_SLO_MAX else P99_OVER_SLO_MAX,
+        refill if refill < 1.0 else 1.0,
+        d_hot,
+        d_rate,  # both operands lie in [0, LOG_FEATURE_MAX], so the difference is within range
+    )
+    if out is None:
+        return np.array(values, dtype=np.float32)
+    out[:] = values
+    return out
