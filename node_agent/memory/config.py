@@ -1,0 +1,201 @@
+"""The memory subsystem's one typed config: arena geometry, EMB cache, KV layout, boundary steps
+and refill throttling. Every range is validated in ``__post_init__``.
+
+Page size is set by the KV layout: one page holds ``page_tokens`` tokens of K and V for every
+layer, ``num_layers * 2 * page_tokens * num_heads * head_dim`` elements of ``kv.dtype``. The EMB
+slab cuts the same pages into ``rows_per_page = page_bytes // row_bytes`` embedding rows, and the
+page size must be a whole number of rows so that the slab is one contiguous ``[rows, emb_dim]``
+view over pages ``[0, emb_pages)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config dtype name (``float32``, ``float16``, ``bfloat16``)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def dtype_bytes(name: str) -> int:
+    return torch.empty((), dtype=torch_dtype(name)).element_size()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but torch.cuda.is_available() is False")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+    return dev
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one KV page: ``[num_layers, 2 (K, V), page_tokens, num_heads, head_dim]``."""
+
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    page_tokens: int = 16
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_dim", "page_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+        torch_dtype(self.dtype)
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.page_tokens, self.num_heads, self.head_dim)
+
+    @property
+    def page_elems(self) -> int:
+        return math.prod(self.page_shape)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elems * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class RefillConfig:
+    """Background refill of newly granted EMB rows, throttled by a token bucket.
+
+    ``limit_bytes_per_s`` is a hard limit over every window of ``window_s`` seconds: a bucket of
+    capacity ``chunk_bytes`` filling at ``limit - chunk_bytes / window_s`` can never send more
+    than ``chunk_bytes + rate * window_s = limit * window_s`` bytes in any such window.
+    """
+
+    enabled: bool = True
+    limit_bytes_per_s: float = 64 * 2**20
+    window_s: float = 0.1
+    chunk_bytes: int = 256 * 2**10
+
+    def __post_init__(self) -> None:
+        if self.limit_bytes_per_s <= 0:
+            raise ValueError(f"limit_bytes_per_s must be > 0, got {self.limit_bytes_per_s}")
+        if self.window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        if self.chunk_bytes > 0.5 * self.limit_bytes_per_s * self.window_s:
+            raise ValueError(
+                "chunk_bytes must be at most half of limit_bytes_per_s * window_s "
+                f"({0.5 * self.limit_bytes_per_s * self.window_s:.0f}), got {self.chunk_bytes}"
+            )
+
+    @property
+    def bucket_rate_bytes_per_s(self) -> float:
+        """The bucket's fill rate, below the limit by the one chunk a window may start with."""
+        return self.limit_bytes_per_s - self.chunk_bytes / self.window_s
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """One node's arena, EMB hot cache, KV pool and Memory Manager.
+
+    - ``num_pages``: pages in the arena; ``initial_emb_share`` of them start in the EMB slab.
+    - ``num_items`` / ``emb_dim`` / ``emb_dtype``: the item embedding table (kept whole in host
+      memory; the slab caches its hot rows).
+    - ``kv``: the KV page layout (sets the page size).
+    - ``max_step_pages``: most pages one boundary step moves (bounds a step's work).
+    - ``min_emb_pages`` / ``min_kv_pages``: floors that every plan respects.
+    - ``popularity_half_life_ids``: requested ids after which the refill's popularity counts
+      (misses per uncached item) halve.
+    - ``payload``: False runs the same metadata logic with no arena tensor and no host table
+      (the simulator's mode); hits, evictions and boundary moves are identical.
+    - ``device``: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``.
+    """
+
+    num_pages: int = 1024
+    num_items: int = 100_000
+    emb_dim: int = 64
+    emb_dtype: str = "float32"
+    kv: KVLayout = field(default_factory=KVLayout)
+    initial_emb_share: float = 0.5
+    max_step_pages: int = 1024
+    min_emb_pages: int = 0
+    min_kv_pages: int = 0
+    popularity_half_life_ids: float = 1e6
+    refill: RefillConfig = field(default_factory=RefillConfig)
+    payload: bool = True
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.num_items < 1:
+            raise ValueError(f"num_items must be >= 1, got {self.num_items}")
+        if self.emb_dim < 1:
+            raise ValueError(f"emb_dim must be >= 1, got {self.emb_dim}")
+        torch_dtype(self.emb_dtype)
+        if not 0.0 <= self.initial_emb_share <= 1.0:
+            raise ValueError(f"initial_emb_share must be in [0, 1], got {self.initial_emb_share}")
+        if self.max_step_pages < 1:
+            raise ValueError(f"max_step_pages must be >= 1, got {self.max_step_pages}")
+        if self.min_emb_pages < 0 or self.min_kv_pages < 0:
+            raise ValueError("min_emb_pages and min_kv_pages must be >= 0")
+        if self.min_emb_pages + self.min_kv_pages > self.num_pages:
+            raise ValueError(
+                f"min_emb_pages + min_kv_pages ({self.min_emb_pages + self.min_kv_pages}) "
+                f"exceeds num_pages ({self.num_pages})"
+            )
+        if self.popularity_half_life_ids <= 0:
+            raise ValueError("popularity_half_life_ids must be > 0")
+        if self.row_bytes > self.page_bytes:
+            raise ValueError(
+                f"an embedding row ({self.row_bytes} B) does not fit in a page "
+                f"({self.page_bytes} B)"
+            )
+        if self.page_bytes % self.row_bytes:
+            raise ValueError(
+                f"page_bytes ({self.page_bytes}) must be a multiple of the embedding row size "
+                f"({self.row_bytes} B = emb_dim {self.emb_dim} x {self.emb_dtype})"
+            )
+        if self.device != "auto":
+            try:
+                dev = torch.device(self.device)  # availability is checked when the arena is built
+            except RuntimeError as e:
+                raise ValueError(f"device: {e}") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv.page_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.emb_dim * dtype_bytes(self.emb_dtype)
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_bytes // self.row_bytes
+
+    @property
+    def max_rows(self) -> int:
+        """Rows the slab would have with every page in it."""
+        return self.num_pages * self.rows_per_page
+
+    def pages_for_share(self, emb_share: float) -> int:
+        """EMB pages for a share, rounded to the nearest page and clamped to the floors."""
+        pages = int(round(emb_share * self.num_pages))
+        return max(self.min_emb_pages, min(self.num_pages - self.min_kv_pages, pages))
