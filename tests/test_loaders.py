@@ -161,7 +161,16 @@ def test_shard_map_is_deterministic_and_spread():
     with pytest.raises(ValueError):
         shard_map(10, 0)
     t = synthetic_trace(num_users=5, num_items=50, seed=1)
-    assert np.array_equal(t.with_num_shards(8).item_shard, shard_map(50, 8))
+    assert np.array_equal(t.with_num_shards(8).item_shard, shard_map(50, 8, t.item_category))
+
+
+def test_shard_map_groups_items_of_a_category():
+    cats = np.array([3, 3, -1, 7, 3, -1, 7], dtype=np.int32)
+    m = shard_map(7, 16, cats)
+    assert m[0] == m[1] == m[4] and m[3] == m[6]
+    assert m[2] == shard_map(7, 16)[2] and m[5] == shard_map(7, 16)[5]  # unknown: by item id
+    with pytest.raises(ValueError, match="categories has 2 entries for 7 items"):
+        shard_map(7, 16, cats[:2])
 
 
 @pytest.mark.skipif(not TAOBAO_SAMPLE.exists(), reason="../shared/data not present")

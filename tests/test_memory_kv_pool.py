@@ -239,3 +239,34 @@ def test_random_sequences_keep_invariants(seed, payload):
     if payload:
         for u, kv in shadow.items():
             assert torch.equal(p.read(u), kv)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bulk_page_allocation_matches_one_page_at_a_time(seed):
+    """`append` of many pages (one scan) takes the same pages, in the same order, as popping
+    the highest free page again and again; churn leaves free pages both in and above the run."""
+    rng = random.Random(seed)
+    bulk = make_pool(num_pages=64, emb_pages=4, payload=False)
+    single = make_pool(num_pages=64, emb_pages=4, payload=False)
+    for _ in range(300):
+        user, tokens = rng.randrange(12), rng.randint(1, 160)  # up to 80 pages of 2 tokens: some never fit
+        a = bulk.append(user, tokens)
+        entry = single._users.get(user)
+        have = 0 if entry is None else len(entry.block_table)
+        need = -(-((0 if entry is None else entry.num_tokens) + tokens) // single.page_tokens)
+        if need > single.num_kv_pages:
+            assert a is None and single.append(user, tokens) is None
+            continue
+        # the reference: free LRU users as append would, then pop page by page
+        extra = need - have
+        while extra > single.num_free:
+            single._evict_lru(protect=user)
+        expected = [single._pop_free() for _ in range(extra)]
+        assert list(a.new_pages) == expected
+        # bring the reference to the same state through the public path
+        for p in expected:
+            single.page_owner[p] = FREE
+            single._push_free([p])
+        single.append(user, tokens)
+        assert bulk.page_owner.tolist() == single.page_owner.tolist()
+        assert bulk.check_invariants() == [] and single.check_invariants() == []

@@ -14,21 +14,31 @@ import numpy as np
 
 UNKNOWN_CATEGORY = -1
 
-# Knuth's multiplicative hash constant (2^32 / golden ratio): spreads dense ids over shards so a
-# shard is not a popularity band (dense ids follow first appearance, which correlates with time).
+# Knuth's multiplicative hash constant (2^32 / golden ratio): spreads keys over shards so a shard
+# is not a popularity band (dense ids follow first appearance, which correlates with time).
 _SHARD_HASH = np.uint64(2654435761)
 
 
-def shard_map(num_items: int, num_shards: int) -> np.ndarray:
-    """Item -> embedding shard: ``(item * 2654435761 mod 2^32) mod num_shards`` as int32.
+def shard_map(num_items: int, num_shards: int, categories: np.ndarray | None = None) -> np.ndarray:
+    """Item -> embedding shard (int32), deterministic given its inputs.
 
-    Deterministic and independent of the trace's content, so every node, the router and the
-    simulator agree on it given only ``num_items`` and ``num_shards``.
+    Items of a known category go to the category's shard, ``(category * 2654435761 mod 2^32) mod
+    num_shards``, so a shard groups related items (as production tables shard by feature or
+    category, cf. AutoShard) and a node serving users with a taste for some categories keeps
+    their shards hot. Items with no category (``UNKNOWN_CATEGORY``, or no ``categories`` at all)
+    hash by their own id the same way.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    ids = np.arange(num_items, dtype=np.uint64)
-    hashed = (ids * _SHARD_HASH) & np.uint64(0xFFFFFFFF)
+    keys = np.arange(num_items, dtype=np.uint64)
+    if categories is not None:
+        cats = np.asarray(categories)
+        if len(cats) != num_items:
+            raise ValueError(f"categories has {len(cats)} entries for {num_items} items")
+        known = cats != UNKNOWN_CATEGORY
+        # categories and item ids must not collide: offset category keys past every item id
+        keys = np.where(known, cats.astype(np.int64).clip(min=0).astype(np.uint64) + np.uint64(num_items), keys)
+    hashed = (keys * _SHARD_HASH) & np.uint64(0xFFFFFFFF)
     return (hashed % np.uint64(num_shards)).astype(np.int32)
 
 
@@ -63,7 +73,7 @@ class Trace:
             raise ValueError("timestamps_s and items differ in length")
         if len(self.item_category) != len(self.item_keys):
             raise ValueError("item_category must have one entry per item")
-        object.__setattr__(self, "item_shard", shard_map(len(self.item_keys), self.num_shards))
+        object.__setattr__(self, "item_shard", shard_map(len(self.item_keys), self.num_shards, self.item_category))
 
     @property
     def num_users(self) -> int:

@@ -133,6 +133,26 @@ class KVPool:
             return self.run_end
         raise RuntimeError("kv pool: no free page while num_free > 0")
 
+    def _pop_free_many(self, k: int) -> list[int]:
+        """The ``k`` highest free pages, highest first: the same pages, in the same order, as
+        ``k`` calls of `_pop_free` (for more than a few pages, one scan of the pages above the
+        run instead of ``k`` heap pops, after which the heap is rebuilt without stale entries)."""
+        if k <= 4:
+            return [self._pop_free() for _ in range(k)]
+        hi = np.flatnonzero(self.page_owner[self.run_end:] == FREE) + self.run_end
+        take = min(k, len(hi))
+        out = hi[len(hi) - take:][::-1].tolist()
+        # the heap becomes exactly the free pages above the run that were not taken: negated
+        # and in descending page order it is sorted, hence already a heap
+        self._heap = (-hi[: len(hi) - take][::-1]).tolist()
+        rest = k - len(out)
+        if rest:
+            if self.run_end - rest < self.kv_start:
+                raise RuntimeError("kv pool: no free page while num_free > 0")
+            out.extend(range(self.run_end - 1, self.run_end - rest - 1, -1))
+            self.run_end -= rest
+        return out
+
     def _push_free(self, pages: list[int]) -> None:
         for p in pages:
             heapq.heappush(self._heap, -p)
@@ -228,7 +248,7 @@ class KVPool:
             self._residency.move_to_end(user_id)
         else:
             self._users.move_to_end(user_id)
-        new_pages = [self._pop_free() for _ in range(extra)]
+        new_pages = self._pop_free_many(extra)
         if new_pages:
             self.page_owner[new_pages] = user_id
             entry.block_table.extend(new_pages)

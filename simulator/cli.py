@@ -1,0 +1,99 @@
+"""``racer bench paper-table``: the paper's table from the cluster simulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("want at least one number")
+    return vals
+
+
+def _names(text: str) -> tuple[str, ...]:
+    vals = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not vals:
+        raise argparse.ArgumentTypeError("want at least one name")
+    return vals
+
+
+def cmd_paper_table(args) -> int:
+    from dataclasses import replace
+
+    from workloads.regimes import REGIMES
+
+    from .table import ROUTERS, TableConfig, format_rows, run_table
+
+    bad = [r for r in args.regimes if r not in REGIMES]
+    if bad:
+        raise ValueError(f"unknown regime(s) {', '.join(bad)}; choose from {', '.join(REGIMES)}")
+    bad = [r for r in (args.routers or ()) if r not in ROUTERS]
+    if bad:
+        raise ValueError(f"unknown router(s) {', '.join(bad)}; choose from {', '.join(ROUTERS)}")
+    base = TableConfig.quick() if args.quick else TableConfig()
+    kw = {"trace": args.trace, "path": args.path, "regimes": args.regimes, "num_nodes": args.nodes,
+          "seed": args.seed, "jobs": args.jobs}
+    for name in ("rate", "duration", "users", "history_scale", "cache_fraction", "slo_ms"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[{"rate": "rate_rps", "duration": "duration_s", "users": "num_users"}.get(name, name)] = v
+    if args.shares:
+        kw["shares"] = args.shares
+    if args.routers:
+        kw["routers"] = args.routers
+    if args.allocators:
+        kw["extra_allocators"] = args.allocators
+    if args.nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    cfg = replace(base, **kw)
+    result = run_table(cfg, args.out, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_rows(result["rows"]))
+        print(json.dumps(result["findings"], indent=1))
+        print(f"wrote {args.out}/paper_table_{cfg.trace}.json and plots in {result['wall_s']} s")
+    return 0
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench`` (with ``paper-table``) to racer's top-level subparsers."""
+    from workloads.loaders import LOADERS
+
+    b = subparsers.add_parser("bench", help="simulator experiments (the paper's table)",
+                              description="Cluster-simulator experiments.")
+    sub = b.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
+    p = sub.add_parser("paper-table", help="every (allocator, router) pair on each regime of a trace",
+                       description="Run the paper's table in the cluster simulator: static splits (a sweep), "
+                                   "best static, hit-rate heuristic and the per-window oracle, with every router, "
+                                   "on the steady / trend / burst streams of one trace.")
+    p.add_argument("--trace", required=True, choices=sorted(LOADERS), help="trace format")
+    p.add_argument("--path", default=None, help="trace file (default: the sample under ../shared/data)")
+    p.add_argument("--nodes", type=int, default=32, help="cluster size (default 32)")
+    p.add_argument("--regimes", type=_names, default=("steady", "trend", "burst"),
+                   help="comma-separated regimes (default steady,trend,burst)")
+    p.add_argument("--out", required=True, help="directory for the JSON and the plots")
+    p.add_argument("--quick", action="store_true", help="a small, coarse table (smoke run, about a minute)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--rate", type=float, default=None, help="base request rate of the cluster, req/s")
+    p.add_argument("--duration", type=float, default=None, help="simulated seconds per run")
+    p.add_argument("--users", type=int, default=None, help="number of users")
+    p.add_argument("--history-scale", type=float, default=None, help="stretch trace histories")
+    p.add_argument("--cache-fraction", type=float, default=None,
+                   help="cache bytes per node as a fraction of the embedding table")
+    p.add_argument("--slo-ms", type=float, default=None, help="latency SLO (default 30)")
+    p.add_argument("--shares", type=_floats, default=None, help="static split grid, e.g. 0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--routers", type=_names, default=None, help="routers to run (default: all six)")
+    p.add_argument("--allocators", type=_names, default=None,
+                   help="extra allocators run with the racer router (e.g. racer,ppo,ppo+residual,ppo+recovery)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: one per core)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_paper_table)
+    return b

@@ -1,0 +1,480 @@
+"""Discrete-event simulation of an N-node GR serving cluster on a virtual clock.
+
+Every simulated node runs the node agent's own `node_agent.memory.MemoryManager` (EMB LRU slab,
+paged KV pool, bounded boundary moves, throttled refill) in metadata-only mode, so hit rates,
+evictions and boundary moves are exactly what the real structures do; the router is the real
+`control_plane.router`; allocators decide through the same `policies.features.WindowStats`
+the node agent builds. Only time is modelled (`simulator.cost`).
+
+The clock advances in slices of ``batch_window_ms``. A node serves the requests the router sent it
+during a slice as one micro-batch (a GPU batching window): the batch starts when the slice ends
+or when the node's previous batch finishes, whichever is later, and all its requests finish
+together. A batch larger than the profile's ``max_batch`` is split into consecutive batches.
+Inside a batch, requests touch the KV pool in arrival order (lookup, then append of the tokens
+prefilled), and the batch's embedding ids (recomputed history items, new items, candidates) go
+to the EMB cache as one lookup. Completions are reported to the router when the virtual clock
+passes them (its load term); every ``report_interval_s`` each node reports its evicted users and
+hot shards; every ``control_interval_s`` the allocator sets each node's target ``emb_share``
+and the Memory Manager moves the boundary one bounded step per slice, refilling in the
+background within its byte budget.
+
+Candidates: each request ranks ``num_candidates`` items drawn from the trace's item popularity
+(a retrieval stage's output), from a seeded pool shared by all runs with the same seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from control_plane.router import NodeReport, RequestBatch, make_router
+from control_plane.weights import CostProfile as RouterProfile
+from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
+from policies.features import WindowStats
+from workloads.regimes import RequestStream
+
+from .allocators import Allocator
+from .cost import batch_time_us, request_compute_us
+from .profiles import A100_HSTU, CostProfile
+
+_CAND_POOL = 1 << 20
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cluster settings; `validate` checks ranges.
+
+    - ``cache_bytes``: HBM per node for the two caches; ``None`` sizes it as ``cache_fraction``
+      of the trace's embedding table (num_items x the profile's row bytes), see profiles.py;
+    - ``batch_window_ms``: the slice, and so the micro-batching window;
+    - ``refill_limit_fraction``: the background refill's byte budget as a fraction of the link;
+    - ``max_step_fraction``: the most of the arena one boundary step (one slice) moves;
+    - ``hot_shard_min_mass``: a shard is hot on a node when the node's slab holds at least this
+      share of the shard's popularity mass (what the node reports to the router).
+    """
+
+    num_nodes: int = 32
+    profile: CostProfile = A100_HSTU
+    cache_bytes: int | None = None
+    cache_fraction: float = 0.25
+    batch_window_ms: float = 10.0
+    control_interval_s: float = 1.0
+    report_interval_s: float = 0.25
+    slo_ms: float = 30.0
+    initial_emb_share: float = 0.5
+    refill_limit_fraction: float = 0.1
+    max_step_fraction: float = 0.05
+    hot_shard_min_mass: float = 0.5
+    queue_capacity: int = 64
+    seed: int = 0
+
+    def validate(self) -> "SimConfig":
+        p = []
+        if self.num_nodes < 1:
+            p.append(f"num_nodes must be >= 1, got {self.num_nodes}")
+        if self.cache_bytes is not None and self.cache_bytes <= 0:
+            p.append(f"cache_bytes must be > 0, got {self.cache_bytes}")
+        for k in ("cache_fraction", "batch_window_ms", "control_interval_s", "report_interval_s", "slo_ms",
+                  "refill_limit_fraction", "max_step_fraction"):
+            v = getattr(self, k)
+            if not (math.isfinite(v) and v > 0):
+                p.append(f"{k} must be a positive number, got {v!r}")
+        for k in ("initial_emb_share", "hot_shard_min_mass"):
+            if not 0 <= getattr(self, k) <= 1:
+                p.append(f"{k} must be in [0, 1], got {getattr(self, k)!r}")
+        if self.control_interval_s * 1000 < self.batch_window_ms:
+            p.append("control_interval_s must be at least one batch window")
+        if p:
+            raise ValueError("invalid simulator config: " + "; ".join(p))
+        self.profile.validate()
+        return self
+
+
+@dataclass
+class SimResult:
+    """What one run produced. Arrays are per request (arrival order) or per window x node."""
+
+    allocator: str
+    router: str
+    latency_s: np.ndarray  # per request: finish - arrival
+    node: np.ndarray  # per request: the node that served it
+    window_p99_ms: np.ndarray  # per control window, over the requests that arrived in it
+    window_slo: np.ndarray  # per window: share within the SLO
+    shares: np.ndarray  # [windows, nodes]: emb_share in effect at the end of each window
+    targets: np.ndarray  # [windows, nodes]: the allocator's target for the window
+    emb_lookups: int
+    emb_hits: int
+    kv_history_tokens: int
+    kv_hit_tokens: int
+    refill_bytes: int
+    boundary_bytes_copied: int
+    duration_s: float
+    slo_ms: float
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        lat_ms = self.latency_s * 1e3
+        n = len(lat_ms)
+        done = int(np.sum(self.latency_s_finish() <= self.duration_s)) if n else 0
+        return {
+            "allocator": self.allocator,
+            "router": self.router,
+            "num_requests": n,
+            "p50_ms": round(float(np.percentile(lat_ms, 50)), 3) if n else None,
+            "p99_ms": round(float(np.percentile(lat_ms, 99)), 3) if n else None,
+            "slo_attainment": round(float(np.mean(lat_ms <= self.slo_ms)), 5) if n else None,
+            "throughput_rps": round(done / self.duration_s, 2),
+            "emb_hit_rate": round(self.emb_hits / self.emb_lookups, 5) if self.emb_lookups else None,
+            "kv_hit_rate": round(self.kv_hit_tokens / self.kv_history_tokens, 5) if self.kv_history_tokens else None,
+            "mean_share": round(float(self.shares.mean()), 4),
+            "refill_bytes": int(self.refill_bytes),
+            "boundary_bytes_copied": int(self.boundary_bytes_copied),
+            "wall_s": round(self.wall_s, 2),
+        }
+
+    def latency_s_finish(self) -> np.ndarray:
+        return self.extra["arrival_s"] + self.latency_s
+
+
+class _Window:
+    """Per-node accumulators of one control interval."""
+
+    __slots__ = ("n", "users", "hist", "emb_lookups", "emb_hits", "kv_tokens", "kv_hit_tokens", "busy_us",
+                 "lat", "refill_bytes")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.users: list[np.ndarray] = []
+        self.hist: list[np.ndarray] = []
+        self.lat: list[np.ndarray] = []
+        self.emb_lookups = self.emb_hits = self.kv_tokens = self.kv_hit_tokens = 0
+        self.busy_us = 0.0
+        self.refill_bytes = 0
+
+
+class _Node:
+    __slots__ = ("index", "id", "mm", "busy_until", "win", "seq")
+
+    def __init__(self, index: int, mm: MemoryManager) -> None:
+        self.index = index
+        self.id = f"node-{index:03d}"
+        self.mm = mm
+        self.busy_until = 0.0
+        self.win = _Window()
+        self.seq = 0
+
+
+def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
+    """The metadata-only `MemoryConfig` of one simulated node (page = profile's KV page)."""
+    prof = cfg.profile
+    if prof.kv_bytes_per_token % 8 or prof.emb_row_bytes % 4 or prof.page_bytes % prof.emb_row_bytes:
+        raise ValueError("profile sizes must give whole float32 K/V and rows, and pages of whole rows")
+    kv = KVLayout(num_layers=1, num_heads=1, head_dim=prof.kv_bytes_per_token // 8, page_tokens=prof.page_tokens,
+                  dtype="float32")
+    cache_bytes = cfg.cache_bytes or int(cfg.cache_fraction * trace_num_items * prof.emb_row_bytes)
+    num_pages = max(2, cache_bytes // prof.page_bytes)
+    limit = cfg.refill_limit_fraction * prof.link_bytes_per_s
+    window = 0.1
+    chunk = int(min(0.5 * limit * window, limit * cfg.batch_window_ms / 1e3))
+    chunk = max(prof.emb_row_bytes, chunk - chunk % prof.emb_row_bytes)
+    if chunk > 0.5 * limit * window:
+        limit = 2 * chunk / window
+    return MemoryConfig(
+        num_pages=int(num_pages), num_items=trace_num_items, emb_dim=prof.emb_row_bytes // 4, emb_dtype="float32",
+        kv=kv, initial_emb_share=cfg.initial_emb_share,
+        max_step_pages=max(1, int(cfg.max_step_fraction * num_pages)),
+        refill=RefillConfig(limit_bytes_per_s=limit, window_s=window, chunk_bytes=chunk),
+        payload=False, device="cpu",
+    )
+
+
+def router_profile(stream: RequestStream, cfg: SimConfig) -> RouterProfile:
+    """The router's view of a simulated node's costs (its weights come from these)."""
+    prof = cfg.profile
+    L = float(np.mean(stream.history_len)) if len(stream) else 0.0
+    nc = float(np.mean(stream.num_candidates)) if len(stream) else 0.0
+    service = (prof.request_overhead_us + nc * (prof.cand_us + prof.attn_us_per_ctx * L)) / prof.batch_speedup
+    return RouterProfile(kv_recompute_us_per_token=prof.token_us + prof.attn_us_per_ctx * L / 2,
+                         emb_transfer_us_per_row=prof.emb_transfer_us_per_row,
+                         service_time_us=service, queue_capacity=cfg.queue_capacity)
+
+
+def candidate_pool(trace, seed: int) -> np.ndarray:
+    pop = trace.item_popularity().astype(np.float64)
+    rng = np.random.default_rng([seed, 7])
+    cdf = np.cumsum(pop)
+    return np.searchsorted(cdf, rng.random(_CAND_POOL) * cdf[-1], side="right").clip(0, trace.num_items - 1)
+
+
+def _gather(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenate ranges ``[starts[i], starts[i] + lens[i])`` (int64)."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    ends = np.cumsum(lens)
+    return np.repeat(starts - (ends - lens), lens) + np.arange(total)
+
+
+def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router: str = "racer", *,
+             progress: bool = False, desc: str | None = None, record: list | None = None) -> SimResult:
+    """Run ``stream`` through a cluster of ``cfg.num_nodes`` nodes; see the module docstring.
+
+    ``record``: when a list is given, every operation on a node's memory is appended in order:
+    ``("batch", node, start_s, request indices, cached tokens per request, embedding ids, EMB
+    hits)``, ``("target", node, share, now_s, applied_at_once)`` and ``("step", node, now_s)``, so
+    tests can replay them on payload-carrying structures."""
+    import time as _time
+
+    cfg = cfg.validate()
+    wall0 = _time.perf_counter()
+    trace = stream.trace
+    prof = cfg.profile
+    mcfg = memory_config(trace.num_items, cfg)
+    nodes = [_Node(i, MemoryManager(mcfg)) for i in range(cfg.num_nodes)]
+    rp = router_profile(stream, cfg)
+    rt = make_router(router, [n.id for n in nodes], rp, num_shards=trace.num_shards, seed=cfg.seed,
+                     node_timeout_s=float("inf"))
+    allocator.reset(cfg.num_nodes, cfg.initial_emb_share)
+
+    n_req = len(stream)
+    arrival = stream.arrival_s
+    users_all = stream.user
+    hist_all = stream.history_len.astype(np.int64)
+    nnew_all = stream.num_new_items.astype(np.int64)
+    ncand_all = stream.num_candidates.astype(np.int64)
+    new_req, new_items = stream.all_new_items()
+    new_off = np.zeros(n_req + 1, dtype=np.int64)
+    np.cumsum(nnew_all, out=new_off[1:])
+    cand_off = np.zeros(n_req + 1, dtype=np.int64)
+    np.cumsum(ncand_all, out=cand_off[1:])
+    pool = candidate_pool(trace, cfg.seed)
+    item_shard = trace.item_shard.astype(np.int64)
+    pop = trace.item_popularity().astype(np.float64)
+    shard_mass = np.bincount(item_shard, weights=pop, minlength=trace.num_shards)
+    offs, titems = trace.offsets, trace.items
+    base_user, rotation = stream.base_user, stream.rotation
+
+    slice_s = cfg.batch_window_ms / 1e3
+    duration = stream.config.duration_s
+    num_slices = int(math.ceil(duration / slice_s))
+    bounds = np.searchsorted(arrival, np.arange(num_slices + 1) * slice_s)
+    bounds[-1] = n_req
+    slices_per_window = max(1, int(round(cfg.control_interval_s / slice_s)))
+    slices_per_report = max(1, int(round(cfg.report_interval_s / slice_s)))
+    num_windows = int(math.ceil(num_slices / slices_per_window))
+
+    latency = np.zeros(n_req)
+    node_of = np.full(n_req, -1, dtype=np.int32)
+    shares = np.zeros((num_windows, cfg.num_nodes))
+    targets = np.zeros((num_windows, cfg.num_nodes))
+    completions: list[tuple[float, int, int]] = []  # (finish_s, node, count)
+    totals = {"emb_lookups": 0, "emb_hits": 0, "kv_tokens": 0, "kv_hit_tokens": 0, "refill": 0}
+    target_now = [cfg.initial_emb_share] * cfg.num_nodes
+    prev_stats: list[WindowStats | None] = [None] * cfg.num_nodes
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_req, desc=desc or f"{allocator.name}/{router}", unit="req", leave=False,
+                   mininterval=0.5)
+
+    def serve(node: _Node, idx: np.ndarray, start_s: float) -> float:
+        """Serve one micro-batch ``idx`` (arrival order) starting at ``start_s``; return its end."""
+        mm = node.mm
+        kv = mm.kv
+        us = users_all[idx].tolist()
+        L = hist_all[idx]
+        nn = nnew_all[idx]
+        cached_l = []
+        Ll = L.tolist()
+        nnl = nn.tolist()
+        lookup, append = kv.lookup, kv.append
+        for j, u in enumerate(us):
+            c = lookup(u)
+            lj = Ll[j]
+            if c > lj:  # the history was capped since: the cached K/V no longer match
+                kv.evict(u)
+                c = 0
+            cached_l.append(c)
+            t = lj + nnl[j] - c
+            if t > 0:
+                append(u, t)
+        cached = np.array(cached_l, dtype=np.int64)
+        # the history items whose K/V must be recomputed (positions [cached, L) of each sequence)
+        miss = cached < L
+        hist_ids = []
+        if miss.any():
+            mu = users_all[idx[miss]]
+            mc, mL = cached[miss], L[miss]
+            b = base_user[mu]
+            start, blen = offs[b], offs[b + 1] - offs[b]
+            cnt = mL - mc
+            pos = _gather(mc, cnt)
+            seq = np.repeat(np.arange(len(cnt)), cnt)
+            hist_ids = [titems[start[seq] + (pos + rotation[mu][seq]) % blen[seq]]]
+        new_ids = new_items[_gather(new_off[idx], nn)]
+        nc = ncand_all[idx]
+        cand_ids = pool[_gather(cand_off[idx], nc) % _CAND_POOL]
+        ids = np.concatenate(hist_ids + [new_ids, cand_ids])
+        lk = mm.emb.lookup(torch.from_numpy(ids))
+        if record is not None:
+            record.append(("batch", node.index, start_s, idx.copy(), cached.copy(), ids.copy(), lk.num_hits))
+        comp = request_compute_us(prof, cached, L, nn, nc)
+        dur_us = batch_time_us(prof, comp, lk.num_unique_misses, lk.num_hits)
+        end = start_s + dur_us / 1e6
+        latency[idx] = end - arrival[idx]
+        node.busy_until = end
+        w = node.win
+        w.n += len(idx)
+        w.users.append(users_all[idx])
+        w.hist.append(L)
+        w.lat.append(latency[idx])
+        w.emb_lookups += len(ids)
+        w.emb_hits += lk.num_hits
+        w.kv_tokens += int(L.sum())
+        w.kv_hit_tokens += int(cached.sum())
+        totals["kv_tokens"] += int(L.sum())
+        totals["kv_hit_tokens"] += int(cached.sum())
+        w.busy_us += dur_us
+        heapq.heappush(completions, (end, node.index, len(idx)))
+        return end
+
+    def window_stats(node: _Node) -> WindowStats:
+        w = node.win
+        iv = cfg.control_interval_s
+        if w.n:
+            users = np.concatenate(w.users)
+            counts = np.unique(users, return_counts=True)[1]
+            k = max(1, int(math.ceil(0.01 * len(counts))))
+            hot = float(np.sort(counts)[-k:].sum()) / w.n
+            hist = np.concatenate(w.hist)
+            lat = np.concatenate(w.lat)
+            h50, h99 = float(np.percentile(hist, 50)), float(np.percentile(hist, 99))
+            p99 = float(np.percentile(lat, 99)) * 1e3
+        else:
+            hot = h50 = h99 = p99 = 0.0
+        return WindowStats(
+            interval_s=iv, num_requests=w.n, arrival_rate_rps=w.n / iv, hot_user_ratio=hot,
+            history_len_p50=h50, history_len_p99=max(h50, h99),
+            emb_lookups_per_request=w.emb_lookups / w.n if w.n else 0.0,
+            emb_hit_rate=w.emb_hits / w.emb_lookups if w.emb_lookups else 0.0,
+            kv_hit_rate=w.kv_hit_tokens / w.kv_tokens if w.kv_tokens else 0.0,
+            kv_recompute_us_per_token=rp.kv_recompute_us_per_token,
+            emb_transfer_us_per_row=prof.emb_transfer_us_per_row,
+            emb_share=node.mm.emb_share, load=min(1.0, w.busy_us / 1e6 / iv), p99_ms=p99, slo_ms=cfg.slo_ms,
+            refill_bytes=float(w.refill_bytes), arena_bytes=float(mcfg.num_pages * mcfg.page_bytes),
+        )
+
+    def report(node: _Node, now_s: float) -> None:
+        delta = node.mm.kv.drain_residency()
+        resident = node.mm.emb.resident_items().cpu().numpy()
+        mass = np.bincount(item_shard[resident], weights=pop[resident], minlength=trace.num_shards)
+        hot = np.flatnonzero(mass >= cfg.hot_shard_min_mass * np.maximum(shard_mass, 1e-12))
+        node.seq += 1
+        rt.report(NodeReport(node.id, at_s=now_s, seq=node.seq, hot_shards=hot,
+                             evicted_users=np.asarray(delta.evicted, dtype=np.int64)))
+
+    for k in range(num_slices):
+        t0 = k * slice_s
+        t1 = t0 + slice_s
+        while completions and completions[0][0] <= t0:
+            _, ni, cnt = heapq.heappop(completions)
+            rt.complete(ni, cnt)
+        if k % slices_per_window == 0:
+            wi = k // slices_per_window
+            if wi > 0:
+                for node in nodes:
+                    shares[wi - 1, node.index] = node.mm.emb_share
+            for node in nodes:
+                if wi > 0:
+                    st = window_stats(node)
+                    target = float(allocator.decide(node.index, st, t0))
+                    prev_stats[node.index] = st
+                    if not 0.0 <= target <= 1.0 or not math.isfinite(target):
+                        raise ValueError(f"allocator {allocator.name} returned emb_share {target!r}")
+                    if abs(target - target_now[node.index]) > 1e-12:
+                        node.mm.set_target(target, t0)
+                        target_now[node.index] = target
+                        if record is not None:
+                            record.append(("target", node.index, target, t0, False))
+                    node.win = _Window()
+                elif allocator.initial_share() is not None:  # a fixed split is configured at start-up
+                    target = float(allocator.initial_share())
+                    node.mm.set_target(target, t0)
+                    node.mm.apply_plan(t0)
+                    target_now[node.index] = target
+                    if record is not None:
+                        record.append(("target", node.index, target, t0, True))
+                targets[wi, node.index] = target_now[node.index]
+        if k % slices_per_report == 0 and k > 0:
+            for node in nodes:
+                report(node, t0)
+        for node in nodes:
+            ms = node.mm.step(t0)
+            if record is not None:
+                record.append(("step", node.index, t0))
+            if ms.refill_bytes:
+                node.win.refill_bytes += ms.refill_bytes
+                totals["refill"] += ms.refill_bytes
+        a, b = int(bounds[k]), int(bounds[k + 1])
+        if a == b:
+            continue
+        idx = np.arange(a, b)
+        L = hist_all[a:b]
+        nn = nnew_all[a:b]
+        # the router sees each request's looked-up items: new items and candidates
+        sh_off = np.zeros(b - a + 1, dtype=np.int64)
+        np.cumsum(nn + ncand_all[a:b], out=sh_off[1:])
+        items = np.empty(int(sh_off[-1]), dtype=np.int64)
+        pos_new = _gather(sh_off[:-1], nn)
+        items[pos_new] = new_items[new_off[a]:new_off[b]]
+        mask = np.ones(len(items), dtype=bool)
+        mask[pos_new] = False
+        items[mask] = pool[np.arange(cand_off[a], cand_off[b]) % _CAND_POOL]
+        batch = RequestBatch(users_all[a:b], L, nn, sh_off, item_shard[items])
+        routed = rt.route_batch(batch, t0).node_index
+        node_of[a:b] = routed
+        order = np.argsort(routed, kind="stable")
+        sorted_nodes = routed[order]
+        cuts = np.flatnonzero(np.diff(sorted_nodes)) + 1
+        for grp in np.split(order, cuts):
+            node = nodes[int(routed[grp[0]])]
+            gidx = idx[grp]
+            start = max(t1, node.busy_until)
+            for c0 in range(0, len(gidx), prof.max_batch):
+                start = serve(node, gidx[c0:c0 + prof.max_batch], start)
+        if bar is not None:
+            bar.update(b - a)
+    wi_last = (num_slices - 1) // slices_per_window
+    for node in nodes:
+        shares[wi_last, node.index] = node.mm.emb_share
+        totals["emb_lookups"] += node.mm.emb.stats.num_requested_ids
+        totals["emb_hits"] += node.mm.emb.stats.num_hits
+    if bar is not None:
+        bar.close()
+
+    win_idx = np.minimum((arrival / cfg.control_interval_s).astype(np.int64), num_windows - 1)
+    wp99 = np.zeros(num_windows)
+    wslo = np.zeros(num_windows)
+    lat_ms = latency * 1e3
+    wb = np.searchsorted(win_idx, np.arange(num_windows + 1))
+    for w in range(num_windows):
+        seg = lat_ms[wb[w]:wb[w + 1]]
+        if len(seg):
+            wp99[w] = np.percentile(seg, 99)
+            wslo[w] = np.mean(seg <= cfg.slo_ms)
+    return SimResult(
+        allocator=allocator.name, router=router, latency_s=latency, node=node_of, window_p99_ms=wp99,
+        window_slo=wslo, shares=shares, targets=targets, emb_lookups=totals["emb_lookups"],
+        emb_hits=totals["emb_hits"], kv_history_tokens=totals["kv_tokens"], kv_hit_tokens=totals["kv_hit_tokens"],
+        refill_bytes=totals["refill"], boundary_bytes_copied=sum(n.mm.boundary_bytes_copied for n in nodes),
+        duration_s=duration, slo_ms=cfg.slo_ms, wall_s=_time.perf_counter() - wall0,
+        extra={"arrival_s": arrival, "num_pages": mcfg.num_pages, "rows_per_page": mcfg.rows_per_page,
+               "page_tokens": mcfg.kv.page_tokens},
+    )

@@ -1,0 +1,47 @@
+"""The simulator's cost model: how long a node takes to serve a micro-batch.
+
+For a request with history length ``L``, ``c`` history tokens whose K/V the node holds, ``n``
+new items and ``N`` candidates (``a = token_us``, ``b = attn_us_per_ctx``):
+
+- prefill of the ``T = L + n - c`` tokens at positions ``c .. L+n-1``:
+  ``sum_p (a + b p) = a T + b T (c + L + n - 1) / 2`` (a KV miss has ``c = 0``: the whole
+  history is recomputed);
+- ranking: ``N (cand_us + b (L + n))`` (each candidate attends to the whole sequence);
+- compute of the request ``= prefill + ranking``.
+
+A micro-batch of requests ``i`` whose embedding lookup (one call for the batch) had ``M`` distinct
+misses and ``H`` hits takes
+
+    batch_overhead_us + R request_overhead_us + M emb_transfer_us_per_row + H emb_hit_us_per_row
+      + max(max_i compute_i, sum_i compute_i / batch_speedup)
+
+Transfers are serial on the host link; compute overlaps up to ``batch_speedup`` requests'
+worth (a GPU batching small prefills) but a batch never runs faster than its largest request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .profiles import CostProfile
+
+
+def request_compute_us(prof: CostProfile, cached: np.ndarray, history_len: np.ndarray, num_new: np.ndarray,
+                       num_candidates: np.ndarray) -> np.ndarray:
+    """Compute time (µs) of each request; arguments are equal-length integer arrays."""
+    c = cached.astype(np.float64)
+    L = history_len.astype(np.float64)
+    n = num_new.astype(np.float64)
+    t = L + n - c
+    prefill = prof.token_us * t + prof.attn_us_per_ctx * t * (c + L + n - 1) / 2
+    rank = num_candidates * (prof.cand_us + prof.attn_us_per_ctx * (L + n))
+    return prefill + rank
+
+
+def batch_time_us(prof: CostProfile, compute_us: np.ndarray, num_unique_misses: int, num_hits: int) -> float:
+    """Duration (µs) of a micro-batch; see the module docstring."""
+    if len(compute_us) == 0:
+        return 0.0
+    comp = max(float(compute_us.max()), float(compute_us.sum()) / prof.batch_speedup)
+    return (prof.batch_overhead_us + len(compute_us) * prof.request_overhead_us
+            + num_unique_misses * prof.emb_transfer_us_per_row + num_hits * prof.emb_hit_us_per_row + comp)

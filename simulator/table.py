@@ -1,0 +1,344 @@
+"""The paper's table: every (allocator, router) pair on each regime of a trace, with the same streams.
+
+For each regime of one trace:
+
+1. generate the request stream once (same seed for every run);
+2. **sweep** static splits (``static:<share>`` on the grid) with the RACER router;
+3. **best static** = the sweep's lowest P99 (the best split in hindsight for this run);
+4. **oracle** = per control window, the sweep share with the lowest P99 of that window's
+   requests (the offline-optimal ``emb_share`` per window, found on the window's replay); it is
+   then run as a schedule, so its row is measured, not assembled;
+5. **heuristic** (hit-rate heuristic), and any extra allocators (the SmartAllocator layers);
+6. every other router with ``best_static`` and ``oracle``.
+
+Each row carries P50/P99 (ms), SLO attainment, throughput, EMB and KV hit rates, the mean
+``emb_share`` and the mean |emb_share - oracle| over nodes and windows. Runs are independent, so
+they go to a process pool (``jobs``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from .allocators import HeuristicAllocator, ScheduleAllocator, StaticAllocator
+from .cluster import SimConfig, SimResult, simulate
+
+ROUTERS = ("racer", "kv_aware", "emb_aware", "least_load", "round_robin", "user_affinity")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """What one table run covers; `quick` gives a smaller, coarser version for smoke runs."""
+
+    trace: str = "taobao"
+    path: str | None = None
+    regimes: tuple[str, ...] = ("steady", "trend", "burst")
+    num_nodes: int = 32
+    rate_rps: float = 16_000.0
+    duration_s: float = 30.0
+    num_users: int = 100_000
+    history_scale: float = 1.0
+    shares: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    routers: tuple[str, ...] = ROUTERS
+    extra_allocators: tuple[str, ...] = ()
+    cache_fraction: float = 0.5
+    slo_ms: float = 30.0
+    seed: int = 0
+    jobs: int = 0  # 0: one per core
+
+    @classmethod
+    def quick(cls, **kw) -> "TableConfig":
+        base = dict(rate_rps=4_000.0, duration_s=12.0, num_users=30_000, shares=(0.2, 0.5, 0.8))
+        base.update(kw)
+        return cls(**base)
+
+
+@dataclass
+class _Job:
+    key: tuple
+    regime: str
+    allocator: str  # "static:0.30", "heuristic", "oracle", or an extra allocator spec
+    router: str
+    schedule: list[float] | None = None
+
+
+_STREAMS: dict = {}
+
+
+def _stream(cfg: TableConfig, regime: str):
+    from workloads import generate, load_trace
+
+    key = (cfg.trace, cfg.path, regime)
+    if key not in _STREAMS:
+        trace = _STREAMS.get(("trace", cfg.trace, cfg.path))
+        if trace is None:
+            trace = load_trace(cfg.trace, cfg.path)
+            _STREAMS[("trace", cfg.trace, cfg.path)] = trace
+        _STREAMS[key] = generate(trace, regime=regime, rate_rps=cfg.rate_rps, duration_s=cfg.duration_s,
+                                 num_users=cfg.num_users, history_scale=cfg.history_scale, seed=cfg.seed)
+    return _STREAMS[key]
+
+
+def sim_config(cfg: TableConfig) -> SimConfig:
+    return SimConfig(num_nodes=cfg.num_nodes, cache_fraction=cfg.cache_fraction, slo_ms=cfg.slo_ms, seed=cfg.seed)
+
+
+def _make_allocator(spec: str, schedule, scfg: SimConfig):
+    if spec.startswith("static:"):
+        return StaticAllocator(float(spec.split(":", 1)[1]))
+    if spec == "heuristic":
+        return HeuristicAllocator()
+    if spec in ("oracle", "best_static"):
+        return ScheduleAllocator(schedule, scfg.control_interval_s, name=spec)
+    from .smart import make_smart_allocator  # the SmartAllocator layers (policies/)
+
+    return make_smart_allocator(spec)
+
+
+def _run(args) -> tuple[tuple, dict, dict]:
+    import torch
+
+    torch.set_num_threads(1)
+    cfg, job = args
+    stream = _stream(cfg, job.regime)
+    scfg = sim_config(cfg)
+    alloc = _make_allocator(job.allocator, job.schedule, scfg)
+    res = simulate(stream, scfg, alloc, job.router)
+    series = {"window_p99_ms": res.window_p99_ms.tolist(), "shares": res.shares.mean(axis=1).tolist(),
+              "share_matrix": res.shares.tolist(), "bursts": [list(b) for b in stream.bursts]}
+    return job.key, res.summary(), series
+
+
+def _pool(cfg: TableConfig):
+    jobs = cfg.jobs or (os.cpu_count() or 1)
+    return ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
+
+
+def _map(pool, cfg: TableConfig, jobs: list[_Job], bar):
+    out = {}
+    if pool is None:
+        for j in jobs:
+            k, s, ser = _run((cfg, j))
+            out[k] = (s, ser)
+            bar.update(1)
+        return out
+    for k, s, ser in pool.map(_run, [(cfg, j) for j in jobs]):
+        out[k] = (s, ser)
+        bar.update(1)
+    return out
+
+
+def oracle_schedule(sweep: dict[float, list[float]]) -> list[float]:
+    """Per window, the share whose window P99 is lowest (ties: the share nearest the previous)."""
+    shares = sorted(sweep)
+    p99 = np.array([sweep[s] for s in shares])  # [shares, windows]
+    out = []
+    prev = None
+    for w in range(p99.shape[1]):
+        col = p99[:, w]
+        best = np.flatnonzero(col <= col.min() + 1e-9)
+        if prev is not None and len(best) > 1:
+            pick = best[np.argmin([abs(shares[i] - prev) for i in best])]
+        else:
+            pick = best[len(best) // 2]
+        out.append(shares[int(pick)])
+        prev = out[-1]
+    return out
+
+
+def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: bool = True) -> dict:
+    """Run the table for one trace; return ``{"rows": [...], ...}`` and write it (and plots) to
+    ``out_dir`` when given."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    for r in cfg.routers:
+        if r not in ROUTERS:
+            raise ValueError(f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
+    if not cfg.shares or any(not 0 <= s <= 1 for s in cfg.shares):
+        raise ValueError("shares must be a non-empty list of values in [0, 1]")
+    _stream(cfg, cfg.regimes[0])  # fail fast on a bad trace or regime, before the pool starts
+    n_runs = len(cfg.regimes) * (len(cfg.shares) + 2 + len(cfg.extra_allocators)
+                                 + 2 * (len(cfg.routers) - (1 if "racer" in cfg.routers else 0)))
+    bar = tqdm(total=n_runs, desc=f"paper-table {cfg.trace}", unit="run", disable=not progress)
+    pool = _pool(cfg)
+    rows: list[dict] = []
+    series: dict = {}
+    try:
+        # 1. the sweeps, every regime at once
+        sweep_jobs = [_Job(("sweep", rg, s), rg, f"static:{s:.2f}", "racer") for rg in cfg.regimes for s in cfg.shares]
+        sweep = _map(pool, cfg, sweep_jobs, bar)
+        plans = {}
+        jobs: list[_Job] = []
+        for rg in cfg.regimes:
+            by_share = {s: sweep[("sweep", rg, s)] for s in cfg.shares}
+            best = min(cfg.shares, key=lambda s: (by_share[s][0]["p99_ms"], by_share[s][0]["p50_ms"]))
+            sched = oracle_schedule({s: by_share[s][1]["window_p99_ms"] for s in cfg.shares})
+            plans[rg] = (best, sched, by_share)
+            nw = len(sched)
+            jobs.append(_Job(("oracle", rg, "racer"), rg, "oracle", "racer", sched))
+            jobs.append(_Job(("heuristic", rg, "racer"), rg, "heuristic", "racer"))
+            for spec in cfg.extra_allocators:
+                jobs.append(_Job((spec, rg, "racer"), rg, spec, "racer"))
+            for rt in cfg.routers:
+                if rt == "racer":
+                    continue
+                jobs.append(_Job(("best_static", rg, rt), rg, "best_static", rt, [best] * nw))
+                jobs.append(_Job(("oracle", rg, rt), rg, "oracle", rt, sched))
+        done = _map(pool, cfg, jobs, bar)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        bar.close()
+
+    for rg in cfg.regimes:
+        best, sched, by_share = plans[rg]
+        oracle = np.array(sched)
+
+        def row(alloc: str, router: str, summary: dict, ser: dict) -> dict:
+            sm = np.array(ser["share_matrix"])  # [windows, nodes]
+            err = float(np.mean(np.abs(sm - oracle[: len(sm), None]))) if len(sm) else None
+            return {"trace": cfg.trace, "regime": rg, "allocator": alloc, "router": router,
+                    "p50_ms": summary["p50_ms"], "p99_ms": summary["p99_ms"],
+                    "slo_attainment": summary["slo_attainment"], "throughput_rps": summary["throughput_rps"],
+                    "emb_hit_rate": summary["emb_hit_rate"], "kv_hit_rate": summary["kv_hit_rate"],
+                    "mean_share": summary["mean_share"],
+                    "mean_abs_share_error": round(err, 4) if err is not None else None,
+                    "num_requests": summary["num_requests"]}
+
+        for s in cfg.shares:
+            summary, ser = by_share[s]
+            rows.append(row(f"static:{s:.2f}", "racer", summary, ser))
+            series[(rg, f"static:{s:.2f}", "racer")] = ser
+        summary, ser = by_share[best]
+        rows.append(row("best_static", "racer", summary, ser) | {"best_static_share": best})
+        series[(rg, "best_static", "racer")] = ser
+        for key in [("oracle", rg, "racer"), ("heuristic", rg, "racer")] + \
+                   [(spec, rg, "racer") for spec in cfg.extra_allocators] + \
+                   [(a, rg, rt) for rt in cfg.routers if rt != "racer" for a in ("best_static", "oracle")]:
+            summary, ser = done[key]
+            rows.append(row(key[0], key[2], summary, ser))
+            series[(rg, key[0], key[2])] = ser
+
+    result = {
+        "trace": cfg.trace,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "sim_config": _json_safe(asdict(sim_config(cfg))),
+        "rows": rows,
+        "oracle": {rg: {"schedule": plans[rg][1], "mean_share": round(float(np.mean(plans[rg][1])), 4),
+                        "best_static_share": plans[rg][0]} for rg in cfg.regimes},
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    result["findings"] = findings(result)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"paper_table_{cfg.trace}.json").write_text(json.dumps(result, indent=1))
+        result["plots"] = write_plots(result, series, out, cfg)
+    return result
+
+
+def _json_safe(d):
+    if isinstance(d, dict):
+        return {k: _json_safe(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [_json_safe(v) for v in d]
+    if isinstance(d, float) and not math.isfinite(d):
+        return str(d)
+    return d
+
+
+def findings(result: dict) -> dict:
+    """The figures the paper's claims are checked against, per regime."""
+    out = {}
+    rows = result["rows"]
+    means = [v["mean_share"] for v in result["oracle"].values()]
+    for rg in result["oracle"]:
+        def get(alloc, router="racer"):
+            return next((r for r in rows if r["regime"] == rg and r["allocator"] == alloc and r["router"] == router), None)
+
+        best, oracle = get("best_static"), get("oracle")
+        f = {"oracle_mean_share": result["oracle"][rg]["mean_share"],
+             "best_static_share": result["oracle"][rg]["best_static_share"]}
+        if best and oracle and oracle["p99_ms"]:
+            f["best_static_p99_over_oracle"] = round(best["p99_ms"] / oracle["p99_ms"] - 1, 4)
+        out[rg] = f
+    out["oracle_mean_share_spread"] = round(max(means) - min(means), 4) if means else None
+    return out
+
+
+def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict:
+    """P99 over time (bursts shaded) and emb_share over time per allocator, HTML + PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    interval = sim_config(cfg).control_interval_s
+    allocs = ["best_static", "oracle", "heuristic"] + list(cfg.extra_allocators)
+    fig, axes = plt.subplots(2, len(cfg.regimes), figsize=(5.5 * len(cfg.regimes), 7), squeeze=False)
+    for j, rg in enumerate(cfg.regimes):
+        for a in allocs:
+            ser = series.get((rg, a, "racer"))
+            if ser is None:
+                continue
+            t = (np.arange(len(ser["window_p99_ms"])) + 0.5) * interval
+            axes[0, j].plot(t, ser["window_p99_ms"], label=a)
+            axes[1, j].plot(t, ser["shares"], label=a)
+        for s, e in (series.get((rg, "oracle", "racer")) or {}).get("bursts", []):
+            for i in range(2):
+                axes[i, j].axvspan(s, e, color="crimson", alpha=0.15)
+        axes[0, j].axhline(cfg.slo_ms, color="grey", ls="--", lw=1)
+        axes[0, j].set_title(f"{cfg.trace} / {rg}")
+        axes[0, j].set_ylabel("P99 per window (ms)")
+        axes[1, j].set_ylabel("mean emb_share over nodes")
+        axes[1, j].set_xlabel("time (s)")
+        axes[1, j].set_ylim(0, 1)
+        for i in range(2):
+            axes[i, j].grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.tight_layout()
+    png = out / f"paper_table_{cfg.trace}.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    paths["png"] = str(png)
+
+    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go
+
+    pfig = make_subplots(rows=2, cols=len(cfg.regimes), subplot_titles=[f"{rg}: P99 per window" for rg in cfg.regimes]
+                         + [f"{rg}: emb_share" for rg in cfg.regimes])
+    for j, rg in enumerate(cfg.regimes, start=1):
+        for a in allocs:
+            ser = series.get((rg, a, "racer"))
+            if ser is None:
+                continue
+            t = ((np.arange(len(ser["window_p99_ms"])) + 0.5) * interval).tolist()
+            pfig.add_trace(go.Scatter(x=t, y=ser["window_p99_ms"], name=f"{rg} {a}", mode="lines"), row=1, col=j)
+            pfig.add_trace(go.Scatter(x=t, y=ser["shares"], name=f"{rg} {a} share", mode="lines"), row=2, col=j)
+        for s, e in (series.get((rg, "oracle", "racer")) or {}).get("bursts", []):
+            for i in (1, 2):
+                pfig.add_vrect(x0=s, x1=e, fillcolor="crimson", opacity=0.15, line_width=0, row=i, col=j)
+    pfig.update_layout(title=f"RACER simulator: {cfg.trace}", height=750, template="plotly_white")
+    html = out / f"paper_table_{cfg.trace}.html"
+    pfig.write_html(html, include_plotlyjs=True)
+    paths["html"] = str(html)
+    return paths
+
+
+def format_rows(rows: list[dict]) -> str:
+    cols = ("regime", "allocator", "router", "p50_ms", "p99_ms", "slo_attainment", "throughput_rps", "emb_hit_rate",
+            "kv_hit_rate", "mean_share", "mean_abs_share_error")
+    lines = [" ".join(f"{c:>14}" for c in cols)]
+    for r in rows:
+        lines.append(" ".join(f"{(r[c] if r[c] is not None else '-')!s:>14}" for c in cols))
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""The cluster simulator: hand-computed latencies, agreement with the real structures, determinism."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from node_agent.memory import MemoryManager
+from simulator import (CostProfile, HeuristicAllocator, ScheduleAllocator, SimConfig, StaticAllocator, simulate)
+from simulator.cluster import memory_config
+from simulator.cost import batch_time_us, request_compute_us
+from simulator.table import TableConfig, oracle_schedule, run_table
+from workloads import RegimeConfig, generate, synthetic_trace
+from workloads.regimes import RequestStream
+from workloads.trace import build_trace
+
+ROUND = CostProfile(
+    name="round", token_us=10.0, attn_us_per_ctx=0.0, cand_us=5.0, emb_transfer_us_per_row=2.0,
+    emb_hit_us_per_row=1.0, batch_overhead_us=100.0, request_overhead_us=10.0, batch_speedup=1.0, max_batch=64,
+    emb_row_bytes=16, kv_bytes_per_token=16, page_tokens=2, hbm_cache_bytes=2048, link_bytes_per_s=1e9,
+)
+
+
+def tiny_stream(rows):
+    """User 0's sequence is items 0,1,2,3; user 1's is 4,5,6. rows: (t, user, L, n_new, n_cand)."""
+    trace = build_trace("tiny", "tiny", ["a"] * 4 + ["b"] * 3, [str(i) for i in range(7)], list(range(7)))
+    t, u, L, n, c = (np.array(x) for x in zip(*rows))
+    prev = np.full(len(rows), -1)
+    for i in range(len(rows)):
+        earlier = [j for j in range(i) if u[j] == u[i]]
+        prev[i] = earlier[-1] if earlier else -1
+    return RequestStream(trace=trace, config=RegimeConfig(duration_s=0.05), arrival_s=t.astype(float),
+                         user=u.astype(np.int64), history_len=L.astype(np.int32), num_new_items=n.astype(np.int32),
+                         num_candidates=c.astype(np.int32), prev_request=prev, base_user=np.array([0, 1], np.int32),
+                         rotation=np.zeros(2, np.int32), hot_users=np.array([0]))
+
+
+def test_two_nodes_match_hand_computed_latencies():
+    s = tiny_stream([(0.001, 0, 2, 1, 0), (0.002, 1, 3, 0, 0), (0.015, 0, 3, 1, 0)])
+    cfg = SimConfig(num_nodes=2, profile=ROUND, cache_bytes=64 * 32, batch_window_ms=10.0, control_interval_s=0.02)
+    r = simulate(s, cfg, StaticAllocator(0.5), "round_robin")
+    assert r.node.tolist() == [0, 1, 0]
+    # r0 on node 0, batch at the slice end 10 ms: overhead 100 + request 10 + 3 misses x 2 + 3 tokens x 10 = 146 µs
+    # r1 on node 1 likewise (3 history tokens, 3 misses)
+    # r2 on node 0 at 20 ms: 3 tokens cached, 1 new token (10 µs), item 3 misses (2 µs): 100 + 10 + 2 + 10 = 122 µs
+    assert r.latency_s == pytest.approx([0.010146 - 0.001, 0.010146 - 0.002, 0.020122 - 0.015], abs=1e-12)
+    assert r.kv_hit_tokens == 3 and r.kv_history_tokens == 8
+    assert (r.emb_lookups, r.emb_hits) == (7, 0)
+
+
+def test_a_busy_node_queues_the_next_batch():
+    prof = dataclasses.replace(ROUND, token_us=5_000.0)  # a 3-token prefill takes 15 ms
+    s = tiny_stream([(0.001, 0, 2, 1, 0), (0.012, 0, 3, 1, 0)])
+    cfg = SimConfig(num_nodes=1, profile=prof, cache_bytes=64 * 32, batch_window_ms=10.0, control_interval_s=0.02)
+    r = simulate(s, cfg, StaticAllocator(0.5), "round_robin")
+    first_end = 0.010 + (100 + 10 + 6 + 15_000) / 1e6
+    second_end = first_end + (100 + 10 + 2 + 5_000) / 1e6  # starts when the node frees up, not at 20 ms
+    assert r.latency_s == pytest.approx([first_end - 0.001, second_end - 0.012], abs=1e-12)
+
+
+def test_cost_model_formulas():
+    p = dataclasses.replace(ROUND, attn_us_per_ctx=0.5, batch_speedup=2.0)
+    comp = request_compute_us(p, np.array([0, 4]), np.array([4, 4]), np.array([2, 2]), np.array([3, 0]))
+    # request 0: 6 tokens at positions 0..5: 6*10 + 0.5*(0+1+..+5) = 67.5; 3 candidates x (5 + 0.5*6) = 24
+    # request 1: 2 tokens at positions 4, 5: 20 + 0.5*9 = 24.5
+    assert comp.tolist() == [91.5, 24.5]
+    assert batch_time_us(p, comp, 3, 4) == 100 + 20 + 6 + 4 + max(91.5, 116 / 2)
+
+
+@pytest.fixture(scope="module")
+def small():
+    trace = synthetic_trace(num_users=300, num_items=4_000, mean_seq_len=30, seed=2)
+    stream = generate(trace, regime="burst", rate_rps=600, duration_s=6, num_users=2_000, seed=5, num_bursts=1,
+                      burst_duration_s=2.0)
+    cfg = SimConfig(num_nodes=4, cache_fraction=0.3, control_interval_s=1.0)
+    return trace, stream, cfg
+
+
+def test_sim_hits_equal_the_real_structures_fed_the_same_lookups(small):
+    trace, stream, cfg = small
+    record: list = []
+    res = simulate(stream, cfg, HeuristicAllocator(step=0.1), "racer", record=record)
+    batches = [r for r in record if r[0] == "batch"]
+    assert sum(r[-1] for r in batches) == res.emb_hits
+    # replay node 0's operations, boundary moves and refill included, on a payload-carrying
+    # manager (real rows in a real arena, a real host table)
+    mcfg = dataclasses.replace(memory_config(trace.num_items, cfg), payload=True)
+    table = torch.randn(trace.num_items, mcfg.emb_dim)
+    mm = MemoryManager(mcfg, table)
+    moves = n_batches = 0
+    for op in record:
+        if op[1] != 0:
+            continue
+        if op[0] == "target":
+            _, _, share, now_s, at_once = op
+            mm.set_target(share, now_s)
+            if at_once:
+                mm.apply_plan(now_s)
+            moves += 1
+        elif op[0] == "step":
+            mm.step(op[2])
+        else:
+            _, _, start_s, idx, cached, ids, hits = op
+            for j, i in enumerate(idx.tolist()):
+                u = int(stream.user[i])
+                c = mm.kv.lookup(u)
+                c = 0 if c > stream.history_len[i] else c
+                assert c == cached[j]
+                t = int(stream.history_len[i] + stream.num_new_items[i] - c)
+                if t > 0:
+                    mm.kv.append(u, t)
+            out = mm.emb.lookup(torch.from_numpy(ids))
+            assert out.num_hits == hits
+            assert torch.equal(out.rows, table[torch.from_numpy(ids)])
+            n_batches += 1
+    assert n_batches > 10 and moves >= 1
+    assert mm.emb_share == pytest.approx(res.shares[-1, 0])
+    assert mm.stats().emb.refill_bytes > 0
+    assert mm.check_invariants() == []
+
+
+def test_same_seed_same_result_other_seed_other_result(small):
+    trace, stream, cfg = small
+    a = simulate(stream, cfg, StaticAllocator(0.4), "racer")
+    b = simulate(stream, cfg, StaticAllocator(0.4), "racer")
+    assert np.array_equal(a.latency_s, b.latency_s) and np.array_equal(a.node, b.node)
+    other = generate(trace, dataclasses.replace(stream.config, seed=6))
+    c = simulate(other, cfg, StaticAllocator(0.4), "racer")
+    assert not np.array_equal(a.latency_s[:100], c.latency_s[:100])
+
+
+def test_allocators_and_boundary_moves(small):
+    trace, stream, cfg = small
+    sched = ScheduleAllocator([0.2, 0.8, 0.8, 0.2, 0.5, 0.5], cfg.control_interval_s)
+    r = simulate(stream, cfg, sched, "racer")
+    assert r.targets[:, 0].tolist() == [0.2, 0.8, 0.8, 0.2, 0.5, 0.5]
+    assert r.shares[1, 0] > 0.7 and r.shares[3, 0] < 0.3  # the boundary follows within the window
+    assert r.refill_bytes > 0  # growing the slab refilled it in the background
+    with pytest.raises(ValueError, match="static share must be in"):
+        StaticAllocator(1.5)
+
+
+def test_oracle_schedule_picks_per_window_minimum():
+    sweep = {0.2: [10.0, 30.0, 5.0], 0.5: [12.0, 20.0, 5.0], 0.8: [15.0, 25.0, 6.0]}
+    assert oracle_schedule(sweep) == [0.2, 0.5, 0.5]  # a tie keeps the share nearest the previous
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="num_nodes must be >= 1"):
+        SimConfig(num_nodes=0).validate()
+    with pytest.raises(ValueError, match="batch_window_ms must be a positive number"):
+        SimConfig(batch_window_ms=0).validate()
+
+
+def test_quick_table_has_every_row_and_key(tmp_path):
+    trace_file = tmp_path / "seq.txt"
+    tr = synthetic_trace(num_users=120, num_items=2_000, mean_seq_len=25, seed=4)
+    trace_file.write_text("".join(f"{u} {int(i)}\n" for u in range(tr.num_users) for i in tr.history(u)))
+    cfg = TableConfig(trace="sequences", path=str(trace_file), regimes=("steady", "burst"), num_nodes=4,
+                      rate_rps=300, duration_s=4, num_users=800, shares=(0.3, 0.7), routers=("racer", "least_load"),
+                      jobs=1)
+    res = run_table(cfg, tmp_path / "out", progress=False)
+    keys = {"trace", "regime", "allocator", "router", "p50_ms", "p99_ms", "slo_attainment", "throughput_rps",
+            "emb_hit_rate", "kv_hit_rate", "mean_share", "mean_abs_share_error"}
+    got = {(r["regime"], r["allocator"], r["router"]) for r in res["rows"]}
+    for rg in ("steady", "burst"):
+        for a in ("static:0.30", "static:0.70", "best_static", "heuristic", "oracle"):
+            assert (rg, a, "racer") in got
+        assert (rg, "best_static", "least_load") in got and (rg, "oracle", "least_load") in got
+    assert all(keys <= set(r) for r in res["rows"])
+    oracle = [r for r in res["rows"] if r["allocator"] == "oracle" and r["router"] == "racer"]
+    assert all(r["mean_abs_share_error"] < 0.1 for r in oracle)  # the oracle follows its own schedule
+    assert (tmp_path / "out" / "paper_table_sequences.json").exists()
+    assert (tmp_path / "out" / "paper_table_sequences.png").read_bytes()[:4] == b"\x89PNG"
+    assert "oracle_mean_share_spread" in res["findings"]
