@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     from policies.cli import add_policy_parser
 
     add_policy_parser(sub)
+
+    from node_agent.cli import add_node_parser
+
+    add_node_parser(sub)
+
+    from simulator.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

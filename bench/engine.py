@@ -1,0 +1,147 @@
+"""Benchmark of the serving engine: request latency with a KV hit and with a KV miss.
+
+    python -m bench.engine --json       # one JSON object on stdout
+
+For each history length L in 128, 512 and 2048, requests carry L history items, 8 new items and
+256 generated candidates (top 10), with timestamps, items drawn Zipf(1.1) from 262,144 items.
+
+- **KV hit**: the user's first L tokens are cached (a warm-up request, not timed, prefilled
+  them); the timed request reuses them and prefills only the 8 new items.
+- **KV miss**: a user with nothing cached; the timed request prefills all L + 8 tokens.
+
+Each repetition uses a fresh user for both cases (hit and miss alternate, so they share the
+machine's noise). Latency is the wall time of `Engine.serve` (validation, EMB lookup through the
+cache with link emulation where it applies, K/V read, prefill, K/V write, ranking, top-k).
+``kv_hit_speedup_2048`` is the median miss latency over the median hit latency at L = 2048
+(target >= 4; the arithmetic bound is about (2048 + 256) / (8 + 256)). Figures are medians and
+99th percentiles over the repetitions of a shared, noisy 2-core VM: compare, do not assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from node_agent.engine import Engine, EngineConfig, RecRequest
+from node_agent.model import ModelConfig
+
+LENGTHS = (128, 512, 2048)
+NEW_ITEMS = 8
+NUM_CANDIDATES = 256
+NUM_ITEMS = 262_144
+
+
+def _zipf(rng: np.random.Generator, n: int, num_items: int, alpha: float = 1.1) -> np.ndarray:
+    ranks = np.arange(1, num_items + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -alpha)
+    cdf /= cdf[-1]
+    return np.minimum(np.searchsorted(cdf, rng.random(n)), num_items - 1).astype(np.int64)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return round(float(np.percentile(xs, q)), 3)
+
+
+def bench_length(engine: Engine, L: int, reps: int, rng: np.random.Generator, next_user: list[int]) -> dict:
+    hit_ms: list[float] = []
+    miss_ms: list[float] = []
+    hit_bd: list[dict] = []
+    miss_bd: list[dict] = []
+    perm = rng.permutation(NUM_ITEMS)
+    for r in range(reps):
+        seq = perm[_zipf(rng, L + NEW_ITEMS, NUM_ITEMS)]
+        ts = 1.5e9 + np.cumsum(rng.exponential(300.0, size=L + NEW_ITEMS))
+        u_hit, u_miss = next_user[0], next_user[0] + 1
+        next_user[0] += 2
+        engine.serve(RecRequest(u_hit, seq[:L], (), ts[:L], num_candidates=NUM_CANDIDATES))  # warm-up: cache L
+        cases = [("hit", u_hit), ("miss", u_miss)]
+        if r % 2:
+            cases.reverse()
+        for case, user in cases:
+            req = RecRequest(user, seq[:L], seq[L:], ts, num_candidates=NUM_CANDIDATES, top_k=10)
+            t = time.perf_counter()
+            resp = engine.serve(req)
+            ms = (time.perf_counter() - t) * 1e3
+            if resp.kv.outcome != case:
+                raise RuntimeError(f"L={L}: expected a KV {case}, got {resp.kv.outcome} ({resp.kv.reason})")
+            (hit_ms if case == "hit" else miss_ms).append(ms)
+            (hit_bd if case == "hit" else miss_bd).append(resp.latency.to_dict())
+    problems = engine.check_invariants()
+    if problems:
+        raise RuntimeError(f"engine invariants violated: {problems[:3]}")
+
+    def breakdown(rows: list[dict]) -> dict:
+        return {k: round(float(np.median([r[k] for r in rows])), 1) for k in rows[0]}
+
+    return {
+        "reps": reps,
+        "hit": {"p50_ms": _pct(hit_ms, 50), "p99_ms": _pct(hit_ms, 99)},
+        "miss": {"p50_ms": _pct(miss_ms, 50), "p99_ms": _pct(miss_ms, 99)},
+        "kv_hit_speedup": round(float(np.median(miss_ms) / np.median(hit_ms)), 2),
+        "breakdown_p50_us": {"hit": breakdown(hit_bd), "miss": breakdown(miss_bd)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: these 2-core VMs are shared)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="repetitions per length (default 30 at 128 and 512, 12 at 2048)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (8 / 4)")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = EngineConfig(model=ModelConfig(), num_items=NUM_ITEMS, num_pages=2048, emb_share=0.5,
+                       max_history_len=4096, device=args.device)
+    engine = Engine(cfg)
+    rng = np.random.default_rng(0)
+    next_user = [0]
+    # warm every code path once (first calls allocate)
+    bench_length(engine, 64, 2, rng, next_user)
+    result: dict = {
+        "device": str(engine.device),
+        "link_emulated": engine.link.enabled,
+        "link_emulation": engine.link.to_dict(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "new_items": NEW_ITEMS,
+        "num_candidates": NUM_CANDIDATES,
+        "num_items": NUM_ITEMS,
+        "lengths": {},
+    }
+    for L in LENGTHS:
+        if args.reps:
+            reps = args.reps
+        elif args.quick:
+            reps = 4 if L >= 2048 else 8
+        else:
+            reps = 12 if L >= 2048 else 30
+        result["lengths"][str(L)] = bench_length(engine, L, reps, rng, next_user)
+    result["kv_hit_speedup_2048"] = result["lengths"]["2048"]["kv_hit_speedup"]
+    result["kv_hit_speedup_target"] = 4.0
+    st = engine.mm.stats()
+    result["emb_hit_rate"] = round(st.emb.hit_rate, 4)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"device {result['device']}, link emulated: {result['link_emulated']}, "
+              f"{NEW_ITEMS} new items, {NUM_CANDIDATES} candidates")
+        for L, r in result["lengths"].items():
+            print(f"  L={L:>5}  hit p50 {r['hit']['p50_ms']:8.2f} ms  p99 {r['hit']['p99_ms']:8.2f} ms   "
+                  f"miss p50 {r['miss']['p50_ms']:8.2f} ms  p99 {r['miss']['p99_ms']:8.2f} ms   "
+                  f"speedup {r['kv_hit_speedup']:.1f}x  ({r['reps']} reps)")
+        print(f"kv_hit_speedup_2048 {result['kv_hit_speedup_2048']} (target >= 4)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

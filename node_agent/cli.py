@@ -1,0 +1,290 @@
+"""The ``racer node`` and ``racer node-agent`` subcommands; racer/cli.py registers them with
+`add_node_parser`.
+
+    racer node profile [--json] [--out node_profile.json] [--lengths 128,512,2048] [--repeats 5] ...
+    racer node-agent --port P --trace KIND [--path PATH] [--emb-share 0.5] [--slo-ms 30] [--seed 0]
+                     [--policy DIR] [--profile FILE] ...
+
+torch, fastapi and uvicorn are imported inside the commands, so ``racer --help`` stays fast.
+Errors a user can fix raise ValueError / FileNotFoundError, which racer's ``main`` prints as one
+line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def _share(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (HSTU; weights initialised from --seed)")
+    g.add_argument("--embedding-dim", type=_positive_int, default=64, help="item embedding / model width (default 64)")
+    g.add_argument("--num-layers", type=_positive_int, default=2, help="HSTU layers (default 2)")
+    g.add_argument("--num-heads", type=_positive_int, default=2, help="attention heads (default 2)")
+    g.add_argument("--head-dim", type=_positive_int, default=32,
+                   help="per-head size of Q, K and V (one size: the KV pages store K and V alike; default 32)")
+    g.add_argument("--page-tokens", type=_positive_int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="K/V storage type in the pages (default float32)")
+    g.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU, else CPU), cpu, cuda[:N]")
+    g.add_argument("--threads", type=_positive_int, default=1,
+                   help="torch intra-op threads on the CPU (default 1: these VMs are shared)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the model weights and the item table (default 0)")
+
+
+def _add_link_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("link emulation (charges EMB misses what a PCIe link would)")
+    g.add_argument("--link-emulation", choices=("auto", "on", "off"), default="auto",
+                   help="auto: on for the CPU, off on CUDA where the copies are real (default auto)")
+    g.add_argument("--link-bandwidth-gb-per-s", type=_positive_float, default=None,
+                   help="emulated bandwidth, GB/s (default: PCIe 4.0 x16, see docs/engine.md)")
+    g.add_argument("--link-latency-us", type=float, default=None,
+                   help="emulated fixed cost per transfer, µs (default: PCIe 4.0 x16, see docs/engine.md)")
+
+
+def _model_config(args):
+    from .model import ModelConfig
+
+    return ModelConfig(embedding_dim=args.embedding_dim, num_layers=args.num_layers, num_heads=args.num_heads,
+                       qk_dim=args.head_dim, v_dim=args.head_dim, seed=args.seed)
+
+
+def _link_config(args):
+    from .engine import LinkEmulationConfig
+
+    kw = {"mode": args.link_emulation}
+    if args.link_bandwidth_gb_per_s is not None:
+        kw["bandwidth_gb_per_s"] = args.link_bandwidth_gb_per_s
+    if args.link_latency_us is not None:
+        kw["latency_us"] = args.link_latency_us
+    return LinkEmulationConfig(**kw)
+
+
+def _set_threads(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+
+# ------------------------------------------------------------------------------------ profile ---
+
+
+def cmd_node_profile(args) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .profile import ProfileConfig, measure_profile, parse_lengths, profile_steps
+
+    _set_threads(args)
+    cfg = ProfileConfig(model=_model_config(args), lengths=parse_lengths(args.lengths), repeats=args.repeats,
+                        emb_batch_rows=args.emb_batch_rows, num_candidates=args.num_candidates,
+                        page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, link=_link_config(args),
+                        device=args.device, seed=args.seed)
+    out = Path(args.out)
+    if out.parent and not out.parent.exists():
+        raise FileNotFoundError(f"--out: directory {out.parent} does not exist")
+    with tqdm(total=profile_steps(cfg), desc="racer node profile", unit="run", delay=2.0, file=sys.stderr,
+              disable=args.no_progress) as bar:
+        prof = measure_profile(cfg, progress=lambda: bar.update(1))
+    out.write_text(json.dumps(prof, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(prof))
+    else:
+        kv = ", ".join(f"{k}: {v:.3g}" for k, v in prof["kv_recompute_us_per_token"].items())
+        print(f"device {prof['device']} (link emulated: {prof['link_emulated']})\n"
+              f"  kv_recompute_us_per_token  {{{kv}}}\n"
+              f"  emb_transfer_us_per_row    {prof['emb_transfer_us_per_row']:.4g}\n"
+              f"  emb_hit_us_per_row         {prof['emb_hit_us_per_row']:.4g}\n"
+              f"  kv_read_us_per_token       {prof['kv_read_us_per_token']:.4g}\n"
+              f"  rank_us_per_candidate      {prof['rank_us_per_candidate']:.4g}\n"
+              f"wrote {out}")
+    return 0
+
+
+# --------------------------------------------------------------------------------- node agent ---
+
+
+def build_agent(args, *, announce=None):
+    """The engine and agent of ``racer node-agent`` from parsed arguments (also used by tests)."""
+    from workloads.loaders import load_trace
+
+    from .agent import AgentConfig, NodeAgent
+    from .engine import Engine, EngineConfig
+
+    _set_threads(args)
+    trace = load_trace(args.trace, args.path, max_rows=args.max_rows)
+    ecfg = EngineConfig(
+        model=_model_config(args), num_items=trace.num_items, item_seed=args.seed, num_pages=args.num_pages,
+        page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, emb_share=args.emb_share,
+        max_history_len=args.max_history_len, max_candidates=args.max_candidates,
+        default_num_candidates=min(args.num_candidates, args.max_candidates, trace.num_items),
+        default_top_k=args.top_k, link=_link_config(args), device=args.device)
+    acfg = AgentConfig(max_batch=args.max_batch, batch_window_us=args.batch_window_us, max_queue=args.max_queue,
+                       request_timeout_s=args.request_timeout_s, control_interval_s=args.control_interval_s,
+                       slo_ms=args.slo_ms, metrics_window_s=args.metrics_window_s)
+    engine = Engine(ecfg, item_popularity=trace.item_popularity())
+    allocator = None
+    costs = None
+    if args.profile:
+        costs = _read_costs(args.profile)
+    if args.policy:
+        from .allocator import AllocatorConfig, SmartAllocator
+
+        allocator = SmartAllocator(AllocatorConfig(initial_emb_share=args.emb_share), policy_dir=args.policy)
+        if costs is None:  # the allocator needs the node's miss costs: measure them now (a few seconds)
+            from .profile import ProfileConfig, measure_profile
+
+            if announce:
+                announce("no --profile given: measuring the node's miss costs for the allocator")
+            prof = measure_profile(ProfileConfig(model=ecfg.model, lengths=(128, 512), repeats=3,
+                                                 page_tokens=ecfg.page_tokens, kv_dtype=ecfg.kv_dtype,
+                                                 link=ecfg.link, device=args.device, seed=args.seed))
+            costs = {k: prof[k] for k in ("kv_recompute_us_per_token", "emb_transfer_us_per_row",
+                                          "emb_hit_us_per_row")}
+    info = {"trace": trace.name, "trace_path": trace.source_path, "num_users_in_trace": trace.num_users,
+            "policy": args.policy, "profile": args.profile}
+    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info)
+
+
+def _read_costs(path: str) -> dict:
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--profile: file not found: {p}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--profile {p}: not JSON ({e})") from None
+    if not isinstance(data, dict) or "kv_recompute_us_per_token" not in data or "emb_transfer_us_per_row" not in data:
+        raise ValueError(f"--profile {p}: needs kv_recompute_us_per_token and emb_transfer_us_per_row "
+                         "(write one with racer node profile)")
+    return {k: data[k] for k in ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "emb_hit_us_per_row")
+            if k in data}
+
+
+def cmd_node_agent(args) -> int:
+    from .agent import create_app, serve_forever
+
+    def announce(msg: str) -> None:
+        print(f"racer node-agent: {msg}", flush=True)
+
+    agent = build_agent(args, announce=announce)
+    eng = agent.engine
+
+    def ready(host: str, port: int) -> None:
+        announce(f"serving on http://{host}:{port} (device {eng.device}, link emulated: {eng.link.enabled}, "
+                 f"{eng.config.num_items} items, emb_share {eng.mm.emb_share:.3f}, "
+                 f"allocator: {'on' if agent.allocator is not None else 'off'})")
+
+    serve_forever(create_app(agent), args.host, args.port, log_level=args.log_level, ready=ready)
+    announce("stopped")
+    return 0
+
+
+def add_node_parser(subparsers) -> None:
+    """Add ``node`` (with ``profile``) and ``node-agent`` to racer's top-level subparsers."""
+    from workloads.loaders import LOADERS
+
+    node = subparsers.add_parser("node", help="node-level tools: measure the device's cost profile",
+                                 description="Tools for one serving node (one device).")
+    sub = node.add_subparsers(dest="node_command", metavar="SUBCOMMAND", required=True)
+    pr = sub.add_parser("profile", help="measure KV recompute, EMB transfer and hit-path costs on this device",
+                        description="Measure the node's miss costs (kv_recompute_us_per_token by history length, "
+                                    "emb_transfer_us_per_row) and hit-path costs, and write the cost profile "
+                                    "that router weights and the simulator read.")
+    _add_model_args(pr)
+    _add_link_args(pr)
+    pr.add_argument("--lengths", default="128,512,2048", help="history lengths for kv_recompute_us_per_token "
+                                                              "(default 128,512,2048)")
+    pr.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per figure, median (default 5)")
+    pr.add_argument("--emb-batch-rows", type=_positive_int, default=512,
+                    help="ids per EMB lookup when timing hits and misses (default 512)")
+    pr.add_argument("--num-candidates", type=_positive_int, default=256,
+                    help="candidates when timing ranking (default 256)")
+    pr.add_argument("--out", default="node_profile.json", help="profile file to write (default node_profile.json)")
+    pr.add_argument("--json", action="store_true", help="print the profile as one JSON object")
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pr.set_defaults(func=cmd_node_profile)
+
+    ag = subparsers.add_parser("node-agent", help="serve recommendations on this node over HTTP",
+                               description="The node agent: the GR engine (model, EMB cache, KV pool, Memory "
+                                           "Manager) behind POST /v1/recommend, GET /healthz and GET /v1/metrics.")
+    ag.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ag.add_argument("--port", type=_non_negative_int, default=8100, help="port (0: a free one; default 8100)")
+    ag.add_argument("--trace", required=True, choices=sorted(LOADERS),
+                    help="trace format; the item count comes from the trace")
+    ag.add_argument("--path", default=None,
+                    help="trace file (default: the sample under $RACER_DATA_DIR or ../shared/data)")
+    ag.add_argument("--max-rows", type=_positive_int, default=None, help="read at most this many interactions")
+    ag.add_argument("--emb-share", type=_share, default=0.5, help="initial EMB share of the arena (default 0.5)")
+    ag.add_argument("--slo-ms", type=_positive_float, default=30.0, help="latency SLO, ms (default 30)")
+    ag.add_argument("--policy", default=None,
+                    help="SmartAllocator policy artifact directory (default: none, emb_share stays fixed)")
+    ag.add_argument("--profile", default=None,
+                    help="cost profile (racer node profile) for the allocator's miss costs (default: measured "
+                         "at start when --policy is given)")
+    g = ag.add_argument_group("memory and limits")
+    g.add_argument("--num-pages", type=_positive_int, default=4096, help="arena pages (default 4096)")
+    g.add_argument("--max-history-len", type=_positive_int, default=4096,
+                   help="most history + new items per request (default 4096)")
+    g.add_argument("--max-candidates", type=_positive_int, default=4096, help="most candidates per request")
+    g.add_argument("--num-candidates", type=_positive_int, default=256,
+                   help="candidates generated when a request names none and gives no count (default 256)")
+    g.add_argument("--top-k", type=_positive_int, default=10, help="default top-k (default 10)")
+    g = ag.add_argument_group("serving loop")
+    g.add_argument("--max-batch", type=_positive_int, default=16, help="most requests per micro-batch (default 16)")
+    g.add_argument("--batch-window-us", type=float, default=0.0,
+                   help="wait this long for more requests after the first (default 0)")
+    g.add_argument("--max-queue", type=_positive_int, default=1024, help="queued requests before 503 (default 1024)")
+    g.add_argument("--request-timeout-s", type=_positive_float, default=30.0, help="504 after this long (default 30)")
+    g.add_argument("--control-interval-s", type=_positive_float, default=1.0,
+                   help="control step period: window stats, allocator (default 1)")
+    g.add_argument("--metrics-window-s", type=_positive_float, default=60.0, help="metrics window (default 60)")
+    g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn log level (default warning)")
+    _add_model_args(ag)
+    _add_link_args(ag)
+    ag.set_defaults(func=cmd_node_agent)

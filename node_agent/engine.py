@@ -1,0 +1,749 @@
+"""The node's serving engine: EMB lookup -> KV reuse or recompute -> paged K/V write -> ranking.
+
+One request (`RecRequest`) is a user's item sequence ``history + new_items`` (oldest first) and
+the candidates to rank. `Engine.serve_batch` runs a micro-batch of them:
+
+1. **KV plan** (per request, pure: `plan_kv_reuse`). The engine keeps, per user, the item ids and
+   timestamps of the tokens whose K/V the pool holds (the pages hold only K and V). A cached
+   prefix is reused only when it *is* a prefix of the request's sequence, ids and timestamps
+   alike, and the pool's own token count agrees; otherwise the user's K/V are evicted and the
+   whole sequence is recomputed. The reused K/V are read from the user's pages into a
+   contiguous `KVState` (a copy, so the pages may change afterwards).
+2. **EMB lookup**: one `EmbCache.lookup` for the whole batch (the tokens to prefill and the
+   candidates of every request; one cache tick and one host-to-device transfer). Misses are
+   copied from the host table; with link emulation on, the batch then waits what the PCIe link
+   would take for the missed bytes (`LinkEmulation`).
+3. **Per request**: incremental prefill of the tokens not cached (full prefill on a miss), the
+   new K/V appended to the user's pages, then the candidates ranked against the whole history
+   K/V (`HSTUModel.rank`: candidates attend to the history and themselves, not to each other)
+   and the top-k returned.
+
+Requests of one user inside a batch are served in arrival order in successive sub-batches, so
+the second sees the first's K/V. Times are read from an injected clock (``clock``, seconds);
+`serve_batch` takes ``now_s`` from the same clock. Every response carries its latency
+breakdown (µs), its KV decision with the reason, EMB counts, and whether the link is emulated.
+
+Candidates: a request may list its candidate item ids; otherwise `CandidateGenerator` draws
+``num_candidates`` distinct items with probability proportional to ``popularity + 1``
+(the trace's interaction counts), from a generator seeded by ``(seed, user, sequence length)``,
+so the same request always gets the same candidates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from .memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
+from .memory.manager import BoundaryPlan, ManagerStep
+from .model import HSTUModel, KVState, ModelConfig
+
+# PCIe 4.0 x16: 16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s per direction (PCI-SIG); pinned
+# host-to-device cudaMemcpy reaches about 25 GB/s of it. A copy's fixed cost (launch, DMA set-up,
+# completion) is of the order of 10 µs.
+PCIE4_X16_BANDWIDTH_GB_PER_S = 25.0
+PCIE4_X16_LATENCY_US = 10.0
+
+LINK_MODES = ("auto", "on", "off")
+KV_OUTCOMES = ("hit", "miss", "mismatch")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (out-of-range ids, oversize history, bad counts)."""
+
+
+# ------------------------------------------------------------------------------ link emulation --
+
+
+@dataclass(frozen=True)
+class LinkEmulationConfig:
+    """Charging EMB misses what a host-to-device link would cost.
+
+    On CUDA the host-to-device copies of EMB misses are real; on the CPU they are memcpys that
+    cost next to nothing, which would make EMB misses look free. ``mode``: ``auto`` emulates on
+    the CPU and not on CUDA; ``on`` / ``off`` force it. An emulated transfer of ``b`` bytes takes
+    ``latency_us + b / bandwidth`` (one transfer per lookup call with misses) and the engine
+    waits that long (sleeping for the bulk of long waits, spinning for the rest).
+    Defaults: PCIe 4.0 x16 (see ``PCIE4_X16_*``).
+    """
+
+    mode: str = "auto"
+    bandwidth_gb_per_s: float = PCIE4_X16_BANDWIDTH_GB_PER_S
+    latency_us: float = PCIE4_X16_LATENCY_US
+
+    def __post_init__(self) -> None:
+        if self.mode not in LINK_MODES:
+            raise ValueError(f"link emulation mode must be one of {', '.join(LINK_MODES)}, got {self.mode!r}")
+        if not (isinstance(self.bandwidth_gb_per_s, (int, float)) and math.isfinite(self.bandwidth_gb_per_s)
+                and self.bandwidth_gb_per_s > 0):
+            raise ValueError(f"link bandwidth_gb_per_s must be a positive number, got {self.bandwidth_gb_per_s!r}")
+        if not (isinstance(self.latency_us, (int, float)) and math.isfinite(self.latency_us)
+                and self.latency_us >= 0):
+            raise ValueError(f"link latency_us must be a number >= 0, got {self.latency_us!r}")
+
+    def resolve(self, device: torch.device) -> "LinkEmulation":
+        if self.mode == "auto":
+            on = device.type != "cuda"
+            why = ("auto: the device is the CPU, host-to-device copies are memcpys" if on
+                   else "auto: the device is CUDA, host-to-device copies are real")
+        else:
+            on = self.mode == "on"
+            why = f"forced {self.mode}"
+        return LinkEmulation(on, float(self.bandwidth_gb_per_s), float(self.latency_us), why)
+
+
+@dataclass(frozen=True)
+class LinkEmulation:
+    """The resolved setting; ``transfer_us`` is the pure cost model."""
+
+    enabled: bool
+    bandwidth_gb_per_s: float
+    latency_us: float
+    reason: str
+
+    def transfer_us(self, num_bytes: int) -> float:
+        """What moving ``num_bytes`` in one transfer costs on the emulated link (0 when off)."""
+        if not self.enabled or num_bytes <= 0:
+            return 0.0
+        return self.latency_us + num_bytes / (self.bandwidth_gb_per_s * 1e3)  # GB/s = 1e3 bytes/µs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def wait_until(clock: Callable[[], float], deadline_s: float) -> None:
+    """Block until ``clock() >= deadline_s``: sleep through all but the last 0.5 ms, then spin."""
+    while True:
+        left = deadline_s - clock()
+        if left <= 0:
+            return
+        if left > 1e-3:
+            time.sleep(left - 5e-4)
+
+
+# ------------------------------------------------------------------------------------- config ---
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's one config (ranges checked in ``__post_init__``).
+
+    - ``model``: the HSTU model; its ``qk_dim`` must equal ``v_dim`` (a KV page stores K and V
+      with one head size);
+    - ``num_items``: the item table's rows (from the trace); ``item_seed``: seed of the item
+      table (``make_item_table``) and of the candidate generator;
+    - ``num_pages`` / ``page_tokens`` / ``kv_dtype`` / ``emb_share`` / ``max_step_pages`` /
+      ``refill``: the arena and its Memory Manager (see docs/memory.md);
+    - ``max_history_len``: most tokens (history + new items) a request may carry;
+      ``max_candidates``: most candidates; ``default_num_candidates`` / ``default_top_k``: used
+      when a request leaves them out;
+    - ``link``: link emulation (`LinkEmulationConfig`); ``device``: ``auto``, ``cpu``, ``cuda[:N]``.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    num_items: int = 100_000
+    item_seed: int = 0
+    num_pages: int = 4096
+    page_tokens: int = 16
+    kv_dtype: str = "float32"
+    emb_share: float = 0.5
+    max_step_pages: int = 1024
+    refill: RefillConfig = field(default_factory=RefillConfig)
+    max_history_len: int = 4096
+    max_candidates: int = 4096
+    default_num_candidates: int = 256
+    default_top_k: int = 10
+    link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        m = self.model.validate()
+        if m.qk_dim != m.v_dim:
+            raise ValueError(f"engine: the KV page layout stores K and V with one head size, so the model's qk_dim "
+                             f"({m.qk_dim}) must equal v_dim ({m.v_dim})")
+        for name in ("num_items", "num_pages", "page_tokens", "max_step_pages", "max_history_len",
+                     "max_candidates", "default_num_candidates", "default_top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"engine: {name} must be a positive integer, got {v!r}")
+        if self.default_num_candidates > self.max_candidates:
+            raise ValueError(f"engine: default_num_candidates ({self.default_num_candidates}) exceeds "
+                             f"max_candidates ({self.max_candidates})")
+        if not 0.0 <= self.emb_share <= 1.0:
+            raise ValueError(f"engine: emb_share must be in [0, 1], got {self.emb_share}")
+        self.memory_config()  # the arena's own checks (page size a whole number of rows, ...)
+
+    def memory_config(self) -> MemoryConfig:
+        m = self.model
+        return MemoryConfig(
+            num_pages=self.num_pages, num_items=self.num_items, emb_dim=m.embedding_dim, emb_dtype="float32",
+            kv=KVLayout(num_layers=m.num_layers, num_heads=m.num_heads, head_dim=m.qk_dim,
+                        page_tokens=self.page_tokens, dtype=self.kv_dtype),
+            initial_emb_share=self.emb_share, max_step_pages=self.max_step_pages, refill=self.refill,
+            device=self.device,
+        )
+
+
+def make_item_table(num_items: int, dim: int, seed: int) -> torch.Tensor:
+    """The host item table ``[num_items, dim]`` float32, N(0, 1/dim), deterministic per seed."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.randn(num_items, dim, generator=gen) / math.sqrt(dim)
+
+
+class CandidateGenerator:
+    """Popularity-weighted candidates without replacement, deterministic per request.
+
+    Item ``i`` is drawn with probability proportional to ``popularity[i] + 1`` (every item can be
+    drawn). ``sample(user, seq_len, n)`` seeds a numpy generator with ``(seed, user, seq_len)``,
+    draws with replacement through the cumulative weights, keeps first occurrences, and repeats
+    until it has ``n`` distinct items (after 8 rounds the rest come from a seeded permutation of
+    the items not yet drawn). Items the user already saw are not excluded.
+    """
+
+    def __init__(self, popularity: np.ndarray | None, num_items: int, seed: int = 0):
+        w = np.ones(num_items, dtype=np.float64)
+        if popularity is not None:
+            pop = np.asarray(popularity, dtype=np.float64)
+            if pop.shape != (num_items,) or not np.all(np.isfinite(pop)) or np.any(pop < 0):
+                raise ValueError(f"popularity must be {num_items} finite counts >= 0")
+            w += pop
+        self.cdf = np.cumsum(w)
+        self.num_items = num_items
+        self.seed = int(seed)
+
+    def sample(self, user: int, seq_len: int, n: int) -> np.ndarray:
+        if not 0 <= n <= self.num_items:
+            raise ValueError(f"cannot draw {n} distinct candidates from {self.num_items} items")
+        rng = np.random.default_rng((self.seed, int(user), int(seq_len)))
+        got = np.empty(0, dtype=np.int64)
+        for _ in range(8):
+            if len(got) >= n:
+                break
+            draws = np.searchsorted(self.cdf, rng.random(2 * (n - len(got)) + 8) * self.cdf[-1], side="right")
+            allv = np.concatenate([got, np.minimum(draws, self.num_items - 1)])
+            _, first = np.unique(allv, return_index=True)
+            got = allv[np.sort(first)]
+        if len(got) < n:
+            rest = np.setdiff1d(np.arange(self.num_items), got)
+            got = np.concatenate([got, rng.permutation(rest)[: n - len(got)]])
+        return got[:n].astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------- requests ---
+
+
+@dataclass
+class RecRequest:
+    """One recommendation request.
+
+    ``history`` then ``new_items`` is the user's item sequence, oldest first; ``timestamps``
+    (seconds, optional) has one entry per item of that sequence. Without timestamps every token
+    and the ranking query get time 0: the relative time bias is then the same for every pair and
+    only the position bias orders the history (deterministic, so cached and recomputed K/V agree).
+    ``now_ts`` is the ranking query's time (default: the last token's timestamp, 0 without
+    timestamps). ``candidates`` lists item ids to rank; else ``num_candidates`` are drawn by the
+    `CandidateGenerator`. ``top_k`` is clamped to the number of candidates. ``arrival_s`` is
+    when the request reached the node, on the engine's clock (for the queue time).
+    """
+
+    user_id: int
+    history: Sequence[int] | np.ndarray = ()
+    new_items: Sequence[int] | np.ndarray = ()
+    timestamps: Sequence[float] | np.ndarray | None = None
+    now_ts: float | None = None
+    candidates: Sequence[int] | np.ndarray | None = None
+    num_candidates: int | None = None
+    top_k: int | None = None
+    arrival_s: float | None = None
+
+    @classmethod
+    def from_workload(cls, req, *, top_k: int | None = None, arrival_s: float | None = None) -> "RecRequest":
+        """From a `workloads.Request` (no timestamps; its ``num_candidates`` are generated)."""
+        return cls(user_id=int(req.user), history=np.asarray(req.history, dtype=np.int64),
+                   new_items=np.asarray(req.new_items, dtype=np.int64), num_candidates=int(req.num_candidates),
+                   top_k=top_k, arrival_s=arrival_s)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    req: RecRequest
+    user: int
+    items: np.ndarray  # int64 [n]: history + new items
+    ts: np.ndarray  # float64 [n]
+    num_history: int
+    now_ts: float
+    candidates: np.ndarray | None  # int64, or None: generate
+    num_candidates: int
+    top_k: int
+
+
+def _length(values) -> int:
+    try:
+        return len(values) if values is not None else 0
+    except TypeError:
+        raise RequestError("history and new_items must be lists of item ids") from None
+
+
+def _int_array(name: str, values, limit: int) -> np.ndarray:
+    try:
+        a = np.asarray(values if values is not None else ())
+    except (TypeError, ValueError, OverflowError) as e:
+        raise RequestError(f"{name} must be a list of item ids ({e})") from None
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise RequestError(f"{name} must be a flat list of integer item ids")
+    bad = np.flatnonzero((a < 0) | (a >= limit))
+    if bad.size:
+        i = int(bad[0])
+        raise RequestError(f"{name}[{i}] = {int(a[i])} is out of range: item ids must be in [0, {limit}) "
+                           f"({bad.size} out of range)")
+    return a.astype(np.int64, copy=False)
+
+
+# ------------------------------------------------------------------------------- KV decision ---
+
+
+@dataclass(frozen=True)
+class KVReuse:
+    """What to do with a user's cached K/V for one request, and why.
+
+    ``outcome``: ``hit`` (the first ``reuse_tokens`` tokens come from the pages), ``miss``
+    (nothing cached), ``mismatch`` (something cached that is not a prefix of the request: it is
+    evicted and the sequence recomputed). ``prefill_tokens`` are computed by the model.
+    """
+
+    outcome: str
+    reuse_tokens: int
+    prefill_tokens: int
+    reason: str
+
+
+def plan_kv_reuse(pool_tokens: int, cached_items: np.ndarray | None, cached_ts: np.ndarray | None,
+                  items: np.ndarray, ts: np.ndarray) -> KVReuse:
+    """Pure: compare the pool's token count and the engine's record of the cached tokens with the
+    request's sequence (``items``, ``ts``)."""
+    n = len(items)
+    if pool_tokens == 0:
+        why = "no K/V cached for the user" if cached_items is None else "the user's K/V were evicted"
+        return KVReuse("miss", 0, n, why)
+    if cached_items is None or len(cached_items) != pool_tokens:
+        have = "no record" if cached_items is None else f"a record of {len(cached_items)}"
+        return KVReuse("mismatch", 0, n, f"the pool holds {pool_tokens} tokens but the engine has {have}")
+    c = pool_tokens
+    if c > n:
+        return KVReuse("mismatch", 0, n, f"{c} tokens cached but the request's sequence has only {n}")
+    diff = np.flatnonzero(cached_items != items[:c])
+    if diff.size:
+        i = int(diff[0])
+        return KVReuse("mismatch", 0, n, f"cached token {i} is item {int(cached_items[i])}, the request has "
+                                         f"item {int(items[i])} there")
+    tdiff = np.flatnonzero(cached_ts != ts[:c])
+    if tdiff.size:
+        i = int(tdiff[0])
+        return KVReuse("mismatch", 0, n, f"cached token {i} has timestamp {float(cached_ts[i])!r}, the request "
+                                         f"{float(ts[i])!r}")
+    if c == n:
+        return KVReuse("hit", c, 0, f"all {c} tokens cached: nothing to prefill")
+    return KVReuse("hit", c, n - c, f"{c} cached tokens reused, {n - c} prefilled")
+
+
+class _UserSeq:
+    """The items and timestamps of one user's cached tokens (the pages hold only K/V)."""
+
+    __slots__ = ("items", "ts", "n")
+
+    def __init__(self) -> None:
+        self.items = np.empty(0, dtype=np.int64)
+        self.ts = np.empty(0, dtype=np.float64)
+        self.n = 0
+
+    def view(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.items[: self.n], self.ts[: self.n]
+
+    def set(self, items: np.ndarray, ts: np.ndarray, start: int) -> None:
+        """Tokens ``[start, len(items))`` of ``items``/``ts`` become cached (earlier ones already are)."""
+        n = len(items)
+        if n > len(self.items):
+            cap = max(n, 2 * len(self.items), 64)
+            ni, nt = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.float64)
+            ni[: self.n], nt[: self.n] = self.items[: self.n], self.ts[: self.n]
+            self.items, self.ts = ni, nt
+        self.items[start:n] = items[start:]
+        self.ts[start:n] = ts[start:]
+        self.n = n
+
+
+# ---------------------------------------------------------------------------------- responses ---
+
+
+@dataclass(frozen=True)
+class LatencyBreakdown:
+    """Where one request's time went, in µs.
+
+    - ``queue_us``: from arrival to the start of its micro-batch;
+    - ``emb_lookup_us``: the batch's EMB lookup (shared by the batch), including ``link_us``, the
+      emulated host-to-device wait for its misses (0 when the link is not emulated);
+    - ``batch_wait_us``: time spent on the batch's other requests before this one's compute;
+    - ``kv_read_us``: reading the reused K/V from the pages; ``kv_write_us``: appending the
+      new tokens' pages and writing their K/V;
+    - ``prefill_us``: the model's prefill of the tokens not cached; ``rank_us``: ranking and top-k;
+      ``compute_us = prefill_us + rank_us``;
+    - ``total_us``: arrival (or batch start) to the response.
+    """
+
+    queue_us: float
+    emb_lookup_us: float
+    link_us: float
+    batch_wait_us: float
+    kv_read_us: float
+    prefill_us: float
+    kv_write_us: float
+    rank_us: float
+    compute_us: float
+    total_us: float
+
+    def to_dict(self) -> dict:
+        return {k: round(v, 1) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class RecResponse:
+    """The top-k (items, scores; best first) with everything needed to explain the request."""
+
+    user_id: int
+    items: list[int]
+    scores: list[float]
+    num_candidates: int
+    num_history: int
+    kv: KVReuse
+    kv_hit_tokens: int  # history tokens whose K/V came from the pages
+    recomputed_tokens: int  # history tokens whose K/V had to be computed
+    prefill_tokens: int  # every token prefilled (recomputed history + new items)
+    kv_cached_after: int  # the user's tokens in the pool after the request (0: not cached)
+    emb_rows: int
+    emb_hits: int
+    emb_batch_miss_bytes: int  # host-to-device bytes of the batch's lookup (shared by the batch)
+    latency: LatencyBreakdown
+    link_emulated: bool
+    batch_size: int
+    finished_s: float
+
+    def to_dict(self) -> dict:
+        return {
+            "user_id": self.user_id, "items": self.items, "scores": self.scores,
+            "num_candidates": self.num_candidates, "num_history": self.num_history,
+            "kv": {"outcome": self.kv.outcome, "reason": self.kv.reason, "hit_tokens": self.kv_hit_tokens,
+                   "recomputed_tokens": self.recomputed_tokens, "prefill_tokens": self.prefill_tokens,
+                   "cached_after": self.kv_cached_after},
+            "emb": {"rows": self.emb_rows, "hits": self.emb_hits,
+                    "batch_miss_bytes": self.emb_batch_miss_bytes},
+            "latency_us": self.latency.to_dict(),
+            "link_emulated": self.link_emulated,
+            "batch_size": self.batch_size,
+        }
+
+
+# ------------------------------------------------------------------------------------- engine ---
+
+
+class Engine:
+    """One device's model, arena and Memory Manager, serving `RecRequest` micro-batches.
+
+    Not thread-safe: one caller (the node agent's device worker) drives it. ``validate`` only
+    reads the config and may be called from any thread.
+    """
+
+    def __init__(self, config: EngineConfig, *, host_table: torch.Tensor | None = None,
+                 item_popularity: np.ndarray | None = None, clock: Callable[[], float] = time.perf_counter,
+                 now_s: float | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        mc = config.model
+        if host_table is None:
+            host_table = make_item_table(config.num_items, mc.embedding_dim, config.item_seed)
+        self.mm = MemoryManager(config.memory_config(), host_table, now_s=clock() if now_s is None else now_s)
+        self.device = self.mm.arena.device
+        self.model = HSTUModel(mc).to(self.device)
+        self.link = config.link.resolve(self.device)
+        self.candidates = CandidateGenerator(item_popularity, config.num_items, config.item_seed)
+        self._seqs: dict[int, _UserSeq] = {}
+        self._prune_at = 1024
+        self._empty_kv = KVState(
+            [torch.zeros(0, mc.num_heads, mc.qk_dim, device=self.device) for _ in range(mc.num_layers)],
+            [torch.zeros(0, mc.num_heads, mc.v_dim, device=self.device) for _ in range(mc.num_layers)],
+            torch.zeros(0, dtype=torch.float64, device=self.device))
+        self.num_served = 0
+        self.kv_outcomes = {k: 0 for k in KV_OUTCOMES}
+        self.num_uncacheable = 0
+        self.link_us_total = 0.0
+
+    # ------------------------------------------------------------------------- validation ---
+    def validate(self, req: RecRequest) -> _Prepared:
+        """Check a request against the config; returns its normalised form or raises `RequestError`."""
+        c = self.config
+        if isinstance(req.user_id, bool) or not isinstance(req.user_id, (int, np.integer)) or req.user_id < 0:
+            raise RequestError(f"user_id must be a non-negative integer, got {req.user_id!r}")
+        nh, nn = _length(req.history), _length(req.new_items)
+        if nh + nn > c.max_history_len:  # before looking at the ids: an oversize request costs nothing
+            raise RequestError(f"history ({nh}) + new_items ({nn}) = {nh + nn} tokens exceeds "
+                               f"max_history_len {c.max_history_len}")
+        hist = _int_array("history", req.history, c.num_items)
+        new = _int_array("new_items", req.new_items, c.num_items)
+        n = len(hist) + len(new)
+        items = np.concatenate([hist, new])
+        if req.timestamps is None:
+            ts = np.zeros(n, dtype=np.float64)
+            default_now = 0.0
+        else:
+            try:
+                ts = np.asarray(req.timestamps, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise RequestError("timestamps must be a list of numbers (seconds)") from None
+            if ts.ndim != 1 or len(ts) != n:
+                raise RequestError(f"timestamps must have one entry per history and new item ({n}), got "
+                                   f"{ts.size}")
+            if not np.all(np.isfinite(ts)):
+                raise RequestError("timestamps must be finite numbers")
+            default_now = float(ts[-1]) if n else 0.0
+        now_ts = default_now if req.now_ts is None else req.now_ts
+        if isinstance(now_ts, bool) or not isinstance(now_ts, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(now_ts):
+            raise RequestError(f"now_ts must be a finite number, got {req.now_ts!r}")
+        if req.candidates is not None:
+            cands = _int_array("candidates", req.candidates, c.num_items)
+            if len(cands) == 0:
+                raise RequestError("candidates must list at least one item id")
+            if len(cands) > c.max_candidates:
+                raise RequestError(f"{len(cands)} candidates exceed max_candidates {c.max_candidates}")
+            num_c = len(cands)
+        else:
+            cands = None
+            num_c = c.default_num_candidates if req.num_candidates is None else req.num_candidates
+            if isinstance(num_c, bool) or not isinstance(num_c, (int, np.integer)) or num_c < 1:
+                raise RequestError(f"num_candidates must be a positive integer, got {num_c!r}")
+            limit = min(c.max_candidates, c.num_items)
+            if num_c > limit:
+                raise RequestError(f"num_candidates {num_c} exceeds the limit {limit} "
+                                   f"(min of max_candidates {c.max_candidates} and num_items {c.num_items})")
+        top_k = c.default_top_k if req.top_k is None else req.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+            raise RequestError(f"top_k must be a positive integer, got {top_k!r}")
+        return _Prepared(req, int(req.user_id), items, ts, len(hist), float(now_ts), cands, int(num_c),
+                         int(min(top_k, num_c)))
+
+    # ---------------------------------------------------------------------------- serving ---
+    def serve(self, req: RecRequest, now_s: float | None = None) -> RecResponse:
+        return self.serve_batch([req], now_s)[0]
+
+    def serve_batch(self, reqs: Sequence[RecRequest], now_s: float | None = None) -> list[RecResponse]:
+        """Serve a micro-batch (see the module docstring). ``now_s``: the batch's start on the
+        engine's clock (default: ``clock()``). Raises `RequestError` before doing anything if
+        a request is invalid."""
+        preps = [self.validate(r) for r in reqs]
+        t0 = self.clock() if now_s is None else now_s
+        out: list[RecResponse | None] = [None] * len(preps)
+        # sub-batches in which each user appears once, in arrival order
+        pending = list(range(len(preps)))
+        while pending:
+            seen: set[int] = set()
+            group, rest = [], []
+            for i in pending:
+                (rest if preps[i].user in seen else group).append(i)
+                seen.add(preps[i].user)
+            for i, resp in zip(group, self._serve_group([preps[i] for i in group], t0, len(preps))):
+                out[i] = resp
+            pending = rest
+        self._prune_seqs()
+        return out  # type: ignore[return-value]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _serve_group(self, preps: list[_Prepared], t_batch: float, batch_size: int) -> list[RecResponse]:
+        clock, mm, dev = self.clock, self.mm, self.device
+        # 1. KV plan and reads (a copy of the reused K/V, so later appends may evict freely)
+        plans: list[KVReuse] = []
+        pasts: list[KVState | None] = []
+        read_us: list[float] = []
+        cands: list[np.ndarray] = []
+        for p in preps:
+            t = clock()
+            pool_tokens = mm.kv.lookup(p.user)
+            seq = self._seqs.get(p.user)
+            ci, ct = seq.view() if seq is not None else (None, None)
+            plan = plan_kv_reuse(pool_tokens, ci, ct, p.items, p.ts)
+            if plan.outcome == "mismatch":
+                mm.kv.evict(p.user)
+            if plan.outcome != "hit":
+                self._seqs.pop(p.user, None)
+            past = None
+            if plan.reuse_tokens:
+                ks, vs = mm.kv.read_layers(p.user, plan.reuse_tokens)
+                if ks[0].dtype != torch.float32:
+                    ks, vs = [k.float() for k in ks], [v.float() for v in vs]
+                past = KVState(ks, vs, torch.from_numpy(p.ts[: plan.reuse_tokens]).to(dev))
+            self._sync()
+            read_us.append((clock() - t) * 1e6)
+            plans.append(plan)
+            pasts.append(past)
+            cands.append(p.candidates if p.candidates is not None
+                         else self.candidates.sample(p.user, len(p.items), p.num_candidates))
+        # 2. one EMB lookup for the group: tokens to prefill, then candidates, request by request
+        parts, sizes = [], []
+        for p, plan, c in zip(preps, plans, cands):
+            parts += [p.items[plan.reuse_tokens:], c]
+            sizes.append(len(p.items) - plan.reuse_tokens + len(c))
+        ids = torch.from_numpy(np.concatenate(parts)).to(dev)
+        t_emb = clock()
+        hits_per_req = None
+        if len(preps) > 1:
+            hit = (mm.emb.item_to_slot.index_select(0, ids) != mm.emb.miss_slot).to(torch.int64)
+            bounds = np.cumsum([0] + sizes)
+            cs = torch.cat([hit.new_zeros(1), hit.cumsum(0)]).cpu().numpy()
+            hits_per_req = (cs[bounds[1:]] - cs[bounds[:-1]]).tolist()
+        lk = mm.emb.lookup(ids)
+        link_us = self.link.transfer_us(lk.bytes_transferred)
+        if link_us > 0:
+            self._sync()
+            wait_until(clock, clock() + link_us * 1e-6)
+            self.link_us_total += link_us
+        self._sync()
+        t_emb_end = clock()
+        emb_us = (t_emb_end - t_emb) * 1e6
+        if hits_per_req is None:
+            hits_per_req = [lk.num_hits]
+        rows_all = lk.rows
+        # 3. per request: prefill, write K/V, rank
+        out: list[RecResponse] = []
+        off = 0
+        for j, (p, plan, past, c) in enumerate(zip(preps, plans, pasts, cands)):
+            t_start = clock()
+            n_new = len(p.items) - plan.reuse_tokens
+            rows = rows_all[off: off + sizes[j]]
+            off += sizes[j]
+            new_rows, cand_rows = rows[:n_new], rows[n_new:]
+            new_kv = None
+            if n_new:
+                ts_new = torch.from_numpy(p.ts[plan.reuse_tokens:]).to(dev)
+                _, new_kv = self.model(self.model.tokens(new_rows), ts_new, past=past)
+            if past is None:
+                full = new_kv if new_kv is not None else self._empty_kv
+            else:
+                full = past if new_kv is None else past.append(new_kv)
+            self._sync()
+            t_prefill = clock()
+            cached_after = self._write_kv(p, plan, new_kv, full)
+            self._sync()
+            t_write = clock()
+            scores = self.model.rank(cand_rows, full, now_ts=torch.tensor(p.now_ts, dtype=torch.float64, device=dev))
+            top = torch.topk(scores, p.top_k)
+            top_scores = top.values.cpu().tolist()
+            top_items = c[top.indices.cpu().numpy()].tolist()
+            t_end = clock()
+            arrival = p.req.arrival_s if p.req.arrival_s is not None else t_batch
+            kv_hit = min(plan.reuse_tokens, p.num_history)
+            lat = LatencyBreakdown(
+                queue_us=max(0.0, (t_batch - arrival) * 1e6), emb_lookup_us=emb_us, link_us=link_us,
+                batch_wait_us=max(0.0, (t_start - t_emb_end) * 1e6),
+                kv_read_us=read_us[j], prefill_us=(t_prefill - t_start) * 1e6, kv_write_us=(t_write - t_prefill) * 1e6,
+                rank_us=(t_end - t_write) * 1e6, compute_us=(t_prefill - t_start + t_end - t_write) * 1e6,
+                total_us=(t_end - arrival) * 1e6)
+            self.num_served += 1
+            self.kv_outcomes[plan.outcome] += 1
+            out.append(RecResponse(
+                user_id=p.user, items=[int(i) for i in top_items], scores=[float(s) for s in top_scores],
+                num_candidates=len(c), num_history=p.num_history, kv=plan, kv_hit_tokens=kv_hit,
+                recomputed_tokens=p.num_history - kv_hit, prefill_tokens=n_new, kv_cached_after=cached_after,
+                emb_rows=sizes[j], emb_hits=int(hits_per_req[j]), emb_batch_miss_bytes=lk.bytes_transferred,
+                latency=lat, link_emulated=self.link.enabled, batch_size=batch_size, finished_s=t_end))
+        return out
+
+    def _write_kv(self, p: _Prepared, plan: KVReuse, new_kv: KVState | None, full: KVState) -> int:
+        """Append the request's new tokens to the user's pages; returns the tokens cached after."""
+        mm = self.mm
+        n = len(p.items)
+        if n == 0:
+            return 0
+        have = mm.kv.num_tokens(p.user)
+        if new_kv is None and have == n:
+            return n  # refresh: everything already cached
+        if have == plan.reuse_tokens and new_kv is not None:
+            start, k, v = have, new_kv.k, new_kv.v
+        else:
+            # the user was evicted meanwhile (by another request of the batch) or holds something
+            # else: cache the whole sequence again from the K/V in hand
+            if have:
+                mm.kv.evict(p.user)
+            self._seqs.pop(p.user, None)
+            start, k, v = 0, full.k, full.v
+        app = mm.kv.append(p.user, n - start)
+        if app is None:  # the user's sequence does not fit in the KV pool at all
+            self._seqs.pop(p.user, None)
+            self.num_uncacheable += 1
+            return 0
+        mm.kv.write_layers(p.user, start, list(k), list(v))
+        seq = self._seqs.get(p.user)
+        if seq is None or start == 0:
+            seq = _UserSeq()
+            self._seqs[p.user] = seq
+            start = 0
+        seq.set(p.items, p.ts, start)
+        return n
+
+    def _prune_seqs(self) -> None:
+        """Drop the records of users the pool evicted. Amortised: a pass runs only when the
+        records have doubled (plus 1024) since the last pass left them."""
+        if len(self._seqs) > self._prune_at:
+            kv = self.mm.kv
+            for u in [u for u in self._seqs if u not in kv]:
+                del self._seqs[u]
+            self._prune_at = 2 * len(self._seqs) + 1024
+
+    # ------------------------------------------------------------------------ maintenance ---
+    def maintenance(self, now_s: float) -> ManagerStep:
+        """Between batches: one bounded boundary step and one throttled refill chunk."""
+        return self.mm.step(now_s)
+
+    def set_emb_share(self, emb_share: float, now_s: float) -> BoundaryPlan:
+        """Plan a new split; ``maintenance`` applies it step by step."""
+        return self.mm.set_target(emb_share, now_s)
+
+    def cached_sequence(self, user: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The engine's record of ``user``'s cached tokens (items, timestamps), or None."""
+        seq = self._seqs.get(user)
+        if seq is None or self.mm.kv.num_tokens(user) != seq.n:
+            return None
+        i, t = seq.view()
+        return i.copy(), t.copy()
+
+    def check_invariants(self) -> list[str]:
+        out = self.mm.check_invariants()
+        for u, seq in self._seqs.items():
+            have = self.mm.kv.num_tokens(u)
+            if have and have != seq.n:
+                out.append(f"engine: user {u} has {have} tokens in the pool but a record of {seq.n}")
+        return out
+
+    def describe(self) -> dict:
+        c = self.config
+        return {
+            "device": str(self.device),
+            "model": asdict(c.model),
+            "num_items": c.num_items,
+            "num_pages": c.num_pages,
+            "page_bytes": self.mm.config.page_bytes,
+            "arena_bytes": c.num_pages * self.mm.config.page_bytes,
+            "page_tokens": c.page_tokens,
+            "kv_dtype": c.kv_dtype,
+            "max_history_len": c.max_history_len,
+            "max_candidates": c.max_candidates,
+            "link_emulation": self.link.to_dict(),
+            "torch_threads": torch.get_num_threads(),
+        }

@@ -1,0 +1,210 @@
+"""Node cost profile: the miss and hit costs of this device, measured (``racer node profile``).
+
+Measured with the engine's own model and memory layout on the engine's device (medians over
+``repeats`` runs after a warm-up; CUDA runs are synchronised before each clock read):
+
+- ``kv_recompute_us_per_token`` ``{length: µs}``: a full prefill (``HSTUModel.forward`` with no
+  cached K/V) of a ``length``-token history, divided by ``length``: what a KV miss costs per
+  history token. It grows with the length (attention is quadratic), hence one figure per length.
+- ``emb_transfer_us_per_row``: an `EmbCache.lookup` of ``emb_batch_rows`` distinct ids that all
+  miss (host gather, host-to-device copy, slab write, LRU bookkeeping), divided by the rows; with
+  link emulation on, plus the emulated link time of the batch's bytes per row
+  (``emb_link_us_per_row``, computed by `LinkEmulation.transfer_us`, the same charge the engine
+  waits out).
+- ``emb_hit_us_per_row``: the same lookup when every id hits, per row.
+- ``kv_read_us_per_token``: reading a ``hit_history_len``-token history's K/V from its pages
+  into a contiguous state (the KV hit path), per token.
+- ``rank_us_per_candidate``: ranking ``num_candidates`` candidates against a
+  ``hit_history_len``-token history, per candidate.
+- ``incremental_prefill_us_per_token``: prefilling ``new_tokens`` tokens after a
+  ``hit_history_len``-token cached history, per new token.
+
+The keys ``kv_recompute_us_per_token``, ``emb_transfer_us_per_row`` and ``emb_hit_us_per_row`` are
+what ``simulator.profiles.from_node_profile`` and the router's weights read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from .engine import EngineConfig, LinkEmulationConfig, make_item_table
+from .memory import KVLayout, MemoryConfig, MemoryManager
+from .model import HSTUModel, ModelConfig
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What ``measure_profile`` runs (ranges checked in ``__post_init__``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lengths: tuple[int, ...] = (128, 512, 2048)
+    repeats: int = 5
+    emb_batch_rows: int = 512
+    hit_history_len: int = 512
+    new_tokens: int = 8
+    num_candidates: int = 256
+    page_tokens: int = 16
+    kv_dtype: str = "float32"
+    link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
+            raise ValueError(f"profile lengths must be positive integers, got {self.lengths!r}")
+        for name in ("repeats", "emb_batch_rows", "hit_history_len", "new_tokens", "num_candidates",
+                     "page_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"profile {name} must be a positive integer, got {v!r}")
+        # the engine's checks on the model and page layout
+        EngineConfig(model=self.model, page_tokens=self.page_tokens, kv_dtype=self.kv_dtype, link=self.link,
+                     device=self.device, num_items=1024, num_pages=64)
+
+
+def _median_us(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
+               clock: Callable[[], float], tick: Callable[[], None]) -> float:
+    fn()  # warm-up
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        sync()
+        times.append((clock() - t) * 1e6)
+        tick()
+    return statistics.median(times)
+
+
+def profile_steps(cfg: ProfileConfig) -> int:
+    """How many timed runs ``measure_profile`` makes (for a progress bar)."""
+    return cfg.repeats * (len(cfg.lengths) + 5)
+
+
+def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.perf_counter,
+                    progress: Callable[[], None] | None = None) -> dict:
+    """Measure the profile on ``cfg.device``; returns the JSON-able profile (see the module doc)."""
+    tick = progress or (lambda: None)
+    m = cfg.model
+    mem = MemoryConfig(
+        num_pages=max(64, 4 * (cfg.hit_history_len // cfg.page_tokens + 1)), num_items=1024, emb_dim=m.embedding_dim,
+        kv=KVLayout(m.num_layers, m.num_heads, m.qk_dim, cfg.page_tokens, cfg.kv_dtype),
+        initial_emb_share=0.0, device=cfg.device)
+    rows_per_page = mem.rows_per_page
+    # EMB: a slab of ~4 batches and an item table of ~64 batches, so a sweep of fresh ids always misses
+    b = cfg.emb_batch_rows
+    emb_pages = -(-4 * b // rows_per_page)
+    num_items = 64 * b
+    num_pages = emb_pages + mem.num_pages
+    mem = MemoryConfig(num_pages=num_pages, num_items=num_items, emb_dim=m.embedding_dim, kv=mem.kv,
+                       initial_emb_share=emb_pages / num_pages, device=cfg.device)
+    host = make_item_table(num_items, m.embedding_dim, cfg.seed)
+    mm = MemoryManager(mem, host)
+    dev = mm.arena.device
+    link = cfg.link.resolve(dev)
+    model = HSTUModel(m).to(dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def history(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = (torch.randn(n, m.embedding_dim, generator=gen) / m.embedding_dim ** 0.5).to(dev)
+        ts = (torch.cumsum(torch.rand(n, generator=gen, dtype=torch.float64) * 600, 0) + 1.5e9).to(dev)
+        return rows, ts
+
+    out: dict = {"name": f"node-{dev.type}", "device": _device_name(dev)}
+    # KV recompute per token, by history length
+    recompute = {}
+    for n in cfg.lengths:
+        rows, ts = history(n)
+        x = model.tokens(rows)
+        recompute[str(n)] = _median_us(lambda: model(x, ts), cfg.repeats, sync, clock, tick) / n
+    # EMB hit and miss lookups
+    hot = torch.arange(b, dtype=torch.int64, device=dev)
+    mm.emb.lookup(hot)
+    hit_us = _median_us(lambda: mm.emb.lookup(hot), cfg.repeats, sync, clock, tick) / b
+    sweep = {"next": b}
+
+    def miss_lookup() -> None:
+        start = sweep["next"]
+        if start + b > num_items:
+            start = b
+        sweep["next"] = start + b
+        lk = mm.emb.lookup(torch.arange(start, start + b, dtype=torch.int64, device=dev))
+        if lk.num_hits:
+            raise RuntimeError("profile: a miss sweep hit the EMB cache")
+
+    miss_us = _median_us(miss_lookup, cfg.repeats, sync, clock, tick) / b
+    link_us = link.transfer_us(b * mem.row_bytes) / b
+    # hit path: K/V read from pages, incremental prefill, ranking
+    L = cfg.hit_history_len
+    rows, ts = history(L + cfg.new_tokens)
+    _, kv = model(model.tokens(rows[:L]), ts[:L])
+    mm.kv.append(0, L)
+    mm.kv.write_layers(0, 0, kv.k, kv.v)
+    read_us = _median_us(lambda: mm.kv.read_layers(0), cfg.repeats, sync, clock, tick) / L
+    new_x = model.tokens(rows[L:])
+    inc_us = _median_us(lambda: model(new_x, ts[L:], past=kv), cfg.repeats, sync, clock, tick) / cfg.new_tokens
+    cands = history(cfg.num_candidates)[0]
+    now = ts[-1]
+    rank_us = _median_us(lambda: model.rank(cands, kv, now_ts=now), cfg.repeats, sync, clock, tick) \
+        / cfg.num_candidates
+    out.update({
+        "kv_recompute_us_per_token": {k: _sig(v) for k, v in recompute.items()},
+        "emb_transfer_us_per_row": _sig(miss_us + link_us),
+        "emb_hit_us_per_row": _sig(hit_us),
+        "emb_link_us_per_row": _sig(link_us),
+        "kv_read_us_per_token": _sig(read_us),
+        "incremental_prefill_us_per_token": _sig(inc_us),
+        "rank_us_per_candidate": _sig(rank_us),
+        "link_emulated": link.enabled,
+        "link_emulation": link.to_dict(),
+        "settings": {"lengths": list(cfg.lengths), "repeats": cfg.repeats, "emb_batch_rows": b,
+                     "emb_row_bytes": mem.row_bytes, "hit_history_len": L, "new_tokens": cfg.new_tokens,
+                     "num_candidates": cfg.num_candidates, "page_tokens": cfg.page_tokens,
+                     "kv_dtype": cfg.kv_dtype, "torch_threads": torch.get_num_threads()},
+        "model": asdict(m),
+    })
+    _check_positive(out)
+    return out
+
+
+def _sig(v: float) -> float:
+    """Four significant digits (never rounds a positive figure to zero)."""
+    return float(f"{v:.4g}")
+
+
+def _check_positive(profile: dict) -> None:
+    vals = list(profile["kv_recompute_us_per_token"].values())
+    vals += [profile[k] for k in ("emb_transfer_us_per_row", "emb_hit_us_per_row", "kv_read_us_per_token",
+                                  "incremental_prefill_us_per_token", "rank_us_per_candidate")]
+    if not all(isinstance(v, float) and np.isfinite(v) and v > 0 for v in vals):
+        raise RuntimeError(f"profile: a measured cost is not a positive number: {profile}")
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(dev)})"
+    return "cpu"
+
+
+def parse_lengths(text: str | Sequence[int]) -> tuple[int, ...]:
+    """``"128,512,2048"`` -> ``(128, 512, 2048)``."""
+    if not isinstance(text, str):
+        return tuple(int(x) for x in text)
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--lengths must be comma-separated integers, got {text!r}") from None
+    if not out:
+        raise ValueError("--lengths needs at least one length")
+    return out

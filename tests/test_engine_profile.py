@@ -1,0 +1,68 @@
+"""`racer node profile`: the cost profile's keys, each a positive number, read by the simulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from node_agent.engine import LinkEmulationConfig
+from node_agent.model import ModelConfig
+from node_agent.profile import ProfileConfig, measure_profile, parse_lengths
+from racer.cli import main
+from simulator.profiles import from_node_profile
+
+SMALL = ["--embedding-dim", "16", "--num-heads", "2", "--head-dim", "8", "--num-layers", "1", "--lengths", "16,64",
+         "--repeats", "1", "--emb-batch-rows", "64", "--num-candidates", "16", "--no-progress"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_profile_keys_are_positive_numbers():
+    prof = measure_profile(ProfileConfig(model=ModelConfig(embedding_dim=16, num_layers=1, qk_dim=8, v_dim=8),
+                                         lengths=(8, 32), repeats=2, emb_batch_rows=32, hit_history_len=40,
+                                         num_candidates=8))
+    assert set(prof["kv_recompute_us_per_token"]) == {"8", "32"}
+    figures = list(prof["kv_recompute_us_per_token"].values()) + [
+        prof[k] for k in ("emb_transfer_us_per_row", "emb_hit_us_per_row", "kv_read_us_per_token",
+                          "incremental_prefill_us_per_token", "rank_us_per_candidate")]
+    assert all(isinstance(v, float) and v > 0 for v in figures)
+    assert prof["link_emulated"] is True  # the CPU: auto emulates
+    assert prof["emb_link_us_per_row"] == pytest.approx((10.0 + 32 * 64 / 25e3) / 32, rel=1e-3)
+    assert prof["emb_transfer_us_per_row"] >= prof["emb_link_us_per_row"]
+    off = measure_profile(ProfileConfig(model=ModelConfig(embedding_dim=16, num_layers=1, qk_dim=8, v_dim=8),
+                                        lengths=(8,), repeats=1, emb_batch_rows=32, hit_history_len=16,
+                                        num_candidates=8, link=LinkEmulationConfig(mode="off")))
+    assert off["link_emulated"] is False and off["emb_link_us_per_row"] == 0.0
+
+
+def test_racer_node_profile_writes_the_file_the_simulator_reads(tmp_path, capsys):
+    out = tmp_path / "node_profile.json"
+    assert main(["node", "profile", "--json", "--out", str(out)] + SMALL) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == printed
+    assert set(printed["kv_recompute_us_per_token"]) == {"16", "64"}
+    assert printed["emb_transfer_us_per_row"] > 0 and printed["emb_hit_us_per_row"] > 0
+    assert printed["rank_us_per_candidate"] > 0 and printed["kv_read_us_per_token"] > 0
+    prof = from_node_profile(out)
+    assert prof.emb_transfer_us_per_row == printed["emb_transfer_us_per_row"]
+    assert prof.emb_hit_us_per_row == printed["emb_hit_us_per_row"] and prof.token_us > 0
+
+
+def test_profile_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="comma-separated integers"):
+        parse_lengths("128,abc")
+    with pytest.raises(ValueError, match="qk_dim"):
+        ProfileConfig(model=ModelConfig(qk_dim=16, v_dim=8))
+    assert main(["node", "profile", "--out", str(tmp_path / "no" / "such" / "p.json")] + SMALL) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["node", "profile", "--out", str(tmp_path / "p.json")] + SMALL + ["--lengths", "1,x"]) == 2
+    assert "--lengths must be comma-separated integers" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
