@@ -224,10 +224,32 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
              progress: bool = False, desc: str | None = None, record: list | None = None) -> SimResult:
     """Run ``stream`` through a cluster of ``cfg.num_nodes`` nodes; see the module docstring.
 
-    ``record``: when a list is given, every operation on a node's memory is appended in order:
-    ``("batch", node, start_s, request indices, cached tokens per request, embedding ids, EMB
-    hits)``, ``("target", node, share, now_s, applied_at_once)`` and ``("step", node, now_s)``, so
-    tests can replay them on payload-carrying structures."""
+    ``allocator`` picks every node's target ``emb_share`` each control interval from the node's
+    `WindowStats`. ``record``: when a list is given, every operation on a node's memory is
+    appended in order: ``("batch", node, start_s, request indices, cached tokens per request,
+    embedding ids, EMB hits)``, ``("target", node, share, now_s, applied_at_once)`` and
+    ``("step", node, now_s)``, so tests can replay them on payload-carrying structures."""
+    allocator.reset(cfg.num_nodes, cfg.initial_emb_share)
+    run = run_cluster(stream, cfg, router, initial_share=allocator.initial_share(), name=allocator.name,
+                      progress=progress, desc=desc, record=record)
+    try:
+        now_s, stats = next(run)
+        while True:
+            targets = [float(allocator.decide(i, st, now_s)) for i, st in enumerate(stats)]
+            now_s, stats = run.send(targets)
+    except StopIteration as stop:
+        return stop.value
+
+
+def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *, initial_share: float | None = None,
+                name: str = "external", progress: bool = False, desc: str | None = None, record: list | None = None):
+    """The simulation as a generator: at every control-interval boundary after the first it yields
+    ``(now_s, [WindowStats per node])`` and takes back the list of target ``emb_share`` per node
+    (``send``); it returns the `SimResult` (``StopIteration.value``). `simulate` drives it with an
+    `Allocator`; the PPO environment (policies/env.py) drives it one interval per step.
+
+    ``initial_share``: a split applied at once at start-up (a static configuration); ``None``
+    starts every node at ``cfg.initial_emb_share``."""
     import time as _time
 
     cfg = cfg.validate()
@@ -239,8 +261,6 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
     rp = router_profile(stream, cfg)
     rt = make_router(router, [n.id for n in nodes], rp, num_shards=trace.num_shards, seed=cfg.seed,
                      node_timeout_s=float("inf"))
-    allocator.reset(cfg.num_nodes, cfg.initial_emb_share)
-
     n_req = len(stream)
     arrival = stream.arrival_s
     users_all = stream.user
@@ -275,13 +295,12 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
     completions: list[tuple[float, int, int]] = []  # (finish_s, node, count)
     totals = {"emb_lookups": 0, "emb_hits": 0, "kv_tokens": 0, "kv_hit_tokens": 0, "refill": 0}
     target_now = [cfg.initial_emb_share] * cfg.num_nodes
-    prev_stats: list[WindowStats | None] = [None] * cfg.num_nodes
 
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=n_req, desc=desc or f"{allocator.name}/{router}", unit="req", leave=False,
+        bar = tqdm(total=n_req, desc=desc or f"{name}/{router}", unit="req", leave=False,
                    mininterval=0.5)
 
     def serve(node: _Node, idx: np.ndarray, start_s: float) -> float:
@@ -391,26 +410,28 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
             if wi > 0:
                 for node in nodes:
                     shares[wi - 1, node.index] = node.mm.emb_share
-            for node in nodes:
-                if wi > 0:
-                    st = window_stats(node)
-                    target = float(allocator.decide(node.index, st, t0))
-                    prev_stats[node.index] = st
-                    if not 0.0 <= target <= 1.0 or not math.isfinite(target):
-                        raise ValueError(f"allocator {allocator.name} returned emb_share {target!r}")
+                stats = [window_stats(node) for node in nodes]
+                decided = yield t0, stats
+                if decided is None or len(decided) != len(nodes):
+                    raise ValueError(f"need one target emb_share per node ({len(nodes)}), got {decided!r}")
+                for node, target in zip(nodes, decided):
+                    target = float(target)
+                    if not (math.isfinite(target) and 0.0 <= target <= 1.0):
+                        raise ValueError(f"allocator {name} returned emb_share {target!r} for {node.id}")
                     if abs(target - target_now[node.index]) > 1e-12:
                         node.mm.set_target(target, t0)
                         target_now[node.index] = target
                         if record is not None:
                             record.append(("target", node.index, target, t0, False))
                     node.win = _Window()
-                elif allocator.initial_share() is not None:  # a fixed split is configured at start-up
-                    target = float(allocator.initial_share())
-                    node.mm.set_target(target, t0)
+            elif initial_share is not None:  # a fixed split is configured at start-up
+                for node in nodes:
+                    node.mm.set_target(float(initial_share), t0)
                     node.mm.apply_plan(t0)
-                    target_now[node.index] = target
+                    target_now[node.index] = float(initial_share)
                     if record is not None:
-                        record.append(("target", node.index, target, t0, True))
+                        record.append(("target", node.index, float(initial_share), t0, True))
+            for node in nodes:
                 targets[wi, node.index] = target_now[node.index]
         if k % slices_per_report == 0 and k > 0:
             for node in nodes:
@@ -470,7 +491,7 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
             wp99[w] = np.percentile(seg, 99)
             wslo[w] = np.mean(seg <= cfg.slo_ms)
     return SimResult(
-        allocator=allocator.name, router=router, latency_s=latency, node=node_of, window_p99_ms=wp99,
+        allocator=name, router=router, latency_s=latency, node=node_of, window_p99_ms=wp99,
         window_slo=wslo, shares=shares, targets=targets, emb_lookups=totals["emb_lookups"],
         emb_hits=totals["emb_hits"], kv_history_tokens=totals["kv_tokens"], kv_hit_tokens=totals["kv_hit_tokens"],
         refill_bytes=totals["refill"], boundary_bytes_copied=sum(n.mm.boundary_bytes_copied for n in nodes),

@@ -42,21 +42,21 @@ class TableConfig:
     path: str | None = None
     regimes: tuple[str, ...] = ("steady", "trend", "burst")
     num_nodes: int = 32
-    rate_rps: float = 16_000.0
+    rate_rps: float = 4_000.0
     duration_s: float = 30.0
-    num_users: int = 100_000
-    history_scale: float = 1.0
-    shares: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    num_users: int = 20_000
+    history_scale: float = 10.0
+    shares: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     routers: tuple[str, ...] = ROUTERS
     extra_allocators: tuple[str, ...] = ()
-    cache_fraction: float = 0.5
+    cache_fraction: float = 1.0
     slo_ms: float = 30.0
     seed: int = 0
     jobs: int = 0  # 0: one per core
 
     @classmethod
     def quick(cls, **kw) -> "TableConfig":
-        base = dict(rate_rps=4_000.0, duration_s=12.0, num_users=30_000, shares=(0.2, 0.5, 0.8))
+        base = dict(rate_rps=2_000.0, duration_s=10.0, num_users=10_000, shares=(0.2, 0.5, 0.8))
         base.update(kw)
         return cls(**base)
 
