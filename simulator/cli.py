@@ -39,7 +39,7 @@ def cmd_paper_table(args) -> int:
     base = TableConfig.quick() if args.quick else TableConfig()
     kw = {"trace": args.trace, "path": args.path, "regimes": args.regimes, "num_nodes": args.nodes,
           "seed": args.seed, "jobs": args.jobs}
-    for name in ("rate", "duration", "users", "history_scale", "cache_fraction", "slo_ms"):
+    for name in ("rate", "duration", "users", "history_scale", "cache_fraction", "slo_ms", "profile"):
         v = getattr(args, name)
         if v is not None:
             kw[{"rate": "rate_rps", "duration": "duration_s", "users": "num_users"}.get(name, name)] = v
@@ -88,6 +88,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cache-fraction", type=float, default=None,
                    help="cache bytes per node as a fraction of the embedding table")
     p.add_argument("--slo-ms", type=float, default=None, help="latency SLO (default 30)")
+    p.add_argument("--profile", default=None,
+                   help="cost profile: a100-hstu (default) or a JSON file written by `racer node profile`")
     p.add_argument("--shares", type=_floats, default=None, help="static split grid, e.g. 0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--routers", type=_names, default=None, help="routers to run (default: all six)")
     p.add_argument("--allocators", type=_names, default=None,

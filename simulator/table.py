@@ -9,7 +9,7 @@ For each regime of one trace:
    requests (the offline-optimal ``emb_share`` per window, found on the window's replay); it is
    then run as a schedule, so its row is measured, not assembled;
 5. **heuristic** (hit-rate heuristic), and any extra allocators (the SmartAllocator layers);
-6. every other router with ``best_static`` and ``oracle``.
+6. every other router with ``best_static`` and ``oracle`` (``--quick``: ``best_static`` only).
 
 Each row carries P50/P99 (ms), SLO attainment, throughput, EMB and KV hit rates, the mean
 ``emb_share`` and the mean |emb_share - oracle| over nodes and windows. Runs are independent, so
@@ -48,15 +48,18 @@ class TableConfig:
     history_scale: float = 10.0
     shares: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     routers: tuple[str, ...] = ROUTERS
+    other_router_allocators: tuple[str, ...] = ("best_static", "oracle")  # run with every non-racer router
     extra_allocators: tuple[str, ...] = ()
     cache_fraction: float = 1.0
+    profile: str = "a100-hstu"  # a name in simulator.profiles.PROFILES or a `racer node profile` JSON file
     slo_ms: float = 30.0
     seed: int = 0
     jobs: int = 0  # 0: one per core
 
     @classmethod
     def quick(cls, **kw) -> "TableConfig":
-        base = dict(rate_rps=2_000.0, duration_s=10.0, num_users=10_000, shares=(0.2, 0.5, 0.8))
+        base = dict(rate_rps=2_000.0, duration_s=6.0, num_users=8_000, history_scale=4.0, shares=(0.2, 0.5, 0.8),
+                    other_router_allocators=("best_static",))
         base.update(kw)
         return cls(**base)
 
@@ -88,7 +91,10 @@ def _stream(cfg: TableConfig, regime: str):
 
 
 def sim_config(cfg: TableConfig) -> SimConfig:
-    return SimConfig(num_nodes=cfg.num_nodes, cache_fraction=cfg.cache_fraction, slo_ms=cfg.slo_ms, seed=cfg.seed)
+    from .profiles import get_profile
+
+    return SimConfig(num_nodes=cfg.num_nodes, profile=get_profile(cfg.profile), cache_fraction=cfg.cache_fraction,
+                     slo_ms=cfg.slo_ms, seed=cfg.seed)
 
 
 def _make_allocator(spec: str, schedule, scfg: SimConfig):
@@ -165,9 +171,11 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
             raise ValueError(f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
     if not cfg.shares or any(not 0 <= s <= 1 for s in cfg.shares):
         raise ValueError("shares must be a non-empty list of values in [0, 1]")
-    _stream(cfg, cfg.regimes[0])  # fail fast on a bad trace or regime, before the pool starts
+    _stream(cfg, cfg.regimes[0])  # fail fast on a bad trace, regime or profile, before the pool starts
+    sim_config(cfg).validate()
+    n_other = len(cfg.routers) - (1 if "racer" in cfg.routers else 0)
     n_runs = len(cfg.regimes) * (len(cfg.shares) + 2 + len(cfg.extra_allocators)
-                                 + 2 * (len(cfg.routers) - (1 if "racer" in cfg.routers else 0)))
+                                 + len(cfg.other_router_allocators) * n_other)
     bar = tqdm(total=n_runs, desc=f"paper-table {cfg.trace}", unit="run", disable=not progress)
     pool = _pool(cfg)
     rows: list[dict] = []
@@ -191,8 +199,8 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
             for rt in cfg.routers:
                 if rt == "racer":
                     continue
-                jobs.append(_Job(("best_static", rg, rt), rg, "best_static", rt, [best] * nw))
-                jobs.append(_Job(("oracle", rg, rt), rg, "oracle", rt, sched))
+                for a in cfg.other_router_allocators:
+                    jobs.append(_Job((a, rg, rt), rg, a, rt, [best] * nw if a == "best_static" else sched))
         done = _map(pool, cfg, jobs, bar)
     finally:
         if pool is not None:
@@ -223,7 +231,7 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
         series[(rg, "best_static", "racer")] = ser
         for key in [("oracle", rg, "racer"), ("heuristic", rg, "racer")] + \
                    [(spec, rg, "racer") for spec in cfg.extra_allocators] + \
-                   [(a, rg, rt) for rt in cfg.routers if rt != "racer" for a in ("best_static", "oracle")]:
+                   [(a, rg, rt) for rt in cfg.routers if rt != "racer" for a in cfg.other_router_allocators]:
             summary, ser = done[key]
             rows.append(row(key[0], key[2], summary, ser))
             series[(rg, key[0], key[2])] = ser
@@ -232,6 +240,7 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
         "trace": cfg.trace,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         "sim_config": _json_safe(asdict(sim_config(cfg))),
+        "profile": _json_safe(sim_config(cfg).profile.to_json()),
         "rows": rows,
         "oracle": {rg: {"schedule": plans[rg][1], "mean_share": round(float(np.mean(plans[rg][1])), 4),
                         "best_static_share": plans[rg][0]} for rg in cfg.regimes},
