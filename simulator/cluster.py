@@ -392,7 +392,7 @@ def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *,
 
     def report(node: _Node, now_s: float) -> None:
         delta = node.mm.kv.drain_residency()
-        resident = node.mm.emb.resident_items().cpu().numpy()
+        resident = node.mm.emb.resident_items(sort=False).cpu().numpy()
         mass = np.bincount(item_shard[resident], weights=pop[resident], minlength=trace.num_shards)
         hot = np.flatnonzero(mass >= cfg.hot_shard_min_mass * np.maximum(shard_mass, 1e-12))
         node.seq += 1

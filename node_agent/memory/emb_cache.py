@@ -532,10 +532,11 @@ class EmbCache:
     def snapshot_stats(self) -> EmbCacheStats:
         return replace(self.stats)
 
-    def resident_items(self) -> torch.Tensor:
-        """Cached item ids, ascending."""
+    def resident_items(self, sort: bool = True) -> torch.Tensor:
+        """Cached item ids, ascending (``sort=False``: in slot order, cheaper)."""
         s = self.slot_to_item[: self.rows]
-        return torch.sort(s[s >= 0]).values
+        s = s[s >= 0]
+        return torch.sort(s).values if sort else s
 
     def lru_items(self) -> torch.Tensor:
         """Cached items in eviction order (least recent first), ignoring rows in flight."""

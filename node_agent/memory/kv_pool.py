@@ -154,8 +154,12 @@ class KVPool:
         return out
 
     def _push_free(self, pages: list[int]) -> None:
-        for p in pages:
-            heapq.heappush(self._heap, -p)
+        if len(pages) > 8:  # one C-level heapify beats many Python-level pushes
+            self._heap.extend([-p for p in pages])
+            heapq.heapify(self._heap)
+        else:
+            for p in pages:
+                heapq.heappush(self._heap, -p)
         if len(self._heap) > 2 * self.num_pages + 64:  # drop stale entries
             hi = np.flatnonzero(self.page_owner[self.run_end:] == FREE) + self.run_end
             self._heap = [-int(p) for p in hi]
