@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workloads.regimes import top_share
+
 
 @dataclass(frozen=True)
 class MetricsConfig:
@@ -34,16 +36,6 @@ class MetricsConfig:
 # columns of the ring
 _T, _LAT, _EMB_REQ, _EMB_HIT, _KV_TOK, _KV_HIT, _USER, _HIST, _QUEUE = range(9)
 _NUM_COLS = 9
-
-
-def _top_share(ids: np.ndarray, fraction: float) -> float:
-    """Share of ``ids`` taken by the top ``fraction`` of its distinct values (at least one)."""
-    if len(ids) == 0:
-        return 0.0
-    counts = np.unique(ids, return_counts=True)[1]
-    k = max(1, int(np.ceil(fraction * len(counts))))
-    top = np.partition(counts, len(counts) - k)[len(counts) - k:]
-    return float(top.sum()) / len(ids)
 
 
 class RollingMetrics:
@@ -109,7 +101,7 @@ class RollingMetrics:
         return {
             "num_requests": n,
             "p99_ms": float(np.percentile(rows[:, _LAT], 99)) / 1e3,
-            "hot_user_ratio": _top_share(rows[:, _USER], 0.01),
+            "hot_user_ratio": top_share(rows[:, _USER], 0.01),
             "history_len_p50": float(np.percentile(rows[:, _HIST], 50)),
             "history_len_p99": float(np.percentile(rows[:, _HIST], 99)),
             "emb_lookups_per_request": float(emb_req / n),

@@ -35,7 +35,7 @@ from control_plane.router import NodeReport, RequestBatch, make_router
 from control_plane.weights import CostProfile as RouterProfile
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
 from policies.features import WindowStats
-from workloads.regimes import RequestStream
+from workloads.regimes import RequestStream, top_share
 
 from .allocators import Allocator
 from .cost import batch_time_us, request_compute_us
@@ -368,10 +368,7 @@ def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *,
         w = node.win
         iv = cfg.control_interval_s
         if w.n:
-            users = np.concatenate(w.users)
-            counts = np.unique(users, return_counts=True)[1]
-            k = max(1, int(math.ceil(0.01 * len(counts))))
-            hot = float(np.sort(counts)[-k:].sum()) / w.n
+            hot = top_share(np.concatenate(w.users), 0.01)
             hist = np.concatenate(w.hist)
             lat = np.concatenate(w.lat)
             h50, h99 = float(np.percentile(hist, 50)), float(np.percentile(hist, 99))

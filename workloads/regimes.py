@@ -225,11 +225,11 @@ class RequestStream:
             out["rate_rps"][w] = (b - a) / window_s
             if b == a:
                 continue
-            out["hot_user_ratio"][w] = _top_share(self.user[a:b], 0.01)
+            out["hot_user_ratio"][w] = top_share(self.user[a:b], 0.01)
             r = reuse[a:b]
             r = r[r >= 0]
             out["reuse_distance_p50"][w] = np.median(r) if len(r) else np.nan
-            out["item_top1pct_share"][w] = _top_share(items[item_bounds[w] : item_bounds[w + 1]], 0.01)
+            out["item_top1pct_share"][w] = top_share(items[item_bounds[w] : item_bounds[w + 1]], 0.01)
             h = self.history_len[a:b]
             out["history_len_p50"][w] = np.percentile(h, 50)
             out["history_len_p99"][w] = np.percentile(h, 99)
@@ -247,9 +247,9 @@ class RequestStream:
             "num_active_users": int(len(np.unique(self.user))),
             "duration_s": self.config.duration_s,
             "mean_rate_rps": round(len(self) / self.config.duration_s, 2),
-            "hot_user_ratio": round(_top_share(self.user, 0.01), 4),
+            "hot_user_ratio": round(top_share(self.user, 0.01), 4),
             "reuse_distance_p50": float(np.median(reuse)) if len(reuse) else None,
-            "item_top1pct_share": round(_top_share(items, 0.01), 4),
+            "item_top1pct_share": round(top_share(items, 0.01), 4),
             "history_len_p50": float(np.percentile(self.history_len, 50)) if len(self) else 0.0,
             "history_len_p99": float(np.percentile(self.history_len, 99)) if len(self) else 0.0,
             "num_bursts": len(self.bursts),
@@ -258,8 +258,9 @@ class RequestStream:
         }
 
 
-def _top_share(ids: np.ndarray, fraction: float) -> float:
-    """Share of ``ids`` taken by the top ``fraction`` of its distinct values (at least one)."""
+def top_share(ids: np.ndarray, fraction: float = 0.01) -> float:
+    """Share of ``ids`` taken by the top ``fraction`` of its distinct values (at least one): the
+    hot-user ratio of a window's users, the top-1% items' share of its item lookups."""
     if len(ids) == 0:
         return 0.0
     counts = np.unique(ids, return_counts=True)[1]
