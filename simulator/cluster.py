@@ -193,15 +193,23 @@ def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
     )
 
 
-def router_profile(stream: RequestStream, cfg: SimConfig) -> RouterProfile:
-    """The router's view of a simulated node's costs (its weights come from these)."""
+def router_profile(stream: RequestStream, cfg: SimConfig, service_time_us: float | None = None) -> RouterProfile:
+    """The router's view of a simulated node's costs (its weights come from these).
+
+    ``service_time_us``: the node's measured busy time per request (batch time over batch size),
+    which nodes report as they run; the first estimate is a mean request that misses its K/V and
+    half of its embedding rows, with its compute overlapped ``batch_speedup`` ways."""
     prof = cfg.profile
-    L = float(np.mean(stream.history_len)) if len(stream) else 0.0
-    nc = float(np.mean(stream.num_candidates)) if len(stream) else 0.0
-    service = (prof.request_overhead_us + nc * (prof.cand_us + prof.attn_us_per_ctx * L)) / prof.batch_speedup
-    return RouterProfile(kv_recompute_us_per_token=prof.token_us + prof.attn_us_per_ctx * L / 2,
+    if service_time_us is None:
+        L = float(np.mean(stream.history_len)) if len(stream) else 0.0
+        n = float(np.mean(stream.num_new_items)) if len(stream) else 0.0
+        nc = float(np.mean(stream.num_candidates)) if len(stream) else 0.0
+        comp = float(request_compute_us(prof, np.zeros(1), np.array([L]), np.array([n]), np.array([nc]))[0])
+        service_time_us = (prof.request_overhead_us + comp / prof.batch_speedup
+                           + 0.5 * (L + n + nc) * prof.emb_transfer_us_per_row)
+    return RouterProfile(kv_recompute_us_per_token=prof.kv_recompute_us_per_token,
                          emb_transfer_us_per_row=prof.emb_transfer_us_per_row,
-                         service_time_us=service, queue_capacity=cfg.queue_capacity)
+                         service_time_us=float(service_time_us), queue_capacity=cfg.queue_capacity)
 
 
 def candidate_pool(trace, seed: int) -> np.ndarray:
@@ -393,7 +401,11 @@ def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *,
         mass = np.bincount(item_shard[resident], weights=pop[resident], minlength=trace.num_shards)
         hot = np.flatnonzero(mass >= cfg.hot_shard_min_mass * np.maximum(shard_mass, 1e-12))
         node.seq += 1
-        rt.report(NodeReport(node.id, at_s=now_s, seq=node.seq, hot_shards=hot,
+        w = node.win
+        # the node's measured service time re-derives the router's load weight (as a node agent's
+        # reports let the control plane recompute and push weights)
+        profile = router_profile(stream, cfg, w.busy_us / w.n) if w.n >= 20 else None
+        rt.report(NodeReport(node.id, at_s=now_s, seq=node.seq, hot_shards=hot, profile=profile,
                              evicted_users=np.asarray(delta.evicted, dtype=np.int64)))
 
     for k in range(num_slices):
