@@ -2,6 +2,7 @@
 
     racer policy export --checkpoint CKPT --out DIR [--num-golden 64] [--seed 0] [--tolerance 1e-5] [--force] [--json]
     racer policy verify DIR [--json]
+    racer policy train [--total-steps N] [--out DIR] [--seed S] [--trace taobao,amazon] [...] [--json]
 
 Errors a user can fix (missing checkpoint, refused export, bad artifact) raise ValueError /
 FileNotFoundError / FileExistsError subclasses, which racer's ``main`` prints as one line with
@@ -45,6 +46,12 @@ def cmd_policy_verify(args) -> int:
     return 0
 
 
+def cmd_policy_train(args) -> int:
+    from .train_ppo import cmd_train
+
+    return cmd_train(args)
+
+
 def _positive_float(text: str) -> float:
     v = float(text)
     if not v > 0:
@@ -53,8 +60,10 @@ def _positive_float(text: str) -> float:
 
 
 def add_policy_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``policy`` (with ``export`` and ``verify``) to racer's top-level subparsers."""
-    pol = subparsers.add_parser("policy", help="export and verify SmartAllocator policy artifacts",
+    """Add ``policy`` (with ``train``, ``export`` and ``verify``) to racer's top-level subparsers."""
+    from .train_ppo import add_train_arguments
+
+    pol = subparsers.add_parser("policy", help="train, export and verify SmartAllocator policies",
                                 description="SmartAllocator base policies: ONNX artifacts with parity checks.")
     sub = pol.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", required=True)
 
@@ -76,4 +85,12 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("artifact", help="artifact directory")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.set_defaults(func=cmd_policy_verify)
+
+    t = sub.add_parser("train", help="train the base policy with PPO on the cluster simulator",
+                       description="PPO (policies/train_ppo.py) on policies/env.py: one step is one control "
+                                   "interval of the simulated cluster, every node an agent sharing the policy. "
+                                   "Writes actor.pt (export it with `racer policy export`), curve.png/json/csv "
+                                   "and evaluation.json to --out.")
+    add_train_arguments(t)
+    t.set_defaults(func=cmd_policy_train)
     return pol

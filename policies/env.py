@@ -1,0 +1,401 @@
+"""The PPO training environment: one step is one control interval of the cluster simulator.
+
+Gymnasium-style (``reset(seed=None, options=None) -> (obs, info)``, ``step(action) -> (obs,
+reward, terminated, truncated, info)``) without depending on gymnasium. The environment drives
+`simulator.cluster.run_cluster`, the same generator `simulator.simulate` drives with an
+allocator, so training sees exactly the nodes, router, memory managers and cost model the paper
+table measures.
+
+Multi-agent with one shared policy: every node of the simulated cluster is an agent.
+
+- **observation** ``[num_nodes, NUM_FEATURES]`` float32: `policies.features.build_features` of
+  each node's `WindowStats` for the interval that just ended, with that node's previous interval
+  as ``prev`` (the two delta features; None on an episode's first observation);
+- **action** ``[num_nodes]``: each node's target ``emb_share`` in [0, 1] (the actor's
+  ``sigmoid(z')``, see `policies.actor`), clipped to the runtime's bounds (`GuardConfig`'s
+  ``min_emb_share`` / ``max_emb_share``) before it reaches the memory manager. With
+  ``step_limit=True`` the runtime's step limit applies too (``max_step_up`` / ``max_step_down``
+  from the previous decision, `apply_guards`, the order of `SmartAllocator.decide`). It is off by
+  default: the action is an absolute target, so the deployed policy reaches the same split
+  through the guards, only more slowly; without the limit each action decides the split of its
+  own interval, which gives PPO an immediate, larger and less ambiguous effect per action to
+  learn from (with the limit most sampled targets are cut to the same +0.05 / -0.1 step);
+- **reward** ``[num_nodes]`` float32: from `node_reward` of each node's `WindowStats` for the
+  interval that ran under the action, shared as a team reward (see `RewardConfig` for the
+  formula and why); only what the nodes report, so the same signal exists on a live cluster;
+- **terminated** is always False (serving has no terminal state); **truncated** is True on the
+  last step of an episode (the stream ends). PPO bootstraps the value of the final observation.
+
+Episodes. ``reset`` draws, from the environment's seeded generator: a trace (`EnvConfig.traces`),
+a regime (`EnvConfig.regimes`: steady / trend / burst), the stream's seed, the cluster's request
+rate (log-uniform in ``rate_rps / (1 + rate_spread) .. rate_rps * (1 + rate_spread)``) and the
+split every node starts from (uniform in ``initial_share_range``, applied at once at start-up, as a
+static configuration would be), so the policy learns to move from any split. ``options`` fixes
+any of these (``trace``, ``regime``, ``stream_seed``, ``rate_rps``, ``initial_share``), which the
+evaluation uses. The first observation is the end of the first control interval; an episode of
+``duration_s`` with interval ``control_interval_s`` has ``windows - 2`` steps (``windows =
+ceil(duration / interval)``): the last interval's outcome is never reported by the simulator,
+so the last window runs under the held split and its figures go only to ``info["episode"]``.
+
+Settings. `EnvConfig.like_table` takes the paper table's setting (`simulator.table.TableConfig`)
+to a smaller cluster at the same per-node load; that is what `policies.train_ppo` trains on, so a
+retrained policy follows the table's calibration. `EnvConfig`'s own defaults are a lighter
+setting for tests and quick experiments. Cost: the simulator serves roughly 2-15k requests per
+wall second on one core (fewer with long histories), so a 20-s episode of 4 nodes at the table's
+per-node load takes a few seconds. Nothing reads the clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from node_agent.allocator import GuardConfig
+
+from .features import NUM_FEATURES, P99_OVER_SLO_MAX, WindowStats, build_features, miss_costs_us
+
+TRACE_NAMES = ("taobao", "amazon", "synthetic")
+P99_FLOOR = 0.1  # p99 / slo below this counts as this in the reward's log
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """The per-node reward of one control interval (the interval that ran under the action).
+
+    With ``x = p99_ms / slo_ms``, ``lx = ln(max(x, 0.1))``, ``m = (kv_miss_us + emb_miss_us) /
+    (1000 * slo_ms)`` (the expected miss time per request, `miss_costs_us`, as a fraction of the
+    SLO, clipped at 4) and ``f = refill_bytes / arena_bytes``:
+
+        reward = -( w_p99 * lx                    dense: the tail latency, on a log scale
+                    + w_over * max(0, lx)         steeper once over the SLO
+                    + w_slo_miss * [x > 1]        an SLO miss (the interval's P99 broke the SLO)
+                    + w_miss_time * m             dense: time the split costs each request
+                    + w_refill * min(f, 1) )      background refill traffic (PCIe) it caused
+
+    An interval in which the node finished no request has no latency evidence: its P99 terms and
+    ``m`` are 0. **Log scale**: the paper table compares P99s as ratios (24% below the best static
+    split), and a log makes a 10% lower P99 worth the same (0.095 * w_p99) at 10 ms as at 300 ms,
+    so neither a lightly loaded regime nor an overloaded one drowns the other's signal (with a
+    linear ``x`` an overloaded trend episode's P99 of 25x the SLO outweighed everything else; with
+    ``x`` clipped, as a first version did, overload gave no signal at all). ``lx`` is dense (P99
+    moves with every split change, also far below the SLO); ``m`` is the nodes' own mean miss
+    time per request: unlike P99 it does not depend on the slowest batch of the interval, so it
+    ranks splits with far less noise. The log-hinge and the miss indicator fire only when the SLO
+    breaks. Refill is charged because growing the EMB slab copies rows over the host link, the traffic the paper
+    keeps off the critical path. Its weight is small on purpose: with ``w_refill = 0.05`` a refill
+    of the whole arena costs what a 5% higher P99 costs, so one guard step of growth (0.05 of the
+    arena, ``f = 0.05``) costs 0.0025, less than the latency it buys over a few intervals when more
+    EMB helps; the charge discourages churn without forbidding growth (at
+    ``w_refill = 1`` a first training run learnt to shrink the slab whatever the workload).
+
+    **Team reward.** What a node receives is ``team_weight * team + (1 - team_weight) * own``,
+    where ``own`` is the formula above on the node's own `WindowStats` and ``team`` is the
+    request-weighted mean of every node's ``own`` (the plain mean when no node served a request).
+    The default ``team_weight = 1`` gives every node the cluster's figure, because a node's own
+    figure is confounded by the router: the EMB-KV-aware router sends a node with a larger EMB
+    slab the requests whose embeddings it holds, so the node's own load and P99 rise while the
+    cluster's fall (measured on 8 nodes, half at emb_share 0.9 and half at 0.2: the 0.9 nodes
+    served 37% more requests and their own P99 was no better, on the Amazon trace worse, although
+    the all-0.9 cluster beats the all-0.2 one by 12% in P99). The paper's objective, the
+    cluster's P99 and SLO, is a team objective; every node runs the same policy.
+    """
+
+    w_p99: float = 1.0
+    w_over: float = 1.0
+    w_slo_miss: float = 0.5
+    w_miss_time: float = 1.0
+    w_refill: float = 0.05
+    team_weight: float = 1.0
+
+    def validate(self) -> "RewardConfig":
+        bad = [f"{k} must be a finite number >= 0, got {v!r}" for k, v in asdict(self).items()
+               if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)]
+        if not bad and self.team_weight > 1:
+            bad.append(f"team_weight must be in [0, 1], got {self.team_weight!r}")
+        if bad:
+            raise ValueError("invalid RewardConfig: " + "; ".join(bad))
+        return self
+
+
+def node_reward(stats: WindowStats, cfg: RewardConfig) -> tuple[float, dict[str, float]]:
+    """The reward of one node's interval (see `RewardConfig`) and its terms (before the weights)."""
+    f = min(stats.refill_bytes / stats.arena_bytes, 1.0)
+    if stats.num_requests > 0:
+        x = stats.p99_ms / stats.slo_ms
+        lx = math.log(max(x, P99_FLOOR))
+        kv_us, emb_us = miss_costs_us(stats)
+        m = min((kv_us + emb_us) / (1000.0 * stats.slo_ms), P99_OVER_SLO_MAX)
+    else:  # no latency evidence
+        x = lx = m = 0.0
+    over = max(0.0, lx)
+    miss = 1.0 if x > 1.0 else 0.0
+    cost = cfg.w_p99 * lx + cfg.w_over * over + cfg.w_slo_miss * miss + cfg.w_miss_time * m + cfg.w_refill * f
+    return -cost, {"p99_over_slo": x, "log_p99_over_slo": lx, "log_over_slo": over, "slo_miss": miss,
+                   "miss_time_over_slo": m, "refill_fraction": f}
+
+
+def team_rewards(own: np.ndarray, num_requests: np.ndarray, team_weight: float) -> np.ndarray:
+    """Each node's reward: ``team_weight * team + (1 - team_weight) * own`` with ``team`` the
+    request-weighted mean of ``own`` (the plain mean when no node served a request)."""
+    total = float(num_requests.sum())
+    team = float(own @ num_requests) / total if total > 0 else float(own.mean())
+    return team_weight * team + (1.0 - team_weight) * own
+
+
+def apply_guards(targets: np.ndarray, prev: np.ndarray, guard: GuardConfig) -> np.ndarray:
+    """The runtime's guards on a vector of proposals: step limit from ``prev`` (the previous
+    decisions), then the bounds; the same order and limits as `SmartAllocator.decide`."""
+    out = np.minimum(targets, prev + guard.max_step_up)
+    out = np.maximum(out, prev - guard.max_step_down)
+    return np.clip(out, guard.min_emb_share, guard.max_emb_share)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """What an episode looks like (see the module docstring for how each episode is drawn).
+
+    Cluster: ``num_nodes``, ``cache_fraction`` (cache bytes per node as a fraction of the trace's
+    embedding table), ``slo_ms``, ``control_interval_s``, ``profile`` (a cost profile name or a
+    ``racer node profile`` JSON file, `simulator.profiles.get_profile`). Workload: ``traces`` (``taobao``,
+    ``amazon``: the samples under ../shared/data; ``synthetic``: `workloads.synthetic_trace`, for
+    tests), ``regimes``, ``rate_rps`` (cluster-wide) with ``rate_spread``, ``duration_s``,
+    ``num_users``, ``history_scale``. Start: ``initial_share_range``. ``guard``: the runtime's
+    guards; ``reward``: `RewardConfig`.
+    """
+
+    traces: tuple[str, ...] = ("taobao", "amazon")
+    regimes: tuple[str, ...] = ("steady", "trend", "burst")
+    num_nodes: int = 4
+    rate_rps: float = 1_500.0
+    rate_spread: float = 0.5
+    duration_s: float = 20.0
+    num_users: int = 12_500
+    history_scale: float = 1.0
+    cache_fraction: float = 0.5
+    slo_ms: float = 30.0
+    control_interval_s: float = 1.0
+    profile: str = "a100-hstu"
+    initial_share_range: tuple[float, float] = (0.2, 0.8)
+    step_limit: bool = False
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def validate(self) -> "EnvConfig":
+        from workloads.regimes import REGIMES
+
+        p = []
+        if not self.traces or any(t not in TRACE_NAMES for t in self.traces):
+            p.append(f"traces must be a non-empty subset of {TRACE_NAMES}, got {self.traces!r}")
+        if not self.regimes or any(r not in REGIMES for r in self.regimes):
+            p.append(f"regimes must be a non-empty subset of {REGIMES}, got {self.regimes!r}")
+        if not (isinstance(self.num_nodes, int) and self.num_nodes >= 1):
+            p.append(f"num_nodes must be an integer >= 1, got {self.num_nodes!r}")
+        for k in ("rate_rps", "duration_s", "history_scale", "cache_fraction", "slo_ms", "control_interval_s"):
+            v = getattr(self, k)
+            if not (math.isfinite(v) and v > 0):
+                p.append(f"{k} must be a positive number, got {v!r}")
+        if not (math.isfinite(self.rate_spread) and self.rate_spread >= 0):
+            p.append(f"rate_spread must be >= 0, got {self.rate_spread!r}")
+        if not (isinstance(self.num_users, int) and self.num_users >= 1):
+            p.append(f"num_users must be an integer >= 1, got {self.num_users!r}")
+        lo, hi = self.initial_share_range
+        if not 0 <= lo <= hi <= 1:
+            p.append(f"initial_share_range must satisfy 0 <= lo <= hi <= 1, got {self.initial_share_range!r}")
+        if self.duration_s < 3 * self.control_interval_s:
+            p.append("duration_s must cover at least 3 control intervals (one step)")
+        if p:
+            raise ValueError("invalid EnvConfig: " + "; ".join(p))
+        self.reward.validate()
+        return self
+
+    @classmethod
+    def like_table(cls, table=None, num_nodes: int = 4, **overrides) -> "EnvConfig":
+        """The paper table's setting (`simulator.table.TableConfig`, default: its defaults) on a
+        smaller cluster: the same per-node load (``rate_rps`` and ``num_users`` scaled by
+        ``num_nodes / table.num_nodes``) and the same ``history_scale``, ``cache_fraction``,
+        ``slo_ms``, ``profile``, traces and regimes; ``overrides`` replace any field."""
+        from simulator.table import TableConfig
+
+        t = table or TableConfig()
+        scale = num_nodes / t.num_nodes
+        kw = dict(traces=("taobao", "amazon"), regimes=tuple(t.regimes), num_nodes=num_nodes,
+                  rate_rps=t.rate_rps * scale, num_users=max(1, int(round(t.num_users * scale))),
+                  history_scale=t.history_scale, cache_fraction=t.cache_fraction, slo_ms=t.slo_ms,
+                  profile=t.profile)
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["traces"], d["regimes"] = list(self.traces), list(self.regimes)
+        d["initial_share_range"] = list(self.initial_share_range)
+        return d
+
+
+def load_env_trace(name: str):
+    """The trace an episode replays: the bundled sample, or a small synthetic one for tests."""
+    from workloads import load_trace, synthetic_trace
+
+    if name == "synthetic":
+        return synthetic_trace(num_users=400, num_items=4_000, mean_seq_len=80.0, seed=0)
+    return load_trace(name)
+
+
+class AllocatorEnv:
+    """One simulated cluster; see the module docstring. ``num_agents`` = ``config.num_nodes``."""
+
+    def __init__(self, config: EnvConfig | None = None):
+        self.config = (config or EnvConfig()).validate()
+        self.num_agents = self.config.num_nodes
+        self.observation_shape = (self.num_agents, NUM_FEATURES)
+        self.action_shape = (self.num_agents,)
+        from simulator.profiles import get_profile
+
+        self._profile = get_profile(self.config.profile)
+        self._traces: dict = {}
+        self._rng = np.random.default_rng(0)
+        self._run = None
+        self._prev_stats: list[WindowStats | None] = [None] * self.num_agents
+        self._targets = np.zeros(self.num_agents)
+        self._obs = np.zeros(self.observation_shape, dtype=np.float32)
+        self._steps_left = 0
+        self._episode: dict = {}
+
+    # ------------------------------------------------------------------ episode set-up
+    def _trace(self, name: str):
+        if name not in self._traces:
+            self._traces[name] = load_env_trace(name)
+        return self._traces[name]
+
+    def _sim_config(self, seed: int):
+        from simulator.cluster import SimConfig
+
+        c = self.config
+        return SimConfig(num_nodes=c.num_nodes, profile=self._profile, cache_fraction=c.cache_fraction,
+                         slo_ms=c.slo_ms, control_interval_s=c.control_interval_s, seed=seed)
+
+    def _num_windows(self, sim_cfg, duration_s: float) -> int:
+        """Control windows of a run, counted as `run_cluster` counts them (it yields after each but
+        the last)."""
+        slice_s = sim_cfg.batch_window_ms / 1e3
+        num_slices = int(math.ceil(duration_s / slice_s))
+        per_window = max(1, int(round(sim_cfg.control_interval_s / slice_s)))
+        return int(math.ceil(num_slices / per_window))
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        """Start an episode; ``seed`` reseeds the environment's generator (as gymnasium's reset)."""
+        from simulator.cluster import run_cluster
+        from workloads import generate
+
+        if seed is not None:
+            self._rng = np.random.default_rng(int(seed))
+        self.close()
+        c = self.config
+        o = dict(options or {})
+        rng = self._rng
+        # draw everything first (a fixed number of draws per episode), then apply the options
+        trace_name = c.traces[int(rng.integers(len(c.traces)))]
+        regime = c.regimes[int(rng.integers(len(c.regimes)))]
+        stream_seed = int(rng.integers(2**31 - 1))
+        lo_r, hi_r = c.rate_rps / (1 + c.rate_spread), c.rate_rps * (1 + c.rate_spread)
+        rate = float(math.exp(rng.uniform(math.log(lo_r), math.log(hi_r))))
+        share = float(rng.uniform(*c.initial_share_range))
+        trace_name = o.pop("trace", trace_name)
+        regime = o.pop("regime", regime)
+        stream_seed = int(o.pop("stream_seed", stream_seed))
+        rate = float(o.pop("rate_rps", rate))
+        share = float(o.pop("initial_share", share))
+        if o:
+            raise ValueError(f"unknown reset options {sorted(o)}")
+        if not c.guard.min_emb_share <= share <= c.guard.max_emb_share:
+            raise ValueError(f"initial_share {share} outside the guard bounds")
+        stream = generate(self._trace(trace_name), regime=regime, rate_rps=rate, duration_s=c.duration_s,
+                          num_users=c.num_users, history_scale=c.history_scale, seed=stream_seed)
+        sim_cfg = self._sim_config(stream_seed)
+        self._steps_left = self._num_windows(sim_cfg, stream.config.duration_s) - 2
+        if self._steps_left < 1:
+            raise ValueError("the episode is too short for one step")
+        self._run = run_cluster(stream, sim_cfg, "racer", initial_share=share, name="ppo-env")
+        now_s, stats = next(self._run)
+        self._prev_stats = [None] * self.num_agents
+        self._targets = np.full(self.num_agents, share)
+        self._obs = self._observe(stats)
+        self._episode = {"trace": trace_name, "regime": regime, "stream_seed": stream_seed, "rate_rps": rate,
+                         "initial_share": share, "bursts": [list(b) for b in stream.bursts], "num_requests": len(stream),
+                         "steps": 0, "return": 0.0, "share_sum": 0.0}
+        info = {"now_s": now_s, "stats": stats, **{k: self._episode[k] for k in
+                                                   ("trace", "regime", "stream_seed", "rate_rps", "initial_share")}}
+        return self._obs.copy(), info
+
+    def _observe(self, stats: list[WindowStats]) -> np.ndarray:
+        obs = np.empty(self.observation_shape, dtype=np.float32)
+        for i, st in enumerate(stats):
+            build_features(st, self._prev_stats[i], out=obs[i])
+            self._prev_stats[i] = st
+        return obs
+
+    # ------------------------------------------------------------------ one control interval
+    def step(self, action) -> tuple[np.ndarray, np.ndarray, bool, bool, dict]:
+        if self._run is None:
+            raise RuntimeError("call reset() before step()")
+        a = np.asarray(action, dtype=np.float64).reshape(-1)
+        if a.shape != self.action_shape or not np.all(np.isfinite(a)) or np.any((a < 0) | (a > 1)):
+            raise ValueError(f"action must be {self.num_agents} finite emb_shares in [0, 1], got {action!r}")
+        g = self.config.guard
+        if self.config.step_limit:
+            targets = apply_guards(a, self._targets, g)
+        else:
+            targets = np.clip(a, g.min_emb_share, g.max_emb_share)
+        try:
+            now_s, stats = self._run.send(targets.tolist())
+        except StopIteration:  # cannot happen when the window count above matches the simulator's
+            raise RuntimeError("the simulator ended before the episode's last step") from None
+        self._targets = targets
+        self._obs = self._observe(stats)
+        own = np.empty(self.num_agents)
+        terms: dict[str, np.ndarray] = {}
+        for i, st in enumerate(stats):
+            r, t = node_reward(st, self.config.reward)
+            own[i] = r
+            for k, v in t.items():
+                terms.setdefault(k, np.empty(self.num_agents))[i] = v
+        rewards = team_rewards(own, np.array([st.num_requests for st in stats], dtype=np.float64),
+                               self.config.reward.team_weight).astype(np.float32)
+        terms["own_reward"] = own
+        self._steps_left -= 1
+        ep = self._episode
+        ep["steps"] += 1
+        ep["return"] += float(rewards.mean())
+        ep["share_sum"] += float(targets.mean())
+        truncated = self._steps_left <= 0
+        info = {"now_s": now_s, "stats": stats, "targets": targets, "reward_terms": terms,
+                "regime": ep["regime"], "trace": ep["trace"]}
+        if truncated:
+            info["episode"] = self._finish()
+        return self._obs.copy(), rewards, False, truncated, info
+
+    def _finish(self) -> dict:
+        """Run the last window under the held split and summarise the episode."""
+        ep = dict(self._episode)
+        try:
+            self._run.send(self._targets.tolist())
+            raise RuntimeError("the simulator yielded past the episode's last step")
+        except StopIteration as stop:
+            result = stop.value
+        self._run = None
+        summary = result.summary()
+        ep.pop("share_sum")
+        ep.update({"mean_reward": ep["return"] / max(1, ep["steps"]),
+                   "mean_target_share": self._episode["share_sum"] / max(1, ep["steps"]),
+                   "p99_ms": summary["p99_ms"], "p50_ms": summary["p50_ms"],
+                   "slo_attainment": summary["slo_attainment"], "mean_share": summary["mean_share"],
+                   "emb_hit_rate": summary["emb_hit_rate"], "kv_hit_rate": summary["kv_hit_rate"],
+                   "refill_bytes": summary["refill_bytes"]})
+        return ep
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.close()
+            self._run = None

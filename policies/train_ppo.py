@@ -1,0 +1,593 @@
+"""PPO for the SmartAllocator's base policy, in one file (CleanRL ``ppo_continuous_action.py`` style).
+
+    racer policy train --total-steps 6000 --out out/ppo --seed 1
+    python -m policies.train_ppo --total-steps 6000 --out out/ppo      # the same
+
+Environment: `policies.env.AllocatorEnv`, one step = one control interval of the simulated
+cluster; every node is an agent sharing the policy (so a rollout of ``num_steps`` steps holds
+``num_steps * num_nodes`` transitions). Actor: `policies.actor.Actor`: PPO samples the logit
+``z' ~ Normal(mlp(x), exp(log_std))`` and the environment receives ``sigmoid(z')``, the target
+emb_share. Critic: centralised, as in MAPPO (Yu et al., "The Surprising Effectiveness of PPO in
+Cooperative Multi-Agent Games", NeurIPS 2022): a separate MLP of the node's features and the
+cluster's mean features (`critic_input`). The reward is a team reward (`policies.env.RewardConfig`),
+so the critic must see the cluster to predict it; the actor, which is exported and runs on one
+node, sees only that node's features.
+
+The loop is flat: collect a rollout (auto-reset at episode ends, bootstrapping the truncated
+episode's final observation), `compute_gae`, then ``update_epochs`` passes of minibatch SGD on
+`ppo_loss`. Everything is seeded (``seed``: the actor's and critic's init, the action noise, the
+episodes); torch runs on one thread. Outputs in ``out``: ``actor.pt`` (`policies.actor`'s
+checkpoint format, with the training config and the evaluation figures inside), ``curve.json``
+and ``curve.csv`` (one row per update), ``curve.png`` (the learning curve), ``evaluation.json``.
+
+Evaluation (after training): the mean action (what the ONNX artifact runs) on held-out episodes,
+one per (trace, regime), each starting at emb_share 0.5 as the paper table's runs do, beside the
+static splits ``eval_static_shares`` on the same streams: mean reward, P99, SLO attainment and the
+mean emb_share per regime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .actor import Actor, ActorConfig, make_initial_actor, save_checkpoint
+from .env import AllocatorEnv, EnvConfig
+from .features import NUM_FEATURES
+
+
+@dataclass
+class Args:
+    # run
+    seed: int = 1
+    out: str = "out/ppo"
+    total_steps: int = 6_000  # control intervals simulated for training (each gives num_nodes transitions)
+    progress: bool = True
+    torch_threads: int = 1
+    # environment (policies.env.EnvConfig.like_table: None = the paper table's value, per node)
+    traces: tuple[str, ...] = ("taobao", "amazon")
+    regimes: tuple[str, ...] = ("steady", "trend", "burst")
+    num_nodes: int = 4
+    rate_rps: float | None = None  # cluster-wide; None: the table's rate_rps * num_nodes / its num_nodes
+    rate_spread: float = 0.5
+    duration_s: float = 20.0
+    num_users: int | None = None  # None: the table's num_users * num_nodes / its num_nodes
+    history_scale: float | None = None
+    cache_fraction: float | None = None
+    slo_ms: float | None = None
+    profile: str | None = None
+    # PPO
+    num_steps: int = 36  # env steps per rollout (two 18-step episodes of 20 s)
+    learning_rate: float = 1e-3
+    anneal_lr: bool = True
+    gamma: float = 0.5
+    gae_lambda: float = 0.8
+    update_epochs: int = 10
+    num_minibatches: int = 4
+    norm_adv: bool = True
+    clip_coef: float = 0.2
+    clip_vloss: bool = False  # value clipping at clip_coef would stall a critic whose returns are O(1)
+    ent_coef: float = 0.0
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    target_kl: float | None = 0.05
+    reward_scale: float = 1.0  # rewards are multiplied by this before GAE (the curve reports unscaled)
+    # networks
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    init_log_std: float = 0.0
+    # evaluation
+    eval_seed: int = 10_000
+    eval_static_shares: tuple[float, ...] = (0.5, 0.9)
+
+    def validate(self) -> "Args":
+        p = []
+        for k in ("total_steps", "num_steps", "update_epochs", "num_minibatches", "torch_threads"):
+            v = getattr(self, k)
+            if not (isinstance(v, int) and v >= 1):
+                p.append(f"{k} must be an integer >= 1, got {v!r}")
+        for k in ("learning_rate", "clip_coef", "reward_scale"):
+            if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
+                p.append(f"{k} must be > 0, got {getattr(self, k)!r}")
+        for k in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, k) <= 1:
+                p.append(f"{k} must be in [0, 1], got {getattr(self, k)!r}")
+        if any(not 0 <= s <= 1 for s in self.eval_static_shares):
+            p.append("eval_static_shares must lie in [0, 1]")
+        if self.num_steps * self.num_nodes < self.num_minibatches:
+            p.append("num_steps * num_nodes must be at least num_minibatches")
+        if p:
+            raise ValueError("invalid PPO Args: " + "; ".join(p))
+        return self
+
+    def env_config(self) -> EnvConfig:
+        """`EnvConfig.like_table` with every field given here (not None) replacing the table's."""
+        kw = {k: getattr(self, k) for k in ("rate_rps", "num_users", "history_scale", "cache_fraction", "slo_ms",
+                                             "profile") if getattr(self, k) is not None}
+        return EnvConfig.like_table(num_nodes=self.num_nodes, traces=tuple(self.traces), regimes=tuple(self.regimes),
+                                    rate_spread=self.rate_spread, duration_s=self.duration_s, **kw).validate()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
+
+
+# --------------------------------------------------------------------------------------------- pure parts
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
+                episode_end: torch.Tensor, gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over a rollout; tensors are [T, ...] (time first).
+
+    ``next_values[t]`` is the value of the observation after step ``t`` (for the last step of an
+    episode: its final observation, so truncated episodes are bootstrapped); ``terminated[t]``
+    zeroes that bootstrap (a true terminal state); ``episode_end[t]`` (terminated or truncated)
+    stops the advantage from flowing back across the reset:
+
+        delta_t = r_t + gamma * (1 - terminated_t) * next_values_t - values_t
+        A_t     = delta_t + gamma * lambda * (1 - episode_end_t) * A_{t+1},   A_T = 0
+
+    Returns ``(advantages, returns = advantages + values)``.
+    """
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[0])
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        delta = rewards[t] + gamma * (1.0 - terminated[t]) * next_values[t] - values[t]
+        last = delta + gamma * gae_lambda * (1.0 - episode_end[t]) * last
+        adv[t] = last
+    return adv, adv + values
+
+
+def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
+             new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor, *,
+             clip_coef: float, vf_coef: float, ent_coef: float, clip_vloss: bool = True
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped objective (to minimise) and its diagnostics.
+
+        ratio   = exp(new_logprob - old_logprob)
+        pg_loss = mean(max(-A * ratio, -A * clip(ratio, 1 - c, 1 + c)))
+        v_loss  = 0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))   (clip_vloss)
+                  0.5 * mean((V - R)^2)                                                 (otherwise)
+        loss    = pg_loss - ent_coef * mean(entropy) + vf_coef * v_loss
+
+    Diagnostics: ``approx_kl`` = mean((ratio - 1) - log ratio) (Schulman's k3 estimator) and
+    ``clipfrac`` = share of |ratio - 1| > c.
+    """
+    logratio = new_logprob - old_logprob
+    ratio = logratio.exp()
+    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+    if clip_vloss:
+        v_clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
+        v_loss = 0.5 * torch.max((new_values - returns) ** 2, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((new_values - returns) ** 2).mean()
+    ent = entropy.mean()
+    loss = pg_loss - ent_coef * ent + vf_coef * v_loss
+    with torch.no_grad():
+        stats = {"pg_loss": float(pg_loss), "v_loss": float(v_loss), "entropy": float(ent),
+                 "approx_kl": float(((ratio - 1) - logratio).mean()),
+                 "clipfrac": float(((ratio - 1.0).abs() > clip_coef).float().mean())}
+    return loss, stats
+
+
+def explained_variance(pred: np.ndarray, target: np.ndarray) -> float:
+    var = float(np.var(target))
+    return float("nan") if var == 0 else 1.0 - float(np.var(target - pred)) / var
+
+
+# --------------------------------------------------------------------------------------------- networks
+
+
+def critic_input(obs: torch.Tensor) -> torch.Tensor:
+    """The centralised critic's input: each node's features beside the cluster's mean features,
+    ``[nodes, F] -> [nodes, 2F]`` (``[T, nodes, F] -> [T, nodes, 2F]``)."""
+    mean = obs.mean(dim=-2, keepdim=True).expand_as(obs)
+    return torch.cat([obs, mean], dim=-1)
+
+
+class Critic(nn.Module):
+    """critic_input [batch, 2 * NUM_FEATURES] -> value [batch]; CleanRL's init (orthogonal, head gain 1)."""
+
+    def __init__(self, hidden_sizes: tuple[int, ...], generator: torch.Generator):
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = 2 * NUM_FEATURES
+        for h in hidden_sizes:
+            lin = nn.Linear(width, h)
+            nn.init.orthogonal_(lin.weight, gain=math.sqrt(2), generator=generator)
+            nn.init.zeros_(lin.bias)
+            layers += [lin, nn.Tanh()]
+            width = h
+        head = nn.Linear(width, 1)
+        nn.init.orthogonal_(head.weight, gain=1.0, generator=generator)
+        nn.init.zeros_(head.bias)
+        self.net = nn.Sequential(*layers, head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------- evaluation
+
+
+def run_episode(env: AllocatorEnv, policy, options: dict) -> dict:
+    """One episode with ``policy(obs [nodes, F]) -> actions [nodes]``; the episode's summary."""
+    obs, _ = env.reset(options=options)
+    while True:
+        obs, _, term, trunc, info = env.step(policy(obs))
+        if term or trunc:
+            return info["episode"]
+
+
+def evaluate(actor: Actor, env_cfg: EnvConfig, *, seed: int, static_shares: tuple[float, ...] = (),
+             progress: bool = False) -> dict:
+    """The mean action on one held-out episode per (trace, regime), beside static splits on the
+    same streams. Every run starts at emb_share 0.5 (the table's start for adaptive allocators;
+    a static split starts at its own value)."""
+    from tqdm import tqdm
+
+    env = AllocatorEnv(env_cfg)
+    rng = np.random.default_rng(seed)
+    cases = [(t, r, int(rng.integers(2**31 - 1))) for t in env_cfg.traces for r in env_cfg.regimes]
+    runs = ["policy"] + [f"static:{s:.2f}" for s in static_shares]
+    bar = tqdm(total=len(cases) * len(runs), desc="evaluate", unit="episode", disable=not progress, leave=False)
+
+    def mean_action(obs: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return actor(torch.from_numpy(obs)).squeeze(-1).double().numpy()
+
+    out: dict = {"episodes": []}
+    for trace, regime, stream_seed in cases:
+        opts = {"trace": trace, "regime": regime, "stream_seed": stream_seed, "rate_rps": env_cfg.rate_rps}
+        for name in runs:
+            if name == "policy":
+                ep = run_episode(env, mean_action, {**opts, "initial_share": 0.5})
+            else:
+                s = float(name.split(":")[1])
+                ep = run_episode(env, lambda obs, s=s: np.full(len(obs), s), {**opts, "initial_share": s})
+            bar.update(1)
+            out["episodes"].append({"allocator": name, **{k: ep[k] for k in (
+                "trace", "regime", "stream_seed", "rate_rps", "mean_reward", "p99_ms", "p50_ms", "slo_attainment",
+                "mean_share", "emb_hit_rate", "kv_hit_rate")}})
+    bar.close()
+    env.close()
+    by_regime = {}
+    for regime in env_cfg.regimes:
+        eps = [e for e in out["episodes"] if e["regime"] == regime]
+        row = {}
+        for name in runs:
+            mine = [e for e in eps if e["allocator"] == name]
+            row[name] = {k: round(float(np.mean([e[k] for e in mine])), 5)
+                         for k in ("mean_reward", "p99_ms", "slo_attainment", "mean_share")}
+        by_regime[regime] = row
+    out["by_regime"] = by_regime
+    pol = [e for e in out["episodes"] if e["allocator"] == "policy"]
+    out["policy_mean_reward"] = round(float(np.mean([e["mean_reward"] for e in pol])), 5)
+    out["policy_mean_share_by_regime"] = {r: by_regime[r]["policy"]["mean_share"] for r in env_cfg.regimes}
+    return out
+
+
+# --------------------------------------------------------------------------------------------- outputs
+
+
+def training_progress(episodes: list[dict]) -> dict:
+    """Per regime: the mean training-episode reward of the first and the last fifth of that
+    regime's episodes, and the mean sampled target share of each (regimes differ too much in
+    reward for one pooled figure to mean anything)."""
+    out = {}
+    for regime in sorted({e["regime"] for e in episodes}):
+        eps = [e for e in episodes if e["regime"] == regime]
+        k = max(1, len(eps) // 5)
+        out[regime] = {"episodes": len(eps),
+                       "reward_first_fifth": round(float(np.mean([e["mean_reward"] for e in eps[:k]])), 5),
+                       "reward_last_fifth": round(float(np.mean([e["mean_reward"] for e in eps[-k:]])), 5),
+                       "share_first_fifth": round(float(np.mean([e["mean_target_share"] for e in eps[:k]])), 4),
+                       "share_last_fifth": round(float(np.mean([e["mean_target_share"] for e in eps[-k:]])), 4)}
+    return out
+
+
+
+CURVE_KEYS = ("update", "global_step", "transitions", "episodes", "episode_reward", "rollout_reward", "mean_action",
+              "action_std", "learning_rate", "pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac",
+              "explained_variance", "wall_s")
+
+
+def write_curve(rows: list[dict], episodes: list[dict], out: Path, plot: bool = True) -> dict:
+    """curve.json (updates and episodes), curve.csv (updates) and, with ``plot``, curve.png; returns
+    the paths."""
+
+    (out / "curve.json").write_text(json.dumps({"updates": rows, "episodes": episodes}, indent=1))
+    with open(out / "curve.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CURVE_KEYS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in CURVE_KEYS})
+    paths = {"json": str(out / "curve.json"), "csv": str(out / "curve.csv")}
+    if not plot:
+        return paths
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    colors = {"steady": "tab:blue", "trend": "tab:orange", "burst": "tab:red"}
+    for regime in sorted({e["regime"] for e in episodes}):
+        pts = [(e["global_step"], e["mean_reward"]) for e in episodes if e["regime"] == regime]
+        xs, ys = zip(*pts)
+        axes[0].scatter(xs, ys, s=12, alpha=0.5, color=colors.get(regime), label=regime)
+        if len(ys) >= 3:
+            k = min(5, len(ys))
+            axes[0].plot(xs[k - 1:], np.convolve(ys, np.ones(k) / k, mode="valid"), color=colors.get(regime))
+    all_r = np.array([e["mean_reward"] for e in episodes])
+    if len(all_r):
+        lo, hi = float(np.percentile(all_r, 5)), float(all_r.max())
+        pad = 0.25 * (hi - lo) + 1e-3
+        axes[0].set_ylim(lo - pad, hi + pad)  # a few burst episodes far below would flatten the rest
+    axes[0].set_title("episode mean reward per node-step (training; 5th pct and up)")
+    axes[0].set_xlabel("control intervals")
+    axes[0].legend(fontsize=8)
+    steps = [r["global_step"] for r in rows]
+    axes[1].plot(steps, [r["mean_action"] for r in rows], label="mean target emb_share")
+    axes[1].plot(steps, [r["action_std"] for r in rows], label="logit std")
+    axes[1].set_title("actions")
+    axes[1].set_xlabel("control intervals")
+    axes[1].legend(fontsize=8)
+    axes[2].plot(steps, [r["approx_kl"] for r in rows], label="approx KL")
+    axes[2].plot(steps, [r["clipfrac"] for r in rows], label="clip fraction")
+    axes[2].plot(steps, [r["explained_variance"] for r in rows], label="explained variance")
+    axes[2].set_ylim(-1.0, 1.0)
+    axes[2].set_title("PPO diagnostics (clipped to [-1, 1])")
+    axes[2].set_xlabel("control intervals")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=90)
+    plt.close(fig)
+    return {**paths, "png": str(out / "curve.png")}
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def train(args: Args) -> dict:
+    """Train, evaluate, save; return a summary (paths, figures)."""
+    from tqdm import tqdm
+
+    args.validate()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.torch_threads)
+    env_cfg = args.env_config()
+    env = AllocatorEnv(env_cfg)
+    n = env.num_agents
+    gen = torch.Generator().manual_seed(args.seed)  # action noise and minibatch order
+    actor = make_initial_actor(args.seed, ActorConfig(hidden_sizes=tuple(args.hidden_sizes),
+                                                      init_log_std=args.init_log_std)).train()
+    critic = Critic(tuple(args.hidden_sizes), torch.Generator().manual_seed(args.seed + 1))
+    params = list(actor.parameters()) + list(critic.parameters())
+    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5)
+
+    T = args.num_steps
+    num_updates = max(1, args.total_steps // T)
+    batch = T * n
+    minibatch = batch // args.num_minibatches
+    obs_buf = torch.zeros((T, n, NUM_FEATURES))
+    cobs_buf = torch.zeros((T, n, 2 * NUM_FEATURES))
+    z_buf = torch.zeros((T, n))
+    logp_buf = torch.zeros((T, n))
+    rew_buf = torch.zeros((T, n))
+    val_buf = torch.zeros((T, n))
+    next_val_buf = torch.zeros((T, n))
+    term_buf = torch.zeros(T)
+    end_buf = torch.zeros(T)
+
+    wall0 = time.perf_counter()
+    obs_np, _ = env.reset(seed=args.seed)
+    obs = torch.from_numpy(obs_np)
+    global_step = 0
+    rows: list[dict] = []
+    episodes: list[dict] = []
+    bar = tqdm(total=num_updates * T, desc="ppo", unit="step", disable=not args.progress, mininterval=1.0)
+    for update in range(1, num_updates + 1):
+        lr = args.learning_rate * (1.0 - (update - 1) / num_updates if args.anneal_lr else 1.0)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        done_eps: list[dict] = []
+        for t in range(T):
+            obs_buf[t] = obs
+            with torch.no_grad():
+                mean = actor.logit(obs).squeeze(-1)
+                std = actor.log_std.exp()
+                z = mean + std * torch.randn(mean.shape, generator=gen)
+                logp_buf[t] = torch.distributions.Normal(mean, std).log_prob(z)
+                cobs_buf[t] = critic_input(obs)
+                val_buf[t] = critic(cobs_buf[t])
+            z_buf[t] = z
+            action = torch.sigmoid(z).double().numpy()
+            next_np, reward, term, trunc, info = env.step(action)
+            global_step += 1
+            rew_buf[t] = torch.from_numpy(reward) * args.reward_scale
+            term_buf[t] = float(term)
+            end_buf[t] = float(term or trunc)
+            next_obs = torch.from_numpy(next_np)
+            if term or trunc:
+                with torch.no_grad():
+                    next_val_buf[t] = critic(critic_input(next_obs))  # bootstrap the final observation (zeroed if terminated)
+                ep = info["episode"]
+                ep["global_step"] = global_step
+                done_eps.append(ep)
+                episodes.append({k: ep[k] for k in ("global_step", "trace", "regime", "stream_seed", "rate_rps",
+                                                    "initial_share", "mean_reward", "mean_target_share", "p99_ms",
+                                                    "slo_attainment", "mean_share")})
+                next_np, _ = env.reset()
+                next_obs = torch.from_numpy(next_np)
+            obs = next_obs
+            bar.update(1)
+        with torch.no_grad():
+            last_val = critic(critic_input(obs))
+        # next_values[t] = V(obs after step t): values[t + 1] inside an episode
+        for t in range(T):
+            if end_buf[t] == 0:
+                next_val_buf[t] = val_buf[t + 1] if t + 1 < T else last_val
+        adv, ret = compute_gae(rew_buf, val_buf, next_val_buf, term_buf[:, None].expand(T, n),
+                               end_buf[:, None].expand(T, n), args.gamma, args.gae_lambda)
+
+        b_obs = obs_buf.reshape(-1, NUM_FEATURES)
+        b_cobs = cobs_buf.reshape(-1, 2 * NUM_FEATURES)
+        b_z, b_logp = z_buf.reshape(-1), logp_buf.reshape(-1)
+        b_adv, b_ret, b_val = adv.reshape(-1), ret.reshape(-1), val_buf.reshape(-1)
+        stats: dict[str, list[float]] = {}
+        for _epoch in range(args.update_epochs):
+            perm = torch.randperm(batch, generator=gen)
+            for start in range(0, batch - minibatch + 1, minibatch):
+                mb = perm[start:start + minibatch]
+                dist = actor.logit_distribution(b_obs[mb])
+                new_logp = dist.log_prob(b_z[mb][:, None]).squeeze(-1)
+                entropy = dist.entropy().squeeze(-1)
+                mb_adv = b_adv[mb]
+                if args.norm_adv:
+                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                loss, st = ppo_loss(new_logp, b_logp[mb], mb_adv, critic(b_cobs[mb]), b_val[mb], b_ret[mb], entropy,
+                                    clip_coef=args.clip_coef, vf_coef=args.vf_coef, ent_coef=args.ent_coef,
+                                    clip_vloss=args.clip_vloss)
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                optimizer.step()
+                for k, v in st.items():
+                    stats.setdefault(k, []).append(v)
+            if args.target_kl is not None and stats["approx_kl"][-1] > args.target_kl:
+                break
+        row = {
+            "update": update, "global_step": global_step, "transitions": global_step * n, "episodes": len(episodes),
+            "episode_reward": (round(float(np.mean([e["mean_reward"] for e in done_eps])), 6) if done_eps else None),
+            "rollout_reward": round(float(rew_buf.mean()) / args.reward_scale, 6),
+            "mean_action": round(float(torch.sigmoid(z_buf).mean()), 5),
+            "action_std": round(float(actor.log_std.detach().exp()), 5), "learning_rate": lr,
+            **{k: round(float(np.mean(v)), 6) for k, v in stats.items()},
+            "explained_variance": round(explained_variance(b_val.numpy(), b_ret.numpy()), 5),
+            "wall_s": round(time.perf_counter() - wall0, 1),
+        }
+        rows.append(row)
+        write_curve(rows, episodes, out, plot=False)  # the figures so far survive an interrupted run
+        bar.set_postfix(reward=row["rollout_reward"], share=row["mean_action"], kl=row["approx_kl"])
+    bar.close()
+    env.close()
+    train_wall_s = time.perf_counter() - wall0
+
+    actor.eval()
+    evaluation = evaluate(actor, env_cfg, seed=args.eval_seed, static_shares=tuple(args.eval_static_shares),
+                          progress=args.progress)
+    evaluation.update({"train_wall_s": round(train_wall_s, 1), "num_updates": num_updates,
+                       "num_episodes": len(episodes), "transitions": global_step * n,
+                       "train_reward_by_regime": training_progress(episodes)})
+    curve = write_curve(rows, episodes, out)
+    (out / "evaluation.json").write_text(json.dumps(evaluation, indent=1))
+    training_config = {"algorithm": "ppo", "args": args.to_dict(), "env": env_cfg.to_dict()}
+    # the checkpoint carries the per-regime summary, not every episode (it ends up in the manifest)
+    ckpt_eval = {k: v for k, v in evaluation.items() if k != "episodes"}
+    ckpt = save_checkpoint(out / "actor.pt", actor, training_config=training_config, evaluation=ckpt_eval)
+    return {"checkpoint": str(ckpt), "curve": curve, "evaluation": ckpt_eval,
+            "wall_s": round(time.perf_counter() - wall0, 1)}
+
+
+# --------------------------------------------------------------------------------------------- command line
+
+
+def _list(cast):
+    def parse(text: str):
+        try:
+            vals = tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"want a comma-separated list, got {text!r}") from None
+        return vals
+    return parse
+
+
+_FLAGS = {  # Args field -> (flag, type, help)
+    "seed": ("--seed", int, "seed of the networks, the action noise and the episodes"),
+    "out": ("--out", str, "output directory (checkpoint, curve, evaluation)"),
+    "total_steps": ("--total-steps", int, "control intervals to simulate for training"),
+    "traces": ("--trace", _list(str), "comma-separated traces: taobao, amazon, synthetic"),
+    "regimes": ("--regimes", _list(str), "comma-separated regimes"),
+    "num_nodes": ("--nodes", int, "simulated nodes (agents sharing the policy)"),
+    "rate_rps": ("--rate", float, "cluster request rate, req/s (centre of the drawn range; default: the paper "
+                                  "table's per-node rate x nodes)"),
+    "rate_spread": ("--rate-spread", float, "rates drawn log-uniformly in rate/(1+s) .. rate*(1+s)"),
+    "duration_s": ("--duration", float, "simulated seconds per episode"),
+    "num_users": ("--users", int, "users per stream (default: the paper table's users per node x nodes)"),
+    "history_scale": ("--history-scale", float, "stretch trace histories (default: the paper table's)"),
+    "cache_fraction": ("--cache-fraction", float, "cache bytes per node as a fraction of the embedding table "
+                                                  "(default: the paper table's)"),
+    "slo_ms": ("--slo-ms", float, "latency SLO (default: the paper table's)"),
+    "profile": ("--profile", str, "cost profile name or racer node profile JSON (default: the paper table's)"),
+    "num_steps": ("--num-steps", int, "env steps per rollout"),
+    "learning_rate": ("--learning-rate", float, "Adam step size (annealed to 0)"),
+    "gamma": ("--gamma", float, "discount"),
+    "gae_lambda": ("--gae-lambda", float, "GAE lambda"),
+    "update_epochs": ("--update-epochs", int, "passes over each rollout"),
+    "num_minibatches": ("--num-minibatches", int, "minibatches per pass"),
+    "init_log_std": ("--init-log-std", float, "initial log std of the logit's Gaussian"),
+    "eval_seed": ("--eval-seed", int, "seed of the held-out evaluation streams"),
+    "eval_static_shares": ("--eval-static-shares", _list(float), "static splits evaluated beside the policy"),
+}
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = Args()
+    for name, (flag, typ, text) in _FLAGS.items():
+        d = getattr(defaults, name)
+        shown = ",".join(map(str, d)) if isinstance(d, tuple) else d
+        p.add_argument(flag, dest=name, type=typ, default=d, help=text if d is None else f"{text} (default {shown})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def args_from_namespace(ns: argparse.Namespace) -> Args:
+    kw = {f.name: getattr(ns, f.name) for f in fields(Args) if hasattr(ns, f.name)}
+    kw["progress"] = not getattr(ns, "no_progress", False)
+    return Args(**kw)
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    summary = train(args_from_namespace(ns))
+    if getattr(ns, "json", False):
+        print(json.dumps(summary))
+    else:
+        ev = summary["evaluation"]
+        print(f"trained in {ev['train_wall_s']} s ({ev['num_updates']} updates, {ev['num_episodes']} episodes, "
+              f"{ev['transitions']} transitions); checkpoint {summary['checkpoint']}")
+        print(f"curve {summary['curve']['png']}; training episodes, first fifth -> last fifth:")
+        for regime, p in ev["train_reward_by_regime"].items():
+            print(f"  {regime:<7} reward {p['reward_first_fifth']:.4f} -> {p['reward_last_fifth']:.4f}, "
+                  f"sampled share {p['share_first_fifth']:.3f} -> {p['share_last_fifth']:.3f} "
+                  f"({p['episodes']} episodes)")
+        print("evaluation (held-out streams, mean action from emb_share 0.5):")
+        for regime, row in ev["by_regime"].items():
+            print(f"  {regime:<7} " + "  ".join(f"{k}: reward {v['mean_reward']:.4f} p99 {v['p99_ms']:.2f} ms "
+                                                  f"slo {v['slo_attainment']:.4f} share {v['mean_share']:.3f}"
+                                                  for k, v in row.items()))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m policies.train_ppo", description=__doc__.split("\n")[0])
+    add_train_arguments(p)
+    return cmd_train(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The SmartAllocator's layers as simulator allocators (the paper table's ablation rows).
+
+    make_smart_allocator("racer")          # base + residual adapter + recovery controller
+    make_smart_allocator("ppo")            # the frozen base policy alone
+    make_smart_allocator("ppo+residual")   # base + residual adapter
+    make_smart_allocator("ppo+recovery")   # base + recovery controller
+
+Each simulated node gets its own `node_agent.allocator.SmartAllocator` (the node agent's runtime,
+unchanged: ONNX base policy in onnxruntime, residual adapter, burst recovery controller, guards),
+loaded from ``policies/default`` unless another artifact directory is given. Every control
+interval the simulator hands the node's `WindowStats` to `SmartAllocatorSim.decide`, which does
+what the node agent does: ``observe(stats)`` (the adapter learns from the outcome of its previous
+decision) and then ``decide(stats, now_s)``; the decision's ``emb_share`` is the node's target.
+The allocator's ``name`` is the spec string, so the table's rows are labelled by it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator
+from policies.features import WindowStats
+
+from .allocators import Allocator
+
+DEFAULT_ARTIFACT = Path(__file__).resolve().parent.parent / "policies" / "default"
+
+# spec -> (residual adapter on, recovery controller on)
+SMART_SPECS: dict[str, tuple[bool, bool]] = {
+    "racer": (True, True),
+    "ppo": (False, False),
+    "ppo+residual": (True, False),
+    "ppo+recovery": (False, True),
+}
+
+
+def smart_config(spec: str, base: AllocatorConfig | None = None) -> AllocatorConfig:
+    """The `AllocatorConfig` of an ablation: ``base`` (default `AllocatorConfig()`) with the
+    residual adapter and the recovery controller switched on or off as ``spec`` says."""
+    if spec not in SMART_SPECS:
+        raise ValueError(f"unknown SmartAllocator spec {spec!r}: use one of {', '.join(SMART_SPECS)}")
+    residual_on, recovery_on = SMART_SPECS[spec]
+    base = base or AllocatorConfig()
+    return AllocatorConfig(
+        guard=base.guard,
+        residual=ResidualConfig(**{**_fields(base.residual), "enabled": residual_on}),
+        recovery=RecoveryConfig(**{**_fields(base.recovery), "enabled": recovery_on}),
+        initial_emb_share=base.initial_emb_share, device=base.device,
+        intra_op_num_threads=base.intra_op_num_threads, golden_tolerance=base.golden_tolerance)
+
+
+def _fields(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+
+
+class SmartAllocatorSim(Allocator):
+    """One `SmartAllocator` per simulated node, created (and the policy loaded and checked) at
+    `reset`. ``decisions_by_source`` counts the decisions of the last run by source (``base``,
+    ``residual``, ``recovery``, ``override``, ``guard``); ``allocators`` holds the per-node
+    runtimes (their ``state()`` says everything)."""
+
+    def __init__(self, spec: str, artifact_dir: str | Path | None = None, config: AllocatorConfig | None = None):
+        self.config = smart_config(spec, config)
+        self.name = spec
+        self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else DEFAULT_ARTIFACT
+        if not (self.artifact_dir / "manifest.json").is_file():
+            raise FileNotFoundError(f"{self.artifact_dir}: no policy artifact (train one with `racer policy train`, "
+                                    "then `racer policy export`)")
+        self.allocators: list[SmartAllocator] = []
+        self.decisions_by_source: Counter = Counter()
+
+    def reset(self, num_nodes: int, initial_share: float) -> None:
+        cfg = AllocatorConfig(guard=self.config.guard, residual=self.config.residual, recovery=self.config.recovery,
+                              initial_emb_share=initial_share, device=self.config.device,
+                              intra_op_num_threads=self.config.intra_op_num_threads,
+                              golden_tolerance=self.config.golden_tolerance)
+        self.allocators = [SmartAllocator(cfg, policy_dir=self.artifact_dir) for _ in range(num_nodes)]
+        self.decisions_by_source = Counter()
+
+    def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
+        alloc = self.allocators[node]
+        alloc.observe(stats)  # the outcome of the previous decision (skipped, with a reason, when there is none)
+        d = alloc.decide(stats, now_s)
+        self.decisions_by_source[d.source] += 1
+        return d.emb_share
+
+
+def make_smart_allocator(spec: str, artifact_dir: str | Path | None = None,
+                         config: AllocatorConfig | None = None) -> SmartAllocatorSim:
+    """The simulator allocator for ``spec`` (``racer``, ``ppo``, ``ppo+residual``, ``ppo+recovery``),
+    with the policy at ``artifact_dir`` (default ``policies/default``); ``config`` supplies the
+    other settings (guards, thresholds), the spec decides which layers are on."""
+    return SmartAllocatorSim(spec, artifact_dir, config)
