@@ -16,9 +16,10 @@ import time
 
 import torch
 
+from bench import load_bench_trace
 from simulator import SimConfig, StaticAllocator, simulate
 from simulator.table import TableConfig
-from workloads import REGIMES, generate, load_trace, synthetic_trace
+from workloads import REGIMES, generate
 
 
 def main(argv=None) -> dict:
@@ -33,12 +34,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--users", type=int, default=d.num_users)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    try:
-        trace = load_trace(args.trace, args.path)
-        name = trace.source_path
-    except FileNotFoundError:
-        trace = synthetic_trace(num_users=1_000, num_items=50_000, mean_seq_len=100)
-        name = "synthetic (sample trace not found)"
+    trace, name = load_bench_trace(args.trace, args.path)
     cfg = SimConfig(num_nodes=args.nodes, cache_fraction=d.cache_fraction, slo_ms=d.slo_ms)
     out = {"trace": name, "nodes": args.nodes, "router": "racer", "rate_rps": args.rate,
            "duration_s": args.duration, "num_users": args.users, "torch_threads": torch.get_num_threads(),

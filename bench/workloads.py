@@ -15,7 +15,8 @@ import json
 import statistics
 import time
 
-from workloads import REGIMES, generate, load_trace, synthetic_trace
+from bench import load_bench_trace
+from workloads import REGIMES, generate
 
 
 def main(argv=None) -> dict:
@@ -30,12 +31,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
-    try:
-        trace = load_trace(args.trace, args.path)
-        trace_name = trace.source_path
-    except FileNotFoundError:
-        trace = synthetic_trace(num_users=1_000, num_items=50_000, mean_seq_len=100)
-        trace_name = "synthetic (sample trace not found)"
+    trace, trace_name = load_bench_trace(args.trace, args.path)
     rate = args.nodes * args.rate_per_node
     out = {"trace": trace_name, "nodes": args.nodes, "rate_rps": rate, "duration_s": args.duration,
            "num_users": args.users, "regimes": {}}

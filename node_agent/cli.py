@@ -189,18 +189,9 @@ def build_agent(args, *, announce=None):
 
 
 def _read_costs(path: str) -> dict:
-    from pathlib import Path
+    from .profile import read_node_profile
 
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--profile: file not found: {p}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--profile {p}: not JSON ({e})") from None
-    if not isinstance(data, dict) or "kv_recompute_us_per_token" not in data or "emb_transfer_us_per_row" not in data:
-        raise ValueError(f"--profile {p}: needs kv_recompute_us_per_token and emb_transfer_us_per_row "
-                         "(write one with racer node profile)")
+    data = read_node_profile(path)
     return {k: data[k] for k in ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "emb_hit_us_per_row")
             if k in data}
 

@@ -14,7 +14,6 @@ recomputed token vs per transferred row), which is what decides the split.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -134,15 +133,10 @@ def from_node_profile(path: str | Path, base: CostProfile = A100_HSTU) -> CostPr
     Reads ``kv_recompute_us_per_token`` (a mapping of history length -> µs, or a number),
     ``emb_transfer_us_per_row`` and, when present, ``emb_hit_us_per_row``.
     """
+    from node_agent.profile import read_node_profile
+
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"profile file not found: {p}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e})") from None
-    if not isinstance(data, dict) or "emb_transfer_us_per_row" not in data or "kv_recompute_us_per_token" not in data:
-        raise ValueError(f"{p}: a node profile needs kv_recompute_us_per_token and emb_transfer_us_per_row")
+    data = read_node_profile(p)
     kv = data["kv_recompute_us_per_token"]
     if isinstance(kv, dict):
         pts = sorted((float(k), float(v)) for k, v in kv.items())
