@@ -64,12 +64,23 @@ class KvResidency:
         self.node = np.full(self.capacity, -1, dtype=np.int32)
         self.cached_len = np.zeros(self.capacity, dtype=np.int32)
         self.touched_s = np.zeros(self.capacity, dtype=np.float64)
-        self._keys_mv = memoryview(self.keys)
-        self._node_mv = memoryview(self.node)
-        self._len_mv = memoryview(self.cached_len)
-        self._touched_mv = memoryview(self.touched_s)
         self._count = 0
         self._way_range = np.arange(ways, dtype=np.int64)
+        self._bind_views()
+
+    # memoryviews over the arrays (fast scalar access); rebuilt on copy, as they cannot be pickled
+    _VIEWS = {"_keys_mv": "keys", "_node_mv": "node", "_len_mv": "cached_len", "_touched_mv": "touched_s"}
+
+    def _bind_views(self) -> None:
+        for view, arr in self._VIEWS.items():
+            setattr(self, view, memoryview(getattr(self, arr)))
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._bind_views()
 
     # ---------------------------------------------------------------- one user
     def _set_base(self, user: int) -> int:

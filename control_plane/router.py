@@ -303,14 +303,24 @@ class ClusterState:
         self.q_for_min = np.zeros(n, dtype=np.float64)  # queue depth, +inf on silent nodes
         self.hot = HotShardTable(n, config.num_shards)
         self.kv = KvResidency(config.residency_capacity, config.residency_ways)
-        self._queue_mv = memoryview(self.queue)
-        self._alive_mv = memoryview(self.alive)
-        self._load_mv = memoryview(self.load)
-        self._ld_term_mv = memoryview(self.ld_term)
-        self._qmax_mv = memoryview(self.q_for_max)
-        self._qmin_mv = memoryview(self.q_for_min)
+        self._bind_views()
         self._ones = np.ones(1024, dtype=np.float64)
         self._refresh_all()
+
+    # memoryviews over the arrays (fast scalar access); rebuilt on copy, as they cannot be pickled
+    _VIEWS = {"_queue_mv": "queue", "_alive_mv": "alive", "_load_mv": "load", "_ld_term_mv": "ld_term",
+              "_qmax_mv": "q_for_max", "_qmin_mv": "q_for_min"}
+
+    def _bind_views(self) -> None:
+        for view, arr in self._VIEWS.items():
+            setattr(self, view, memoryview(getattr(self, arr)))
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._bind_views()
 
     @property
     def num_nodes(self) -> int:

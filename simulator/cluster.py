@@ -235,7 +235,8 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
     ``allocator`` picks every node's target ``emb_share`` each control interval from the node's
     `WindowStats`. ``record``: when a list is given, every operation on a node's memory is
     appended in order: ``("batch", node, start_s, request indices, cached tokens per request,
-    embedding ids, EMB hits)``, ``("target", node, share, now_s, applied_at_once)`` and
+    embedding ids after the recomputed history items (new items, candidates), EMB hits)`` (the
+    batch's lookup is the requests' history items ``[cached, history_len)`` in order, then those), ``("target", node, share, now_s, applied_at_once)`` and
     ``("step", node, now_s)``, so tests can replay them on payload-carrying structures."""
     allocator.reset(cfg.num_nodes, cfg.initial_emb_share)
     run = run_cluster(stream, cfg, router, initial_share=allocator.initial_share(), name=allocator.name,
@@ -258,121 +259,311 @@ def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *,
 
     ``initial_share``: a split applied at once at start-up (a static configuration); ``None``
     starts every node at ``cfg.initial_emb_share``."""
-    import time as _time
-
-    cfg = cfg.validate()
-    wall0 = _time.perf_counter()
-    trace = stream.trace
-    prof = cfg.profile
-    mcfg = memory_config(trace.num_items, cfg)
-    nodes = [_Node(i, MemoryManager(mcfg)) for i in range(cfg.num_nodes)]
-    rp = router_profile(stream, cfg)
-    rt = make_router(router, [n.id for n in nodes], rp, num_shards=trace.num_shards, seed=cfg.seed,
-                     node_timeout_s=float("inf"))
-    n_req = len(stream)
-    arrival = stream.arrival_s
-    users_all = stream.user
-    hist_all = stream.history_len.astype(np.int64)
-    nnew_all = stream.num_new_items.astype(np.int64)
-    ncand_all = stream.num_candidates.astype(np.int64)
-    new_req, new_items = stream.all_new_items()
-    new_off = np.zeros(n_req + 1, dtype=np.int64)
-    np.cumsum(nnew_all, out=new_off[1:])
-    cand_off = np.zeros(n_req + 1, dtype=np.int64)
-    np.cumsum(ncand_all, out=cand_off[1:])
-    pool = candidate_pool(trace, cfg.seed)
-    item_shard = trace.item_shard.astype(np.int64)
-    pop = trace.item_popularity().astype(np.float64)
-    shard_mass = np.bincount(item_shard, weights=pop, minlength=trace.num_shards)
-    offs, titems = trace.offsets, trace.items
-    base_user, rotation = stream.base_user, stream.rotation
-
-    slice_s = cfg.batch_window_ms / 1e3
-    duration = stream.config.duration_s
-    num_slices = int(math.ceil(duration / slice_s))
-    bounds = np.searchsorted(arrival, np.arange(num_slices + 1) * slice_s)
-    bounds[-1] = n_req
-    slices_per_window = max(1, int(round(cfg.control_interval_s / slice_s)))
-    slices_per_report = max(1, int(round(cfg.report_interval_s / slice_s)))
-    num_windows = int(math.ceil(num_slices / slices_per_window))
-
-    latency = np.zeros(n_req)
-    node_of = np.full(n_req, -1, dtype=np.int32)
-    shares = np.zeros((num_windows, cfg.num_nodes))
-    targets = np.zeros((num_windows, cfg.num_nodes))
-    completions: list[tuple[float, int, int]] = []  # (finish_s, node, count)
-    totals = {"emb_lookups": 0, "emb_hits": 0, "kv_tokens": 0, "kv_hit_tokens": 0, "refill": 0}
-    target_now = [cfg.initial_emb_share] * cfg.num_nodes
-
-    bar = None
+    sim = ClusterSim(stream, cfg, router, initial_share=initial_share, name=name, record=record)
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=n_req, desc=desc or f"{name}/{router}", unit="req", leave=False,
-                   mininterval=0.5)
+        sim.bar = tqdm(total=len(stream), desc=desc or f"{name}/{router}", unit="req", leave=False, mininterval=0.5)
+    try:
+        out = sim.start()
+        while out is not None:
+            decided = yield out
+            out = sim.advance(decided)
+    finally:
+        if sim.bar is not None:
+            sim.bar.close()
+    return sim.result()
 
-    def serve(node: _Node, idx: np.ndarray, start_s: float) -> float:
+
+class ClusterSim:
+    """The cluster's whole state on the virtual clock, advanced one control window at a time.
+
+    `start` runs the first window; `advance(targets)` applies one target ``emb_share`` per node at
+    the current window boundary and runs up to the next; both return ``(now_s, [WindowStats])`` at
+    that boundary, or ``None`` once the stream is over; `result` builds the `SimResult`. `fork`
+    copies the state (nodes' memory managers, router, queues, latencies so far) while sharing the
+    read-only stream, so a run can be continued several ways from one point: the replay oracle
+    (`oracle_replay`) tries every share on each window from its own state this way."""
+
+    def __init__(self, stream: RequestStream, cfg: SimConfig, router: str = "racer", *,
+                 initial_share: float | None = None, name: str = "external", record: list | None = None) -> None:
+        import time as _time
+
+        self._wall0 = _time.perf_counter()
+        self.cfg = cfg = cfg.validate()
+        self.stream = stream
+        self.name, self.router_name = name, router
+        self.initial_share = initial_share
+        self.record = record
+        self.bar = None
+        trace = stream.trace
+        self.prof = prof = cfg.profile
+        self.mcfg = mcfg = memory_config(trace.num_items, cfg)
+        self.nodes = [_Node(i, MemoryManager(mcfg)) for i in range(cfg.num_nodes)]
+        self.rp = rp = router_profile(stream, cfg)
+        self.rt = make_router(router, [n.id for n in self.nodes], rp, num_shards=trace.num_shards, seed=cfg.seed,
+                              node_timeout_s=float("inf"))
+        n_req = len(stream)
+        # read-only inputs, shared by forks
+        c = self._c = _Inputs()
+        c.arrival = stream.arrival_s
+        c.users_all = stream.user
+        c.hist_all = stream.history_len.astype(np.int64)
+        c.nnew_all = stream.num_new_items.astype(np.int64)
+        c.ncand_all = stream.num_candidates.astype(np.int64)
+        _, c.new_items = stream.all_new_items()
+        c.new_off = np.zeros(n_req + 1, dtype=np.int64)
+        np.cumsum(c.nnew_all, out=c.new_off[1:])
+        c.cand_off = np.zeros(n_req + 1, dtype=np.int64)
+        np.cumsum(c.ncand_all, out=c.cand_off[1:])
+        c.pool = candidate_pool(trace, cfg.seed)
+        c.item_shard = trace.item_shard.astype(np.int64)
+        c.pop = trace.item_popularity().astype(np.float64)
+        c.shard_mass = np.bincount(c.item_shard, weights=c.pop, minlength=trace.num_shards)
+        c.offs, c.titems = trace.offsets, trace.items
+        c.base_user, c.rotation = stream.base_user, stream.rotation
+
+        self.slice_s = slice_s = cfg.batch_window_ms / 1e3
+        self.duration = stream.config.duration_s
+        self.num_slices = num_slices = int(math.ceil(self.duration / slice_s))
+        c.bounds = np.searchsorted(c.arrival, np.arange(num_slices + 1) * slice_s)
+        c.bounds[-1] = n_req
+        self.slices_per_window = max(1, int(round(cfg.control_interval_s / slice_s)))
+        self.slices_per_report = max(1, int(round(cfg.report_interval_s / slice_s)))
+        self.num_windows = int(math.ceil(num_slices / self.slices_per_window))
+
+        self.latency = np.zeros(n_req)
+        self.node_of = np.full(n_req, -1, dtype=np.int32)
+        self.shares = np.zeros((self.num_windows, cfg.num_nodes))
+        self.targets = np.zeros((self.num_windows, cfg.num_nodes))
+        self.completions: list[tuple[float, int, int]] = []  # (finish_s, node, count)
+        self.totals = {"emb_lookups": 0, "emb_hits": 0, "kv_tokens": 0, "kv_hit_tokens": 0, "refill": 0}
+        self.target_now = [cfg.initial_emb_share] * cfg.num_nodes
+        self.k = 0  # the next slice to run
+        self.finished = False
+
+    # ---------------------------------------------------------------------------- driving ---
+    def fork(self) -> "ClusterSim":
+        """An independent copy of the state; the stream and the other read-only inputs are shared."""
+        import copy
+
+        memo = {id(self.stream): self.stream, id(self._c): self._c, id(self.cfg): self.cfg, id(self.mcfg): self.mcfg,
+                id(self.record): self.record, id(self.bar): self.bar}
+        return copy.deepcopy(self, memo)
+
+    def window_of_slice(self, k: int) -> int:
+        return k // self.slices_per_window
+
+    def start(self):
+        """Run the first control window; see the class docstring."""
+        if self.k != 0:
+            raise RuntimeError("start() runs once, at the first slice")
+        if self.initial_share is not None:  # a fixed split is configured at start-up
+            for node in self.nodes:
+                node.mm.set_target(float(self.initial_share), 0.0)
+                node.mm.apply_plan(0.0)
+                self.target_now[node.index] = float(self.initial_share)
+                if self.record is not None:
+                    self.record.append(("target", node.index, float(self.initial_share), 0.0, True))
+        self.targets[0, :] = self.target_now
+        self._run_slice_rest(0)
+        self.k = 1
+        return self._run_to_boundary()
+
+    def advance(self, decided):
+        """Apply one target ``emb_share`` per node at the current boundary, run to the next."""
+        if self.finished:
+            raise RuntimeError("the run is over")
+        nodes = self.nodes
+        if decided is None or len(decided) != len(nodes):
+            raise ValueError(f"need one target emb_share per node ({len(nodes)}), got {decided!r}")
+        k = self.k
+        t0 = k * self.slice_s
+        wi = self.window_of_slice(k)
+        for node, target in zip(nodes, decided):
+            target = float(target)
+            if not (math.isfinite(target) and 0.0 <= target <= 1.0):
+                raise ValueError(f"allocator {self.name} returned emb_share {target!r} for {node.id}")
+            if abs(target - self.target_now[node.index]) > 1e-12:
+                node.mm.set_target(target, t0)
+                self.target_now[node.index] = target
+                if self.record is not None:
+                    self.record.append(("target", node.index, target, t0, False))
+            node.win = _Window()
+        self.targets[wi, :] = self.target_now
+        self._run_slice_rest(k)
+        self.k = k + 1
+        return self._run_to_boundary()
+
+    def _run_to_boundary(self):
+        """Run slices until the next window boundary (its completions popped, the window's figures
+        taken) and return ``(now_s, stats)``, or finish the run and return ``None``."""
+        spw = self.slices_per_window
+        while self.k < self.num_slices:
+            k = self.k
+            t0 = k * self.slice_s
+            self._pop_completions(t0)
+            if k % spw == 0:
+                wi = k // spw
+                for node in self.nodes:
+                    self.shares[wi - 1, node.index] = node.mm.emb_share
+                return t0, [self._window_stats(node) for node in self.nodes]
+            self.targets[self.window_of_slice(k), :] = self.target_now
+            self._run_slice_rest(k)
+            self.k = k + 1
+        self._finish()
+        return None
+
+    def _pop_completions(self, t0: float) -> None:
+        comp = self.completions
+        while comp and comp[0][0] <= t0:
+            _, ni, cnt = heapq.heappop(comp)
+            self.rt.complete(ni, cnt)
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        wi_last = (self.num_slices - 1) // self.slices_per_window
+        for node in self.nodes:
+            self.shares[wi_last, node.index] = node.mm.emb_share
+            self.totals["emb_lookups"] += node.mm.emb.stats.num_requested_ids
+            self.totals["emb_hits"] += node.mm.emb.stats.num_hits
+
+    # ---------------------------------------------------------------------------- a slice ---
+    def _run_slice_rest(self, k: int) -> None:
+        """Slice ``k`` after its completions and window boundary: reports, boundary steps, routing
+        and service of the requests that arrived in it."""
+        if k == 0:
+            self._pop_completions(0.0)
+        c = self._c
+        slice_s = self.slice_s
+        t0 = k * slice_s
+        t1 = t0 + slice_s
+        nodes, record, totals = self.nodes, self.record, self.totals
+        if k % self.slices_per_report == 0 and k > 0:
+            for node in nodes:
+                self._report(node, t0)
+        for node in nodes:
+            ms = node.mm.step(t0)
+            if record is not None:
+                record.append(("step", node.index, t0))
+            if ms.refill_bytes:
+                node.win.refill_bytes += ms.refill_bytes
+                totals["refill"] += ms.refill_bytes
+        a, b = int(c.bounds[k]), int(c.bounds[k + 1])
+        if a == b:
+            return
+        idx = np.arange(a, b)
+        L = c.hist_all[a:b]
+        nn = c.nnew_all[a:b]
+        # the router sees each request's looked-up items: new items and candidates
+        sh_off = np.zeros(b - a + 1, dtype=np.int64)
+        np.cumsum(nn + c.ncand_all[a:b], out=sh_off[1:])
+        items = np.empty(int(sh_off[-1]), dtype=np.int64)
+        pos_new = _gather(sh_off[:-1], nn)
+        items[pos_new] = c.new_items[c.new_off[a]:c.new_off[b]]
+        mask = np.ones(len(items), dtype=bool)
+        mask[pos_new] = False
+        items[mask] = c.pool[np.arange(c.cand_off[a], c.cand_off[b]) % _CAND_POOL]
+        batch = RequestBatch(c.users_all[a:b], L, nn, sh_off, c.item_shard[items])
+        routed = self.rt.route_batch(batch, t0).node_index
+        self.node_of[a:b] = routed
+        order = np.argsort(routed, kind="stable")
+        sorted_nodes = routed[order]
+        cuts = np.flatnonzero(np.diff(sorted_nodes)) + 1
+        max_batch = self.prof.max_batch
+        for grp in np.split(order, cuts):
+            node = nodes[int(routed[grp[0]])]
+            gidx = idx[grp]
+            start = max(t1, node.busy_until)
+            for c0 in range(0, len(gidx), max_batch):
+                start = self._serve(node, gidx[c0:c0 + max_batch], start)
+        if self.bar is not None:
+            self.bar.update(b - a)
+
+    def _serve(self, node: _Node, idx: np.ndarray, start_s: float) -> float:
         """Serve one micro-batch ``idx`` (arrival order) starting at ``start_s``; return its end."""
+        c = self._c
+        prof = self.prof
         mm = node.mm
         kv = mm.kv
+        users_all = c.users_all
         us = users_all[idx].tolist()
-        L = hist_all[idx]
-        nn = nnew_all[idx]
+        L = c.hist_all[idx]
+        nn = c.nnew_all[idx]
         cached_l = []
         Ll = L.tolist()
         nnl = nn.tolist()
         lookup, append = kv.lookup, kv.append
         for j, u in enumerate(us):
-            c = lookup(u)
+            cj = lookup(u)
             lj = Ll[j]
-            if c > lj:  # the history was capped since: the cached K/V no longer match
+            if cj > lj:  # the history was capped since: the cached K/V no longer match
                 kv.evict(u)
-                c = 0
-            cached_l.append(c)
-            t = lj + nnl[j] - c
+                cj = 0
+            cached_l.append(cj)
+            t = lj + nnl[j] - cj
             if t > 0:
                 append(u, t)
         cached = np.array(cached_l, dtype=np.int64)
-        # the history items whose K/V must be recomputed (positions [cached, L) of each sequence)
+        # the history items whose K/V must be recomputed: positions [cached, L) of each sequence,
+        # i.e. item base[(p + rotation) % blen]. A history longer than its base cycles through
+        # it, so each request's span is looked up once per distinct base position with a repeat
+        # count (`EmbCache.lookup(counts=)`), which leaves every figure as with the full span.
         miss = cached < L
-        hist_ids = []
+        hist_ids, hist_cnt = [], []
         if miss.any():
             mu = users_all[idx[miss]]
             mc, mL = cached[miss], L[miss]
-            b = base_user[mu]
-            start, blen = offs[b], offs[b + 1] - offs[b]
-            cnt = mL - mc
+            b = c.base_user[mu]
+            start, blen = c.offs[b], c.offs[b + 1] - c.offs[b]
+            span = mL - mc
+            cnt = np.minimum(span, blen)
             pos = _gather(mc, cnt)
             seq = np.repeat(np.arange(len(cnt)), cnt)
-            hist_ids = [titems[start[seq] + (pos + rotation[mu][seq]) % blen[seq]]]
-        new_ids = new_items[_gather(new_off[idx], nn)]
-        nc = ncand_all[idx]
-        cand_ids = pool[_gather(cand_off[idx], nc) % _CAND_POOL]
+            bl = blen[seq]
+            hist_ids = [c.titems[start[seq] + (pos + c.rotation[mu][seq]) % bl]]
+            sp = span[seq]
+            hist_cnt = [sp // bl + ((pos - mc[seq]) < sp % bl)]
+        new_ids = c.new_items[_gather(c.new_off[idx], nn)]
+        nc = c.ncand_all[idx]
+        cand_ids = c.pool[_gather(c.cand_off[idx], nc) % _CAND_POOL]
         ids = np.concatenate(hist_ids + [new_ids, cand_ids])
-        lk = mm.emb.lookup(torch.from_numpy(ids))
-        if record is not None:
-            record.append(("batch", node.index, start_s, idx.copy(), cached.copy(), ids.copy(), lk.num_hits))
+        num_hist = len(hist_ids[0]) if hist_ids else 0
+        counts = None
+        if num_hist and hist_cnt[0].max() > 1:
+            counts = np.ones(len(ids), dtype=np.int64)
+            counts[:num_hist] = hist_cnt[0]
+            counts = torch.from_numpy(counts)
+        lk = mm.emb.lookup(torch.from_numpy(ids), counts=counts)
+        if self.record is not None:
+            self.record.append(("batch", node.index, start_s, idx.copy(), cached.copy(), ids[num_hist:].copy(),
+                                lk.num_hits))
         comp = request_compute_us(prof, cached, L, nn, nc)
         dur_us = batch_time_us(prof, comp, lk.num_unique_misses, lk.num_hits)
         end = start_s + dur_us / 1e6
-        latency[idx] = end - arrival[idx]
+        lat = end - c.arrival[idx]
+        self.latency[idx] = lat
         node.busy_until = end
         w = node.win
         w.n += len(idx)
         w.users.append(users_all[idx])
         w.hist.append(L)
-        w.lat.append(latency[idx])
-        w.emb_lookups += len(ids)
+        w.lat.append(lat)
+        w.emb_lookups += lk.num_requested
         w.emb_hits += lk.num_hits
-        w.kv_tokens += int(L.sum())
-        w.kv_hit_tokens += int(cached.sum())
-        totals["kv_tokens"] += int(L.sum())
-        totals["kv_hit_tokens"] += int(cached.sum())
+        hs, cs = int(L.sum()), int(cached.sum())
+        w.kv_tokens += hs
+        w.kv_hit_tokens += cs
+        self.totals["kv_tokens"] += hs
+        self.totals["kv_hit_tokens"] += cs
         w.busy_us += dur_us
-        heapq.heappush(completions, (end, node.index, len(idx)))
+        heapq.heappush(self.completions, (end, node.index, len(idx)))
         return end
 
-    def window_stats(node: _Node) -> WindowStats:
+    def _window_stats(self, node: _Node) -> WindowStats:
+        cfg, prof, mcfg = self.cfg, self.prof, self.mcfg
         w = node.win
         iv = cfg.control_interval_s
         if w.n:
@@ -389,122 +580,118 @@ def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *,
             emb_lookups_per_request=w.emb_lookups / w.n if w.n else 0.0,
             emb_hit_rate=w.emb_hits / w.emb_lookups if w.emb_lookups else 0.0,
             kv_hit_rate=w.kv_hit_tokens / w.kv_tokens if w.kv_tokens else 0.0,
-            kv_recompute_us_per_token=rp.kv_recompute_us_per_token,
+            kv_recompute_us_per_token=self.rp.kv_recompute_us_per_token,
             emb_transfer_us_per_row=prof.emb_transfer_us_per_row,
             emb_share=node.mm.emb_share, load=min(1.0, w.busy_us / 1e6 / iv), p99_ms=p99, slo_ms=cfg.slo_ms,
             refill_bytes=float(w.refill_bytes), arena_bytes=float(mcfg.num_pages * mcfg.page_bytes),
         )
 
-    def report(node: _Node, now_s: float) -> None:
+    def _report(self, node: _Node, now_s: float) -> None:
+        c = self._c
         delta = node.mm.kv.drain_residency()
         resident = node.mm.emb.resident_items(sort=False).cpu().numpy()
-        mass = np.bincount(item_shard[resident], weights=pop[resident], minlength=trace.num_shards)
-        hot = np.flatnonzero(mass >= cfg.hot_shard_min_mass * np.maximum(shard_mass, 1e-12))
+        mass = np.bincount(c.item_shard[resident], weights=c.pop[resident], minlength=len(c.shard_mass))
+        hot = np.flatnonzero(mass >= self.cfg.hot_shard_min_mass * np.maximum(c.shard_mass, 1e-12))
         node.seq += 1
         w = node.win
         # the node's measured service time re-derives the router's load weight (as a node agent's
         # reports let the control plane recompute and push weights)
-        profile = router_profile(stream, cfg, w.busy_us / w.n) if w.n >= 20 else None
-        rt.report(NodeReport(node.id, at_s=now_s, seq=node.seq, hot_shards=hot, profile=profile,
-                             evicted_users=np.asarray(delta.evicted, dtype=np.int64)))
+        profile = router_profile(self.stream, self.cfg, w.busy_us / w.n) if w.n >= 20 else None
+        self.rt.report(NodeReport(node.id, at_s=now_s, seq=node.seq, hot_shards=hot, profile=profile,
+                                  evicted_users=np.asarray(delta.evicted, dtype=np.int64)))
 
-    for k in range(num_slices):
-        t0 = k * slice_s
-        t1 = t0 + slice_s
-        while completions and completions[0][0] <= t0:
-            _, ni, cnt = heapq.heappop(completions)
-            rt.complete(ni, cnt)
-        if k % slices_per_window == 0:
-            wi = k // slices_per_window
-            if wi > 0:
-                for node in nodes:
-                    shares[wi - 1, node.index] = node.mm.emb_share
-                stats = [window_stats(node) for node in nodes]
-                decided = yield t0, stats
-                if decided is None or len(decided) != len(nodes):
-                    raise ValueError(f"need one target emb_share per node ({len(nodes)}), got {decided!r}")
-                for node, target in zip(nodes, decided):
-                    target = float(target)
-                    if not (math.isfinite(target) and 0.0 <= target <= 1.0):
-                        raise ValueError(f"allocator {name} returned emb_share {target!r} for {node.id}")
-                    if abs(target - target_now[node.index]) > 1e-12:
-                        node.mm.set_target(target, t0)
-                        target_now[node.index] = target
-                        if record is not None:
-                            record.append(("target", node.index, target, t0, False))
-                    node.win = _Window()
-            elif initial_share is not None:  # a fixed split is configured at start-up
-                for node in nodes:
-                    node.mm.set_target(float(initial_share), t0)
-                    node.mm.apply_plan(t0)
-                    target_now[node.index] = float(initial_share)
-                    if record is not None:
-                        record.append(("target", node.index, float(initial_share), t0, True))
-            for node in nodes:
-                targets[wi, node.index] = target_now[node.index]
-        if k % slices_per_report == 0 and k > 0:
-            for node in nodes:
-                report(node, t0)
-        for node in nodes:
-            ms = node.mm.step(t0)
-            if record is not None:
-                record.append(("step", node.index, t0))
-            if ms.refill_bytes:
-                node.win.refill_bytes += ms.refill_bytes
-                totals["refill"] += ms.refill_bytes
-        a, b = int(bounds[k]), int(bounds[k + 1])
-        if a == b:
-            continue
-        idx = np.arange(a, b)
-        L = hist_all[a:b]
-        nn = nnew_all[a:b]
-        # the router sees each request's looked-up items: new items and candidates
-        sh_off = np.zeros(b - a + 1, dtype=np.int64)
-        np.cumsum(nn + ncand_all[a:b], out=sh_off[1:])
-        items = np.empty(int(sh_off[-1]), dtype=np.int64)
-        pos_new = _gather(sh_off[:-1], nn)
-        items[pos_new] = new_items[new_off[a]:new_off[b]]
-        mask = np.ones(len(items), dtype=bool)
-        mask[pos_new] = False
-        items[mask] = pool[np.arange(cand_off[a], cand_off[b]) % _CAND_POOL]
-        batch = RequestBatch(users_all[a:b], L, nn, sh_off, item_shard[items])
-        routed = rt.route_batch(batch, t0).node_index
-        node_of[a:b] = routed
-        order = np.argsort(routed, kind="stable")
-        sorted_nodes = routed[order]
-        cuts = np.flatnonzero(np.diff(sorted_nodes)) + 1
-        for grp in np.split(order, cuts):
-            node = nodes[int(routed[grp[0]])]
-            gidx = idx[grp]
-            start = max(t1, node.busy_until)
-            for c0 in range(0, len(gidx), prof.max_batch):
-                start = serve(node, gidx[c0:c0 + prof.max_batch], start)
-        if bar is not None:
-            bar.update(b - a)
-    wi_last = (num_slices - 1) // slices_per_window
-    for node in nodes:
-        shares[wi_last, node.index] = node.mm.emb_share
-        totals["emb_lookups"] += node.mm.emb.stats.num_requested_ids
-        totals["emb_hits"] += node.mm.emb.stats.num_hits
-    if bar is not None:
-        bar.close()
+    # ----------------------------------------------------------------------------- result ---
+    def window_p99_ms(self, w: int) -> float:
+        """P99 (ms) of the requests that arrived in window ``w`` (all served once it has run)."""
+        iv = self.cfg.control_interval_s
+        arr = self._c.arrival
+        a, b = np.searchsorted(arr, [w * iv, (w + 1) * iv if w < self.num_windows - 1 else np.inf])
+        seg = self.latency[a:b]
+        return float(np.percentile(seg, 99)) * 1e3 if len(seg) else 0.0
 
-    win_idx = np.minimum((arrival / cfg.control_interval_s).astype(np.int64), num_windows - 1)
-    wp99 = np.zeros(num_windows)
-    wslo = np.zeros(num_windows)
-    lat_ms = latency * 1e3
-    wb = np.searchsorted(win_idx, np.arange(num_windows + 1))
-    for w in range(num_windows):
-        seg = lat_ms[wb[w]:wb[w + 1]]
-        if len(seg):
-            wp99[w] = np.percentile(seg, 99)
-            wslo[w] = np.mean(seg <= cfg.slo_ms)
-    return SimResult(
-        allocator=name, router=router, latency_s=latency, node=node_of, window_p99_ms=wp99,
-        window_slo=wslo, shares=shares, targets=targets, emb_lookups=totals["emb_lookups"],
-        emb_hits=totals["emb_hits"], kv_history_tokens=totals["kv_tokens"], kv_hit_tokens=totals["kv_hit_tokens"],
-        refill_bytes=totals["refill"], boundary_bytes_copied=sum(n.mm.boundary_bytes_copied for n in nodes),
-        duration_s=duration, slo_ms=cfg.slo_ms, wall_s=_time.perf_counter() - wall0,
-        extra={"arrival_s": arrival, "num_pages": mcfg.num_pages, "rows_per_page": mcfg.rows_per_page,
-               "page_tokens": mcfg.kv.page_tokens},
-    )
+    def result(self) -> SimResult:
+        import time as _time
+
+        self._finish()
+        cfg = self.cfg
+        arrival = self._c.arrival
+        num_windows = self.num_windows
+        win_idx = np.minimum((arrival / cfg.control_interval_s).astype(np.int64), num_windows - 1)
+        wp99 = np.zeros(num_windows)
+        wslo = np.zeros(num_windows)
+        lat_ms = self.latency * 1e3
+        wb = np.searchsorted(win_idx, np.arange(num_windows + 1))
+        for w in range(num_windows):
+            seg = lat_ms[wb[w]:wb[w + 1]]
+            if len(seg):
+                wp99[w] = np.percentile(seg, 99)
+                wslo[w] = np.mean(seg <= cfg.slo_ms)
+        t = self.totals
+        mcfg = self.mcfg
+        return SimResult(
+            allocator=self.name, router=self.router_name, latency_s=self.latency, node=self.node_of,
+            window_p99_ms=wp99, window_slo=wslo, shares=self.shares, targets=self.targets,
+            emb_lookups=t["emb_lookups"], emb_hits=t["emb_hits"], kv_history_tokens=t["kv_tokens"],
+            kv_hit_tokens=t["kv_hit_tokens"], refill_bytes=t["refill"],
+            boundary_bytes_copied=sum(n.mm.boundary_bytes_copied for n in self.nodes),
+            duration_s=self.duration, slo_ms=cfg.slo_ms, wall_s=_time.perf_counter() - self._wall0,
+            extra={"arrival_s": arrival, "num_pages": mcfg.num_pages, "rows_per_page": mcfg.rows_per_page,
+                   "page_tokens": mcfg.kv.page_tokens},
+        )
+
+
+class _Inputs:
+    """Read-only per-run arrays (shared between forks)."""
+
+
+def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "racer", *, rel_tol: float = 0.01,
+                  name: str = "oracle", on_window=None) -> tuple[SimResult, list[float]]:
+    """The offline-optimal split per control window, found on the window's replay.
+
+    At each window boundary the run is forked once per share in ``shares``; every fork runs the
+    window with all nodes at its share, from the oracle's own state (its caches, queues and the
+    router as the earlier choices left them); the share whose window P99 is lowest is kept (among
+    shares within ``rel_tol`` of that P99, the one nearest the previous choice: the oracle does not
+    move the boundary for noise) and the run continues from that fork. The first window tries each
+    share as the split configured at start-up. Greedy over one window: a share that would only pay
+    off after more than one window is not seen. Returns the oracle's own `SimResult` (measured
+    like any run) and its schedule (one share per window). ``on_window(w)``: progress callback.
+    """
+    shares = sorted({float(s) for s in shares})
+    if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
+        raise ValueError("oracle shares must be a non-empty list of values in [0, 1]")
+
+    def pick(cands, w, prev):
+        p99 = [f.window_p99_ms(w) for _, f, _ in cands]
+        best = min(p99)
+        ok = [i for i, v in enumerate(p99) if v <= best * (1 + rel_tol) + 1e-9]
+        if prev is not None:
+            i = min(ok, key=lambda i: (abs(cands[i][0] - prev), p99[i]))
+        else:
+            i = int(np.argmin(p99))
+        return cands[i]
+
+    cands = []
+    for s in shares:
+        sim = ClusterSim(stream, cfg, router, initial_share=s, name=name)
+        cands.append((s, sim, sim.start()))
+    s, sim, out = pick(cands, 0, None)
+    schedule = [s]
+    w = 1
+    if on_window is not None:
+        on_window(0)
+    while out is not None:
+        n = len(sim.nodes)
+        cands = []
+        for s_try in shares[:-1]:
+            f = sim.fork()
+            cands.append((s_try, f, f.advance([s_try] * n)))
+        cands.append((shares[-1], sim, sim.advance([shares[-1]] * n)))
+        s, sim, out = pick(cands, w, schedule[-1])
+        schedule.append(s)
+        if on_window is not None:
+            on_window(w)
+        w += 1
+    res = sim.result()
+    res.extra["oracle_schedule"] = schedule
+    return res, schedule

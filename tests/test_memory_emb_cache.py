@@ -258,6 +258,33 @@ def test_payload_and_metadata_caches_agree_step_by_step():
     assert a.stats == b.stats
 
 
+@pytest.mark.parametrize("payload", [False, True])
+def test_counts_are_the_same_as_repeating_the_ids(payload):
+    """``lookup(ids, counts=)`` (a deduplicated batch) leaves the cache exactly as the call with
+    every id repeated: slab, ticks, popularity, stats and the returned figures."""
+    rng = random.Random(11)
+    a = make_cache(num_pages=8, rows_per_page=2, num_items=64, emb_share=0.5, payload=payload)
+    b = make_cache(num_pages=8, rows_per_page=2, num_items=64, emb_share=0.5, payload=payload)
+    for _ in range(120):
+        uniq = list(dict.fromkeys(min(63, int(rng.paretovariate(1.1))) for _ in range(rng.randint(1, 12))))
+        cnt = [rng.randint(1, 4) for _ in uniq]
+        # the repeated call: the whole deduplicated span once (first occurrences), then the repeats
+        full = uniq + [x for x, k in zip(uniq, cnt) for _ in range(k - 1)]
+        ra = a.lookup(torch.tensor(full))
+        rb = b.lookup(torch.tensor(uniq), counts=torch.tensor(cnt))
+        assert ra[1:-1] == rb[1:-1]
+        assert torch.equal(a.slot_to_item, b.slot_to_item)
+        assert torch.equal(a.slot_tick, b.slot_tick)
+        assert torch.equal(a.popularity, b.popularity)
+        if payload:
+            assert torch.equal(rb.rows, host_table(64)[torch.tensor(uniq)])
+    assert a.stats == b.stats
+    with pytest.raises(ValueError, match="counts"):
+        b.lookup(ids(1, 2), counts=ids(1))
+    with pytest.raises(ValueError, match="counts"):
+        b.lookup(ids(1, 2), counts=ids(1, 0))
+
+
 # ----------------------------------------------------------------------------------- refill
 def test_plan_refill_ranks_uncached_items_by_misses_ties_by_lower_id():
     c = make_cache(num_pages=4, num_items=32, emb_share=0.5)  # 2 rows of 4

@@ -10,9 +10,9 @@ import torch
 
 from node_agent.memory import MemoryManager
 from simulator import (CostProfile, HeuristicAllocator, ScheduleAllocator, SimConfig, StaticAllocator, simulate)
-from simulator.cluster import memory_config
+from simulator.cluster import ClusterSim, memory_config, oracle_replay
 from simulator.cost import batch_time_us, request_compute_us
-from simulator.table import TableConfig, oracle_schedule, run_table
+from simulator.table import TableConfig, run_table
 from workloads import RegimeConfig, generate, synthetic_trace
 from workloads.regimes import RequestStream
 from workloads.trace import build_trace
@@ -74,6 +74,7 @@ def test_cost_model_formulas():
 def small():
     trace = synthetic_trace(num_users=300, num_items=4_000, mean_seq_len=30, seed=2)
     stream = generate(trace, regime="burst", rate_rps=600, duration_s=6, num_users=2_000, seed=5, num_bursts=1,
+                      history_scale=3.0,
                       burst_duration_s=2.0)
     cfg = SimConfig(num_nodes=4, cache_fraction=0.3, control_interval_s=1.0)
     return trace, stream, cfg
@@ -90,7 +91,7 @@ def test_sim_hits_equal_the_real_structures_fed_the_same_lookups(small):
     mcfg = dataclasses.replace(memory_config(trace.num_items, cfg), payload=True)
     table = torch.randn(trace.num_items, mcfg.emb_dim)
     mm = MemoryManager(mcfg, table)
-    moves = n_batches = 0
+    moves = n_batches = cycled = 0
     for op in record:
         if op[1] != 0:
             continue
@@ -103,7 +104,12 @@ def test_sim_hits_equal_the_real_structures_fed_the_same_lookups(small):
         elif op[0] == "step":
             mm.step(op[2])
         else:
-            _, _, start_s, idx, cached, ids, hits = op
+            _, _, start_s, idx, cached, tail_ids, hits = op
+            # the naive lookup: every recomputed history item, one id per token, then the rest
+            hist = [np.asarray(stream.request(i).history[int(cached[j]):], dtype=np.int64)
+                    for j, i in enumerate(idx.tolist())]
+            ids = np.concatenate(hist + [tail_ids])
+            cycled += sum(len(h) > len(np.unique(h)) for h in hist)  # the sim looked these up deduplicated
             for j, i in enumerate(idx.tolist()):
                 u = int(stream.user[i])
                 c = mm.kv.lookup(u)
@@ -116,7 +122,7 @@ def test_sim_hits_equal_the_real_structures_fed_the_same_lookups(small):
             assert out.num_hits == hits
             assert torch.equal(out.rows, table[torch.from_numpy(ids)])
             n_batches += 1
-    assert n_batches > 10 and moves >= 1
+    assert n_batches > 10 and moves >= 1 and cycled > 10
     assert mm.emb_share == pytest.approx(res.shares[-1, 0])
     assert mm.stats().emb.refill_bytes > 0
     assert mm.check_invariants() == []
@@ -141,11 +147,6 @@ def test_allocators_and_boundary_moves(small):
     assert r.refill_bytes > 0  # growing the slab refilled it in the background
     with pytest.raises(ValueError, match="static share must be in"):
         StaticAllocator(1.5)
-
-
-def test_oracle_schedule_picks_per_window_minimum():
-    sweep = {0.2: [10.0, 30.0, 5.0], 0.5: [12.0, 20.0, 5.0], 0.8: [15.0, 25.0, 6.0]}
-    assert oracle_schedule(sweep) == [0.2, 0.5, 0.5]  # a tie keeps the share nearest the previous
 
 
 def test_bad_config_is_refused():
@@ -176,3 +177,44 @@ def test_quick_table_has_every_row_and_key(tmp_path):
     assert (tmp_path / "out" / "paper_table_sequences.json").exists()
     assert (tmp_path / "out" / "paper_table_sequences.png").read_bytes()[:4] == b"\x89PNG"
     assert "oracle_mean_share_spread" in res["findings"]
+
+
+def test_a_fork_continues_exactly_like_the_run_it_was_forked_from(small):
+    trace, stream, cfg = small
+    a = ClusterSim(stream, cfg, "racer", initial_share=0.4)
+    a.start()
+    a.advance([0.6] * cfg.num_nodes)
+    b = a.fork()
+    other = a.fork()
+    other.advance([0.1] * cfg.num_nodes)  # a sibling moving elsewhere changes neither
+    for sim in (a, b):
+        out = sim.advance([0.3] * cfg.num_nodes)
+        while out is not None:
+            out = sim.advance([0.5] * cfg.num_nodes)
+    ra, rb = a.result(), b.result()
+    assert np.array_equal(ra.latency_s, rb.latency_s) and np.array_equal(ra.node, rb.node)
+    assert np.array_equal(ra.shares, rb.shares) and ra.emb_hits == rb.emb_hits
+    assert a.nodes[0].mm is not b.nodes[0].mm and a.rt is not b.rt
+
+
+def test_replay_oracle_picks_each_window_best_share_from_its_own_state(small):
+    trace, stream, cfg = small
+    shares = [0.2, 0.5, 0.8]
+    res, sched = oracle_replay(stream, cfg, shares, rel_tol=0.0)
+    assert len(sched) == res.shares.shape[0] and set(sched) <= set(shares)
+    # the run the oracle kept is the schedule, replayed: a fork is the same simulation
+    again = simulate(stream, cfg, ScheduleAllocator(sched, cfg.control_interval_s), "racer")
+    assert np.array_equal(again.latency_s, res.latency_s)
+    # window by window, no other share would have done better from the oracle's state
+    sim = ClusterSim(stream, cfg, "racer", initial_share=sched[0])
+    out = sim.start()
+    w = 1
+    while out is not None:
+        for s in shares:
+            f = sim.fork()
+            f.advance([s] * cfg.num_nodes)
+            assert res.window_p99_ms[w] <= f.window_p99_ms(w) + 1e-9
+        out = sim.advance([sched[w]] * cfg.num_nodes)
+        w += 1
+    with pytest.raises(ValueError, match="shares"):
+        oracle_replay(stream, cfg, [1.5])

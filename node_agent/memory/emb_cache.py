@@ -182,16 +182,32 @@ class EmbCache:
             raise ValueError("a metadata-only EMB cache takes no host_table")
 
     # ------------------------------------------------------------------------------ lookup ---
-    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> EmbLookup:
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None,
+               counts: torch.Tensor | None = None) -> EmbLookup:
         """Rows for ``ids`` (1-D item ids); misses are copied in from host memory (LRU).
 
         ``out`` (optional, ``[n, emb_dim]`` on the device) receives the rows instead of a new
-        tensor. Ids out of ``[0, num_items)`` raise (CPU) or fault the device (CUDA)."""
+        tensor. Ids out of ``[0, num_items)`` raise (CPU) or fault the device (CUDA).
+
+        ``counts`` (optional, 1-D, one positive integer per id): each id stands for that many
+        repeats of itself, as a GPU lookup deduplicates a batch before it queries the cache. The
+        cache's state, the counters and the returned figures are exactly those of a call with
+        every id repeated ``counts`` times (the repeats need not be adjacent: only the order of
+        first occurrences matters); rows are returned once per given id."""
         if ids.device != self.device or ids.dtype != torch.int64:
             ids = ids.to(device=self.device, dtype=torch.int64)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         n = ids.numel()
+        n_total = n
+        if counts is not None:
+            if counts.dim() != 1 or counts.numel() != n:
+                raise ValueError(f"counts must be 1-D with one entry per id ({n}), got {list(counts.shape)}")
+            if counts.device != self.device or counts.dtype != torch.int64:
+                counts = counts.to(device=self.device, dtype=torch.int64)
+            n_total = int(counts.sum())
+            if n and int(counts.min()) < 1:
+                raise ValueError("counts must be >= 1")
         stats = self.stats
         stats.num_calls += 1
         if n == 0:
@@ -204,15 +220,21 @@ class EmbCache:
         slots = self.item_to_slot.index_select(0, ids)
         self.slot_tick.index_fill_(0, slots, tick)
         miss_pos = (slots == self.miss_slot).nonzero().squeeze(1)
-        num_miss = miss_pos.numel()
-        num_distinct_hits = self._count_distinct_hit_slots(slots, tick, n, num_miss)
+        num_miss_pos = miss_pos.numel()
+        num_distinct_hits = self._count_distinct_hit_slots(slots, tick, n, num_miss_pos)
+        miss_counts = None
+        if counts is None:
+            num_miss = num_miss_pos
+        else:
+            miss_counts = counts.index_select(0, miss_pos)
+            num_miss = int(miss_counts.sum()) if num_miss_pos else 0
 
         u = a = num_evicted = 0
         evicted = None
         bypass_pos = None
         if num_miss:
             miss_ids = ids.index_select(0, miss_pos)
-            self._count_misses(miss_ids)
+            self._count_misses(miss_ids, miss_counts)
             uniq = self._mark_first_occurrences(miss_ids)
             u = uniq.numel()
             victims = self._take_victims(min(u, self.rows), tick)
@@ -244,22 +266,25 @@ class EmbCache:
             if bypass_pos is not None:
                 rows.index_copy_(0, bypass_pos, self._host_rows(ids.index_select(0, bypass_pos)))
 
-        self._decay_popularity(n)
-        num_hits = n - num_miss
+        self._decay_popularity(n_total)
+        num_hits = n_total - num_miss
         bytes_moved = u * self.row_bytes
-        stats.num_requested_ids += n
+        stats.num_requested_ids += n_total
         stats.num_unique_ids += num_distinct_hits + u
         stats.num_hits += num_hits
         stats.num_unique_misses += u
         stats.num_bypassed += u - a
         stats.num_evictions += num_evicted
         stats.bytes_transferred += bytes_moved
-        return EmbLookup(rows, n, num_hits, num_distinct_hits + u, u, u - a, num_evicted,
+        return EmbLookup(rows, n_total, num_hits, num_distinct_hits + u, u, u - a, num_evicted,
                          bytes_moved, evicted)
 
-    def _count_misses(self, miss_ids: torch.Tensor) -> None:
+    def _count_misses(self, miss_ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Popularity of uncached items: each miss (with repeats) adds one; counts halve every
         ``popularity_half_life_ids`` requested ids."""
+        if weights is not None:
+            self.popularity.scatter_add_(0, miss_ids, weights.to(self.popularity.dtype))
+            return
         k = miss_ids.numel()
         if self._ones.numel() < k:
             self._ones = torch.ones(max(k, 2 * self._ones.numel()), device=self.device)
