@@ -287,11 +287,33 @@ class AllocatorEnv:
     def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
         """Start an episode; ``seed`` reseeds the environment's generator (as gymnasium's reset)."""
         from simulator.cluster import run_cluster
+
+        self.close()
+        stream, sim_cfg, meta = self.draw_episode(seed, options)
+        trace_name, regime, stream_seed, rate, share = (meta[k] for k in ("trace", "regime", "stream_seed",
+                                                                          "rate_rps", "initial_share"))
+        self._steps_left = self._num_windows(sim_cfg, stream.config.duration_s) - 2
+        if self._steps_left < 1:
+            raise ValueError("the episode is too short for one step")
+        self._run = run_cluster(stream, sim_cfg, "racer", initial_share=share, name="ppo-env")
+        now_s, stats = next(self._run)
+        self._prev_stats = [None] * self.num_agents
+        self._targets = np.full(self.num_agents, share)
+        self._obs = self._observe(stats)
+        self._episode = {"trace": trace_name, "regime": regime, "stream_seed": stream_seed, "rate_rps": rate,
+                         "initial_share": share, "bursts": [list(b) for b in stream.bursts], "num_requests": len(stream),
+                         "steps": 0, "return": 0.0, "share_sum": 0.0}
+        info = {"now_s": now_s, "stats": stats, **meta}
+        return self._obs.copy(), info
+
+    def draw_episode(self, seed: int | None = None, options: dict | None = None):
+        """Draw an episode as `reset` does (same generator, same draws) without starting it:
+        ``(stream, SimConfig, {"trace", "regime", "stream_seed", "rate_rps", "initial_share"})``.
+        The imitation warm start (`policies.imitation`) replays the oracle on such episodes."""
         from workloads import generate
 
         if seed is not None:
             self._rng = np.random.default_rng(int(seed))
-        self.close()
         c = self.config
         o = dict(options or {})
         rng = self._rng
@@ -313,21 +335,9 @@ class AllocatorEnv:
             raise ValueError(f"initial_share {share} outside the guard bounds")
         stream = generate(self._trace(trace_name), regime=regime, rate_rps=rate, duration_s=c.duration_s,
                           num_users=c.num_users, history_scale=c.history_scale, seed=stream_seed)
-        sim_cfg = self._sim_config(stream_seed)
-        self._steps_left = self._num_windows(sim_cfg, stream.config.duration_s) - 2
-        if self._steps_left < 1:
-            raise ValueError("the episode is too short for one step")
-        self._run = run_cluster(stream, sim_cfg, "racer", initial_share=share, name="ppo-env")
-        now_s, stats = next(self._run)
-        self._prev_stats = [None] * self.num_agents
-        self._targets = np.full(self.num_agents, share)
-        self._obs = self._observe(stats)
-        self._episode = {"trace": trace_name, "regime": regime, "stream_seed": stream_seed, "rate_rps": rate,
-                         "initial_share": share, "bursts": [list(b) for b in stream.bursts], "num_requests": len(stream),
-                         "steps": 0, "return": 0.0, "share_sum": 0.0}
-        info = {"now_s": now_s, "stats": stats, **{k: self._episode[k] for k in
-                                                   ("trace", "regime", "stream_seed", "rate_rps", "initial_share")}}
-        return self._obs.copy(), info
+        meta = {"trace": trace_name, "regime": regime, "stream_seed": stream_seed, "rate_rps": rate,
+                "initial_share": share}
+        return stream, self._sim_config(stream_seed), meta
 
     def _observe(self, stats: list[WindowStats]) -> np.ndarray:
         obs = np.empty(self.observation_shape, dtype=np.float32)

@@ -20,6 +20,12 @@ episodes); torch runs on one thread. Outputs in ``out``: ``actor.pt`` (`policies
 checkpoint format, with the training config and the evaluation figures inside), ``curve.json``
 and ``curve.csv`` (one row per update), ``curve.png`` (the learning curve), ``evaluation.json``.
 
+Imitation warm start (``bc_episodes > 0``, `policies.imitation`): before PPO the actor is cloned
+from the simulator's replay oracle on that many episodes (drawn like the environment's, from
+``bc_seed``), and every PPO minibatch keeps ``bc_coef`` x the clone loss on those samples, so PPO
+refines the oracle's behaviour against the reward rather than rediscovering it by trial and error.
+The figures of the cloning go to ``imitation.json`` and into the evaluation.
+
 Evaluation (after training): the mean action (what the ONNX artifact runs) on held-out episodes,
 one per (trace, regime), each starting at emb_share 0.5 as the paper table's runs do, beside the
 static splits ``eval_static_shares`` on the same streams: mean reward, P99, SLO attainment and the
@@ -84,6 +90,13 @@ class Args:
     # networks
     hidden_sizes: tuple[int, ...] = (64, 64)
     init_log_std: float = 0.0
+    # imitation warm start (policies.imitation): clone the replay oracle before PPO
+    bc_episodes: int = 0  # oracle-replayed episodes to clone (0: PPO from a random actor)
+    bc_shares: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # the oracle's grid (the paper table's)
+    bc_epochs: int = 200
+    bc_lr: float = 3e-3
+    bc_coef: float = 1.0  # weight of the clone loss kept in every PPO minibatch (0: none)
+    bc_seed: int = 20_000  # seed of the oracle's episodes (apart from PPO's and the evaluation's)
     # evaluation
     eval_seed: int = 10_000
     eval_static_shares: tuple[float, ...] = (0.5, 0.9)
@@ -102,6 +115,14 @@ class Args:
                 p.append(f"{k} must be in [0, 1], got {getattr(self, k)!r}")
         if any(not 0 <= s <= 1 for s in self.eval_static_shares):
             p.append("eval_static_shares must lie in [0, 1]")
+        if not (isinstance(self.bc_episodes, int) and self.bc_episodes >= 0):
+            p.append(f"bc_episodes must be an integer >= 0, got {self.bc_episodes!r}")
+        if not (isinstance(self.bc_epochs, int) and self.bc_epochs >= 1):
+            p.append(f"bc_epochs must be an integer >= 1, got {self.bc_epochs!r}")
+        if not (math.isfinite(self.bc_lr) and self.bc_lr > 0) or not (math.isfinite(self.bc_coef) and self.bc_coef >= 0):
+            p.append("bc_lr must be > 0 and bc_coef >= 0")
+        if not self.bc_shares or any(not 0 <= s <= 1 for s in self.bc_shares):
+            p.append("bc_shares must be a non-empty list of values in [0, 1]")
         if self.num_steps * self.num_nodes < self.num_minibatches:
             p.append("num_steps * num_nodes must be at least num_minibatches")
         if p:
@@ -300,7 +321,7 @@ def training_progress(episodes: list[dict]) -> dict:
 
 CURVE_KEYS = ("update", "global_step", "transitions", "episodes", "episode_reward", "rollout_reward", "mean_action",
               "action_std", "learning_rate", "pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac",
-              "explained_variance", "wall_s")
+              "clone_loss", "explained_variance", "wall_s")
 
 
 def write_curve(rows: list[dict], episodes: list[dict], out: Path, plot: bool = True) -> dict:
@@ -377,6 +398,17 @@ def train(args: Args) -> dict:
     actor = make_initial_actor(args.seed, ActorConfig(hidden_sizes=tuple(args.hidden_sizes),
                                                       init_log_std=args.init_log_std)).train()
     critic = Critic(tuple(args.hidden_sizes), torch.Generator().manual_seed(args.seed + 1))
+    imitation = None
+    bc_X = bc_y = None
+    if args.bc_episodes:
+        from .imitation import behaviour_clone, clone_loss, collect_oracle_data
+
+        data = collect_oracle_data(env_cfg, args.bc_episodes, args.bc_shares, seed=args.bc_seed,
+                                   progress=args.progress)
+        imitation = behaviour_clone(actor, data, epochs=args.bc_epochs, lr=args.bc_lr, seed=args.seed)
+        imitation.update({"collect_wall_s": data["wall_s"], "oracle_episodes": data["episodes"]})
+        (out / "imitation.json").write_text(json.dumps(imitation, indent=1))
+        bc_X, bc_y = torch.from_numpy(data["X"]).float(), torch.from_numpy(data["y"]).float()
     params = list(actor.parameters()) + list(critic.parameters())
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5)
 
@@ -463,6 +495,11 @@ def train(args: Args) -> dict:
                 loss, st = ppo_loss(new_logp, b_logp[mb], mb_adv, critic(b_cobs[mb]), b_val[mb], b_ret[mb], entropy,
                                     clip_coef=args.clip_coef, vf_coef=args.vf_coef, ent_coef=args.ent_coef,
                                     clip_vloss=args.clip_vloss)
+                if bc_X is not None and args.bc_coef > 0:  # keep what was cloned (DQfD-style)
+                    bi = torch.randint(len(bc_y), (minibatch,), generator=gen)
+                    bc = clone_loss(actor, bc_X[bi], bc_y[bi])
+                    loss = loss + args.bc_coef * bc
+                    st["clone_loss"] = float(bc.detach())
                 optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(params, args.max_grad_norm)
@@ -491,6 +528,8 @@ def train(args: Args) -> dict:
     actor.eval()
     evaluation = evaluate(actor, env_cfg, seed=args.eval_seed, static_shares=tuple(args.eval_static_shares),
                           progress=args.progress)
+    if imitation is not None:
+        evaluation["imitation"] = {k: v for k, v in imitation.items() if k != "oracle_episodes"}
     evaluation.update({"train_wall_s": round(train_wall_s, 1), "num_updates": num_updates,
                        "num_episodes": len(episodes), "transitions": global_step * n,
                        "train_reward_by_regime": training_progress(episodes)})
@@ -541,6 +580,10 @@ _FLAGS = {  # Args field -> (flag, type, help)
     "update_epochs": ("--update-epochs", int, "passes over each rollout"),
     "num_minibatches": ("--num-minibatches", int, "minibatches per pass"),
     "init_log_std": ("--init-log-std", float, "initial log std of the logit's Gaussian"),
+    "bc_episodes": ("--bc-episodes", int, "clone the replay oracle on this many episodes before PPO (0: off)"),
+    "bc_shares": ("--bc-shares", _list(float), "the oracle's share grid"),
+    "bc_epochs": ("--bc-epochs", int, "behaviour-cloning passes over the oracle's samples"),
+    "bc_coef": ("--bc-coef", float, "weight of the clone loss kept in PPO's minibatches"),
     "eval_seed": ("--eval-seed", int, "seed of the held-out evaluation streams"),
     "eval_static_shares": ("--eval-static-shares", _list(float), "static splits evaluated beside the policy"),
 }

@@ -39,7 +39,7 @@ def cmd_paper_table(args) -> int:
     base = TableConfig.quick() if args.quick else TableConfig()
     kw = {"trace": args.trace, "path": args.path, "regimes": args.regimes, "num_nodes": args.nodes,
           "seed": args.seed, "jobs": args.jobs}
-    for name in ("rate", "duration", "users", "history_scale", "cache_fraction", "slo_ms", "profile"):
+    for name in ("rate", "duration", "users", "history_scale", "cache_fraction", "slo_ms", "profile", "policy"):
         v = getattr(args, name)
         if v is not None:
             kw[{"rate": "rate_rps", "duration": "duration_s", "users": "num_users"}.get(name, name)] = v
@@ -92,6 +92,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="cost profile: a100-hstu (default) or a JSON file written by `racer node profile`")
     p.add_argument("--shares", type=_floats, default=None, help="static split grid, e.g. 0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--routers", type=_names, default=None, help="routers to run (default: all six)")
+    p.add_argument("--policy", default=None,
+                   help="policy artifact directory of the SmartAllocator rows (default: policies/default)")
     p.add_argument("--allocators", type=_names, default=None,
                    help="extra allocators run with the racer router (e.g. racer,ppo,ppo+residual,ppo+recovery)")
     p.add_argument("--seed", type=int, default=0)

@@ -655,7 +655,9 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     move the boundary for noise) and the run continues from that fork. The first window tries each
     share as the split configured at start-up. Greedy over one window: a share that would only pay
     off after more than one window is not seen. Returns the oracle's own `SimResult` (measured
-    like any run) and its schedule (one share per window). ``on_window(w)``: progress callback.
+    like any run) and its schedule (one share per window); ``result.extra["oracle_observed"][i]``
+    holds the nodes' `WindowStats` the choice ``schedule[i + 1]`` followed (what a policy would
+    have seen: imitation data). ``on_window(w)``: progress callback.
     """
     shares = sorted({float(s) for s in shares})
     if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
@@ -677,10 +679,12 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
         cands.append((s, sim, sim.start()))
     s, sim, out = pick(cands, 0, None)
     schedule = [s]
+    observed = []  # the per-node WindowStats each later choice was made after
     w = 1
     if on_window is not None:
         on_window(0)
     while out is not None:
+        observed.append(out[1])
         n = len(sim.nodes)
         cands = []
         for s_try in shares[:-1]:
@@ -694,4 +698,5 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
         w += 1
     res = sim.result()
     res.extra["oracle_schedule"] = schedule
+    res.extra["oracle_observed"] = observed  # observed[i]: [WindowStats per node] before schedule[i + 1]
     return res, schedule

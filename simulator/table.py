@@ -53,6 +53,7 @@ class TableConfig:
     extra_allocators: tuple[str, ...] = ()
     cache_fraction: float = 1.0
     profile: str = "a100-hstu"  # a name in simulator.profiles.PROFILES or a `racer node profile` JSON file
+    policy: str | None = None  # the SmartAllocator rows' policy artifact directory (None: policies/default)
     slo_ms: float = 30.0
     seed: int = 0
     jobs: int = 0  # 0: one per core
@@ -98,7 +99,7 @@ def sim_config(cfg: TableConfig) -> SimConfig:
                      slo_ms=cfg.slo_ms, seed=cfg.seed)
 
 
-def _make_allocator(spec: str, schedule, scfg: SimConfig):
+def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = None):
     if spec.startswith("static:"):
         return StaticAllocator(float(spec.split(":", 1)[1]))
     if spec == "heuristic":
@@ -107,7 +108,7 @@ def _make_allocator(spec: str, schedule, scfg: SimConfig):
         return ScheduleAllocator(schedule, scfg.control_interval_s, name=spec)
     from .smart import make_smart_allocator  # the SmartAllocator layers (policies/)
 
-    return make_smart_allocator(spec)
+    return make_smart_allocator(spec, policy)
 
 
 def _run(args) -> tuple[tuple, dict, dict]:
@@ -120,7 +121,7 @@ def _run(args) -> tuple[tuple, dict, dict]:
     if job.allocator == "oracle" and job.schedule is None:  # the replay oracle
         res, sched = oracle_replay(stream, scfg, cfg.shares, job.router)
     else:
-        alloc = _make_allocator(job.allocator, job.schedule, scfg)
+        alloc = _make_allocator(job.allocator, job.schedule, scfg, cfg.policy)
         res = simulate(stream, scfg, alloc, job.router)
         sched = None
     series = {"window_p99_ms": res.window_p99_ms.tolist(), "shares": res.shares.mean(axis=1).tolist(),
@@ -158,8 +159,10 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
             raise ValueError(f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
     if not cfg.shares or any(not 0 <= s <= 1 for s in cfg.shares):
         raise ValueError("shares must be a non-empty list of values in [0, 1]")
-    _stream(cfg, cfg.regimes[0])  # fail fast on a bad trace, regime or profile, before the pool starts
+    _stream(cfg, cfg.regimes[0])  # fail fast on a bad trace, regime, profile or policy, before the pool starts
     sim_config(cfg).validate()
+    for spec in cfg.extra_allocators:
+        _make_allocator(spec, None, sim_config(cfg), cfg.policy)
     n_other = len(cfg.routers) - (1 if "racer" in cfg.routers else 0)
     n_runs = len(cfg.regimes) * (len(cfg.shares) + 2 + len(cfg.extra_allocators)
                                  + len(cfg.other_router_allocators) * n_other)  # the oracle counts as one

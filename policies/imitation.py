@@ -1,0 +1,132 @@
+"""Imitation warm start for the base policy: behaviour cloning of the replay oracle.
+
+PPO from a random actor explores splits by trial and error, one control interval per step, and
+with the simulator's noisy P99 it settled on one split for every regime (the first shipped
+policy held ~0.81 everywhere). The simulator can do better than trial and error: its replay
+oracle (`simulator.cluster.oracle_replay`) forks the cluster at every window boundary, runs the
+window once per share of a grid from the oracle's own state, and keeps the share whose window
+P99 is lowest. Its choices, paired with what each node observed before them, are labelled data:
+
+- **collect** (`collect_oracle_data`): episodes drawn exactly as the PPO environment draws them
+  (`AllocatorEnv.draw_episode`: trace, regime, stream seed, request rate), the oracle replayed on
+  each; one sample per node and window: the node's features (`policies.features.build_features`
+  of its `WindowStats`, with its previous window as ``prev``) -> the share the oracle chose next,
+  clipped to the runtime's guard bounds;
+- **clone** (`behaviour_clone`): minibatch Adam on the mean squared error between the actor's
+  deterministic share ``sigmoid(mlp(x))`` and the oracle's share, with a held-out split of whole
+  episodes for the reported error.
+
+`policies.train_ppo` runs this before PPO when ``bc_episodes > 0`` and keeps a clone term in the
+PPO loss (``bc_coef``), so PPO refines the cloned policy against the reward instead of forgetting
+it (DQfD-style demonstrations; Hester et al., AAAI 2018). The oracle is greedy over one window
+and only as fine as its grid; those limits carry over to what is cloned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from .actor import Actor
+from .env import AllocatorEnv, EnvConfig
+from .features import NUM_FEATURES, build_features
+
+
+def oracle_samples(observed: list, schedule: list[float], lo: float = 0.0, hi: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Features and labels of one oracle run: ``observed[i]`` (per-node `WindowStats`) -> the
+    share ``schedule[i + 1]`` the oracle chose after it."""
+    if len(schedule) != len(observed) + 1:
+        raise ValueError(f"need one more share than observations, got {len(schedule)} and {len(observed)}")
+    if not observed:
+        return np.empty((0, NUM_FEATURES), dtype=np.float32), np.empty(0, dtype=np.float32)
+    n = len(observed[0])
+    X = np.empty((len(observed) * n, NUM_FEATURES), dtype=np.float32)
+    y = np.empty(len(observed) * n, dtype=np.float32)
+    prev = [None] * n
+    for i, stats in enumerate(observed):
+        for j, st in enumerate(stats):
+            build_features(st, prev[j], out=X[i * n + j])
+            prev[j] = st
+        y[i * n:(i + 1) * n] = min(hi, max(lo, schedule[i + 1]))
+    return X, y
+
+
+def collect_oracle_data(env_cfg: EnvConfig, episodes: int, shares, *, seed: int, progress: bool = True) -> dict:
+    """Replay the oracle on ``episodes`` episodes drawn as the PPO environment draws them (from
+    ``seed``). Returns ``{"X", "y", "episode" (sample -> episode index), "episodes" (their
+    draws and figures), "wall_s"}``."""
+    from tqdm import tqdm
+
+    from simulator.cluster import oracle_replay
+
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    env = AllocatorEnv(env_cfg)
+    g = env_cfg.guard
+    xs, ys, ep_of, eps = [], [], [], []
+    t0 = time.perf_counter()
+    bar = tqdm(total=episodes, desc="oracle replays", unit="episode", disable=not progress)
+    for e in range(episodes):
+        stream, sim_cfg, meta = env.draw_episode(seed=seed if e == 0 else None)
+        res, sched = oracle_replay(stream, sim_cfg, shares)
+        X, y = oracle_samples(res.extra["oracle_observed"], sched, g.min_emb_share, g.max_emb_share)
+        xs.append(X)
+        ys.append(y)
+        ep_of.append(np.full(len(y), e, dtype=np.int64))
+        s = res.summary()
+        eps.append({**meta, "schedule": sched, "mean_share": round(float(np.mean(sched)), 4),
+                    "p99_ms": s["p99_ms"], "slo_attainment": s["slo_attainment"]})
+        bar.update(1)
+    bar.close()
+    return {"X": np.concatenate(xs), "y": np.concatenate(ys), "episode": np.concatenate(ep_of), "episodes": eps,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def clone_loss(actor: Actor, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error between the actor's deterministic share and the oracle's."""
+    return torch.mean((torch.sigmoid(actor.logit(X).squeeze(-1)) - y) ** 2)
+
+
+def behaviour_clone(actor: Actor, data: dict, *, epochs: int = 200, lr: float = 3e-3, batch_size: int = 256,
+                    holdout: float = 0.2, seed: int = 0) -> dict:
+    """Fit ``actor`` to the oracle's shares (in place); whole episodes are held out for the
+    reported error. Returns train / held-out MSE and mean |share - oracle| before and after."""
+    X = torch.from_numpy(data["X"]).float()
+    y = torch.from_numpy(data["y"]).float()
+    ep = data["episode"]
+    n_eps = int(ep.max()) + 1 if len(ep) else 0
+    rng = np.random.default_rng(seed)
+    held = set(rng.permutation(n_eps)[: int(math.floor(holdout * n_eps))].tolist()) if n_eps > 1 else set()
+    test_mask = torch.from_numpy(np.isin(ep, list(held)))
+    Xtr, ytr, Xte, yte = X[~test_mask], y[~test_mask], X[test_mask], y[test_mask]
+    if len(ytr) == 0:
+        raise ValueError("no training samples")
+
+    def mae(Xs, ys):
+        if len(ys) == 0:
+            return None
+        with torch.no_grad():
+            return round(float(torch.mean(torch.abs(torch.sigmoid(actor.logit(Xs).squeeze(-1)) - ys))), 4)
+
+    before = {"train_mae": mae(Xtr, ytr), "heldout_mae": mae(Xte, yte)}
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for name, p in actor.named_parameters() if name != "log_std"]
+    opt = torch.optim.Adam(params, lr=lr)
+    actor.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(ytr), generator=gen)
+        for k in range(0, len(ytr), batch_size):
+            idx = perm[k:k + batch_size]
+            loss = clone_loss(actor, Xtr[idx], ytr[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    # a constant predictor's error, for scale: the best single share for these labels
+    const = float(torch.median(ytr))
+    return {"samples": int(len(y)), "episodes": n_eps, "heldout_episodes": len(held), "epochs": epochs,
+            "before": before, "after": {"train_mae": mae(Xtr, ytr), "heldout_mae": mae(Xte, yte)},
+            "constant_share": round(const, 4),
+            "constant_heldout_mae": round(float(torch.mean(torch.abs(yte - const))), 4) if len(yte) else None}
