@@ -130,3 +130,76 @@ def behaviour_clone(actor: Actor, data: dict, *, epochs: int = 200, lr: float = 
             "before": before, "after": {"train_mae": mae(Xtr, ytr), "heldout_mae": mae(Xte, yte)},
             "constant_share": round(const, 4),
             "constant_heldout_mae": round(float(torch.mean(torch.abs(yte - const))), 4) if len(yte) else None}
+
+
+def save_oracle_data(data: dict, path) -> None:
+    """Write `collect_oracle_data`'s samples (and its episodes, as JSON) to an ``.npz`` file."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(p, X=data["X"], y=data["y"], episode=data["episode"],
+                        episodes=np.array(json.dumps(data["episodes"])), wall_s=np.array(data["wall_s"]))
+
+
+def load_oracle_data(paths) -> dict:
+    """Read and concatenate ``.npz`` files written by `save_oracle_data` (episode indices are
+    renumbered so that episodes of different files stay apart)."""
+    import json
+    from pathlib import Path
+
+    xs, ys, eps, meta, wall = [], [], [], [], 0.0
+    offset = 0
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: no oracle data (write it with `python -m policies.imitation`)")
+        try:
+            with np.load(p) as z:
+                X, y, ep = z["X"], z["y"], z["episode"]
+                meta += json.loads(str(z["episodes"]))
+                wall += float(z["wall_s"])
+        except (KeyError, ValueError, OSError) as e:
+            raise ValueError(f"{p}: not an oracle data file ({e})") from None
+        if X.ndim != 2 or X.shape[1] != NUM_FEATURES or len(y) != len(X) or len(ep) != len(X):
+            raise ValueError(f"{p}: want X [n, {NUM_FEATURES}], y [n], episode [n]; got {X.shape}, {y.shape}, "
+                             f"{ep.shape}")
+        xs.append(X.astype(np.float32))
+        ys.append(y.astype(np.float32))
+        eps.append(ep.astype(np.int64) + offset)
+        offset += int(ep.max()) + 1 if len(ep) else 0
+    if not xs:
+        raise ValueError("no oracle data files given")
+    return {"X": np.concatenate(xs), "y": np.concatenate(ys), "episode": np.concatenate(eps), "episodes": meta,
+            "wall_s": round(wall, 1)}
+
+
+def main(argv=None) -> int:
+    """``python -m policies.imitation --episodes N --out FILE.npz [--nodes 32] [--seed S]``: replay
+    the oracle on episodes of the paper table's setting (`EnvConfig.like_table`) and save the
+    samples, for `racer policy train --bc-data FILE[,FILE...]` (collections with different seeds
+    can run in parallel and be passed together)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m policies.imitation", description=main.__doc__.split("\n")[0])
+    ap.add_argument("--episodes", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--rate-spread", type=float, default=0.5)
+    ap.add_argument("--shares", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--seed", type=int, default=20_000)
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = EnvConfig.like_table(num_nodes=a.nodes, duration_s=a.duration, rate_spread=a.rate_spread).validate()
+    shares = tuple(float(x) for x in a.shares.split(",") if x.strip())
+    data = collect_oracle_data(cfg, a.episodes, shares, seed=a.seed, progress=not a.no_progress)
+    save_oracle_data(data, a.out)
+    print(f"{len(data['y'])} samples from {a.episodes} episodes in {data['wall_s']} s -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

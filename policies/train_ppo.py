@@ -20,9 +20,10 @@ episodes); torch runs on one thread. Outputs in ``out``: ``actor.pt`` (`policies
 checkpoint format, with the training config and the evaluation figures inside), ``curve.json``
 and ``curve.csv`` (one row per update), ``curve.png`` (the learning curve), ``evaluation.json``.
 
-Imitation warm start (``bc_episodes > 0``, `policies.imitation`): before PPO the actor is cloned
-from the simulator's replay oracle on that many episodes (drawn like the environment's, from
-``bc_seed``), and every PPO minibatch keeps ``bc_coef`` x the clone loss on those samples, so PPO
+Imitation warm start (``bc_episodes > 0`` or ``bc_data``, `policies.imitation`): before PPO the
+actor is cloned from the simulator's replay oracle on that many episodes (drawn like the
+environment's, from ``bc_seed``; or on samples collected beforehand, possibly on a larger cluster,
+by ``python -m policies.imitation``), and every PPO minibatch keeps ``bc_coef`` x the clone loss on those samples, so PPO
 refines the oracle's behaviour against the reward rather than rediscovering it by trial and error.
 The figures of the cloning go to ``imitation.json`` and into the evaluation.
 
@@ -97,6 +98,7 @@ class Args:
     bc_lr: float = 3e-3
     bc_coef: float = 1.0  # weight of the clone loss kept in every PPO minibatch (0: none)
     bc_seed: int = 20_000  # seed of the oracle's episodes (apart from PPO's and the evaluation's)
+    bc_data: tuple[str, ...] = ()  # .npz files of `python -m policies.imitation` instead of collecting here
     # evaluation
     eval_seed: int = 10_000
     eval_static_shares: tuple[float, ...] = (0.5, 0.9)
@@ -400,11 +402,14 @@ def train(args: Args) -> dict:
     critic = Critic(tuple(args.hidden_sizes), torch.Generator().manual_seed(args.seed + 1))
     imitation = None
     bc_X = bc_y = None
-    if args.bc_episodes:
-        from .imitation import behaviour_clone, clone_loss, collect_oracle_data
+    if args.bc_episodes or args.bc_data:
+        from .imitation import behaviour_clone, clone_loss, collect_oracle_data, load_oracle_data
 
-        data = collect_oracle_data(env_cfg, args.bc_episodes, args.bc_shares, seed=args.bc_seed,
-                                   progress=args.progress)
+        if args.bc_data:
+            data = load_oracle_data(args.bc_data)
+        else:
+            data = collect_oracle_data(env_cfg, args.bc_episodes, args.bc_shares, seed=args.bc_seed,
+                                       progress=args.progress)
         imitation = behaviour_clone(actor, data, epochs=args.bc_epochs, lr=args.bc_lr, seed=args.seed)
         imitation.update({"collect_wall_s": data["wall_s"], "oracle_episodes": data["episodes"]})
         (out / "imitation.json").write_text(json.dumps(imitation, indent=1))
@@ -582,6 +587,8 @@ _FLAGS = {  # Args field -> (flag, type, help)
     "init_log_std": ("--init-log-std", float, "initial log std of the logit's Gaussian"),
     "bc_episodes": ("--bc-episodes", int, "clone the replay oracle on this many episodes before PPO (0: off)"),
     "bc_shares": ("--bc-shares", _list(float), "the oracle's share grid"),
+    "bc_data": ("--bc-data", _list(str), "comma-separated .npz files of `python -m policies.imitation` to clone "
+                                        "instead of collecting (--bc-episodes is then ignored)"),
     "bc_epochs": ("--bc-epochs", int, "behaviour-cloning passes over the oracle's samples"),
     "bc_coef": ("--bc-coef", float, "weight of the clone loss kept in PPO's minibatches"),
     "eval_seed": ("--eval-seed", int, "seed of the held-out evaluation streams"),

@@ -72,3 +72,20 @@ def test_training_with_the_warm_start_records_it(tmp_path):
     assert all(r["clone_loss"] is not None for r in curve["updates"])
     with pytest.raises(ValueError, match="bc_episodes"):
         Args(**TINY, bc_episodes=-1).validate()
+
+
+def test_oracle_data_files_round_trip_and_bad_files_are_refused(data, tmp_path):
+    from policies.imitation import load_oracle_data, save_oracle_data
+
+    save_oracle_data(data, tmp_path / "a.npz")
+    save_oracle_data(data, tmp_path / "b.npz")
+    both = load_oracle_data([tmp_path / "a.npz", tmp_path / "b.npz"])
+    n = len(data["y"])
+    assert np.array_equal(both["X"][:n], data["X"]) and np.array_equal(both["y"][n:], data["y"])
+    assert int(both["episode"].max()) == 2 * (int(data["episode"].max()) + 1) - 1
+    assert len(both["episodes"]) == 2 * len(data["episodes"])
+    with pytest.raises(FileNotFoundError, match="no oracle data"):
+        load_oracle_data([tmp_path / "missing.npz"])
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not an oracle data file"):
+        load_oracle_data([tmp_path / "bad.npz"])
