@@ -1,11 +1,14 @@
 """Simulator speed: simulated requests per second of wall time, 32 nodes, RACER router.
 
-    python -m bench.simulator [--json] [--trace taobao] [--rate R] [--duration S]
+    python -m bench.simulator [--json] [--trace taobao] [--rate R] [--duration S] [--breakdown]
 
 Runs the paper table's default setting (`simulator.table.TableConfig`) once per regime with a
 static split and the RACER router, in one process on one thread, and reports
 ``sim_requests_per_s`` = simulated requests / wall seconds over all regimes (the stream's
-generation is not timed), per regime too.
+generation is not timed), per regime too. ``--breakdown`` reruns the steady regime under cProfile
+and reports where its time goes (``breakdown``: seconds and share of the profiled run in the EMB
+cache's lookup, the KV pool, the router, the memory managers' steps and reports, the rest of the
+simulator), plus the mean requests per (node, slice) call.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rate", type=float, default=d.rate_rps)
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--users", type=int, default=d.num_users)
+    ap.add_argument("--breakdown", action="store_true", help="profile the steady run: where the time goes")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     trace, name = load_bench_trace(args.trace, args.path)
@@ -51,6 +55,8 @@ def main(argv=None) -> dict:
         out["regimes"][regime] = {"num_requests": len(s), "wall_s": round(wall, 2),
                                   "sim_requests_per_s": round(len(s) / wall), "p99_ms": r.summary()["p99_ms"]}
     out["sim_requests_per_s"] = round(total_n / total_wall)
+    if args.breakdown:
+        out["breakdown"] = breakdown(trace, cfg, args, d)
     if args.json:
         print(json.dumps(out))
     else:
@@ -58,7 +64,50 @@ def main(argv=None) -> dict:
             print(f"{regime:<8} {v['num_requests']:>9,} requests in {v['wall_s']:>6} s: "
                   f"{v['sim_requests_per_s']:>8,} simulated req/s")
         print(f"sim_requests_per_s: {out['sim_requests_per_s']:,}")
+        if "breakdown" in out:
+            b = out["breakdown"]
+            print(f"steady under cProfile: {b['requests_per_call']} requests per (node, slice) call")
+            for k, v in b["parts"].items():
+                print(f"  {k:<28} {v['s']:>7.2f} s  {100 * v['share']:>5.1f}%  {v['us_per_request']:>7.1f} us/request")
     return out
+
+
+# (label, file suffix, function name): cumulative time of these functions in the profiled run
+_PARTS = (
+    ("emb_cache.lookup", "node_agent/memory/emb_cache.py", "lookup"),
+    ("kv_pool.lookup+append", "node_agent/memory/kv_pool.py", ("lookup", "append", "evict")),
+    ("router.route_batch", "control_plane/router.py", "route_batch"),
+    ("memory_manager.step", "node_agent/memory/manager.py", "step"),
+    ("node reports", "simulator/cluster.py", "_report"),
+    ("control windows (stats)", "simulator/cluster.py", "_window_stats"),
+)
+
+
+def breakdown(trace, cfg, args, d) -> dict:
+    """Profile one steady run; attribute its time to the parts above, the rest to the simulator."""
+    import cProfile
+    import pstats
+
+    s = generate(trace, regime="steady", rate_rps=args.rate, duration_s=args.duration, num_users=args.users,
+                 history_scale=d.history_scale, seed=0)
+    prof = cProfile.Profile()
+    prof.enable()
+    simulate(s, cfg, StaticAllocator(0.5), "racer")
+    prof.disable()
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    total = sum(v[2] for v in st.values())
+    parts, calls = {}, 0
+    for label, suffix, names in _PARTS:
+        names = (names,) if isinstance(names, str) else names
+        ct = sum(v[3] for (f, _, n), v in st.items() if f.endswith(suffix) and n in names)
+        parts[label] = ct
+    calls = sum(v[1] for (f, _, n), v in st.items() if f.endswith("simulator/cluster.py") and n == "_serve")
+    parts["rest of the simulator"] = max(0.0, total - sum(parts.values()))
+    n = len(s)
+    return {"profiled_s": round(total, 2), "num_requests": n,
+            "requests_per_call": round(n / calls, 2) if calls else None,
+            "parts": {k: {"s": round(v, 3), "share": round(v / total, 4) if total else 0.0,
+                          "us_per_request": round(v / n * 1e6, 1)} for k, v in parts.items()}}
 
 
 if __name__ == "__main__":
