@@ -190,10 +190,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-spread", type=float, default=0.5)
     ap.add_argument("--shares", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--seed", type=int, default=20_000)
+    ap.add_argument("--trace", default="taobao,amazon", help="comma-separated traces episodes draw from")
+    ap.add_argument("--regimes", default="steady,trend,burst", help="comma-separated regimes episodes draw from")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = EnvConfig.like_table(num_nodes=a.nodes, duration_s=a.duration, rate_spread=a.rate_spread).validate()
+    cfg = EnvConfig.like_table(num_nodes=a.nodes, duration_s=a.duration, rate_spread=a.rate_spread,
+                               traces=tuple(x for x in a.trace.split(",") if x),
+                               regimes=tuple(x for x in a.regimes.split(",") if x)).validate()
     shares = tuple(float(x) for x in a.shares.split(",") if x.strip())
     data = collect_oracle_data(cfg, a.episodes, shares, seed=a.seed, progress=not a.no_progress)
     save_oracle_data(data, a.out)
