@@ -96,7 +96,7 @@ def breakdown(trace, cfg, args, d) -> dict:
     prof.disable()
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
     total = sum(v[2] for v in st.values())
-    parts, calls = {}, 0
+    parts = {}
     for label, suffix, names in _PARTS:
         names = (names,) if isinstance(names, str) else names
         ct = sum(v[3] for (f, _, n), v in st.items() if f.endswith(suffix) and n in names)

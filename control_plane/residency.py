@@ -31,7 +31,28 @@ def _as_users(users) -> np.ndarray:
     return u
 
 
-class KvResidency:
+class ArrayViews:
+    """Memoryviews over numpy arrays for fast scalar access from Python, kept through copies.
+
+    A subclass names them in ``_VIEWS`` (view attribute -> array attribute) and calls
+    `_bind_views` once its arrays exist; memoryviews cannot be pickled, so a copy (``copy.deepcopy``,
+    as the simulator's forks do) carries the arrays and rebinds the views to the copied ones."""
+
+    _VIEWS: dict[str, str] = {}
+
+    def _bind_views(self) -> None:
+        for view, arr in self._VIEWS.items():
+            setattr(self, view, memoryview(getattr(self, arr)))
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._bind_views()
+
+
+class KvResidency(ArrayViews):
     """Which node holds each user's K/V and for how many tokens, in bounded memory.
 
     Layout: ``num_sets`` sets of ``ways`` entries (``capacity = num_sets * ways``); a user lives
@@ -68,19 +89,7 @@ class KvResidency:
         self._way_range = np.arange(ways, dtype=np.int64)
         self._bind_views()
 
-    # memoryviews over the arrays (fast scalar access); rebuilt on copy, as they cannot be pickled
     _VIEWS = {"_keys_mv": "keys", "_node_mv": "node", "_len_mv": "cached_len", "_touched_mv": "touched_s"}
-
-    def _bind_views(self) -> None:
-        for view, arr in self._VIEWS.items():
-            setattr(self, view, memoryview(getattr(self, arr)))
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._bind_views()
 
     # ---------------------------------------------------------------- one user
     def _set_base(self, user: int) -> int:

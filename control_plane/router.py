@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .residency import EMPTY, MAX_USER, HotShardTable, KvResidency, _as_users
+from .residency import EMPTY, MAX_USER, ArrayViews, HotShardTable, KvResidency, _as_users
 from .weights import CostProfile, RouterWeights, derive_weights
 
 POLICIES = ("round_robin", "least_load", "user_affinity", "kv_aware", "emb_aware", "racer")
@@ -260,7 +260,7 @@ class ReportOutcome:
 
 
 # ---------------------------------------------------------------------------------------- state
-class ClusterState:
+class ClusterState(ArrayViews):
     """The router's view of the cluster: the snapshot every decision is a pure function of.
 
     Per node (arrays of length ``num_nodes``): queue depth, liveness and last report time, the
@@ -307,20 +307,8 @@ class ClusterState:
         self._ones = np.ones(1024, dtype=np.float64)
         self._refresh_all()
 
-    # memoryviews over the arrays (fast scalar access); rebuilt on copy, as they cannot be pickled
     _VIEWS = {"_queue_mv": "queue", "_alive_mv": "alive", "_load_mv": "load", "_ld_term_mv": "ld_term",
-              "_qmax_mv": "q_for_max", "_qmin_mv": "q_for_min"}
-
-    def _bind_views(self) -> None:
-        for view, arr in self._VIEWS.items():
-            setattr(self, view, memoryview(getattr(self, arr)))
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._bind_views()
+              "_qmax_mv": "q_for_max", "_qmin_mv": "q_for_min"}  # see `ArrayViews`
 
     @property
     def num_nodes(self) -> int:

@@ -290,8 +290,7 @@ class AllocatorEnv:
 
         self.close()
         stream, sim_cfg, meta = self.draw_episode(seed, options)
-        trace_name, regime, stream_seed, rate, share = (meta[k] for k in ("trace", "regime", "stream_seed",
-                                                                          "rate_rps", "initial_share"))
+        share = meta["initial_share"]
         self._steps_left = self._num_windows(sim_cfg, stream.config.duration_s) - 2
         if self._steps_left < 1:
             raise ValueError("the episode is too short for one step")
@@ -300,8 +299,7 @@ class AllocatorEnv:
         self._prev_stats = [None] * self.num_agents
         self._targets = np.full(self.num_agents, share)
         self._obs = self._observe(stats)
-        self._episode = {"trace": trace_name, "regime": regime, "stream_seed": stream_seed, "rate_rps": rate,
-                         "initial_share": share, "bursts": [list(b) for b in stream.bursts], "num_requests": len(stream),
+        self._episode = {**meta, "bursts": [list(b) for b in stream.bursts], "num_requests": len(stream),
                          "steps": 0, "return": 0.0, "share_sum": 0.0}
         info = {"now_s": now_s, "stats": stats, **meta}
         return self._obs.copy(), info

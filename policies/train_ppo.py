@@ -23,9 +23,10 @@ and ``curve.csv`` (one row per update), ``curve.png`` (the learning curve), ``ev
 Imitation warm start (``bc_episodes > 0`` or ``bc_data``, `policies.imitation`): before PPO the
 actor is cloned from the simulator's replay oracle on that many episodes (drawn like the
 environment's, from ``bc_seed``; or on samples collected beforehand, possibly on a larger cluster,
-by ``python -m policies.imitation``), and every PPO minibatch keeps ``bc_coef`` x the clone loss on those samples, so PPO
-refines the oracle's behaviour against the reward rather than rediscovering it by trial and error.
-The figures of the cloning go to ``imitation.json`` and into the evaluation.
+by ``python -m policies.imitation``), and every PPO minibatch keeps ``bc_coef`` x the clone loss
+on those samples, so PPO refines the oracle's behaviour against the reward rather than
+rediscovering it by trial and error. The figures of the cloning go to ``imitation.json`` and into
+the evaluation.
 
 Evaluation (after training): the mean action (what the ONNX artifact runs) on held-out episodes,
 one per (trace, regime), each starting at emb_share 0.5 as the paper table's runs do, beside the

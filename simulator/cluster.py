@@ -236,8 +236,9 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
     `WindowStats`. ``record``: when a list is given, every operation on a node's memory is
     appended in order: ``("batch", node, start_s, request indices, cached tokens per request,
     embedding ids after the recomputed history items (new items, candidates), EMB hits)`` (the
-    batch's lookup is the requests' history items ``[cached, history_len)`` in order, then those), ``("target", node, share, now_s, applied_at_once)`` and
-    ``("step", node, now_s)``, so tests can replay them on payload-carrying structures."""
+    batch's lookup is the requests' history items ``[cached, history_len)`` in order, then those),
+    ``("target", node, share, now_s, applied_at_once)`` and ``("step", node, now_s)``, so tests
+    can replay them on payload-carrying structures."""
     allocator.reset(cfg.num_nodes, cfg.initial_emb_share)
     run = run_cluster(stream, cfg, router, initial_share=allocator.initial_share(), name=allocator.name,
                       progress=progress, desc=desc, record=record)
@@ -330,7 +331,10 @@ class ClusterSim:
         c.bounds[-1] = n_req
         self.slices_per_window = max(1, int(round(cfg.control_interval_s / slice_s)))
         self.slices_per_report = max(1, int(round(cfg.report_interval_s / slice_s)))
-        self.num_windows = int(math.ceil(num_slices / self.slices_per_window))
+        self.num_windows = num_windows = int(math.ceil(num_slices / self.slices_per_window))
+        # requests [win_bounds[w], win_bounds[w + 1]) arrived in control window w (the last takes the rest)
+        c.win_bounds = np.searchsorted(c.arrival, np.arange(num_windows + 1) * cfg.control_interval_s)
+        c.win_bounds[-1] = n_req
 
         self.latency = np.zeros(n_req)
         self.node_of = np.full(n_req, -1, dtype=np.int32)
@@ -351,9 +355,6 @@ class ClusterSim:
                 id(self.record): self.record, id(self.bar): self.bar}
         return copy.deepcopy(self, memo)
 
-    def window_of_slice(self, k: int) -> int:
-        return k // self.slices_per_window
-
     def start(self):
         """Run the first control window; see the class docstring."""
         if self.k != 0:
@@ -366,6 +367,7 @@ class ClusterSim:
                 if self.record is not None:
                     self.record.append(("target", node.index, float(self.initial_share), 0.0, True))
         self.targets[0, :] = self.target_now
+        self._pop_completions(0.0)
         self._run_slice_rest(0)
         self.k = 1
         return self._run_to_boundary()
@@ -379,7 +381,7 @@ class ClusterSim:
             raise ValueError(f"need one target emb_share per node ({len(nodes)}), got {decided!r}")
         k = self.k
         t0 = k * self.slice_s
-        wi = self.window_of_slice(k)
+        wi = k // self.slices_per_window
         for node, target in zip(nodes, decided):
             target = float(target)
             if not (math.isfinite(target) and 0.0 <= target <= 1.0):
@@ -408,7 +410,6 @@ class ClusterSim:
                 for node in self.nodes:
                     self.shares[wi - 1, node.index] = node.mm.emb_share
                 return t0, [self._window_stats(node) for node in self.nodes]
-            self.targets[self.window_of_slice(k), :] = self.target_now
             self._run_slice_rest(k)
             self.k = k + 1
         self._finish()
@@ -434,8 +435,6 @@ class ClusterSim:
     def _run_slice_rest(self, k: int) -> None:
         """Slice ``k`` after its completions and window boundary: reports, boundary steps, routing
         and service of the requests that arrived in it."""
-        if k == 0:
-            self._pop_completions(0.0)
         c = self._c
         slice_s = self.slice_s
         t0 = k * slice_s
@@ -603,10 +602,8 @@ class ClusterSim:
     # ----------------------------------------------------------------------------- result ---
     def window_p99_ms(self, w: int) -> float:
         """P99 (ms) of the requests that arrived in window ``w`` (all served once it has run)."""
-        iv = self.cfg.control_interval_s
-        arr = self._c.arrival
-        a, b = np.searchsorted(arr, [w * iv, (w + 1) * iv if w < self.num_windows - 1 else np.inf])
-        seg = self.latency[a:b]
+        wb = self._c.win_bounds
+        seg = self.latency[wb[w]:wb[w + 1]]
         return float(np.percentile(seg, 99)) * 1e3 if len(seg) else 0.0
 
     def result(self) -> SimResult:
@@ -616,11 +613,10 @@ class ClusterSim:
         cfg = self.cfg
         arrival = self._c.arrival
         num_windows = self.num_windows
-        win_idx = np.minimum((arrival / cfg.control_interval_s).astype(np.int64), num_windows - 1)
         wp99 = np.zeros(num_windows)
         wslo = np.zeros(num_windows)
         lat_ms = self.latency * 1e3
-        wb = np.searchsorted(win_idx, np.arange(num_windows + 1))
+        wb = self._c.win_bounds
         for w in range(num_windows):
             seg = lat_ms[wb[w]:wb[w + 1]]
             if len(seg):
@@ -645,7 +641,7 @@ class _Inputs:
 
 
 def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "racer", *, rel_tol: float = 0.01,
-                  name: str = "oracle", on_window=None) -> tuple[SimResult, list[float]]:
+                  name: str = "oracle") -> tuple[SimResult, list[float]]:
     """The offline-optimal split per control window, found on the window's replay.
 
     At each window boundary the run is forked once per share in ``shares``; every fork runs the
@@ -657,7 +653,7 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     off after more than one window is not seen. Returns the oracle's own `SimResult` (measured
     like any run) and its schedule (one share per window); ``result.extra["oracle_observed"][i]``
     holds the nodes' `WindowStats` the choice ``schedule[i + 1]`` followed (what a policy would
-    have seen: imitation data). ``on_window(w)``: progress callback.
+    have seen: imitation data).
     """
     shares = sorted({float(s) for s in shares})
     if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
@@ -681,8 +677,6 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     schedule = [s]
     observed = []  # the per-node WindowStats each later choice was made after
     w = 1
-    if on_window is not None:
-        on_window(0)
     while out is not None:
         observed.append(out[1])
         n = len(sim.nodes)
@@ -693,8 +687,6 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
         cands.append((shares[-1], sim, sim.advance([shares[-1]] * n)))
         s, sim, out = pick(cands, w, schedule[-1])
         schedule.append(s)
-        if on_window is not None:
-            on_window(w)
         w += 1
     res = sim.result()
     res.extra["oracle_schedule"] = schedule

@@ -282,13 +282,12 @@ class EmbCache:
     def _count_misses(self, miss_ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Popularity of uncached items: each miss (with repeats) adds one; counts halve every
         ``popularity_half_life_ids`` requested ids."""
-        if weights is not None:
-            self.popularity.scatter_add_(0, miss_ids, weights.to(self.popularity.dtype))
-            return
-        k = miss_ids.numel()
-        if self._ones.numel() < k:
-            self._ones = torch.ones(max(k, 2 * self._ones.numel()), device=self.device)
-        self.popularity.scatter_add_(0, miss_ids, self._ones[:k])
+        if weights is None:
+            k = miss_ids.numel()
+            if self._ones.numel() < k:
+                self._ones = torch.ones(max(k, 2 * self._ones.numel()), device=self.device)
+            weights = self._ones[:k]
+        self.popularity.scatter_add_(0, miss_ids, weights.to(self.popularity.dtype))
 
     def _decay_popularity(self, n: int) -> None:
         self._ids_since_decay += n
