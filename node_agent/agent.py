@@ -161,6 +161,7 @@ class NodeAgent:
         self._depth_sum = 0.0
         self._depth_n = 0
         self._refill_at_control = 0
+        self._ghost_marks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # ghost counters at the last control step
         self._memory: dict = self._memory_snapshot()
         self._allocator_state: dict | None = None
         self.last_window: dict | None = None
@@ -282,7 +283,7 @@ class NodeAgent:
     # ---------------------------------------------------------------------- control step ---
     def window_stats(self, now_s: float):
         """`WindowStats` of the interval since the last control step (the allocator's input)."""
-        from policies.features import WindowStats
+        from policies.features import WindowStats, marginal_utilities_us
 
         interval = max(now_s - self._last_control_s, 1e-6)
         with self._lock:
@@ -292,16 +293,24 @@ class NodeAgent:
         load = (self._depth_sum / self._depth_n / self.config.max_queue) if self._depth_n else 0.0
         costs = self.miss_costs or {}
         kv_cost = cost_at(costs.get("kv_recompute_us_per_token", 0.0), w["history_len_p50"])
+        emb_cost = float(costs.get("emb_transfer_us_per_row", 0.0))
         c = self.engine.config
+        mm = self.engine.mm
+        emb_ghost, kv_ghost = mm.ghost_counters()
+        emb_marginal, kv_marginal = marginal_utilities_us(
+            mm.config.ghost_probes, mm.ghost_delta(emb_ghost, self._ghost_marks[0]),
+            mm.ghost_delta(kv_ghost, self._ghost_marks[1]), w["num_requests"], emb_cost, kv_cost)
+        self._ghost_marks = (emb_ghost, kv_ghost)
         stats = WindowStats(
             interval_s=interval, num_requests=w["num_requests"], arrival_rate_rps=arrivals / interval,
             hot_user_ratio=w["hot_user_ratio"], history_len_p50=w["history_len_p50"],
             history_len_p99=w["history_len_p99"], emb_lookups_per_request=w["emb_lookups_per_request"],
             emb_hit_rate=w["emb_hit_rate"], kv_hit_rate=w["kv_hit_rate"], kv_recompute_us_per_token=kv_cost,
-            emb_transfer_us_per_row=float(costs.get("emb_transfer_us_per_row", 0.0)),
+            emb_transfer_us_per_row=emb_cost,
             emb_share=self.engine.mm.emb_share, load=min(1.0, load), p99_ms=w["p99_ms"], slo_ms=self.config.slo_ms,
             refill_bytes=float(refill - self._refill_at_control),
-            arena_bytes=float(c.num_pages * self.engine.mm.config.page_bytes))
+            arena_bytes=float(c.num_pages * self.engine.mm.config.page_bytes),
+            emb_marginal_us=emb_marginal, kv_marginal_us=kv_marginal)
         return stats, arrivals
 
     def control_step(self, now_s: float) -> dict:

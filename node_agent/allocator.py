@@ -37,7 +37,8 @@ import numpy as np
 
 from policies.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
                                read_manifest, read_onnx_bytes)
-from policies.features import FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, miss_costs_us
+from policies.features import (FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, marginal_imbalance,
+                               miss_costs_us)
 
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
 
@@ -86,6 +87,9 @@ class GuardConfig:
             raise ValueError("invalid GuardConfig: " + "; ".join(problems))
 
 
+RESIDUAL_SIGNALS = ("ghost", "miss_cost")
+
+
 @dataclass(frozen=True)
 class ResidualConfig:
     """The online residual adapter (see `ResidualAdapter` for the target and update rule).
@@ -99,7 +103,11 @@ class ResidualConfig:
     - ``target_p99_over_slo``: the P99/SLO the adapter steers below, in (0, 2];
     - ``pressure_max``: clip of the SLO pressure, in (0, 10];
     - ``reset_on_policy_swap``: zero the adapter when a new base policy is loaded (its corrections
-      were learnt against the old policy's errors).
+      were learnt against the old policy's errors);
+    - ``signal``: what says which cache needs memory: ``"miss_cost"`` (default: all miss time,
+      `policies.features.miss_costs_us`, compulsory misses included) or ``"ghost"`` (the caches'
+      marginal utilities from their ghost lists, `policies.features.marginal_imbalance`: only
+      the misses that more memory would have turned into hits).
     """
 
     enabled: bool = True
@@ -111,10 +119,13 @@ class ResidualConfig:
     target_p99_over_slo: float = 0.9
     pressure_max: float = 1.0
     reset_on_policy_swap: bool = True
+    signal: str = "miss_cost"
 
     def __post_init__(self) -> None:
         problems = [f"{n} must be a bool, got {getattr(self, n)!r}" for n in ("enabled", "reset_on_policy_swap")
                     if not isinstance(getattr(self, n), bool)]
+        if self.signal not in RESIDUAL_SIGNALS:
+            problems.append(f"signal must be one of {', '.join(RESIDUAL_SIGNALS)}, got {self.signal!r}")
         rules = {  # name: (test, range in words)
             "max_correction": (lambda v: 0 < v <= 0.1, "(0, 0.1]"),
             "learning_rate": (lambda v: 0 < v <= 1, "(0, 1]"),
@@ -398,9 +409,12 @@ class ResidualAdapter:
     stats (the outcome) say which way the split should have gone:
 
     - SLO pressure ``p = clip(p99_ms / slo_ms - target_p99_over_slo, -pressure_max, pressure_max)``;
-    - miss-cost imbalance ``m = (emb_miss_us - kv_miss_us) / (emb_miss_us + kv_miss_us)`` in
-      [-1, 1] (0 when both are 0), from `policies.features.miss_costs_us` with the observed hit
-      rates: positive when embedding misses cost requests more time than KV recomputation;
+    - imbalance ``m = (emb_us - kv_us) / (emb_us + kv_us)`` in [-1, 1] (0 when both are 0): with
+      ``signal="miss_cost"`` (default) ``emb_us`` / ``kv_us`` are the observed miss time per
+      request (`policies.features.miss_costs_us`), positive when embedding misses cost requests
+      more time than KV recomputation; with ``signal="ghost"`` they are the caches' marginal
+      utilities (time per request 10% more memory would have saved each, from their ghost lists:
+      `policies.features.marginal_imbalance`), the rule of utility-based cache partitioning;
     - ``y = r + gain * p * m`` when ``p > 0`` (over the target: move toward the side whose misses
       cost more, in proportion to how far over), else ``y = (1 - relax) * r`` (headroom: fade the
       correction, giving control back to the base policy, which was trained for the long-horizon
@@ -441,9 +455,12 @@ class ResidualAdapter:
         c = self.config
         p = outcome.p99_ms / outcome.slo_ms - c.target_p99_over_slo
         p = max(-c.pressure_max, min(c.pressure_max, p))
-        kv_us, emb_us = miss_costs_us(outcome)
-        total = kv_us + emb_us
-        m = (emb_us - kv_us) / total if total > 0 else 0.0
+        if c.signal == "ghost":
+            m = marginal_imbalance(outcome)
+        else:
+            kv_us, emb_us = miss_costs_us(outcome)
+            total = kv_us + emb_us
+            m = (emb_us - kv_us) / total if total > 0 else 0.0
         y = correction + c.gain * p * m if p > 0 else (1.0 - c.relax) * correction
         return max(-c.max_correction, min(c.max_correction, y)), p, m
 

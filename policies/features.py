@@ -80,7 +80,11 @@ class WindowStats:
     - ``p99_ms``: P99 latency of the requests finished in the interval (0 when none finished);
     - ``slo_ms``: the latency SLO (> 0);
     - ``refill_bytes``: bytes the memory manager copied host -> device in the background to fill
-      newly granted EMB pages (>= 0); ``arena_bytes``: the HBM arena's size (> 0).
+      newly granted EMB pages (>= 0); ``arena_bytes``: the HBM arena's size (> 0);
+    - ``emb_marginal_us`` / ``kv_marginal_us`` (optional, default 0; not policy features): the
+      marginal utility of memory for the EMB slab / the KV pool: busy time per request that 10%
+      more of the arena would have saved, read from the caches' ghost lists
+      (`node_agent.memory.MemoryConfig.ghost_probes`) with `marginal_utility_us` (>= 0).
     """
 
     interval_s: float
@@ -100,6 +104,8 @@ class WindowStats:
     slo_ms: float
     refill_bytes: float
     arena_bytes: float
+    emb_marginal_us: float = 0.0
+    kv_marginal_us: float = 0.0
 
     def problems(self) -> list[str]:
         """Every violated constraint, as readable lines (empty when the snapshot is valid)."""
@@ -122,7 +128,7 @@ class WindowStats:
             check(name, lambda v: v > 0, "> 0")
         for name in ("num_requests", "arrival_rate_rps", "history_len_p50", "history_len_p99",
                      "emb_lookups_per_request", "kv_recompute_us_per_token", "emb_transfer_us_per_row",
-                     "p99_ms", "refill_bytes"):
+                     "p99_ms", "refill_bytes", "emb_marginal_us", "kv_marginal_us"):
             check(name, lambda v: v >= 0, ">= 0")
         for name in ("hot_user_ratio", "emb_hit_rate", "kv_hit_rate", "emb_share", "load"):
             check(name, lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -186,6 +192,44 @@ def miss_costs_us(stats: WindowStats) -> tuple[float, float]:
     return kv, emb
 
 
+def marginal_utility_us(probes, saved_us) -> float:
+    """Busy time saved per 10% of the arena: ``max_k saved_us[k] / (probes[k] / 0.1)``.
+
+    ``probes`` are the ghost probes (shares of the arena, ascending) and ``saved_us[k]`` the time
+    per request that a cache ``probes[k]`` of the arena larger would have saved (ghost hits
+    priced at the miss cost). Taking the best rate over the probes, not the first probe's,
+    is the *lookahead* of utility-based cache partitioning (Qureshi and Patt, MICRO 2006): a
+    cache whose gains come in steps (a KV pool holds a user's K/V whole or not at all) is
+    valued by the next step it could reach, not by the first sliver of memory."""
+    best = 0.0
+    for f, v in zip(probes, saved_us):
+        rate = v * 0.1 / f
+        if rate > best:
+            best = rate
+    return best
+
+
+def marginal_utilities_us(probes, emb_ghost_rows, kv_ghost_tokens, num_requests: int,
+                          emb_transfer_us_per_row: float, kv_recompute_us_per_token: float) -> tuple[float, float]:
+    """``(emb_marginal_us, kv_marginal_us)`` of one window from its ghost counts per probe: the
+    row copies (``emb_ghost_rows[k]``) and recomputed tokens (``kv_ghost_tokens[k]``) that a cache
+    ``probes[k]`` of the arena larger would have saved, priced at the node's miss costs, per
+    request, then `marginal_utility_us`. Empty counts (ghost lists off) or no requests give 0."""
+    if not num_requests or not probes:
+        return 0.0, 0.0
+    emb = [v * emb_transfer_us_per_row / num_requests for v in emb_ghost_rows]
+    kv = [v * kv_recompute_us_per_token / num_requests for v in kv_ghost_tokens]
+    return marginal_utility_us(probes, emb), marginal_utility_us(probes, kv)
+
+
+def marginal_imbalance(stats: WindowStats) -> float:
+    """``(emb_marginal_us - kv_marginal_us) / (emb_marginal_us + kv_marginal_us)`` in [-1, 1]:
+    positive when more EMB rows are worth more than more KV pages (0 when neither is worth
+    anything)."""
+    total = stats.emb_marginal_us + stats.kv_marginal_us
+    return (stats.emb_marginal_us - stats.kv_marginal_us) / total if total > 0 else 0.0
+
+
 def _check(s: WindowStats) -> None:
     """Fast validation: one sum for finiteness (NaN and inf propagate) and chained range tests;
     on any failure the slow `WindowStats.problems` names the fields (an overflowing sum of finite
@@ -194,11 +238,13 @@ def _check(s: WindowStats) -> None:
         total = (s.interval_s + s.num_requests + s.arrival_rate_rps + s.hot_user_ratio + s.history_len_p50
                  + s.history_len_p99 + s.emb_lookups_per_request + s.emb_hit_rate + s.kv_hit_rate
                  + s.kv_recompute_us_per_token + s.emb_transfer_us_per_row + s.emb_share + s.load + s.p99_ms
-                 + s.slo_ms + s.refill_bytes + s.arena_bytes)
+                 + s.slo_ms + s.refill_bytes + s.arena_bytes + s.emb_marginal_us
+                 + s.kv_marginal_us)
         ok = (math.isfinite(total) and s.interval_s > 0 and s.slo_ms > 0 and s.arena_bytes > 0
               and s.num_requests >= 0 and s.arrival_rate_rps >= 0 and 0 <= s.history_len_p50 <= s.history_len_p99
               and s.emb_lookups_per_request >= 0 and s.kv_recompute_us_per_token >= 0
               and s.emb_transfer_us_per_row >= 0 and s.p99_ms >= 0 and s.refill_bytes >= 0
+              and s.emb_marginal_us >= 0 and s.kv_marginal_us >= 0
               and 0 <= s.hot_user_ratio <= 1 and 0 <= s.emb_hit_rate <= 1 and 0 <= s.kv_hit_rate <= 1
               and 0 <= s.emb_share <= 1 and 0 <= s.load <= 1 and s.num_requests == int(s.num_requests))
     except (TypeError, ValueError, OverflowError):

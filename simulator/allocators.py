@@ -116,3 +116,11 @@ def make_allocator(spec: str, **kwargs) -> Allocator:
     if spec == "heuristic":
         return HeuristicAllocator(**kwargs)
     raise ValueError(f"unknown allocator {spec!r}: use static:<share>, heuristic, best_static or oracle")
+
+
+GHOST_SUFFIX = "@ghost"  # a SmartAllocator spec whose residual adapter reads the caches' ghost lists
+
+
+def needs_ghost_lists(spec: str) -> bool:
+    """True for the allocator specs that need the simulator's ghost lists on (``...@ghost``)."""
+    return spec.endswith(GHOST_SUFFIX)

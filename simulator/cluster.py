@@ -34,7 +34,7 @@ import torch
 from control_plane.router import NodeReport, RequestBatch, make_router
 from control_plane.weights import CostProfile as RouterProfile
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
-from policies.features import WindowStats
+from policies.features import WindowStats, marginal_utilities_us
 from workloads.regimes import RequestStream, top_share
 
 from .allocators import Allocator
@@ -54,7 +54,10 @@ class SimConfig:
     - ``refill_limit_fraction``: the background refill's byte budget as a fraction of the link;
     - ``max_step_fraction``: the most of the arena one boundary step (one slice) moves;
     - ``hot_shard_min_mass``: a shard is hot on a node when the node's slab holds at least this
-      share of the shard's popularity mass (what the node reports to the router).
+      share of the shard's popularity mass (what the node reports to the router);
+    - ``ghost_probes``: the caches' ghost probes (`MemoryConfig.ghost_probes`); off by default
+      here (they cost the simulator ~15% of its speed and change no decision of the caches);
+      on, every `WindowStats` carries the nodes' marginal utilities of memory.
     """
 
     num_nodes: int = 32
@@ -70,6 +73,7 @@ class SimConfig:
     max_step_fraction: float = 0.05
     hot_shard_min_mass: float = 0.5
     queue_capacity: int = 64
+    ghost_probes: tuple[float, ...] = ()
     seed: int = 0
 
     def validate(self) -> "SimConfig":
@@ -158,7 +162,7 @@ class _Window:
 
 
 class _Node:
-    __slots__ = ("index", "id", "mm", "busy_until", "win", "seq")
+    __slots__ = ("index", "id", "mm", "busy_until", "win", "seq", "ghost_marks")
 
     def __init__(self, index: int, mm: MemoryManager) -> None:
         self.index = index
@@ -167,6 +171,7 @@ class _Node:
         self.busy_until = 0.0
         self.win = _Window()
         self.seq = 0
+        self.ghost_marks = ((), ())  # the caches' ghost counters when the window began
 
 
 def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
@@ -189,7 +194,7 @@ def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
         kv=kv, initial_emb_share=cfg.initial_emb_share,
         max_step_pages=max(1, int(cfg.max_step_fraction * num_pages)),
         refill=RefillConfig(limit_bytes_per_s=limit, window_s=window, chunk_bytes=chunk),
-        payload=False, device="cpu",
+        ghost_probes=tuple(cfg.ghost_probes), payload=False, device="cpu",
     )
 
 
@@ -573,6 +578,7 @@ class ClusterSim:
             p99 = float(np.percentile(lat, 99)) * 1e3
         else:
             hot = h50 = h99 = p99 = 0.0
+        emb_marginal, kv_marginal = self._marginal_us(node, w.n)
         return WindowStats(
             interval_s=iv, num_requests=w.n, arrival_rate_rps=w.n / iv, hot_user_ratio=hot,
             history_len_p50=h50, history_len_p99=max(h50, h99),
@@ -583,7 +589,17 @@ class ClusterSim:
             emb_transfer_us_per_row=prof.emb_transfer_us_per_row,
             emb_share=node.mm.emb_share, load=min(1.0, w.busy_us / 1e6 / iv), p99_ms=p99, slo_ms=cfg.slo_ms,
             refill_bytes=float(w.refill_bytes), arena_bytes=float(mcfg.num_pages * mcfg.page_bytes),
+            emb_marginal_us=emb_marginal, kv_marginal_us=kv_marginal,
         )
+
+    def _marginal_us(self, node: _Node, n: int) -> tuple[float, float]:
+        """The window's marginal utilities of memory (EMB, KV) from the caches' ghost counters."""
+        mm = node.mm
+        emb, kv = mm.ghost_counters()
+        e0, k0 = node.ghost_marks
+        node.ghost_marks = (emb, kv)
+        return marginal_utilities_us(self.mcfg.ghost_probes, mm.ghost_delta(emb, e0), mm.ghost_delta(kv, k0), n,
+                                     self.prof.emb_transfer_us_per_row, self.rp.kv_recompute_us_per_token)
 
     def _report(self, node: _Node, now_s: float) -> None:
         c = self._c

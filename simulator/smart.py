@@ -4,6 +4,11 @@
     make_smart_allocator("ppo")            # the frozen base policy alone
     make_smart_allocator("ppo+residual")   # base + residual adapter
     make_smart_allocator("ppo+recovery")   # base + recovery controller
+    make_smart_allocator("racer@ghost")    # any of them with the residual adapter on the ghost signal
+
+A spec ending in ``@ghost`` runs the residual adapter on the caches' marginal utilities
+(``ResidualConfig(signal="ghost")``); the simulator must then run with ghost lists on
+(``SimConfig.ghost_probes``, which the table sets for such rows: `needs_ghost_lists`).
 
 Each simulated node gets its own `node_agent.allocator.SmartAllocator` (the node agent's runtime,
 unchanged: ONNX base policy in onnxruntime, residual adapter, burst recovery controller, guards),
@@ -22,7 +27,7 @@ from pathlib import Path
 from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator
 from policies.features import WindowStats
 
-from .allocators import Allocator
+from .allocators import GHOST_SUFFIX, Allocator, needs_ghost_lists
 
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent.parent / "policies" / "default"
 
@@ -37,14 +42,18 @@ SMART_SPECS: dict[str, tuple[bool, bool]] = {
 
 def smart_config(spec: str, base: AllocatorConfig | None = None) -> AllocatorConfig:
     """The `AllocatorConfig` of an ablation: ``base`` (default `AllocatorConfig()`) with the
-    residual adapter and the recovery controller switched on or off as ``spec`` says."""
-    if spec not in SMART_SPECS:
-        raise ValueError(f"unknown SmartAllocator spec {spec!r}: use one of {', '.join(SMART_SPECS)}")
-    residual_on, recovery_on = SMART_SPECS[spec]
+    residual adapter and the recovery controller switched on or off as ``spec`` says (and, with
+    the ``@ghost`` suffix, the adapter on the ghost signal)."""
+    name = spec[: -len(GHOST_SUFFIX)] if needs_ghost_lists(spec) else spec
+    if name not in SMART_SPECS:
+        raise ValueError(f"unknown SmartAllocator spec {spec!r}: use one of {', '.join(SMART_SPECS)}, "
+                         f"optionally with {GHOST_SUFFIX}")
+    residual_on, recovery_on = SMART_SPECS[name]
     base = base or AllocatorConfig()
+    signal = "ghost" if needs_ghost_lists(spec) else base.residual.signal
     return AllocatorConfig(
         guard=base.guard,
-        residual=ResidualConfig(**{**_fields(base.residual), "enabled": residual_on}),
+        residual=ResidualConfig(**{**_fields(base.residual), "enabled": residual_on, "signal": signal}),
         recovery=RecoveryConfig(**{**_fields(base.recovery), "enabled": recovery_on}),
         initial_emb_share=base.initial_emb_share, device=base.device,
         intra_op_num_threads=base.intra_op_num_threads, golden_tolerance=base.golden_tolerance)

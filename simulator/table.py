@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .allocators import HeuristicAllocator, ScheduleAllocator, StaticAllocator
+from .allocators import HeuristicAllocator, ScheduleAllocator, StaticAllocator, needs_ghost_lists
 from .cluster import SimConfig, SimResult, oracle_replay, simulate
 
 ROUTERS = ("racer", "kv_aware", "emb_aware", "least_load", "round_robin", "user_affinity")
@@ -99,6 +99,9 @@ def sim_config(cfg: TableConfig) -> SimConfig:
                      slo_ms=cfg.slo_ms, seed=cfg.seed)
 
 
+GHOST_PROBES = (0.05, 0.1, 0.2, 0.4)  # MemoryConfig's default: the runs whose allocator reads ghost lists
+
+
 def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = None):
     if spec.startswith("static:"):
         return StaticAllocator(float(spec.split(":", 1)[1]))
@@ -118,6 +121,8 @@ def _run(args) -> tuple[tuple, dict, dict]:
     cfg, job = args
     stream = _stream(cfg, job.regime)
     scfg = sim_config(cfg)
+    if needs_ghost_lists(job.allocator):  # its residual adapter reads the caches' marginal utilities
+        scfg = replace(scfg, ghost_probes=GHOST_PROBES)
     if job.allocator == "oracle" and job.schedule is None:  # the replay oracle
         res, sched = oracle_replay(stream, scfg, cfg.shares, job.router)
     else:

@@ -148,3 +148,30 @@ def test_a_policy_swap_resets_the_adapter(c60, tmp_path):
     keep.observe(OVER)
     keep.load_policy(other)
     assert keep.state()["residual"]["num_resets"] == 0 and keep.state()["residual"]["num_updates"] == 1
+
+
+def test_ghost_signal_follows_the_marginal_utilities_not_the_miss_time():
+    # miss time says EMB (+0.5, as in OVER), the ghost lists say more KV pages are worth more
+    outcome = window(p99_ms=45.0, emb_marginal_us=10.0, kv_marginal_us=30.0)
+    ghost = ResidualAdapter(ResidualConfig(gain=0.1, signal="ghost"))
+    y, p, m = ghost.target(0.0, outcome)
+    assert m == pytest.approx((10 - 30) / 40) and y == pytest.approx(0.1 * 0.6 * -0.5)
+    y, _, m = ResidualAdapter(ResidualConfig(gain=0.1)).target(0.0, outcome)  # default: miss time
+    assert m == pytest.approx(0.5) and y > 0
+    # no ghost information (lists off, or nothing within reach): no push either way
+    y, _, m = ghost.target(0.03, window(p99_ms=45.0))
+    assert m == 0.0 and y == pytest.approx(0.03)
+    with pytest.raises(ValueError, match="signal"):
+        ResidualConfig(signal="oracle")
+
+
+def test_marginal_utility_takes_the_best_rate_over_the_probes():
+    from policies.features import marginal_utilities_us, marginal_utility_us
+
+    # a KV pool that saves nothing with 5% more but 40 us with 20% more is worth 20 us per 10%
+    assert marginal_utility_us((0.05, 0.1, 0.2), (0.0, 0.0, 40.0)) == pytest.approx(20.0)
+    assert marginal_utility_us((0.05, 0.1), (6.0, 8.0)) == pytest.approx(12.0)  # the first step's rate
+    emb, kv = marginal_utilities_us((0.1, 0.2), (20, 30), (0, 400), 10, 1.5, 0.5)
+    assert emb == pytest.approx(max(20 * 1.5 / 10, 30 * 1.5 / 10 / 2)) and kv == pytest.approx(400 * 0.5 / 10 / 2)
+    assert marginal_utilities_us((), (), (), 10, 1.0, 1.0) == (0.0, 0.0)
+    assert marginal_utilities_us((0.1,), (5,), (5,), 0, 1.0, 1.0) == (0.0, 0.0)

@@ -221,6 +221,13 @@ def test_control_step_runs_the_allocator_and_moves_the_boundary(tmp_path):
     w = step["window"]
     assert w["num_requests"] == 6 and w["history_len_p50"] == 12 and w["kv_recompute_us_per_token"] == 5.0
     assert w["emb_transfer_us_per_row"] == 0.3 and w["emb_share"] == 0.5
+    # marginal utilities of memory: the engine's ghost counters over the window, priced
+    from policies.features import marginal_utilities_us
+
+    emb_ghost, kv_ghost = eng.mm.ghost_counters()
+    assert len(emb_ghost) == len(eng.mm.config.ghost_probes) == 4
+    assert (w["emb_marginal_us"], w["kv_marginal_us"]) == marginal_utilities_us(
+        eng.mm.config.ghost_probes, emb_ghost, kv_ghost, 6, 0.3, 5.0)
     d = step["decision"]
     assert d["base_emb_share"] == pytest.approx(0.8, abs=1e-4)
     assert d["emb_share"] == pytest.approx(0.55)  # the guard's max step up of 0.05

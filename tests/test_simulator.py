@@ -218,3 +218,29 @@ def test_replay_oracle_picks_each_window_best_share_from_its_own_state(small):
         w += 1
     with pytest.raises(ValueError, match="shares"):
         oracle_replay(stream, cfg, [1.5])
+
+
+class _Recording(StaticAllocator):
+    """A static split that keeps every WindowStats it is shown."""
+
+    def __init__(self, share):
+        super().__init__(share)
+        self.seen = []
+
+    def decide(self, node, stats, now_s):
+        self.seen.append(stats)
+        return super().decide(node, stats, now_s)
+
+
+def test_ghost_lists_change_nothing_but_report_the_marginal_utilities(small):
+    _, stream, cfg = small
+    off, on = _Recording(0.5), _Recording(0.5)
+    r_off = simulate(stream, cfg, off)
+    r_on = simulate(stream, dataclasses.replace(cfg, ghost_probes=(0.05, 0.1, 0.2, 0.4)), on)
+    np.testing.assert_array_equal(r_off.latency_s, r_on.latency_s)
+    assert r_off.emb_hits == r_on.emb_hits and r_off.kv_hit_tokens == r_on.kv_hit_tokens
+    assert all(s.emb_marginal_us == 0 and s.kv_marginal_us == 0 for s in off.seen)
+    assert sum(s.emb_marginal_us > 0 for s in on.seen) > len(on.seen) // 2
+    assert any(s.kv_marginal_us > 0 for s in on.seen)
+    # the windows' other figures are those of the run without ghost lists
+    assert all(a.emb_hit_rate == b.emb_hit_rate for a, b in zip(off.seen, on.seen))

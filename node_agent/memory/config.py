@@ -120,6 +120,11 @@ class MemoryConfig:
     - ``min_emb_pages`` / ``min_kv_pages``: floors that every plan respects.
     - ``popularity_half_life_ids``: requested ids after which the refill's popularity counts
       (misses per uncached item) halve.
+    - ``ghost_probes``: ascending shares of the arena, each in (0, 1] (empty: off). Each cache
+      keeps a ghost list of what it evicted, and counts, for every probe, the misses that a
+      cache that much larger would have served: a short miss-ratio curve of the memory it does
+      not have (see `EmbCache` and `KVPool`), from which an allocator reads the marginal utility
+      of moving the boundary.
     - ``payload``: False runs the same metadata logic with no arena tensor and no host table
       (the simulator's mode); hits, evictions and boundary moves are identical.
     - ``device``: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``.
@@ -135,6 +140,7 @@ class MemoryConfig:
     min_emb_pages: int = 0
     min_kv_pages: int = 0
     popularity_half_life_ids: float = 1e6
+    ghost_probes: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)
     refill: RefillConfig = field(default_factory=RefillConfig)
     payload: bool = True
     device: str = "auto"
@@ -160,6 +166,9 @@ class MemoryConfig:
             )
         if self.popularity_half_life_ids <= 0:
             raise ValueError("popularity_half_life_ids must be > 0")
+        probes = tuple(self.ghost_probes)
+        if any(not (isinstance(f, (int, float)) and 0.0 < f <= 1.0) for f in probes) or list(probes) != sorted(set(probes)):
+            raise ValueError(f"ghost_probes must be ascending shares in (0, 1], got {self.ghost_probes!r}")
         if self.row_bytes > self.page_bytes:
             raise ValueError(
                 f"an embedding row ({self.row_bytes} B) does not fit in a page "
@@ -194,6 +203,11 @@ class MemoryConfig:
     def max_rows(self) -> int:
         """Rows the slab would have with every page in it."""
         return self.num_pages * self.rows_per_page
+
+    @property
+    def ghost_probe_pages(self) -> tuple[int, ...]:
+        """Each ghost probe in pages (at least one page each; empty when off)."""
+        return tuple(max(1, round(f * self.num_pages)) for f in self.ghost_probes)
 
     def pages_for_share(self, emb_share: float) -> int:
         """EMB pages for a share, rounded to the nearest page and clamped to the floors."""

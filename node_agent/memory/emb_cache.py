@@ -56,7 +56,9 @@ class EmbCacheStats:
     call; ``num_unique_misses`` distinct ids per call that were not; ``num_bypassed`` those of
     them served straight from host memory because the call's distinct ids outnumbered the rows
     (FBGEMM's conflict misses); ``bytes_transferred`` the demand host-to-device bytes (one row
-    per unique miss); refill traffic is counted apart in ``refill_bytes``.
+    per unique miss); refill traffic is counted apart in ``refill_bytes``; ``ghost_hits``, per
+    ghost probe, the unique misses that a slab that much larger would have held (row copies
+    saved).
     """
 
     num_calls: int = 0
@@ -71,6 +73,7 @@ class EmbCacheStats:
     num_refill_rows: int = 0
     num_refill_discarded: int = 0
     refill_bytes: int = 0
+    ghost_hits: tuple[int, ...] = ()  # per ghost probe (see EmbCache)
 
     @property
     def hit_rate(self) -> float:
@@ -115,6 +118,17 @@ class EmbCache:
     demand miss cached meanwhile are skipped at commit and their rows go back to empty. Demand
     misses take empty rows first too (tick 0), so the refill only fills what demand has not.
 
+    **Ghost list** (``config.ghost_probes``): the marginal utility of more rows. Every row that
+    leaves the slab (an eviction, or an invalidation when the slab shrinks) stamps its item with
+    a running count of such departures (``ghost_seq``). A missed item that left ``d`` departures
+    ago (``d = 1``: the last one) is among the ``d`` rows just past the slab's end in LRU order,
+    so a slab at least ``d`` rows larger would have held it (LRU's stack property, as in ARC's
+    ghost lists and utility-based cache partitioning); for each probe of ``r`` rows
+    (``ghost_rows``) the call counts its distinct missed ids with ``d <= r``: row copies that
+    much more memory would have saved. Items that left twice within reach count twice as
+    distance, so the counts are lower bounds. It costs five tensor ops on calls with misses and
+    two per eviction; the metadata lives on the device with the rest.
+
     **Metadata-only mode** (``arena.payload is False``): the same code with no slab and no host
     table; ``rows`` is ``None`` and nothing is copied, every counter and decision is identical.
     """
@@ -153,6 +167,13 @@ class EmbCache:
         self._q_ticks = torch.empty(0, dtype=i64, device=dev)
         self._q_head = 0
         self.stats = EmbCacheStats()
+        # ghost list: ghost_seq[item] = departures counted when the item left the slab (0: never)
+        self.ghost_rows = tuple(p * cfg.rows_per_page for p in cfg.ghost_probe_pages)
+        self._ghost_limits = torch.tensor(self.ghost_rows, dtype=i64, device=dev)
+        self._departures = 0
+        self._ghost_seq = (torch.zeros(num_items, dtype=i64, device=dev) if self.ghost_rows
+                           else torch.empty(0, dtype=i64, device=dev))
+        self.stats.ghost_hits = (0,) * len(self.ghost_rows)
         # refill state
         self._refill_candidates = torch.empty(0, dtype=i64, device=dev)
         self._refill_cursor = 0
@@ -232,11 +253,14 @@ class EmbCache:
         u = a = num_evicted = 0
         evicted = None
         bypass_pos = None
+        ghost = None
         if num_miss:
             miss_ids = ids.index_select(0, miss_pos)
             self._count_misses(miss_ids, miss_counts)
             uniq = self._mark_first_occurrences(miss_ids)
             u = uniq.numel()
+            if self.ghost_rows and self._departures:
+                ghost = self._count_ghost_hits(uniq)
             victims = self._take_victims(min(u, self.rows), tick)
             a = victims.numel()
             if a:
@@ -246,6 +270,7 @@ class EmbCache:
                 num_evicted = evicted.numel()
                 if num_evicted:
                     self.item_to_slot.index_fill_(0, evicted, self.miss_slot)
+                    self._record_departures(evicted)
                 else:
                     evicted = None
                 self.item_to_slot.index_copy_(0, admitted, victims)
@@ -276,6 +301,8 @@ class EmbCache:
         stats.num_bypassed += u - a
         stats.num_evictions += num_evicted
         stats.bytes_transferred += bytes_moved
+        if ghost is not None:
+            stats.ghost_hits = tuple(a + b for a, b in zip(stats.ghost_hits, ghost))
         return EmbLookup(rows, n_total, num_hits, num_distinct_hits + u, u, u - a, num_evicted,
                          bytes_moved, evicted)
 
@@ -288,6 +315,21 @@ class EmbCache:
                 self._ones = torch.ones(max(k, 2 * self._ones.numel()), device=self.device)
             weights = self._ones[:k]
         self.popularity.scatter_add_(0, miss_ids, weights.to(self.popularity.dtype))
+
+    def _count_ghost_hits(self, uniq: torch.Tensor) -> list[int]:
+        """Per probe, the distinct missed ids that left the slab within that many departures."""
+        seq = self._ghost_seq.index_select(0, uniq)
+        dist = torch.where(seq > 0, self._departures + 1 - seq, RESERVED_TICK)  # never left: out of reach
+        return (dist.unsqueeze(1) <= self._ghost_limits).sum(0).tolist()
+
+    def _record_departures(self, items: torch.Tensor) -> None:
+        """Stamp items leaving the slab (in order) for the ghost list."""
+        if not self.ghost_rows:
+            return
+        k = items.numel()
+        self._ghost_seq.index_copy_(0, items, torch.arange(self._departures + 1, self._departures + k + 1,
+                                                           dtype=torch.int64, device=self.device))
+        self._departures += k
 
     def _decay_popularity(self, n: int) -> None:
         self._ids_since_decay += n
@@ -407,6 +449,7 @@ class EmbCache:
         items = top[top >= 0]
         if items.numel():
             self.item_to_slot.index_fill_(0, items, self.miss_slot)
+            self._record_departures(items)
         top.fill_(-1)
         self.slot_tick[new_rows: self.rows].fill_(0)
         self.rows = new_rows

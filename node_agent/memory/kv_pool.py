@@ -67,6 +67,8 @@ class KVPoolStats:
     evicted_tokens: int = 0
     num_migrated_pages: int = 0
     bytes_copied: int = 0
+    ghost_hits: tuple[int, ...] = ()  # per ghost probe: lookup misses a pool that much larger would have hit
+    ghost_hit_tokens: tuple[int, ...] = ()  # per probe: the tokens those users had cached when evicted
 
     @property
     def hit_rate(self) -> float:
@@ -97,6 +99,17 @@ class KVPool:
     max-heap of the free pages above it (stale entries are skipped when popped). Pages given
     back by the slab extend the run and pages taken by the slab shorten it, both in O(1), so
     moving the boundary over free pages costs a few slice operations whatever their number.
+
+    **Ghost list** (``config.ghost_probes``): users evicted for space (LRU evictions, also
+    those forced by a boundary move) are remembered with their pages, their tokens and the
+    pages evicted up to theirs. On a lookup miss of such a user, everything in the pool now and
+    everything evicted after it was used more recently, so (LRU's stack property) a pool would
+    still hold it if it had ``used + evicted since + its pages`` pages; when that is at most
+    a probe's pages (``ghost_pages``) more than the pool has, the miss is a *ghost hit* of that
+    probe and ``ghost_hit_tokens`` (its cached tokens then) the recomputation that much more
+    memory would have saved.
+    Evicted users that came back are counted as still in the way, so ghost hits are a lower
+    bound. Users dropped by ``evict`` (stale K/V) are not ghosts.
     """
 
     def __init__(self, arena: Arena) -> None:
@@ -118,6 +131,10 @@ class KVPool:
         self._users: OrderedDict[int, _UserKV] = OrderedDict()  # LRU first
         self._residency: OrderedDict[int, bool] = OrderedDict()
         self.stats = KVPoolStats()
+        self.ghost_pages = cfg.ghost_probe_pages
+        self.stats.ghost_hits = self.stats.ghost_hit_tokens = (0,) * len(self.ghost_pages)
+        self._evicted_pages = 0  # pages freed by evictions so far
+        self._ghosts: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # user -> (evicted up to it, pages, tokens)
 
     # ------------------------------------------------------------------------ page lists ---
     def _pop_free(self) -> int:
@@ -181,8 +198,26 @@ class KVPool:
             if uid != protect:
                 entry = self._users.pop(uid)
                 self._free_user(uid, entry)
+                if self.ghost_pages:
+                    self._add_ghost(uid, len(entry.block_table), entry.num_tokens)
                 return uid
         return None
+
+    def _add_ghost(self, user_id: int, pages: int, tokens: int) -> None:
+        ghosts = self._ghosts
+        ghosts.pop(user_id, None)
+        self._evicted_pages += pages
+        ghosts[user_id] = (self._evicted_pages, pages, tokens)
+        floor = self._evicted_pages - self.ghost_pages[-1] - self.num_pages
+        while ghosts:  # drop the ghosts no pool of this arena plus the probe could hold (oldest first)
+            uid = next(iter(ghosts))
+            if ghosts[uid][0] >= floor:
+                break
+            del ghosts[uid]
+
+    def _ghost_distance(self, mark: int, pages: int) -> int:
+        """Pages beyond the pool's size that LRU would need to still hold a ghost."""
+        return self.num_used + (self._evicted_pages - mark) + pages - self.num_kv_pages
 
     # -------------------------------------------------------------------------- requests ---
     @property
@@ -195,6 +230,13 @@ class KVPool:
         st.num_lookups += 1
         entry = self._users.get(user_id)
         if entry is None:
+            if self.ghost_pages and user_id in self._ghosts:
+                mark, pages, tokens = self._ghosts.pop(user_id)
+                d = self._ghost_distance(mark, pages)
+                if d <= self.ghost_pages[-1]:
+                    hit = [d <= g for g in self.ghost_pages]
+                    st.ghost_hits = tuple(a + h for a, h in zip(st.ghost_hits, hit))
+                    st.ghost_hit_tokens = tuple(a + tokens * h for a, h in zip(st.ghost_hit_tokens, hit))
             return 0
         self._users.move_to_end(user_id)
         st.num_hits += 1

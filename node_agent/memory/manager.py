@@ -231,6 +231,16 @@ class MemoryManager:
         )
 
     # ------------------------------------------------------------------------ the boundary --
+    def ghost_counters(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Cumulative ghost counts per probe: EMB row copies and KV tokens that a cache each
+        probe larger would have saved (``config.ghost_probes``; empty tuples when off)."""
+        return self.emb.stats.ghost_hits, self.kv.stats.ghost_hit_tokens
+
+    @staticmethod
+    def ghost_delta(now: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
+        """``now - then`` per probe (``then`` may be empty: counting from zero)."""
+        return tuple(a - b for a, b in zip(now, then or (0,) * len(now)))
+
     def set_target(self, emb_share: float, now_s: float) -> BoundaryPlan:
         """Plan a move to ``emb_share`` from the current boundary (replacing any plan in
         progress); nothing moves until ``step``/``apply_plan``."""
