@@ -38,7 +38,7 @@ from policies.features import WindowStats, marginal_utilities_us
 from workloads.regimes import RequestStream, top_share
 
 from .allocators import Allocator
-from .cost import batch_time_us, request_compute_us
+from .cost import batch_duration_us, request_compute_us
 from .profiles import A100_HSTU, CostProfile
 
 _CAND_POOL = 1 << 20
@@ -473,98 +473,138 @@ class ClusterSim:
         batch = RequestBatch(c.users_all[a:b], L, nn, sh_off, c.item_shard[items])
         routed = self.rt.route_batch(batch, t0).node_index
         self.node_of[a:b] = routed
-        order = np.argsort(routed, kind="stable")
-        sorted_nodes = routed[order]
-        cuts = np.flatnonzero(np.diff(sorted_nodes)) + 1
-        max_batch = self.prof.max_batch
-        for grp in np.split(order, cuts):
-            node = nodes[int(routed[grp[0]])]
-            gidx = idx[grp]
-            start = max(t1, node.busy_until)
-            for c0 in range(0, len(gidx), max_batch):
-                start = self._serve(node, gidx[c0:c0 + max_batch], start)
+        self._serve_slice(idx, routed, t1)
         if self.bar is not None:
             self.bar.update(b - a)
 
-    def _serve(self, node: _Node, idx: np.ndarray, start_s: float) -> float:
-        """Serve one micro-batch ``idx`` (arrival order) starting at ``start_s``; return its end."""
+    def _serve_slice(self, idx: np.ndarray, routed: np.ndarray, t1: float) -> None:
+        """Serve the slice's requests ``idx`` (arrival order), routed to ``routed``: each node's
+        requests as micro-batches of at most ``max_batch``, the first starting at
+        ``max(t1, busy_until)``, the next when the previous ends.
+
+        The per-request bookkeeping is vectorised over the whole slice; only the memory
+        structures are called per request (the KV pool, in arrival order per node) and per batch
+        (the EMB cache). A node's KV pool and EMB slab do not interact within a slice (the
+        boundary moves only in the manager's step, at the slice's start), so all KV operations
+        of the slice run before the EMB lookups, each structure seeing its own operations in the
+        order one batch after another would give it."""
         c = self._c
         prof = self.prof
-        mm = node.mm
-        kv = mm.kv
-        users_all = c.users_all
-        us = users_all[idx].tolist()
-        L = c.hist_all[idx]
-        nn = c.nnew_all[idx]
+        nodes = self.nodes
+        # requests grouped by node, arrival order within a node; batches of at most max_batch
+        order = np.argsort(routed, kind="stable")
+        sidx = idx[order]
+        snode = routed[order]
+        n = len(sidx)
+        node_start = np.flatnonzero(np.r_[True, snode[1:] != snode[:-1]])
+        pos_in_node = np.arange(n) - np.repeat(node_start, np.diff(np.r_[node_start, n]))
+        bstart = np.flatnonzero(pos_in_node % prof.max_batch == 0)
+        bsize = np.diff(np.r_[bstart, n])
+        b_of = np.repeat(np.arange(len(bstart)), bsize)
+
+        # 1. the KV pool, request by request (lookup, then append what was prefilled)
+        users = c.users_all[sidx]
+        L = c.hist_all[sidx]
+        nn = c.nnew_all[sidx]
+        nc = c.ncand_all[sidx]
         cached_l = []
-        Ll = L.tolist()
-        nnl = nn.tolist()
-        lookup, append = kv.lookup, kv.append
-        for j, u in enumerate(us):
-            cj = lookup(u)
-            lj = Ll[j]
+        for u, lj, nj, ni in zip(users.tolist(), L.tolist(), nn.tolist(), snode.tolist()):
+            kv = nodes[ni].mm.kv
+            cj = kv.lookup(u)
             if cj > lj:  # the history was capped since: the cached K/V no longer match
                 kv.evict(u)
                 cj = 0
             cached_l.append(cj)
-            t = lj + nnl[j] - cj
+            t = lj + nj - cj
             if t > 0:
-                append(u, t)
+                kv.append(u, t)
         cached = np.array(cached_l, dtype=np.int64)
-        # the history items whose K/V must be recomputed: positions [cached, L) of each sequence,
-        # i.e. item base[(p + rotation) % blen]. A history longer than its base cycles through
-        # it, so each request's span is looked up once per distinct base position with a repeat
-        # count (`EmbCache.lookup(counts=)`), which leaves every figure as with the full span.
-        miss = cached < L
-        hist_ids, hist_cnt = [], []
-        if miss.any():
-            mu = users_all[idx[miss]]
-            mc, mL = cached[miss], L[miss]
-            b = c.base_user[mu]
-            start, blen = c.offs[b], c.offs[b + 1] - c.offs[b]
-            span = mL - mc
-            cnt = np.minimum(span, blen)
-            pos = _gather(mc, cnt)
-            seq = np.repeat(np.arange(len(cnt)), cnt)
-            bl = blen[seq]
-            hist_ids = [c.titems[start[seq] + (pos + c.rotation[mu][seq]) % bl]]
-            sp = span[seq]
-            hist_cnt = [sp // bl + ((pos - mc[seq]) < sp % bl)]
-        new_ids = c.new_items[_gather(c.new_off[idx], nn)]
-        nc = c.ncand_all[idx]
-        cand_ids = c.pool[_gather(c.cand_off[idx], nc) % _CAND_POOL]
-        ids = np.concatenate(hist_ids + [new_ids, cand_ids])
-        num_hist = len(hist_ids[0]) if hist_ids else 0
-        counts = None
-        if num_hist and hist_cnt[0].max() > 1:
-            counts = np.ones(len(ids), dtype=np.int64)
-            counts[:num_hist] = hist_cnt[0]
-            counts = torch.from_numpy(counts)
-        lk = mm.emb.lookup(torch.from_numpy(ids), counts=counts)
-        if self.record is not None:
-            self.record.append(("batch", node.index, start_s, idx.copy(), cached.copy(), ids[num_hist:].copy(),
-                                lk.num_hits))
+
+        # 2. each batch's embedding ids, laid out batch after batch: the recomputed history items
+        # of its requests (positions [cached, L), item base[(p + rotation) % blen]; a history
+        # longer than its base cycles through it, so each distinct base position is looked up
+        # once with a repeat count, `EmbCache.lookup(counts=)`), then their new items, then
+        # their candidates
+        span = L - cached  # > 0: a KV miss, the span is recomputed
+        bu = c.base_user[users]
+        blen = c.offs[bu + 1] - c.offs[bu]
+        hcnt = np.where(span > 0, np.minimum(span, blen), 0)
+        per_req = hcnt + nn + nc
+        tot_b = np.add.reduceat(per_req, bstart)
+        seg = np.zeros(len(bstart) + 1, dtype=np.int64)
+        np.cumsum(tot_b, out=seg[1:])
+        hist_b = np.add.reduceat(hcnt, bstart)
+        new_b = np.add.reduceat(nn, bstart)
+
+        def within(x):  # exclusive prefix sums of x inside each batch
+            ex = np.cumsum(x) - x
+            return ex - ex[bstart][b_of]
+
+        base = seg[:-1][b_of]
+        ids = np.empty(int(seg[-1]), dtype=np.int64)
+        counts = np.ones(len(ids), dtype=np.int64)
+        hpos = _gather(base + within(hcnt), hcnt)
+        if len(hpos):
+            rq = np.repeat(np.arange(n), hcnt)
+            mc, bl = cached[rq], blen[rq]
+            p = _gather(cached, hcnt)
+            ids[hpos] = c.titems[c.offs[bu][rq] + (p + c.rotation[users][rq]) % bl]
+            sp = span[rq]
+            counts[hpos] = sp // bl + ((p - mc) < sp % bl)
+        ids[_gather(base + hist_b[b_of] + within(nn), nn)] = c.new_items[_gather(c.new_off[sidx], nn)]
+        ids[_gather(base + (hist_b + new_b)[b_of] + within(nc), nc)] = \
+            c.pool[_gather(c.cand_off[sidx], nc) % _CAND_POOL]
+        repeated = np.zeros(len(bstart), dtype=bool)  # batches that pass repeat counts
+        nonempty = tot_b > 0
+        if nonempty.any():
+            repeated[nonempty] = np.maximum.reduceat(counts, seg[:-1][nonempty]) > 1
+
+        # 3. per batch: the EMB lookup, then its time on the node, one batch after another
         comp = request_compute_us(prof, cached, L, nn, nc)
-        dur_us = batch_time_us(prof, comp, lk.num_unique_misses, lk.num_hits)
-        end = start_s + dur_us / 1e6
-        lat = end - c.arrival[idx]
-        self.latency[idx] = lat
-        node.busy_until = end
-        w = node.win
-        w.n += len(idx)
-        w.users.append(users_all[idx])
-        w.hist.append(L)
-        w.lat.append(lat)
-        w.emb_lookups += lk.num_requested
-        w.emb_hits += lk.num_hits
-        hs, cs = int(L.sum()), int(cached.sum())
-        w.kv_tokens += hs
-        w.kv_hit_tokens += cs
-        self.totals["kv_tokens"] += hs
-        self.totals["kv_hit_tokens"] += cs
-        w.busy_us += dur_us
-        heapq.heappush(self.completions, (end, node.index, len(idx)))
-        return end
+        comp_max = np.maximum.reduceat(comp, bstart)
+        comp_sum = np.add.reduceat(comp, bstart)
+        ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts)
+        ends = np.empty(len(bstart))
+        record = self.record
+        completions = self.completions
+        for j, (s0, s1) in enumerate(zip(seg[:-1].tolist(), seg[1:].tolist())):
+            node = nodes[int(snode[bstart[j]])]
+            mm = node.mm
+            lk = mm.emb.lookup(ids_t[s0:s1], counts=counts_t[s0:s1] if repeated[j] else None)
+            size = int(bsize[j])
+            start = max(t1, node.busy_until)
+            if record is not None:
+                r0 = int(bstart[j])
+                record.append(("batch", node.index, start, sidx[r0:r0 + size].copy(), cached[r0:r0 + size].copy(),
+                               ids[s0 + int(hist_b[j]):s1].copy(), lk.num_hits))
+            csum = float(comp_sum[j]) if size < 8 else float(comp[bstart[j]:bstart[j] + size].sum())  # numpy's
+            # pairwise sum from 8 terms: the same float as batch_time_us gives
+            dur_us = batch_duration_us(prof, size, float(comp_max[j]), csum, lk.num_unique_misses, lk.num_hits)
+            end = start + dur_us / 1e6
+            ends[j] = end
+            node.busy_until = end
+            w = node.win
+            w.emb_lookups += lk.num_requested
+            w.emb_hits += lk.num_hits
+            w.busy_us += dur_us
+            heapq.heappush(completions, (end, node.index, size))
+
+        # 4. latencies and the window's per-node figures
+        lat = ends[b_of] - c.arrival[sidx]
+        self.latency[sidx] = lat
+        hs_n = np.add.reduceat(L, node_start).tolist()
+        cs_n = np.add.reduceat(cached, node_start).tolist()
+        totals = self.totals
+        for k, (r0, r1) in enumerate(zip(node_start.tolist(), np.r_[node_start[1:], n].tolist())):
+            w = nodes[int(snode[r0])].win
+            w.n += r1 - r0
+            w.users.append(users[r0:r1])
+            w.hist.append(L[r0:r1])
+            w.lat.append(lat[r0:r1])
+            w.kv_tokens += hs_n[k]
+            w.kv_hit_tokens += cs_n[k]
+            totals["kv_tokens"] += hs_n[k]
+            totals["kv_hit_tokens"] += cs_n[k]
 
     def _window_stats(self, node: _Node) -> WindowStats:
         cfg, prof, mcfg = self.cfg, self.prof, self.mcfg

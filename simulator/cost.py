@@ -42,6 +42,13 @@ def batch_time_us(prof: CostProfile, compute_us: np.ndarray, num_unique_misses: 
     """Duration (µs) of a micro-batch; see the module docstring."""
     if len(compute_us) == 0:
         return 0.0
-    comp = max(float(compute_us.max()), float(compute_us.sum()) / prof.batch_speedup)
-    return (prof.batch_overhead_us + len(compute_us) * prof.request_overhead_us
+    return batch_duration_us(prof, len(compute_us), float(compute_us.max()), float(compute_us.sum()),
+                             num_unique_misses, num_hits)
+
+
+def batch_duration_us(prof: CostProfile, num_requests: int, max_compute_us: float, sum_compute_us: float,
+                      num_unique_misses: int, num_hits: int) -> float:
+    """`batch_time_us` from the batch's largest and total request compute."""
+    comp = max(max_compute_us, sum_compute_us / prof.batch_speedup)
+    return (prof.batch_overhead_us + num_requests * prof.request_overhead_us
             + num_unique_misses * prof.emb_transfer_us_per_row + num_hits * prof.emb_hit_us_per_row + comp)
