@@ -101,7 +101,7 @@ def breakdown(trace, cfg, args, d) -> dict:
         names = (names,) if isinstance(names, str) else names
         ct = sum(v[3] for (f, _, n), v in st.items() if f.endswith(suffix) and n in names)
         parts[label] = ct
-    calls = sum(v[1] for (f, _, n), v in st.items() if f.endswith("simulator/cluster.py") and n == "lookup" and "emb_cache" in f)
+    calls = sum(v[1] for (f, _, n), v in st.items() if f.endswith("node_agent/memory/emb_cache.py") and n == "lookup")
     parts["rest of the simulator"] = max(0.0, total - sum(parts.values()))
     n = len(s)
     return {"profiled_s": round(total, 2), "num_requests": n,
