@@ -662,6 +662,20 @@ class ClusterSim:
         seg = self.latency[wb[w]:wb[w + 1]]
         return float(np.percentile(seg, 99)) * 1e3 if len(seg) else 0.0
 
+    def window_p99_estimate(self, w: int) -> tuple[float, float]:
+        """``(p99_ms, standard_error_ms)`` of window ``w``'s P99. The error comes from the
+        order statistics: the sample P99's rank has a standard deviation of
+        ``sqrt(n 0.99 0.01)`` ranks, so the error is half the spread of the quantiles that far
+        either side of 0.99."""
+        wb = self._c.win_bounds
+        seg = self.latency[wb[w]:wb[w + 1]]
+        n = len(seg)
+        if not n:
+            return 0.0, 0.0
+        dq = math.sqrt(0.99 * 0.01 / n)
+        lo, p99, hi = np.percentile(seg, [100 * max(0.0, 0.99 - dq), 99, 100 * min(1.0, 0.99 + dq)])
+        return float(p99) * 1e3, float(hi - lo) / 2 * 1e3
+
     def result(self) -> SimResult:
         import time as _time
 
@@ -709,20 +723,27 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     off after more than one window is not seen. Returns the oracle's own `SimResult` (measured
     like any run) and its schedule (one share per window); ``result.extra["oracle_observed"][i]``
     holds the nodes' `WindowStats` the choice ``schedule[i + 1]`` followed (what a policy would
-    have seen: imitation data).
+    have seen: imitation data); ``result.extra["oracle_bands"][w]`` the grid shares whose window
+    P99 was within two standard errors of the best one's (`ClusterSim.window_p99_estimate`): the
+    shares the window's replay cannot tell apart from the chosen one.
     """
     shares = sorted({float(s) for s in shares})
     if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
         raise ValueError("oracle shares must be a non-empty list of values in [0, 1]")
 
+    bands = []  # per window: the grid shares statistically indistinguishable from the best
+
     def pick(cands, w, prev):
-        p99 = [f.window_p99_ms(w) for _, f, _ in cands]
+        est = [f.window_p99_estimate(w) for _, f, _ in cands]
+        p99 = [e[0] for e in est]
         best = min(p99)
         ok = [i for i, v in enumerate(p99) if v <= best * (1 + rel_tol) + 1e-9]
         if prev is not None:
             i = min(ok, key=lambda i: (abs(cands[i][0] - prev), p99[i]))
         else:
             i = int(np.argmin(p99))
+        se_best = est[int(np.argmin(p99))][1]
+        bands.append([cands[k][0] for k, (v, se) in enumerate(est) if v - best <= 2.0 * math.hypot(se, se_best)])
         return cands[i]
 
     cands = []
@@ -746,5 +767,6 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
         w += 1
     res = sim.result()
     res.extra["oracle_schedule"] = schedule
+    res.extra["oracle_bands"] = bands
     res.extra["oracle_observed"] = observed  # observed[i]: [WindowStats per node] before schedule[i + 1]
     return res, schedule

@@ -125,12 +125,14 @@ def _run(args) -> tuple[tuple, dict, dict]:
         scfg = replace(scfg, ghost_probes=GHOST_PROBES)
     if job.allocator == "oracle" and job.schedule is None:  # the replay oracle
         res, sched = oracle_replay(stream, scfg, cfg.shares, job.router)
+        bands = res.extra["oracle_bands"]
     else:
         alloc = _make_allocator(job.allocator, job.schedule, scfg, cfg.policy)
         res = simulate(stream, scfg, alloc, job.router)
-        sched = None
+        sched = bands = None
     series = {"window_p99_ms": res.window_p99_ms.tolist(), "shares": res.shares.mean(axis=1).tolist(),
-              "share_matrix": res.shares.tolist(), "bursts": [list(b) for b in stream.bursts], "schedule": sched}
+              "share_matrix": res.shares.tolist(), "bursts": [list(b) for b in stream.bursts], "schedule": sched,
+              "bands": bands}
     return job.key, res.summary(), series
 
 
@@ -205,16 +207,19 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
     for rg in cfg.regimes:
         best, sched, by_share = plans[rg]
         oracle = np.array(sched)
+        bands = sweep[("oracle", rg, "racer")][1]["bands"]
 
         def row(alloc: str, router: str, summary: dict, ser: dict) -> dict:
             sm = np.array(ser["share_matrix"])  # [windows, nodes]
             err = float(np.mean(np.abs(sm - oracle[: len(sm), None]))) if len(sm) else None
+            band_err = band_error(sm, bands)
             return {"trace": cfg.trace, "regime": rg, "allocator": alloc, "router": router,
                     "p50_ms": summary["p50_ms"], "p99_ms": summary["p99_ms"],
                     "slo_attainment": summary["slo_attainment"], "throughput_rps": summary["throughput_rps"],
                     "emb_hit_rate": summary["emb_hit_rate"], "kv_hit_rate": summary["kv_hit_rate"],
                     "mean_share": summary["mean_share"],
                     "mean_abs_share_error": round(err, 4) if err is not None else None,
+                    "mean_share_error_to_band": round(band_err, 4) if band_err is not None else None,
                     "num_requests": summary["num_requests"]}
 
         for s in cfg.shares:
@@ -238,7 +243,8 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
         "profile": _json_safe(sim_config(cfg).profile.to_json()),
         "rows": rows,
         "oracle": {rg: {"schedule": plans[rg][1], "mean_share": round(float(np.mean(plans[rg][1])), 4),
-                        "best_static_share": plans[rg][0]} for rg in cfg.regimes},
+                        "best_static_share": plans[rg][0], "bands": sweep[("oracle", rg, "racer")][1]["bands"]}
+                   for rg in cfg.regimes},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     result["findings"] = findings(result)
@@ -248,6 +254,18 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
         (out / f"paper_table_{cfg.trace}.json").write_text(json.dumps(result, indent=1))
         result["plots"] = write_plots(result, series, out, cfg)
     return result
+
+
+def band_error(share_matrix: np.ndarray, bands: list[list[float]]) -> float | None:
+    """Mean over windows and nodes of the distance from the node's share to the nearest share of
+    the window's oracle band (the grid shares whose window P99 the replay could not tell apart
+    from the best, `oracle_replay`): 0 wherever a split is as good as the oracle's within the
+    window P99's sampling error."""
+    if not len(share_matrix) or not bands:
+        return None
+    d = [np.min(np.abs(row[:, None] - np.array(band)[None, :]), axis=1)
+         for row, band in zip(share_matrix, bands) if band]
+    return float(np.mean(np.concatenate(d))) if d else None
 
 
 def _json_safe(d):
@@ -274,6 +292,10 @@ def findings(result: dict) -> dict:
              "best_static_share": result["oracle"][rg]["best_static_share"]}
         if best and oracle and oracle["p99_ms"]:
             f["best_static_p99_over_oracle"] = round(best["p99_ms"] / oracle["p99_ms"] - 1, 4)
+        bands = result["oracle"][rg].get("bands") or []
+        if bands:  # how often the window's replay cannot tell the oracle's share from others
+            f["oracle_band_mean_size"] = round(float(np.mean([len(b) for b in bands])), 3)
+            f["oracle_band_ambiguous_windows"] = round(float(np.mean([len(b) > 1 for b in bands])), 3)
         out[rg] = f
     out["oracle_mean_share_spread"] = round(max(means) - min(means), 4) if means else None
     return out
@@ -341,7 +363,7 @@ def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict
 
 def format_rows(rows: list[dict]) -> str:
     cols = ("regime", "allocator", "router", "p50_ms", "p99_ms", "slo_attainment", "throughput_rps", "emb_hit_rate",
-            "kv_hit_rate", "mean_share", "mean_abs_share_error")
+            "kv_hit_rate", "mean_share", "mean_abs_share_error", "mean_share_error_to_band")
     lines = [" ".join(f"{c:>14}" for c in cols)]
     for r in rows:
         lines.append(" ".join(f"{(r[c] if r[c] is not None else '-')!s:>14}" for c in cols))

@@ -218,6 +218,29 @@ def test_replay_oracle_picks_each_window_best_share_from_its_own_state(small):
         w += 1
     with pytest.raises(ValueError, match="shares"):
         oracle_replay(stream, cfg, [1.5])
+    # each window's band holds the shares whose P99 is within sampling error of the best: the
+    # chosen one always, and the band error of the oracle's own schedule is 0
+    bands = res.extra["oracle_bands"]
+    assert len(bands) == len(sched) and all(s in b and set(b) <= set(shares) for s, b in zip(sched, bands))
+    from simulator.table import band_error
+
+    assert band_error(np.array(sched)[:, None], bands) == 0.0
+    # the nearest share of the band is never farther than the oracle's own choice
+    assert band_error(res.shares, bands) <= np.mean(np.abs(res.shares - np.array(sched)[:, None])) + 1e-12
+
+
+def test_window_p99_estimate_and_band_error_by_hand(small):
+    _, stream, cfg = small
+    sim = ClusterSim(stream, cfg, "racer", initial_share=0.5)
+    sim.start()
+    p99, se = sim.window_p99_estimate(0)
+    assert p99 == pytest.approx(sim.window_p99_ms(0)) and se > 0
+    from simulator.table import band_error
+
+    shares = np.array([[0.3, 0.5], [0.9, 0.6]])  # 2 windows x 2 nodes
+    bands = [[0.5], [0.2, 0.5, 0.8]]
+    assert band_error(shares, bands) == pytest.approx((0.2 + 0.0 + 0.1 + 0.1) / 4)
+    assert band_error(shares, []) is None
 
 
 class _Recording(StaticAllocator):
