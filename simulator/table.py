@@ -212,7 +212,7 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
         def row(alloc: str, router: str, summary: dict, ser: dict) -> dict:
             sm = np.array(ser["share_matrix"])  # [windows, nodes]
             err = float(np.mean(np.abs(sm - oracle[: len(sm), None]))) if len(sm) else None
-            band_err = band_error(sm, bands)
+            band_err = band_error(sm, bands, cfg.shares)
             return {"trace": cfg.trace, "regime": rg, "allocator": alloc, "router": router,
                     "p50_ms": summary["p50_ms"], "p99_ms": summary["p99_ms"],
                     "slo_attainment": summary["slo_attainment"], "throughput_rps": summary["throughput_rps"],
@@ -256,15 +256,35 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
     return result
 
 
-def band_error(share_matrix: np.ndarray, bands: list[list[float]]) -> float | None:
-    """Mean over windows and nodes of the distance from the node's share to the nearest share of
-    the window's oracle band (the grid shares whose window P99 the replay could not tell apart
-    from the best, `oracle_replay`): 0 wherever a split is as good as the oracle's within the
-    window P99's sampling error."""
+def band_error(share_matrix: np.ndarray, bands: list[list[float]], grid) -> float | None:
+    """Mean over windows and nodes of the distance from a node's share to the window's oracle band
+    (the grid shares whose window P99 the replay could not tell apart from the best,
+    `oracle_replay`). Adjacent grid shares that are both in the band count as the whole interval
+    between them (a share between two equally good splits is as good as they are, as far as the
+    grid can tell); an isolated one as a point. 0 wherever a split is as good as the oracle's
+    within the window P99's sampling error."""
     if not len(share_matrix) or not bands:
         return None
-    d = [np.min(np.abs(row[:, None] - np.array(band)[None, :]), axis=1)
-         for row, band in zip(share_matrix, bands) if band]
+    grid = sorted(float(g) for g in grid)
+    d = []
+    for row, band in zip(share_matrix, bands):
+        if not band:
+            continue
+        inb = [g in band for g in grid]
+        runs, k = [], 0
+        while k < len(grid):  # maximal runs of adjacent grid shares in the band -> [lo, hi]
+            if inb[k]:
+                j = k
+                while j + 1 < len(grid) and inb[j + 1]:
+                    j += 1
+                runs.append((grid[k], grid[j]))
+                k = j + 1
+            else:
+                k += 1
+        lo = np.array([r[0] for r in runs])[None, :]
+        hi = np.array([r[1] for r in runs])[None, :]
+        x = np.asarray(row, dtype=np.float64)[:, None]
+        d.append(np.min(np.maximum(0.0, np.maximum(lo - x, x - hi)), axis=1))
     return float(np.mean(np.concatenate(d))) if d else None
 
 

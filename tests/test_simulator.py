@@ -224,9 +224,9 @@ def test_replay_oracle_picks_each_window_best_share_from_its_own_state(small):
     assert len(bands) == len(sched) and all(s in b and set(b) <= set(shares) for s, b in zip(sched, bands))
     from simulator.table import band_error
 
-    assert band_error(np.array(sched)[:, None], bands) == 0.0
+    assert band_error(np.array(sched)[:, None], bands, shares) == 0.0
     # the nearest share of the band is never farther than the oracle's own choice
-    assert band_error(res.shares, bands) <= np.mean(np.abs(res.shares - np.array(sched)[:, None])) + 1e-12
+    assert band_error(res.shares, bands, shares) <= np.mean(np.abs(res.shares - np.array(sched)[:, None])) + 1e-12
 
 
 def test_window_p99_estimate_and_band_error_by_hand(small):
@@ -237,10 +237,11 @@ def test_window_p99_estimate_and_band_error_by_hand(small):
     assert p99 == pytest.approx(sim.window_p99_ms(0)) and se > 0
     from simulator.table import band_error
 
-    shares = np.array([[0.3, 0.5], [0.9, 0.6]])  # 2 windows x 2 nodes
-    bands = [[0.5], [0.2, 0.5, 0.8]]
-    assert band_error(shares, bands) == pytest.approx((0.2 + 0.0 + 0.1 + 0.1) / 4)
-    assert band_error(shares, []) is None
+    grid = (0.2, 0.5, 0.8)
+    shares = np.array([[0.3, 0.5], [0.9, 0.6], [0.6, 0.35]])  # 3 windows x 2 nodes
+    bands = [[0.5], [0.2, 0.5, 0.8], [0.2, 0.8]]  # a point; the whole interval; two points
+    assert band_error(shares, bands, grid) == pytest.approx((0.2 + 0.0 + 0.1 + 0.0 + 0.2 + 0.15) / 6)
+    assert band_error(shares, [], grid) is None
 
 
 class _Recording(StaticAllocator):

@@ -279,11 +279,12 @@ class EmbCache:
                     self.arena.all_rows().index_copy_(0, victims, self._host_rows(admitted))
             if a < u:
                 self.item_to_slot.index_fill_(0, uniq[a:], self.miss_slot)
-            new_slots = self.item_to_slot.index_select(0, miss_ids)
-            slots.index_copy_(0, miss_pos, new_slots)
-            if a < u:
-                bypass_pos = miss_pos[new_slots == self.miss_slot]
-                slots.index_fill_(0, bypass_pos, 0)  # any in-bounds row; overwritten below
+            if self.payload:  # the rows' slots (metadata-only mode returns no rows)
+                new_slots = self.item_to_slot.index_select(0, miss_ids)
+                slots.index_copy_(0, miss_pos, new_slots)
+                if a < u:
+                    bypass_pos = miss_pos[new_slots == self.miss_slot]
+                    slots.index_fill_(0, bypass_pos, 0)  # any in-bounds row; overwritten below
 
         rows = None
         if self.payload:

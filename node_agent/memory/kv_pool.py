@@ -96,7 +96,8 @@ class KVPool:
 
     Page metadata is a numpy ``page_owner`` array (``EMB``, ``FREE`` or the user id). Free pages
     are a *bottom run* ``[kv_start, run_end)`` (all free, next to the boundary) plus a lazy
-    max-heap of the free pages above it (stale entries are skipped when popped). Pages given
+    max-heap of the free pages above it (stale entries are skipped when popped; freed pages are
+    appended and the heap rebuilt only when popped one by one). Pages given
     back by the slab extend the run and pages taken by the slab shorten it, both in O(1), so
     moving the boundary over free pages costs a few slice operations whatever their number.
 
@@ -126,6 +127,7 @@ class KVPool:
         # other free page is in the max-heap ``_heap`` (negated ids; stale entries are skipped).
         self.run_end = self.num_pages
         self._heap: list[int] = []
+        self._heap_dirty = False  # entries appended since the last heapify
         self.num_free = self.num_pages - self.kv_start
         self.num_used = 0
         self._users: OrderedDict[int, _UserKV] = OrderedDict()  # LRU first
@@ -141,6 +143,9 @@ class KVPool:
         """The highest free page: from the heap (pages >= run_end), else the run's top."""
         owner = self.page_owner
         heap = self._heap
+        if self._heap_dirty:
+            heapq.heapify(heap)
+            self._heap_dirty = False
         while heap:
             p = -heapq.heappop(heap)
             if p >= self.run_end and owner[p] == FREE:  # entries below run_end are stale
@@ -162,6 +167,7 @@ class KVPool:
         # the heap becomes exactly the free pages above the run that were not taken: negated
         # and in descending page order it is sorted, hence already a heap
         self._heap = (-hi[: len(hi) - take][::-1]).tolist()
+        self._heap_dirty = False
         rest = k - len(out)
         if rest:
             if self.run_end - rest < self.kv_start:
@@ -171,16 +177,17 @@ class KVPool:
         return out
 
     def _push_free(self, pages: list[int]) -> None:
-        if len(pages) > 8:  # one C-level heapify beats many Python-level pushes
+        if len(pages) > 8 or self._heap_dirty:  # heapified when next popped one by one; a scan of
+            # the pages above the run (`_pop_free_many`) rebuilds it without a heapify at all
             self._heap.extend([-p for p in pages])
-            heapq.heapify(self._heap)
+            self._heap_dirty = True
         else:
             for p in pages:
                 heapq.heappush(self._heap, -p)
         if len(self._heap) > 2 * self.num_pages + 64:  # drop stale entries
             hi = np.flatnonzero(self.page_owner[self.run_end:] == FREE) + self.run_end
             self._heap = [-int(p) for p in hi]
-            heapq.heapify(self._heap)
+            self._heap_dirty = True
 
     def _free_user(self, user_id: int, entry: _UserKV) -> None:
         pages = entry.block_table
