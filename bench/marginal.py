@@ -43,6 +43,8 @@ class _Recorder(StaticAllocator):
 
 
 def _summary(rows: np.ndarray) -> dict:
+    if not len(rows):  # a run shorter than two control intervals has no decision to record
+        return {"emb_marginal_us": None, "kv_marginal_us": None, "busy_us_per_request": None}
     return {"emb_marginal_us": round(float(rows[:, 1].mean()), 1), "kv_marginal_us": round(float(rows[:, 2].mean()), 1),
             "busy_us_per_request": round(float(rows[:, 3].mean()), 1)}
 
@@ -66,11 +68,14 @@ def main(argv=None) -> dict:
     out = {"trace": name, "nodes": cfg.num_nodes, "share": args.share, "ghost_probes": list(GHOST_PROBES),
            "duration_s": duration, "regimes": {}}
     for regime in REGIMES:
-        s = generate(trace, regime=regime, rate_rps=d.rate_rps, duration_s=duration, num_users=d.num_users,
-                     history_scale=d.history_scale, seed=d.seed)
+        try:
+            s = generate(trace, regime=regime, rate_rps=d.rate_rps, duration_s=duration, num_users=d.num_users,
+                         history_scale=d.history_scale, seed=d.seed)
+        except ValueError as e:  # e.g. a duration too short for the regime's burst
+            ap.error(str(e))
         rec = _Recorder(args.share)
         r = simulate(s, cfg, rec, "racer").summary()
-        rows = np.array(rec.rows)
+        rows = np.array(rec.rows).reshape(-1, 4)
         half = rows[:, 0] <= duration / 2
         out["regimes"][regime] = {"p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], **_summary(rows),
                                   "first_half": _summary(rows[half]), "second_half": _summary(rows[~half])}
@@ -82,6 +87,9 @@ def main(argv=None) -> dict:
         for regime, v in out["regimes"].items():
             for part in ("first_half", "second_half"):
                 h = v[part]
+                if h["emb_marginal_us"] is None:
+                    print(f"{regime:<7} {part:<11} (no control interval ended)")
+                    continue
                 print(f"{regime:<7} {part:<11} EMB {h['emb_marginal_us']:>7.1f} us  KV {h['kv_marginal_us']:>7.1f} us  "
                       f"busy {h['busy_us_per_request']:>8.1f} us/request")
             print(f"{regime:<7} P50 {v['p50_ms']} ms, P99 {v['p99_ms']} ms")

@@ -95,7 +95,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None,
                    help="policy artifact directory of the SmartAllocator rows (default: policies/default)")
     p.add_argument("--allocators", type=_names, default=None,
-                   help="extra allocators run with the racer router (e.g. racer,ppo,ppo+residual,ppo+recovery)")
+                   help="extra allocators run with the racer router (e.g. racer,ppo,ppo+residual,ppo+recovery; "
+                        "add @ghost to run the residual adapter on the caches' marginal utilities, e.g. racer@ghost)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -268,3 +268,21 @@ def test_ghost_lists_change_nothing_but_report_the_marginal_utilities(small):
     assert any(s.kv_marginal_us > 0 for s in on.seen)
     # the windows' other figures are those of the run without ghost lists
     assert all(a.emb_hit_rate == b.emb_hit_rate for a, b in zip(off.seen, on.seen))
+
+
+def test_bench_marginal_reports_each_regime(capsys):
+    from bench.marginal import main
+
+    out = main(["--json", "--duration", "3", "--share", "0.5"])
+    assert set(out["regimes"]) == {"steady", "trend", "burst"}
+    for v in out["regimes"].values():
+        for part in ("first_half", "second_half"):
+            assert v[part]["emb_marginal_us"] >= 0 and v[part]["kv_marginal_us"] >= 0
+        assert v["p99_ms"] > 0
+    assert sum(v["first_half"]["emb_marginal_us"] for v in out["regimes"].values()) > 0
+    assert capsys.readouterr().out.startswith("{")
+    with pytest.raises(SystemExit):
+        main(["--share", "1.5"])
+    with pytest.raises(SystemExit):  # too short for the burst regime: a usage error, not a traceback
+        main(["--duration", "0.5"])
+    assert "do not fit" in capsys.readouterr().err
