@@ -298,7 +298,7 @@ class NodeAgent:
         mm = self.engine.mm
         emb_ghost, kv_ghost = mm.ghost_counters()
         emb_marginal, kv_marginal = marginal_utilities_us(
-            mm.config.ghost_probes, mm.ghost_delta(emb_ghost, self._ghost_marks[0]),
+            mm.config.ghost_probe_shares, mm.ghost_delta(emb_ghost, self._ghost_marks[0]),
             mm.ghost_delta(kv_ghost, self._ghost_marks[1]), w["num_requests"], emb_cost, kv_cost)
         self._ghost_marks = (emb_ghost, kv_ghost)
         stats = WindowStats(

@@ -562,7 +562,6 @@ class ClusterSim:
         # 3. per batch: the EMB lookup, then its time on the node, one batch after another
         comp = request_compute_us(prof, cached, L, nn, nc)
         comp_max = np.maximum.reduceat(comp, bstart)
-        comp_sum = np.add.reduceat(comp, bstart)
         ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts)
         ends = np.empty(len(bstart))
         record = self.record
@@ -572,13 +571,12 @@ class ClusterSim:
             mm = node.mm
             lk = mm.emb.lookup(ids_t[s0:s1], counts=counts_t[s0:s1] if repeated[j] else None)
             size = int(bsize[j])
+            r0 = int(bstart[j])
             start = max(t1, node.busy_until)
             if record is not None:
-                r0 = int(bstart[j])
                 record.append(("batch", node.index, start, sidx[r0:r0 + size].copy(), cached[r0:r0 + size].copy(),
                                ids[s0 + int(hist_b[j]):s1].copy(), lk.num_hits))
-            csum = float(comp_sum[j]) if size < 8 else float(comp[bstart[j]:bstart[j] + size].sum())  # numpy's
-            # pairwise sum from 8 terms: the same float as batch_time_us gives
+            csum = float(comp[r0:r0 + size].sum())  # ndarray.sum, as batch_time_us: the same float
             dur_us = batch_duration_us(prof, size, float(comp_max[j]), csum, lk.num_unique_misses, lk.num_hits)
             end = start + dur_us / 1e6
             ends[j] = end
@@ -638,7 +636,7 @@ class ClusterSim:
         emb, kv = mm.ghost_counters()
         e0, k0 = node.ghost_marks
         node.ghost_marks = (emb, kv)
-        return marginal_utilities_us(self.mcfg.ghost_probes, mm.ghost_delta(emb, e0), mm.ghost_delta(kv, k0), n,
+        return marginal_utilities_us(self.mcfg.ghost_probe_shares, mm.ghost_delta(emb, e0), mm.ghost_delta(kv, k0), n,
                                      self.prof.emb_transfer_us_per_row, self.rp.kv_recompute_us_per_token)
 
     def _report(self, node: _Node, now_s: float) -> None:
@@ -724,8 +722,8 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     like any run) and its schedule (one share per window); ``result.extra["oracle_observed"][i]``
     holds the nodes' `WindowStats` the choice ``schedule[i + 1]`` followed (what a policy would
     have seen: imitation data); ``result.extra["oracle_bands"][w]`` the grid shares whose window
-    P99 was within two standard errors of the best one's (`ClusterSim.window_p99_estimate`): the
-    shares the window's replay cannot tell apart from the chosen one.
+    P99 was within two standard errors of the best one's (`ClusterSim.window_p99_estimate`), and
+    the chosen one: the shares the window's replay cannot tell apart from the best.
     """
     shares = sorted({float(s) for s in shares})
     if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
@@ -743,7 +741,8 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
         else:
             i = int(np.argmin(p99))
         se_best = est[int(np.argmin(p99))][1]
-        bands.append([cands[k][0] for k, (v, se) in enumerate(est) if v - best <= 2.0 * math.hypot(se, se_best)])
+        bands.append([cands[k][0] for k, (v, se) in enumerate(est)
+                      if k == i or v - best <= 2.0 * math.hypot(se, se_best)])  # the choice is always in it
         return cands[i]
 
     cands = []

@@ -172,3 +172,23 @@ def test_ghost_probes_are_validated():
     for bad in ((0.0,), (0.5, 0.2), (1.5,), (0.1, 0.1)):
         with pytest.raises(ValueError, match="ghost_probes"):
             MemoryConfig(ghost_probes=bad)
+
+
+def test_a_shrink_makes_the_rows_just_past_the_new_end_the_nearest_ghosts():
+    def run(rows_after):
+        c = emb_cache(8, (0.25,))  # probe of 2 rows
+        for i in range(8):
+            c.lookup(one(i))  # item i in row i
+        for i in (7, 6, 5, 4):
+            c.lookup(one(i))
+        c.shrink(rows_after)
+        return c
+
+    for item, ghost in ((4, 1), (5, 1), (6, 0), (7, 0)):
+        c = run(4)  # rows 4..7 leave; a slab 2 rows larger (6) keeps rows 4 and 5
+        c.lookup(one(item))
+        assert c.stats.ghost_hits == (ghost,), item
+        twin = run(6)
+        before = twin.stats.num_hits
+        twin.lookup(one(item))
+        assert twin.stats.num_hits - before == ghost  # what the larger slab really does

@@ -209,6 +209,11 @@ class MemoryConfig:
         """Each ghost probe in pages (at least one page each; empty when off)."""
         return tuple(max(1, round(f * self.num_pages)) for f in self.ghost_probes)
 
+    @property
+    def ghost_probe_shares(self) -> tuple[float, ...]:
+        """Each ghost probe as the share of the arena it really covers (whole pages)."""
+        return tuple(p / self.num_pages for p in self.ghost_probe_pages)
+
     def pages_for_share(self, emb_share: float) -> int:
         """EMB pages for a share, rounded to the nearest page and clamped to the floors."""
         pages = int(round(emb_share * self.num_pages))

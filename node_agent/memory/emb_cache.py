@@ -125,9 +125,13 @@ class EmbCache:
     so a slab at least ``d`` rows larger would have held it (LRU's stack property, as in ARC's
     ghost lists and utility-based cache partitioning); for each probe of ``r`` rows
     (``ghost_rows``) the call counts its distinct missed ids with ``d <= r``: row copies that
-    much more memory would have saved. Items that left twice within reach count twice as
-    distance, so the counts are lower bounds. It costs five tensor ops on calls with misses and
-    two per eviction; the metadata lives on the device with the rest.
+    much more memory would have saved. A shrink stamps its rows highest first, so the rows just
+    past the new end are the nearest ghosts (a slab shrunk less would still hold them). The
+    counts are estimates: items that left twice within reach count twice as distance (an
+    undercount), and rows stamped in the same call tie in LRU order (batches of several ids can
+    overcount a little); for one id per call they are lower bounds of a larger slab's extra hits.
+    It costs five tensor ops on calls with misses and two per eviction; the metadata lives on
+    the device with the rest.
 
     **Metadata-only mode** (``arena.payload is False``): the same code with no slab and no host
     table; ``rows`` is ``None`` and nothing is copied, every counter and decision is identical.
@@ -450,7 +454,9 @@ class EmbCache:
         items = top[top >= 0]
         if items.numel():
             self.item_to_slot.index_fill_(0, items, self.miss_slot)
-            self._record_departures(items)
+            # highest row first: the rows just past the new end are the most recent departures,
+            # as a slab shrunk less would still hold them
+            self._record_departures(items.flip(0))
         top.fill_(-1)
         self.slot_tick[new_rows: self.rows].fill_(0)
         self.rows = new_rows
