@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from .memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
+from .memory import DEFAULT_GHOST_PROBES, KVLayout, MemoryConfig, MemoryManager, RefillConfig
 from .memory.manager import BoundaryPlan, ManagerStep
 from .model import HSTUModel, KVState, ModelConfig
 
@@ -142,7 +142,9 @@ class EngineConfig:
     - ``max_history_len``: most tokens (history + new items) a request may carry;
       ``max_candidates``: most candidates; ``default_num_candidates`` / ``default_top_k``: used
       when a request leaves them out;
-    - ``link``: link emulation (`LinkEmulationConfig`); ``device``: ``auto``, ``cpu``, ``cuda[:N]``.
+    - ``link``: link emulation (`LinkEmulationConfig`); ``device``: ``auto``, ``cpu``, ``cuda[:N]``;
+    - ``ghost_probes``: the caches' ghost lists (`MemoryConfig.ghost_probes`; on by default here:
+      the node agent reports the marginal utilities of memory in every control interval).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -160,6 +162,7 @@ class EngineConfig:
     default_top_k: int = 10
     link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
     device: str = "auto"
+    ghost_probes: tuple[float, ...] = DEFAULT_GHOST_PROBES
 
     def __post_init__(self) -> None:
         m = self.model.validate()
@@ -185,7 +188,7 @@ class EngineConfig:
             kv=KVLayout(num_layers=m.num_layers, num_heads=m.num_heads, head_dim=m.qk_dim,
                         page_tokens=self.page_tokens, dtype=self.kv_dtype),
             initial_emb_share=self.emb_share, max_step_pages=self.max_step_pages, refill=self.refill,
-            device=self.device,
+            ghost_probes=tuple(self.ghost_probes), device=self.device,
         )
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from node_agent.memory import DEFAULT_GHOST_PROBES
+
 from .allocators import HeuristicAllocator, ScheduleAllocator, StaticAllocator, needs_ghost_lists
 from .cluster import SimConfig, SimResult, oracle_replay, simulate
 
@@ -99,7 +101,7 @@ def sim_config(cfg: TableConfig) -> SimConfig:
                      slo_ms=cfg.slo_ms, seed=cfg.seed)
 
 
-GHOST_PROBES = (0.05, 0.1, 0.2, 0.4)  # MemoryConfig's default: the runs whose allocator reads ghost lists
+GHOST_PROBES = DEFAULT_GHOST_PROBES  # the runs whose allocator reads the caches' ghost lists
 
 
 def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = None):

@@ -11,7 +11,7 @@ See docs/memory.md for the design. Public API::
 """
 
 from .arena import Arena
-from .config import KVLayout, MemoryConfig, RefillConfig, resolve_device, torch_dtype
+from .config import DEFAULT_GHOST_PROBES, KVLayout, MemoryConfig, RefillConfig, resolve_device, torch_dtype
 from .emb_cache import RESERVED_TICK, EmbCache, EmbCacheStats, EmbLookup
 from .kv_pool import EMB, FREE, KVAppend, KVPool, KVPoolStats, KVRelease, ResidencyDelta
 from .manager import (
@@ -27,7 +27,7 @@ from .manager import (
 from .throttle import TokenBucket
 
 __all__ = [
-    "EMB", "FREE", "RESERVED_TICK",
+    "DEFAULT_GHOST_PROBES", "EMB", "FREE", "RESERVED_TICK",
     "Arena", "ArenaSnapshot", "BoundaryPlan", "BoundaryStep", "BoundaryStepReport", "EmbCache",
     "EmbCacheStats", "EmbLookup", "KVAppend", "KVLayout", "KVPool", "KVPoolStats", "KVRelease",
     "ManagerStep", "MemoryConfig", "MemoryManager", "MemoryStats", "RefillConfig",

@@ -108,6 +108,9 @@ class RefillConfig:
         return self.limit_bytes_per_s - self.chunk_bytes / self.window_s
 
 
+DEFAULT_GHOST_PROBES = (0.05, 0.1, 0.2, 0.4)  # the probes the node agent and the simulator use when on
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
     """One node's arena, EMB hot cache, KV pool and Memory Manager.
@@ -120,7 +123,9 @@ class MemoryConfig:
     - ``min_emb_pages`` / ``min_kv_pages``: floors that every plan respects.
     - ``popularity_half_life_ids``: requested ids after which the refill's popularity counts
       (misses per uncached item) halve.
-    - ``ghost_probes``: ascending shares of the arena, each in (0, 1] (empty: off). Each cache
+    - ``ghost_probes``: ascending shares of the arena, each in (0, 1] (empty, the default: off;
+      the node agent's engine turns on `DEFAULT_GHOST_PROBES`; on, they cost a large lookup ~5%
+      on this CPU). Each cache
       keeps a ghost list of what it evicted, and counts, for every probe, the misses that a
       cache that much larger would have served: a short miss-ratio curve of the memory it does
       not have (see `EmbCache` and `KVPool`), from which an allocator reads the marginal utility
@@ -140,7 +145,7 @@ class MemoryConfig:
     min_emb_pages: int = 0
     min_kv_pages: int = 0
     popularity_half_life_ids: float = 1e6
-    ghost_probes: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)
+    ghost_probes: tuple[float, ...] = ()
     refill: RefillConfig = field(default_factory=RefillConfig)
     payload: bool = True
     device: str = "auto"
