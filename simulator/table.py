@@ -324,7 +324,8 @@ def findings(result: dict) -> dict:
 
 
 def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict:
-    """P99 over time (bursts shaded) and emb_share over time per allocator, HTML + PNG."""
+    """P99 over time (bursts shaded) and emb_share over time per allocator with the oracle band
+    shaded (the shares the window's replay could not tell from the best), HTML + PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,8 +334,19 @@ def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict
     paths = {}
     interval = sim_config(cfg).control_interval_s
     allocs = ["best_static", "oracle", "heuristic"] + list(cfg.extra_allocators)
+
+    def band(rg):  # the oracle band's span per window (lowest and highest share the replay could not rule out)
+        bands = (series.get((rg, "oracle", "racer")) or {}).get("bands") or []
+        if not bands:
+            return None
+        t = (np.arange(len(bands)) + 0.5) * interval
+        return t, np.array([min(b) for b in bands]), np.array([max(b) for b in bands])
+
     fig, axes = plt.subplots(2, len(cfg.regimes), figsize=(5.5 * len(cfg.regimes), 7), squeeze=False)
     for j, rg in enumerate(cfg.regimes):
+        b = band(rg)
+        if b is not None:
+            axes[1, j].fill_between(b[0], b[1], b[2], step="mid", color="grey", alpha=0.2, label="oracle band")
         for a in allocs:
             ser = series.get((rg, a, "racer"))
             if ser is None:
@@ -354,6 +366,8 @@ def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict
         for i in range(2):
             axes[i, j].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
+    if band(cfg.regimes[0]) is not None:
+        axes[1, 0].legend(fontsize=8, loc="lower left")  # the band's swatch
     fig.tight_layout()
     png = out / f"paper_table_{cfg.trace}.png"
     fig.savefig(png, dpi=100)
@@ -366,6 +380,13 @@ def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict
     pfig = make_subplots(rows=2, cols=len(cfg.regimes), subplot_titles=[f"{rg}: P99 per window" for rg in cfg.regimes]
                          + [f"{rg}: emb_share" for rg in cfg.regimes])
     for j, rg in enumerate(cfg.regimes, start=1):
+        b = band(rg)
+        if b is not None:
+            pfig.add_trace(go.Scatter(x=b[0].tolist(), y=b[2].tolist(), mode="lines", line={"width": 0, "shape": "hvh"},
+                                      showlegend=False, hoverinfo="skip"), row=2, col=j)
+            pfig.add_trace(go.Scatter(x=b[0].tolist(), y=b[1].tolist(), mode="lines", fill="tonexty",
+                                      line={"width": 0, "shape": "hvh"}, fillcolor="rgba(128,128,128,0.2)",
+                                      name=f"{rg} oracle band"), row=2, col=j)
         for a in allocs:
             ser = series.get((rg, a, "racer"))
             if ser is None:
