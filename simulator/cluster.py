@@ -709,7 +709,7 @@ class _Inputs:
 
 
 def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "racer", *, rel_tol: float = 0.01,
-                  name: str = "oracle") -> tuple[SimResult, list[float]]:
+                  ties: str = "rel_tol", name: str = "oracle") -> tuple[SimResult, list[float]]:
     """The offline-optimal split per control window, found on the window's replay.
 
     At each window boundary the run is forked once per share in ``shares``; every fork runs the
@@ -724,10 +724,16 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     have seen: imitation data); ``result.extra["oracle_bands"][w]`` the grid shares whose window
     P99 was within two standard errors of the best one's (`ClusterSim.window_p99_estimate`), and
     the chosen one: the shares the window's replay cannot tell apart from the best.
+
+    ``ties="band"`` makes a *sticky* oracle: the shares that tie are the band instead of those
+    within ``rel_tol``, so it moves only when another share is better beyond sampling error (a
+    check of how much of the greedy oracle's edge is chosen noise; docs/simulator.md).
     """
     shares = sorted({float(s) for s in shares})
     if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
         raise ValueError("oracle shares must be a non-empty list of values in [0, 1]")
+    if ties not in ("rel_tol", "band"):
+        raise ValueError(f"ties must be 'rel_tol' or 'band', got {ties!r}")
 
     bands = []  # per window: the grid shares statistically indistinguishable from the best
 
@@ -735,14 +741,14 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
         est = [f.window_p99_estimate(w) for _, f, _ in cands]
         p99 = [e[0] for e in est]
         best = min(p99)
-        ok = [i for i, v in enumerate(p99) if v <= best * (1 + rel_tol) + 1e-9]
+        se_best = est[int(np.argmin(p99))][1]
+        in_band = [k for k, (v, se) in enumerate(est) if v - best <= 2.0 * math.hypot(se, se_best)]
+        ok = in_band if ties == "band" else [i for i, v in enumerate(p99) if v <= best * (1 + rel_tol) + 1e-9]
         if prev is not None:
             i = min(ok, key=lambda i: (abs(cands[i][0] - prev), p99[i]))
         else:
             i = int(np.argmin(p99))
-        se_best = est[int(np.argmin(p99))][1]
-        bands.append([cands[k][0] for k, (v, se) in enumerate(est)
-                      if k == i or v - best <= 2.0 * math.hypot(se, se_best)])  # the choice is always in it
+        bands.append([cands[k][0] for k in sorted(set(in_band) | {i})])  # the choice is always in it
         return cands[i]
 
     cands = []

@@ -225,6 +225,13 @@ def test_replay_oracle_picks_each_window_best_share_from_its_own_state(small):
     from simulator.table import band_error
 
     assert band_error(np.array(sched)[:, None], bands, shares) == 0.0
+    # the sticky variant moves only beyond sampling error: every change of share leaves a band
+    # that did not hold the previous share
+    sticky, ssched = oracle_replay(stream, cfg, shares, ties="band")
+    sb = sticky.extra["oracle_bands"]
+    assert all(b == a or a not in band for a, b, band in zip(ssched, ssched[1:], sb[1:]))
+    with pytest.raises(ValueError, match="ties"):
+        oracle_replay(stream, cfg, shares, ties="noise")
     # the nearest share of the band is never farther than the oracle's own choice
     assert band_error(res.shares, bands, shares) <= np.mean(np.abs(res.shares - np.array(sched)[:, None])) + 1e-12
 
