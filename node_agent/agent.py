@@ -161,7 +161,6 @@ class NodeAgent:
         self._depth_sum = 0.0
         self._depth_n = 0
         self._refill_at_control = 0
-        self._ghost_marks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # ghost counters at the last control step
         self._memory: dict = self._memory_snapshot()
         self._allocator_state: dict | None = None
         self.last_window: dict | None = None
@@ -296,11 +295,9 @@ class NodeAgent:
         emb_cost = float(costs.get("emb_transfer_us_per_row", 0.0))
         c = self.engine.config
         mm = self.engine.mm
-        emb_ghost, kv_ghost = mm.ghost_counters()
-        emb_marginal, kv_marginal = marginal_utilities_us(
-            mm.config.ghost_probe_shares, mm.ghost_delta(emb_ghost, self._ghost_marks[0]),
-            mm.ghost_delta(kv_ghost, self._ghost_marks[1]), w["num_requests"], emb_cost, kv_cost)
-        self._ghost_marks = (emb_ghost, kv_ghost)
+        emb_ghost, kv_ghost = mm.take_ghost_counts()
+        emb_marginal, kv_marginal = marginal_utilities_us(mm.config.ghost_probe_shares, emb_ghost, kv_ghost,
+                                                          w["num_requests"], emb_cost, kv_cost)
         stats = WindowStats(
             interval_s=interval, num_requests=w["num_requests"], arrival_rate_rps=arrivals / interval,
             hot_user_ratio=w["hot_user_ratio"], history_len_p50=w["history_len_p50"],

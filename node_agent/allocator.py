@@ -37,8 +37,8 @@ import numpy as np
 
 from policies.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
                                read_manifest, read_onnx_bytes)
-from policies.features import (FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, marginal_imbalance,
-                               miss_costs_us)
+from policies.features import (FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, imbalance,
+                               marginal_imbalance, miss_costs_us)
 
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
 
@@ -459,8 +459,7 @@ class ResidualAdapter:
             m = marginal_imbalance(outcome)
         else:
             kv_us, emb_us = miss_costs_us(outcome)
-            total = kv_us + emb_us
-            m = (emb_us - kv_us) / total if total > 0 else 0.0
+            m = imbalance(emb_us, kv_us)
         y = correction + c.gain * p * m if p > 0 else (1.0 - c.relax) * correction
         return max(-c.max_correction, min(c.max_correction, y)), p, m
 

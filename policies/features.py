@@ -222,12 +222,17 @@ def marginal_utilities_us(probes, emb_ghost_rows, kv_ghost_tokens, num_requests:
     return marginal_utility_us(probes, emb), marginal_utility_us(probes, kv)
 
 
+def imbalance(emb_us: float, kv_us: float) -> float:
+    """``(emb_us - kv_us) / (emb_us + kv_us)`` in [-1, 1] (0 when both are 0): positive when the
+    EMB side weighs more."""
+    total = emb_us + kv_us
+    return (emb_us - kv_us) / total if total > 0 else 0.0
+
+
 def marginal_imbalance(stats: WindowStats) -> float:
-    """``(emb_marginal_us - kv_marginal_us) / (emb_marginal_us + kv_marginal_us)`` in [-1, 1]:
-    positive when more EMB rows are worth more than more KV pages (0 when neither is worth
-    anything)."""
-    total = stats.emb_marginal_us + stats.kv_marginal_us
-    return (stats.emb_marginal_us - stats.kv_marginal_us) / total if total > 0 else 0.0
+    """`imbalance` of the marginal utilities: positive when more EMB rows are worth more than
+    more KV pages (0 when neither is worth anything)."""
+    return imbalance(stats.emb_marginal_us, stats.kv_marginal_us)
 
 
 def _check(s: WindowStats) -> None:

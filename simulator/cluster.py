@@ -162,7 +162,7 @@ class _Window:
 
 
 class _Node:
-    __slots__ = ("index", "id", "mm", "busy_until", "win", "seq", "ghost_marks")
+    __slots__ = ("index", "id", "mm", "busy_until", "win", "seq")
 
     def __init__(self, index: int, mm: MemoryManager) -> None:
         self.index = index
@@ -171,7 +171,6 @@ class _Node:
         self.busy_until = 0.0
         self.win = _Window()
         self.seq = 0
-        self.ghost_marks = ((), ())  # the caches' ghost counters when the window began
 
 
 def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
@@ -632,12 +631,9 @@ class ClusterSim:
 
     def _marginal_us(self, node: _Node, n: int) -> tuple[float, float]:
         """The window's marginal utilities of memory (EMB, KV) from the caches' ghost counters."""
-        mm = node.mm
-        emb, kv = mm.ghost_counters()
-        e0, k0 = node.ghost_marks
-        node.ghost_marks = (emb, kv)
-        return marginal_utilities_us(self.mcfg.ghost_probe_shares, mm.ghost_delta(emb, e0), mm.ghost_delta(kv, k0), n,
-                                     self.prof.emb_transfer_us_per_row, self.rp.kv_recompute_us_per_token)
+        emb, kv = node.mm.take_ghost_counts()
+        return marginal_utilities_us(self.mcfg.ghost_probe_shares, emb, kv, n, self.prof.emb_transfer_us_per_row,
+                                     self.rp.kv_recompute_us_per_token)
 
     def _report(self, node: _Node, now_s: float) -> None:
         c = self._c
@@ -656,9 +652,7 @@ class ClusterSim:
     # ----------------------------------------------------------------------------- result ---
     def window_p99_ms(self, w: int) -> float:
         """P99 (ms) of the requests that arrived in window ``w`` (all served once it has run)."""
-        wb = self._c.win_bounds
-        seg = self.latency[wb[w]:wb[w + 1]]
-        return float(np.percentile(seg, 99)) * 1e3 if len(seg) else 0.0
+        return self.window_p99_estimate(w)[0]
 
     def window_p99_estimate(self, w: int) -> tuple[float, float]:
         """``(p99_ms, standard_error_ms)`` of window ``w``'s P99. The error comes from the

@@ -342,9 +342,10 @@ def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict
         t = (np.arange(len(bands)) + 0.5) * interval
         return t, np.array([min(b) for b in bands]), np.array([max(b) for b in bands])
 
+    spans = {rg: band(rg) for rg in cfg.regimes}
     fig, axes = plt.subplots(2, len(cfg.regimes), figsize=(5.5 * len(cfg.regimes), 7), squeeze=False)
     for j, rg in enumerate(cfg.regimes):
-        b = band(rg)
+        b = spans[rg]
         if b is not None:
             axes[1, j].fill_between(b[0], b[1], b[2], step="mid", color="grey", alpha=0.2, label="oracle band")
         for a in allocs:
@@ -366,7 +367,7 @@ def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict
         for i in range(2):
             axes[i, j].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    if band(cfg.regimes[0]) is not None:
+    if spans[cfg.regimes[0]] is not None:
         axes[1, 0].legend(fontsize=8, loc="lower left")  # the band's swatch
     fig.tight_layout()
     png = out / f"paper_table_{cfg.trace}.png"
@@ -380,7 +381,7 @@ def write_plots(result: dict, series: dict, out: Path, cfg: TableConfig) -> dict
     pfig = make_subplots(rows=2, cols=len(cfg.regimes), subplot_titles=[f"{rg}: P99 per window" for rg in cfg.regimes]
                          + [f"{rg}: emb_share" for rg in cfg.regimes])
     for j, rg in enumerate(cfg.regimes, start=1):
-        b = band(rg)
+        b = spans[rg]
         if b is not None:
             pfig.add_trace(go.Scatter(x=b[0].tolist(), y=b[2].tolist(), mode="lines", line={"width": 0, "shape": "hvh"},
                                       showlegend=False, hoverinfo="skip"), row=2, col=j)

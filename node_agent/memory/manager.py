@@ -199,6 +199,7 @@ class MemoryManager:
         self._pending: deque[BoundaryStep] = deque()
         self.num_boundary_steps = 0
         self.boundary_bytes_copied = 0
+        self._ghost_taken = ((), ())  # ghost_counters() at the last take_ghost_counts()
 
     # ---------------------------------------------------------------------------- queries ---
     @property
@@ -236,10 +237,13 @@ class MemoryManager:
         probe larger would have saved (``config.ghost_probes``; empty tuples when off)."""
         return self.emb.stats.ghost_hits, self.kv.stats.ghost_hit_tokens
 
-    @staticmethod
-    def ghost_delta(now: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
-        """``now - then`` per probe (``then`` may be empty: counting from zero)."""
-        return tuple(a - b for a, b in zip(now, then or (0,) * len(now)))
+    def take_ghost_counts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`ghost_counters` since the previous call (since start-up the first time): one
+        control interval's counts, for whoever closes intervals (the node agent, the simulator)."""
+        now = self.ghost_counters()
+        taken = tuple(tuple(a - b for a, b in zip(n, t or (0,) * len(n))) for n, t in zip(now, self._ghost_taken))
+        self._ghost_taken = now
+        return taken
 
     def set_target(self, emb_share: float, now_s: float) -> BoundaryPlan:
         """Plan a move to ``emb_share`` from the current boundary (replacing any plan in
