@@ -36,6 +36,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--users", type=int, default=d.num_users)
     ap.add_argument("--breakdown", action="store_true", help="profile the steady run: where the time goes")
+    ap.add_argument("--floor", action="store_true",
+                    help="replay the steady run's calls on the real structures alone: the floor of any such simulator")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     trace, name = load_bench_trace(args.trace, args.path)
@@ -57,6 +59,8 @@ def main(argv=None) -> dict:
     out["sim_requests_per_s"] = round(total_n / total_wall)
     if args.breakdown:
         out["breakdown"] = breakdown(trace, cfg, args, d)
+    if args.floor:
+        out["floor"] = floor(trace, cfg, args, d)
     if args.json:
         print(json.dumps(out))
     else:
@@ -69,6 +73,14 @@ def main(argv=None) -> dict:
             print(f"steady under cProfile: {b['requests_per_call']} requests per (node, slice) call")
             for k, v in b["parts"].items():
                 print(f"  {k:<28} {v['s']:>7.2f} s  {100 * v['share']:>5.1f}%  {v['us_per_request']:>7.1f} us/request")
+        if "floor" in out:
+            f = out["floor"]
+            print(f"steady, the real structures' calls alone ({f['num_calls']:,} calls replayed, identical: "
+                  f"{f['replay_identical']}): {f['us_per_request']} us/request, at most "
+                  f"{f['max_sim_requests_per_s']:,} simulated req/s")
+            for k, v in f["parts"].items():
+                print(f"  {k:<28} {v['calls']:>9,} calls  {v['us_per_call']:>7.1f} us/call  "
+                      f"{v['us_per_request']:>7.1f} us/request")
     return out
 
 
@@ -108,6 +120,75 @@ def breakdown(trace, cfg, args, d) -> dict:
             "requests_per_call": round(n / calls, 2) if calls else None,
             "parts": {k: {"s": round(v, 3), "share": round(v / total, 4) if total else 0.0,
                           "us_per_request": round(v / n * 1e6, 1)} for k, v in parts.items()}}
+
+
+# what the floor replays: (part, the object's path on a node or "router", method names)
+_FLOOR = (
+    ("emb_cache", "mm.emb", ("lookup", "resident_items")),
+    ("kv_pool", "mm.kv", ("lookup", "append", "evict", "drain_residency")),
+    ("memory_manager", "mm", ("step", "set_target", "apply_plan")),
+    ("router", "router", ("route_batch", "report", "complete")),
+)
+
+
+def _floor_targets(sim):
+    """(part, key, object) for every object the floor records or replays, in a fixed order."""
+    for part, path, _ in _FLOOR:
+        if path == "router":
+            yield part, ("router",), sim.rt
+            continue
+        for node in sim.nodes:
+            obj = node
+            for a in path.split("."):
+                obj = getattr(obj, a)
+            yield part, (path, node.index), obj
+
+
+def floor(trace, cfg, args, d) -> dict:
+    """Record the steady run's calls on the real structures and the router, replay them alone."""
+    from simulator.cluster import ClusterSim
+
+    s = generate(trace, regime="steady", rate_rps=args.rate, duration_s=args.duration, num_users=args.users,
+                 history_scale=d.history_scale, seed=0)
+    names = {part: meths for part, _, meths in _FLOOR}
+    log: list = []
+    sim = ClusterSim(s, cfg, "racer", initial_share=0.5)
+    for part, key, obj in _floor_targets(sim):
+        for name in names[part]:
+            f = getattr(obj, name)
+
+            def rec(*a, _f=f, _k=(part, key, name), **kw):  # bound per method: the log keeps the call
+                log.append((_k, a, kw))
+                return _f(*a, **kw)
+
+            setattr(obj, name, rec)
+    out = sim.start()
+    while out is not None:
+        out = sim.advance([0.5] * len(sim.nodes))
+    first = sim.result()
+
+    fresh = ClusterSim(s, cfg, "racer", initial_share=0.5)
+    objs = {key: obj for _, key, obj in _floor_targets(fresh)}
+    spent = {part: 0.0 for part, _, _ in _FLOOR}
+    calls = dict.fromkeys(spent, 0)
+    clock = time.perf_counter
+    for (part, key, name), a, kw in log:
+        f = getattr(objs[key], name)
+        t0 = clock()
+        f(*a, **kw)
+        spent[part] += clock() - t0
+        calls[part] += 1
+    emb = sum(n.mm.emb.stats.num_hits for n in fresh.nodes), sum(n.mm.emb.stats.num_requested_ids for n in fresh.nodes)
+    kv = sum(n.mm.kv.stats.hit_tokens for n in fresh.nodes), sum(n.mm.kv.stats.num_lookups for n in fresh.nodes)
+    same = (emb == (first.emb_hits, first.emb_lookups)
+            and kv == (sum(n.mm.kv.stats.hit_tokens for n in sim.nodes), sum(n.mm.kv.stats.num_lookups for n in sim.nodes)))
+    n = len(s)
+    total = sum(spent.values())
+    return {"num_requests": n, "num_calls": len(log), "replay_identical": bool(same),
+            "us_per_request": round(total / n * 1e6, 1),
+            "max_sim_requests_per_s": round(n / total) if total else None,
+            "parts": {k: {"calls": calls[k], "us_per_call": round(v / calls[k] * 1e6, 1) if calls[k] else 0.0,
+                          "us_per_request": round(v / n * 1e6, 1)} for k, v in spent.items()}}
 
 
 if __name__ == "__main__":

@@ -293,3 +293,37 @@ def test_bench_marginal_reports_each_regime(capsys):
     with pytest.raises(SystemExit):  # too short for the burst regime: a usage error, not a traceback
         main(["--duration", "0.5"])
     assert "do not fit" in capsys.readouterr().err
+
+
+def test_bench_simulator_floor_replays_the_runs_calls():
+    from bench.simulator import main
+
+    out = main(["--json", "--nodes", "4", "--rate", "300", "--duration", "3", "--users", "500", "--floor"])
+    f = out["floor"]
+    assert f["replay_identical"] is True  # the replayed calls give the run's hit counts
+    assert set(f["parts"]) == {"emb_cache", "kv_pool", "memory_manager", "router"}
+    n = f["num_requests"]
+    assert f["parts"]["kv_pool"]["calls"] >= 2 * n  # a lookup per request, an append per miss
+    assert f["parts"]["emb_cache"]["calls"] > 0 and f["parts"]["router"]["calls"] > 0
+    assert f["us_per_request"] == pytest.approx(sum(p["us_per_request"] for p in f["parts"].values()), abs=0.5)
+
+
+def test_bench_oracle_gap_small_sweep(capsys):
+    from bench.oracle_gap import main
+
+    out = main(["--json", "--traces", "taobao", "--kv-kib", "6,96", "--cache-fractions", "1", "--nodes", "2",
+                "--rate", "150", "--duration", "3", "--users", "300", "--shares", "0.2,0.8", "--jobs", "1"])
+    assert [(r["kv_kib"], r["regime"]) for r in out["rows"]] == [(6.0, "steady"), (96.0, "steady")]
+    for r in out["rows"]:
+        assert set(r["static"]) == {"0.20", "0.80"}
+        assert r["best_static_p99_ms"] == min(v["p99_ms"] for v in r["static"].values())
+        assert r["gap"] == pytest.approx(r["best_static_p99_ms"] / r["oracle_p99_ms"] - 1, abs=1e-3)
+        assert 0.2 <= r["oracle_mean_share"] <= 0.8
+    # smaller K/V per token: the same arena holds more histories
+    assert out["rows"][0]["arena_holds_histories"] > 10 * out["rows"][1]["arena_holds_histories"]
+    assert out["max_gap"]["steady"] == max(r["gap"] for r in out["rows"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--traces", "nope", "--kv-kib", "1.5"])
+    err = capsys.readouterr().err
+    assert "unknown trace 'nope'" in err and "--kv-kib 1.5" in err

@@ -1,0 +1,154 @@
+"""How much can any per-window allocator gain over the best static split, across calibrations?
+
+    python -m bench.oracle_gap [--json] [--traces taobao,amazon] [--regimes steady]
+                               [--kv-kib 6,24,96] [--cache-fractions 0.25,1,4] [--nodes 8] ...
+
+For every (trace, KV bytes per token, cache fraction, regime) it runs the static sweep and the
+greedy replay oracle (`simulator.cluster.oracle_replay`, which tries every grid share on every
+control window from its own state, in hindsight) on one request stream, and reports the best static
+split's P99 over the oracle's (``gap``: 0.10 = the best static split's P99 is 10% above the
+oracle's). The KV bytes per token stand for the model's size (96 KiB: the default HSTU-scale
+profile, 24 layers x 1024 x bf16 K and V; 6 KiB: a 4-layer, 384-wide model), the cache fraction
+for the memory a node gives the two caches (x the trace's embedding table). The default setting
+is the paper table's per-node load on 8 nodes (1,000 req/s) for 20 s, so a full sweep takes a few
+minutes per regime on two cores.
+
+``gap`` bounds what the split can be worth: an allocator that beats the best static split's P99 by
+X% on a regime needs an X% gap there, unless it finds what a replay of every grid share per
+window does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+
+SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _job(args) -> dict:
+    import torch
+
+    from simulator import SimConfig, StaticAllocator, simulate
+    from simulator.cluster import memory_config, oracle_replay
+    from simulator.profiles import A100_HSTU
+    from workloads import generate
+
+    from . import load_bench_trace
+
+    torch.set_num_threads(1)
+    trace_kind, kv_kib, cf, regime, o = args
+    trace, _ = load_bench_trace(trace_kind, None)
+    stream = generate(trace, regime=regime, rate_rps=o["rate"], duration_s=o["duration"], num_users=o["users"],
+                      history_scale=o["history_scale"], seed=o["seed"])
+    cfg = SimConfig(num_nodes=o["nodes"], profile=replace(A100_HSTU, kv_bytes_per_token=int(kv_kib * 1024)),
+                    cache_fraction=cf, seed=o["seed"])
+    mcfg = memory_config(trace.num_items, cfg)
+    t0 = time.perf_counter()
+    static = {}
+    for share in o["shares"]:
+        r = simulate(stream, cfg, StaticAllocator(share), "racer").summary()
+        static[f"{share:.2f}"] = {k: r[k] for k in ("p99_ms", "slo_attainment", "emb_hit_rate", "kv_hit_rate")}
+    res, schedule = oracle_replay(stream, cfg, o["shares"], "racer")
+    orc = res.summary()
+    best = min(static, key=lambda k: static[k]["p99_ms"])
+    best_p99 = static[best]["p99_ms"]
+    user_tokens = float(np.mean(stream.history_len))
+    return {"trace": trace_kind, "kv_kib": kv_kib, "cache_fraction": cf, "regime": regime,
+            # how many mean histories the whole arena would hold as K/V
+            "arena_holds_histories": round(mcfg.num_pages * mcfg.page_bytes / (user_tokens * cfg.profile.kv_bytes_per_token), 1),
+            "static": static, "best_static": best, "best_static_p99_ms": best_p99,
+            "static_p99_spread": round(max(v["p99_ms"] for v in static.values()) / best_p99 - 1, 4),
+            "oracle_p99_ms": orc["p99_ms"], "oracle_slo_attainment": orc["slo_attainment"],
+            "oracle_mean_share": round(float(np.mean(schedule)), 3),
+            "gap": round(best_p99 / orc["p99_ms"] - 1, 4), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.oracle_gap", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--traces", default="taobao,amazon")
+    ap.add_argument("--regimes", default="steady")
+    ap.add_argument("--kv-kib", type=_floats, default=(6.0, 24.0, 96.0), help="KV bytes per token, KiB")
+    ap.add_argument("--cache-fractions", type=_floats, default=(0.25, 1.0, 4.0))
+    ap.add_argument("--shares", type=_floats, default=SHARES)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=1_000.0)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--users", type=int, default=5_000)
+    ap.add_argument("--history-scale", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=0, help="worker processes (0: one per core)")
+    args = ap.parse_args(argv)
+
+    from simulator import SimConfig
+    from simulator.profiles import A100_HSTU
+    from workloads import LOADERS, REGIMES
+
+    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    problems = [f"unknown trace {t!r} (one of {', '.join(LOADERS)})" for t in traces if t not in LOADERS]
+    problems += [f"unknown regime {r!r} (one of {', '.join(REGIMES)})" for r in regimes if r not in REGIMES]
+    if not (traces and regimes and args.kv_kib and args.cache_fractions and args.shares):
+        problems.append("traces, regimes, --kv-kib, --cache-fractions and --shares must each name at least one")
+    if any(not 0 <= s <= 1 for s in args.shares):
+        problems.append("--shares must be in [0, 1]")
+    row = A100_HSTU.emb_row_bytes
+    for kv in args.kv_kib:
+        b = kv * 1024
+        if b <= 0 or b != int(b) or int(b) % 8 or (int(b) * A100_HSTU.page_tokens) % row:
+            problems.append(f"--kv-kib {kv:g}: a {A100_HSTU.page_tokens}-token page must be whole "
+                            f"{row // 1024}-KiB embedding rows (e.g. 1, 6, 24, 96)")
+    for name, v in (("nodes", args.nodes), ("rate", args.rate), ("duration", args.duration), ("users", args.users)):
+        if not v > 0:
+            problems.append(f"--{name} must be > 0, got {v}")
+    try:
+        for cf in args.cache_fractions:
+            SimConfig(num_nodes=max(1, args.nodes), cache_fraction=cf).validate()
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        ap.error("; ".join(problems))
+
+    opts = {"nodes": args.nodes, "rate": args.rate, "duration": args.duration, "users": args.users,
+            "history_scale": args.history_scale, "seed": args.seed, "shares": tuple(args.shares)}
+    jobs = [(t, kv, cf, r, opts) for t in traces for kv in args.kv_kib for cf in args.cache_fractions for r in regimes]
+    workers = args.jobs or min(len(jobs), os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    rows = []
+    from tqdm import tqdm
+
+    with ProcessPoolExecutor(workers) as ex:
+        for res in tqdm(ex.map(_job, jobs), total=len(jobs), desc="oracle gap", unit="setting", leave=False):
+            rows.append(res)
+    out = {"settings": opts, "rows": rows, "wall_s": round(time.perf_counter() - t0, 1),
+           "max_gap": {r: max(x["gap"] for x in rows if x["regime"] == r) for r in regimes}}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{'trace':<8} {'KV KiB/tok':>10} {'cache x':>7} {'holds':>6} {'regime':<7} {'best static':>16} "
+              f"{'oracle':>9} {'gap':>7} {'static spread':>13}")
+        for x in rows:
+            print(f"{x['trace']:<8} {x['kv_kib']:>10g} {x['cache_fraction']:>7g} {x['arena_holds_histories']:>6g} "
+                  f"{x['regime']:<7} {x['best_static_p99_ms']:>9.2f} ({x['best_static']}) {x['oracle_p99_ms']:>9.2f} "
+                  f"{100 * x['gap']:>6.1f}% {100 * x['static_p99_spread']:>12.1f}%")
+        for r, g in out["max_gap"].items():
+            print(f"largest gap on {r}: {100 * g:.1f}%")
+    return out
+
+
+if __name__ == "__main__":
+    main()
