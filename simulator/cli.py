@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -52,7 +53,14 @@ def cmd_paper_table(args) -> int:
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     cfg = replace(base, **kw)
-    result = run_table(cfg, args.out, progress=not args.no_progress)
+    result = run_table(cfg, args.out, progress=not args.no_progress, resume=not args.fresh)
+    runs = result["runs"]
+    if runs["reused"]:
+        print(f"reused {runs['reused']} of {runs['total']} runs saved in {args.out}/runs by the same code and "
+              f"settings (--fresh recomputes them)", file=sys.stderr)
+    if runs["unreadable"]:
+        print(f"{runs['unreadable']} saved runs in {args.out}/runs could not be read back and were recomputed",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     else:
@@ -100,5 +108,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fresh", action="store_true",
+                   help="recompute every run (default: reuse the runs saved in OUT/runs by the same code and "
+                        "settings, so an interrupted table resumes)")
     p.set_defaults(func=cmd_paper_table)
     return b

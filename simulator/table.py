@@ -12,6 +12,12 @@ For each regime of one trace:
 5. **heuristic** (hit-rate heuristic), and any extra allocators (the SmartAllocator layers);
 6. every other router with ``best_static`` and ``oracle`` (``--quick``: ``best_static`` only).
 
+With an output directory, every finished run is saved at once under ``DIR/runs/`` keyed by
+everything it depends on (the code, the trace file, the stream and simulator settings, the
+allocator, router, schedule and policy files), so an interrupted table resumes where it stopped
+and a rerun with more allocators or routers runs only the new ones (``resume=False``, the CLI's
+``--fresh``, recomputes everything).
+
 Each row carries P50/P99 (ms), SLO attainment, throughput, EMB and KV hit rates, the mean
 ``emb_share`` and the mean |emb_share - oracle| over nodes and windows. Runs are independent, so
 they go to a process pool (``jobs``).
@@ -19,11 +25,12 @@ they go to a process pool (``jobs``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -143,23 +150,141 @@ def _pool(cfg: TableConfig):
     return ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
 
 
-def _map(pool, cfg: TableConfig, jobs: list[_Job], bar):
-    out = {}
-    if pool is None:
-        for j in jobs:
-            k, s, ser = _run((cfg, j))
-            out[k] = (s, ser)
+_CODE_PACKAGES = ("simulator", "node_agent", "control_plane", "policies", "workloads")
+
+
+def _files_digest(paths) -> str:
+    h = hashlib.sha256()
+    for f in paths:
+        h.update(str(f).encode())
+        h.update(b"\0")
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+class RunCache:
+    """Finished runs of a table saved under ``DIR/runs/<key>.json``, one file per run, written as
+    each run ends (atomically), so nothing finished is lost when a table is interrupted.
+
+    A run's key is a digest of everything that decides its result: the source of the packages a
+    run executes (a code change invalidates every saved run), the trace file (path, size and
+    modification time), the stream's and the simulator's settings, the allocator, the router,
+    the schedule it replays, the oracle's share grid, and the policy artifact's files for the
+    SmartAllocator rows. A file that cannot be read back, or whose stored key differs, is
+    recomputed (``unreadable`` counts them)."""
+
+    def __init__(self, cfg: TableConfig, out_dir: str | Path, resume: bool = True) -> None:
+        from workloads import default_path
+
+        root = Path(__file__).resolve().parents[1]
+        self.dir = Path(out_dir) / "runs"
+        self.resume = resume
+        self.reused = self.saved = self.unreadable = 0
+        code = _files_digest(sorted(f.relative_to(root) for pkg in _CODE_PACKAGES for f in (root / pkg).rglob("*.py")))
+        trace_file = Path(cfg.path if cfg.path is not None else default_path(cfg.trace))
+        st = trace_file.stat() if trace_file.exists() else None
+        self._base = {"code": code, "trace": cfg.trace,
+                      "trace_file": [str(trace_file.resolve()), st.st_size, st.st_mtime_ns] if st else None,
+                      "stream": [cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed],
+                      "sim": _json_safe(asdict(sim_config(cfg)))}
+        self._policy = None
+        self._cfg = cfg
+
+    def _policy_digest(self) -> str:
+        if self._policy is None:
+            from .smart import DEFAULT_ARTIFACT
+
+            d = Path(self._cfg.policy) if self._cfg.policy else DEFAULT_ARTIFACT
+            files = sorted(f for f in d.rglob("*") if f.is_file()) if d.is_dir() else []
+            self._policy = _files_digest(files)
+        return self._policy
+
+    def key(self, job: _Job) -> dict:
+        smart = not (job.allocator.startswith("static:") or job.allocator in ("heuristic", "oracle", "best_static"))
+        return _canon(self._base | {"regime": job.regime, "allocator": job.allocator, "router": job.router,
+                             "schedule": job.schedule,
+                             "shares": list(self._cfg.shares) if job.allocator == "oracle" else None,
+                             "policy": self._policy_digest() if smart else None})
+
+    def _file(self, key: dict) -> Path:
+        return self.dir / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+
+    def get(self, job: _Job):
+        if not self.resume:
+            return None
+        key = self.key(job)
+        f = self._file(key)
+        if not f.exists():
+            return None
+        try:
+            saved = json.loads(f.read_text())
+            if saved["key"] != key:
+                raise ValueError("key differs")
+            hit = saved["summary"], saved["series"]
+        except (OSError, ValueError, KeyError, TypeError):
+            self.unreadable += 1
+            return None
+        self.reused += 1
+        return hit
+
+    def put(self, job: _Job, summary: dict, series: dict) -> None:
+        key = self.key(job)
+        f = self._file(key)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "summary": summary, "series": series}))
+        os.replace(tmp, f)
+        self.saved += 1
+
+
+def _canon(x):
+    """A run key in one form whatever the caller's number types (200 and 200.0 are one setting)."""
+    if isinstance(x, dict):
+        return {str(k): _canon(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_canon(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, (int, float)):
+        return float(x) if math.isfinite(x) else str(float(x))
+    return str(x)
+
+
+def _map(pool, cfg: TableConfig, jobs: list[_Job], bar, cache: RunCache | None = None):
+    """Run ``jobs`` (those not in ``cache``), saving each to ``cache`` as it finishes."""
+    out, todo = {}, []
+    for j in jobs:
+        hit = cache.get(j) if cache is not None else None
+        if hit is not None:
+            out[j.key] = hit
             bar.update(1)
-        return out
-    for k, s, ser in pool.map(_run, [(cfg, j) for j in jobs]):
-        out[k] = (s, ser)
+        else:
+            todo.append(j)
+
+    def done(j, s, ser):
+        out[j.key] = (s, ser)
+        if cache is not None:
+            cache.put(j, s, ser)
         bar.update(1)
+
+    if pool is None:
+        for j in todo:
+            _, s, ser = _run((cfg, j))
+            done(j, s, ser)
+        return out
+    futures = {pool.submit(_run, (cfg, j)): j for j in todo}
+    for f in as_completed(futures):
+        _, s, ser = f.result()
+        done(futures[f], s, ser)
     return out
 
 
-def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: bool = True) -> dict:
+def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: bool = True,
+              resume: bool = True) -> dict:
     """Run the table for one trace; return ``{"rows": [...], ...}`` and write it (and plots) to
-    ``out_dir`` when given."""
+    ``out_dir`` when given, with every finished run saved under ``out_dir/runs`` (`RunCache`);
+    ``resume``: reuse the runs saved there by the same code and settings (False: recompute all).
+    ``result["runs"]`` says how many were computed, reused and unreadable."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -175,6 +300,7 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
     n_other = len(cfg.routers) - (1 if "racer" in cfg.routers else 0)
     n_runs = len(cfg.regimes) * (len(cfg.shares) + 2 + len(cfg.extra_allocators)
                                  + len(cfg.other_router_allocators) * n_other)  # the oracle counts as one
+    cache = RunCache(cfg, out_dir, resume) if out_dir is not None else None
     bar = tqdm(total=n_runs, desc=f"paper-table {cfg.trace}", unit="run", disable=not progress)
     pool = _pool(cfg)
     rows: list[dict] = []
@@ -183,7 +309,7 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
         # 1. the static sweeps and the replay oracle (the longest job, first), every regime at once
         first = [_Job(("oracle", rg, "racer"), rg, "oracle", "racer") for rg in cfg.regimes]
         first += [_Job(("sweep", rg, s), rg, f"static:{s:.2f}", "racer") for rg in cfg.regimes for s in cfg.shares]
-        sweep = _map(pool, cfg, first, bar)
+        sweep = _map(pool, cfg, first, bar, cache)
         plans = {}
         jobs: list[_Job] = []
         for rg in cfg.regimes:
@@ -200,10 +326,10 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
                     continue
                 for a in cfg.other_router_allocators:
                     jobs.append(_Job((a, rg, rt), rg, a, rt, [best] * nw if a == "best_static" else sched))
-        done = _map(pool, cfg, jobs, bar)
+        done = _map(pool, cfg, jobs, bar, cache)
     finally:
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(cancel_futures=True)
         bar.close()
 
     for rg in cfg.regimes:
@@ -248,6 +374,8 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
                         "best_static_share": plans[rg][0], "bands": sweep[("oracle", rg, "racer")][1]["bands"]}
                    for rg in cfg.regimes},
         "wall_s": round(time.perf_counter() - t0, 1),
+        "runs": {"total": n_runs, "computed": cache.saved if cache else n_runs,
+                 "reused": cache.reused if cache else 0, "unreadable": cache.unreadable if cache else 0},
     }
     result["findings"] = findings(result)
     if out_dir is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -177,6 +178,55 @@ def test_quick_table_has_every_row_and_key(tmp_path):
     assert (tmp_path / "out" / "paper_table_sequences.json").exists()
     assert (tmp_path / "out" / "paper_table_sequences.png").read_bytes()[:4] == b"\x89PNG"
     assert "oracle_mean_share_spread" in res["findings"]
+
+
+def test_table_saves_each_run_and_resumes_from_them(tmp_path, capsys):
+    trace_file = tmp_path / "seq.txt"
+    tr = synthetic_trace(num_users=100, num_items=1_500, mean_seq_len=20, seed=5)
+    trace_file.write_text("".join(f"{u} {int(i)}\n" for u in range(tr.num_users) for i in tr.history(u)))
+    cfg = TableConfig(trace="sequences", path=str(trace_file), regimes=("steady",), num_nodes=3, rate_rps=200,
+                      duration_s=3, num_users=500, shares=(0.3, 0.7), routers=("racer", "least_load"), jobs=2)
+    out = tmp_path / "out"
+    first = run_table(cfg, out, progress=False)
+    total = first["runs"]["total"]  # 2 static + oracle + heuristic + least_load x (best_static, oracle)
+    assert first["runs"] == {"total": total, "computed": total, "reused": 0, "unreadable": 0} and total == 6
+    saved = sorted((out / "runs").glob("*.json"))
+    assert len(saved) == total  # one file per finished run
+
+    again = run_table(dataclasses.replace(cfg, jobs=1), out, progress=False)
+    assert again["runs"]["reused"] == total and again["runs"]["computed"] == 0
+    assert again["rows"] == first["rows"] and again["oracle"] == first["oracle"]
+
+    # another router: only its runs are computed
+    more = run_table(dataclasses.replace(cfg, routers=("racer", "least_load", "round_robin"), jobs=1), out,
+                     progress=False)
+    assert more["runs"]["reused"] == total and more["runs"]["computed"] == 2
+    assert [r for r in more["rows"] if r["router"] != "round_robin"] == first["rows"]
+
+    # a damaged file is recomputed, to the same row
+    saved[0].write_text("{not json")
+    fixed = run_table(dataclasses.replace(cfg, jobs=1), out, progress=False)
+    assert fixed["runs"]["unreadable"] == 1 and fixed["runs"]["computed"] == 1 and fixed["rows"] == first["rows"]
+
+    # other settings share nothing; resume=False recomputes everything
+    other = run_table(dataclasses.replace(cfg, rate_rps=250, jobs=1), out, progress=False)
+    assert other["runs"]["reused"] == 0
+    fresh = run_table(dataclasses.replace(cfg, jobs=1), out, progress=False, resume=False)
+    assert fresh["runs"]["computed"] == total and fresh["rows"] == first["rows"]
+
+    # the command line says what it reused, and --fresh recomputes
+    from racer.cli import main
+
+    args = ["bench", "paper-table", "--trace", "sequences", "--path", str(trace_file), "--nodes", "3",
+            "--regimes", "steady", "--rate", "200", "--duration", "3", "--users", "500", "--shares", "0.3,0.7",
+            "--routers", "racer,least_load", "--jobs", "1", "--out", str(out), "--no-progress", "--json"]
+    capsys.readouterr()
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    assert f"reused {total} of {total} runs" in cap.err and json.loads(cap.out)["runs"]["computed"] == 0
+    assert main(args + ["--fresh"]) == 0
+    cap = capsys.readouterr()
+    assert "reused" not in cap.err and json.loads(cap.out)["runs"]["computed"] == total
 
 
 def test_a_fork_continues_exactly_like_the_run_it_was_forked_from(small):
