@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -92,6 +94,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--history-scale", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=0, help="worker processes (0: one per core)")
+    ap.add_argument("--out", default=None,
+                    help="directory for oracle_gap.json and oracle_gap.png (gap against how much the split matters)")
     args = ap.parse_args(argv)
 
     from simulator import SimConfig
@@ -106,20 +110,40 @@ def main(argv=None) -> dict:
         problems.append("traces, regimes, --kv-kib, --cache-fractions and --shares must each name at least one")
     if any(not 0 <= s <= 1 for s in args.shares):
         problems.append("--shares must be in [0, 1]")
+    if len({f"{x:.2f}" for x in args.shares}) != len(args.shares):
+        problems.append("--shares must differ by at least 0.01 (rows are labelled to two decimals)")
     row = A100_HSTU.emb_row_bytes
     for kv in args.kv_kib:
         b = kv * 1024
-        if b <= 0 or b != int(b) or int(b) % 8 or (int(b) * A100_HSTU.page_tokens) % row:
+        if not (math.isfinite(b) and b > 0 and b == int(b) and int(b) % 8 == 0
+                and (int(b) * A100_HSTU.page_tokens) % row == 0):
             problems.append(f"--kv-kib {kv:g}: a {A100_HSTU.page_tokens}-token page must be whole "
                             f"{row // 1024}-KiB embedding rows (e.g. 1, 6, 24, 96)")
-    for name, v in (("nodes", args.nodes), ("rate", args.rate), ("duration", args.duration), ("users", args.users)):
-        if not v > 0:
-            problems.append(f"--{name} must be > 0, got {v}")
-    try:
-        for cf in args.cache_fractions:
-            SimConfig(num_nodes=max(1, args.nodes), cache_fraction=cf).validate()
-    except ValueError as e:
-        problems.append(str(e))
+    for name in ("nodes", "rate", "duration", "users", "history_scale"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v > 0):
+            problems.append(f"--{name.replace('_', '-')} must be a finite number > 0, got {v}")
+    if args.seed < 0 or args.jobs < 0:
+        problems.append("--seed and --jobs must be >= 0")
+    if not problems:  # the streams' own checks (e.g. a burst that does not fit the duration)
+        from workloads import RegimeConfig
+
+        for r in regimes:
+            try:
+                RegimeConfig(regime=r, rate_rps=args.rate, duration_s=args.duration, num_users=args.users,
+                             history_scale=args.history_scale, seed=args.seed).validate()
+            except ValueError as e:
+                problems.append(str(e))
+    for cf in args.cache_fractions:
+        try:
+            SimConfig(num_nodes=1, cache_fraction=cf).validate()
+        except ValueError as e:
+            problems.append(str(e))
+    if args.out:
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            problems.append(f"--out {args.out}: {e.strerror or e}")
     if problems:
         ap.error("; ".join(problems))
 
@@ -136,6 +160,11 @@ def main(argv=None) -> dict:
             rows.append(res)
     out = {"settings": opts, "rows": rows, "wall_s": round(time.perf_counter() - t0, 1),
            "max_gap": {r: max(x["gap"] for x in rows if x["regime"] == r) for r in regimes}}
+    out["one_split"] = one_split(rows)
+    if args.out:
+        d = Path(args.out)
+        (d / "oracle_gap.json").write_text(json.dumps(out, indent=1))
+        out["plot"] = str(plot(rows, d / "oracle_gap.png"))
     if args.json:
         print(json.dumps(out))
     else:
@@ -147,7 +176,64 @@ def main(argv=None) -> dict:
                   f"{100 * x['gap']:>6.1f}% {100 * x['static_p99_spread']:>12.1f}%")
         for r, g in out["max_gap"].items():
             print(f"largest gap on {r}: {100 * g:.1f}%")
+        if out["one_split"]["settings"]:
+            print(f"one split for all regimes: at most {100 * out['one_split']['max_gap']:.1f}% above the oracle")
+        if "plot" in out:
+            print(f"wrote {args.out}/oracle_gap.json and {out['plot']}")
     return out
+
+
+def one_split(rows: list[dict]) -> dict:
+    """Where a setting ran more than one regime: the single grid share best for all of them (the
+    lowest sum over regimes of its P99 over the oracle's) and, per regime, its P99 over the
+    oracle's (what one split chosen in hindsight for the whole fleet leaves)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["trace"], r["kv_kib"], r["cache_fraction"]), {})[r["regime"]] = r
+    settings = []
+    for (trace, kv, cf), by in groups.items():
+        if len(by) < 2:
+            continue
+        shares = list(next(iter(by.values()))["static"])
+        best = min(shares, key=lambda s: sum(x["static"][s]["p99_ms"] / x["oracle_p99_ms"] for x in by.values()))
+        settings.append({"trace": trace, "kv_kib": kv, "cache_fraction": cf, "share": best,
+                         "gap": {rg: round(x["static"][best]["p99_ms"] / x["oracle_p99_ms"] - 1, 4)
+                                 for rg, x in by.items()}})
+    return {"settings": settings,
+            "max_gap": max((g for x in settings for g in x["gap"].values()), default=None)}
+
+
+def plot(rows: list[dict], path) -> str:
+    """One point per setting: how much the split matters (the static splits' P99 spread, x) against
+    what a per-window split adds over the best static one (the oracle's gap, y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    colors = {"steady": "tab:blue", "trend": "tab:orange", "burst": "tab:red"}
+    markers = ["o", "s", "^", "D"]
+    traces = sorted({r["trace"] for r in rows})
+    for r in rows:
+        ax.scatter(max(r["static_p99_spread"], 1e-3) * 100, r["gap"] * 100, color=colors.get(r["regime"], "grey"),
+                   marker=markers[traces.index(r["trace"]) % len(markers)], alpha=0.8)
+    for rg, c in colors.items():
+        if any(r["regime"] == rg for r in rows):
+            ax.scatter([], [], color=c, label=rg)
+    for i, t in enumerate(traces):
+        ax.scatter([], [], color="black", marker=markers[i % len(markers)], label=t)
+    ax.axhline(24, color="crimson", ls="--", lw=1, label="24% (the paper's P99 reduction)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("static splits' P99 spread: worst over best (%)")
+    ax.set_ylabel("best static P99 over the oracle's (%)")
+    ax.set_title("How much the split matters vs what a per-window split adds")
+    ax.legend(fontsize=8, loc="center left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 if __name__ == "__main__":

@@ -87,15 +87,21 @@ class _Job:
 _STREAMS: dict = {}
 
 
-def _stream(cfg: TableConfig, regime: str):
-    from workloads import generate, load_trace
+def _trace(cfg: TableConfig):
+    from workloads import load_trace
 
-    key = (cfg.trace, cfg.path, regime)
+    key = ("trace", cfg.trace, cfg.path)
     if key not in _STREAMS:
-        trace = _STREAMS.get(("trace", cfg.trace, cfg.path))
-        if trace is None:
-            trace = load_trace(cfg.trace, cfg.path)
-            _STREAMS[("trace", cfg.trace, cfg.path)] = trace
+        _STREAMS[key] = load_trace(cfg.trace, cfg.path)
+    return _STREAMS[key]
+
+
+def _stream(cfg: TableConfig, regime: str):
+    from workloads import generate
+
+    key = (cfg.trace, cfg.path, regime, cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed)
+    if key not in _STREAMS:
+        trace = _trace(cfg)
         _STREAMS[key] = generate(trace, regime=regime, rate_rps=cfg.rate_rps, duration_s=cfg.duration_s,
                                  num_users=cfg.num_users, history_scale=cfg.history_scale, seed=cfg.seed)
     return _STREAMS[key]
@@ -162,29 +168,50 @@ def _files_digest(paths) -> str:
     return h.hexdigest()[:16]
 
 
+def _trace_digest(trace) -> str:
+    """What a run reads of a trace, whichever files it was loaded from (a loader may read sibling
+    files, e.g. Amazon's item categories): histories, timestamps, categories, shards."""
+    h = hashlib.sha256()
+    for a in (trace.offsets, trace.items, trace.timestamps_s, trace.item_category, trace.item_shard):
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    h.update(str(trace.num_shards).encode())
+    return h.hexdigest()[:16]
+
+
+def _library_versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "numpy", "onnxruntime", "onnxruntime-gpu"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
 class RunCache:
     """Finished runs of a table saved under ``DIR/runs/<key>.json``, one file per run, written as
     each run ends (atomically), so nothing finished is lost when a table is interrupted.
 
     A run's key is a digest of everything that decides its result: the source of the packages a
-    run executes (a code change invalidates every saved run), the trace file (path, size and
-    modification time), the stream's and the simulator's settings, the allocator, the router,
-    the schedule it replays, the oracle's share grid, and the policy artifact's files for the
-    SmartAllocator rows. A file that cannot be read back, or whose stored key differs, is
-    recomputed (``unreadable`` counts them)."""
+    run executes (a code change invalidates every saved run), the versions of torch, numpy and
+    onnxruntime, the loaded trace's content (whatever files the loader read), the stream's and
+    the simulator's settings, the allocator, the router, the schedule it replays, the oracle's
+    share grid, and the policy artifact's files for the SmartAllocator rows. A file that cannot be
+    read back, or whose stored key differs, is recomputed (``unreadable`` counts them). When a run
+    fails, the runs that finished are saved before the error is raised."""
 
     def __init__(self, cfg: TableConfig, out_dir: str | Path, resume: bool = True) -> None:
-        from workloads import default_path
-
         root = Path(__file__).resolve().parents[1]
         self.dir = Path(out_dir) / "runs"
         self.resume = resume
         self.reused = self.saved = self.unreadable = 0
         code = _files_digest(sorted(f.relative_to(root) for pkg in _CODE_PACKAGES for f in (root / pkg).rglob("*.py")))
-        trace_file = Path(cfg.path if cfg.path is not None else default_path(cfg.trace))
-        st = trace_file.stat() if trace_file.exists() else None
-        self._base = {"code": code, "trace": cfg.trace,
-                      "trace_file": [str(trace_file.resolve()), st.st_size, st.st_mtime_ns] if st else None,
+        self._base = {"code": code, "libraries": _library_versions(), "trace": cfg.trace,
+                      "trace_content": _trace_digest(_trace(cfg)),
                       "stream": [cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed],
                       "sim": _json_safe(asdict(sim_config(cfg)))}
         self._policy = None
@@ -232,8 +259,11 @@ class RunCache:
         f = self._file(key)
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = f.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "summary": summary, "series": series}))
-        os.replace(tmp, f)
+        try:
+            tmp.write_text(json.dumps({"key": key, "summary": summary, "series": series}))
+            os.replace(tmp, f)
+        finally:
+            tmp.unlink(missing_ok=True)
         self.saved += 1
 
 
@@ -273,9 +303,16 @@ def _map(pool, cfg: TableConfig, jobs: list[_Job], bar, cache: RunCache | None =
             done(j, s, ser)
         return out
     futures = {pool.submit(_run, (cfg, j)): j for j in todo}
-    for f in as_completed(futures):
-        _, s, ser = f.result()
+    failed = None
+    for f in as_completed(futures):  # a failed run stops the table only after the others are saved
+        try:
+            _, s, ser = f.result()
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            failed = failed or e
+            continue
         done(futures[f], s, ser)
+    if failed is not None:
+        raise failed
     return out
 
 

@@ -211,8 +211,25 @@ def test_table_saves_each_run_and_resumes_from_them(tmp_path, capsys):
     # other settings share nothing; resume=False recomputes everything
     other = run_table(dataclasses.replace(cfg, rate_rps=250, jobs=1), out, progress=False)
     assert other["runs"]["reused"] == 0
+    from workloads import generate, load_trace
+
+    n250 = len(generate(load_trace("sequences", str(trace_file)), regime="steady", rate_rps=250, duration_s=3,
+                        num_users=500, history_scale=cfg.history_scale, seed=0))
+    assert {r["num_requests"] for r in other["rows"]} == {n250} != {r["num_requests"] for r in first["rows"]}
     fresh = run_table(dataclasses.replace(cfg, jobs=1), out, progress=False, resume=False)
     assert fresh["runs"]["computed"] == total and fresh["rows"] == first["rows"]
+
+    # the trace's content is part of the key, whatever its file is called
+    import simulator.table as table
+
+    lines = trace_file.read_text().splitlines(keepends=True)
+    u, i = lines[0].split()
+    trace_file.write_text(f"{u} {int(i) + 1}\n" + "".join(lines[1:]))  # one item of one history
+    table._STREAMS.clear()  # a new process would load the file again
+    changed = run_table(dataclasses.replace(cfg, jobs=1), out, progress=False)
+    assert changed["runs"]["reused"] == 0
+    trace_file.write_text("".join(f"{u} {int(i)}\n" for u in range(tr.num_users) for i in tr.history(u)))
+    table._STREAMS.clear()
 
     # the command line says what it reused, and --fresh recomputes
     from racer.cli import main
@@ -346,23 +363,39 @@ def test_bench_marginal_reports_each_regime(capsys):
 
 
 def test_bench_simulator_floor_replays_the_runs_calls():
-    from bench.simulator import main
+    from bench.simulator import _fingerprint, _floor_regime, main
+    from workloads import generate
 
     out = main(["--json", "--nodes", "4", "--rate", "300", "--duration", "3", "--users", "500", "--floor"])
     f = out["floor"]
-    assert f["replay_identical"] is True  # the replayed calls give the run's hit counts
-    assert set(f["parts"]) == {"emb_cache", "kv_pool", "memory_manager", "router"}
-    n = f["num_requests"]
-    assert f["parts"]["kv_pool"]["calls"] >= 2 * n  # a lookup per request, an append per miss
-    assert f["parts"]["emb_cache"]["calls"] > 0 and f["parts"]["router"]["calls"] > 0
-    assert f["us_per_request"] == pytest.approx(sum(p["us_per_request"] for p in f["parts"].values()), abs=0.5)
+    assert f["replay_identical"] is True and set(f["regimes"]) == {"steady", "trend", "burst"}
+    for v in f["regimes"].values():
+        assert v["mismatched_returns"] == 0
+        assert set(v["parts"]) == {"emb_cache", "kv_pool", "memory_manager", "router"}
+        assert v["parts"]["kv_pool"]["methods"]["lookup"] == v["num_requests"]  # one per request
+        for part, meth in (("emb_cache", "lookup"), ("router", "route_batch"), ("memory_manager", "step")):
+            assert v["parts"][part]["methods"][meth] > 0
+    total_n = sum(v["num_requests"] for v in f["regimes"].values())
+    assert total_n == sum(v["num_requests"] for v in out["regimes"].values())
+
+    # the check sees a replay that differs: leave out the KV appends and lookups return otherwise
+    trace, _ = __import__("bench").load_bench_trace("taobao", None)
+    s = generate(trace, regime="steady", rate_rps=300, duration_s=3, num_users=500, seed=0)
+    cfg = SimConfig(num_nodes=4, cache_fraction=TableConfig().cache_fraction)
+    assert _floor_regime(s, cfg)["mismatched_returns"] == 0
+    assert _floor_regime(s, cfg, omit="append")["mismatched_returns"] > 0
+    assert _fingerprint(np.arange(3)) != _fingerprint(np.arange(1, 4))
+    assert _fingerprint(torch.tensor([1, 2])) == _fingerprint(np.array([1, 2]))
 
 
-def test_bench_oracle_gap_small_sweep(capsys):
+def test_bench_oracle_gap_small_sweep(capsys, tmp_path):
     from bench.oracle_gap import main
 
     out = main(["--json", "--traces", "taobao", "--kv-kib", "6,96", "--cache-fractions", "1", "--nodes", "2",
-                "--rate", "150", "--duration", "3", "--users", "300", "--shares", "0.2,0.8", "--jobs", "1"])
+                "--rate", "150", "--duration", "3", "--users", "300", "--shares", "0.2,0.8", "--jobs", "1",
+                "--out", str(tmp_path / "gap")])
+    assert json.loads((tmp_path / "gap" / "oracle_gap.json").read_text())["rows"] == out["rows"]
+    assert (tmp_path / "gap" / "oracle_gap.png").read_bytes()[:4] == b"\x89PNG"
     assert [(r["kv_kib"], r["regime"]) for r in out["rows"]] == [(6.0, "steady"), (96.0, "steady")]
     for r in out["rows"]:
         assert set(r["static"]) == {"0.20", "0.80"}
@@ -372,8 +405,29 @@ def test_bench_oracle_gap_small_sweep(capsys):
     # smaller K/V per token: the same arena holds more histories
     assert out["rows"][0]["arena_holds_histories"] > 10 * out["rows"][1]["arena_holds_histories"]
     assert out["max_gap"]["steady"] == max(r["gap"] for r in out["rows"])
+    assert out["one_split"]["settings"] == []  # one regime: nothing to share a split across
     capsys.readouterr()
-    with pytest.raises(SystemExit):
-        main(["--traces", "nope", "--kv-kib", "1.5"])
-    err = capsys.readouterr().err
-    assert "unknown trace 'nope'" in err and "--kv-kib 1.5" in err
+    for bad, says in ((["--traces", "nope"], "unknown trace 'nope'"), (["--kv-kib", "1.5"], "--kv-kib 1.5"),
+                      (["--kv-kib", "nan"], "--kv-kib nan"), (["--jobs", "-1"], "--jobs must be >= 0"),
+                      (["--rate", "inf"], "--rate must be a finite number"),
+                      (["--shares", "0.121,0.124"], "differ by at least 0.01"),
+                      (["--regimes", "burst", "--duration", "1"], "do not fit"),
+                      (["--out", str(tmp_path / "gap" / "oracle_gap.json" / "x")], "--out")):
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert says in capsys.readouterr().err
+
+
+def test_oracle_gap_one_split_for_all_regimes():
+    from bench.oracle_gap import one_split
+
+    def row(regime, p99s, oracle):
+        return {"trace": "t", "kv_kib": 6.0, "cache_fraction": 1.0, "regime": regime, "oracle_p99_ms": oracle,
+                "static": {s: {"p99_ms": v} for s, v in p99s.items()}}
+
+    rows = [row("steady", {"0.10": 11.0, "0.90": 10.0}, 10.0), row("trend", {"0.10": 20.0, "0.90": 40.0}, 20.0)]
+    got = one_split(rows)
+    # 0.10 costs 10% on steady, 0.90 costs 100% on trend: one split for both is 0.10
+    assert got["settings"] == [{"trace": "t", "kv_kib": 6.0, "cache_fraction": 1.0, "share": "0.10",
+                                "gap": {"steady": 0.1, "trend": 0.0}}]
+    assert got["max_gap"] == 0.1
