@@ -37,9 +37,13 @@ def cmd_paper_table(args) -> int:
     bad = [r for r in (args.routers or ()) if r not in ROUTERS]
     if bad:
         raise ValueError(f"unknown router(s) {', '.join(bad)}; choose from {', '.join(ROUTERS)}")
+    if args.seed is not None and args.seeds is not None:
+        raise ValueError("give --seed or --seeds, not both")
     base = TableConfig.quick() if args.quick else TableConfig()
     kw = {"trace": args.trace, "path": args.path, "regimes": args.regimes, "num_nodes": args.nodes,
-          "seed": args.seed, "jobs": args.jobs}
+          "seed": args.seed if args.seed is not None else 0, "jobs": args.jobs}
+    if args.seed is not None and args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     for name in ("rate", "duration", "users", "history_scale", "cache_fraction", "slo_ms", "profile", "policy"):
         v = getattr(args, name)
         if v is not None:
@@ -53,6 +57,8 @@ def cmd_paper_table(args) -> int:
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     cfg = replace(base, **kw)
+    if args.seeds is not None:
+        return _paper_table_seeds(cfg, args)
     result = run_table(cfg, args.out, progress=not args.no_progress, resume=not args.fresh)
     runs = result["runs"]
     if runs["reused"]:
@@ -68,6 +74,34 @@ def cmd_paper_table(args) -> int:
         print(json.dumps(result["findings"], indent=1))
         print(f"wrote {args.out}/paper_table_{cfg.trace}.json and plots in {result['wall_s']} s")
     return 0
+
+
+def _paper_table_seeds(cfg, args) -> int:
+    from .table import format_seed_rows, run_seeds
+
+    result = run_seeds(cfg, args.seeds, args.out, progress=not args.no_progress, resume=not args.fresh)
+    reused = sum(v["runs"]["reused"] for v in result["per_seed"].values())
+    if reused:
+        print(f"reused {reused} runs saved under {args.out}/seed*/runs by the same code and settings "
+              f"(--fresh recomputes them)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_seed_rows(result["rows"]))
+        print(json.dumps(result["findings"], indent=1))
+        print(f"wrote {args.out}/paper_table_{cfg.trace}_seeds.json and one table per seed in "
+              f"{args.out}/seed<S>/ in {result['wall_s']} s")
+    return 0
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers, got {text!r}") from None
+    if not vals or len(set(vals)) != len(vals) or min(vals) < 0:
+        raise argparse.ArgumentTypeError(f"want distinct integers >= 0, got {text!r}")
+    return vals
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -105,7 +139,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allocators", type=_names, default=None,
                    help="extra allocators run with the racer router (e.g. racer,ppo,ppo+residual,ppo+recovery; "
                         "add @ghost to run the residual adapter on the caches' marginal utilities, e.g. racer@ghost)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="the streams' seed (default 0)")
+    p.add_argument("--seeds", type=_seeds, default=None,
+                   help="run the table once per seed (e.g. 0,1,2), each in OUT/seed<S>/, and report each row's "
+                        "mean, min and max across seeds in OUT/paper_table_<trace>_seeds.json")
     p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--fresh", action="store_true",

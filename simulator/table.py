@@ -423,6 +423,78 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
     return result
 
 
+_SEED_FIGURES = ("p50_ms", "p99_ms", "slo_attainment", "throughput_rps", "emb_hit_rate", "kv_hit_rate",
+                 "mean_share", "mean_abs_share_error")
+
+
+def _spread(values: list) -> dict | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"mean": round(float(np.mean(vals)), 4), "min": min(vals), "max": max(vals), "per_seed": values}
+
+
+def run_seeds(cfg: TableConfig, seeds, out_dir: str | Path | None = None, progress: bool = True,
+              resume: bool = True) -> dict:
+    """The table once per seed (each seed draws other request streams and candidate pools), each in
+    ``out_dir/seed<S>`` (its JSON, plots and saved runs), and the figures across seeds: per
+    (regime, allocator, router) the mean, min, max and per-seed values of each row's figures, and
+    per regime the same of the findings (best static P99 over the oracle's, the oracle's mean
+    share). Written to ``out_dir/paper_table_<trace>_seeds.json``."""
+    seeds = [int(x) for x in seeds]
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"seeds must be distinct integers >= 0, got {seeds}")
+    t0 = time.perf_counter()
+    per = {}
+    for sd in seeds:
+        sub = Path(out_dir) / f"seed{sd}" if out_dir is not None else None
+        per[sd] = run_table(replace(cfg, seed=sd), sub, progress=progress, resume=resume)
+    keys = []
+    for r in per[seeds[0]]["rows"]:
+        keys.append((r["regime"], r["allocator"], r["router"]))
+    index = {sd: {(r["regime"], r["allocator"], r["router"]): r for r in res["rows"]} for sd, res in per.items()}
+    rows = []
+    for k in keys:
+        got = [index[sd].get(k) for sd in seeds]
+        row = {"trace": cfg.trace, "regime": k[0], "allocator": k[1], "router": k[2]}
+        for fig in _SEED_FIGURES:
+            row[fig] = _spread([g[fig] if g else None for g in got])
+        if k[1] == "best_static":
+            row["best_static_share"] = [g.get("best_static_share") if g else None for g in got]
+        rows.append(row)
+    find = {}
+    for rg in cfg.regimes:
+        f = {}
+        for name in ("best_static_p99_over_oracle", "oracle_mean_share"):
+            f[name] = _spread([per[sd]["findings"].get(rg, {}).get(name) for sd in seeds])
+        find[rg] = f
+    find["oracle_mean_share_spread"] = _spread([per[sd]["findings"].get("oracle_mean_share_spread") for sd in seeds])
+    result = {"trace": cfg.trace, "seeds": seeds, "rows": rows, "findings": find,
+              "per_seed": {str(sd): {"findings": per[sd]["findings"], "runs": per[sd]["runs"],
+                                     "wall_s": per[sd]["wall_s"]} for sd in seeds},
+              "wall_s": round(time.perf_counter() - t0, 1)}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"paper_table_{cfg.trace}_seeds.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def format_seed_rows(rows: list[dict]) -> str:
+    """The across-seed rows: mean [min, max] of P99, SLO attainment and mean share."""
+    lines = [f"{'regime':>8} {'allocator':>22} {'router':>13} {'p99_ms mean [min, max]':>28} "
+             f"{'slo mean [min, max]':>26} {'mean_share':>10}"]
+
+    def fmt(v, nd):
+        return "-" if v is None else f"{v['mean']:.{nd}f} [{v['min']:.{nd}f}, {v['max']:.{nd}f}]"
+
+    for r in rows:
+        share = "-" if r["mean_share"] is None else f"{r['mean_share']['mean']:.3f}"
+        lines.append(f"{r['regime']:>8} {r['allocator']:>22} {r['router']:>13} {fmt(r['p99_ms'], 2):>28} "
+                     f"{fmt(r['slo_attainment'], 4):>26} {share:>10}")
+    return "\n".join(lines)
+
+
 def band_error(share_matrix: np.ndarray, bands: list[list[float]], grid) -> float | None:
     """Mean over windows and nodes of the distance from a node's share to the window's oracle band
     (the grid shares whose window P99 the replay could not tell apart from the best,

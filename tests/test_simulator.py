@@ -431,3 +431,44 @@ def test_oracle_gap_one_split_for_all_regimes():
     assert got["settings"] == [{"trace": "t", "kv_kib": 6.0, "cache_fraction": 1.0, "share": "0.10",
                                 "gap": {"steady": 0.1, "trend": 0.0}}]
     assert got["max_gap"] == 0.1
+
+
+def test_table_across_seeds(tmp_path, capsys):
+    from simulator.table import run_seeds
+
+    trace_file = tmp_path / "seq.txt"
+    tr = synthetic_trace(num_users=100, num_items=1_500, mean_seq_len=20, seed=6)
+    trace_file.write_text("".join(f"{u} {int(i)}\n" for u in range(tr.num_users) for i in tr.history(u)))
+    cfg = TableConfig(trace="sequences", path=str(trace_file), regimes=("steady",), num_nodes=3, rate_rps=200,
+                      duration_s=3, num_users=500, shares=(0.3, 0.7), routers=("racer",), jobs=1)
+    out = tmp_path / "out"
+    res = run_seeds(cfg, [0, 3], out, progress=False)
+    one = {sd: json.loads((out / f"seed{sd}" / "paper_table_sequences.json").read_text()) for sd in (0, 3)}
+    assert one[0]["config"]["seed"] == 0 and one[3]["config"]["seed"] == 3
+    by = {sd: {(r["regime"], r["allocator"], r["router"]): r for r in one[sd]["rows"]} for sd in (0, 3)}
+    assert len(res["rows"]) == len(one[0]["rows"])
+    for r in res["rows"]:
+        k = (r["regime"], r["allocator"], r["router"])
+        vals = [by[0][k]["p99_ms"], by[3][k]["p99_ms"]]
+        assert r["p99_ms"]["per_seed"] == vals and r["p99_ms"]["min"] == min(vals)
+        assert r["p99_ms"]["mean"] == pytest.approx(sum(vals) / 2, abs=1e-4)
+    assert by[0] != by[3]  # other streams, other rows
+    f = res["findings"]["steady"]["best_static_p99_over_oracle"]
+    assert f["per_seed"] == [one[sd]["findings"]["steady"]["best_static_p99_over_oracle"] for sd in (0, 3)]
+    assert json.loads((out / "paper_table_sequences_seeds.json").read_text())["rows"] == res["rows"]
+    with pytest.raises(ValueError, match="distinct"):
+        run_seeds(cfg, [1, 1])
+
+    from racer.cli import main
+
+    args = ["bench", "paper-table", "--trace", "sequences", "--path", str(trace_file), "--nodes", "3",
+            "--regimes", "steady", "--rate", "200", "--duration", "3", "--users", "500", "--shares", "0.3,0.7",
+            "--routers", "racer", "--jobs", "1", "--out", str(out), "--no-progress"]
+    capsys.readouterr()
+    assert main(args + ["--seeds", "0,3"]) == 0  # every run saved: reused
+    cap = capsys.readouterr()
+    assert "reused 8 runs" in cap.err and "p99_ms mean [min, max]" in cap.out
+    assert main(args + ["--seeds", "0,3", "--seed", "1"]) == 2
+    assert "not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(args + ["--seeds", "1,x"])
