@@ -477,7 +477,40 @@ def run_seeds(cfg: TableConfig, seeds, out_dir: str | Path | None = None, progre
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"paper_table_{cfg.trace}_seeds.json").write_text(json.dumps(result, indent=1))
+        result["plot"] = write_seed_plot(result, out / f"paper_table_{cfg.trace}_seeds.png")
     return result
+
+
+def write_seed_plot(result: dict, path: Path) -> str:
+    """Per regime, each racer-router allocator's P99 over the best static split's of the same seed
+    (%): one dot per seed and the mean as a bar, so what moves with the streams is plain to see."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["router"] == "racer" and not r["allocator"].startswith("static:")]
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
+    fig, axes = plt.subplots(1, len(regimes), figsize=(4.8 * len(regimes), 4.2), squeeze=False)
+    for ax, rg in zip(axes[0], regimes):
+        mine = [r for r in rows if r["regime"] == rg]
+        base = next(r for r in mine if r["allocator"] == "best_static")["p99_ms"]["per_seed"]
+        names = [r["allocator"] for r in mine if r["allocator"] != "best_static"]
+        for i, r in enumerate(r for r in mine if r["allocator"] != "best_static"):
+            rel = [100 * (v / b - 1) for v, b in zip(r["p99_ms"]["per_seed"], base) if v is not None and b]
+            if rel:
+                ax.bar(i, float(np.mean(rel)), color="tab:blue", alpha=0.35)
+                ax.scatter([i] * len(rel), rel, color="tab:blue", s=18, zorder=3)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{result['trace']} / {rg}")
+        ax.set_ylabel("P99 over best static (%), per seed")
+    fig.suptitle(f"seeds {', '.join(map(str, result['seeds']))}: bars the mean, dots the seeds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
 
 
 def format_seed_rows(rows: list[dict]) -> str:

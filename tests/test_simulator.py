@@ -456,6 +456,7 @@ def test_table_across_seeds(tmp_path, capsys):
     f = res["findings"]["steady"]["best_static_p99_over_oracle"]
     assert f["per_seed"] == [one[sd]["findings"]["steady"]["best_static_p99_over_oracle"] for sd in (0, 3)]
     assert json.loads((out / "paper_table_sequences_seeds.json").read_text())["rows"] == res["rows"]
+    assert (out / "paper_table_sequences_seeds.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="distinct"):
         run_seeds(cfg, [1, 1])
 
