@@ -31,16 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
 def _job(args) -> dict:
     import torch
 
@@ -80,13 +70,16 @@ def _job(args) -> dict:
 
 
 def main(argv=None) -> dict:
+    from simulator.cli import _floats
+    from simulator.table import TableConfig
+
     ap = argparse.ArgumentParser(prog="python -m bench.oracle_gap", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--traces", default="taobao,amazon")
     ap.add_argument("--regimes", default="steady")
     ap.add_argument("--kv-kib", type=_floats, default=(6.0, 24.0, 96.0), help="KV bytes per token, KiB")
     ap.add_argument("--cache-fractions", type=_floats, default=(0.25, 1.0, 4.0))
-    ap.add_argument("--shares", type=_floats, default=SHARES)
+    ap.add_argument("--shares", type=_floats, default=TableConfig().shares)
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--rate", type=float, default=1_000.0)
     ap.add_argument("--duration", type=float, default=20.0)
@@ -99,6 +92,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from simulator import SimConfig
+    from simulator.cluster import memory_config
     from simulator.profiles import A100_HSTU
     from workloads import LOADERS, REGIMES
 
@@ -106,19 +100,20 @@ def main(argv=None) -> dict:
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     problems = [f"unknown trace {t!r} (one of {', '.join(LOADERS)})" for t in traces if t not in LOADERS]
     problems += [f"unknown regime {r!r} (one of {', '.join(REGIMES)})" for r in regimes if r not in REGIMES]
-    if not (traces and regimes and args.kv_kib and args.cache_fractions and args.shares):
-        problems.append("traces, regimes, --kv-kib, --cache-fractions and --shares must each name at least one")
+    if not (traces and regimes):  # the number lists are checked by `_floats`
+        problems.append("--traces and --regimes must each name at least one")
     if any(not 0 <= s <= 1 for s in args.shares):
         problems.append("--shares must be in [0, 1]")
     if len({f"{x:.2f}" for x in args.shares}) != len(args.shares):
         problems.append("--shares must differ by at least 0.01 (rows are labelled to two decimals)")
-    row = A100_HSTU.emb_row_bytes
-    for kv in args.kv_kib:
+    for kv in args.kv_kib:  # the simulator's own check of the sizes (`memory_config`)
         b = kv * 1024
-        if not (math.isfinite(b) and b > 0 and b == int(b) and int(b) % 8 == 0
-                and (int(b) * A100_HSTU.page_tokens) % row == 0):
-            problems.append(f"--kv-kib {kv:g}: a {A100_HSTU.page_tokens}-token page must be whole "
-                            f"{row // 1024}-KiB embedding rows (e.g. 1, 6, 24, 96)")
+        try:
+            if not (math.isfinite(b) and b > 0 and b == int(b)):
+                raise ValueError("not a whole number of bytes > 0")
+            memory_config(1, SimConfig(num_nodes=1, profile=replace(A100_HSTU, kv_bytes_per_token=int(b))))
+        except ValueError as e:
+            problems.append(f"--kv-kib {kv:g}: {e} (e.g. 1, 6, 24, 96)")
     for name in ("nodes", "rate", "duration", "users", "history_scale"):
         v = getattr(args, name)
         if not (math.isfinite(v) and v > 0):

@@ -56,9 +56,9 @@ def main(argv=None) -> dict:
            "duration_s": args.duration, "num_users": args.users, "torch_threads": torch.get_num_threads(),
            "regimes": {}}
     total_n, total_wall = 0, 0.0
-    for regime in REGIMES:
-        s = generate(trace, regime=regime, rate_rps=args.rate, duration_s=args.duration, num_users=args.users,
-                     history_scale=d.history_scale, seed=0)
+    streams = {regime: generate(trace, regime=regime, rate_rps=args.rate, duration_s=args.duration,
+                                num_users=args.users, history_scale=d.history_scale, seed=0) for regime in REGIMES}
+    for regime, s in streams.items():
         t0 = time.perf_counter()
         r = simulate(s, cfg, StaticAllocator(0.5), "racer")
         wall = time.perf_counter() - t0
@@ -68,9 +68,9 @@ def main(argv=None) -> dict:
                                   "sim_requests_per_s": round(len(s) / wall), "p99_ms": r.summary()["p99_ms"]}
     out["sim_requests_per_s"] = round(total_n / total_wall)
     if args.breakdown:
-        out["breakdown"] = breakdown(trace, cfg, args, d)
+        out["breakdown"] = breakdown(streams["steady"], cfg)
     if args.floor:
-        out["floor"] = floor(trace, cfg, args, d)
+        out["floor"] = floor(streams, cfg)
     if args.json:
         print(json.dumps(out))
     else:
@@ -107,13 +107,11 @@ _PARTS = (
 )
 
 
-def breakdown(trace, cfg, args, d) -> dict:
-    """Profile one steady run; attribute its time to the parts above, the rest to the simulator."""
+def breakdown(s, cfg) -> dict:
+    """Profile one run of stream ``s``; attribute its time to the parts above, the rest to the simulator."""
     import cProfile
     import pstats
 
-    s = generate(trace, regime="steady", rate_rps=args.rate, duration_s=args.duration, num_users=args.users,
-                 history_scale=d.history_scale, seed=0)
     prof = cProfile.Profile()
     prof.enable()
     simulate(s, cfg, StaticAllocator(0.5), "racer")
@@ -144,16 +142,17 @@ _FLOOR = (
 
 
 def _floor_targets(sim):
-    """(part, key, object) for every object the floor records or replays, in a fixed order."""
-    for part, path, _ in _FLOOR:
+    """(part, key, object, method names) for every object the floor records or replays, in a
+    fixed order."""
+    for part, path, names in _FLOOR:
         if path == "router":
-            yield part, ("router",), sim.rt
+            yield part, ("router",), sim.rt, names
             continue
         for node in sim.nodes:
             obj = node
             for a in path.split("."):
                 obj = getattr(obj, a)
-            yield part, (path, node.index), obj
+            yield part, (path, node.index), obj, names
 
 
 def _fingerprint(x):
@@ -184,11 +183,10 @@ def _floor_regime(s, cfg, omit: str | None = None) -> dict:
     ``omit``: a method name whose calls the replay leaves out (a test of the check)."""
     from simulator.cluster import ClusterSim
 
-    names = {part: meths for part, _, meths in _FLOOR}
     log: list = []
     sim = ClusterSim(s, cfg, "racer", initial_share=0.5)
-    for part, key, obj in _floor_targets(sim):
-        for name in names[part]:
+    for part, key, obj, names in _floor_targets(sim):
+        for name in names:
             f = getattr(obj, name)
 
             def rec(*a, _f=f, _k=(part, key, name), **kw):  # bound per method: the log keeps the call
@@ -202,7 +200,7 @@ def _floor_regime(s, cfg, omit: str | None = None) -> dict:
         out = sim.advance([0.5] * len(sim.nodes))
 
     fresh = ClusterSim(s, cfg, "racer", initial_share=0.5)
-    objs = {key: obj for _, key, obj in _floor_targets(fresh)}
+    objs = {key: obj for _, key, obj, _ in _floor_targets(fresh)}
     spent = {part: 0.0 for part, _, _ in _FLOOR}
     calls: dict = {part: {} for part in spent}
     mismatches = 0
@@ -218,22 +216,23 @@ def _floor_regime(s, cfg, omit: str | None = None) -> dict:
         mismatches += _fingerprint(ret) != want
     n = len(s)
     total = sum(spent.values())
+    parts = {}
+    for k, v in spent.items():
+        nc = sum(calls[k].values())
+        parts[k] = {"calls": nc, "methods": calls[k], "us_per_call": round(v / max(1, nc) * 1e6, 1),
+                    "us_per_request": round(v / n * 1e6, 1) if n else None}
     return {"num_requests": n, "num_calls": len(log), "mismatched_returns": mismatches,
             "replay_identical": mismatches == 0, "replay_s": total,
             "us_per_request": round(total / n * 1e6, 1) if n else None,
-            "max_sim_requests_per_s": round(n / total) if total else None,
-            "parts": {k: {"calls": sum(calls[k].values()), "methods": calls[k],
-                          "us_per_call": round(v / max(1, sum(calls[k].values())) * 1e6, 1),
-                          "us_per_request": round(v / n * 1e6, 1) if n else None} for k, v in spent.items()}}
+            "max_sim_requests_per_s": round(n / total) if total else None, "parts": parts}
 
 
-def floor(trace, cfg, args, d) -> dict:
-    """Per regime and over all: the real structures' calls alone (see the module docstring)."""
+def floor(streams: dict, cfg) -> dict:
+    """Per regime (``streams``: regime -> stream) and over all: the real structures' calls alone
+    (see the module docstring)."""
     out = {"regimes": {}}
     n_all, s_all = 0, 0.0
-    for regime in REGIMES:
-        s = generate(trace, regime=regime, rate_rps=args.rate, duration_s=args.duration, num_users=args.users,
-                     history_scale=d.history_scale, seed=0)
+    for regime, s in streams.items():
         f = _floor_regime(s, cfg)
         out["regimes"][regime] = f
         n_all += f["num_requests"]

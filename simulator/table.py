@@ -117,12 +117,17 @@ def sim_config(cfg: TableConfig) -> SimConfig:
 GHOST_PROBES = DEFAULT_GHOST_PROBES  # the runs whose allocator reads the caches' ghost lists
 
 
+def _is_smart(spec: str) -> bool:
+    """A SmartAllocator spec (read from a policy artifact), not one of the simulator's own."""
+    return not (spec.startswith("static:") or spec in ("heuristic", "oracle", "best_static"))
+
+
 def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = None):
     if spec.startswith("static:"):
         return StaticAllocator(float(spec.split(":", 1)[1]))
     if spec == "heuristic":
         return HeuristicAllocator()
-    if spec in ("oracle", "best_static"):
+    if not _is_smart(spec):  # "oracle" or "best_static": a schedule replayed
         return ScheduleAllocator(schedule, scfg.control_interval_s, name=spec)
     from .smart import make_smart_allocator  # the SmartAllocator layers (policies/)
 
@@ -213,7 +218,7 @@ class RunCache:
         self._base = {"code": code, "libraries": _library_versions(), "trace": cfg.trace,
                       "trace_content": _trace_digest(_trace(cfg)),
                       "stream": [cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed],
-                      "sim": _json_safe(asdict(sim_config(cfg)))}
+                      "sim": asdict(sim_config(cfg))}  # `_canon` makes it JSON
         self._policy = None
         self._cfg = cfg
 
@@ -227,19 +232,18 @@ class RunCache:
         return self._policy
 
     def key(self, job: _Job) -> dict:
-        smart = not (job.allocator.startswith("static:") or job.allocator in ("heuristic", "oracle", "best_static"))
         return _canon(self._base | {"regime": job.regime, "allocator": job.allocator, "router": job.router,
-                             "schedule": job.schedule,
-                             "shares": list(self._cfg.shares) if job.allocator == "oracle" else None,
-                             "policy": self._policy_digest() if smart else None})
+                                    "schedule": job.schedule,
+                                    "shares": list(self._cfg.shares) if job.allocator == "oracle" else None,
+                                    "policy": self._policy_digest() if _is_smart(job.allocator) else None})
 
     def _file(self, key: dict) -> Path:
         return self.dir / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
 
-    def get(self, job: _Job):
+    def get(self, key: dict):
+        """The saved ``(summary, series)`` of the run with this `key`, or None."""
         if not self.resume:
             return None
-        key = self.key(job)
         f = self._file(key)
         if not f.exists():
             return None
@@ -254,8 +258,7 @@ class RunCache:
         self.reused += 1
         return hit
 
-    def put(self, job: _Job, summary: dict, series: dict) -> None:
-        key = self.key(job)
+    def put(self, key: dict, summary: dict, series: dict) -> None:
         f = self._file(key)
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = f.with_suffix(f".tmp{os.getpid()}")
@@ -283,8 +286,9 @@ def _canon(x):
 def _map(pool, cfg: TableConfig, jobs: list[_Job], bar, cache: RunCache | None = None):
     """Run ``jobs`` (those not in ``cache``), saving each to ``cache`` as it finishes."""
     out, todo = {}, []
+    keys = {j.key: cache.key(j) for j in jobs} if cache is not None else {}
     for j in jobs:
-        hit = cache.get(j) if cache is not None else None
+        hit = cache.get(keys[j.key]) if cache is not None else None
         if hit is not None:
             out[j.key] = hit
             bar.update(1)
@@ -294,7 +298,7 @@ def _map(pool, cfg: TableConfig, jobs: list[_Job], bar, cache: RunCache | None =
     def done(j, s, ser):
         out[j.key] = (s, ser)
         if cache is not None:
-            cache.put(j, s, ser)
+            cache.put(keys[j.key], s, ser)
         bar.update(1)
 
     if pool is None:
@@ -449,12 +453,9 @@ def run_seeds(cfg: TableConfig, seeds, out_dir: str | Path | None = None, progre
     for sd in seeds:
         sub = Path(out_dir) / f"seed{sd}" if out_dir is not None else None
         per[sd] = run_table(replace(cfg, seed=sd), sub, progress=progress, resume=resume)
-    keys = []
-    for r in per[seeds[0]]["rows"]:
-        keys.append((r["regime"], r["allocator"], r["router"]))
     index = {sd: {(r["regime"], r["allocator"], r["router"]): r for r in res["rows"]} for sd, res in per.items()}
     rows = []
-    for k in keys:
+    for k in index[seeds[0]]:  # the first seed's rows, in their order
         got = [index[sd].get(k) for sd in seeds]
         row = {"trace": cfg.trace, "regime": k[0], "allocator": k[1], "router": k[2]}
         for fig in _SEED_FIGURES:
