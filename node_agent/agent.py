@@ -282,7 +282,7 @@ class NodeAgent:
     # ---------------------------------------------------------------------- control step ---
     def window_stats(self, now_s: float):
         """`WindowStats` of the interval since the last control step (the allocator's input)."""
-        from policies.features import WindowStats, marginal_utilities_us
+        from node_agent.features import WindowStats, marginal_utilities_us
 
         interval = max(now_s - self._last_control_s, 1e-6)
         with self._lock:

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
+from node_agent.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
                                read_manifest, read_onnx_bytes)
-from policies.features import (FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, imbalance,
+from node_agent.features import (FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, imbalance,
                                marginal_imbalance, miss_costs_us)
 
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
@@ -105,8 +105,8 @@ class ResidualConfig:
     - ``reset_on_policy_swap``: zero the adapter when a new base policy is loaded (its corrections
       were learnt against the old policy's errors);
     - ``signal``: what says which cache needs memory: ``"miss_cost"`` (default: all miss time,
-      `policies.features.miss_costs_us`, compulsory misses included) or ``"ghost"`` (the caches'
-      marginal utilities from their ghost lists, `policies.features.marginal_imbalance`: only
+      `node_agent.features.miss_costs_us`, compulsory misses included) or ``"ghost"`` (the caches'
+      marginal utilities from their ghost lists, `node_agent.features.marginal_imbalance`: only
       the misses that more memory would have turned into hits).
     """
 
@@ -411,10 +411,10 @@ class ResidualAdapter:
     - SLO pressure ``p = clip(p99_ms / slo_ms - target_p99_over_slo, -pressure_max, pressure_max)``;
     - imbalance ``m = (emb_us - kv_us) / (emb_us + kv_us)`` in [-1, 1] (0 when both are 0): with
       ``signal="miss_cost"`` (default) ``emb_us`` / ``kv_us`` are the observed miss time per
-      request (`policies.features.miss_costs_us`), positive when embedding misses cost requests
+      request (`node_agent.features.miss_costs_us`), positive when embedding misses cost requests
       more time than KV recomputation; with ``signal="ghost"`` they are the caches' marginal
       utilities (time per request 10% more memory would have saved each, from their ghost lists:
-      `policies.features.marginal_imbalance`), the rule of utility-based cache partitioning;
+      `node_agent.features.marginal_imbalance`), the rule of utility-based cache partitioning;
     - ``y = r + gain * p * m`` when ``p > 0`` (over the target: move toward the side whose misses
       cost more, in proportion to how far over), else ``y = (1 - relax) * r`` (headroom: fade the
       correction, giving control back to the base policy, which was trained for the long-horizon

@@ -8,7 +8,7 @@ table measures.
 
 Multi-agent with one shared policy: every node of the simulated cluster is an agent.
 
-- **observation** ``[num_nodes, NUM_FEATURES]`` float32: `policies.features.build_features` of
+- **observation** ``[num_nodes, NUM_FEATURES]`` float32: `node_agent.features.build_features` of
   each node's `WindowStats` for the interval that just ended, with that node's previous interval
   as ``prev`` (the two delta features; None on an episode's first observation);
 - **action** ``[num_nodes]``: each node's target ``emb_share`` in [0, 1] (the actor's
@@ -54,7 +54,7 @@ import numpy as np
 
 from node_agent.allocator import GuardConfig
 
-from .features import NUM_FEATURES, P99_OVER_SLO_MAX, WindowStats, build_features, miss_costs_us
+from node_agent.features import NUM_FEATURES, P99_OVER_SLO_MAX, WindowStats, build_features, miss_costs_us
 
 TRACE_NAMES = ("taobao", "amazon", "synthetic")
 P99_FLOOR = 0.1  # p99 / slo below this counts as this in the reward's log

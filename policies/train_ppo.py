@@ -50,7 +50,7 @@ from torch import nn
 
 from .actor import Actor, ActorConfig, make_initial_actor, save_checkpoint
 from .env import AllocatorEnv, EnvConfig
-from .features import NUM_FEATURES
+from node_agent.features import NUM_FEATURES
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator
-from policies.features import WindowStats
+from node_agent.features import WindowStats
 
 from .allocators import GHOST_SUFFIX, Allocator, needs_ghost_lists
 

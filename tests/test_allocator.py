@@ -19,9 +19,9 @@ from onnx import TensorProto, helper
 from node_agent.allocator import (DECISION_SOURCES, AllocatorConfig, GuardConfig, OnnxPolicy, PolicyLoadError,
                                   RecoveryConfig, ResidualConfig, SmartAllocator)
 from policies.actor import make_initial_actor
-from policies.artifact import sha256_file
+from node_agent.artifact import sha256_file
 from policies.export import export_actor, golden_inputs
-from policies.features import NUM_FEATURES, SCHEMA_VERSION, WindowStats, build_features
+from node_agent.features import NUM_FEATURES, SCHEMA_VERSION, WindowStats, build_features
 
 # ----------------------------------------------------------------------------------------- helpers (shared)
 
@@ -334,7 +334,7 @@ def test_docs_match_the_code():
     import dataclasses
     import re
 
-    from policies.features import FEATURE_SPECS
+    from node_agent.features import FEATURE_SPECS
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "allocator.md").read_text()
     rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (.+?) \| \[(-?[\d.]+), (-?[\d.]+)\] \|$", doc, flags=re.M)

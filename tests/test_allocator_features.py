@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from policies.features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, FEATURE_SPECS, NUM_FEATURES, SCHEMA_VERSION,
+from node_agent.features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, FEATURE_SPECS, NUM_FEATURES, SCHEMA_VERSION,
                                FeatureError, WindowStats, build_features, miss_costs_us)
 
 

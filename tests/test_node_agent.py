@@ -222,7 +222,7 @@ def test_control_step_runs_the_allocator_and_moves_the_boundary(tmp_path):
     assert w["num_requests"] == 6 and w["history_len_p50"] == 12 and w["kv_recompute_us_per_token"] == 5.0
     assert w["emb_transfer_us_per_row"] == 0.3 and w["emb_share"] == 0.5
     # marginal utilities of memory: the engine's ghost counters over the window, priced
-    from policies.features import marginal_utilities_us
+    from node_agent.features import marginal_utilities_us
 
     emb_ghost, kv_ghost = eng.mm.ghost_counters()
     assert len(emb_ghost) == len(eng.mm.config.ghost_probes) == 4

@@ -13,7 +13,7 @@ from node_agent.allocator import GuardConfig
 from policies.actor import load_checkpoint
 from policies.env import AllocatorEnv, EnvConfig, RewardConfig, apply_guards, node_reward, team_rewards
 from policies.export import export_checkpoint, verify_artifact
-from policies.features import NUM_FEATURES, WindowStats
+from node_agent.features import NUM_FEATURES, WindowStats
 from policies.train_ppo import Args, compute_gae, ppo_loss, train
 
 TINY = dict(traces=("synthetic",), num_nodes=2, rate_rps=200.0, rate_spread=0.0, duration_s=5.0, num_users=300,
