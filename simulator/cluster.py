@@ -231,6 +231,22 @@ def _gather(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (ends - lens), lens) + np.arange(total)
 
 
+def feed_batches(accs, batch_node, starts, ends, bstart, bsize, arrival, users, L, cached, emb_req, emb_hit):
+    """The simulator's feed of the control core (`node_agent.control.WindowAccumulator`): batch
+    ``j`` ran on node ``batch_node[j]`` over ``[starts[j], ends[j]]`` and holds requests
+    ``[bstart[j], bstart[j] + bsize[j])`` of the per-request arrays (arrival time, user, history
+    length, history tokens cached); ``emb_req[j]`` / ``emb_hit[j]`` are its EMB rows and hits.
+    Returns each request's latency: its batch's end minus its arrival (all of a batch's
+    requests finish together)."""
+    b_of = np.repeat(np.arange(len(bstart)), bsize)
+    lat = ends[b_of] - arrival
+    for j, (r0, size) in enumerate(zip(np.asarray(bstart).tolist(), np.asarray(bsize).tolist())):
+        r1 = r0 + size
+        accs[int(batch_node[j])].add_batch(starts[j], ends[j], lat[r0:r1], users[r0:r1], L[r0:r1], cached[r0:r1],
+                                           emb_req[j], emb_hit[j])
+    return lat
+
+
 def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router: str = "racer", *,
              progress: bool = False, desc: str | None = None, record: list | None = None) -> SimResult:
     """Run ``stream`` through a cluster of ``cfg.num_nodes`` nodes; see the module docstring.
@@ -588,12 +604,9 @@ class ClusterSim:
             heapq.heappush(completions, (end, node.index, size))
 
         # 4. latencies; the batches go to their nodes' control windows (node_agent.control)
-        lat = ends[b_of] - c.arrival[sidx]
+        lat = feed_batches([nd.acc for nd in nodes], snode[bstart], starts, ends, bstart, bsize, c.arrival[sidx],
+                           users, L, cached, emb_req, emb_hit)
         self.latency[sidx] = lat
-        for j, (r0, size) in enumerate(zip(bstart.tolist(), bsize.tolist())):
-            r1 = r0 + size
-            nodes[int(snode[r0])].acc.add_batch(starts[j], ends[j], lat[r0:r1], users[r0:r1], L[r0:r1],
-                                                cached[r0:r1], emb_req[j], emb_hit[j])
         totals = self.totals
         totals["kv_tokens"] += int(L.sum())
         totals["kv_hit_tokens"] += int(cached.sum())
