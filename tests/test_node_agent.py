@@ -212,14 +212,24 @@ def test_control_step_runs_the_allocator_and_moves_the_boundary(tmp_path):
     t = [0.0]
     agent = NodeAgent(eng, AgentConfig(), allocator=alloc, clock=lambda: t[0],
                       miss_costs={"kv_recompute_us_per_token": {"128": 5.0, "512": 9.0}, "emb_transfer_us_per_row": 0.3})
-    for u in range(6):
-        r = eng.serve(RecRequest(u, list(range(u, u + 12)), [], top_k=2), now_s=0.5)
-        agent.metrics.record(0.5, r.latency.total_us, emb_requested=r.emb_rows, emb_hits=r.emb_hits,
-                             kv_tokens=r.num_history, kv_hit_tokens=r.kv_hit_tokens, user=u, history_len=12)
+    loop = asyncio.new_event_loop()
+    from node_agent.agent import _Job
+
+    for u in range(6):  # served through the device worker's code, one batch each, 0.1 s busy
+        t[0] = 0.3 + 0.1 * u
+        job = _Job(RecRequest(u, list(range(u, u + 12)), [], top_k=2, arrival_s=0.25), loop, loop.create_future())
+        agent._arrivals += 1
+        clock_reads = iter([t[0], t[0] + 0.1])
+        agent.clock = lambda: next(clock_reads)
+        agent._serve([job])
+    loop.close()
+    agent.clock = lambda: t[0]
     t[0] = 1.0
     step = agent.control_step(1.0)
     w = step["window"]
     assert w["num_requests"] == 6 and w["history_len_p50"] == 12 and w["kv_recompute_us_per_token"] == 5.0
+    assert w["arrival_rate_rps"] == 6.0 and w["load"] == pytest.approx(0.6)  # the busy fraction
+    assert w["p99_ms"] == pytest.approx(1e3 * np.percentile([0.4 + 0.1 * u - 0.25 for u in range(6)], 99))  # end - arrival
     assert w["emb_transfer_us_per_row"] == 0.3 and w["emb_share"] == 0.5
     # marginal utilities of memory: the engine's ghost counters over the window, priced
     from node_agent.features import marginal_utilities_us
