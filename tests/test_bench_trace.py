@@ -20,4 +20,4 @@ def test_a_missing_trace_is_a_clear_error(tmp_path, monkeypatch):
 @pytest.mark.skipif(not TAOBAO_SAMPLE.exists(), reason="../shared/data not present")
 def test_the_sample_is_loaded_and_named():
     trace, name = load_bench_trace("taobao", None)
-    assert "UserBehavior" in name and trace.num_users > 1000
+    assert "UserBehavior" in name and trace.num_users > 500
