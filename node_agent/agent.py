@@ -24,6 +24,7 @@ them stops the agent. Time comes from an injected clock (``clock``, seconds).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -156,6 +157,7 @@ class NodeAgent:
         self.costs = MissCosts.from_dict(miss_costs)
         self.window = WindowAccumulator(self.started_s)  # the control core's window (worker thread only)
         self.last_effect: ControlEffect | None = None
+        self.recent_effects: collections.deque[ControlEffect] = collections.deque(maxlen=256)
         self._memory: dict = self._memory_snapshot()
         self._allocator_state: dict | None = None
         self.last_window: dict | None = None
@@ -308,6 +310,11 @@ class NodeAgent:
         self.num_control_steps += 1
         self.last_window = out["window"]
         self.last_effect = effect
+        self.recent_effects.append(effect)
+        d = effect.decision
+        log.info("control step t=%.3f: load %.4f, p99 %.2f ms, %d requests, emb_share %.4f -> %s", now_s, stats.load,
+                 stats.p99_ms, stats.num_requests, stats.emb_share,
+                 "no allocator" if d is None else f"{d.emb_share:.4f} ({d.source})")
         return out
 
     # ------------------------------------------------------------------------- reporting ---
