@@ -35,7 +35,7 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .engine import Engine, RecRequest, RecResponse, RequestError
@@ -166,6 +166,9 @@ class NodeAgent:
         self.last_window: dict | None = None
         self.num_control_steps = 0
         self.worker_error: str | None = None
+        # called by the device worker with each control step's output (cheap, no I/O: see reporter.py)
+        self.control_hooks: list[Callable[[dict], None]] = []
+        self.reporter = None  # node_agent.reporter.Reporter when a control plane is configured
 
     # ------------------------------------------------------------------------- lifecycle ---
     def start(self) -> None:
@@ -332,6 +335,11 @@ class NodeAgent:
         self._depth_n = 0
         self.num_control_steps += 1
         self.last_window = out["window"]
+        for hook in self.control_hooks:
+            try:
+                hook(out)
+            except Exception:  # noqa: BLE001 - a hook never stops the worker
+                log.error("control hook failed: %s", traceback.format_exc())
         return out
 
     # ------------------------------------------------------------------------- reporting ---
@@ -371,6 +379,7 @@ class NodeAgent:
                         "last_window": self.last_window},
             "allocator": {"enabled": self.allocator is not None, **(alloc or {})},
             "miss_costs": self.miss_costs,
+            **({"control_plane": self.reporter.status()} if self.reporter is not None else {}),
         }
 
 
@@ -450,6 +459,13 @@ def create_app(agent: NodeAgent) -> FastAPI:
     @app.get("/v1/metrics")
     async def metrics():
         return agent.metrics_snapshot()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from .exporter import render
+
+        body, content_type = render(agent)
+        return Response(content=body, media_type=content_type)
 
     return app
 
