@@ -277,3 +277,51 @@ def test_prometheus_metrics_of_the_agent(cluster):
     assert values["racer_request_latency_seconds_sum"] > 0
     assert values['racer_decisions_total{source="override"}'] >= 1  # the override test ran before
     assert sum(v for k, v in values.items() if k.startswith("racer_decisions_total")) >= 10
+
+
+def artifact_tar(directory: Path) -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name in ("manifest.json", "policy.onnx", "golden.npz"):
+            t.add(directory / name, arcname=name)
+    return buf.getvalue()
+
+
+def test_a_new_policy_version_is_downloaded_verified_loaded_and_confirmed(cluster, tmp_path):
+    import math
+
+    import torch
+
+    from policies.actor import make_initial_actor
+    from policies.export import export_actor
+
+    cp, base = cluster["cp"], cluster["agent"]
+    actor = make_initial_actor(0)
+    with torch.no_grad():
+        actor.head.weight.zero_()
+        actor.head.bias.fill_(math.log(0.7 / 0.3))  # always proposes emb_share 0.7
+    export_actor(actor, tmp_path / "p07")
+    with cp.api() as api:
+        r = api.post("/policies", content=artifact_tar(tmp_path / "p07"), headers={"Content-Type": "application/x-tar"})
+        assert r.status_code == 201, r.text
+        version = r.json()["version"]
+        assert version != agent_status(base)["control_plane"]["policy_version"]
+        r = api.post(f"/policies/{version}/activate", json={"reason": "test: new version"})
+        assert r.status_code == 200, r.text
+        try:
+            wait_for(lambda: api.get("/nodes/n0").json()["policy_version"] == version, 20, "the node's confirmation")
+        except AssertionError:
+            raise AssertionError(f"node {api.get('/nodes/n0').json()}; agent {agent_status(base)['control_plane']}")
+        node = api.get("/nodes/n0").json()
+        assert node["policy_error"] is None
+    st = agent_status(base)
+    assert st["control_plane"]["policy_version"] == version and st["control_plane"]["policy_error"] is None
+    with Traffic(base):
+        wait_for(lambda: (agent_status(base)["allocator"].get("last_decision") or {}).get("policy_id") == version,
+                 10, "a decision of the new policy")
+    with cp.api() as api:  # later reports name the version they ran
+        wait_for(lambda: any(r["policy_version"] == version for r in api.get(
+            "/reports", params={"node_id": "n0", "limit": 10000}).json()), 10, "a report of the new version")
