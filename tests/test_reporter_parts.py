@@ -249,3 +249,59 @@ def test_override_directive_expiry_is_converted_to_the_agent_clock(tmp_path, fil
         assert agent.allocator.override is mine
     finally:
         rep.stop()
+
+
+def test_bursts_are_reported_when_they_start_and_when_they_end(tmp_path, file_server):
+    url, _ = file_server
+    agent = _agent_with_default_policy()
+    t = [0.0]
+    agent.clock = lambda: t[0]
+    rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)),
+                   wall_clock=lambda: 1_000_000.0 + t[0])
+    rec = agent.allocator.recovery
+    try:
+        seen = []
+        for s in range(40):  # 1 s intervals: 15 s of baseline, a 3x burst from 15 s to 24 s, then normal
+            now = float(s)
+            t[0] = now
+            rate, hot = (300.0, 0.3) if 15 <= s < 24 else (100.0, 0.1)
+            rec.update(rate, hot, now, 0.5)
+            seen.append((s, rep._bursts(now)))
+        sent = [(s, b) for s, bs in seen for b in bs]
+        assert len(sent) == 2, sent
+        (s0, start), (s1, end) = sent
+        assert s0 == 15 and start == {"start_s": 1_000_015.0, "end_s": None, "magnitude": pytest.approx(3.0)}
+        assert s1 > 24 and end["start_s"] == 1_000_015.0 and end["end_s"] == 1_000_000.0 + s1
+        assert end["magnitude"] == pytest.approx(3.0)
+    finally:
+        rep.stop()
+
+
+def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_server):
+    """The report `on_control` builds passes the control plane's own input model (once merged)."""
+    schemas = pytest.importorskip("control_plane.schemas")
+    from node_agent.engine import RecRequest
+
+    url, _ = file_server
+    agent = _agent_with_default_policy()
+    agent.miss_costs = {"kv_recompute_us_per_token": {"128": 2.0}, "emb_transfer_us_per_row": 1.0}
+    rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)))
+    try:
+        empty = agent.control_step(agent.clock())  # a window without requests: figures are null
+        now = agent.clock()
+        for u in range(5):
+            r = agent.engine.serve(RecRequest(u, list(range(u, u + 10)), [], top_k=2), now_s=now)
+            agent.metrics.record(now, r.latency.total_us, emb_requested=r.emb_rows, emb_hits=r.emb_hits,
+                                 kv_tokens=r.num_history, kv_hit_tokens=r.kv_hit_tokens, user=u, history_len=10)
+        busy = agent.control_step(agent.clock())
+        reports = [rep._build_report(o) for o in (empty, busy)]
+        for i, r in enumerate(reports):
+            schemas.ReportIn.model_validate({**r, "seq": i})
+        assert reports[0]["p99_ms"] is None and reports[0]["slo_attainment"] is None
+        assert reports[1]["num_requests"] == 5 and reports[1]["p50_ms"] <= reports[1]["p99_ms"]
+        assert reports[1]["decision"]["source"] in ("base", "residual", "guard")
+        assert reports[1]["policy_version"] == agent.allocator.policy.policy_id
+    finally:
+        rep.stop()
