@@ -422,7 +422,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                           reason=body.reason)
             return OverrideOut.model_validate(o)
 
-    @r.delete("/overrides/{override_id}", response_model=OverrideOut, **roles(OPERATOR))
+    @r.post("/overrides/{override_id}/clear", response_model=OverrideOut, **roles(OPERATOR))
     def clear_override(override_id: int, body: ReasonIn, request: Request, p: principal(OPERATOR)):
         now = clock()
         with begin(request) as s:

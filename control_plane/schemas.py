@@ -278,13 +278,17 @@ class PolicyOut(Out):
 
 
 class RolloutIn(In):
+    """A rollout of ``policy_version``; the judge's fields are `control_plane.rollout.RolloutConfig`'s."""
+
     policy_version: Version
     canary_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.25
-    bake_time_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 600.0
-    min_samples: Annotated[int, Field(ge=1)] = 10
-    alpha: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] = 0.05
-    max_p99_increase_ratio: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.10
-    max_slo_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
+    bake_time_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 300.0
+    min_samples: Annotated[int, Field(ge=3)] = 10
+    alpha: Annotated[float, Field(gt=0, le=0.5, allow_inf_nan=False)] = 0.05
+    max_p99_regression_pct: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 10.0
+    max_slo_attainment_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
+    load_timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 120.0
+    max_failed_canary_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
     auto: bool = True
     reason: Annotated[str, Field(min_length=1, max_length=2000)] = "rollout"
 
