@@ -1,0 +1,61 @@
+"""Run the control plane: ``racer control-plane`` / ``python -m control_plane.main``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .settings import Settings
+
+
+def serve(settings: Settings, *, log_level: str = "warning") -> None:
+    from .api import create_app
+
+    app = create_app(settings)
+    try:
+        from node_agent.server import serve_forever  # the shared TCP_NODELAY-correct helper (issue 13)
+    except ImportError:
+        serve_forever = None
+    if serve_forever is not None:
+        serve_forever(app, host=settings.host, port=settings.port, log_level=log_level)
+        return
+    import uvicorn
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
+                lifespan="on", timeout_graceful_shutdown=5)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or sqlite:///racer-control-plane.db)")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8600)")
+    p.add_argument("--no-scheduler", action="store_true", help="serve the API only, never run the jobs")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def settings_from_args(args) -> Settings:
+    kw = dict(database_url=args.db, host=args.host, port=args.port)
+    if args.no_scheduler:
+        kw["scheduler"] = False
+    return Settings.from_env(**kw)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="racer control-plane")
+    add_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("apscheduler", "alembic", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    serve(settings, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
