@@ -3,6 +3,10 @@
     POST /v1/recommend   one recommendation request (`RecommendBody`) -> top-k + breakdown
     GET  /healthz        liveness of the process and of the device worker
     GET  /v1/metrics     rolling metrics, memory, emb_share, link emulation, allocator state
+    GET  /metrics        Prometheus text (node_agent/exporter.py)
+
+With ``--control-plane`` a `node_agent.reporter.Reporter` (its own thread) gets each control
+step's output through ``control_hooks`` and does the network I/O (docs/node_reporting.md).
 
 One **device worker** thread owns the engine (the device): HTTP handlers validate a request
 (pydantic, then `Engine.validate`), put it on a bounded queue and await its result. The worker
