@@ -41,6 +41,13 @@ class TokenCache:
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._lock = threading.Lock()
 
+    def cached(self, secret: str) -> Principal | None:
+        """The cached principal of ``secret`` if fresh (no I/O), else None."""
+        hit = self._cache.get(secret)
+        if hit is not None and self.clock() - hit[0] < self.ttl_s:
+            return hit[1]
+        return None
+
     def lookup(self, secret: str) -> Principal | None:
         now = self.clock()
         with self._lock:
@@ -72,12 +79,17 @@ class Require:
     def __init__(self, *roles: str):
         self.roles = roles
 
-    def __call__(self, request: Request) -> Principal:
+    async def __call__(self, request: Request) -> Principal:
         secret = bearer(request)
         if secret is None:
             raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)",
                                 headers={"WWW-Authenticate": "Bearer"})
-        p = request.app.state.tokens.lookup(secret)
+        tokens = request.app.state.tokens
+        p = tokens.cached(secret)
+        if p is None:
+            import anyio.to_thread
+
+            p = await anyio.to_thread.run_sync(tokens.lookup, secret)
         if p is None:
             raise HTTPException(401, "unknown or revoked token", headers={"WWW-Authenticate": "Bearer"})
         if not any(p.has(r) for r in self.roles):

@@ -54,24 +54,36 @@ class ControlPlaneMetrics:
                                       ["node_id", "source"], registry=r)
         self.node_bursts = Counter("racer_node_bursts", "Bursts reported (starts)", lbl, registry=r)
 
+        self._children: dict[str, tuple] = {}
+
+    def _node(self, node_id: str) -> tuple:
+        c = self._children.get(node_id)
+        if c is None:
+            c = self._children[node_id] = tuple(m.labels(node_id) for m in (
+                self.node_emb_share, self.node_emb_share_target, self.node_kv_hit, self.node_emb_hit, self.node_p50,
+                self.node_p99, self.node_slo, self.node_throughput, self.node_queue, self.node_refill,
+                self.node_bursts))
+        return c
+
     def observe_report(self, node_id: str, rep) -> None:  # rep: schemas.ReportIn
-        self.node_emb_share.labels(node_id).set(rep.emb_share)
-        self.node_emb_share_target.labels(node_id).set(rep.emb_share_target)
+        share, target, kv, emb, p50, p99, slo, thr, queue, refill, bursts = self._node(node_id)
+        share.set(rep.emb_share)
+        target.set(rep.emb_share_target)
         if rep.kv_hit_rate is not None:
-            self.node_kv_hit.labels(node_id).set(rep.kv_hit_rate)
+            kv.set(rep.kv_hit_rate)
         if rep.emb_hit_rate is not None:
-            self.node_emb_hit.labels(node_id).set(rep.emb_hit_rate)
+            emb.set(rep.emb_hit_rate)
         if rep.p50_ms is not None:
-            self.node_p50.labels(node_id).set(rep.p50_ms / 1e3)
+            p50.set(rep.p50_ms / 1e3)
         if rep.p99_ms is not None:
-            self.node_p99.labels(node_id).set(rep.p99_ms / 1e3)
+            p99.set(rep.p99_ms / 1e3)
         if rep.slo_attainment is not None:
-            self.node_slo.labels(node_id).set(rep.slo_attainment)
-        self.node_throughput.labels(node_id).set(rep.throughput_rps)
-        self.node_queue.labels(node_id).set(rep.queue_depth)
+            slo.set(rep.slo_attainment)
+        thr.set(rep.throughput_rps)
+        queue.set(rep.queue_depth)
         if rep.refill_bytes:
-            self.node_refill.labels(node_id).inc(rep.refill_bytes)
+            refill.inc(rep.refill_bytes)
         if rep.decision is not None:
             self.node_decisions.labels(node_id, rep.decision.source).inc()
         if rep.bursts:
-            self.node_bursts.labels(node_id).inc(len(rep.bursts))
+            bursts.inc(len(rep.bursts))
