@@ -532,6 +532,7 @@ class Reporter:
 
     # ---- directives
     def _pull_directives(self) -> bool:
+        sent_at = self.agent.clock()  # the control plane's now_s is at or after this instant
         r = self._client.get(f"{API}/nodes/{self.config.node_id}/directives")
         if r.status_code == 404:
             with self._lock:
@@ -546,14 +547,19 @@ class Reporter:
             self.status_.num_directive_pulls += 1
         self._ok()
         server_now = _finite_or_none(d.get("now_s"))
-        self.apply_override(d.get("override"), server_now if server_now is not None else self.wall_clock())
+        self.apply_override(d.get("override"), server_now if server_now is not None else self.wall_clock(),
+                            agent_now_s=sent_at)
         pol = d.get("policy")
         if pol:
             self.apply_policy(pol)
         return True
 
-    def apply_override(self, od: dict | None, server_now_s: float) -> None:
-        """Apply the control plane's override (None: clear the one it set before)."""
+    def apply_override(self, od: dict | None, server_now_s: float, agent_now_s: float | None = None) -> None:
+        """Apply the control plane's override (None: clear the one it set before).
+
+        ``agent_now_s`` is the agent's time matching ``server_now_s``; the time the directive
+        request was sent is used, which the control plane's clock can only have passed: the
+        override then ends a round trip early at worst, never late."""
         alloc = self.agent.allocator
         if alloc is None:
             if od is not None:
@@ -573,8 +579,9 @@ class Reporter:
         if self._applied_override is not None and self._applied_override.key == key:
             return  # applied already (the allocator drops it itself when it expires)
         now = self.agent.clock()
+        ref = now if agent_now_s is None else agent_now_s
         exp = od.get("expires_at_s")
-        expires = None if exp is None else now + (float(exp) - server_now_s)
+        expires = None if exp is None else ref + (float(exp) - server_now_s)
         if expires is not None and expires <= now:
             return  # expired already by the control plane's clock; its expiry job will drop it
         reason = f"{od.get('reason', '')} (override {od.get('override_id')}, {od.get('scope', 'node')})"

@@ -233,11 +233,15 @@ def test_override_directive_expiry_is_converted_to_the_agent_clock(tmp_path, fil
         od = {"override_id": 3, "emb_share": 0.25, "expires_at_s": 5_000.0 + 30.0, "reason": "pin", "scope": "cluster"}
         rep.apply_override(od, server_now_s=5_000.0)  # 30 s left on the control plane's clock
         ov = agent.allocator.override
-        assert ov.emb_share == 0.25 and ov.expires_at_s == pytest.approx(130.0) and "override 3, cluster" in ov.reason
+        assert ov.emb_share == 0.25 and ov.expires_at_s == pytest.approx(130.0)  # 100 + 30 and "override 3, cluster" in ov.reason
         rep.apply_override(od, server_now_s=5_001.0)  # the same override again: left alone
         assert agent.allocator.override is ov
         rep.apply_override(None, server_now_s=5_002.0)  # no longer sent: cleared
         assert agent.allocator.override is None
+        # the agent's time of the request is the reference (the override ends early, never late)
+        rep.apply_override({**od, "override_id": 6}, server_now_s=5_000.0, agent_now_s=95.0)
+        assert agent.allocator.override.expires_at_s == pytest.approx(125.0)
+        rep.apply_override(None, server_now_s=5_002.0)
         rep.apply_override({**od, "override_id": 4, "expires_at_s": 4_999.0}, server_now_s=5_000.0)  # past: ignored
         assert agent.allocator.override is None
         rep.apply_override({**od, "override_id": 5, "emb_share": 0.999}, server_now_s=5_000.0)  # outside the bounds
