@@ -271,7 +271,7 @@ def test_prometheus_metrics_of_the_agent(cluster):
             name, _, v = line.rpartition(" ")
             values[name] = float(v)
     for name in ("racer_emb_share_ratio", "racer_emb_share_target_ratio", "racer_kv_hit_ratio", "racer_emb_hit_ratio",
-                 "racer_slo_attainment_ratio", "racer_queue_depth", "racer_refill_bytes_total",
+                 "racer_slo_attainment_ratio", "racer_queue_depth_requests", "racer_refill_bytes_total",
                  "racer_bursts_total", "racer_reports_buffered", "racer_control_plane_up"):
         assert name in values, name
     count = values["racer_request_latency_seconds_count"]

@@ -330,3 +330,19 @@ def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_ser
         assert reports[1]["policy_version"] == agent.allocator.policy.policy_id
     finally:
         rep.stop()
+
+
+def test_node_agent_control_plane_options_fail_early_in_one_line(tmp_path, capsys, monkeypatch):
+    from racer.cli import main as racer_main
+
+    monkeypatch.delenv("RACER_NODE_TOKEN", raising=False)
+    csv = tmp_path / "missing.csv"  # never read: the options are refused first
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "http://cp:8600"]) == 2
+    err = capsys.readouterr().err
+    assert "--control-plane needs --token" in err and err.count("\n") == 1
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "http://cp:8600",
+                       "--token", "t", "--node-id", "bad id"]) == 2
+    assert "node_id must be" in capsys.readouterr().err
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "cp:8600",
+                       "--token", "t"]) == 2
+    assert "control_plane_url must start with http" in capsys.readouterr().err
