@@ -319,7 +319,8 @@ class RolloutOut(Out):
     config: dict[str, Any]
     created_by: str
     created_at_s: float
-    bake_started_s: float
+    bake_started_s: float | None
+    paused_from: str | None = None
     updated_at_s: float
     reason: str
     verdict: dict[str, Any] | None

@@ -428,8 +428,8 @@ def list_policies(session: Session) -> list[Policy]:
 
 
 def open_rollout(session: Session) -> Rollout | None:
-    """The rollout in progress ("baking" or "paused"); at most one at a time."""
-    return session.scalar(select(Rollout).where(Rollout.state.in_(("baking", "paused"))).order_by(
+    """The rollout in progress ("pending", "baking" or "paused"); at most one at a time."""
+    return session.scalar(select(Rollout).where(Rollout.state.in_(("pending", "baking", "paused"))).order_by(
         Rollout.id.desc()).limit(1))
 
 
