@@ -188,8 +188,9 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
             if before is None or before["address"] != body.address or before["cost_profile"] != node.cost_profile:
                 queries.audit(s, ts_s=now, actor=p.name, action="node.register", target=f"node:{body.node_id}",
                               before=before, after=body.model_dump(), reason="")
+            last_seq = queries.highest_report_seq(s, body.node_id)
         request.app.state.known_nodes.add(body.node_id)
-        return RegisterOut(node_id=body.node_id, report_interval_s=settings.report_interval_s)
+        return RegisterOut(node_id=body.node_id, report_interval_s=settings.report_interval_s, last_report_seq=last_seq)
 
     def _require_known(request: Request, node_id: str) -> None:
         known = request.app.state.known_nodes

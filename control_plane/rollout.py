@@ -17,7 +17,9 @@ For each metric the verdict is
   approximation with tie and continuity correction, ``p < alpha``) *and* by more than the metric's
   guardrail (``max_p99_regression_pct`` on the relative change of the median P99,
   ``max_slo_attainment_drop`` on the difference of the mean attainment): a difference must be both
-  real and large enough to matter;
+  real and large enough to matter. ``alpha`` is shared by the two metrics (Bonferroni: each is
+  tested at ``alpha / 2``), so a canary no different from the baseline is failed with probability
+  at most ``alpha``;
 - ``pass`` otherwise.
 
 The rollout's verdict is the worst of the metrics' (fail > inconclusive > pass, as Argo Rollouts
@@ -90,7 +92,8 @@ class RolloutConfig:
 
     - ``bake_time_s``: how long the canary runs the candidate before it is judged;
     - ``min_samples``: fewest finite per-window values per side (canary, baseline) per metric;
-    - ``alpha``: significance level of the one-sided Mann-Whitney test;
+    - ``alpha``: the chance of failing a canary that is no different from the baseline (each of the
+      two metrics' one-sided Mann-Whitney tests runs at ``alpha / 2``);
     - ``max_p99_regression_pct``: the largest tolerated rise of the canary's median window P99 over
       the baseline's, in percent;
     - ``max_slo_attainment_drop``: the largest tolerated fall of the canary's mean window SLO
@@ -103,7 +106,7 @@ class RolloutConfig:
 
     bake_time_s: float = 300.0
     min_samples: int = 10
-    alpha: float = 0.05
+    alpha: float = 0.01
     max_p99_regression_pct: float = 10.0
     max_slo_attainment_drop: float = 0.02
     load_timeout_s: float = 120.0
@@ -302,8 +305,12 @@ def _finite(values: Sequence[float]) -> tuple[np.ndarray, int]:
 
 
 def judge_metric(metric: str, canary: Sequence[float], baseline: Sequence[float],
-                 config: RolloutConfig) -> MetricJudgement:
-    """Compare one metric's canary windows with the baseline's (see the module docstring)."""
+                 config: RolloutConfig, alpha: float | None = None) -> MetricJudgement:
+    """Compare one metric's canary windows with the baseline's (see the module docstring).
+
+    ``alpha`` is this test's significance level, ``config.alpha / len(METRICS)`` unless given.
+    """
+    alpha = config.alpha / len(METRICS) if alpha is None else alpha
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     c, drop_c = _finite(canary)
@@ -340,8 +347,8 @@ def judge_metric(metric: str, canary: Sequence[float], baseline: Sequence[float]
         figs_all = {k: (v if v is None or math.isfinite(v) else None) for k, v in figs_all.items()}
         return MetricJudgement(verdict=Verdict.INCONCLUSIVE, **base, **figs_all,
                                reason=f"{metric}: a figure is not finite ({effect}, p={test.p_value})")
-    significant = test.p_value < config.alpha
-    sig = f"p={test.p_value:.3g} {'<' if significant else '>='} alpha {config.alpha:g}"
+    significant = test.p_value < alpha
+    sig = f"p={test.p_value:.3g} {'<' if significant else '>='} {alpha:g}"
     if significant and big:
         return MetricJudgement(verdict=Verdict.FAIL, **base, **figs_all,
                                reason=f"{metric}: canary worse: {effect}; {sig}; n={len(c)}/{len(b)}")

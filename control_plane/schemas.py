@@ -45,6 +45,7 @@ class RegisterIn(In):
 class RegisterOut(Out):
     node_id: str
     report_interval_s: float
+    last_report_seq: int | None = None  # highest seq stored for the node: a node that lost its state continues above it
 
 
 class DecisionIn(In):

@@ -187,6 +187,14 @@ def upsert_bursts(session: Session, rows: Sequence[dict]) -> None:
         session.execute(stmt, r)
 
 
+def highest_report_seq(session: Session, node_id: str) -> int | None:
+    """The highest sequence number stored for ``node_id`` (raw reports, else the node's last one)."""
+    top = session.scalar(select(func.max(NodeReport.seq)).where(NodeReport.node_id == node_id))
+    last = session.scalar(select(Node.last_report_seq).where(Node.node_id == node_id))
+    vals = [v for v in (top, last) if v is not None]
+    return max(vals) if vals else None
+
+
 def touch_nodes(session: Session, seen: dict[str, tuple[float, int, float, str | None]]) -> None:
     """Mark nodes seen and up: node_id -> (last_seen_s, last_report_seq, emb_share, policy_version)."""
     if not seen:
