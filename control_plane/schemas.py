@@ -285,7 +285,7 @@ class RolloutIn(In):
     canary_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.25
     bake_time_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 300.0
     min_samples: Annotated[int, Field(ge=3)] = 10
-    alpha: Annotated[float, Field(gt=0, le=0.5, allow_inf_nan=False)] = 0.05
+    alpha: Annotated[float, Field(gt=0, le=0.5, allow_inf_nan=False)] = 0.01
     max_p99_regression_pct: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 10.0
     max_slo_attainment_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
     load_timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 120.0
