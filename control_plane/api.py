@@ -268,8 +268,15 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def report_history(request: Request, node_id: str | None = None, start_s: float | None = Range["start_s"],
                        end_s: float | None = Range["end_s"],
                        step_s: Annotated[float | None, Query(gt=0, description="downsample: mean per bucket")] = None,
-                       limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000):
+                       limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+                       cluster: Annotated[bool, Query(description="one row per bucket for the whole cluster "
+                                                                   "(node_id '*'; needs step_s)")] = False):
+        if cluster and (step_s is None or node_id is not None):
+            raise HTTPException(422, "cluster=true needs step_s and no node_id")
         with request.app.state.factory() as s:
+            if cluster:
+                return [ReportOut(**d) for d in queries.cluster_history(s, start_s=start_s, end_s=end_s, step_s=step_s,
+                                                                        limit=limit)]
             return [ReportOut(**d) for d in queries.report_history(s, node_id=node_id, start_s=start_s, end_s=end_s,
                                                                    step_s=step_s, limit=limit)]
 

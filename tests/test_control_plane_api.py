@@ -46,6 +46,9 @@ def test_replayed_batch_is_stored_once(cp_any):
     assert node.post("/nodes/r1/reports", json=overlap).json() == {"stored": 1, "duplicates": 2}
     rows = cp_any.admin.get("/reports", params={"node_id": "r1"}).json()
     assert [r["seq"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    cl = cp_any.admin.get("/reports", params={"cluster": "true", "step_s": 100}).json()
+    assert [(r["node_id"], r["ts_s"], r["num_reports"]) for r in cl] == [("*", 1000.0, 6)]
+    assert cp_any.admin.get("/reports", params={"cluster": "true"}).status_code == 422
     dec = cp_any.admin.get("/decisions", params={"node_id": "r1"}).json()
     assert dec["total"] == 5
     text = httpx.get(cp_any.base + "/metrics").text

@@ -101,6 +101,21 @@ def test_history_downsampling_rollups_and_retention(db):
         assert [(b["ts_s"], b["num_reports"], b["p99_ms"]) for b in buckets] == [(1000.0, 10, 4.5), (1010.0, 10, 14.5)]
 
 
+def test_cluster_history_sums_rates_and_averages_the_rest(db):
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a")
+        _node(s, "b")
+        queries.insert_reports(s, [_row("a", i, 1000.0 + i, p99_ms=2.0, throughput_rps=10.0) for i in range(4)]
+                               + [_row("b", i, 1000.0 + i, p99_ms=6.0, throughput_rps=30.0) for i in range(4)]
+                               + [_row("b", 9, 1001.5, p99_ms=None, throughput_rps=30.0)])
+    with factory() as s:
+        rows = queries.cluster_history(s, start_s=None, end_s=None, step_s=10.0, limit=10)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["node_id"], r["ts_s"], r["num_reports"], r["throughput_rps"], r["p99_ms"]) == ("*", 1000.0, 9, 40.0, 4.0)
+
+
 def test_liveness_marks_silent_nodes_down_and_a_report_brings_them_up(db):
     _, factory = db
     with factory.begin() as s:
