@@ -169,9 +169,10 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
                     "cost_profile": {"kv_recompute_us_per_token": 2.5, "emb_transfer_us_per_row": 0.8,
                                      "service_time_us": 1000.0, "queue_capacity": 64}})
                 r.raise_for_status()
-        cpu0 = _cpu_s(proc.pid)
+        cpu0, me0 = _cpu_s(proc.pid), _cpu_s(os.getpid())
+        w0 = time.time()
         t_start, results, errors = asyncio.run(drive(port, tok, ids, warmup_s, duration_s, seed))
-        cpu1 = _cpu_s(proc.pid)
+        cpu1, me1, w1 = _cpu_s(proc.pid), _cpu_s(os.getpid()), time.time()
         m0, m1 = t_start + warmup_s, t_start + warmup_s + duration_s
         meas = [(t, dt, st) for t, dt, st in results if m0 <= t < m1]
         lat_ms = np.array([dt * 1e3 for _, dt, _ in meas]) if meas else np.array([np.nan])
@@ -190,6 +191,9 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             "ingest_max_ms": round(float(np.max(lat_ms)), 2),
             "errors": len(errors), "error_examples": errors[:3],
             "server_cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / max(len(results), 1), 3),
+            "server_cpu_share_of_one_core": round((cpu1 - cpu0) / (w1 - w0), 3),
+            "client_cpu_ms_per_request": round((me1 - me0) * 1e3 / max(len(results), 1), 3),
+            "load_average_1m": round(os.getloadavg()[0], 2), "num_cpus": os.cpu_count(),
             "mean_rows_per_commit": None if rows is None else round(rows, 2),
             "mean_commit_ms": None if commit_s is None else round(commit_s * 1e3, 3),
             "mean_server_handler_ms": None if handler_s is None else round(handler_s * 1e3, 3),

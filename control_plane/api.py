@@ -268,8 +268,15 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def report_history(request: Request, node_id: str | None = None, start_s: float | None = Range["start_s"],
                        end_s: float | None = Range["end_s"],
                        step_s: Annotated[float | None, Query(gt=0, description="downsample: mean per bucket")] = None,
-                       limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000):
+                       limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+                       cluster: Annotated[bool, Query(description="one row per bucket for the whole cluster "
+                                                                   "(node_id '*'; needs step_s)")] = False):
+        if cluster and (step_s is None or node_id is not None):
+            raise HTTPException(422, "cluster=true needs step_s and no node_id")
         with request.app.state.factory() as s:
+            if cluster:
+                return [ReportOut(**d) for d in queries.cluster_history(s, start_s=start_s, end_s=end_s, step_s=step_s,
+                                                                        limit=limit)]
             return [ReportOut(**d) for d in queries.report_history(s, node_id=node_id, start_s=start_s, end_s=end_s,
                                                                    step_s=step_s, limit=limit)]
 
@@ -328,20 +335,24 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                          error=j.error, summary=j.summary) for j in queries.job_runs(s, job, since_s, limit)]
 
     # ---- routers and weights
+    def _router_out(x: Router) -> RouterOut:
+        return RouterOut(url=x.url, has_push_token=x.push_token is not None, registered_at_s=x.registered_at_s,
+                         pushed_version=x.pushed_version, last_push_s=x.last_push_s, last_error=x.last_error)
+
     @r.post("/routers", response_model=RouterOut, **roles(NODE, OPERATOR))
     def register_router(body: RouterIn, request: Request, p: principal(NODE, OPERATOR)):
         now = clock()
         with begin(request) as s:
-            router, new = queries.upsert_router(s, body.url, now)
+            router, new = queries.upsert_router(s, body.url, now, body.push_token)
             if new:
                 queries.audit(s, ts_s=now, actor=p.name, action="router.register", target=f"router:{body.url}",
-                              after={"url": body.url}, reason="")
-            return RouterOut.model_validate(router)
+                              after={"url": body.url, "has_push_token": body.push_token is not None}, reason="")
+            return _router_out(router)
 
     @r.get("/routers", response_model=list[RouterOut], **roles(OPERATOR, VIEWER))
     def routers(request: Request):
         with request.app.state.factory() as s:
-            return [RouterOut.model_validate(x) for x in queries.list_routers(s)]
+            return [_router_out(x) for x in queries.list_routers(s)]
 
     @r.delete("/routers", response_model=RouterOut, **roles(OPERATOR))
     def delete_router(request: Request, p: principal(OPERATOR),
@@ -350,7 +361,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
             router = s.get(Router, url)
             if router is None:
                 raise HTTPException(404, f"url {url!r} is not a registered router")
-            out = RouterOut.model_validate(router)
+            out = _router_out(router)
             s.delete(router)
             queries.audit(s, ts_s=clock(), actor=p.name, action="router.delete", target=f"router:{url}",
                           before={"url": url}, reason="")

@@ -204,10 +204,12 @@ class BurstOut(Out):
 # ---- routers
 class RouterIn(In):
     url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://")]
+    push_token: Annotated[str, Field(min_length=1, max_length=512)] | None = None  # sent as the push's bearer
 
 
 class RouterOut(Out):
     url: str
+    has_push_token: bool = False
     registered_at_s: float
     pushed_version: int | None
     last_push_s: float | None
@@ -285,7 +287,7 @@ class RolloutIn(In):
     canary_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.25
     bake_time_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 300.0
     min_samples: Annotated[int, Field(ge=3)] = 10
-    alpha: Annotated[float, Field(gt=0, le=0.5, allow_inf_nan=False)] = 0.05
+    alpha: Annotated[float, Field(gt=0, le=0.5, allow_inf_nan=False)] = 0.01
     max_p99_regression_pct: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 10.0
     max_slo_attainment_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
     load_timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 120.0
@@ -320,7 +322,8 @@ class RolloutOut(Out):
     config: dict[str, Any]
     created_by: str
     created_at_s: float
-    bake_started_s: float
+    bake_started_s: float | None
+    paused_from: str | None = None
     updated_at_s: float
     reason: str
     verdict: dict[str, Any] | None

@@ -264,6 +264,35 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
     return out[:limit]
 
 
+CLUSTER_SUMS = ("throughput_rps", "num_requests", "refill_bytes")
+
+
+def cluster_history(session: Session, *, start_s: float | None, end_s: float | None, step_s: float,
+                    limit: int) -> list[dict]:
+    """The cluster per ``step_s`` bucket: throughput, requests and refill bytes summed over nodes
+    (each node's mean in the bucket), every other figure the mean over all reports in the bucket.
+    Raw reports only (buckets already rolled up are left out)."""
+    conds = []
+    if start_s is not None:
+        conds.append(NodeReport.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(NodeReport.ts_s < end_s)
+    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
+    per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
+                       *[func.avg(getattr(NodeReport, k)).label("avg_" + k) for k in CLUSTER_SUMS],
+                       *[func.sum(getattr(NodeReport, k)).label("sum_" + k) for k in REPORT_FIGURES],
+                       *[func.count(getattr(NodeReport, k)).label("cnt_" + k) for k in REPORT_FIGURES])
+                .where(*conds).group_by(NodeReport.node_id, bucket).subquery())
+    cols = [(func.sum(per_node.c["avg_" + k]) if k in CLUSTER_SUMS else
+             func.sum(per_node.c["sum_" + k]) / func.nullif(func.sum(per_node.c["cnt_" + k]), 0)).label(k)
+            for k in REPORT_FIGURES]
+    q = (select(per_node.c.bucket, func.sum(per_node.c.n).label("n"), func.count().label("nodes"), *cols)
+         .group_by(per_node.c.bucket).order_by(per_node.c.bucket).limit(limit))
+    return [dict(node_id="*", ts_s=float(r.bucket), num_reports=int(r.n),
+                 **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
+            for r in session.execute(q)]
+
+
 def rollup_and_prune(session: Session, *, now_s: float, step_s: float, raw_retention_s: float,
                      rollup_retention_s: float, max_rows: int = 50_000) -> dict:
     """Downsample raw reports older than ``raw_retention_s`` into ``step_s`` rollups, delete them,
@@ -392,11 +421,14 @@ def add_weights(session: Session, *, computed_at_s: float, nodes: dict, inputs: 
     return w
 
 
-def upsert_router(session: Session, url: str, now_s: float) -> tuple[Router, bool]:
+def upsert_router(session: Session, url: str, now_s: float, push_token: str | None = None) -> tuple[Router, bool]:
+    """Register a router (again); a changed push token means the next push goes out again."""
     r = session.get(Router, url)
     if r is not None:
+        if push_token != r.push_token:
+            r.push_token, r.pushed_version = push_token, None
         return r, False
-    r = Router(url=url, registered_at_s=now_s)
+    r = Router(url=url, registered_at_s=now_s, push_token=push_token)
     session.add(r)
     session.flush()
     return r, True
@@ -436,8 +468,8 @@ def list_policies(session: Session) -> list[Policy]:
 
 
 def open_rollout(session: Session) -> Rollout | None:
-    """The rollout in progress ("baking" or "paused"); at most one at a time."""
-    return session.scalar(select(Rollout).where(Rollout.state.in_(("baking", "paused"))).order_by(
+    """The rollout in progress ("pending", "baking" or "paused"); at most one at a time."""
+    return session.scalar(select(Rollout).where(Rollout.state.in_(("pending", "baking", "paused"))).order_by(
         Rollout.id.desc()).limit(1))
 
 
