@@ -166,7 +166,8 @@ def build_agent(args, *, announce=None):
                        request_timeout_s=args.request_timeout_s, control_interval_s=args.control_interval_s,
                        slo_ms=args.slo_ms, metrics_window_s=args.metrics_window_s,
                        large_prefill_tokens=args.large_prefill_tokens,
-                       max_prefill_tokens_per_batch=args.max_prefill_tokens_per_batch)
+                       max_prefill_tokens_per_batch=args.max_prefill_tokens_per_batch,
+                       max_body_bytes=args.max_body_bytes)
     engine = Engine(ecfg, item_popularity=trace.item_popularity())
     allocator = None
     costs = None
@@ -275,6 +276,8 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--batch-window-us", type=float, default=0.0,
                    help="wait this long for more requests after the first (default 0)")
     g.add_argument("--max-queue", type=_positive_int, default=1024, help="queued requests before 503 (default 1024)")
+    g.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
+                   help="larger request bodies get 413, chunked ones included (default 4194304)")
     g.add_argument("--large-prefill-tokens", type=_positive_int, default=1024,
                    help="a request with at least this many tokens to prefill (not in its KV cache) is a large "
                         "miss: served alone, alternating with the small requests (default 1024)")
