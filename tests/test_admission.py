@@ -46,13 +46,13 @@ def run_queued(agent: NodeAgent, reqs: list[RecRequest]):
 
 def test_small_requests_queued_behind_huge_misses_are_served_first():
     rng = np.random.default_rng(0)
-    agent = NodeAgent(engine(), AgentConfig(max_batch=8, large_prefill_tokens=256, max_prefill_tokens_per_batch=512))
-    big = [RecRequest(100 + i, rng.integers(0, 500, 1000).tolist(), [], top_k=3) for i in range(2)]
+    agent = NodeAgent(engine(), AgentConfig(max_batch=8))  # the default admission: large from 1024 tokens
+    big = [RecRequest(100 + i, rng.integers(0, 500, 1100).tolist(), [], top_k=3) for i in range(2)]
     small = [RecRequest(u, rng.integers(0, 500, 6).tolist(), [1], top_k=3) for u in range(5)]
     # arrival order: two huge misses first, then the small requests
     out = run_queued(agent, big + small)
     b0, b1, s = out[0], out[1], out[2:]
-    assert all(r.kv.outcome == "miss" and r.prefill_tokens == 1000 for r in (b0, b1))
+    assert all(r.kv.outcome == "miss" and r.prefill_tokens == 1100 for r in (b0, b1))
     # every small request finished before the first huge miss did, in one micro-batch of its own
     assert max(r.finished_s for r in s) < b0.finished_s < b1.finished_s
     assert [r.batch_size for r in out] == [1, 1] + [5] * 5
