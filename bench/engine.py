@@ -22,7 +22,8 @@ cache with link emulation where it applies, K/V read, prefill, K/V write, rankin
 prefill) are timed 50 times each: ``keepalive_p50_ms`` over one kept-alive connection
 (``httpx.Client``) and ``fresh_connection_p50_ms`` with a new connection per request (the
 client is made outside the timed part); the two alternate request by request, so they share the
-machine's noise. Keep-alive should cost at most a fresh connection;
+machine's noise. The agent runs on asyncio's own event loop (uvloop blocked), the setup in which
+the missing TCP_NODELAY cost ~44 ms (uvloop sets TCP_NODELAY itself). Keep-alive should cost at most a fresh connection;
 before ``node_agent.server`` set TCP_NODELAY it cost ~44 ms more (Nagle's algorithm meeting
 the client's delayed ACK).
 """
@@ -129,7 +130,10 @@ def bench_http(n: int = 50, device: str = "auto") -> dict:
         base = f"http://127.0.0.1:{port}"
         repo = Path(__file__).resolve().parent.parent
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.Popen([sys.executable, "-m", "racer", "node-agent", "--port", str(port), "--trace", "taobao",
+        # asyncio's own event loop (uvloop blocked): the setup of the issue; uvloop would set
+        # TCP_NODELAY by itself and hide a regression of node_agent.server
+        boot = "import sys; sys.modules['uvloop'] = None; from racer.cli import main; sys.exit(main(sys.argv[1:]))"
+        proc = subprocess.Popen([sys.executable, "-c", boot, "node-agent", "--port", str(port), "--trace", "taobao",
                                  "--path", str(csv), "--num-pages", "512", "--max-history-len", "512",
                                  "--device", device], cwd=repo, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -149,7 +153,8 @@ def bench_http(n: int = 50, device: str = "auto") -> dict:
             num_items = httpx.get(f"{base}/v1/metrics").json()["node"]["num_items"]
             hist = np.random.default_rng(1).integers(0, num_items, 128).tolist()
             body = {"user_id": 1, "history": hist, "num_candidates": 64, "top_k": 10}
-            out: dict = {"requests": n, "agent": "racer node-agent (default model, CPU threads 1)"}
+            out: dict = {"requests": n, "agent": "racer node-agent (default model, CPU threads 1)",
+                         "event_loop": "asyncio (uvloop blocked)"}
             for name, method, path, kw in [("healthz", "GET", "/healthz", {}),
                                            ("recommend_kv_hit", "POST", "/v1/recommend", {"json": body})]:
                 fresh_clients = [httpx.Client(base_url=base, timeout=30.0) for _ in range(n)]  # made untimed
