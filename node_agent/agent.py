@@ -6,17 +6,19 @@
 
 One **device worker** thread owns the engine (the device): HTTP handlers validate a request
 (pydantic, then `Engine.validate`), put it on a bounded queue and await its result. The worker
-takes the first waiting request plus every other one already queued (up to ``max_batch``;
-optionally waiting ``batch_window_us`` for more) and serves them as one micro-batch. Between
+admits queued requests into two lanes by estimated prefill tokens (large KV misses apart, see
+"Admission" in docs/engine.md) and serves a large miss alone or the small lane's waiting
+requests (up to ``max_batch`` and ``max_prefill_tokens_per_batch``; optionally waiting
+``batch_window_us`` for more) as one micro-batch, the two lanes alternating. Between
 batches, and at least every 50 ms when idle, it calls `Engine.maintenance` (one bounded boundary
 step and one throttled refill chunk); every ``control_interval_s`` it runs the control step:
 `WindowStats` of the interval from the rolling metrics, then, when a policy artifact was given,
 the `SmartAllocator` (observe, decide) whose emb_share becomes the Memory Manager's target.
 Without a policy the split stays at the configured ``emb_share``.
 
-Bad requests get 4xx with a message saying what is wrong (422: validation; 413: body too
-large); a full queue gets 503 and a request that waits past ``request_timeout_s`` 504. None of
-them stops the agent. Time comes from an injected clock (``clock``, seconds).
+Bad requests get 4xx with a message saying what is wrong (422: validation, NaN and Infinity
+included; 413: body too large, counted on the bytes received); a full queue gets 503 and a
+request that waits past ``request_timeout_s`` 504. None of them stops the agent. Time comes from an injected clock (``clock``, seconds).
 """
 
 from __future__ import annotations
