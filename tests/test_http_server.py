@@ -4,7 +4,6 @@ out of range."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
