@@ -148,9 +148,11 @@ def _base(title: str, y_title: str, x_title: str = "time (UTC)") -> go.Figure:
     return fig
 
 
-def _legend_below(fig: go.Figure) -> None:
-    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0))
-    fig.update_layout(margin=dict(b=90), height=_LAYOUT["height"] + 40)
+def _legend_top(fig: go.Figure) -> None:
+    """A horizontal legend above the plot, right-aligned (the title is on the left)."""
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1,
+                                  traceorder="normal", font=dict(size=11)),
+                      margin=dict(t=64))
 
 
 def _add_bursts(fig: go.Figure, bursts: Sequence[Mapping] | None, now_s: float | None,
@@ -177,7 +179,7 @@ def slo_attainment_figure(cluster: Mapping, target: float, bursts: Sequence[Mapp
                        showarrow=False, xanchor="right", yanchor="top", font=dict(color=SLO_LINE))
     _add_bursts(fig, bursts, now_s, [hline_shape(100.0 * target, "target")])
     fig.update_yaxes(range=[max(0.0, min([v for v in y if v is not None] + [100 * target]) - 5), 100.5])
-    _legend_below(fig)
+    _legend_top(fig)
     return fig
 
 
@@ -209,7 +211,7 @@ def throughput_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
                                mode="lines", name="served", line=dict(color="#17becf", width=2)))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(rangemode="tozero")
-    _legend_below(fig)
+    _legend_top(fig)
     return fig
 
 
@@ -224,7 +226,7 @@ def hit_rate_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
         fig.add_trace(go.Scattergl(x=xs, y=y, mode="lines", name=name, line=dict(color=color, width=2)))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(range=[0, 100.5])
-    _legend_below(fig)
+    _legend_top(fig)
     return fig
 
 
@@ -292,9 +294,8 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
             hovertemplate="%{text}<br>emb_share %{y:.3f}<extra></extra>", meta=source))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(range=[0, 1])
-    fig.update_layout(hovermode="closest")
-    _legend_below(fig)
-    fig.update_layout(height=420, margin=dict(b=120))
+    fig.update_layout(hovermode="closest", height=420,
+                      legend=dict(orientation="v", x=1.01, xanchor="left", y=1, font=dict(size=11)))
     return fig
 
 
@@ -314,24 +315,41 @@ def _wrap(text: str, width: int = 80, max_lines: int = 4) -> str:
 
 
 def split_bar_figure(nodes: Sequence[Mapping]) -> go.Figure:
-    """Each node's current split as a horizontal bar of EMB vs KV bytes (MiB), stacked.
+    """Each node's current split as a stacked horizontal bar: EMB slab vs KV pool.
 
-    ``nodes``: ``[{"node_id", "emb_bytes", "kv_bytes", "emb_share"?}]``.
+    ``nodes``: ``[{"node_id", "emb_share", "arena_bytes"?}]`` or with ``emb_bytes``/``kv_bytes``.
+    In MiB where the bytes are known (``emb_bytes``/``kv_bytes``, or ``arena_bytes`` x share);
+    otherwise in % of the node's arena.
     """
     fig = go.Figure()
     fig.update_layout(title=dict(text="Current split per node (EMB slab vs KV pool)", x=0.01, font=dict(size=14)),
                       **{**_LAYOUT, "hovermode": "y unified"})
     ids = [str(n["node_id"]) for n in nodes]
-    emb = [float(n.get("emb_bytes") or 0) / MIB for n in nodes]
-    kv = [float(n.get("kv_bytes") or 0) / MIB for n in nodes]
+    emb, kv = [], []
+    in_bytes = all(("emb_bytes" in n and "kv_bytes" in n) or n.get("arena_bytes") for n in nodes) and bool(nodes)
+    for n in nodes:
+        share = n.get("emb_share")
+        share = float(share) if share is not None else None
+        if in_bytes:
+            if "emb_bytes" in n and "kv_bytes" in n:
+                e, k = float(n["emb_bytes"] or 0), float(n["kv_bytes"] or 0)
+            else:
+                a = float(n["arena_bytes"])
+                e, k = (a * share, a * (1 - share)) if share is not None else (None, None)
+            emb.append(None if e is None else e / MIB)
+            kv.append(None if k is None else k / MIB)
+        else:
+            emb.append(None if share is None else 100 * share)
+            kv.append(None if share is None else 100 * (1 - share))
+    unit = "MiB" if in_bytes else "%"
     fig.add_trace(go.Bar(y=ids, x=emb, orientation="h", name="EMB slab", marker_color=EMB_COLOR,
-                         hovertemplate="%{y}: EMB %{x:.1f} MiB<extra></extra>"))
+                         hovertemplate="%{y}: EMB %{x:.1f} " + unit + "<extra></extra>"))
     fig.add_trace(go.Bar(y=ids, x=kv, orientation="h", name="KV pool", marker_color=KV_COLOR,
-                         hovertemplate="%{y}: KV %{x:.1f} MiB<extra></extra>"))
-    fig.update_layout(barmode="stack", height=max(240, 90 + 18 * len(nodes)))
-    fig.update_xaxes(title_text="arena bytes (MiB)")
+                         hovertemplate="%{y}: KV %{x:.1f} " + unit + "<extra></extra>"))
+    fig.update_layout(barmode="stack", height=max(240, 110 + 18 * len(nodes)))
+    fig.update_xaxes(title_text="arena bytes (MiB)" if in_bytes else "share of the node's arena (%)")
     fig.update_yaxes(title_text="node", type="category", autorange="reversed")
-    _legend_below(fig)
+    _legend_top(fig)
     return fig
 
 
@@ -395,8 +413,8 @@ def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
     fig.update_yaxes(title_text="within SLO (%)", row=2, col=1)
     fig.update_xaxes(title_text="time (UTC)", type="date", row=2, col=1)
     fig.update_xaxes(type="date", row=1, col=1)
-    _legend_below(fig)
-    fig.update_layout(height=500, margin=dict(b=110))
+    _legend_top(fig)
+    fig.update_layout(height=500, margin=dict(t=90))
     return fig
 
 
