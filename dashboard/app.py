@@ -30,6 +30,7 @@ import math
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import dash
@@ -44,7 +45,7 @@ log = logging.getLogger("racer.dashboard")
 
 RANGES = [("5 min", 300), ("15 min", 900), ("1 h", 3600), ("6 h", 6 * 3600), ("24 h", 86400)]
 STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600)
-MAX_POINTS = 400
+MAX_POINTS = 240
 SLOW_MS = 1500.0
 SLO_TARGET_DEFAULT = 0.99
 SPLIT_NODES_DEFAULT = 3
@@ -125,9 +126,8 @@ def _grid(gid: str, columns: list[dict], *, page_size: int = 10, height: int = 3
                   "animateRows": False, "enableCellTextSelection": True}
     if selectable:
         opts["rowSelection"] = {"mode": "singleRow", "checkboxes": True, "enableClickSelection": True}
-    if row_id:
-        opts["getRowId"] = {"function": f"String(params.data.{row_id})"}
-    return dag.AgGrid(id=gid, columnDefs=columns, rowData=[], dashGridOptions=opts,
+    extra = {"getRowId": f"params.data.{row_id}"} if row_id else {}  # row ids are strings
+    return dag.AgGrid(id=gid, columnDefs=columns, rowData=[], dashGridOptions=opts, **extra,
                       defaultColDef={"resizable": True, "sortable": True, "filter": True, "minWidth": 90},
                       columnSize="responsiveSizeToFit", style={"height": f"{height}px"})
 
@@ -146,7 +146,15 @@ def _source_legend() -> html.Div:
         for s, c in F.SOURCE_COLORS.items()], className="mb-2")
 
 
-def build_layout(refresh_s: float) -> html.Div:
+def _range_options(range_s: int) -> list[dict]:
+    opts = [{"label": lbl, "value": v} for lbl, v in RANGES]
+    if range_s not in {v for _, v in RANGES}:
+        opts.append({"label": fmt_age(range_s), "value": range_s})
+        opts.sort(key=lambda o: o["value"])
+    return opts
+
+
+def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
     login = dbc.Card(dbc.CardBody([
         html.H5("Sign in"),
         html.P("Paste a control-plane token (operator or viewer). It stays on the dashboard server; "
@@ -160,7 +168,7 @@ def build_layout(refresh_s: float) -> html.Div:
         dbc.NavbarBrand("RACER operator dashboard", className="fw-bold"),
         html.Div([
             html.Span("range ", className="text-light small me-1"),
-            dcc.Dropdown(id="range", options=[{"label": lbl, "value": v} for lbl, v in RANGES], value=900,
+            dcc.Dropdown(id="range", options=_range_options(range_s), value=range_s,
                          clearable=False, searchable=False,
                          style={"width": "110px", "display": "inline-block", "color": "#212529"}),
             html.Span(id="who", className="text-light small ms-3 me-2"),
@@ -169,8 +177,8 @@ def build_layout(refresh_s: float) -> html.Div:
         ], className="d-flex align-items-center"),
     ], fluid=True), color="dark", dark=True, className="mb-2")
 
-    kpis = dbc.Row([_kpi("kpi-nodes", "nodes up / down"), _kpi("kpi-slo", "SLO attainment (last bucket)"),
-                    _kpi("kpi-p99", "worst P99 (last bucket)"), _kpi("kpi-thr", "throughput"),
+    kpis = dbc.Row([_kpi("kpi-nodes", "nodes up / down"), _kpi("kpi-slo", "SLO attainment (mean of nodes, now)"),
+                    _kpi("kpi-p99", "P99 (mean of nodes, now)"), _kpi("kpi-thr", "throughput"),
                     _kpi("kpi-policy", "active policy"), _kpi("kpi-overrides", "active overrides"),
                     _kpi("kpi-age", "data age")], className="g-2 mb-2")
 
@@ -185,7 +193,7 @@ def build_layout(refresh_s: float) -> html.Div:
     ], className="pt-2")
 
     split = html.Div([
-        _graph("g-heat", 360),
+        _graph("g-heat", 260),
         dbc.Row([dbc.Col(html.Div([html.Span("nodes for target vs applied: ", className="small me-2"),
                                    dcc.Dropdown(id="split-nodes", multi=True, placeholder="first nodes")]), lg=8)],
                 className="my-2"),
@@ -307,6 +315,7 @@ def build_layout(refresh_s: float) -> html.Div:
         dcc.Store(id="view", data={}),
         dcc.Store(id="pending", data=None),
         dcc.Store(id="reload", data=0),
+        dcc.Store(id="summary", data=None),
         dcc.Store(id="acted", data=0),
     ])
 
@@ -355,8 +364,16 @@ def burst_rows(bursts: list[dict], decisions: list[dict] | None = None, now_s: f
     return rows
 
 
+def kpi_values(summary: dict) -> list[str]:
+    """The KPI cards from the control plane's /summary (each node's latest report)."""
+    return [f"{summary.get('num_up', 0)} / {summary.get('num_down', 0)}", _pct(summary.get("mean_slo_attainment")),
+            "–" if summary.get("mean_p99_ms") is None else f"{summary['mean_p99_ms']:.1f} ms",
+            "–" if summary.get("total_throughput_rps") is None else f"{summary['total_throughput_rps']:.0f} req/s",
+            summary.get("active_policy") or "–", str(summary.get("num_active_overrides", 0))]
+
+
 def decision_rows(items: list[dict]) -> list[dict]:
-    return [{"id": d["id"], "time": fmt_t(d["ts_s"]), "node_id": d["node_id"], "source": d["source"],
+    return [{"id": str(d["id"]), "time": fmt_t(d["ts_s"]), "node_id": d["node_id"], "source": d["source"],
              "emb_share": round(d["emb_share"], 4),
              "prev_emb_share": None if d.get("prev_emb_share") is None else round(d["prev_emb_share"], 4),
              "policy_version": d.get("policy_version"), "reason": d.get("reason", "")} for d in items]
@@ -387,17 +404,20 @@ def rollout_windows(rows: list[dict], rollout: dict, step_s: float) -> list[dict
 
 
 def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: float = 3.0,
-               slo_target: float = SLO_TARGET_DEFAULT, slo_ms: float = 30.0) -> dash.Dash:
+               slo_target: float = SLO_TARGET_DEFAULT, slo_ms: float = 30.0, range_s: int = 900) -> dash.Dash:
     """The Dash app for the control plane at ``control_plane_url`` (see the module docstring)."""
     if not (isinstance(refresh_s, (int, float)) and math.isfinite(refresh_s) and refresh_s > 0):
         raise ValueError(f"refresh_s must be a positive number, got {refresh_s!r}")
     if not 0 < slo_target <= 1:
         raise ValueError(f"slo_target must be in (0, 1], got {slo_target!r}")
     client = ControlPlaneClient(control_plane_url, timeout_s=timeout_s)
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="racer-dashboard-fetch")
     sessions = SessionStore()
     app = dash.Dash(__name__, title="RACER operator dashboard", update_title=None,
                     suppress_callback_exceptions=True)
-    app.layout = build_layout(refresh_s)
+    if not (isinstance(range_s, int) and range_s > 0):
+        raise ValueError(f"range_s must be a positive integer of seconds, got {range_s!r}")
+    app.layout = build_layout(refresh_s, range_s)
     app.server.config["RACER_CLIENT"] = client
     app.server.config["RACER_SESSIONS"] = sessions
     state = {"slo_ms": slo_ms}
@@ -461,32 +481,38 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
 
     @app.callback(*graph_outputs, Output("view", "data"), Output("split-nodes", "options"),
                   Output("ov-node", "options"), Output("grid-bursts", "rowData"), Output("grid-decisions", "rowData"),
-                  Output("grid-weights", "rowData"),
+                  Output("grid-weights", "rowData"), Output("summary", "data"), Output("grid-nodes", "rowData"),
                   Input("tabs", "value"), Input("range", "value"), Input("sid", "data"), Input("split-nodes", "value"),
                   Input("reload", "data"), Input("dec-search", "value"), Input("weights-field", "value"),
                   Input("acted", "data"))
     def render(tab, range_s, sid, split_sel, _reload, search, weights_field, _acted):
         s = sessions.get(sid)
         outs = {g: no_update for g in ALL_GRAPHS}
-        extra = [no_update] * 5
+        extra = [no_update] * 7
         if s is None:
             return *outs.values(), {}, *extra
         tok = s.token
         step = step_for(range_s)
         t_render = time.time()
         try:
+            # the four reads in parallel (the history is the long one)
             summary = client.summary(tok)
             now = float(summary["now_s"])
             start = now - range_s
-            nodes = client.nodes(tok)
+            need_hist = tab in ("overview", "split", "bursts")
+            f_nodes = pool.submit(client.nodes, tok)
+            f_bursts = pool.submit(client.bursts, tok, start_s=start)
+            f_rows = pool.submit(client.history, tok, start_s=start, end_s=now, step_s=step) if need_hist else None
+            nodes = f_nodes.result()
             order = sorted(n["node_id"] for n in nodes)
+            extra[5] = summary
+            extra[6] = _node_rows(nodes)
             view = {"tab": tab, "range_s": range_s, "step_s": step, "order": order, "ok": True, "now_s": now,
                     "fetched_at_s": t_render, "last_ok_s": t_render, "rendered": True}
             node_opts = [{"label": n, "value": n} for n in order]
             extra[0] = extra[1] = node_opts
-            need_hist = tab in ("overview", "split", "bursts")
-            rows = client.history(tok, start_s=start, end_s=now, step_s=step) if need_hist else []
-            bursts = client.bursts(tok, start_s=start)
+            rows = f_rows.result() if f_rows is not None else []
+            bursts = f_bursts.result()
             view["last_t_s"] = max((r["ts_s"] for r in rows), default=None)
             view["burst_key"] = F.merge_periods(bursts, now)
             view["open_burst"] = any(b.get("end_s") is None for b in bursts)
@@ -504,6 +530,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 view["split_sel"] = sel
                 dec = [d for n in sel for d in client.decisions(tok, start_s=start, node_id=n, limit=1000)["items"]]
                 view["last_dec_id"] = max((d["id"] for d in dec), default=0)
+                view["dec_since_s"] = max((d["ts_s"] for d in dec), default=None)
                 outs["g-heat"] = F.emb_share_heatmap({n: ns.get(n, {"t_s": []}) for n in order}, bursts, now)
                 outs["g-lines"] = F.share_lines_figure({n: ns.get(n, {"t_s": []}) for n in sel},
                                                        [dict(d, t_s=d["ts_s"]) for d in dec], bursts, now)
@@ -522,7 +549,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 hist = [h for h in client.router_weights_history(tok) if h["computed_at_s"] >= start]
                 hist = [dict(h, t_s=h["computed_at_s"]) for h in hist]
                 outs["g-weights"] = F.router_weights_figure(sorted(hist, key=lambda h: h["t_s"]),
-                                                            weights_field or "service_time_us")
+                                                            weights_field or "service_time_us", now)
                 extra[4] = [{"version": h["version"], "time": fmt_t(h["t_s"]), "reason": h.get("reason", "")}
                             for h in sorted(hist, key=lambda h: -h["version"])]
             elif tab == "policies":
@@ -535,6 +562,12 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                                     "tab": tab}, *extra
         return *outs.values(), view, *extra
 
+    @app.callback(Output("kpi-nodes", "children"), Output("kpi-slo", "children"), Output("kpi-p99", "children"),
+                  Output("kpi-thr", "children"), Output("kpi-policy", "children"), Output("kpi-overrides", "children"),
+                  Input("summary", "data"), prevent_initial_call=True)
+    def show_kpis(summary):
+        return kpi_values(summary or {})
+
     # -------------------------------------------------------------------------- live tick ---
     tick_graph_outputs = [Output(g, "extendData") for g in ("g-slo", "g-p99", "g-thr", "g-hits", "g-lines")]
     patch_outputs = [Output(g, "figure", allow_duplicate=True) for g in ("g-slo", "g-p99", "g-thr", "g-hits",
@@ -543,9 +576,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     @app.callback(*tick_graph_outputs, *patch_outputs, Output("view", "data", allow_duplicate=True),
                   Output("banner", "is_open"), Output("banner", "children"), Output("banner", "color"),
                   Output("reload", "data"),
-                  Output("kpi-nodes", "children"), Output("kpi-slo", "children"), Output("kpi-p99", "children"),
-                  Output("kpi-thr", "children"), Output("kpi-policy", "children"), Output("kpi-overrides", "children"),
-                  Output("kpi-age", "children"),
+                  Output("summary", "data", allow_duplicate=True), Output("kpi-age", "children"),
                   Output("grid-decisions", "rowTransaction"), Output("grid-nodes", "rowData"),
                   Output("grid-bursts", "rowData", allow_duplicate=True),
                   Input("tick", "n_intervals"), State("view", "data"), State("sid", "data"), State("reload", "data"),
@@ -554,7 +585,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         n_ext, n_patch = 5, 7
         ext = [no_update] * n_ext
         patches = [no_update] * n_patch
-        kpis = [no_update] * 7
+        kpis = [no_update] * 2
         tail = [no_update] * 3
         s = sessions.get(sid)
         if s is None or not view:
@@ -572,16 +603,13 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 else "no data yet"
             view["ok"] = False
             view["error"] = msg
-            kpis[6] = html.Span(fmt_age(wall - last_ok) + " (stale)" if last_ok else "–", className="text-danger")
+            kpis[1] = html.Span(fmt_age(wall - last_ok) + " (stale)" if last_ok else "–", className="text-danger")
             return (*ext, *patches, view, True, [html.Strong("Control plane unreachable. "), f"{msg}. {age}. ",
                                                  "Retrying every tick."], "danger", no_update, *kpis, *tail)
         now = float(summary["now_s"])
         recovered = not view.get("ok", True) or not view.get("rendered")
         view.update(ok=True, last_ok_s=wall, now_s=now)
-        kpis = [f"{summary.get('num_up', 0)} / {summary.get('num_down', 0)}", _pct(summary.get("mean_slo_attainment")),
-                "–" if summary.get("mean_p99_ms") is None else f"{summary['mean_p99_ms']:.1f} ms",
-                "–" if summary.get("total_throughput_rps") is None else f"{summary['total_throughput_rps']:.0f} req/s",
-                summary.get("active_policy") or "–", str(summary.get("num_active_overrides", 0)), "live"]
+        kpis = [summary, "live"]
         if latency_ms > SLOW_MS:
             banner = (True, [html.Strong("Control plane slow: "), f"the last answer took {latency_ms:.0f} ms."],
                       "warning")
@@ -717,7 +745,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         try:
             if tab == "override":
                 ovs = client.overrides(tok, state="active")
-                out[0] = [{"id": o["id"], "scope": o.get("node_id") or "cluster", "emb_share": o["emb_share"],
+                out[0] = [{"id": str(o["id"]), "scope": o.get("node_id") or "cluster", "emb_share": o["emb_share"],
                            "reason": o["reason"], "created_by": o.get("created_by"), "created": fmt_t(o["created_at_s"]),
                            "expires": fmt_t(o.get("expires_at_s")) or "never"}
                           for o in ovs if o.get("state", "active") == "active"]
@@ -782,7 +810,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             if not selected:
                 return None, False, no_update, "select an active override in the table first"
             o = selected[0]
-            return ({"kind": "clear", "id": o["id"]}, True,
+            return ({"kind": "clear", "id": int(o["id"])}, True,
                     f"Clear override #{o['id']} ({o['scope']}, emb_share {o['emb_share']})?", "")
         if trig == "btn-ro-start":
             if not ro_policy:
@@ -869,34 +897,45 @@ def _current_rollout(client: ControlPlaneClient, tok: str) -> dict | None:
     return ros[0]
 
 
+def _fmt(v, nd: int = 4) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}g}"
+    return str(v)
+
+
 def _rollout_card(ro: dict | None):
+    """State badge, the judge's verdict and reason, and per metric: sample sizes (windows) of canary
+    and baseline, medians, means, change and the Mann-Whitney p-value."""
     if not ro:
         return html.Div("No rollout yet.", className="text-muted", id="ro-state")
-    verdict = ro.get("verdict") or {}
-    items = [html.Span(f"#{ro['id']} policy {ro['policy_version']} (baseline {ro.get('baseline_version') or '–'}) ",
-                       className="me-2"),
-             dbc.Badge(ro["state"], id="ro-state", color={"rolled_back": "danger", "promoted": "success",
-                                                          "paused": "warning"}.get(ro["state"], "info"))]
-    details = []
-    for k in ("verdict", "outcome", "reason", "canary_n", "baseline_n", "p_value_p99", "p_value_slo",
-              "canary_p99_ms", "baseline_p99_ms", "canary_slo_attainment", "baseline_slo_attainment"):
-        if k in verdict:
-            v = verdict[k]
-            details.append(html.Li(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}"))
-    for k, v in verdict.items():
-        if k not in {"verdict", "outcome", "reason", "canary_n", "baseline_n", "p_value_p99", "p_value_slo",
-                     "canary_p99_ms", "baseline_p99_ms", "canary_slo_attainment", "baseline_slo_attainment"}:
-            details.append(html.Li(f"{k}: {_short(v)}"))
-    return html.Div([html.Div(items), html.Div(ro.get("reason") or "", className="small text-muted"),
-                     html.Ul(details, className="small mb-0")])
+    v = ro.get("verdict") or {}
+    color = {"rolled_back": "danger", "promoted": "success", "paused": "warning"}.get(ro["state"], "info")
+    head = html.Div([html.Span(f"#{ro['id']} policy {ro['policy_version']} (baseline {ro.get('baseline_version') or '–'}) ",
+                               className="me-2"),
+                     dbc.Badge(ro["state"], id="ro-state", color=color),
+                     html.Span(f"  verdict: {v.get('verdict') or '–'}  ·  next action: {v.get('action') or '–'}",
+                               className="ms-3 small", id="ro-verdict")])
+    why = html.Div(v.get("reason") or ro.get("reason") or "", className="small text-muted")
+    rows = [html.Tr([html.Th(h) for h in ("metric", "verdict", "n canary", "n baseline", "median canary",
+                                          "median baseline", "change", "p-value")])]
+    for j in v.get("judgements") or []:
+        rows.append(html.Tr([html.Td(j.get("metric")), html.Td(j.get("verdict")), html.Td(_fmt(j.get("n_canary"))),
+                             html.Td(_fmt(j.get("n_baseline"))), html.Td(_fmt(j.get("median_canary"))),
+                             html.Td(_fmt(j.get("median_baseline"))), html.Td(_fmt(j.get("change"))),
+                             html.Td(_fmt(j.get("p_value")))]))
+    table = html.Table(rows, className="small", style={"borderCollapse": "collapse", "width": "100%"}) \
+        if len(rows) > 1 else html.Div("no judgement yet (collecting windows)", className="small text-muted")
+    return html.Div([head, why, table], className="card card-body")
 
 
 def run(control_plane_url: str, *, host: str = "127.0.0.1", port: int = 8050, refresh_s: float = 2.0,
-        timeout_s: float = 3.0, slo_ms: float = 30.0, ready=None) -> None:
+        timeout_s: float = 3.0, slo_ms: float = 30.0, range_s: int = 900, ready=None) -> None:
     """Serve the dashboard (``racer dashboard``): Flask's threaded server, request lines logged
     at warning level only (they hold no token anyway)."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    app = create_app(control_plane_url, refresh_s=refresh_s, timeout_s=timeout_s, slo_ms=slo_ms)
+    app = create_app(control_plane_url, refresh_s=refresh_s, timeout_s=timeout_s, slo_ms=slo_ms, range_s=range_s)
     from werkzeug.serving import make_server
 
     server = make_server(host, port, app.server, threaded=True)

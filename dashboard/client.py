@@ -76,14 +76,16 @@ class ControlPlaneClient:
 
     # ------------------------------------------------------------------------- plumbing ---
     def request(self, method: str, path: str, token: str | None, *, params: Mapping | None = None,
-                json: Any = None) -> Any:
+                json: Any = None, timeout_s: float | None = None) -> Any:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         clean = {k: v for k, v in (params or {}).items() if v is not None}
         t0 = time.perf_counter()
         try:
-            resp = self._http.request(method, API + path, params=clean, json=json, headers=headers)
-        except httpx.TimeoutException as e:
-            raise Unavailable(f"control plane at {self.base_url} did not answer within {self.timeout_s:g} s") from None
+            resp = self._http.request(method, API + path, params=clean, json=json, headers=headers,
+                                      timeout=timeout_s or self.timeout_s)
+        except httpx.TimeoutException:
+            raise Unavailable(f"control plane at {self.base_url} did not answer within "
+                              f"{timeout_s or self.timeout_s:g} s") from None
         except httpx.TransportError as e:
             raise Unavailable(f"control plane at {self.base_url} unreachable: {type(e).__name__}") from None
         finally:
@@ -94,8 +96,8 @@ class ControlPlaneClient:
             return None
         return resp.json()
 
-    def get(self, path: str, token: str | None, **params) -> Any:
-        return self.request("GET", path, token, params=params)
+    def get(self, path: str, token: str | None, *, timeout_s: float | None = None, **params) -> Any:
+        return self.request("GET", path, token, params=params, timeout_s=timeout_s)
 
     def post(self, path: str, token: str | None, body: Any = None) -> Any:
         return self.request("POST", path, token, json=body if body is not None else {})
@@ -115,7 +117,7 @@ class ControlPlaneClient:
         """Node reports in [start_s, end_s), one row per node and bucket of ``step_s`` (the bucket's
         mean, ``ts_s`` its start ``floor(t / step_s) * step_s``), or raw reports without ``step_s``."""
         return self.get("/reports", token, start_s=start_s, end_s=end_s, step_s=step_s, node_id=node_id,
-                        limit=limit)
+                        limit=limit, timeout_s=4 * self.timeout_s)
 
     def decisions(self, token: str, *, start_s: float | None = None, end_s: float | None = None,
                   node_id: str | None = None, source: str | None = None, q: str | None = None,
@@ -155,7 +157,7 @@ class ControlPlaneClient:
         return self.post("/overrides", token, body)
 
     def clear_override(self, token: str, override_id: int, reason: str) -> dict:
-        return self.request("DELETE", f"/overrides/{int(override_id)}", token, json={"reason": reason})
+        return self.post(f"/overrides/{int(override_id)}/clear", token, {"reason": reason})
 
     def start_rollout(self, token: str, **body) -> dict:
         return self.post("/rollouts", token, body)

@@ -356,11 +356,13 @@ def split_bar_figure(nodes: Sequence[Mapping]) -> go.Figure:
 # -------------------------------------------------------------------- routing, rollouts ---
 
 
-def router_weights_figure(history: Sequence[Mapping], field: str = "service_time_us") -> go.Figure:
+def router_weights_figure(history: Sequence[Mapping], field: str = "service_time_us",
+                          now_s: float | None = None) -> go.Figure:
     """Router weight inputs per node over time (step lines), hover gives each change's reason.
 
     ``history``: ``[{"t_s", "version", "nodes": {node_id: {<field>: value, "reason": str}}}]``
-    (one entry per pushed weights version, oldest first).
+    (one entry per pushed weights version, oldest first). With ``now_s`` each node's line goes on
+    to now at its current value (a weight holds until the next version).
     """
     unit = field.rsplit("_", 1)[-1] if field.endswith(("_us", "_ms", "_s")) else ""
     pretty = {"service_time_us": "service time", "kv_recompute_us_per_token": "KV recompute per token",
@@ -375,8 +377,14 @@ def router_weights_figure(history: Sequence[Mapping], field: str = "service_time
             s["y"].append(w.get(field))
             s["text"].append(f"v{entry.get('version')}: {_wrap(str(w.get('reason', '')), 60, 3)}")
     for node_id, s in per_node.items():
+        sizes = [6] * len(s["x"])
+        if now_s is not None and s["x"] and to_x(now_s) > s["x"][-1]:
+            s["x"].append(to_x(now_s))
+            s["y"].append(s["y"][-1])
+            s["text"].append(s["text"][-1] + " (current)")
+            sizes.append(0)
         fig.add_trace(go.Scattergl(x=s["x"], y=_clean(s["y"]), text=s["text"], mode="lines+markers",
-                                   line=dict(shape="hv", width=1.5), marker=dict(size=5), name=node_id,
+                                   line=dict(shape="hv", width=1.5), marker=dict(size=sizes), name=node_id,
                                    hovertemplate="%{y:.2f}<br>%{text}<extra>" + node_id + "</extra>"))
     fig.update_layout(hovermode="closest", legend=dict(font=dict(size=10)))
     return fig

@@ -124,30 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_node_parser(sub)
 
+    from dashboard.cli import add_dashboard_parser
+
+    add_dashboard_parser(sub)
+
     from simulator.cli import add_bench_parser
 
     add_bench_parser(sub)
-
-    db = sub.add_parser("dashboard", help="the operator dashboard (Dash), a client of the control-plane API",
-                        description="Serve the operator dashboard; sign in with a control-plane token.")
-    db.add_argument("--control-plane", required=True, metavar="URL", help="control-plane base URL, e.g. http://127.0.0.1:8600")
-    db.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    db.add_argument("--port", type=int, default=8050, help="port (default 8050)")
-    db.add_argument("--refresh-s", type=float, default=2.0, help="live refresh period, s (default 2)")
-    db.add_argument("--timeout-s", type=float, default=3.0, help="control-plane request timeout, s (default 3)")
-    db.add_argument("--slo-ms", type=float, default=30.0, help="the latency SLO drawn on P99 charts, ms (default 30)")
-    db.set_defaults(func=cmd_dashboard)
     return parser
-
-
-def cmd_dashboard(args) -> int:
-    from dashboard.app import run
-
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    run(args.control_plane, host=args.host, port=args.port, refresh_s=args.refresh_s, timeout_s=args.timeout_s,
-        slo_ms=args.slo_ms)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
