@@ -5,8 +5,10 @@ with ``--history-s`` of reports through its HTTP API (as nodes replaying their b
 keeps them reporting every ``--interval-s``, starts ``racer dashboard`` with the range set to the
 whole history, and drives it in headless Chromium (Playwright, /usr/bin/chromium):
 
-- ``first_render_ms``: from opening the page and signing in to every overview chart drawn with
-  all nodes' series (the full figures, once);
+- ``first_render_ms``: from opening the page, through signing in, to every overview chart drawn
+  with all nodes' series (the full figures, once); split into ``page_ready_ms`` (page and
+  Plotly loaded), ``render_after_sign_in_ms`` and, within it, ``render_callback_ms`` (the
+  render callback's round trip: the control plane's history query and the figures);
 - ``callback_ms_p50`` / ``callback_ms_p99``: the live refresh's callback round trip as the
   browser sees it (request sent to response received) over ``--ticks`` refreshes;
 - ``payload_bytes_p50`` (and p99, max): bytes of one refresh's response (``extendData`` and
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -192,26 +195,46 @@ def run(nodes: int = 32, history_s: float = 3600.0, interval_s: float = 1.0, tic
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             samples: list[tuple[float, int]] = []
 
+            render_ms: list[float] = []
+
             def on_finished(req):
-                if "_dash-update-component" not in req.url or "tick.n_intervals" not in (req.post_data or ""):
+                body = req.post_data or ""
+                if "_dash-update-component" in req.url and "g-slo.figure" in body and '"sid"' in body \
+                        and "tick.n_intervals" not in body:
+                    t = req.timing
+                    render_ms.append(t["responseEnd"] - t["requestStart"])
+                    return
+                if "_dash-update-component" not in req.url or "tick.n_intervals" not in body:
                     return
                 if "g-slo.extendData" not in (req.post_data or ""):
                     return  # the tables' tick callback; the refresh of the charts is the one measured
                 t = req.timing
-                resp = req.response()
-                size = len(resp.body()) if resp is not None else 0
+                try:
+                    resp = req.response()
+                    size = len(resp.body()) if resp is not None else 0
+                except Exception:  # the page closed meanwhile
+                    return
                 samples.append((t["responseEnd"] - t["requestStart"], size))
 
             page.on("requestfinished", on_finished)
             t_start = time.perf_counter()
-            sign_in(page, url, admin)
+            page.goto(url)
+            page.wait_for_selector("#login-token")
+            page.wait_for_function("() => window.Plotly !== undefined", timeout=60_000)
+            out["page_ready_ms"] = round((time.perf_counter() - t_start) * 1e3, 1)
+            t_sign = time.perf_counter()
+            page.fill("#login-token", admin)
+            page.click("#btn-login")
             page.wait_for_function(
                 """(n) => ['g-slo','g-p99','g-thr','g-hits'].every(id => {
                      const el = document.querySelector('#' + id + ' .js-plotly-plot');
                      return el && el.data && el.data.length > 0 && (el.data[0].x || []).length > 0
                             && (id !== 'g-p99' || el.data.filter(t => (t.x || []).length > 0).length >= n); })""",
                 arg=nodes, timeout=60_000)
-            out["first_render_ms"] = round((time.perf_counter() - t_start) * 1e3, 1)
+            t_end = time.perf_counter()
+            out["first_render_ms"] = round((t_end - t_start) * 1e3, 1)
+            out["render_after_sign_in_ms"] = round((t_end - t_sign) * 1e3, 1)
+            out["render_callback_ms"] = round(max(render_ms), 1) if render_ms else None
             p99 = plot_state(page, "g-p99")
             out["p99_traces"] = sum(1 for t in p99["traces"] if t["n"] > 0)
             out["p99_points"] = sum(t["n"] for t in p99["traces"])
@@ -235,6 +258,8 @@ def run(nodes: int = 32, history_s: float = 3600.0, interval_s: float = 1.0, tic
             fleet.stop()
         stop(dash)
         stop(cp)
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

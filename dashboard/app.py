@@ -24,6 +24,7 @@ a note saying why; an operator can act; every action asks for confirmation first
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -50,6 +51,7 @@ SLOW_MS = 1500.0
 SLO_TARGET_DEFAULT = 0.99
 SPLIT_NODES_DEFAULT = 3
 DECISION_LIMIT = 500
+BUCKET_GRACE_S = 2.0
 LIVE_ROLLOUT = ("pending", "baking", "paused")
 
 OVERVIEW_GRAPHS = ("g-slo", "g-p99", "g-thr", "g-hits")
@@ -187,8 +189,8 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
         dbc.Row([dbc.Col(_graph("g-p99", 380), lg=12)]),
         dbc.Row([dbc.Col(_graph("g-hits"), lg=6), dbc.Col(html.Div([
             html.H6("Nodes"), _grid("grid-nodes", [_col("node_id", "node"), _col("status"), _col("device"),
-                                                   _col("emb_share", "emb_share"), _col("policy_version", "policy"),
-                                                   _col("last_seen", "last seen (UTC)")], height=300, page_size=8)
+                                                   _col("emb_share", "emb_share"), _col("policy_version", "policy")],
+                  height=300, page_size=8)
         ]), lg=6)]),
     ], className="pt-2")
 
@@ -316,6 +318,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
         dcc.Store(id="pending", data=None),
         dcc.Store(id="reload", data=0),
         dcc.Store(id="summary", data=None),
+        dcc.Store(id="tables-key", data={}),
         dcc.Store(id="acted", data=0),
     ])
 
@@ -324,7 +327,8 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
 
 
 def fmt_t(t_s) -> str:
-    return "" if t_s is None else (F.to_x(t_s) or "")[:19]
+    """Unix seconds as 'YYYY-MM-DD HH:MM:SS' (UTC)."""
+    return "" if t_s is None else F.x_to_text(F.to_x(t_s))
 
 
 def fmt_age(age_s: float) -> str:
@@ -593,10 +597,24 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         tok = s.token
         wall = time.time()
         view = dict(view)
+        tab = view.get("tab")
+        step = view.get("step_s") or 1
+        range_s = view.get("range_s") or 900
+        futures = {}
+        if view.get("rendered") and tab in ("overview", "split"):
+            # what this tick needs, fetched in parallel with the summary
+            last = view.get("last_t_s")
+            start = (last + 0.5 * step) if last is not None else wall - range_s
+            futures["rows"] = pool.submit(client.history, tok, start_s=start, end_s=None, step_s=step)
+            futures["bursts"] = pool.submit(client.bursts, tok, start_s=wall - range_s)
+            futures["nodes"] = pool.submit(client.nodes, tok)
+        t0 = time.perf_counter()
         try:
             summary = client.summary(tok)
-            latency_ms = client.last_latency_ms or 0.0
+            latency_ms = (time.perf_counter() - t0) * 1e3
         except (Unavailable, ApiError) as e:
+            for f in futures.values():
+                f.cancel()
             msg = e.message if isinstance(e, ApiError) else str(e)
             last_ok = view.get("last_ok_s")
             age = f"data shown is {fmt_age(wall - last_ok)} old (last update {fmt_t(last_ok)} UTC)" if last_ok \
@@ -618,23 +636,23 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         if not view.get("rendered"):
             # the first render failed (control plane was down): render whole now
             return (*ext, *patches, view, *banner, (reload_n or 0) + 1, *kpis, *tail)
-        if recovered and view.get("tab") in ("decisions",):
-            pass
-        tab = view.get("tab")
-        step = view.get("step_s") or 1
         order = view.get("order") or []
-        range_s = view.get("range_s") or 900
         max_points = int(math.ceil(range_s / step)) + 1
         try:
             if tab in ("overview", "split"):
-                last = view.get("last_t_s")
-                start = (last + 0.5 * step) if last is not None else now - range_s
-                rows = client.history(tok, start_s=start, end_s=now, step_s=step)
-                # keep only complete buckets (the newest one may still be filling)
-                rows = [r for r in rows if r["ts_s"] + step <= now + 1e-6 or step <= 1]
+                rows = futures["rows"].result()
+                # keep only complete buckets (the newest may still be filling; reports arrive up to
+                # a report interval late)
+                rows = [r for r in rows if r["ts_s"] + step + BUCKET_GRACE_S <= now]
                 if rows:
                     view["last_t_s"] = max(r["ts_s"] for r in rows)
-                bursts = client.bursts(tok, start_s=now - range_s)
+                bursts = futures["bursts"].result()
+                nodes_now = futures["nodes"].result()
+                node_rows = _node_rows(nodes_now)
+                key = hashlib.sha1(json.dumps(node_rows, sort_keys=True).encode()).hexdigest()
+                if key != view.get("nodes_key"):
+                    view["nodes_key"] = key
+                    tail[1] = node_rows
                 periods = F.merge_periods(bursts, now)
                 shapes_changed = (json.dumps(periods) != json.dumps(view.get("burst_key"))
                                   or any(b.get("end_s") is None for b in bursts))
@@ -658,14 +676,17 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                             p = Patch()
                             p["layout"]["shapes"] = F.time_shapes(bursts, now, hl)
                             patches[i] = p
-                    tail[1] = _node_rows(client.nodes(tok))
                 else:  # split
                     sel = view.get("split_sel") or []
                     if rows:
                         p = Patch()
                         times = sorted({t for s_ in ns.values() for t in s_["t_s"]})
-                        for t in times:
-                            p["data"][0]["x"].append(F.to_x(t))
+                        view["heat_cols"] = view.get("heat_cols", 0) + len(times)
+                        if view["heat_cols"] > max_points:
+                            # the heatmap has no browser-side trimming: once a whole range has been
+                            # appended, redraw it whole (bounded at twice the range)
+                            return (*ext, *patches, view, *banner, (reload_n or 0) + 1, *kpis, *tail)
+                        p["data"][0]["x"].extend(F.to_xs(times))
                         for i, node_id in enumerate(order):
                             s_ = ns.get(node_id, {"t_s": [], "emb_share": []})
                             by_t = dict(zip(s_["t_s"], s_["emb_share"]))
@@ -701,9 +722,8 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                         p = Patch()
                         p["layout"]["shapes"] = F.time_shapes(bursts, now, outline=True)
                         patches[4] = p
-                    nodes = client.nodes(tok)
                     p = Patch()
-                    bar = F.split_bar_figure(_split_rows(nodes))
+                    bar = F.split_bar_figure(_split_rows(nodes_now))
                     p["data"][0]["x"] = list(bar.data[0].x)
                     p["data"][1]["x"] = list(bar.data[1].x)
                     patches[6] = p
@@ -734,13 +754,17 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     @app.callback(Output("grid-overrides", "rowData"), Output("grid-audit", "rowData"),
                   Output("grid-policies", "rowData"), Output("ro-policy", "options"), Output("ro-status", "children"),
                   Output("grid-ro-nodes", "rowData"), Output("g-rollout", "figure", allow_duplicate=True),
+                  Output("tables-key", "data"),
                   Input("tick", "n_intervals"), Input("tabs", "value"), Input("acted", "data"), Input("sid", "data"),
-                  State("view", "data"), prevent_initial_call=True)
-    def action_tables(_n, tab, _acted, sid, view):
+                  State("view", "data"), State("tables-key", "data"), prevent_initial_call=True)
+    def action_tables(_n, tab, _acted, sid, view, keys):
+        """The override and policies pages' tables, rollout card and figure; each is sent only when
+        it changed since the last tick (a hash per output in the tables-key store)."""
         s = sessions.get(sid)
         out = [no_update] * 7
         if s is None or tab not in ("override", "policies"):
-            return out
+            return *out, no_update
+        keys = dict(keys or {}) if ctx.triggered_id == "tick" else {}
         tok = s.token
         try:
             if tab == "override":
@@ -766,8 +790,15 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 if ro and view and view.get("now_s") and (ctx.triggered_id != "tick" or ro["state"] in LIVE_ROLLOUT):
                     out[6] = rollout_fig(tok, ro, time.time(), view.get("range_s") or 900, view.get("step_s") or 5)
         except (Unavailable, ApiError):
-            return out
-        return out
+            return *out, no_update
+        for i, v in enumerate(out):
+            if v is no_update:
+                continue
+            h = hashlib.sha1(json.dumps(v, sort_keys=True, default=_jsonable).encode()).hexdigest()[:16]
+            if keys.get(str(i)) == h:
+                out[i] = no_update
+            keys[str(i)] = h
+        return *out, keys
 
     # ---------------------------------------------------------------- confirm and act ---
     @app.callback(Output("pending", "data"), Output("confirm-modal", "is_open"), Output("confirm-body", "children"),
@@ -871,10 +902,17 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     return app
 
 
+def _jsonable(o):
+    """Figures and components as JSON (for change hashes)."""
+    if hasattr(o, "to_plotly_json"):
+        return o.to_plotly_json()
+    return str(o)
+
+
 def _node_rows(nodes: list[dict]) -> list[dict]:
     return [{"node_id": n["node_id"], "status": n.get("status"), "device": n.get("device"),
-             "emb_share": None if n.get("emb_share") is None else round(n["emb_share"], 4),
-             "policy_version": n.get("policy_version"), "last_seen": fmt_t(n.get("last_seen_s"))}
+             "emb_share": None if n.get("emb_share") is None else round(n["emb_share"], 2),
+             "policy_version": n.get("policy_version")}
             for n in sorted(nodes, key=lambda n: n["node_id"])]
 
 

@@ -16,6 +16,10 @@ Inputs are plain columnar dicts (what `dashboard.client` returns):
 
 Times are Unix seconds; axes show them as UTC date-times. Every axis names its unit.
 
+WebGL (`Scattergl`) is used where there are many series (P99 per node, target vs applied per
+node); the small cluster charts are SVG `Scatter`, which keeps the number of WebGL contexts per
+page low (browsers allow about 8) and draws faster where WebGL is software-rendered.
+
 **Decision-source colours** (the same everywhere on the dashboard, and in docs/dashboard.md):
 
     base      #1f77b4  blue    the shipped ONNX base policy decided
@@ -64,15 +68,26 @@ _LAYOUT = dict(
 # ------------------------------------------------------------------------------- helpers ---
 
 
-def to_x(t_s: float | None) -> str | None:
-    """Unix seconds -> the UTC date-time string Plotly puts on a date axis (ms precision)."""
+def to_x(t_s: float | None) -> int | None:
+    """Unix seconds -> what the date axes take: milliseconds since the epoch (UTC), an integer.
+
+    Numbers rather than date strings: a third of the bytes, and the browser does not parse a
+    date per point (Plotly reads numbers on a date axis as epoch milliseconds).
+    """
     if t_s is None:
         return None
-    return datetime.fromtimestamp(float(t_s), tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return int(round(float(t_s) * 1000.0))
 
 
-def to_xs(ts: Iterable[float]) -> list[str]:
-    return [to_x(t) for t in ts]
+def to_xs(ts: Iterable[float]) -> list[int]:
+    return [int(round(float(t) * 1000.0)) for t in ts]
+
+
+def x_to_text(x: int | None) -> str:
+    """An axis value back to 'YYYY-MM-DD HH:MM:SS' (UTC), for tables and messages."""
+    if x is None:
+        return ""
+    return datetime.fromtimestamp(x / 1000.0, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _clean(values: Iterable) -> list:
@@ -173,7 +188,7 @@ def slo_attainment_figure(cluster: Mapping, target: float, bursts: Sequence[Mapp
     """SLO attainment (fraction of requests within the SLO) over time against its target."""
     fig = _base("SLO attainment vs target", "requests within SLO (%)")
     y = [None if v is None else 100.0 * v for v in _clean(cluster.get("slo_attainment", []))]
-    fig.add_trace(go.Scattergl(x=to_xs(cluster.get("t_s", [])), y=y, mode="lines", name="attainment",
+    fig.add_trace(go.Scatter(x=to_xs(cluster.get("t_s", [])), y=y, mode="lines", name="attainment",
                                line=dict(color=EMB_COLOR, width=2)))
     fig.add_annotation(xref="paper", x=1, y=100.0 * target, yref="y", text=f"target {100 * target:g}%",
                        showarrow=False, xanchor="right", yanchor="top", font=dict(color=SLO_LINE))
@@ -207,7 +222,7 @@ def p99_figure(nodes: Mapping[str, Mapping], slo_ms: float, bursts: Sequence[Map
 def throughput_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
                       now_s: float | None = None) -> go.Figure:
     fig = _base("Throughput", "requests per second (req/s)")
-    fig.add_trace(go.Scattergl(x=to_xs(cluster.get("t_s", [])), y=_clean(cluster.get("throughput_rps", [])),
+    fig.add_trace(go.Scatter(x=to_xs(cluster.get("t_s", [])), y=_clean(cluster.get("throughput_rps", [])),
                                mode="lines", name="served", line=dict(color="#17becf", width=2)))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(rangemode="tozero")
@@ -223,7 +238,7 @@ def hit_rate_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
     for key, name, color in (("emb_hit_rate", "EMB hit rate (rows)", EMB_COLOR),
                              ("kv_hit_rate", "KV hit rate (tokens)", KV_COLOR)):
         y = [None if v is None else 100.0 * v for v in _clean(cluster.get(key, []))]
-        fig.add_trace(go.Scattergl(x=xs, y=y, mode="lines", name=name, line=dict(color=color, width=2)))
+        fig.add_trace(go.Scatter(x=xs, y=y, mode="lines", name=name, line=dict(color=color, width=2)))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(range=[0, 100.5])
     _legend_top(fig)
@@ -383,10 +398,13 @@ def router_weights_figure(history: Sequence[Mapping], field: str = "service_time
             s["y"].append(s["y"][-1])
             s["text"].append(s["text"][-1] + " (current)")
             sizes.append(0)
-        fig.add_trace(go.Scattergl(x=s["x"], y=_clean(s["y"]), text=s["text"], mode="lines+markers",
+        fig.add_trace(go.Scatter(x=s["x"], y=_clean(s["y"]), text=s["text"], mode="lines+markers",
                                    line=dict(shape="hv", width=1.5), marker=dict(size=sizes), name=node_id,
                                    hovertemplate="%{y:.2f}<br>%{text}<extra>" + node_id + "</extra>"))
     fig.update_layout(hovermode="closest", legend=dict(font=dict(size=10)))
+    ys = [v for s in per_node.values() for v in _clean(s["y"]) if v is not None and v > 0]
+    if ys and max(ys) / min(ys) > 50:  # nodes of very different speeds: a log axis keeps all readable
+        fig.update_yaxes(type="log", title_text=y_title + ", log scale")
     return fig
 
 
@@ -402,11 +420,11 @@ def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
     for group in ("baseline", "canary"):
         rows = sorted((w for w in windows if w.get("group") == group), key=lambda w: w["t_s"])
         xs = to_xs(w["t_s"] for w in rows)
-        fig.add_trace(go.Scattergl(x=xs, y=_clean(w.get("p99_ms") for w in rows), mode="lines+markers",
+        fig.add_trace(go.Scatter(x=xs, y=_clean(w.get("p99_ms") for w in rows), mode="lines+markers",
                                    name=f"{group} P99", line=dict(color=colors[group]), legendgroup=group),
                       row=1, col=1)
         att = [None if v is None else 100 * v for v in _clean(w.get("slo_attainment") for w in rows)]
-        fig.add_trace(go.Scattergl(x=xs, y=att, mode="lines+markers", name=f"{group} attainment",
+        fig.add_trace(go.Scatter(x=xs, y=att, mode="lines+markers", name=f"{group} attainment",
                                    line=dict(color=colors[group], dash="dot"), legendgroup=group),
                       row=2, col=1)
     if slo_ms is not None:
@@ -421,6 +439,9 @@ def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
     fig.update_yaxes(title_text="within SLO (%)", row=2, col=1)
     fig.update_xaxes(title_text="time (UTC)", type="date", row=2, col=1)
     fig.update_xaxes(type="date", row=1, col=1)
+    ts = [w["t_s"] for w in windows]
+    if ts and max(ts) - min(ts) < 120:  # the first windows: show two minutes, not milliseconds
+        fig.update_xaxes(range=[to_x(min(ts) - 60), to_x(max(ts) + 60)])
     _legend_top(fig)
     fig.update_layout(height=500, margin=dict(t=90))
     return fig

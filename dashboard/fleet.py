@@ -33,6 +33,12 @@ class FleetConfig:
     """Burst periods as (start, end, magnitude), start/end as fractions of the seeded span."""
     burst_nodes: float = 0.5  # fraction of nodes a burst hits
     policy_version: str | None = None
+    follow_directives: bool = True
+    """Live nodes pull their directives every interval as agents do: an override holds their
+    emb_share (source ``override``); a policy version is "loaded" (confirmed, then reported)."""
+    candidate_p99_penalty_ms: float = 3.0
+    """Nodes running a policy whose id starts with ``candidate`` report this much more P99 (a
+    canary that is visibly, deterministically worse)."""
 
 
 def node_id(i: int) -> str:
@@ -57,6 +63,8 @@ class Fleet:
         self.start_s, self.end_s = float(start_s), float(end_s)
         self.seq = {node_id(i): 0 for i in range(self.config.num_nodes)}
         self.share = {node_id(i): 0.35 + 0.3 * (i % 7) / 6 for i in range(self.config.num_nodes)}
+        self.policy = {nid: self.config.policy_version for nid in self.seq}
+        self.override: dict[str, dict | None] = {nid: None for nid in self.seq}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_posted = 0
@@ -95,7 +103,11 @@ class Fleet:
         wave = 0.08 * math.sin(2 * math.pi * (t / 900.0 + i / 11.0))
         base_share = min(0.9, max(0.1, 0.35 + 0.3 * (i % 7) / 6 + wave))
         seq = self.seq[nid]
-        if burst:
+        ov = self.override.get(nid)
+        if ov is not None:
+            target = float(ov["emb_share"])
+            source, reason = "override", f"operator override {target:.4f} ({ov.get('reason', '')})"
+        elif burst:
             target = max(0.1, prev - 0.04)
             source, reason = "recovery", (f"burst x{burst[2]:g}: KV-ward cap {target:.4f} (entry {prev:.4f} - 0.04) "
                                          f"under base proposal {base_share:.4f}")
@@ -111,7 +123,10 @@ class Fleet:
         applied = prev + 0.5 * (target - prev)
         self.share[nid] = applied
         load = 1.0 + (burst[2] - 1.0) if burst else 1.0
+        policy = self.policy.get(nid)
         p99 = 14.0 + 2.0 * (i % 5) + 6.0 * math.sin(t / 120.0 + i) ** 2 + (24.0 * (load - 1) / 2 if burst else 0.0)
+        if policy and str(policy).startswith("candidate"):
+            p99 += c.candidate_p99_penalty_ms
         att = 0.999 - (0.02 * (load - 1) if burst else 0.0) - 0.002 * (i % 3)
         rps = 400.0 * load + 20 * (i % 4)
         rep = {"seq": seq, "ts_s": t, "interval_s": c.interval_s, "emb_share": round(applied, 6),
@@ -120,7 +135,7 @@ class Fleet:
                "p50_ms": round(p99 / 3, 4), "p99_ms": round(p99, 4), "slo_attainment": round(max(0.0, att), 6),
                "throughput_rps": round(rps, 3), "num_requests": int(rps * c.interval_s), "queue_depth": 2.0 * load,
                "refill_bytes": 4096 * (seq % 7), "kv_recompute_us_per_token": 2.0 + 0.1 * (i % 5),
-               "emb_transfer_us_per_row": 0.8 + 0.05 * (i % 3), "policy_version": c.policy_version,
+               "emb_transfer_us_per_row": 0.8 + 0.05 * (i % 3), "policy_version": policy,
                "decision": {"source": source, "emb_share": round(target, 6), "reason": reason,
                             "prev_emb_share": round(prev, 6), "features": {"load": round(load / 3, 4)}}}
         if burst and (t - burst[0]) < c.interval_s * 1.5:
@@ -130,6 +145,18 @@ class Fleet:
             rep["bursts"] = [{"start_s": s, "end_s": t, "magnitude": m}]
         self.seq[nid] = seq + 1
         return rep
+
+    def follow(self, nid: str) -> None:
+        """Pull this node's directives and apply them (override; policy: confirm it as loaded)."""
+        r = self.http.get(f"{API}/nodes/{nid}/directives", headers=self.headers())
+        r.raise_for_status()
+        d = r.json()
+        self.override[nid] = d.get("override")
+        pol = d.get("policy")
+        if pol and pol.get("version") != self.policy.get(nid):
+            self.http.post(f"{API}/nodes/{nid}/policy", headers=self.headers(),
+                           json={"policy_version": pol["version"], "status": "loaded"}).raise_for_status()
+            self.policy[nid] = pol["version"]
 
     def post(self, nid: str, reports: list[dict]) -> None:
         r = self.http.post(f"{API}/nodes/{nid}/reports", headers=self.headers(), json={"reports": reports})
@@ -161,6 +188,8 @@ class Fleet:
             while not self._stop.is_set():
                 for i, nid in enumerate(self.seq):
                     try:
+                        if self.config.follow_directives:
+                            self.follow(nid)
                         self.post(nid, [self.report(i, t_next)])
                     except httpx.HTTPError:
                         pass  # this interval is lost (a real agent buffers and replays it; this fleet does not)

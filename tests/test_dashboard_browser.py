@@ -113,7 +113,7 @@ class Stack:
                "--path", str(csv), "--emb-share", "0.5", "--seed", "1", "--num-pages", "256",
                "--max-history-len", "256", "--control-interval-s", "0.5", "--policy", str(POLICY_DIR),
                "--control-plane", self.cp_url, "--token", token, "--node-id", AGENT_ID,
-               "--buffer-dir", str(self.tmp / "agent-buffer")]
+               "--state-dir", str(self.tmp / "agent-state")]
         log = open(self.tmp / "agent.log", "ab")
         self.agent = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
@@ -360,7 +360,13 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
     assert "pending" in state or "baking" in state
     ros = stack.api("GET", "/rollouts")
     assert len(ros) == 1 and ros[0]["policy_version"] == stack.candidate and ros[0]["created_by"]
-    page.wait_for_timeout(1500)
+    # the canary nodes load the candidate and report under it: the progress chart shows both groups
+    wait_text(page, "ro-state", "baking", timeout_s=60)
+    fig = wait_plot(page, "g-rollout", lambda st: all(any(t["name"] == f"{g} P99" and t["n"] > 0 for t in st["traces"])
+                                                      for g in ("canary", "baseline")), timeout_s=60)
+    assert fig["ytitle"] == "P99 (ms)"
+    wait_text(page, "grid-ro-nodes", "loaded")
+    page.wait_for_timeout(1000)
     page.screenshot(path=str(stack.shots / "policies-rollout.png"), full_page=True)
     page.click("#btn-ro-rollback")
     page.wait_for_selector("#confirm-modal .modal-body", state="visible")

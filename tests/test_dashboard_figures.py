@@ -70,7 +70,8 @@ def test_overview_series_present_with_values_and_reference_lines():
     assert "%" in slo.layout.yaxis.title.text
     p99 = F.p99_figure(_nodes(4), 30.0, cluster=c)
     assert [t.name for t in p99.data[:5]] == ["node-0", "node-1", "node-2", "node-3", "cluster"]
-    assert all(t.type == "scattergl" for t in p99.data[:5])
+    assert all(t.type == "scattergl" for t in p99.data[:5])  # many series: WebGL
+    assert slo.data[0].type == "scatter"  # one series: SVG (fewer WebGL contexts per page)
     assert [s.name for s in p99.layout.shapes] == ["slo"] and p99.layout.shapes[0].y0 == 30.0
     assert "ms" in p99.layout.yaxis.title.text
     hits = F.hit_rate_figure(c)
@@ -124,6 +125,10 @@ def test_split_bar_stacks_emb_and_kv_bytes_in_mib():
     assert (emb.name, kv.name) == ("EMB slab", "KV pool") and fig.layout.barmode == "stack"
     assert list(emb.x) == [3.0, 6.0] and list(kv.x) == [5.0, 2.0] and list(emb.y) == ["n0", "n1"]
     assert "MiB" in fig.layout.xaxis.title.text
+    fig = F.split_bar_figure([{"node_id": "n0", "emb_share": 0.25, "arena_bytes": 8 * F.MIB}])
+    assert list(fig.data[0].x) == [2.0] and list(fig.data[1].x) == [6.0]
+    fig = F.split_bar_figure([{"node_id": "n0", "emb_share": 0.25}])  # arena size unknown: % of the arena
+    assert list(fig.data[0].x) == [25.0] and list(fig.data[1].x) == [75.0] and "%" in fig.layout.xaxis.title.text
 
 
 def test_router_weights_per_node_step_lines_with_reasons():
