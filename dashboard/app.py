@@ -40,13 +40,14 @@ import dash_bootstrap_components as dbc
 from dash import Input, Output, Patch, State, ctx, dcc, html, no_update
 
 from . import figures as F
+from .history import HistoryCache
 from .client import ApiError, ControlPlaneClient, Unavailable, cluster_series, node_series
 
 log = logging.getLogger("racer.dashboard")
 
 RANGES = [("5 min", 300), ("15 min", 900), ("1 h", 3600), ("6 h", 6 * 3600), ("24 h", 86400)]
 STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600)
-MAX_POINTS = 240
+MAX_POINTS = 180
 SLOW_MS = 1500.0
 SLO_TARGET_DEFAULT = 0.99
 SPLIT_NODES_DEFAULT = 3
@@ -416,6 +417,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         raise ValueError(f"slo_target must be in (0, 1], got {slo_target!r}")
     client = ControlPlaneClient(control_plane_url, timeout_s=timeout_s)
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="racer-dashboard-fetch")
+    cache = HistoryCache(client.history, grace_s=BUCKET_GRACE_S)
     sessions = SessionStore()
     app = dash.Dash(__name__, title="RACER operator dashboard", update_title=None,
                     suppress_callback_exceptions=True)
@@ -506,7 +508,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             need_hist = tab in ("overview", "split", "bursts")
             f_nodes = pool.submit(client.nodes, tok)
             f_bursts = pool.submit(client.bursts, tok, start_s=start)
-            f_rows = pool.submit(client.history, tok, start_s=start, end_s=now, step_s=step) if need_hist else None
+            f_rows = pool.submit(cache.rows, tok, step, start, now) if need_hist else None
             nodes = f_nodes.result()
             order = sorted(n["node_id"] for n in nodes)
             extra[5] = summary
@@ -604,8 +606,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         if view.get("rendered") and tab in ("overview", "split"):
             # what this tick needs, fetched in parallel with the summary
             last = view.get("last_t_s")
-            start = (last + 0.5 * step) if last is not None else wall - range_s
-            futures["rows"] = pool.submit(client.history, tok, start_s=start, end_s=None, step_s=step)
+            futures["rows"] = pool.submit(cache.since, tok, step, last, wall - range_s, wall)
             futures["bursts"] = pool.submit(client.bursts, tok, start_s=wall - range_s)
             futures["nodes"] = pool.submit(client.nodes, tok)
         t0 = time.perf_counter()
@@ -620,6 +621,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             age = f"data shown is {fmt_age(wall - last_ok)} old (last update {fmt_t(last_ok)} UTC)" if last_ok \
                 else "no data yet"
             view["ok"] = False
+            view["was_down"] = True
             view["error"] = msg
             kpis[1] = html.Span(fmt_age(wall - last_ok) + " (stale)" if last_ok else "–", className="text-danger")
             return (*ext, *patches, view, True, [html.Strong("Control plane unreachable. "), f"{msg}. {age}. ",
@@ -633,17 +635,20 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                       "warning")
         else:
             banner = (False, no_update, no_update)
-        if not view.get("rendered"):
-            # the first render failed (control plane was down): render whole now
+        if not view.get("rendered") or (recovered and view.get("was_down")):
+            # the first render failed (control plane was down), or the control plane is back after
+            # an outage: nodes replay their buffered reports into buckets already read, so forget
+            # them and draw the page whole again (a callback, not a page reload)
+            cache.clear()
+            for f in futures.values():
+                f.cancel()
+            view["was_down"] = False
             return (*ext, *patches, view, *banner, (reload_n or 0) + 1, *kpis, *tail)
         order = view.get("order") or []
         max_points = int(math.ceil(range_s / step)) + 1
         try:
             if tab in ("overview", "split"):
-                rows = futures["rows"].result()
-                # keep only complete buckets (the newest may still be filling; reports arrive up to
-                # a report interval late)
-                rows = [r for r in rows if r["ts_s"] + step + BUCKET_GRACE_S <= now]
+                rows = futures["rows"].result()  # complete buckets newer than the last drawn
                 if rows:
                     view["last_t_s"] = max(r["ts_s"] for r in rows)
                 bursts = futures["bursts"].result()
