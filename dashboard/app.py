@@ -301,8 +301,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
         dcc.Tab(label="Bursts", value="bursts", children=bursts),
         dcc.Tab(label="Decisions & routing", value="decisions", children=decisions),
         dcc.Tab(label="Override", value="override", children=[viewer_note, override]),
-        dcc.Tab(label="Policies", value="policies", children=[html.Div(viewer_note.children, className="d-none"),
-                                                               policies]),
+        dcc.Tab(label="Policies", value="policies", children=policies),
     ])
     return html.Div([
         header,
@@ -429,7 +428,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     state = {"slo_ms": slo_ms}
 
     def _slo_ms(_tok: str) -> float:
-        return state["slo_ms"]
+        return state["slo_ms"]  # the --slo-ms option (the control plane's API does not publish the SLO)
 
     def rollout_fig(tok: str, ro: dict | None, now: float, range_s: float, step: float):
         """Canary vs baseline per bucket, from the raw reports since the rollout's bake started."""

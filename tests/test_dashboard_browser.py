@@ -247,6 +247,11 @@ def test_overview_and_split_render_every_series_and_the_burst_shading(stack, bro
               timeout_s=40)
     page.wait_for_timeout(500)
     page.screenshot(path=str(stack.shots / "overview.png"), full_page=True)
+    # the token stays on the dashboard server: not in the URL, the browser's storage, the page or a log
+    assert stack.admin not in page.url
+    storage = page.evaluate("() => JSON.stringify([Object.entries(sessionStorage), Object.entries(localStorage)])")
+    assert stack.admin not in storage and stack.admin not in page.content()
+    assert stack.admin not in (stack.tmp / "dashboard.log").read_text(errors="replace")
 
     click_tab(page, "EMB-KV split")
     heat = wait_plot(page, "g-heat", lambda st: st["traces"] and st["traces"][0]["rows"] == len(nodes))
