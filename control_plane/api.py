@@ -192,15 +192,6 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         request.app.state.known_nodes.add(body.node_id)
         return RegisterOut(node_id=body.node_id, report_interval_s=settings.report_interval_s, last_report_seq=last_seq)
 
-    def _require_known(request: Request, node_id: str) -> None:
-        known = request.app.state.known_nodes
-        if node_id in known:
-            return
-        with request.app.state.factory() as s:
-            if s.get(Node, node_id) is None:
-                raise HTTPException(404, f"node_id {node_id!r} is not registered (POST {API}/nodes/register first)")
-        known.add(node_id)
-
     ingest_roles = {"openapi_extra": {"x-racer-roles": [NODE]}}  # auth inside ingest_batch (shared with the fast path)
     ingest_roles["openapi_extra"]["requestBody"] = {
         "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReportBatchIn"}}}}
@@ -335,20 +326,24 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                          error=j.error, summary=j.summary) for j in queries.job_runs(s, job, since_s, limit)]
 
     # ---- routers and weights
+    def _router_out(x: Router) -> RouterOut:
+        return RouterOut(url=x.url, has_push_token=x.push_token is not None, registered_at_s=x.registered_at_s,
+                         pushed_version=x.pushed_version, last_push_s=x.last_push_s, last_error=x.last_error)
+
     @r.post("/routers", response_model=RouterOut, **roles(NODE, OPERATOR))
     def register_router(body: RouterIn, request: Request, p: principal(NODE, OPERATOR)):
         now = clock()
         with begin(request) as s:
-            router, new = queries.upsert_router(s, body.url, now)
+            router, new = queries.upsert_router(s, body.url, now, body.push_token)
             if new:
                 queries.audit(s, ts_s=now, actor=p.name, action="router.register", target=f"router:{body.url}",
-                              after={"url": body.url}, reason="")
-            return RouterOut.model_validate(router)
+                              after={"url": body.url, "has_push_token": body.push_token is not None}, reason="")
+            return _router_out(router)
 
     @r.get("/routers", response_model=list[RouterOut], **roles(OPERATOR, VIEWER))
     def routers(request: Request):
         with request.app.state.factory() as s:
-            return [RouterOut.model_validate(x) for x in queries.list_routers(s)]
+            return [_router_out(x) for x in queries.list_routers(s)]
 
     @r.delete("/routers", response_model=RouterOut, **roles(OPERATOR))
     def delete_router(request: Request, p: principal(OPERATOR),
@@ -357,7 +352,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
             router = s.get(Router, url)
             if router is None:
                 raise HTTPException(404, f"url {url!r} is not a registered router")
-            out = RouterOut.model_validate(router)
+            out = _router_out(router)
             s.delete(router)
             queries.audit(s, ts_s=clock(), actor=p.name, action="router.delete", target=f"router:{url}",
                           before={"url": url}, reason="")
@@ -593,24 +588,22 @@ def _json(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: str | None = None,
-                       principal_checked: bool = False) -> tuple[int, bytes]:
+async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: str) -> tuple[int, bytes]:
     """Authenticate (node role), validate, store one report batch; (HTTP status, JSON body)."""
     t0 = time.perf_counter()
-    if authorization is not None or not principal_checked:
-        scheme, _, secret = (authorization or "").partition(" ")
-        secret = secret.strip()
-        if scheme.lower() != "bearer" or not secret:
-            return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"})
-        p = state.tokens.cached(secret)
-        if p is None:
-            import anyio.to_thread
+    scheme, _, secret = authorization.partition(" ")
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
+        return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"})
+    p = state.tokens.cached(secret)
+    if p is None:
+        import anyio.to_thread
 
-            p = await anyio.to_thread.run_sync(state.tokens.lookup, secret)
-        if p is None:
-            return 401, _json({"detail": "unknown or revoked token"})
-        if not p.has(NODE):
-            return 403, _json({"detail": f"role {p.role!r} may not do this (needs node)"})
+        p = await anyio.to_thread.run_sync(state.tokens.lookup, secret)
+    if p is None:
+        return 401, _json({"detail": "unknown or revoked token"})
+    if not p.has(NODE):
+        return 403, _json({"detail": f"role {p.role!r} may not do this (needs node)"})
     try:
         body = ReportBatchIn.model_validate_json(raw)
     except ValidationError as e:

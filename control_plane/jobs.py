@@ -28,7 +28,7 @@ import httpx
 from sqlalchemy import text
 
 from db import queries
-from db.models import Override, Router, SchedulerLease
+from db.models import Router, SchedulerLease
 
 from . import rollout_service
 from .weights import CostProfile, derive_weights
@@ -85,14 +85,17 @@ def push_weights(factory, settings, metrics) -> dict:
     """POST the latest weights to every router that does not have them yet."""
     with factory() as s:
         w = queries.latest_weights(s)
-        routers = [r.url for r in queries.list_routers(s) if w is not None and r.pushed_version != w.version]
+        routers = [(r.url, r.push_token) for r in queries.list_routers(s)
+                   if w is not None and r.pushed_version != w.version]
     if w is None:
         return {"pushed": 0, "failed": 0}
     body = {"version": w.version, "computed_at_s": w.computed_at_s, "nodes": w.nodes}
     results = {}
-    for url in routers:
+    for url, push_token in routers:
+        headers = {"Authorization": f"Bearer {push_token}"} if push_token else {}
         try:
-            resp = httpx.post(url.rstrip("/") + "/v1/router/weights", json=body, timeout=settings.push_timeout_s)
+            resp = httpx.post(url.rstrip("/") + "/v1/router/weights", json=body, headers=headers,
+                              timeout=settings.push_timeout_s)
             results[url] = None if resp.status_code < 300 else f"HTTP {resp.status_code}: {resp.text[:200]}"
         except httpx.HTTPError as e:
             results[url] = f"{type(e).__name__}: {e}"
@@ -320,4 +323,4 @@ def _jsonable(x):
         return {"repr": repr(x)}
 
 
-__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights", "Override"]
+__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights"]

@@ -204,10 +204,12 @@ class BurstOut(Out):
 # ---- routers
 class RouterIn(In):
     url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://")]
+    push_token: Annotated[str, Field(min_length=1, max_length=512)] | None = None  # sent as the push's bearer
 
 
 class RouterOut(Out):
     url: str
+    has_push_token: bool = False
     registered_at_s: float
     pushed_version: int | None
     last_push_s: float | None

@@ -131,10 +131,13 @@ class RouterWeightsVersion(Base):
 
 
 class Router(Base):
-    """A registered gateway; the weights job pushes each new version to ``url``."""
+    """A registered gateway; the weights job pushes each new version to ``url``, with
+    ``Authorization: Bearer <push_token>`` when the gateway gave one (a secret of its own choosing,
+    kept in clear because the control plane must send it; it grants nothing here)."""
 
     __tablename__ = "routers"
     url: Mapped[str] = mapped_column(String(512), primary_key=True)
+    push_token: Mapped[str | None] = mapped_column(String(512))
     registered_at_s: Mapped[float]
     pushed_version: Mapped[int | None] = mapped_column(Integer)
     last_push_s: Mapped[float | None]

@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -421,11 +421,14 @@ def add_weights(session: Session, *, computed_at_s: float, nodes: dict, inputs: 
     return w
 
 
-def upsert_router(session: Session, url: str, now_s: float) -> tuple[Router, bool]:
+def upsert_router(session: Session, url: str, now_s: float, push_token: str | None = None) -> tuple[Router, bool]:
+    """Register a router (again); a changed push token means the next push goes out again."""
     r = session.get(Router, url)
     if r is not None:
+        if push_token != r.push_token:
+            r.push_token, r.pushed_version = push_token, None
         return r, False
-    r = Router(url=url, registered_at_s=now_s)
+    r = Router(url=url, registered_at_s=now_s, push_token=push_token)
     session.add(r)
     session.flush()
     return r, True

@@ -147,6 +147,11 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Authorization") != "Bearer gw-push-secret":
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         type(self).received.append((self.path, json.loads(body)))
         self.send_response(200)
         self.send_header("Content-Length", "2")
@@ -167,7 +172,8 @@ def test_router_weights_pushed_on_change_only_and_pullable(cp):
         for nid, kv in (("w1", 2.0), ("w2", 4.0)):
             register(node, nid, kv_recompute_us_per_token=kv)
         url = f"http://127.0.0.1:{srv.server_address[1]}"
-        assert node.post("/routers", json={"url": url}).status_code == 200
+        r = node.post("/routers", json={"url": url, "push_token": "gw-push-secret"})
+        assert r.status_code == 200 and r.json()["has_push_token"] and "push_token" not in r.json()
 
         def keep_alive(seq, **kw):
             for nid in ("w1", "w2"):

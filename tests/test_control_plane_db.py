@@ -39,7 +39,7 @@ def _row(nid, seq, ts, **kw):
 def test_migrations_make_every_table_and_are_idempotent(db):
     engine, _ = db
     upgrade(engine)  # second run: nothing to do
-    assert current_revision(engine) == "0001"
+    assert current_revision(engine) == "0002"
     names = set(inspect(engine).get_table_names())
     for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
               "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
@@ -47,6 +47,22 @@ def test_migrations_make_every_table_and_are_idempotent(db):
         assert t in names, t
     uqs = {tuple(u["column_names"]) for u in inspect(engine).get_unique_constraints("node_reports")}
     assert ("node_id", "seq") in uqs
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
+    d = Database(backend, tmp_path)
+    engine = make_engine(d.url)
+    try:
+        upgrade(engine, "0001")
+        assert current_revision(engine) == "0001"
+        assert "push_token" not in {c["name"] for c in inspect(engine).get_columns("routers")}
+        upgrade(engine)
+        assert current_revision(engine) == "0002"
+        assert "push_token" in {c["name"] for c in inspect(engine).get_columns("routers")}
+    finally:
+        engine.dispose()
+        d.drop()
 
 
 def test_insert_reports_is_idempotent_on_node_and_seq(db):
