@@ -500,7 +500,8 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         step = step_for(range_s)
         t_render = time.time()
         try:
-            # the four reads in parallel (the history is the long one)
+            # the summary first (it also checks the token), then nodes, bursts and history in
+            # parallel (the history, from the shared cache, is the long one)
             summary = client.summary(tok)
             now = float(summary["now_s"])
             start = now - range_s
