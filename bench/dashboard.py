@@ -208,11 +208,11 @@ def run(nodes: int = 32, history_s: float = 3600.0, interval_s: float = 1.0, tic
             def on_finished(req):
                 body = req.post_data or ""
                 if "_dash-update-component" in req.url and "g-slo.figure" in body and '"sid"' in body \
-                        and "tick.n_intervals" not in body:
+                        and "tick-go" not in body:
                     t = req.timing
                     render_ms.append(t["responseEnd"] - t["requestStart"])
                     return
-                if "_dash-update-component" not in req.url or "tick.n_intervals" not in body:
+                if "_dash-update-component" not in req.url or '"tick-go"' not in body:
                     return
                 if "g-slo.extendData" not in (req.post_data or ""):
                     return  # the tables' tick callback; the refresh of the charts is the one measured

@@ -52,7 +52,7 @@ SLOW_MS = 1500.0
 SLO_TARGET_DEFAULT = 0.99
 SPLIT_NODES_DEFAULT = 3
 DECISION_LIMIT = 500
-BUCKET_GRACE_S = 2.0
+BUCKET_GRACE_S = 5.0  # a bucket is drawn 5 s after its end: reports (1 s interval) arrive late under load
 LIVE_ROLLOUT = ("pending", "baking", "paused")
 
 OVERVIEW_GRAPHS = ("g-slo", "g-p99", "g-thr", "g-hits")
@@ -319,6 +319,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
         dcc.Store(id="reload", data=0),
         dcc.Store(id="summary", data=None),
         dcc.Store(id="tables-key", data={}),
+        dcc.Store(id="tick-go"), dcc.Store(id="tick-done"), dcc.Store(id="tick-sink"),
         dcc.Store(id="acted", data=0),
     ])
 
@@ -585,9 +586,30 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                   Output("summary", "data", allow_duplicate=True), Output("kpi-age", "children"),
                   Output("grid-decisions", "rowTransaction"), Output("grid-nodes", "rowData"),
                   Output("grid-bursts", "rowData", allow_duplicate=True),
-                  Input("tick", "n_intervals"), State("view", "data"), State("sid", "data"), State("reload", "data"),
+                  Output("tick-done", "data"),
+                  Input("tick-go", "data"), State("view", "data"), State("sid", "data"), State("reload", "data"),
                   prevent_initial_call=True)
-    def tick(_n, view, sid, reload_n):
+    def tick(n, view, sid, reload_n):
+        return (*tick_updates(view, sid, reload_n), n)
+
+    # Ticks never overlap: Dash drops the answer of a callback that is triggered again before it
+    # answered, so with a control plane slower than the refresh period no tick would ever land
+    # (not even the banner saying it is slow). The interval fires "tick-go" only when the last
+    # tick has answered ("tick-done"), or after 20 s.
+    app.clientside_callback(
+        """function(n) {
+            const now = Date.now();
+            if (window._racerTickBusy && now - window._racerTickBusy < 20000) {
+                return window.dash_clientside.no_update;
+            }
+            window._racerTickBusy = now;
+            return n;
+        }""", Output("tick-go", "data"), Input("tick", "n_intervals"), prevent_initial_call=True)
+    app.clientside_callback(
+        """function(d) { window._racerTickBusy = 0; return window.dash_clientside.no_update; }""",
+        Output("tick-sink", "data"), Input("tick-done", "data"), prevent_initial_call=True)
+
+    def tick_updates(view, sid, reload_n):
         n_ext, n_patch = 5, 7
         ext = [no_update] * n_ext
         patches = [no_update] * n_patch
@@ -760,7 +782,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                   Output("grid-policies", "rowData"), Output("ro-policy", "options"), Output("ro-status", "children"),
                   Output("grid-ro-nodes", "rowData"), Output("g-rollout", "figure", allow_duplicate=True),
                   Output("tables-key", "data"),
-                  Input("tick", "n_intervals"), Input("tabs", "value"), Input("acted", "data"), Input("sid", "data"),
+                  Input("tick-go", "data"), Input("tabs", "value"), Input("acted", "data"), Input("sid", "data"),
                   State("view", "data"), State("tables-key", "data"), prevent_initial_call=True)
     def action_tables(_n, tab, _acted, sid, view, keys):
         """The override and policies pages' tables, rollout card and figure; each is sent only when
@@ -769,7 +791,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         out = [no_update] * 7
         if s is None or tab not in ("override", "policies"):
             return *out, no_update
-        keys = dict(keys or {}) if ctx.triggered_id == "tick" else {}
+        keys = dict(keys or {}) if ctx.triggered_id == "tick-go" else {}
         tok = s.token
         try:
             if tab == "override":
@@ -792,7 +814,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 ro = _current_rollout(client, tok)
                 out[4] = _rollout_card(ro)
                 out[5] = [dict(n) for n in (ro or {}).get("nodes", [])]
-                if ro and view and view.get("now_s") and (ctx.triggered_id != "tick" or ro["state"] in LIVE_ROLLOUT):
+                if ro and view and view.get("now_s") and (ctx.triggered_id != "tick-go" or ro["state"] in LIVE_ROLLOUT):
                     out[6] = rollout_fig(tok, ro, time.time(), view.get("range_s") or 900, view.get("step_s") or 5)
         except (Unavailable, ApiError):
             return *out, no_update

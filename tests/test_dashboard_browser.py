@@ -406,3 +406,70 @@ def test_control_plane_down_shows_a_banner_with_stale_age_and_recovers_without_r
     assert page.inner_text("#kpi-age") == "live"
     page.screenshot(path=str(stack.shots / "control-plane-back.png"), full_page=True)
     page.close()
+
+
+class SlowProxy:
+    """A forwarding HTTP proxy in front of the control plane that can add a delay to every answer."""
+
+    def __init__(self, target: str):
+        import http.server
+        import threading
+
+        proxy = self
+        self.delay_s = 0.0
+        self.target = target
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+                time.sleep(proxy.delay_s)
+                try:
+                    r = httpx.request(self.command, proxy.target + self.path, content=body, headers=headers, timeout=30)
+                except httpx.HTTPError:
+                    self.send_error(502)
+                    return
+                try:
+                    self.send_response(r.status_code)
+                    for k, v in r.headers.items():
+                        if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(r.content)))
+                    self.end_headers()
+                    self.wfile.write(r.content)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the dashboard gave up waiting (its timeout)
+
+            do_GET = do_POST = do_DELETE = _forward
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_slow_control_plane_raises_the_slow_banner_and_it_clears(stack, browser):
+    proxy = SlowProxy(stack.cp_url)
+    port = free_port()
+    dash = start_dashboard(proxy.url, port, stack.tmp / "dashboard-slow.log", refresh_s=1.0, range_s=300)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        sign_in(page, f"http://127.0.0.1:{port}/", stack.admin)
+        wait_plot(page, "g-p99", lambda st: sum(1 for t in st["traces"] if t["n"] > 0) >= NUM_FLEET)
+        proxy.delay_s = 2.0  # above the 1.5 s "slow" mark, below the 3 s request timeout
+        page.wait_for_selector("#banner", state="visible", timeout=30_000)
+        assert "slow" in page.inner_text("#banner")
+        page.screenshot(path=str(stack.shots / "control-plane-slow.png"), full_page=True)
+        proxy.delay_s = 0.0
+        page.wait_for_selector("#banner", state="hidden", timeout=30_000)
+        page.close()
+    finally:
+        stop(dash)
+        proxy.close()
