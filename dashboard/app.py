@@ -902,6 +902,8 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         s = sessions.get(sid)
         if not pending or s is None:
             return False, None, no_update, no_update, no_update, no_update
+        if s.role != "operator":  # the buttons are disabled for viewers; the control plane refuses too
+            return False, None, True, "a viewer cannot act: sign in with an operator token", "danger", no_update
         tok = s.token
         try:
             kind = pending["kind"]
