@@ -121,7 +121,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = make_engine(settings.database_url)
+        engine = make_engine(settings.database_url, background_checkpoint=True)
         upgrade(engine)
         factory = session_factory(engine)
         metrics = ControlPlaneMetrics()

@@ -238,7 +238,7 @@ def cmd_node_agent(args) -> int:
         print(f"racer node-agent: {msg}", flush=True)
 
     if args.control_plane:
-        _node_token(args)  # refuse a missing token before loading anything
+        reporter_config(args, args.host, args.port or 1)  # refuse a bad option (token, ids, URLs) before loading
     agent = build_agent(args, announce=announce)
     eng = agent.engine
 

@@ -13,7 +13,7 @@ end in ``_ratio``, counters in ``_total``); every series carries no label but th
     racer_requests_total                       counter  requests served
     racer_request_errors_total                 counter  requests that failed inside the node (5xx)
     racer_requests_rejected_total              counter  requests refused as invalid (4xx)
-    racer_queue_depth                          gauge    requests waiting for the device
+    racer_queue_depth_requests                 gauge    requests waiting for the device
     racer_refill_bytes_total                   counter  bytes the EMB refill brought host -> device
     racer_decisions_total{source}              counter  allocator decisions by source
                                                         (base, residual, recovery, override, guard)
@@ -76,7 +76,7 @@ class _AgentCollector:
         yield counter("racer_requests", "requests served", m["num_requests"])
         yield counter("racer_request_errors", "requests that failed inside the node", m["num_errors"])
         yield counter("racer_requests_rejected", "requests refused as invalid", m["num_rejected"])
-        yield gauge("racer_queue_depth", "requests waiting for the device", snap["queue_depth"])
+        yield gauge("racer_queue_depth_requests", "requests waiting for the device", snap["queue_depth"])
         yield counter("racer_refill_bytes", "bytes the EMB refill copied host to device", m["refill_bytes"])
         yield counter("racer_control_steps", "control steps run", snap["control"]["num_steps"])
         alloc = a.allocator

@@ -305,7 +305,7 @@ class Reporter:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(timeout_s + self.config.timeout_s)  # an HTTP call in flight ends by its timeout
             self._thread = None
         self._drain_inbox()
         self._client.close()

@@ -1,7 +1,7 @@
 """The node agent's control-plane side over real processes and real HTTP.
 
 A real control plane (``python -m control_plane.main``, SQLite) and a real node agent
-(``racer node-agent --control-plane URL --token T``) with the shipped default policy:
+(``racer node-agent --control-plane URL --token T``) with a freshly exported policy (always emb_share 0.5):
 
 - the agent registers and reports every control interval; stopping the control plane for 10 s
   while requests keep arriving loses no report and stores none twice (the stored sequence
@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from tests.test_node_agent import free_port, wait_healthy, write_taobao_csv
+from tests.test_reporter_parts import export_constant_policy
 
 pytest.importorskip("prometheus_client")
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def cluster(tmp_path_factory):
         base = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "racer", "node-agent", "--port", str(port), "--trace", "taobao", "--path",
                str(csv), "--emb-share", "0.5", "--seed", "1", "--num-pages", "256", "--max-history-len", "256",
-               "--control-interval-s", str(INTERVAL_S), "--policy", str(REPO / "policies" / "default"),
+               "--control-interval-s", str(INTERVAL_S), "--policy", str(export_constant_policy(tmp / "p05", 0.5)),
                "--profile", str(profile), "--control-plane", cp.url, "--node-id", "n0",
                "--state-dir", str(tmp / "state")]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RACER_NODE_TOKEN": node_token}
@@ -270,7 +271,7 @@ def test_prometheus_metrics_of_the_agent(cluster):
             name, _, v = line.rpartition(" ")
             values[name] = float(v)
     for name in ("racer_emb_share_ratio", "racer_emb_share_target_ratio", "racer_kv_hit_ratio", "racer_emb_hit_ratio",
-                 "racer_slo_attainment_ratio", "racer_queue_depth", "racer_refill_bytes_total",
+                 "racer_slo_attainment_ratio", "racer_queue_depth_requests", "racer_refill_bytes_total",
                  "racer_bursts_total", "racer_reports_buffered", "racer_control_plane_up"):
         assert name in values, name
     count = values["racer_request_latency_seconds_count"]
@@ -292,19 +293,8 @@ def artifact_tar(directory: Path) -> bytes:
 
 
 def test_a_new_policy_version_is_downloaded_verified_loaded_and_confirmed(cluster, tmp_path):
-    import math
-
-    import torch
-
-    from policies.actor import make_initial_actor
-    from policies.export import export_actor
-
     cp, base = cluster["cp"], cluster["agent"]
-    actor = make_initial_actor(0)
-    with torch.no_grad():
-        actor.head.weight.zero_()
-        actor.head.bias.fill_(math.log(0.7 / 0.3))  # always proposes emb_share 0.7
-    export_actor(actor, tmp_path / "p07")
+    export_constant_policy(tmp_path / "p07", 0.7)
     with cp.api() as api:
         r = api.post("/policies", content=artifact_tar(tmp_path / "p07"), headers={"Content-Type": "application/x-tar"})
         assert r.status_code == 201, r.text
@@ -330,14 +320,16 @@ def test_a_new_policy_version_is_downloaded_verified_loaded_and_confirmed(cluste
 
 def test_a_node_that_lost_its_state_continues_numbering_above_the_stored_reports(cluster, tmp_path):
     from node_agent.reporter import Reporter, ReporterConfig
-    from tests.test_reporter_parts import _agent_with_default_policy
+    from tests.test_reporter_parts import _agent_with_policy
 
     cp = cluster["cp"]
     with cp.api() as api:
         token = api.post("/tokens", json={"role": "node", "name": "node-lost"}).json()["token"]
 
+    policy = export_constant_policy(tmp_path / "p06", 0.6)
+
     def run(state_dir: Path, n: int) -> dict:
-        agent = _agent_with_default_policy()
+        agent = _agent_with_policy(policy)
         rep = Reporter(agent, ReporterConfig(control_plane_url=cp.url, token=token, node_id="n-lost",
                                              advertise_url="http://127.0.0.1:9", state_dir=str(state_dir)))
         try:

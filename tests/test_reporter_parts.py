@@ -18,7 +18,28 @@ import pytest
 from node_agent.reporter import Reporter, ReporterConfig, ReportSpool, cost_profile, unpack_artifact
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_POLICY = REPO / "policies" / "default"
+
+
+def export_constant_policy(out_dir: Path, emb_share: float) -> Path:
+    """A policy artifact of the current feature schema that always proposes ``emb_share``."""
+    import math
+
+    import torch
+
+    from policies.actor import make_initial_actor
+    from policies.export import export_actor
+
+    actor = make_initial_actor(0)
+    with torch.no_grad():
+        actor.head.weight.zero_()
+        actor.head.bias.fill_(math.log(emb_share / (1 - emb_share)))
+    export_actor(actor, out_dir)
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory) -> Path:
+    return export_constant_policy(tmp_path_factory.mktemp("policy") / "p06", 0.6)
 
 
 def test_spool_numbers_reports_in_order_and_survives_a_restart(tmp_path):
@@ -72,7 +93,7 @@ def _tar(files: dict[str, bytes], top: str | None = None) -> bytes:
     return buf.getvalue()
 
 
-def test_unpack_artifact_accepts_tar_targz_zip_and_one_top_folder(tmp_path):
+def test_unpack_artifact_accepts_tar_targz_zip_and_one_top_folder(tmp_path, policy_dir):
     files = {"manifest.json": b"{}", "policy.onnx": b"onnx", "golden.npz": b"npz"}
     for i, blob in enumerate([_tar(files), _tar(files, top="art")]):
         unpack_artifact(blob, tmp_path / str(i))
@@ -84,7 +105,7 @@ def test_unpack_artifact_accepts_tar_targz_zip_and_one_top_folder(tmp_path):
     unpack_artifact(zbuf.getvalue(), tmp_path / "z")
     assert (tmp_path / "z" / "policy.onnx").read_bytes() == b"onnx"
     # a plain tar whose last member is a zip (golden.npz is one) is still a tar
-    real = {n: (DEFAULT_POLICY / n).read_bytes() for n in ("manifest.json", "policy.onnx", "golden.npz")}
+    real = {n: (policy_dir / n).read_bytes() for n in ("manifest.json", "policy.onnx", "golden.npz")}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as t:
         for name in ("manifest.json", "policy.onnx", "golden.npz"):
@@ -157,18 +178,18 @@ def file_server():
     srv.server_close()
 
 
-def _agent_with_default_policy():
+def _agent_with_policy(policy: Path):
     from node_agent.agent import AgentConfig, NodeAgent
     from node_agent.allocator import AllocatorConfig, SmartAllocator
     from tests.test_node_agent import small_engine
 
-    alloc = SmartAllocator(AllocatorConfig(), policy_dir=DEFAULT_POLICY)
+    alloc = SmartAllocator(AllocatorConfig(), policy_dir=policy)
     return NodeAgent(small_engine(), AgentConfig(control_interval_s=0.1), allocator=alloc)
 
 
-def _artifact_blob(onnx: bytes | None = None) -> bytes:
+def _artifact_blob(policy: Path, onnx: bytes | None = None) -> bytes:
     """An uncompressed tar, golden.npz last (as the control plane's canonical tar ends with a zip)."""
-    files = {n: (DEFAULT_POLICY / n).read_bytes() for n in ("manifest.json", "policy.onnx", "golden.npz")}
+    files = {n: (policy / n).read_bytes() for n in ("manifest.json", "policy.onnx", "golden.npz")}
     if onnx is not None:
         files["policy.onnx"] = onnx
     buf = io.BytesIO()
@@ -180,14 +201,14 @@ def _artifact_blob(onnx: bytes | None = None) -> bytes:
     return buf.getvalue()
 
 
-def test_policy_directives_verify_the_digest_and_keep_the_old_policy_on_failure(tmp_path, file_server):
+def test_policy_directives_verify_the_digest_and_keep_the_old_policy_on_failure(tmp_path, file_server, policy_dir):
     url, handler = file_server
-    agent = _agent_with_default_policy()
+    agent = _agent_with_policy(policy_dir)
     old = agent.allocator.policy
     rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
                                          advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)))
     try:
-        good = _artifact_blob()
+        good = _artifact_blob(policy_dir)
         handler.blobs["/a/good"] = good
         # 1. wrong digest: refused before unpacking, old policy kept, failure confirmed
         rep.apply_policy({"version": "v-bad-digest", "digest": "0" * 64, "download_url": "/a/good"})
@@ -200,7 +221,7 @@ def test_policy_directives_verify_the_digest_and_keep_the_old_policy_on_failure(
         rep.apply_policy({"version": "v-bad-digest", "digest": "0" * 64, "download_url": "/a/good"})
         assert len(handler.posted) == n
         # 2. right digest but the ONNX file does not match the manifest: load refused, old kept
-        broken = _artifact_blob(onnx=b"not an onnx model")
+        broken = _artifact_blob(policy_dir, onnx=b"not an onnx model")
         handler.blobs["/a/broken"] = broken
         rep.apply_policy({"version": "v-broken", "digest": "sha256:" + hashlib.sha256(broken).hexdigest(),
                           "download_url": "/a/broken"})
@@ -222,9 +243,9 @@ def test_policy_directives_verify_the_digest_and_keep_the_old_policy_on_failure(
         rep.stop()
 
 
-def test_override_directive_expiry_is_converted_to_the_agent_clock(tmp_path, file_server):
+def test_override_directive_expiry_is_converted_to_the_agent_clock(tmp_path, file_server, policy_dir):
     url, _ = file_server
-    agent = _agent_with_default_policy()
+    agent = _agent_with_policy(policy_dir)
     t = [100.0]
     agent.clock = lambda: t[0]
     rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
@@ -255,9 +276,9 @@ def test_override_directive_expiry_is_converted_to_the_agent_clock(tmp_path, fil
         rep.stop()
 
 
-def test_bursts_are_reported_when_they_start_and_when_they_end(tmp_path, file_server):
+def test_bursts_are_reported_when_they_start_and_when_they_end(tmp_path, file_server, policy_dir):
     url, _ = file_server
-    agent = _agent_with_default_policy()
+    agent = _agent_with_policy(policy_dir)
     t = [0.0]
     agent.clock = lambda: t[0]
     rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
@@ -282,13 +303,13 @@ def test_bursts_are_reported_when_they_start_and_when_they_end(tmp_path, file_se
         rep.stop()
 
 
-def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_server):
+def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_server, policy_dir):
     """The report `on_control` builds passes the control plane's own input model (once merged)."""
     schemas = pytest.importorskip("control_plane.schemas")
     from node_agent.engine import RecRequest
 
     url, _ = file_server
-    agent = _agent_with_default_policy()
+    agent = _agent_with_policy(policy_dir)
     agent.miss_costs = {"kv_recompute_us_per_token": {"128": 2.0}, "emb_transfer_us_per_row": 1.0}
     rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
                                          advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)))
@@ -309,3 +330,19 @@ def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_ser
         assert reports[1]["policy_version"] == agent.allocator.policy.policy_id
     finally:
         rep.stop()
+
+
+def test_node_agent_control_plane_options_fail_early_in_one_line(tmp_path, capsys, monkeypatch):
+    from racer.cli import main as racer_main
+
+    monkeypatch.delenv("RACER_NODE_TOKEN", raising=False)
+    csv = tmp_path / "missing.csv"  # never read: the options are refused first
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "http://cp:8600"]) == 2
+    err = capsys.readouterr().err
+    assert "--control-plane needs --token" in err and err.count("\n") == 1
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "http://cp:8600",
+                       "--token", "t", "--node-id", "bad id"]) == 2
+    assert "node_id must be" in capsys.readouterr().err
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "cp:8600",
+                       "--token", "t"]) == 2
+    assert "control_plane_url must start with http" in capsys.readouterr().err
