@@ -442,6 +442,10 @@ def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
     ts = [w["t_s"] for w in windows]
     if ts and max(ts) - min(ts) < 120:  # the first windows: show two minutes, not milliseconds
         fig.update_xaxes(range=[to_x(min(ts) - 60), to_x(max(ts) + 60)])
+    if not ts:
+        fig.update_xaxes(showticklabels=False)
+        fig.add_annotation(text="no rollout windows yet", xref="paper", yref="paper", x=0.5, y=0.5,
+                           showarrow=False, font=dict(size=14, color="#6c757d"))
     _legend_top(fig)
     fig.update_layout(height=500, margin=dict(t=90))
     return fig

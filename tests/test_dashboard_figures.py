@@ -150,6 +150,8 @@ def test_rollout_canary_vs_baseline():
     assert list(by["canary P99"].y) == [25.0] * 3 and list(by["baseline P99"].y) == [20.0] * 3
     assert list(by["canary attainment"].y) == [99.0] * 3
     assert fig.layout.yaxis.title.text == "P99 (ms)" and "%" in fig.layout.yaxis2.title.text
+    empty = F.rollout_figure([], slo_ms=30.0)
+    assert any(a.text == "no rollout windows yet" for a in empty.layout.annotations)
 
 
 def test_extend_updates_are_small_and_indexed_by_trace():
