@@ -3,6 +3,8 @@
     POST /v1/recommend   one recommendation request (`RecommendBody`) -> top-k + breakdown
     GET  /healthz        liveness of the process and of the device worker
     GET  /v1/metrics     rolling metrics, memory, emb_share, link emulation, allocator state
+    GET  /v1/residency   KV residency deltas and hot shards since a cursor, queue depth, service
+                         time (`ResidencyFeed`; the gateway's feed, docs/gateway.md)
 
 One **device worker** thread owns the engine (the device): HTTP handlers validate a request
 (pydantic, then `Engine.validate`), put it on a bounded queue and await its result. The worker
@@ -40,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
+from .residency_feed import ResidencyFeed
 
 log = logging.getLogger("racer.node_agent")
 
@@ -141,8 +144,9 @@ class NodeAgent:
 
     def __init__(self, engine: Engine, config: AgentConfig | None = None, *, allocator=None,
                  miss_costs: dict | None = None, clock: Callable[[], float] | None = None,
-                 info: dict | None = None) -> None:
+                 info: dict | None = None, residency: ResidencyFeed | None = None) -> None:
         self.engine = engine
+        self.residency = residency or ResidencyFeed()
         self.config = config or AgentConfig()
         self.clock = clock or engine.clock
         self.allocator = allocator
@@ -265,8 +269,12 @@ class NodeAgent:
                 except queue.Empty:
                     first = None
                 if first is not None:
-                    self._serve(self._take_batch(first))
+                    jobs = self._take_batch(first)
+                    t0 = self.clock()
+                    self._serve(jobs)
+                    self.residency.note_served(self.clock() - t0, len(jobs))
                 now = self.clock()
+                self.residency.collect(self.engine, now)
                 step = self.engine.maintenance(now)
                 if step.refill_bytes:
                     with self._lock:
@@ -450,6 +458,10 @@ def create_app(agent: NodeAgent) -> FastAPI:
     @app.get("/v1/metrics")
     async def metrics():
         return agent.metrics_snapshot()
+
+    @app.get("/v1/residency")
+    async def residency(cursor: Annotated[int, Field(ge=0)] = 0, epoch: str | None = None):
+        return {**agent.residency.since(cursor, epoch), "queue_depth": agent._queue.qsize(), "at_s": agent.clock()}
 
     return app
 

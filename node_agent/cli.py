@@ -185,7 +185,10 @@ def build_agent(args, *, announce=None):
                                           "emb_hit_us_per_row")}
     info = {"trace": trace.name, "trace_path": trace.source_path, "num_users_in_trace": trace.num_users,
             "policy": args.policy, "profile": args.profile}
-    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info)
+    from .residency_feed import ResidencyFeed
+
+    feed = ResidencyFeed(trace.item_shard, trace.item_popularity(), num_shards=trace.num_shards)
+    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info, residency=feed)
 
 
 def _read_costs(path: str) -> dict:
@@ -197,7 +200,8 @@ def _read_costs(path: str) -> dict:
 
 
 def cmd_node_agent(args) -> int:
-    from .agent import create_app, serve_forever
+    from .agent import create_app
+    from .server import serve_forever
 
     def announce(msg: str) -> None:
         print(f"racer node-agent: {msg}", flush=True)

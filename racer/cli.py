@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_node_parser(sub)
 
+    from control_plane.gateway import add_gateway_parser
+
+    add_gateway_parser(sub)
+
     from simulator.cli import add_bench_parser
 
     add_bench_parser(sub)

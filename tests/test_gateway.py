@@ -1,0 +1,313 @@
+"""The gateway (`racer gateway`) in front of real `racer node-agent` processes, over HTTP:
+routing with the residency feed, 4xx pass-through, weight pushes, no live node, and kill -9 of
+one agent under load (retries, health checks out and back)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from bench.gateway import Proc, free_port, make_bodies, start_agents, start_gateway
+from node_agent.residency_feed import ResidencyFeed
+
+TOKEN = "t0ken-16"
+HEALTH_S = 0.4
+REPORT_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("gw")
+    agents = start_agents(3, wd)
+    gw = None
+    try:
+        gw = start_gateway([a.url for a in agents], wd, "racer", "taobao", extra=[
+            "--token", TOKEN, "--health-interval-s", str(HEALTH_S), "--health-timeout-s", "0.4",
+            "--report-interval-s", str(REPORT_S), "--request-timeout-s", "5"])
+        yield agents, gw, wd
+    finally:
+        if gw is not None:
+            gw.stop()
+        for a in agents:
+            a.stop()
+
+
+@pytest.fixture(scope="module")
+def bodies():
+    return make_bodies("taobao", None, 400, seed=5)
+
+
+def state(gw: Proc, **params) -> dict:
+    return httpx.get(gw.url + "/v1/router", params=params, timeout=5.0).json()
+
+
+def post(url: str, body, timeout: float = 30.0) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + "/v1/recommend", content=content, headers={"content-type": "application/json"},
+                      timeout=timeout)
+
+
+def test_routes_forwards_and_explains(cluster, bodies):
+    agents, gw, _ = cluster
+    served = []
+    for b in bodies[:30]:
+        r = post(gw.url, b)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        assert d["served_by"] in {a.url.split("://")[1] for a in agents}
+        assert d["retried"] is False and len(d["items"]) == 10
+        assert d["routing"]["policy"] == "racer" and d["routing"]["source"] in ("score", "guard")
+        assert d["routing"]["reason"].startswith(("score:", "guard:"))
+        assert set(d["routing"]["scores"]) == {a.url.split("://")[1] for a in agents}
+        assert r.headers["x-racer-served-by"] == d["served_by"]
+        served.append(d["served_by"])
+    assert len(set(served)) >= 2  # the load term spreads cold users
+    # the same user again: the node that holds its K/V wins and reuses it
+    first = json.loads(bodies[0])
+    again = {**first, "history": first["history"] + first["new_items"], "new_items": [1, 2]}
+    d = post(gw.url, again).json()
+    holder = state(gw, user=first["user_id"])["user"]["kv_holder"]
+    assert d["routing"]["kv_holder"] is not None and d["served_by"] == d["routing"]["kv_holder"] == holder
+    assert d["kv"]["outcome"] == "hit" and d["kv"]["hit_tokens"] > 0
+
+
+def test_router_state_metrics_and_bad_input(cluster):
+    _, gw, _ = cluster
+    s = state(gw)
+    assert s["router"] == "racer" and s["num_live_nodes"] == 3 and s["weights"]["version"] >= 1
+    assert s["weights"]["source"] in ("node_metrics", "control_plane")
+    n = s["nodes"][0]
+    assert n["live"] and n["residency_feed"]["epoch"] and n["health"]["consecutive_failures"] == 0
+    # a body the gateway cannot route: 422 naming the field, nothing forwarded
+    r = post(gw.url, {"user_id": "u-1", "history": [1]})
+    assert r.status_code == 422 and "user_id" in r.json()["error"]
+    r = post(gw.url, b"{not json")
+    assert r.status_code == 422 and "malformed JSON" in r.json()["error"]
+    r = httpx.get(gw.url + "/v1/router", params={"user": -1})
+    assert r.status_code == 422
+    # a 4xx from the node passes through unchanged and is never retried
+    bad = {"user_id": 5, "history": [10**9], "new_items": [1], "top_k": 3}
+    g = post(gw.url, bad)
+    d = post(cluster[0][0].url, bad)
+    assert g.status_code == d.status_code == 422 and g.json() == d.json()
+    m = httpx.get(gw.url + "/metrics").text
+    assert 'racer_gateway_requests_total{node="none",outcome="bad_request",source="none"} 2.0' in m
+    assert 'outcome="client_error"' in m and "racer_gateway_overhead_seconds_bucket" in m
+    assert "racer_gateway_live_nodes 3.0" in m
+    assert not any(line.startswith("racer_gateway_retries_total{") for line in m.splitlines())
+
+
+def test_weight_push_needs_the_token_and_valid_fields(cluster):
+    _, gw, _ = cluster
+    ids = [n["node_id"] for n in state(gw)["nodes"]]
+    prof = {"kv_recompute_us_per_token": 3.0, "emb_transfer_us_per_row": 7.0, "service_time_us": 4000.0,
+            "queue_capacity": 32, "reason": "profiled on the device"}
+    doc = {"version": 1000, "computed_at_s": 1.7e9, "nodes": {i: prof for i in ids}}
+    url = gw.url + "/v1/router/weights"
+    assert httpx.post(url, json=doc).status_code == 401
+    assert httpx.post(url, json=doc, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    bad = {**doc, "nodes": {ids[0]: {**prof, "emb_transfer_us_per_row": -1.0}}}
+    r = httpx.post(url, json=bad, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 422 and "emb_transfer_us_per_row" in r.json()["error"]
+    r = httpx.post(url, json={**doc, "version": "x"}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 422 and "version" in r.json()["error"]
+    assert state(gw)["weights"]["version"] != 1000  # nothing applied
+    r = httpx.post(url, json={**doc, "nodes": {**doc["nodes"], "ghost:1": prof}},
+                   headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.json()["ignored_unknown_nodes"] == ["ghost:1"]
+    s = state(gw)
+    assert s["weights"]["version"] == 1000 and s["weights"]["source"] == "control_plane"
+    w = s["weights"]["nodes"][ids[0]]
+    assert w["emb_transfer_us_per_row"] == 7.0 and w["queue_capacity"] == 32 and w["reason"] == "profiled on the device"
+    assert s["nodes"][0]["weights"]["ld_us"] == 32 * 4000.0
+    r = httpx.post(url, json={**doc, "version": 999}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 409 and state(gw)["weights"]["version"] == 1000
+
+
+def test_gateway_forgets_a_user_the_node_evicted_within_one_report_interval(cluster, bodies):
+    agents, gw, _ = cluster
+    user = 7_000_001
+    body = {"user_id": user, "history": list(range(100, 160)), "new_items": [3, 4], "top_k": 3}
+    d = post(gw.url, body).json()
+    holder = d["served_by"]
+    time.sleep(2 * REPORT_S)  # the node's feed confirms the holding (an "added" event)
+    assert state(gw, user=user)["user"]["kv_holder"] == holder
+    node = next(a for a in agents if a.url.endswith(holder.split(":")[1]))
+    # other traffic straight to the node (as another gateway would send) fills its KV pool
+    u = 8_000_000
+    for k in range(80):
+        r = post(node.url, {"user_id": u + k, "history": list(range(1000 + k, 1240 + k)), "new_items": [5],
+                            "top_k": 1})
+        assert r.status_code == 200
+    feed = httpx.get(node.url + "/v1/residency", params={"cursor": 0}).json()
+    assert feed["full"] and user not in feed["kv_added"]  # the node evicted it
+    t_evicted = time.monotonic()
+    deadline = t_evicted + 10 * REPORT_S
+    while time.monotonic() < deadline:
+        if state(gw, user=user)["user"]["kv_holder"] is None:
+            break
+        time.sleep(0.05)
+    took = time.monotonic() - t_evicted
+    assert state(gw, user=user)["user"]["kv_holder"] is None
+    # within one report interval of the eviction being visible (plus the pull's own round trip)
+    assert took <= REPORT_S + 0.5, took
+    # and the next request of the user is scored without a KV holder
+    d = post(gw.url, {**body, "history": body["history"] + [3, 4], "new_items": [9]}).json()
+    assert d["routing"]["kv_holder"] is None
+
+
+def test_residency_feed_deltas_and_snapshots():
+    """The feed's ring: deltas since a cursor, last change per user wins, a snapshot when the
+    cursor fell off the ring or names another epoch."""
+
+    class _Kv:
+        def __init__(self):
+            self.delta = None
+            self.lens = {}
+
+        def drain_residency(self):
+            d, self.delta = self.delta, None
+            return d
+
+        def num_tokens(self, u):
+            return self.lens.get(u, 0)
+
+    class _Engine:
+        def __init__(self):
+            self.mm = type("MM", (), {})()
+            self.mm.kv = _Kv()
+
+    from node_agent.memory import ResidencyDelta
+
+    eng = _Engine()
+    feed = ResidencyFeed(capacity=4)
+
+    def step(added, evicted, lens):
+        eng.mm.kv.delta = ResidencyDelta(tuple(added), tuple(evicted))
+        eng.mm.kv.lens.update(lens)
+        feed.collect(eng, 0.0)
+
+    step([1, 2], [], {1: 10, 2: 20})
+    full = feed.since(0, None)
+    assert full["full"] and full["kv_added"] == [1, 2] and full["kv_cached_lens"] == [10, 20]
+    e = full["epoch"]
+    d = feed.since(0, e)
+    assert not d["full"] and d["kv_added"] == [1, 2] and d["cursor"] == 2
+    step([], [1], {})
+    step([1], [], {1: 5})
+    d = feed.since(2, e)
+    assert not d["full"] and d["kv_added"] == [1] and d["kv_cached_lens"] == [5] and d["kv_evicted"] == []
+    step([], [2], {})
+    d = feed.since(4, e)
+    assert d["kv_evicted"] == [2] and d["kv_added"] == [] and d["cursor"] == 5
+    # cursor 0 fell off the 4-event ring: a full snapshot of what is resident now
+    d = feed.since(0, e)
+    assert d["full"] and d["kv_added"] == [1] and d["kv_evicted"] == []
+    assert feed.since(5, "other-epoch")["full"] and feed.since(99, e)["full"]
+    assert not feed.since(5, e)["full"] and feed.since(5, e)["kv_added"] == []
+
+
+def test_no_live_node_gets_503_with_a_reason(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = Proc(["gateway", "--nodes", dead, "--health-interval-s", "0.2", "--health-timeout-s", "0.2"],
+              tmp_path / "gw-dead.log", free_port()).start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # /healthz answers 503 once the only node is out
+            try:
+                if httpx.get(gw.url + "/healthz", timeout=1.0).status_code == 503:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        r = post(gw.url, {"user_id": 1, "history": [1, 2], "new_items": [3]})
+        assert r.status_code == 503
+        assert "no live node" in r.json()["error"] and dead.split("://")[1] in r.json()["error"]
+        assert state(gw)["nodes"][0]["live"] is False
+    finally:
+        gw.stop()
+    log = (tmp_path / "gw-dead.log").read_text()
+    assert '"event": "node_out"' in log
+
+
+async def _load(url: str, bodies: list[bytes], stop: asyncio.Event, timeout_s: float, out: list) -> None:
+    async with httpx.AsyncClient(timeout=timeout_s) as c:
+        i = 0
+        while not stop.is_set():
+            b = bodies[i % len(bodies)]
+            i += 1
+            t = time.monotonic()
+            try:
+                r = await c.post(url + "/v1/recommend", content=b, headers={"content-type": "application/json"})
+                d = r.json()
+                out.append((time.monotonic() - t, r.status_code, d.get("retried"), d.get("served_by"),
+                            d.get("error")))
+            except httpx.TimeoutException:
+                out.append((time.monotonic() - t, "hung", None, None, None))
+            except httpx.HTTPError as e:
+                out.append((time.monotonic() - t, f"client:{type(e).__name__}", None, None, None))
+
+
+@pytest.mark.slow
+def test_kill_9_one_agent_under_load(cluster, bodies):
+    agents, gw, wd = cluster
+    victim = agents[1]
+    vid = victim.url.split("://")[1]
+    results: list = []
+    timeline: dict = {}
+
+    async def scenario():
+        stop = asyncio.Event()
+        workers = [asyncio.create_task(_load(gw.url, bodies[k::4], stop, 12.0, results)) for k in range(4)]
+        await asyncio.sleep(1.5)
+        victim.kill()  # kill -9
+        timeline["killed"] = time.monotonic()
+        async with httpx.AsyncClient(timeout=5.0) as c:
+            while time.monotonic() - timeline["killed"] < 15:
+                s = (await c.get(gw.url + "/v1/router")).json()
+                if not next(n for n in s["nodes"] if n["node_id"] == vid)["live"]:
+                    timeline["out"] = time.monotonic()
+                    break
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)
+        stop.set()
+        await asyncio.gather(*workers)
+
+    asyncio.run(scenario())
+    assert "out" in timeline, "the dead node never left rotation"
+    # within 3 health intervals (+ one health timeout and scheduling slack on a shared machine)
+    assert timeline["out"] - timeline["killed"] <= 3 * HEALTH_S + 0.4 + 1.0
+    statuses = [r[1] for r in results]
+    assert len(results) > 20
+    assert "hung" not in statuses and not any(isinstance(s, str) for s in statuses), set(statuses)
+    for lat, status, retried, served, err in results:
+        assert lat < 2 * 5.0 + 1.0  # two attempts of request_timeout_s at most
+        if status == 200 and retried:
+            assert served != vid
+        else:  # an explicit error the client can count
+            assert status in (502, 503, 504) and err
+    ok = sum(s == 200 for s in statuses)
+    assert ok >= 0.9 * len(results)
+    assert any(r[2] for r in results) or ok == len(results)
+    # the node comes back after a restart on the same port and takes requests again
+    victim.start()
+    victim.wait_ready()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        n = next(n for n in state(gw)["nodes"] if n["node_id"] == vid)
+        if n["live"]:
+            break
+        time.sleep(0.1)
+    assert n["live"] and n["health"]["consecutive_successes"] >= 2
+    served = {post(gw.url, b).json()["served_by"] for b in bodies[200:260]}
+    assert vid in served
+    log = (wd / "gateway-racer.log").read_text()
+    events = [json.loads(line.split(" racer.gateway ", 1)[1]) for line in log.splitlines() if " racer.gateway {" in line]
+    assert any(e["event"] == "node_out" and e["node"] == vid for e in events)
+    assert any(e["event"] == "node_in" and e["node"] == vid for e in events)
+    assert all({"node", "kind", "error"} <= set(e) for e in events if e["event"] == "upstream_failure")
