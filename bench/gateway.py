@@ -3,8 +3,10 @@
     python -m bench.gateway --json
     python -m bench.gateway --routers racer,least_load,round_robin --trace taobao --json
 
-Default mode starts 4 ``racer node-agent`` processes (small model: 256 pages, histories up to
-256 tokens, 32 candidates) and one ``racer gateway`` process (router ``racer``), then measures:
+Default mode profiles the small model once (``racer node profile``: the agents' ``--profile``,
+whose miss costs the gateway's weights come from), starts 4 ``racer node-agent`` processes
+(small model: 1 layer, 32-dim embeddings, 256 pages, histories up to 256 tokens) and one
+``racer gateway`` process (router ``racer``), then measures:
 
 - **overhead** (closed loop, one request at a time, the same requests): for every request sent
   through the gateway, the client's latency minus the gateway's round trip to the node for that
@@ -116,6 +118,17 @@ def start_agents(n: int, workdir: Path, trace: str = "taobao", path: str | None 
             a.kill()
         raise
     return agents
+
+
+def measure_profile(workdir: Path) -> Path:
+    """``racer node profile`` of the small model (the agents' ``--profile``: their miss costs,
+    which the gateway's weights come from)."""
+    out = workdir / "node_profile.json"
+    model = [a for a in SMALL_AGENT[SMALL_AGENT.index("--embedding-dim"):]]
+    subprocess.run([sys.executable, "-m", "racer", "node", "profile", *model, "--lengths", "64,128,256",
+                    "--repeats", "3", "--num-candidates", "32", "--out", str(out), "--no-progress"],
+                   cwd=REPO, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return out
 
 
 def start_gateway(node_urls: list[str], workdir: Path, router: str = "racer", trace: str | None = "taobao",
@@ -252,7 +265,8 @@ def _gateway_internal_p50_ms(url: str) -> float | None:
 
 # ------------------------------------------------------------------------------------- modes ---
 def run_overhead(args, workdir: Path) -> dict:
-    agents = start_agents(args.nodes, workdir, args.trace, args.path)
+    profile = ["--profile", str(measure_profile(workdir))]
+    agents = start_agents(args.nodes, workdir, args.trace, args.path, extra=profile)
     gw = None
     try:
         urls = [a.url for a in agents]
@@ -298,14 +312,16 @@ def run_overhead(args, workdir: Path) -> dict:
 def run_routers(args, workdir: Path) -> dict:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bodies = make_bodies(args.trace, args.path, args.requests, seed=2, rate_rps=args.replay_rps)
+    profile = ["--profile", str(measure_profile(workdir))]
     out = {"trace": args.trace, "requests": len(bodies), "rate_rps": args.replay_rps, "routers": {}}
     for router in routers:
-        agents = start_agents(args.nodes, workdir, args.trace, args.path)
+        agents = start_agents(args.nodes, workdir, args.trace, args.path, extra=profile)
         gw = None
         try:
             gw = start_gateway([a.url for a in agents], workdir, router, args.trace, args.path,
                                extra=["--report-interval-s", "0.2"])
             answers = asyncio.run(replay(gw.url, bodies, args.replay_rps))
+            st = httpx.get(gw.url + "/v1/router", timeout=5.0).json()
             lat = [a[0] * 1e3 for a in answers if a[1] is not None]
             ok = [a[1] for a in answers if a[1] is not None]
             hist = sum(a["kv"]["hit_tokens"] + a["kv"]["recomputed_tokens"] for a in ok)
@@ -319,6 +335,8 @@ def run_routers(args, workdir: Path) -> dict:
                 "emb_hit_rate": round(sum(a["emb"]["hits"] for a in ok) / max(rows, 1), 4),
                 "retried": sum(a["retried"] for a in ok), "requests_per_node": per_node,
                 "guard": sum(a["routing"]["source"] == "guard" for a in ok),
+                "kv_holder_known": round(sum(a["routing"]["kv_holder"] is not None for a in ok) / max(len(ok), 1), 4),
+                "hot_shards_per_node": [len(n["hot_shards"]) for n in st["nodes"]],
             }
         finally:
             if gw is not None:
@@ -360,11 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400,
                     help="closed-loop requests for the overhead (default 400); replayed requests with --routers "
                          "(default 400)")
-    ap.add_argument("--rates", default="25,50,100,150,200,300,400",
-                    help="offered rates of the max_rps sweep, req/s (default 25,50,100,150,200,300,400)")
-    ap.add_argument("--duration", type=float, default=4.0, help="seconds per sweep rate (default 4)")
+    ap.add_argument("--rates", default="4,8,12,16,24,32,48,64,96,128,192,256",
+                    help="offered rates of the max_rps sweep, req/s, lowest first: the lowest is the low-load "
+                         "reference (default 4,8,12,16,24,32,48,64,96,128,192,256; the sweep stops at the first "
+                         "rate that fails)")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per sweep rate (default 5)")
     ap.add_argument("--routers", default=None, help="compare these routers on one replayed stream")
-    ap.add_argument("--replay-rps", type=float, default=60.0, help="replay rate with --routers (default 60)")
+    ap.add_argument("--replay-rps", type=float, default=15.0, help="replay rate with --routers (default 15)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="racer-bench-gateway-") as d:
         workdir = Path(d)

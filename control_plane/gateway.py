@@ -535,6 +535,8 @@ class Gateway:
             except (httpx.HTTPError, ValueError) as e:
                 log.warning(json.dumps({"event": "weights_pull_failed", "error": f"{type(e).__name__}: {e}"}))
             return
+        if self.weights_source == "control_plane":  # a pushed document is in force: keep it
+            return
         st = self.router.state
         changed = False
 
@@ -550,7 +552,7 @@ class Gateway:
             old = st.profiles[i]
             kv = costs.get("kv_recompute_us_per_token")
             if isinstance(kv, dict) and kv:
-                kv = float(np.mean([float(v) for v in kv.values()]))
+                kv = float(np.median([float(v) for v in kv.values()]))
             emb = costs.get("emb_transfer_us_per_row")
             p = CostProfile(kv_recompute_us_per_token=float(kv) if kv is not None else old.kv_recompute_us_per_token,
                             emb_transfer_us_per_row=float(emb) if emb is not None else old.emb_transfer_us_per_row,
@@ -644,8 +646,36 @@ def _dumps(obj) -> bytes:
 
 
 # ------------------------------------------------------------------------------------ the app ---
-def create_app(gateway: Gateway) -> FastAPI:
-    """The gateway's FastAPI app; its lifespan starts and stops the gateway's loops and client."""
+class GatewayApp:
+    """The ASGI app: ``POST /v1/recommend`` handled directly (no framework layers on the request
+    path: it reads the body, calls `Gateway.recommend`, sends the answer), everything else
+    (including the lifespan) by the FastAPI app ``fastapi``."""
+
+    def __init__(self, gateway: Gateway, fastapi_app: FastAPI) -> None:
+        self.gateway = gateway
+        self.fastapi = fastapi_app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/recommend" and scope["method"] == "POST":
+            chunks = []
+            more = True
+            while more:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                chunks.append(msg.get("body", b""))
+                more = msg.get("more_body", False)
+            status, content, headers = await self.gateway.recommend(b"".join(chunks))
+            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+            raw += [(k.encode(), v.encode()) for k, v in headers.items()]
+            await send({"type": "http.response.start", "status": status, "headers": raw})
+            await send({"type": "http.response.body", "body": content})
+            return
+        await self.fastapi(scope, receive, send)
+
+
+def create_app(gateway: Gateway) -> GatewayApp:
+    """The gateway's ASGI app; its lifespan starts and stops the gateway's loops and client."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -692,7 +722,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def metrics():
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return GatewayApp(gateway, app)
 
 
 # -------------------------------------------------------------------------------- command line ---
