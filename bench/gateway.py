@@ -71,7 +71,7 @@ class Proc:
         log.close()
         return self
 
-    def wait_ready(self, path: str = "/healthz", timeout_s: float = 90.0) -> None:
+    def wait_ready(self, path: str = "/healthz", timeout_s: float = 240.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -146,13 +146,13 @@ def start_gateway(node_urls: list[str], workdir: Path, router: str = "racer", tr
 
 # ----------------------------------------------------------------------------------- requests ---
 def make_bodies(trace_kind: str, path: str | None, num: int, seed: int = 0, rate_rps: float = 200.0,
-                num_candidates: int = 32, max_history_len: int = 200) -> list[bytes]:
+                num_candidates: int = 32, max_history_len: int = 200, num_users: int | None = None) -> list[bytes]:
     """Request bodies of a ``steady`` stream of the trace, candidates sampled by popularity."""
     from workloads import generate, load_trace
 
     trace = load_trace(trace_kind, path)
     stream = generate(trace, regime="steady", rate_rps=rate_rps, duration_s=num / rate_rps * 1.3 + 1, seed=seed,
-                      num_candidates=num_candidates, max_history_len=max_history_len)
+                      num_candidates=num_candidates, max_history_len=max_history_len, num_users=num_users)
     rng = np.random.default_rng(seed)
     pop = trace.item_popularity().astype(np.float64)
     cdf = np.cumsum(pop / pop.sum())
@@ -265,6 +265,7 @@ def _gateway_internal_p50_ms(url: str) -> float | None:
 
 # ------------------------------------------------------------------------------------- modes ---
 def run_overhead(args, workdir: Path) -> dict:
+    load_at_start = os.getloadavg()[0]
     profile = ["--profile", str(measure_profile(workdir))]
     agents = start_agents(args.nodes, workdir, args.trace, args.path, extra=profile)
     gw = None
@@ -293,6 +294,7 @@ def run_overhead(args, workdir: Path) -> dict:
         state = httpx.get(gw.url + "/v1/router", timeout=5.0).json()
         return {
             "num_nodes": args.nodes, "requests": len(reqs), "cpu_count": os.cpu_count(),
+            "load_average_at_start": load_at_start,
             "overhead_p50_ms": _pct(over, 50), "overhead_p99_ms": _pct(over, 99),
             "overhead_target_ms": {"p50": 1.0, "p99": 5.0},
             "gateway_internal_p50_ms": internal,
@@ -311,9 +313,11 @@ def run_overhead(args, workdir: Path) -> dict:
 
 def run_routers(args, workdir: Path) -> dict:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    bodies = make_bodies(args.trace, args.path, args.requests, seed=2, rate_rps=args.replay_rps)
+    bodies = make_bodies(args.trace, args.path, args.requests, seed=2, rate_rps=args.replay_rps,
+                         num_users=args.replay_users)
     profile = ["--profile", str(measure_profile(workdir))]
-    out = {"trace": args.trace, "requests": len(bodies), "rate_rps": args.replay_rps, "routers": {}}
+    out = {"trace": args.trace, "requests": len(bodies), "rate_rps": args.replay_rps, "users": args.replay_users,
+           "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()[0], "routers": {}}
     for router in routers:
         agents = start_agents(args.nodes, workdir, args.trace, args.path, extra=profile)
         gw = None
@@ -375,16 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=4, help="node agents (default 4)")
     ap.add_argument("--trace", default="taobao", help="trace the agents serve (default taobao)")
     ap.add_argument("--path", default=None, help="trace file (default: the sample)")
-    ap.add_argument("--requests", type=int, default=400,
-                    help="closed-loop requests for the overhead (default 400); replayed requests with --routers "
-                         "(default 400)")
+    ap.add_argument("--requests", type=int, default=300,
+                    help="closed-loop requests for the overhead; replayed requests with --routers (default 300)")
     ap.add_argument("--rates", default="4,8,12,16,24,32,48,64,96,128,192,256",
                     help="offered rates of the max_rps sweep, req/s, lowest first: the lowest is the low-load "
                          "reference (default 4,8,12,16,24,32,48,64,96,128,192,256; the sweep stops at the first "
                          "rate that fails)")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per sweep rate (default 5)")
     ap.add_argument("--routers", default=None, help="compare these routers on one replayed stream")
-    ap.add_argument("--replay-rps", type=float, default=15.0, help="replay rate with --routers (default 15)")
+    ap.add_argument("--replay-rps", type=float, default=6.0, help="replay rate with --routers (default 6)")
+    ap.add_argument("--replay-users", type=int, default=100,
+                    help="users in the replayed stream (default 100, so users come back within the replay)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="racer-bench-gateway-") as d:
         workdir = Path(d)

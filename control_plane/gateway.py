@@ -188,7 +188,8 @@ class Gateway:
 
     def __init__(self, nodes: Sequence[tuple[str, str]], config: GatewayConfig | None = None, *,
                  item_shard: np.ndarray | None = None, control_plane: str | None = None,
-                 token: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 token: str | None = None, advertise_url: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or GatewayConfig()
         self.item_shard = None if item_shard is None else np.asarray(item_shard, dtype=np.int64)
         if self.item_shard is not None and len(self.item_shard) and int(self.item_shard.max()) >= self.config.num_shards:
@@ -196,6 +197,8 @@ class Gateway:
                              f"{self.config.num_shards}")
         self.control_plane = control_plane.rstrip("/") if control_plane else None
         self.token = token
+        self.advertise_url = advertise_url.rstrip("/") if advertise_url else None
+        self.registered = False
         self.clock = clock
         self.metrics = _Metrics()
         self.weights_version = 0
@@ -240,6 +243,7 @@ class Gateway:
             c.request_timeout_s, connect=c.connect_timeout_s))
         if self.control_plane:
             await self._refresh_registry(first=True)
+            await self._register()
         await self._refresh_weights()
         await self._pull_residency_all()
         self._tasks = [asyncio.create_task(self._loop(c.health_interval_s, self._health_round), name="health"),
@@ -597,11 +601,26 @@ class Gateway:
             if first:
                 log.warning(json.dumps({"event": "registry_empty", "control_plane": self.control_plane}))
             return
+        await self._register()  # until it succeeds
         if self.router is None or [(l.node_id, l.address) for l in self.links] != nodes:
             log.warning(json.dumps({"event": "nodes_changed", "nodes": [n for n, _ in nodes]}))
             self._build(nodes)
             if not first:
                 await self._pull_residency_all()
+
+    async def _register(self) -> None:
+        """Register this gateway for weight pushes (``POST /api/v1/routers {url}``) once."""
+        if self.registered or not self.advertise_url:
+            return
+        try:
+            r = await self.client.post(self.control_plane + "/api/v1/routers", json={"url": self.advertise_url},
+                                       headers=self._headers(), timeout=5.0)
+            if r.status_code < 300:
+                self.registered = True
+            else:
+                log.warning(json.dumps({"event": "register_failed", "status": r.status_code, "error": r.text[:200]}))
+        except httpx.HTTPError as e:
+            log.warning(json.dumps({"event": "register_failed", "error": f"{type(e).__name__}: {e}"}))
 
     # ---------------------------------------------------------------------- inspection ---
     def describe(self, user: int | None = None) -> dict:
@@ -632,7 +651,8 @@ class Gateway:
                                               "reason": self.weights_reasons.get(l.node_id, "defaults")}
                                   for i, l in enumerate(self.links)}},
             "nodes": nodes, "num_live_nodes": sum(l.live for l in self.links),
-            "control_plane": self.control_plane, "config": asdict(self.config),
+            "control_plane": self.control_plane, "registered_for_pushes": self.registered,
+            "config": asdict(self.config),
         }
         if user is not None:
             holder, cached = st.kv.lookup(user)
@@ -757,7 +777,10 @@ def cmd_gateway(args) -> int:
         from workloads.loaders import load_trace
 
         item_shard = load_trace(args.trace, args.path, num_shards=args.num_shards).item_shard
-    gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane, token=args.token)
+    if args.advertise_url and not args.control_plane:
+        raise ValueError("--advertise-url applies with --control-plane only")
+    gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane, token=args.token,
+                 advertise_url=args.advertise_url)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     def ready(host: str, port: int) -> None:
@@ -778,7 +801,12 @@ def add_gateway_parser(subparsers) -> None:
                                           "node agents, with residency feeds, health checks and retries.")
     g.add_argument("--nodes", default=None, help="node agent URLs, comma-separated (http://host:port,...)")
     g.add_argument("--control-plane", default=None, help="control plane URL: node list and weights from it")
-    g.add_argument("--token", default=None, help="bearer token for the control plane and for weight pushes")
+    g.add_argument("--token", default=None,
+                   help="bearer token: sent to the control plane (an operator token: it lists nodes, reads weights "
+                        "and registers the gateway) and required on weight pushes to this gateway")
+    g.add_argument("--advertise-url", default=None,
+                   help="this gateway's URL as the control plane reaches it: registered with POST /api/v1/routers "
+                        "for weight pushes (default: none, weights are pulled only)")
     g.add_argument("--router", default="racer", choices=POLICIES, help="routing policy (default racer)")
     g.add_argument("--trace", default=None, choices=sorted(LOADERS),
                    help="trace the nodes serve: its item -> shard map feeds the EMB term (default: none, no EMB term)")

@@ -313,3 +313,59 @@ def test_kill_9_one_agent_under_load(cluster, bodies):
     assert any(e["event"] == "node_out" and e["node"] == vid for e in events)
     assert any(e["event"] == "node_in" and e["node"] == vid for e in events)
     assert all({"node", "kind", "error"} <= set(e) for e in events if e["event"] == "upstream_failure")
+
+
+def test_node_list_and_weights_from_a_control_plane(cluster, tmp_path):
+    """``--control-plane``: the node list from ``GET /api/v1/nodes``, weights pulled from
+    ``GET /api/v1/router/weights``, the gateway registered with ``POST /api/v1/routers``; all
+    with the bearer token. The control plane here is a minimal stand-in serving the contract
+    (HELPERS.md / docs/control_plane.md) over real HTTP; the real one lives in control_plane.api."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI, Request
+
+    agents, _, _ = cluster
+    seen: dict = {"auth": set(), "routers": []}
+    cp = FastAPI()
+    weights = {"version": 7, "computed_at_s": 1.7e9, "nodes": {
+        f"n{i}": {"kv_recompute_us_per_token": 2.0, "emb_transfer_us_per_row": 3.0, "service_time_us": 5000.0,
+                  "queue_capacity": 16, "reason": "profiled"} for i in range(2)}}
+
+    @cp.get("/api/v1/nodes")
+    async def nodes(request: Request):
+        seen["auth"].add(request.headers.get("authorization"))
+        return [{"node_id": f"n{i}", "address": a.url, "device": "cpu", "status": "up", "last_seen_s": 0.0}
+                for i, a in enumerate(agents[:2])]
+
+    @cp.get("/api/v1/router/weights")
+    async def get_weights(request: Request):
+        seen["auth"].add(request.headers.get("authorization"))
+        return weights
+
+    @cp.post("/api/v1/routers")
+    async def register(request: Request):
+        seen["auth"].add(request.headers.get("authorization"))
+        seen["routers"].append((await request.json())["url"])
+        return {"url": seen["routers"][-1]}
+
+    cp_port = free_port()
+    server = uvicorn.Server(uvicorn.Config(cp, host="127.0.0.1", port=cp_port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    gw_port = free_port()
+    gw = Proc(["gateway", "--control-plane", f"http://127.0.0.1:{cp_port}", "--token", TOKEN, "--trace", "taobao",
+               "--advertise-url", f"http://127.0.0.1:{gw_port}"], tmp_path / "gw-cp.log", gw_port)
+    try:
+        gw.start().wait_ready()
+        s = state(gw)
+        assert [n["node_id"] for n in s["nodes"]] == ["n0", "n1"]
+        assert s["weights"]["version"] == 7 and s["weights"]["source"] == "control_plane"
+        assert s["weights"]["nodes"]["n1"]["queue_capacity"] == 16 and s["registered_for_pushes"] is True
+        assert seen["routers"] == [f"http://127.0.0.1:{gw_port}"] and seen["auth"] == {f"Bearer {TOKEN}"}
+        d = post(gw.url, {"user_id": 3, "history": [1, 2, 3], "new_items": [4], "top_k": 2}).json()
+        assert d["served_by"] in ("n0", "n1")
+    finally:
+        gw.stop()
+        server.should_exit = True
+        th.join(10)
