@@ -167,54 +167,45 @@ def test_gateway_forgets_a_user_the_node_evicted_within_one_report_interval(clus
 
 
 def test_residency_feed_deltas_and_snapshots():
-    """The feed's ring: deltas since a cursor, last change per user wins, a snapshot when the
-    cursor fell off the ring or names another epoch."""
+    """The feed over a real KV pool: deltas since a cursor (a user's last change wins), a full
+    snapshot when the cursor fell off the ring, is ahead of it, or names another epoch."""
+    from types import SimpleNamespace
 
-    class _Kv:
-        def __init__(self):
-            self.delta = None
-            self.lens = {}
+    from node_agent.memory import KVLayout, MemoryConfig, MemoryManager
 
-        def drain_residency(self):
-            d, self.delta = self.delta, None
-            return d
-
-        def num_tokens(self, u):
-            return self.lens.get(u, 0)
-
-    class _Engine:
-        def __init__(self):
-            self.mm = type("MM", (), {})()
-            self.mm.kv = _Kv()
-
-    from node_agent.memory import ResidencyDelta
-
-    eng = _Engine()
+    layout = KVLayout(num_layers=1, num_heads=1, head_dim=4, page_tokens=2)
+    mm = MemoryManager(MemoryConfig(num_pages=8, num_items=8, emb_dim=4, kv=layout, initial_emb_share=0.25,
+                                    payload=False, device="cpu"))  # 6 KV pages of 2 tokens
+    engine = SimpleNamespace(mm=mm)
     feed = ResidencyFeed(capacity=4)
-
-    def step(added, evicted, lens):
-        eng.mm.kv.delta = ResidencyDelta(tuple(added), tuple(evicted))
-        eng.mm.kv.lens.update(lens)
-        feed.collect(eng, 0.0)
-
-    step([1, 2], [], {1: 10, 2: 20})
+    mm.kv.append(1, 4)
+    mm.kv.append(2, 4)
+    feed.collect(engine, 0.0)
     full = feed.since(0, None)
-    assert full["full"] and full["kv_added"] == [1, 2] and full["kv_cached_lens"] == [10, 20]
+    assert full["full"] and full["kv_added"] == [1, 2] and full["kv_cached_lens"] == [4, 4]
     e = full["epoch"]
     d = feed.since(0, e)
-    assert not d["full"] and d["kv_added"] == [1, 2] and d["cursor"] == 2
-    step([], [1], {})
-    step([1], [], {1: 5})
+    assert not d["full"] and d["kv_added"] == [1, 2] and d["kv_evicted"] == [] and d["cursor"] == 2
+    assert mm.kv.append(3, 6).evicted_users == (1,)  # 3 pages: user 1 (LRU) goes
+    feed.collect(engine, 0.1)
+    mm.kv.append(1, 2)  # and comes back with 2 tokens
+    feed.collect(engine, 0.2)
     d = feed.since(2, e)
-    assert not d["full"] and d["kv_added"] == [1] and d["kv_cached_lens"] == [5] and d["kv_evicted"] == []
-    step([], [2], {})
-    d = feed.since(4, e)
-    assert d["kv_evicted"] == [2] and d["kv_added"] == [] and d["cursor"] == 5
-    # cursor 0 fell off the 4-event ring: a full snapshot of what is resident now
-    d = feed.since(0, e)
-    assert d["full"] and d["kv_added"] == [1] and d["kv_evicted"] == []
-    assert feed.since(5, "other-epoch")["full"] and feed.since(99, e)["full"]
-    assert not feed.since(5, e)["full"] and feed.since(5, e)["kv_added"] == []
+    assert not d["full"] and d["cursor"] == 5
+    assert sorted(zip(d["kv_added"], d["kv_cached_lens"])) == [(1, 2), (3, 6)] and d["kv_evicted"] == []
+    assert feed.since(3, e)["kv_added"] == [3, 1]
+    assert mm.kv.append(4, 4).evicted_users == (2,)  # 2 pages: user 2 (LRU) goes
+    feed.collect(engine, 0.3)
+    d = feed.since(5, e)
+    assert d["kv_evicted"] == [2] and d["kv_added"] == [4] and d["cursor"] == 7
+    # the ring keeps events 4..7: cursor 3 still gets a delta, cursor 2 a full snapshot
+    assert not feed.since(3, e)["full"]
+    d = feed.since(2, e)
+    assert d["full"] and sorted(zip(d["kv_added"], d["kv_cached_lens"])) == [(1, 2), (3, 6), (4, 4)]
+    assert d["kv_evicted"] == []
+    assert feed.since(7, "another-epoch")["full"] and feed.since(99, e)["full"]
+    d = feed.since(7, e)
+    assert not d["full"] and d["kv_added"] == d["kv_evicted"] == []
 
 
 def test_no_live_node_gets_503_with_a_reason(tmp_path):
