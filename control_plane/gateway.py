@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import math
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -188,7 +189,7 @@ class Gateway:
 
     def __init__(self, nodes: Sequence[tuple[str, str]], config: GatewayConfig | None = None, *,
                  item_shard: np.ndarray | None = None, control_plane: str | None = None,
-                 token: str | None = None, advertise_url: str | None = None,
+                 token: str | None = None, advertise_url: str | None = None, push_token: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or GatewayConfig()
         self.item_shard = None if item_shard is None else np.asarray(item_shard, dtype=np.int64)
@@ -198,6 +199,8 @@ class Gateway:
         self.control_plane = control_plane.rstrip("/") if control_plane else None
         self.token = token
         self.advertise_url = advertise_url.rstrip("/") if advertise_url else None
+        # the secret the control plane must send on pushes (given, or drawn when registering)
+        self.push_token = push_token or (secrets.token_urlsafe(24) if advertise_url else None)
         self.registered = False
         self.clock = clock
         self.metrics = _Metrics()
@@ -511,7 +514,10 @@ class Gateway:
                 raise ValueError(f"nodes.{nid}: {e}") from None
         computed = payload.get("computed_at_s")
         if self.weights_source == "control_plane" and version <= self.weights_version and self.weights_computed_at_s:
-            return {"applied": False, "reason": f"version {version} <= version in force {self.weights_version}"}
+            if version == self.weights_version:  # a push of what a pull already brought: nothing to do
+                return {"applied": False, "current": True, "version": version, "reason": "already in force"}
+            return {"applied": False, "current": False,
+                    "reason": f"version {version} < version in force {self.weights_version}"}
         st = self.router.state
         known = [n for n in profiles if n in st.index]
         for n in known:
@@ -613,7 +619,8 @@ class Gateway:
         if self.registered or not self.advertise_url:
             return
         try:
-            r = await self.client.post(self.control_plane + "/api/v1/routers", json={"url": self.advertise_url},
+            r = await self.client.post(self.control_plane + "/api/v1/routers",
+                                       json={"url": self.advertise_url, "push_token": self.push_token},
                                        headers=self._headers(), timeout=5.0)
             if r.status_code < 300:
                 self.registered = True
@@ -720,17 +727,17 @@ def create_app(gateway: Gateway) -> GatewayApp:
 
     @app.post("/v1/router/weights")
     async def push_weights(request: Request):
-        if not gateway.token:
+        if not gateway.push_token:
             return JSONResponse(status_code=403, content={
-                "error": "weight pushes are disabled: the gateway was started without --token"})
-        if request.headers.get("authorization") != f"Bearer {gateway.token}":
+                "error": "weight pushes are disabled: the gateway was started without --push-token or --advertise-url"})
+        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {gateway.push_token}"):
             return JSONResponse(status_code=401, content={"error": "missing or wrong bearer token"})
         try:
             payload = json.loads(await request.body())
             result = gateway.apply_weights(payload)
         except ValueError as e:
             return JSONResponse(status_code=422, content={"error": str(e)})
-        return JSONResponse(status_code=200 if result["applied"] else 409, content=result)
+        return JSONResponse(status_code=200 if result["applied"] or result.get("current") else 409, content=result)
 
     @app.get("/healthz")
     async def healthz():
@@ -780,7 +787,7 @@ def cmd_gateway(args) -> int:
     if args.advertise_url and not args.control_plane:
         raise ValueError("--advertise-url applies with --control-plane only")
     gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane, token=args.token,
-                 advertise_url=args.advertise_url)
+                 advertise_url=args.advertise_url, push_token=args.push_token)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     def ready(host: str, port: int) -> None:
@@ -802,8 +809,12 @@ def add_gateway_parser(subparsers) -> None:
     g.add_argument("--nodes", default=None, help="node agent URLs, comma-separated (http://host:port,...)")
     g.add_argument("--control-plane", default=None, help="control plane URL: node list and weights from it")
     g.add_argument("--token", default=None,
-                   help="bearer token: sent to the control plane (an operator token: it lists nodes, reads weights "
-                        "and registers the gateway) and required on weight pushes to this gateway")
+                   help="bearer token sent to the control plane (an operator token: it lists nodes, reads weights "
+                        "and registers the gateway)")
+    g.add_argument("--push-token", default=None,
+                   help="secret weight pushes to this gateway must carry (Authorization: Bearer ...); given to the "
+                        "control plane when registering (default: drawn at random with --advertise-url, else pushes "
+                        "are refused)")
     g.add_argument("--advertise-url", default=None,
                    help="this gateway's URL as the control plane reaches it: registered with POST /api/v1/routers "
                         "for weight pushes (default: none, weights are pulled only)")

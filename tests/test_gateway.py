@@ -30,7 +30,7 @@ def cluster(tmp_path_factory):
     gw = None
     try:
         gw = start_gateway([a.url for a in agents], wd, "racer", "taobao", extra=[
-            "--token", TOKEN, "--health-interval-s", str(HEALTH_S), "--health-timeout-s", "0.4",
+            "--push-token", TOKEN, "--health-interval-s", str(HEALTH_S), "--health-timeout-s", "0.4",
             "--report-interval-s", str(REPORT_S), "--request-timeout-s", "5"])
         yield agents, gw, wd
     finally:
@@ -130,6 +130,8 @@ def test_weight_push_needs_the_token_and_valid_fields(cluster):
     assert s["nodes"][0]["weights"]["ld_us"] == 32 * 4000.0
     r = httpx.post(url, json={**doc, "version": 999}, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 409 and state(gw)["weights"]["version"] == 1000
+    r = httpx.post(url, json=doc, headers={"Authorization": f"Bearer {TOKEN}"})  # the same version again
+    assert r.status_code == 200 and r.json()["current"] is True and not r.json()["applied"]
 
 
 def test_gateway_forgets_a_user_the_node_evicted_within_one_report_interval(cluster, bodies):
@@ -338,7 +340,9 @@ def test_node_list_and_weights_from_a_control_plane(cluster, tmp_path):
     @cp.post("/api/v1/routers")
     async def register(request: Request):
         seen["auth"].add(request.headers.get("authorization"))
-        seen["routers"].append((await request.json())["url"])
+        body = await request.json()
+        seen["routers"].append(body["url"])
+        seen["push_token"] = body.get("push_token")
         return {"url": seen["routers"][-1]}
 
     cp_port = free_port()
@@ -355,9 +359,52 @@ def test_node_list_and_weights_from_a_control_plane(cluster, tmp_path):
         assert s["weights"]["version"] == 7 and s["weights"]["source"] == "control_plane"
         assert s["weights"]["nodes"]["n1"]["queue_capacity"] == 16 and s["registered_for_pushes"] is True
         assert seen["routers"] == [f"http://127.0.0.1:{gw_port}"] and seen["auth"] == {f"Bearer {TOKEN}"}
+        assert seen["push_token"] and seen["push_token"] != TOKEN  # a secret of the gateway's own
+        push = httpx.post(gw.url + "/v1/router/weights", json={**weights, "version": 8},
+                          headers={"Authorization": f"Bearer {seen['push_token']}"})
+        assert push.status_code == 200 and state(gw)["weights"]["version"] == 8
         d = post(gw.url, {"user_id": 3, "history": [1, 2, 3], "new_items": [4], "top_k": 2}).json()
         assert d["served_by"] in ("n0", "n1")
     finally:
         gw.stop()
         server.should_exit = True
         th.join(10)
+
+
+def test_gateway_with_the_real_control_plane(cluster, tmp_path):
+    """The control plane process (control_plane.main, SQLite): nodes registered there are the
+    gateway's nodes; the gateway registers for pushes with its own push token and receives the
+    weights the control plane's job computes and pushes."""
+    from tests.cp_util import ControlPlane, Database, wait_for
+
+    agents, _, _ = cluster
+    db = Database("sqlite", tmp_path)
+    cp = ControlPlane(db.url, tmp_path / "cp.log")
+    gw = None
+    try:
+        node = cp.client(cp.token("node"))
+        for i, a in enumerate(agents[:2]):
+            r = node.post("/nodes/register", json={
+                "node_id": f"node-{i}", "address": a.url, "device": "cpu", "policy_version": None,
+                "cost_profile": {"kv_recompute_us_per_token": 4.0, "emb_transfer_us_per_row": 2.0,
+                                 "service_time_us": 3000.0, "queue_capacity": 48}})
+            assert r.status_code == 200, r.text
+        op = cp.token("operator")
+        gw_port = free_port()
+        gw = Proc(["gateway", "--control-plane", cp.base, "--token", op, "--trace", "taobao",
+                   "--advertise-url", f"http://127.0.0.1:{gw_port}"], tmp_path / "gw-realcp.log", gw_port)
+        gw.start().wait_ready()
+        routers = wait_for(lambda: [r for r in cp.admin.get("/routers").json()
+                                    if r["pushed_version"] is not None and r["last_error"] is None], 60)
+        assert routers[0]["url"] == f"http://127.0.0.1:{gw_port}" and routers[0]["has_push_token"]
+        s = state(gw)
+        assert [n["node_id"] for n in s["nodes"]] == ["node-0", "node-1"] and s["registered_for_pushes"]
+        assert s["weights"]["source"] == "control_plane" and s["weights"]["version"] >= routers[0]["pushed_version"]
+        assert s["weights"]["nodes"]["node-0"]["queue_capacity"] == 48
+        d = post(gw.url, {"user_id": 11, "history": [1, 2, 3], "new_items": [4], "top_k": 2}).json()
+        assert d["served_by"] in ("node-0", "node-1")
+    finally:
+        if gw is not None:
+            gw.stop()
+        cp.stop()
+        db.drop()
