@@ -121,7 +121,7 @@ def build_plan(trace: Trace, config: ReplayConfig, cycle: int = 0) -> list[Phase
                           num_users=config.num_users, seed=config.seed + 1000 * cycle + k,
                           num_candidates=config.num_candidates, max_new_items=config.max_new_items,
                           max_history_len=config.max_history_len - config.max_new_items,
-                          burst_every_s=min(30.0, phase_s))
+                          burst_every_s=min(30.0, phase_s), burst_duration_s=min(3.0, phase_s / 2))
         out.append(Phase(regime, k * phase_s, stream))
     return out
 
