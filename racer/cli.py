@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .up import UpError
 
 
 class UsageError(Exception):
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_node_parser(sub)
 
+    from .up import add_up_parser
+
+    add_up_parser(sub)
+
     from simulator.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -196,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except (UsageError, UpError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"racer: error: {e}", file=sys.stderr)
         return 2
 
