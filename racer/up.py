@@ -20,9 +20,11 @@ replays straight to the node agents (round robin, one client retry); without ``r
 control-plane`` or ``racer dashboard`` those are left out and the start-up message says so.
 
 Files in the data folder (written whole: temp file, fsync, rename; a write that fails leaves
-nothing behind): ``operator_token`` and ``node_token`` (mode 0600), ``node_profile.json`` (the
+nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
+``RACER_ADMIN_TOKEN``), ``node_profile.json`` (the
 miss costs every agent reads instead of measuring them again), ``racer.db`` (SQLite), ``logs/``,
-``agents/node-K/`` (each agent's report buffer), ``processes.json`` (each process's pid, URL,
+``node_token.<db hash>`` (the agents' token, one per database), ``agents/node-K/`` (each agent's
+report spool and downloaded policies), ``processes.json`` (each process's pid, URL,
 restarts and log), ``up.lock``.
 """
 
@@ -185,7 +187,8 @@ class Supervisor:
 
     def __init__(self, specs: Sequence[ProcessSpec], log_dir: Path, *, report: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic, max_backoff_s: float = 30.0,
-                 state_file: Path | None = None) -> None:
+                 state_file: Path | None = None, secrets: Sequence[str] = (),
+                 cancel: threading.Event | None = None) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"process names must be distinct: {names}")
@@ -195,6 +198,8 @@ class Supervisor:
         self.clock = clock
         self.max_backoff_s = max_backoff_s
         self.state_file = state_file
+        self.secrets = [x for x in secrets if x]
+        self.cancel = cancel or threading.Event()  # set: stop waiting for readiness
         self.stopping = False
 
     def __getitem__(self, name: str) -> _Proc:
@@ -206,8 +211,11 @@ class Supervisor:
     def _spawn(self, p: _Proc) -> None:
         log = open(self.log_dir / f"{p.spec.name}.log", "ab")
         try:
+            shown = " ".join(p.spec.argv)
+            for secret in self.secrets:  # tokens never reach a log
+                shown = shown.replace(secret, "***")
             log.write(f"\n==== racer up: starting {p.spec.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                      f"{' '.join(p.spec.argv)}\n".encode())
+                      f"{shown}\n".encode())
             log.flush()
             p.popen = subprocess.Popen(p.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True, cwd=REPO,
@@ -241,7 +249,7 @@ class Supervisor:
         if not p.spec.ready_urls:
             return
         deadline = self.clock() + p.spec.ready_timeout_s
-        while self.clock() < deadline and not self.stopping:
+        while self.clock() < deadline and not self.stopping and not self.cancel.is_set():
             code = p.popen.poll()
             if code is not None:
                 tail = _tail(self.log_dir / f"{p.spec.name}.log")
@@ -254,7 +262,7 @@ class Supervisor:
                 except httpx.HTTPError:
                     pass
             time.sleep(0.25)
-        if not self.stopping:
+        if not self.stopping and not self.cancel.is_set():
             raise UpError(f"{p.spec.name} was not ready within {p.spec.ready_timeout_s:g} s "
                           f"(log: {self.log_dir / (p.spec.name + '.log')})")
 
@@ -361,8 +369,8 @@ class Plan:
     node_urls: list[str]
 
 
-def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator_token: str, node_token: str,
-                   profile: Path | None) -> Plan:
+def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator_token: str,
+                   node_token: str | None, profile: Path | None, db_url: str) -> Plan:
     """The process specs of ``racer up`` for the pieces this build has."""
     host = "127.0.0.1"
     specs: list[ProcessSpec] = []
@@ -373,15 +381,12 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
         opts = commands["control-plane"]
         port = args.control_plane_port or free_port()
         cp_url = f"http://{host}:{port}"
-        db = args.db or f"sqlite:///{(data_dir / 'racer.db').resolve()}"
         argv = _racer("control-plane", "--port", str(port))
-        env = {**env_tokens, "RACER_DATABASE_URL": db, "RACER_NODE_TOKEN": node_token}
-        if "--db" in opts:
-            argv += ["--db", db]
+        # the database URL (it may hold a password) and the token go in the environment, not argv
+        env = {**env_tokens, "RACER_DATABASE_URL": db_url}
         if "--host" in opts:
             argv += ["--host", host]
-        specs.append(ProcessSpec("control-plane", argv, env, [f"{cp_url}/healthz", f"{cp_url}/api/v1/health"],
-                                 url=cp_url))
+        specs.append(ProcessSpec("control-plane", argv, env, [f"{cp_url}/healthz"], url=cp_url))
     else:
         missing.append("control-plane")
 
@@ -399,15 +404,15 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
             argv += ["--policy", str(args.policy)]
         if profile is not None:
             argv += ["--profile", str(profile)]
-        if cp_url and "--control-plane" in agent_opts:
-            argv += ["--control-plane", cp_url, "--token", node_token]
+        env = {}
+        if cp_url and node_token and "--control-plane" in agent_opts:
+            argv += ["--control-plane", cp_url]
+            env["RACER_NODE_TOKEN"] = node_token  # in the environment: never in argv (ps) or a log
             if "--node-id" in agent_opts:
                 argv += ["--node-id", f"node-{k}"]
-            for flag in ("--buffer-dir", "--report-buffer-dir", "--state-dir"):
-                if flag in agent_opts:
-                    argv += [flag, str(data_dir / "agents" / f"node-{k}")]
-                    break
-        specs.append(ProcessSpec(f"node-{k}", argv, {}, [f"{url}/healthz"], url=url))
+            if "--state-dir" in agent_opts:
+                argv += ["--state-dir", str(data_dir / "agents" / f"node-{k}")]
+        specs.append(ProcessSpec(f"node-{k}", argv, env, [f"{url}/healthz"], url=url))
 
     targets = list(node_urls)
     if "gateway" in commands:
@@ -436,13 +441,45 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
         argv = _racer("dashboard", "--control-plane", cp_url, "--port", str(port))
         if "--host" in opts:
             argv += ["--host", host]
-        env = {"RACER_DASHBOARD_TOKEN": operator_token}
-        if "--token" in opts:
-            argv += ["--token", operator_token]
-        specs.append(ProcessSpec("dashboard", argv, env, [f"{dash_url}/"], url=dash_url))
+        if "--slo-ms" in opts:
+            argv += ["--slo-ms", f"{args.slo_ms:g}"]
+        if "--refresh-s" in opts:
+            argv += ["--refresh-s", "2"]
+        specs.append(ProcessSpec("dashboard", argv, {}, [f"{dash_url}/"], url=dash_url))
     else:
         missing.append("dashboard")
     return Plan(specs, targets, dash_url, cp_url, missing, node_urls)
+
+
+def ensure_node_token(data_dir: Path, db_url: str, commands: dict[str, set[str]],
+                      log: Callable[[str], None]) -> str | None:
+    """A token of role node for the agents, created once per database (``racer token create``,
+    which also brings the schema up to date) and kept in ``DATA/node_token.<db hash>``."""
+    import hashlib
+
+    if "token" not in commands:
+        return None
+    path = data_dir / f"node_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}"
+    if path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    log("creating the node agents' token (racer token create --role node)")
+    p = subprocess.run(_racer("token", "create", "--role", "node", "--name", "racer-up-nodes", "--db", db_url),
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if p.returncode != 0 or not p.stdout.strip():
+        raise UpError(f"racer token create failed for {_safe_url(db_url)}: {p.stderr.strip()[-800:]}")
+    secret = p.stdout.strip().splitlines()[-1].strip()
+    write_atomic(path, secret + "\n", mode=0o600)
+    return secret
+
+
+def _safe_url(url: str) -> str:
+    """A database URL without its password."""
+    if "://" in url and "@" in url.split("://", 1)[1]:
+        scheme, rest = url.split("://", 1)
+        cred, hostpart = rest.rsplit("@", 1)
+        return f"{scheme}://{cred.split(':', 1)[0]}:***@{hostpart}"
+    return url
 
 
 def ensure_profile(data_dir: Path, log: Callable[[str], None]) -> Path | None:
@@ -529,26 +566,22 @@ def cmd_up(args) -> int:
     rss: dict[str, dict] = {}
     try:
         operator_token = read_or_create_secret(data_dir / "operator_token", "racer_")
-        node_token = read_or_create_secret(data_dir / "node_token", "racer_")
         trace = load_trace(args.trace, args.path)
         profile = ensure_profile(data_dir, say) if args.policy else None
         commands = available_commands()
-        plan = plan_processes(args, data_dir, commands, operator_token, node_token, profile)
+        db_url = args.db or f"sqlite:///{data_dir / 'racer.db'}"
+        node_token = ensure_node_token(data_dir, db_url, commands, say) if "control-plane" in commands else None
+        plan = plan_processes(args, data_dir, commands, operator_token, node_token, profile, db_url)
         if plan.missing:
             say("this build has no " + ", ".join(f"racer {m}" for m in plan.missing) +
                 ("; the load goes straight to the node agents" if "gateway" in plan.missing else ""))
         sup = Supervisor(plan.specs, data_dir / "logs", report=lambda line: say(line, err=True),
-                         state_file=data_dir / "processes.json")
+                         state_file=data_dir / "processes.json", secrets=[operator_token, node_token or ""], cancel=stop)
         say(f"data folder {data_dir} (logs in {data_dir / 'logs'})")
-        order = [[s.name] for s in plan.specs if not s.name.startswith("node-")]
-        nodes = [s.name for s in plan.specs if s.name.startswith("node-")]
-        has_cp = any(s.name == "control-plane" for s in plan.specs)
-        order = (order[:1] if has_cp else []) + [nodes] + (order[1:] if has_cp else order)
-        for names in order:
-            if stop.is_set():
-                break
-            say("starting " + ", ".join(names))
-            sup.start(names)
+        # everything at once: agents buffer their reports until the control plane answers, the
+        # gateway and the dashboard retry it; then wait until each one is ready
+        say("starting " + ", ".join(s.name for s in plan.specs))
+        sup.start()
         if not stop.is_set():
             if plan.control_plane_url:
                 say(f"control plane {plan.control_plane_url}")
