@@ -23,7 +23,8 @@ Files in the data folder (written whole: temp file, fsync, rename; a write that 
 nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
 ``RACER_ADMIN_TOKEN``), ``node_profile.json`` (the
 miss costs every agent reads instead of measuring them again), ``racer.db`` (SQLite), ``logs/``,
-``node_token.<db hash>`` (the agents' token, one per database), ``agents/node-K/`` (each agent's
+``node_token.<db hash>`` (the agents' token, one per database, made through the control plane's
+``POST /api/v1/tokens``), ``agents/node-K/`` (each agent's
 report spool and downloaded policies), ``processes.json`` (each process's pid, URL,
 restarts and log), ``up.lock``.
 """
@@ -370,7 +371,7 @@ class Plan:
 
 
 def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator_token: str,
-                   node_token: str | None, profile: Path | None, db_url: str) -> Plan:
+                   node_env: dict[str, str], profile: Path | None, db_url: str) -> Plan:
     """The process specs of ``racer up`` for the pieces this build has."""
     host = "127.0.0.1"
     specs: list[ProcessSpec] = []
@@ -404,10 +405,9 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
             argv += ["--policy", str(args.policy)]
         if profile is not None:
             argv += ["--profile", str(profile)]
-        env = {}
-        if cp_url and node_token and "--control-plane" in agent_opts:
-            argv += ["--control-plane", cp_url]
-            env["RACER_NODE_TOKEN"] = node_token  # in the environment: never in argv (ps) or a log
+        env = node_env  # shared: RACER_NODE_TOKEN is set there once the control plane has made it
+        if cp_url and "--control-plane" in agent_opts:
+            argv += ["--control-plane", cp_url]  # the token goes in the environment: never in argv or a log
             if "--node-id" in agent_opts:
                 argv += ["--node-id", f"node-{k}"]
             if "--state-dir" in agent_opts:
@@ -451,24 +451,27 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
     return Plan(specs, targets, dash_url, cp_url, missing, node_urls)
 
 
-def ensure_node_token(data_dir: Path, db_url: str, commands: dict[str, set[str]],
-                      log: Callable[[str], None]) -> str | None:
-    """A token of role node for the agents, created once per database (``racer token create``,
-    which also brings the schema up to date) and kept in ``DATA/node_token.<db hash>``."""
+def ensure_node_token(data_dir: Path, db_url: str, cp_url: str, operator_token: str,
+                      log: Callable[[str], None]) -> str:
+    """A token of role node for the agents: the one kept for this database in
+    ``DATA/node_token.<db hash>`` if the control plane still knows it (GET /api/v1/whoami), else a
+    new one (POST /api/v1/tokens with the operator token), kept there for the next run."""
     import hashlib
 
-    if "token" not in commands:
-        return None
+    import httpx
+
     path = data_dir / f"node_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}"
-    if path.exists() and path.read_text().strip():
-        return path.read_text().strip()
-    log("creating the node agents' token (racer token create --role node)")
-    p = subprocess.run(_racer("token", "create", "--role", "node", "--name", "racer-up-nodes", "--db", db_url),
-                       cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if p.returncode != 0 or not p.stdout.strip():
-        raise UpError(f"racer token create failed for {_safe_url(db_url)}: {p.stderr.strip()[-800:]}")
-    secret = p.stdout.strip().splitlines()[-1].strip()
+    api = f"{cp_url}/api/v1"
+    if path.exists() and (secret := path.read_text().strip()):
+        r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {secret}"}, timeout=10.0)
+        if r.status_code == 200 and r.json().get("role") == "node":
+            return secret
+    log("creating the node agents' token (role node)")
+    r = httpx.post(f"{api}/tokens", json={"role": "node", "name": "racer-up-nodes"},
+                   headers={"Authorization": f"Bearer {operator_token}"}, timeout=10.0)
+    if r.status_code != 201:
+        raise UpError(f"the control plane refused to create a node token: {r.status_code} {r.text[:300]}")
+    secret = r.json()["token"]
     write_atomic(path, secret + "\n", mode=0o600)
     return secret
 
@@ -482,19 +485,31 @@ def _safe_url(url: str) -> str:
     return url
 
 
-def ensure_profile(data_dir: Path, log: Callable[[str], None]) -> Path | None:
-    """The agents' cost profile, measured once into the data folder and reused afterwards."""
-    path = data_dir / "node_profile.json"
-    if path.exists():
-        return path
-    log("measuring this machine's miss costs once (racer node profile) into " + str(path))
+def start_profile(data_dir: Path, log: Callable[[str], None]) -> subprocess.Popen | None:
+    """Start measuring the agents' cost profile into the data folder unless it is there already
+    (measured once, reused by every later run)."""
+    if (data_dir / "node_profile.json").exists():
+        return None
+    log("measuring this machine's miss costs once (racer node profile) into " + str(data_dir / "node_profile.json"))
     tmp = data_dir / ".node_profile.json.tmp"
-    p = subprocess.run(_racer("node", "profile", *PROFILE_ARGS, "--out", str(tmp), "--no-progress"), cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
+    err = open(data_dir / "logs" / "node-profile.log", "ab")
+    try:
+        return subprocess.Popen(_racer("node", "profile", *PROFILE_ARGS, "--out", str(tmp), "--no-progress"),
+                                cwd=REPO, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        err.close()
+
+
+def finish_profile(data_dir: Path, proc: subprocess.Popen | None) -> Path:
+    path = data_dir / "node_profile.json"
+    if proc is None:
+        return path
+    tmp = data_dir / ".node_profile.json.tmp"
+    if proc.wait() != 0 or not tmp.exists():
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise UpError(f"racer node profile failed: {p.stderr.strip()[-500:]}")
+        raise UpError(f"racer node profile failed; see {data_dir / 'logs' / 'node-profile.log'}:\n"
+                      + _tail(data_dir / "logs" / "node-profile.log", 8))
     os.replace(tmp, path)
     return path
 
@@ -562,26 +577,44 @@ def cmd_up(args) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     sup: Supervisor | None = None
     replayer: _Replayer | None = None
+    profiling: subprocess.Popen | None = None
     report: dict = {}
     rss: dict[str, dict] = {}
     try:
         operator_token = read_or_create_secret(data_dir / "operator_token", "racer_")
         trace = load_trace(args.trace, args.path)
-        profile = ensure_profile(data_dir, say) if args.policy else None
+        profiling = start_profile(data_dir, say) if args.policy else None
+        profile = data_dir / "node_profile.json" if args.policy else None
         commands = available_commands()
         db_url = args.db or f"sqlite:///{data_dir / 'racer.db'}"
-        node_token = ensure_node_token(data_dir, db_url, commands, say) if "control-plane" in commands else None
-        plan = plan_processes(args, data_dir, commands, operator_token, node_token, profile, db_url)
+        # the node token is known once the control plane answers; the specs read it then
+        node_env: dict[str, str] = {}
+        plan = plan_processes(args, data_dir, commands, operator_token, node_env, profile, db_url)
         if plan.missing:
             say("this build has no " + ", ".join(f"racer {m}" for m in plan.missing) +
                 ("; the load goes straight to the node agents" if "gateway" in plan.missing else ""))
         sup = Supervisor(plan.specs, data_dir / "logs", report=lambda line: say(line, err=True),
-                         state_file=data_dir / "processes.json", secrets=[operator_token, node_token or ""], cancel=stop)
+                         state_file=data_dir / "processes.json", secrets=[operator_token], cancel=stop)
         say(f"data folder {data_dir} (logs in {data_dir / 'logs'})")
-        # everything at once: agents buffer their reports until the control plane answers, the
-        # gateway and the dashboard retry it; then wait until each one is ready
-        say("starting " + ", ".join(s.name for s in plan.specs))
-        sup.start()
+        # the control plane, the gateway and the dashboard start while the cost profile is measured
+        # (they wait for nodes); then the node token, then the agents
+        others = [s.name for s in plan.specs if not s.name.startswith("node-")]
+        nodes = [s.name for s in plan.specs if s.name.startswith("node-")]
+        say("starting " + ", ".join(others + nodes))
+        sup.start(others, wait=False)
+        if plan.control_plane_url:
+            sup.wait_ready(sup["control-plane"])
+        if not stop.is_set():
+            if args.policy:
+                finish_profile(data_dir, profiling)
+            profiling = None
+            if plan.control_plane_url and "--control-plane" in commands.get("node-agent", set()):
+                node_env["RACER_NODE_TOKEN"] = ensure_node_token(data_dir, db_url, plan.control_plane_url,
+                                                                 operator_token, say)
+                sup.secrets.append(node_env["RACER_NODE_TOKEN"])
+            sup.start(nodes, wait=False)
+            for name in others[1:] + nodes if plan.control_plane_url else others + nodes:
+                sup.wait_ready(sup[name])
         if not stop.is_set():
             if plan.control_plane_url:
                 say(f"control plane {plan.control_plane_url}")
@@ -636,6 +669,10 @@ def cmd_up(args) -> int:
         say(f"stopping ({why}): load generator first, then the processes")
         report = {"stopped_by": why}
     finally:
+        if profiling is not None and profiling.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(profiling.pid, signal.SIGKILL)
+            profiling.wait()
         if replayer is not None and replayer.is_alive():
             replayer.stop_event.set()
             replayer.join(replayer.config.timeout_s + 5.0)
