@@ -265,3 +265,14 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert (data / "operator_token").read_text() == token and token.strip() in p.stderr
     assert (data / "node_profile.json").stat().st_mtime == profile_mtime
     assert "measuring this machine's miss costs" not in p.stderr
+
+
+def test_soak_rss_growth_is_measured_after_warm_up():
+    from bench.soak import rss_growth
+
+    samples = [(0.0, 100), (10.0, 500), (20.0, 1000), (30.0, 1000), (40.0, 1010), (50.0, 1020), (60.0, 1050),
+               (70.0, 1040), (80.0, 1060)]
+    g = rss_growth(samples, warmup_s=20.0)
+    # after warm-up: median(1000, 1000, 1010) = 1000; end: median(1050, 1040, 1060) = 1050
+    assert g == {"rss_after_warmup_bytes": 1000, "rss_end_bytes": 1050, "rss_growth_pct": 5.0}
+    assert rss_growth(samples[:5], warmup_s=20.0) is None  # too few samples after warm-up
