@@ -245,12 +245,15 @@ class Supervisor:
                 self.wait_ready(p)
 
     def wait_ready(self, p: _Proc) -> None:
+        """Wait until ``p`` answers on a ready URL; meanwhile restart any *other* process that
+        exits. ``p`` itself exiting is a start-up failure (`UpError` with the end of its log)."""
         import httpx
 
         if not p.spec.ready_urls:
             return
         deadline = self.clock() + p.spec.ready_timeout_s
         while self.clock() < deadline and not self.stopping and not self.cancel.is_set():
+            self.poll(skip=p)
             code = p.popen.poll()
             if code is not None:
                 tail = _tail(self.log_dir / f"{p.spec.name}.log")
@@ -267,12 +270,12 @@ class Supervisor:
             raise UpError(f"{p.spec.name} was not ready within {p.spec.ready_timeout_s:g} s "
                           f"(log: {self.log_dir / (p.spec.name + '.log')})")
 
-    def poll(self) -> list[str]:
+    def poll(self, skip: _Proc | None = None) -> list[str]:
         """Restart every process that has exited (after its back-off); returns the events."""
         events = []
         now = self.clock()
         for p in self.procs:
-            if self.stopping or p.popen is None:
+            if self.stopping or p.popen is None or p is skip:
                 continue
             code = p.popen.poll()
             if code is None:

@@ -87,6 +87,11 @@ def _finish(proc: subprocess.Popen, tmp_path: Path) -> dict:
     return json.loads(out)
 
 
+def _load_running(data: Path) -> bool:
+    up = data / "logs" / "up.log"
+    return up.exists() and "replaying" in up.read_text()
+
+
 def _nodes_reporting(api: Api, n: int) -> dict | None:
     nodes = {x["node_id"]: x for x in api.get("/nodes")}
     if len(nodes) >= n and all(x["last_report_seq"] is not None for x in nodes.values()):
@@ -102,7 +107,9 @@ def test_control_plane_restart_under_load_loses_no_report_and_stores_none_twice(
         cp = _wait(lambda: _state(data)["control-plane"], 240, "racer up to start")
         token = _wait(lambda: (data / "operator_token").read_text().strip(), 30, "the operator token")
         api = Api(cp["url"], token)
+        _wait(lambda: _load_running(data), 300, "racer up to start the load")
         nodes = _wait(lambda: _nodes_reporting(api, 2), 240, "both node agents to register and report")
+        time.sleep(3)  # under load
         ov = api.post("/overrides", {"node_id": "node-0", "emb_share": 0.4, "ttl_s": 3600,
                                      "reason": "failure test: must survive a control-plane restart"})
         before = {k: api.get(k) for k in ("/overrides", "/policies", "/rollouts")}
@@ -217,6 +224,7 @@ def test_postgresql_restart_during_ingestion_loses_no_report(tmp_path, own_postg
         cp = _wait(lambda: _state(data)["control-plane"], 240, "racer up to start")
         token = _wait(lambda: (data / "operator_token").read_text().strip(), 30, "the operator token")
         api = Api(cp["url"], token)
+        _wait(lambda: _load_running(data), 300, "racer up to start the load")
         nodes = _wait(lambda: _nodes_reporting(api, 2), 240, "both node agents to register and report")
         seq_at_restart = {k: v["last_report_seq"] for k, v in nodes.items()}
         pg.stop("fast")  # running transactions are cut
