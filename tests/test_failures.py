@@ -23,13 +23,25 @@ from racer.up import available_commands
 
 from .conftest import REPO
 from .dbcheck import check_database, gaps, report_seqs
+from .procs import skip_or_fail
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 _COMMANDS = available_commands()
-needs_system = pytest.mark.skipif(
-    "control-plane" not in _COMMANDS or "--control-plane" not in _COMMANDS.get("node-agent", set()),
-    reason="this build has no control plane with reporting node agents")
+_SYSTEM = "control-plane" in _COMMANDS and "--control-plane" in _COMMANDS.get("node-agent", set())
+
+
+def needs_system(test):
+    """The test needs a control plane and node agents that report to it."""
+    import functools
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        if not _SYSTEM:
+            skip_or_fail("this build has no control plane with reporting node agents")
+        return test(*args, **kwargs)
+
+    return wrapper
 
 
 def _wait(pred, timeout_s: float, what: str, every_s: float = 0.5):
@@ -199,13 +211,13 @@ def own_postgres(tmp_path):
 
     pg = OwnPostgres(Path(f"/tmp/racer-pg-{os.getpid()}-{free_port()}"), free_port())
     if not (pg.initdb and pg.ctl):
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not installed (.ci/run installs them)")
+        skip_or_fail("PostgreSQL server binaries (initdb, pg_ctl) not installed (.ci/run installs them)")
     try:
         pg.init()
         pg.start()
     except (subprocess.CalledProcessError, OSError, LookupError) as e:
         shutil.rmtree(pg.root, ignore_errors=True)
-        pytest.skip(f"cannot run a PostgreSQL server here: {e}")
+        skip_or_fail(f"cannot run a PostgreSQL server here: {e}")
     try:
         yield pg
     finally:

@@ -17,6 +17,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from node_agent.agent import AgentConfig, NodeAgent, create_app
 
+from .procs import skip_or_fail
 from .test_node_agent import small_engine
 
 @schemathesis.serializer("application/x-tar")
@@ -120,8 +121,9 @@ NODE_ROUTES = {("POST", "/api/v1/nodes/register"), ("POST", "/api/v1/nodes/{node
                ("GET", "/api/v1/nodes/{node_id}/directives"), ("POST", "/api/v1/nodes/{node_id}/policy")}
 
 
-@pytest.mark.skipif(not _has("control_plane.api"), reason="this build has no control-plane API")
 def test_control_plane_api_fuzz_with_valid_tokens_keeps_the_database_valid(tmp_path):
+    if not _has("control_plane.api"):
+        skip_or_fail("this build has no control-plane API")
     from starlette.testclient import TestClient
 
     from control_plane.api import create_app as create_cp_app
@@ -153,8 +155,9 @@ def test_control_plane_api_fuzz_with_valid_tokens_keeps_the_database_valid(tmp_p
 
 
 # ------------------------------------------------------------------------------------- gateway ---
-@pytest.mark.skipif(not _has("control_plane.gateway"), reason="this build has no gateway")
 def test_gateway_api_fuzz_in_front_of_a_real_node_agent(tmp_path):
+    if not _has("control_plane.gateway"):
+        skip_or_fail("this build has no gateway")
     import httpx
 
     from control_plane.gateway import Gateway, GatewayConfig

@@ -18,6 +18,7 @@ from racer.cli import main as racer_main
 from racer.up import ProcessSpec, Supervisor, UpError, check_data_dir, write_atomic
 
 from .conftest import REPO
+from .procs import skip_or_fail
 
 
 def _gone(pid: int) -> bool:
@@ -104,7 +105,7 @@ def tmpfs(tmp_path):
     def make(name: str, opts: str) -> Path:
         path = tmp_path / name
         if not _mount_tmpfs(path, opts):
-            pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+            skip_or_fail("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
         mounted.append(path)
         return path
 

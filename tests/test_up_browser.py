@@ -22,6 +22,7 @@ import pytest
 from racer.up import available_commands
 
 from .conftest import REPO
+from .procs import skip_or_fail
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -29,12 +30,18 @@ CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
                   "--no-first-run", "--disable-quic"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-sync_api = pytest.importorskip("playwright.sync_api")
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"{CHROMIUM} missing (.ci/run installs Debian's chromium)", allow_module_level=True)
 _MISSING = {"control-plane", "gateway", "dashboard"} - set(available_commands())
-if _MISSING:
-    pytest.skip(f"this build has no racer {', '.join(sorted(_MISSING))}", allow_module_level=True)
+
+
+def _need_everything() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("playwright") is None:
+        skip_or_fail("playwright is not installed (the test extra has it)")
+    if not Path(CHROMIUM).exists():
+        skip_or_fail(f"{CHROMIUM} missing (.ci/run installs Debian's chromium)")
+    if _MISSING:
+        skip_or_fail(f"this build has no racer {', '.join(sorted(_MISSING))}")
 
 PLOT_JS = """(gid) => {
   const el = document.querySelector('#' + gid + ' .js-plotly-plot');
@@ -55,6 +62,7 @@ def _points(state: dict | None) -> int:
 
 
 def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(tmp_path):
+    _need_everything()
     from playwright.sync_api import sync_playwright
 
     data = tmp_path / "racer-data"
