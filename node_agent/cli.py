@@ -1,7 +1,7 @@
 """The ``racer node`` and ``racer node-agent`` subcommands; racer/cli.py registers them with
 `add_node_parser`.
 
-    racer node profile [--json] [--out node_profile.json] [--lengths 128,512,2048] [--repeats 5] ...
+    racer node profile [--json] [--out FILE] [--lengths 128,512,2048] [--repeats 5] ...
     racer node-agent --port P --trace KIND [--path PATH] [--emb-share 0.5] [--slo-ms 30] [--seed 0]
                      [--policy DIR] [--profile FILE] ...
 
@@ -122,13 +122,14 @@ def cmd_node_profile(args) -> int:
                         emb_batch_rows=args.emb_batch_rows, num_candidates=args.num_candidates,
                         page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, link=_link_config(args),
                         device=args.device, seed=args.seed)
-    out = Path(args.out)
-    if out.parent and not out.parent.exists():
+    out = Path(args.out) if args.out else None
+    if out is not None and out.parent and not out.parent.exists():
         raise FileNotFoundError(f"--out: directory {out.parent} does not exist")
     with tqdm(total=profile_steps(cfg), desc="racer node profile", unit="run", delay=2.0, file=sys.stderr,
               disable=args.no_progress) as bar:
         prof = measure_profile(cfg, progress=lambda: bar.update(1))
-    out.write_text(json.dumps(prof, indent=2) + "\n")
+    if out is not None:  # a file only when asked for: never a stray node_profile.json in the cwd
+        out.write_text(json.dumps(prof, indent=2) + "\n")
     if args.json:
         print(json.dumps(prof))
     else:
@@ -138,8 +139,8 @@ def cmd_node_profile(args) -> int:
               f"  emb_transfer_us_per_row    {prof['emb_transfer_us_per_row']:.4g}\n"
               f"  emb_hit_us_per_row         {prof['emb_hit_us_per_row']:.4g}\n"
               f"  kv_read_us_per_token       {prof['kv_read_us_per_token']:.4g}\n"
-              f"  rank_us_per_candidate      {prof['rank_us_per_candidate']:.4g}\n"
-              f"wrote {out}")
+              f"  rank_us_per_candidate      {prof['rank_us_per_candidate']:.4g}"
+              + (f"\nwrote {out}" if out is not None else ""))
     return 0
 
 
@@ -163,7 +164,10 @@ def build_agent(args, *, announce=None):
         default_top_k=args.top_k, link=_link_config(args), device=args.device)
     acfg = AgentConfig(max_batch=args.max_batch, batch_window_us=args.batch_window_us, max_queue=args.max_queue,
                        request_timeout_s=args.request_timeout_s, control_interval_s=args.control_interval_s,
-                       slo_ms=args.slo_ms, metrics_window_s=args.metrics_window_s)
+                       slo_ms=args.slo_ms, metrics_window_s=args.metrics_window_s,
+                       large_prefill_tokens=args.large_prefill_tokens,
+                       max_prefill_tokens_per_batch=args.max_prefill_tokens_per_batch,
+                       max_body_bytes=args.max_body_bytes)
     engine = Engine(ecfg, item_popularity=trace.item_popularity())
     allocator = None
     costs = None
@@ -197,7 +201,8 @@ def _read_costs(path: str) -> dict:
 
 
 def cmd_node_agent(args) -> int:
-    from .agent import create_app, serve_forever
+    from .agent import create_app
+    from .server import serve_forever
 
     def announce(msg: str) -> None:
         print(f"racer node-agent: {msg}", flush=True)
@@ -235,7 +240,8 @@ def add_node_parser(subparsers) -> None:
                     help="ids per EMB lookup when timing hits and misses (default 512)")
     pr.add_argument("--num-candidates", type=_positive_int, default=256,
                     help="candidates when timing ranking (default 256)")
-    pr.add_argument("--out", default="node_profile.json", help="profile file to write (default node_profile.json)")
+    pr.add_argument("--out", default=None,
+                    help="also write the profile to this file (default: print only, write no file)")
     pr.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_node_profile)
@@ -270,6 +276,13 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--batch-window-us", type=float, default=0.0,
                    help="wait this long for more requests after the first (default 0)")
     g.add_argument("--max-queue", type=_positive_int, default=1024, help="queued requests before 503 (default 1024)")
+    g.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
+                   help="larger request bodies get 413, chunked ones included (default 4194304)")
+    g.add_argument("--large-prefill-tokens", type=_positive_int, default=1024,
+                   help="a request with at least this many tokens to prefill (not in its KV cache) is a large "
+                        "miss: served alone, alternating with the small requests (default 1024)")
+    g.add_argument("--max-prefill-tokens-per-batch", type=_positive_int, default=2048,
+                   help="estimated prefill tokens per micro-batch of small requests (default 2048)")
     g.add_argument("--request-timeout-s", type=_positive_float, default=30.0, help="504 after this long (default 30)")
     g.add_argument("--control-interval-s", type=_positive_float, default=1.0,
                    help="control step period: window stats, allocator (default 1)")
