@@ -686,6 +686,7 @@ def cmd_up(args) -> int:
             say("stopped: " + ", ".join(f"{k} {describe_exit(v) if v is not None else '?'}" for k, v in
                                         reversed(list(codes.items()))))
         lock.release()
+        up_log.close()
     rep = stats.report()
     out = {**report, "elapsed_s": round(time.monotonic() - t_start, 1), "load_s": round(time.monotonic() - t_load, 1),
            "dashboard_url": plan.dashboard_url, "control_plane_url": plan.control_plane_url,
@@ -693,8 +694,9 @@ def cmd_up(args) -> int:
            "processes": {p.spec.name: {"restarts": p.restarts, "exits": p.exits, "exit_code": codes.get(p.spec.name)}
                          for p in sup.procs},
            "rss": {k: {"pid": v["pid"], "samples": v["samples"]} for k, v in rss.items()}}
-    say(f"served {rep['requests_served']} of {rep['requests_sent']} (failed {rep['requests_failed']}, lost "
-        f"{rep['requests_lost']}), P99 {rep['p99_ms']} ms, SLO attainment {rep['slo_attainment']}")
+    print(f"racer up: served {rep['requests_served']} of {rep['requests_sent']} (failed {rep['requests_failed']}, "
+          f"lost {rep['requests_lost']}), P99 {rep['p99_ms']} ms, SLO attainment {rep['slo_attainment']}",
+          file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps(out))
     if args.report:

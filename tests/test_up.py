@@ -244,8 +244,10 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert rep["requests_served"] >= 0.9 * rep["requests_sent"]
     p1 = rep["processes"]["node-1"]
     assert p1["restarts"] == 1 and p1["exits"][0]["code"] == -signal.SIGKILL
-    # every process stopped by SIGTERM cleanly (status 0) and nothing is left running
-    assert all(p["exit_code"] == 0 for p in rep["processes"].values()), rep["processes"]
+    # every process stopped on SIGTERM (status 0 from its handler, or the signal's default action;
+    # never SIGKILL after the stop timeout) and nothing is left running
+    assert all(p["exit_code"] in (0, -signal.SIGTERM) for p in rep["processes"].values()), rep["processes"]
+    assert "did not stop within" not in (tmp_path / "up.err").read_text()
     final = _state(data)
     assert all(_gone(p["pid"]) for p in final.values())
     text = (tmp_path / "up.err").read_text()
