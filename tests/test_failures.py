@@ -89,6 +89,9 @@ def _start_up(tmp_path: Path, data: Path, duration_s: float, *extra: str) -> sub
 
 
 def _finish(proc: subprocess.Popen, tmp_path: Path) -> dict:
+    """Stop racer up (SIGTERM, as Ctrl-C would) and return its JSON report."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -114,7 +117,7 @@ def _nodes_reporting(api: Api, n: int) -> dict | None:
 @needs_system
 def test_control_plane_restart_under_load_loses_no_report_and_stores_none_twice(tmp_path):
     data = tmp_path / "racer-data"
-    proc = _start_up(tmp_path, data, 75)
+    proc = _start_up(tmp_path, data, 600)  # stopped by SIGTERM once the checks are done
     try:
         cp = _wait(lambda: _state(data)["control-plane"], 240, "racer up to start")
         token = _wait(lambda: (data / "operator_token").read_text().strip(), 30, "the operator token")
@@ -231,7 +234,7 @@ def test_postgresql_restart_during_ingestion_loses_no_report(tmp_path, own_postg
     pg.sql("create database racer")
     url = f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/racer"
     data = tmp_path / "racer-data"
-    proc = _start_up(tmp_path, data, 80, "--db", url)
+    proc = _start_up(tmp_path, data, 600, "--db", url)
     try:
         cp = _wait(lambda: _state(data)["control-plane"], 240, "racer up to start")
         token = _wait(lambda: (data / "operator_token").read_text().strip(), 30, "the operator token")

