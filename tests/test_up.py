@@ -194,6 +194,7 @@ def _gateway_live(gw_url: str, node_url: str) -> bool | None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_data(tmp_path):
     """4 node agents under replay; node-1 is killed with SIGKILL: every request is served (after a
     retry) or failed with a counted reason, none lost; the gateway (when this build has one) takes
