@@ -425,6 +425,8 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
         argv = _racer("gateway", "--port", str(port), "--host", host)
         if cp_url and "--control-plane" in opts:
             argv += ["--control-plane", cp_url, "--token", operator_token]
+            if "--advertise-url" in opts:  # registers for the control plane's weight pushes
+                argv += ["--advertise-url", gw_url]
         else:
             argv += ["--nodes", ",".join(node_urls)]
         if "--trace" in opts:
