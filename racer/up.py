@@ -23,8 +23,9 @@ Files in the data folder (written whole: temp file, fsync, rename; a write that 
 nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
 ``RACER_ADMIN_TOKEN``), ``node_profile.json`` (the
 miss costs every agent reads instead of measuring them again), ``racer.db`` (SQLite), ``logs/``,
-``node_token.<db hash>`` (the agents' token, one per database, made through the control plane's
-``POST /api/v1/tokens``), ``agents/node-K/`` (each agent's
+``node_token.<db hash>`` (the agents' token, one per database: made with ``racer token create``
+before the control plane starts, checked with ``/api/v1/whoami`` once it answers and remade through
+``POST /api/v1/tokens`` if that database does not know it), ``agents/node-K/`` (each agent's
 report spool and downloaded policies), ``processes.json`` (each process's pid, URL,
 restarts and log), ``up.lock``.
 """
@@ -456,16 +457,51 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
     return Plan(specs, targets, dash_url, cp_url, missing, node_urls)
 
 
+def _token_path(data_dir: Path, db_url: str) -> Path:
+    import hashlib
+
+    return data_dir / f"node_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}"
+
+
+def start_token_create(data_dir: Path, db_url: str, log: Callable[[str], None]) -> subprocess.Popen | None:
+    """On a database racer up has not used yet: make the agents' node token before the control
+    plane starts (``racer token create``, which also creates the schema), so the agents can start
+    with the control plane instead of after it. The URL goes in the environment, not argv."""
+    path = _token_path(data_dir, db_url)
+    if path.exists() and path.read_text().strip():
+        return None
+    log("creating the node agents' token (racer token create --role node)")
+    err = open(data_dir / "logs" / "token-create.log", "ab")
+    try:
+        return subprocess.Popen(_racer("token", "create", "--role", "node", "--name", "racer-up-nodes"), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                env={**os.environ, "RACER_DATABASE_URL": db_url, "PYTHONUNBUFFERED": "1"})
+    finally:
+        err.close()
+
+
+def finish_token_create(data_dir: Path, db_url: str, proc: subprocess.Popen | None) -> str | None:
+    """The node token: the one just created, else the one kept from an earlier run (None: none)."""
+    path = _token_path(data_dir, db_url)
+    if proc is not None:
+        out, _ = proc.communicate()
+        secret = out.strip().splitlines()[-1].strip() if out.strip() else ""
+        if proc.returncode != 0 or not secret:
+            raise UpError(f"racer token create failed for {_safe_url(db_url)}; see "
+                          f"{data_dir / 'logs' / 'token-create.log'}:\n" + _tail(data_dir / "logs" / "token-create.log", 8))
+        write_atomic(path, secret + "\n", mode=0o600)
+        return secret
+    return path.read_text().strip() if path.exists() else None
+
+
 def ensure_node_token(data_dir: Path, db_url: str, cp_url: str, operator_token: str,
                       log: Callable[[str], None]) -> str:
     """A token of role node for the agents: the one kept for this database in
     ``DATA/node_token.<db hash>`` if the control plane still knows it (GET /api/v1/whoami), else a
     new one (POST /api/v1/tokens with the operator token), kept there for the next run."""
-    import hashlib
-
     import httpx
 
-    path = data_dir / f"node_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}"
+    path = _token_path(data_dir, db_url)
     api = f"{cp_url}/api/v1"
     if path.exists() and (secret := path.read_text().strip()):
         r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {secret}"}, timeout=10.0)
@@ -583,6 +619,7 @@ def cmd_up(args) -> int:
     sup: Supervisor | None = None
     replayer: _Replayer | None = None
     profiling: subprocess.Popen | None = None
+    tokening: subprocess.Popen | None = None
     report: dict = {}
     rss: dict[str, dict] = {}
     try:
@@ -601,25 +638,50 @@ def cmd_up(args) -> int:
         sup = Supervisor(plan.specs, data_dir / "logs", report=lambda line: say(line, err=True),
                          state_file=data_dir / "processes.json", secrets=[operator_token], cancel=stop)
         say(f"data folder {data_dir} (logs in {data_dir / 'logs'})")
-        # the control plane, the gateway and the dashboard start while the cost profile is measured
-        # (they wait for nodes); then the node token, then the agents
+        # the cost profile (once per data folder) and the node token (once per database) first,
+        # side by side; then every process at once: agents spool their reports until the control
+        # plane answers, the gateway and the dashboard retry it
         others = [s.name for s in plan.specs if not s.name.startswith("node-")]
         nodes = [s.name for s in plan.specs if s.name.startswith("node-")]
+        reporting = bool(plan.control_plane_url) and "--control-plane" in commands.get("node-agent", set())
+        tokening = start_token_create(data_dir, db_url, say) if reporting and "token" in commands else None
+        if args.policy:
+            finish_profile(data_dir, profiling)
+        profiling = None
+        if reporting:
+            token = finish_token_create(data_dir, db_url, tokening)
+            tokening = None
+            if token:
+                node_env["RACER_NODE_TOKEN"] = token
+                sup.secrets.append(token)
         say("starting " + ", ".join(others + nodes))
-        sup.start(others, wait=False)
-        if plan.control_plane_url:
+        if reporting and "RACER_NODE_TOKEN" not in node_env:  # no token yet: make one through the API
+            sup.start(others, wait=False)
             sup.wait_ready(sup["control-plane"])
-        if not stop.is_set():
-            if args.policy:
-                finish_profile(data_dir, profiling)
-            profiling = None
-            if plan.control_plane_url and "--control-plane" in commands.get("node-agent", set()):
+            if not stop.is_set():
                 node_env["RACER_NODE_TOKEN"] = ensure_node_token(data_dir, db_url, plan.control_plane_url,
                                                                  operator_token, say)
                 sup.secrets.append(node_env["RACER_NODE_TOKEN"])
             sup.start(nodes, wait=False)
-            for name in others[1:] + nodes if plan.control_plane_url else others + nodes:
-                sup.wait_ready(sup[name])
+        else:
+            sup.start(others + nodes, wait=False)
+        if reporting and not stop.is_set():
+            sup.wait_ready(sup["control-plane"])
+            # a token kept from an earlier run that this database does not know: a new one, and
+            # the agents restarted with it
+            token = ensure_node_token(data_dir, db_url, plan.control_plane_url, operator_token, say)
+            if not stop.is_set() and token != node_env.get("RACER_NODE_TOKEN"):
+                node_env["RACER_NODE_TOKEN"] = token
+                sup.secrets.append(token)
+                for name in nodes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(sup[name].popen.pid, signal.SIGTERM)
+                    sup[name].popen.wait(args.stop_timeout_s)
+                    sup._spawn(sup[name])
+        for name in others + nodes:
+            if stop.is_set():
+                break
+            sup.wait_ready(sup[name])
         if not stop.is_set():
             if plan.control_plane_url:
                 say(f"control plane {plan.control_plane_url}")
@@ -674,10 +736,11 @@ def cmd_up(args) -> int:
         say(f"stopping ({why}): load generator first, then the processes")
         report = {"stopped_by": why}
     finally:
-        if profiling is not None and profiling.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(profiling.pid, signal.SIGKILL)
-            profiling.wait()
+        for helper in (profiling, tokening):
+            if helper is not None and helper.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(helper.pid, signal.SIGKILL)
+                helper.wait()
         if replayer is not None and replayer.is_alive():
             replayer.stop_event.set()
             replayer.join(replayer.config.timeout_s + 5.0)
