@@ -104,7 +104,7 @@ def _slow_server(delay_s: float):
 
 
 def test_replay_is_open_loop_against_a_slow_server(small_trace):
-    """Requests leave on schedule although none has returned yet: 40 requests answered after 1 s
+    """Requests leave on schedule although none has returned yet: ~40 requests answered after 1 s
     each take ~2 s in all, not the ~40 s a closed-loop client would need."""
     trace = load_trace("taobao", small_trace)
     server, thread, base, seen = _slow_server(1.0)
@@ -116,8 +116,9 @@ def test_replay_is_open_loop_against_a_slow_server(small_trace):
         thread.join(5)
     n = out["requests_sent"]
     assert n >= 20 and out["requests_served"] == n
-    # all arrived at the server within the 1 s schedule (plus slack), before the first answer came back
-    assert max(seen) - min(seen) < 1.0 + 0.5
+    # a closed-loop client would spread them over n seconds (one answer per second); open loop, they
+    # all arrive within the 1 s schedule plus whatever a loaded machine adds (bounded far below n s)
+    assert max(seen) - min(seen) < n * 1.0 / 4
     assert out["wall_s"] < n * 1.0 / 4
     assert out["latency_ms"]["p50"] >= 1000 and out["slo_attainment"] == 0.0
     assert out["served_by"] == {"slow-0": n}
