@@ -3,6 +3,10 @@
     POST /v1/recommend   one recommendation request (`RecommendBody`) -> top-k + breakdown
     GET  /healthz        liveness of the process and of the device worker
     GET  /v1/metrics     rolling metrics, memory, emb_share, link emulation, allocator state
+    GET  /metrics        Prometheus text (node_agent/exporter.py)
+
+With ``--control-plane`` a `node_agent.reporter.Reporter` (its own thread) gets each control
+step's output through ``control_hooks`` and does the network I/O (docs/node_reporting.md).
 
 One **device worker** thread owns the engine (the device): HTTP handlers validate a request
 (pydantic, then `Engine.validate`), put it on a bounded queue and await its result. The worker
@@ -39,7 +43,7 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .engine import Engine, RecRequest, RecResponse, RequestError
@@ -187,6 +191,9 @@ class NodeAgent:
         self.last_window: dict | None = None
         self.num_control_steps = 0
         self.worker_error: str | None = None
+        # called by the device worker with each control step's output (cheap, no I/O: see reporter.py)
+        self.control_hooks: list[Callable[[dict], None]] = []
+        self.reporter = None  # node_agent.reporter.Reporter when a control plane is configured
 
     # ------------------------------------------------------------------------- lifecycle ---
     def start(self) -> None:
@@ -416,6 +423,11 @@ class NodeAgent:
         self._depth_n = 0
         self.num_control_steps += 1
         self.last_window = out["window"]
+        for hook in self.control_hooks:
+            try:
+                hook(out)
+            except Exception:  # noqa: BLE001 - a hook never stops the worker
+                log.error("control hook failed: %s", traceback.format_exc())
         return out
 
     # ------------------------------------------------------------------------- reporting ---
@@ -459,6 +471,7 @@ class NodeAgent:
                         "last_window": self.last_window},
             "allocator": {"enabled": self.allocator is not None, **(alloc or {})},
             "miss_costs": self.miss_costs,
+            **({"control_plane": self.reporter.status()} if self.reporter is not None else {}),
         }
 
 
@@ -604,5 +617,12 @@ def create_app(agent: NodeAgent) -> FastAPI:
     @app.get("/v1/metrics")
     async def metrics():
         return agent.metrics_snapshot()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from .exporter import render
+
+        body, content_type = render(agent)
+        return Response(content=body, media_type=content_type)
 
     return app

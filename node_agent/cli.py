@@ -173,7 +173,10 @@ def build_agent(args, *, announce=None):
     costs = None
     if args.profile:
         costs = _read_costs(args.profile)
-    if args.policy:
+    control_plane = getattr(args, "control_plane", None)
+    if args.policy or control_plane:
+        # with a control plane the allocator exists even without a policy: it applies overrides and
+        # the policy versions the control plane hands out (without a policy it holds the split)
         from .allocator import AllocatorConfig, SmartAllocator
 
         allocator = SmartAllocator(AllocatorConfig(initial_emb_share=args.emb_share), policy_dir=args.policy)
@@ -200,6 +203,33 @@ def _read_costs(path: str) -> dict:
             if k in data}
 
 
+def _node_token(args) -> str:
+    import os
+
+    token = args.token or os.environ.get("RACER_NODE_TOKEN")
+    if not token:
+        raise ValueError("--control-plane needs --token (or RACER_NODE_TOKEN): a token of role node")
+    return token
+
+
+def reporter_config(args, host: str, port: int):
+    """The `ReporterConfig` of ``racer node-agent --control-plane ...`` once the port is known."""
+    import socket
+
+    from .reporter import ReporterConfig, default_node_id, default_state_dir
+
+    token = _node_token(args)
+    node_id = args.node_id or default_node_id(port)
+    if args.advertise_url:
+        advertise = args.advertise_url.rstrip("/")
+    else:
+        h = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        advertise = f"http://{'[' + h + ']' if ':' in h else h}:{port}"
+    return ReporterConfig(control_plane_url=args.control_plane.rstrip("/"), token=token, node_id=node_id,
+                          advertise_url=advertise, state_dir=args.state_dir or default_state_dir(node_id),
+                          max_buffered_reports=args.max_buffered_reports, service_time_us=args.service_time_us)
+
+
 def cmd_node_agent(args) -> int:
     from .agent import create_app
     from .server import serve_forever
@@ -207,6 +237,8 @@ def cmd_node_agent(args) -> int:
     def announce(msg: str) -> None:
         print(f"racer node-agent: {msg}", flush=True)
 
+    if args.control_plane:
+        reporter_config(args, args.host, args.port or 1)  # refuse a bad option (token, ids, URLs) before loading
     agent = build_agent(args, announce=announce)
     eng = agent.engine
 
@@ -214,8 +246,21 @@ def cmd_node_agent(args) -> int:
         announce(f"serving on http://{host}:{port} (device {eng.device}, link emulated: {eng.link.enabled}, "
                  f"{eng.config.num_items} items, emb_share {eng.mm.emb_share:.3f}, "
                  f"allocator: {'on' if agent.allocator is not None else 'off'})")
+        if args.control_plane:
+            from .reporter import Reporter
 
-    serve_forever(create_app(agent), args.host, args.port, log_level=args.log_level, ready=ready)
+            rep = Reporter(agent, reporter_config(args, host, port))
+            agent.reporter = rep
+            agent.control_hooks.append(rep.on_control)
+            rep.start()
+            announce(f"reporting to {args.control_plane} as node {rep.config.node_id} "
+                     f"(spool {rep.config.state_dir}, next seq {rep.spool.next_seq}, {len(rep.spool)} buffered)")
+
+    try:
+        serve_forever(create_app(agent), args.host, args.port, log_level=args.log_level, ready=ready)
+    finally:
+        if agent.reporter is not None:
+            agent.reporter.stop()
     announce("stopped")
     return 0
 
@@ -289,6 +334,23 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--metrics-window-s", type=_positive_float, default=60.0, help="metrics window (default 60)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
+    g = ag.add_argument_group("control plane (optional: without --control-plane the agent runs on its own)")
+    g.add_argument("--control-plane", default=None, metavar="URL",
+                   help="control plane base URL (http://host:port): register, report every control interval, "
+                        "apply directives")
+    g.add_argument("--token", default=None,
+                   help="bearer token of role node (default: $RACER_NODE_TOKEN)")
+    g.add_argument("--node-id", default=None, help="this node's id (default: <hostname>-<port>)")
+    g.add_argument("--advertise-url", default=None,
+                   help="the agent's URL for gateways (default: http://<host>:<port>)")
+    g.add_argument("--state-dir", default=None,
+                   help="report spool, sequence counter and downloaded policies "
+                        "(default: $XDG_STATE_HOME or ~/.local/state, then racer/node-agent/<node-id>)")
+    g.add_argument("--max-buffered-reports", type=_positive_int, default=10_000,
+                   help="reports kept on disk while the control plane is unreachable; the oldest are dropped "
+                        "beyond (default 10000)")
+    g.add_argument("--service-time-us", type=_positive_float, default=None,
+                   help="service time per request sent in the cost profile (default: estimated from the miss costs)")
     _add_model_args(ag)
     _add_link_args(ag)
     ag.set_defaults(func=cmd_node_agent)

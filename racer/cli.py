@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     from simulator.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from control_plane.cli import add_control_plane_parser
+
+    add_control_plane_parser(sub)
     return parser
 
 
