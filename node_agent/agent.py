@@ -43,7 +43,7 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .engine import Engine, RecRequest, RecResponse, RequestError
@@ -618,7 +618,8 @@ def create_app(agent: NodeAgent) -> FastAPI:
     async def metrics():
         return agent.metrics_snapshot()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus_metrics():
         from .exporter import render
 
