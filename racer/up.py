@@ -158,6 +158,7 @@ class ProcessSpec:
     ready_urls: list[str] = field(default_factory=list)
     ready_timeout_s: float = 120.0
     url: str | None = None
+    ready_check: Callable[[], bool] | None = None  # beyond the URL answering 200
 
 
 @dataclass
@@ -262,9 +263,10 @@ class Supervisor:
                               f"({self.log_dir / (p.spec.name + '.log')}):\n{tail}")
             for url in p.spec.ready_urls:
                 try:
-                    if httpx.get(url, timeout=2.0).status_code == 200:
+                    if httpx.get(url, timeout=2.0).status_code == 200 and (
+                            p.spec.ready_check is None or p.spec.ready_check()):
                         return
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     pass
             time.sleep(0.25)
         if not self.stopping and not self.cancel.is_set():
@@ -432,7 +434,8 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
             argv += ["--nodes", ",".join(node_urls)]
         if "--trace" in opts:
             argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
-        specs.append(ProcessSpec("gateway", argv, {}, [f"{gw_url}/healthz"], url=gw_url))
+        specs.append(ProcessSpec("gateway", argv, {}, [f"{gw_url}/healthz"], url=gw_url,
+                                 ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
         targets = [gw_url]
     else:
         missing.append("gateway")
@@ -492,6 +495,19 @@ def finish_token_create(data_dir: Path, db_url: str, proc: subprocess.Popen | No
         write_atomic(path, secret + "\n", mode=0o600)
         return secret
     return path.read_text().strip() if path.exists() else None
+
+
+def gateway_routes_to(gw_url: str, node_urls: Sequence[str]) -> bool:
+    """Whether the gateway has every one of this run's agents in rotation (GET /v1/router): on a
+    reused database the registry first holds the agents' old addresses, and the load must not
+    start before the gateway has caught up."""
+    import httpx
+
+    nodes = httpx.get(f"{gw_url}/v1/router", timeout=2.0).json().get("nodes")
+    if not isinstance(nodes, list):
+        return True  # a gateway without that view: its /healthz is all we can ask
+    live = {str(n.get("address", "")).rstrip("/") for n in nodes if n.get("live")}
+    return set(node_urls) <= live
 
 
 def ensure_node_token(data_dir: Path, db_url: str, cp_url: str, operator_token: str,
