@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .up import add_up_parser
 
     add_up_parser(sub)
+    from dashboard.cli import add_dashboard_parser
+
+    add_dashboard_parser(sub)
 
     from simulator.cli import add_bench_parser
 
