@@ -1,13 +1,20 @@
 """Benchmarks that print their figures (``python -m bench.<name> --json``)."""
 
 
+class MissingTraceError(FileNotFoundError):
+    """The trace a benchmark needs is not there; the message says where it was looked for."""
+
+
 def load_bench_trace(kind: str, path: str | None):
-    """The trace to benchmark on and its name: the sample (or ``path``), else a synthetic trace
-    of a similar shape when the sample is not there (a fresh machine without ../shared/data)."""
-    from workloads import load_trace, synthetic_trace
+    """The trace to benchmark on and its name: the sample under ../shared/data (or
+    ``$RACER_DATA_DIR``), or ``path``. A missing trace raises `MissingTraceError` naming the
+    trace and where to put it: a figure measured on another trace must never pass for this one
+    (tests that need the sample skip when it is missing)."""
+    from workloads import load_trace
 
     try:
         trace = load_trace(kind, path)
-        return trace, trace.source_path
-    except FileNotFoundError:
-        return synthetic_trace(num_users=1_000, num_items=50_000, mean_seq_len=100), "synthetic (sample trace not found)"
+    except FileNotFoundError as e:
+        raise MissingTraceError(f"the {kind} trace is not available ({e}); put the sample under ../shared/data "
+                                f"(or set RACER_DATA_DIR) or pass --path") from None
+    return trace, trace.source_path

@@ -49,7 +49,7 @@ def _pin_one_core() -> list[int] | None:
 def scripted_stats(num: int, seed: int = 0) -> list:
     """``num`` consecutive 1-s intervals: noisy steady load with slow drift, a burst (rate x4,
     hot-user ratio x6) every 60 s lasting 4 s, latency rising with load."""
-    from policies.features import WindowStats
+    from node_agent.features import WindowStats
 
     rng = np.random.default_rng(seed)
     out = []
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
 
     cpus = _pin_one_core()
     from node_agent.allocator import AllocatorConfig, SmartAllocator
-    from policies.features import build_features
+    from node_agent.features import build_features
 
     with tempfile.TemporaryDirectory() as tmp:
         artifact = _artifact(args.artifact, tmp)

@@ -7,7 +7,7 @@ once per regime at a static split with the caches' ghost lists on
 (`SimConfig.ghost_probes`), and reports, over every node's control windows, the mean marginal
 utilities that the nodes' `WindowStats` carry (`emb_marginal_us`, `kv_marginal_us`: busy time
 per request that 10% more of the arena would have saved the EMB slab or the KV pool, from their
-ghost lists, `policies.features.marginal_utility_us`), next to the mean busy time per request
+ghost lists, `node_agent.features.marginal_utility_us`), next to the mean busy time per request
 and the run's P50 and P99. The first and second half of each run are reported apart (the trend
 regime drifts). It says how much the split can move service time at all: when 10% of the arena
 is worth tens of microseconds per request on either side against a P99 of tens of milliseconds,

@@ -613,6 +613,33 @@ def _normalised(request: RouteRequest) -> RouteRequest:
                         request.item_shards, _as_int("num_new_items", request.num_new_items))
 
 
+def _pick(state: ClusterState, user: int, history_len: int, emb_us, eps_us: np.ndarray, eps_load: np.ndarray,
+          use_kv: bool, guard: tuple[float, float] | None):
+    """The scoring rule, shared by `score_nodes` (one request) and `ScoringRouter.route_batch`
+    (the EMB term precomputed for the whole batch): load term + tie-break + the EMB term
+    (``emb_us``, per node, or None) + the KV term on the user's holder; argmax; then the imbalance
+    guard. Returns ``(best, source, holder, cached, guard_check, score)``."""
+    score = state.ld_term + eps_us
+    if emb_us is not None:
+        score += emb_us
+    holder, cached = state.kv.lookup(user)
+    if use_kv and holder >= 0 and history_len > 0:
+        score[holder] += (cached if cached < history_len else history_len) * state._kv_rate[holder]
+    best = int(score.argmax())
+    source = "score"
+    check = None
+    if guard is not None:
+        qmax = float(state.q_for_max.max())
+        qmin = float(state.q_for_min.min())
+        check = (qmax, qmin, guard[0], guard[1])
+        if qmax - qmin > guard[0] and qmax > guard[1] * qmin:
+            best = int((state.load + eps_load).argmin())
+            source = "guard"
+    if not state._alive_mv[best]:
+        raise NoLiveNodeError("no live node: every node is silent past node_timeout_s")
+    return best, source, holder, cached, check, score
+
+
 def score_nodes(state: ClusterState, request: RouteRequest, eps_us: np.ndarray, eps_load: np.ndarray, *,
                 use_kv: bool = True, use_emb: bool = True, guard: tuple[float, float] | None = None,
                 policy: str = "racer") -> RoutingDecision:
@@ -630,28 +657,15 @@ def score_nodes(state: ClusterState, request: RouteRequest, eps_us: np.ndarray, 
     if history_len < 0:
         raise ValueError(f"history_len must be >= 0, got {history_len!r}")
     w = state.weights
-    score = state.ld_term + eps_us
     shards = request.item_shards
     num_items = len(shards)
     hot_rows = None
+    emb_us = None
     if use_emb and num_items:
         hot_rows = np.dot(state.hot.hot, state.shard_counts(shards))
-        score += hot_rows * w.emb_us_per_row
-    holder, cached = state.kv.lookup(user)
-    if use_kv and holder >= 0 and history_len > 0:
-        score[holder] += (cached if cached < history_len else history_len) * state._kv_rate[holder]
-    best = int(score.argmax())
-    source = "score"
-    check = None
-    if guard is not None:
-        qmax = float(state.q_for_max.max())
-        qmin = float(state.q_for_min.min())
-        check = (qmax, qmin, guard[0], guard[1])
-        if qmax - qmin > guard[0] and qmax > guard[1] * qmin:
-            best = int((state.load + eps_load).argmin())
-            source = "guard"
-    if not state._alive_mv[best]:
-        raise NoLiveNodeError("no live node: every node is silent past node_timeout_s")
+        emb_us = hot_rows * w.emb_us_per_row
+    best, source, holder, cached, check, score = _pick(state, user, history_len, emb_us, eps_us, eps_load, use_kv,
+                                                       guard)
     return RoutingDecision(best, state.node_ids[best], policy, source, holder, cached, check, score,
                            state.load.copy(), (w, state.node_ids, history_len, num_items, hot_rows, eps_us,
                                                use_kv, use_emb))
@@ -834,8 +848,9 @@ class ScoringRouter(Router):
 
     def route_batch(self, batch: RequestBatch, now_s: float) -> BatchRouting:
         """Vectorised pre-pass (shard counts of every request and their EMB savings on every
-        node in one matrix product), then the sequential part (K/V lookup, load, guard, argmax,
-        optimistic update) per request. Same decisions as calling `route` on each in order."""
+        node in one matrix product), then per request the scoring rule `score_nodes` uses
+        (`_pick`: K/V lookup, load, guard, argmax) and the optimistic update. Same decisions as
+        calling `route` on each in order."""
         if not isinstance(batch, RequestBatch):
             raise TypeError(f"expected a RequestBatch, got {type(batch).__name__}")
         if not -_INF < now_s < _INF:
@@ -853,31 +868,18 @@ class ScoringRouter(Router):
         lens = batch.history_len.tolist()
         news = batch.num_new_items.tolist()
         n = st.num_nodes
-        ld_term, load, qmax_a, qmin_a = st.ld_term, st.load, st.q_for_max, st.q_for_min
-        kv_rate = st._kv_rate
-        lookup = st.kv.lookup
-        alive = st._alive_mv
         guard = self._guard
         use_kv = self.use_kv
+        eps_us, eps_load = self._eps_us, self._eps_load
+        dispatch = st.dispatch
         for i in range(b):
             pos = self._eps_pos
             self._eps_pos = (pos + _EPS_STRIDE) & (_EPS_POOL - 1)
-            score = ld_term + self._eps_us[pos:pos + n]
-            if emb is not None:
-                score += emb[i]
             user, hl = users[i], lens[i]
-            holder, cached = lookup(user)
-            if use_kv and holder >= 0 and hl > 0:
-                score[holder] += (cached if cached < hl else hl) * kv_rate[holder]
-            best = int(score.argmax())
-            if guard is not None:
-                mx, mn = qmax_a.max(), qmin_a.min()
-                if mx - mn > guard[0] and mx > guard[1] * mn:
-                    best = int((load + self._eps_load[pos:pos + n]).argmin())
-                    fired[i] = True
-            if not alive[best]:
-                raise NoLiveNodeError("no live node: every node is silent past node_timeout_s")
-            st.dispatch(best, user, hl + news[i], now_s)
+            best, source, holder, _, _, _ = _pick(st, user, hl, None if emb is None else emb[i],
+                                                  eps_us[pos:pos + n], eps_load[pos:pos + n], use_kv, guard)
+            fired[i] = source == "guard"
+            dispatch(best, user, hl + news[i], now_s)
             out[i] = best
             holders[i] = holder
         return BatchRouting(out, fired, holders)

@@ -15,10 +15,12 @@ admits queued requests into two lanes by estimated prefill tokens (large KV miss
 requests (up to ``max_batch`` and ``max_prefill_tokens_per_batch``; optionally waiting
 ``batch_window_us`` for more) as one micro-batch, the two lanes alternating. Between
 batches, and at least every 50 ms when idle, it calls `Engine.maintenance` (one bounded boundary
-step and one throttled refill chunk); every ``control_interval_s`` it runs the control step:
-`WindowStats` of the interval from the rolling metrics, then, when a policy artifact was given,
-the `SmartAllocator` (observe, decide) whose emb_share becomes the Memory Manager's target.
-Without a policy the split stays at the configured ``emb_share``.
+step and one throttled refill chunk); every ``control_interval_s`` it runs the control step of
+the shared control core (`node_agent.control`, the same code the simulator runs): the served
+batches (with the worker's busy time) and the refill feed a `WindowAccumulator`, whose
+`close_window` gives the interval's `WindowStats`; `control_step` then runs the `SmartAllocator`
+(observe, decide) and applies its emb_share to the Memory Manager (the half-page rule), when a
+policy was given. Without an allocator the split stays at the configured ``emb_share``.
 
 Bad requests get 4xx with a message saying what is wrong (422: validation, NaN and Infinity
 included; 413: body too large, counted on the bytes received); a full queue gets 503 and a
@@ -46,6 +48,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
 from .server import serve_forever  # noqa: F401 - re-exported: the one HTTP server (node_agent.server)
@@ -147,14 +150,6 @@ def _resolve(fut: asyncio.Future, value, exc: BaseException | None) -> None:
         fut.set_result(value)
 
 
-def cost_at(costs: dict | float, length: float) -> float:
-    """A per-token cost from a profile mapping ``{length: µs}`` at the nearest profiled length."""
-    if not isinstance(costs, dict):
-        return float(costs)
-    pts = sorted((float(k), float(v)) for k, v in costs.items())
-    return min(pts, key=lambda p: abs(p[0] - length))[1]
-
-
 class NodeAgent:
     """The device worker, the metrics and the control step around one `Engine`."""
 
@@ -183,9 +178,10 @@ class NodeAgent:
         self._last_control_s = self.started_s
         self._arrivals = 0
         self._arrivals_at_control = 0
-        self._depth_sum = 0.0
-        self._depth_n = 0
-        self._refill_at_control = 0
+        self.costs = MissCosts.from_dict(miss_costs)
+        self.window = WindowAccumulator(self.started_s)  # the control core's window (worker thread only)
+        self.last_effect: ControlEffect | None = None
+        self.recent_effects: collections.deque[ControlEffect] = collections.deque(maxlen=256)
         self._memory: dict = self._memory_snapshot()
         self._allocator_state: dict | None = None
         self.last_window: dict | None = None
@@ -316,8 +312,6 @@ class NodeAgent:
 
     def _serve(self, jobs: list[_Job]) -> None:
         now = self.clock()
-        self._depth_sum += len(jobs) + self.queue_depth
-        self._depth_n += 1
         try:
             resps = self.engine.serve_batch([j.req for j in jobs], now)
         except RequestError as e:  # cannot happen (validated on arrival) but never kill the worker
@@ -334,6 +328,7 @@ class NodeAgent:
                     self.metrics.record_error()
             self._fail(jobs, RuntimeError(f"internal error while serving: {type(e).__name__}: {e}"))
             return
+        self._record_batch(jobs, resps, now, self.clock())
         with self._lock:
             for r in resps:
                 self.metrics.record(r.finished_s, r.latency.total_us, emb_requested=r.emb_rows,
@@ -342,6 +337,16 @@ class NodeAgent:
                                     kv_outcome=r.kv.outcome)
         for j, r in zip(jobs, resps):
             j.loop.call_soon_threadsafe(_resolve, j.future, r, None)
+
+    def _record_batch(self, jobs: list[_Job], resps: list[RecResponse], start_s: float, end_s: float) -> None:
+        """The agent's feed of the control core: one served batch, the device busy over
+        ``[start_s, end_s]``; each request's latency is its batch's end (when the worker hands the
+        results back) minus its arrival, as in the simulator."""
+        self.window.add_batch(start_s, end_s,
+                              [end_s - (j.req.arrival_s if j.req.arrival_s is not None else start_s) for j in jobs],
+                              [r.user_id for r in resps], [r.num_history for r in resps],
+                              [r.kv_hit_tokens for r in resps], sum(r.emb_rows for r in resps),
+                              sum(r.emb_hits for r in resps))
 
     @staticmethod
     def _fail(jobs: list[_Job], exc: BaseException) -> None:
@@ -360,6 +365,7 @@ class NodeAgent:
                 now = self.clock()
                 step = self.engine.maintenance(now)
                 if step.refill_bytes:
+                    self.window.add_refill_bytes(step.refill_bytes)
                     with self._lock:
                         self.metrics.add_refill_bytes(step.refill_bytes)
                 if now >= next_control:
@@ -372,57 +378,33 @@ class NodeAgent:
 
     # ---------------------------------------------------------------------- control step ---
     def window_stats(self, now_s: float):
-        """`WindowStats` of the interval since the last control step (the allocator's input)."""
-        from policies.features import WindowStats, marginal_utilities_us
-
-        interval = max(now_s - self._last_control_s, 1e-6)
-        with self._lock:
-            w = self.metrics.window(now_s, interval)
-            refill = self.metrics.refill_bytes
+        """Close the control window at ``now_s`` (`WindowAccumulator.close_window`): the
+        interval's `WindowStats` and the number of requests that arrived in it."""
         arrivals = self._arrivals - self._arrivals_at_control
-        load = (self._depth_sum / self._depth_n / self.config.max_queue) if self._depth_n else 0.0
-        costs = self.miss_costs or {}
-        kv_cost = cost_at(costs.get("kv_recompute_us_per_token", 0.0), w["history_len_p50"])
-        emb_cost = float(costs.get("emb_transfer_us_per_row", 0.0))
-        c = self.engine.config
-        mm = self.engine.mm
-        emb_ghost, kv_ghost = mm.take_ghost_counts()
-        emb_marginal, kv_marginal = marginal_utilities_us(mm.config.ghost_probe_shares, emb_ghost, kv_ghost,
-                                                          w["num_requests"], emb_cost, kv_cost)
-        stats = WindowStats(
-            interval_s=interval, num_requests=w["num_requests"], arrival_rate_rps=arrivals / interval,
-            hot_user_ratio=w["hot_user_ratio"], history_len_p50=w["history_len_p50"],
-            history_len_p99=w["history_len_p99"], emb_lookups_per_request=w["emb_lookups_per_request"],
-            emb_hit_rate=w["emb_hit_rate"], kv_hit_rate=w["kv_hit_rate"], kv_recompute_us_per_token=kv_cost,
-            emb_transfer_us_per_row=emb_cost,
-            emb_share=self.engine.mm.emb_share, load=min(1.0, load), p99_ms=w["p99_ms"], slo_ms=self.config.slo_ms,
-            refill_bytes=float(refill - self._refill_at_control),
-            arena_bytes=float(c.num_pages * self.engine.mm.config.page_bytes),
-            emb_marginal_us=emb_marginal, kv_marginal_us=kv_marginal)
-        return stats, arrivals
+        self._arrivals_at_control += arrivals
+        self.window.add_arrivals(arrivals)
+        return self.window.close_window(now_s, self.engine.mm, self.costs, self.config.slo_ms), arrivals
 
     def control_step(self, now_s: float) -> dict:
-        """Close the control interval ending at ``now_s``: window stats, then the allocator."""
-        stats, arrivals = self.window_stats(now_s)
-        out: dict = {"now_s": now_s, "window": asdict(stats)}
+        """Close the control interval ending at ``now_s`` and run `node_agent.control.control_step`
+        (allocator, half-page apply rule); returns `ControlEffect.to_dict` (the effect itself is
+        ``last_effect``)."""
+        stats, _ = self.window_stats(now_s)
+        effect = control_step(self.allocator, stats, self.engine.mm, now_s)
+        out = effect.to_dict()
         if self.allocator is not None:
-            self.allocator.observe(stats)
-            d = self.allocator.decide(stats, now_s)
-            out["decision"] = d.to_dict()
-            target = self.engine.mm.plan.target_emb_share if self.engine.mm.boundary_moving else self.engine.mm.emb_share
-            if abs(d.emb_share - target) * self.engine.config.num_pages >= 0.5:
-                plan = self.engine.set_emb_share(d.emb_share, now_s)
-                out["boundary_plan"] = plan.reason
             with self._lock:
-                self._allocator_state = {"last_decision": out["decision"], "boundary_plan": out.get("boundary_plan"),
+                self._allocator_state = {"last_decision": out["decision"], "boundary_plan": out["boundary_plan"],
                                          "num_decisions": dict(self.allocator.num_decisions)}
         self._last_control_s = now_s
-        self._arrivals_at_control += arrivals
-        self._refill_at_control = self.metrics.refill_bytes
-        self._depth_sum = 0.0
-        self._depth_n = 0
         self.num_control_steps += 1
         self.last_window = out["window"]
+        self.last_effect = effect
+        self.recent_effects.append(effect)
+        d = effect.decision
+        log.info("control step t=%.3f: load %.4f, p99 %.2f ms, %d requests, emb_share %.4f -> %s", now_s, stats.load,
+                 stats.p99_ms, stats.num_requests, stats.emb_share,
+                 "no allocator" if d is None else f"{d.emb_share:.4f} ({d.source})")
         for hook in self.control_hooks:
             try:
                 hook(out)

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
+from node_agent.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
                                read_manifest, read_onnx_bytes)
-from policies.features import (FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, imbalance,
+from node_agent.features import (FEATURE_NAMES, NUM_FEATURES, FeatureError, WindowStats, build_features, imbalance,
                                marginal_imbalance, miss_costs_us)
 
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
@@ -87,6 +87,29 @@ class GuardConfig:
             raise ValueError("invalid GuardConfig: " + "; ".join(problems))
 
 
+GUARD_ACTIONS = ("step_up", "step_down", "max", "min")
+
+
+def guard_stage(proposed: float, prev: float, guard: GuardConfig, *, step_limit: bool = True) -> tuple[float, str | None]:
+    """The guard stage, the one used by the runtime (`SmartAllocator.decide`) and by training
+    (`policies.env.apply_guards`): the step limit from ``prev`` (``max_step_up`` /
+    ``max_step_down``; skipped with ``step_limit=False``, as for an operator override), then the
+    ``[min_emb_share, max_emb_share]`` bounds. Returns ``(emb_share, action)`` with ``action``
+    the last guard that changed the value (one of `GUARD_ACTIONS`) or None."""
+    share = proposed
+    action = None
+    if step_limit:
+        if share > prev + guard.max_step_up:
+            share, action = prev + guard.max_step_up, "step_up"
+        elif share < prev - guard.max_step_down:
+            share, action = prev - guard.max_step_down, "step_down"
+    if share > guard.max_emb_share:
+        share, action = guard.max_emb_share, "max"
+    elif share < guard.min_emb_share:
+        share, action = guard.min_emb_share, "min"
+    return share, action
+
+
 RESIDUAL_SIGNALS = ("ghost", "miss_cost")
 
 
@@ -105,8 +128,8 @@ class ResidualConfig:
     - ``reset_on_policy_swap``: zero the adapter when a new base policy is loaded (its corrections
       were learnt against the old policy's errors);
     - ``signal``: what says which cache needs memory: ``"miss_cost"`` (default: all miss time,
-      `policies.features.miss_costs_us`, compulsory misses included) or ``"ghost"`` (the caches'
-      marginal utilities from their ghost lists, `policies.features.marginal_imbalance`: only
+      `node_agent.features.miss_costs_us`, compulsory misses included) or ``"ghost"`` (the caches'
+      marginal utilities from their ghost lists, `node_agent.features.marginal_imbalance`: only
       the misses that more memory would have turned into hits).
     """
 
@@ -411,10 +434,10 @@ class ResidualAdapter:
     - SLO pressure ``p = clip(p99_ms / slo_ms - target_p99_over_slo, -pressure_max, pressure_max)``;
     - imbalance ``m = (emb_us - kv_us) / (emb_us + kv_us)`` in [-1, 1] (0 when both are 0): with
       ``signal="miss_cost"`` (default) ``emb_us`` / ``kv_us`` are the observed miss time per
-      request (`policies.features.miss_costs_us`), positive when embedding misses cost requests
+      request (`node_agent.features.miss_costs_us`), positive when embedding misses cost requests
       more time than KV recomputation; with ``signal="ghost"`` they are the caches' marginal
       utilities (time per request 10% more memory would have saved each, from their ghost lists:
-      `policies.features.marginal_imbalance`), the rule of utility-based cache partitioning;
+      `node_agent.features.marginal_imbalance`), the rule of utility-based cache partitioning;
     - ``y = r + gain * p * m`` when ``p > 0`` (over the target: move toward the side whose misses
       cost more, in proportion to how far over), else ``y = (1 - relax) * r`` (headroom: fade the
       correction, giving control back to the base policy, which was trained for the long-horizon
@@ -636,15 +659,26 @@ class Override:
     reason: str
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class AllocatorDecision:
-    """One control interval's decision, with everything needed to explain it.
+    """One control interval's decision, with everything needed to explain it (a record: treat
+    it as read-only; not frozen because a frozen dataclass costs ~2 µs more per decision).
 
     ``emb_share`` is what the memory manager should apply; ``source`` the layer that set it
-    (one of `DECISION_SOURCES`); ``reason`` says why in words. ``proposed_emb_share`` is the value
-    before the guards, ``base_emb_share`` the policy's raw output (NaN when the base did not run),
-    ``residual`` the adapter's correction, ``features`` a copy of the policy input (zeros when the
-    stats were invalid and the allocator held the split).
+    (one of `DECISION_SOURCES`); ``reason`` says why in words (for people; built from the
+    structured fields below). ``proposed_emb_share`` is the value before the guards,
+    ``base_emb_share`` the policy's raw output (NaN when the base did not run), ``residual`` the
+    adapter's correction, ``features`` a copy of the policy input (zeros when the stats were
+    invalid and the allocator held the split).
+
+    Structured reason fields: ``layer_source`` the layer whose proposal reached the guards
+    (``base``, ``residual``, ``recovery``, ``override``, or ``guard`` for a hold);
+    ``guard_action`` the guard that changed the value (`GUARD_ACTIONS`: ``step_up``,
+    ``step_down``, ``max``, ``min``) or None; ``hold_reason`` why the split was held (invalid
+    stats, no policy, a bad base output) or None; ``recovery_phase`` (``warmup``, ``normal``, ``burst``),
+    ``recovery_event`` (``entered``, ``ended``, ``new_regime`` or None) and ``recovery_cap`` (the
+    KV-ward cap in a burst, else None); ``override_reason`` the operator's reason while an
+    override is in force; ``notes`` other events of the step (an override expired).
     """
 
     seq: int
@@ -660,6 +694,14 @@ class AllocatorDecision:
     override_active: bool
     policy_id: str | None
     features: np.ndarray
+    layer_source: str = "guard"
+    guard_action: str | None = None
+    hold_reason: str | None = None
+    recovery_phase: str = "normal"
+    recovery_event: str | None = None
+    recovery_cap: float | None = None
+    override_reason: str | None = None
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """JSON-able (NaN base becomes None; features as name -> value)."""
@@ -667,6 +709,7 @@ class AllocatorDecision:
         if math.isnan(d["base_emb_share"]):
             d["base_emb_share"] = None
         d["features"] = {n: float(v) for n, v in zip(FEATURE_NAMES, self.features)}
+        d["notes"] = list(self.notes)
         return d
 
 
@@ -770,13 +813,18 @@ class SmartAllocator:
         residual = 0.0
         learnable = False
         notes = None
+        hold_reason = None
+        recovery_event = None
+        recovery_cap = None
+        override_reason = None
+        note_list: list[str] = []
         try:
             build_features(stats, self._prev_stats, out=row)
             valid = True
         except FeatureError as e:
             valid = False
             row[:] = 0.0
-            hold_reason = f"holding: {e}"
+            hold_reason = str(e)
         prev = self._share
         if prev is None:
             prev = stats.emb_share if valid else self.config.initial_emb_share
@@ -799,14 +847,19 @@ class SmartAllocator:
                     learnable = True
                 else:
                     proposed, source = prev, "guard"
-                    reason = f"holding: base policy {policy.policy_id} output {base!r} is not an emb_share"
+                    hold_reason = f"base policy {policy.policy_id} output {base!r} is not an emb_share"
+                    reason = f"holding: {hold_reason}"
             else:
-                proposed, source, reason = prev, "guard", "holding: no base policy loaded"
+                hold_reason = "no base policy loaded"
+                proposed, source, reason = prev, "guard", f"holding: {hold_reason}"
             if self.config.recovery.enabled:
                 event = self.recovery.update(stats.arrival_rate_rps, stats.hot_user_ratio, now_s, prev)
                 rec = self.recovery
+                if event is not None:
+                    recovery_event = event if event in ("entered", "ended") else "new_regime"
                 if rec.phase == "burst":
                     learnable = False
+                    recovery_cap = rec.cap
                     detail = (f"burst {'entered at' if event == 'entered' else 'since'} t={rec.burst_started_s:g}s "
                               f"(rate x{rec.rate_ratio:.2f}, hot-user ratio x{rec.hot_ratio:.2f} of baseline)")
                     if proposed > rec.cap:
@@ -825,8 +878,9 @@ class SmartAllocator:
                         why = f"burst lasted {self.config.recovery.max_burst_s:g}s (new regime; baselines reset)"
                     note = f"{why} at t={now_s:g}s: control handed back to the base policy"
                     notes = note if notes is None else f"{notes}; {note}"
+                    note_list.append(note)
         else:
-            proposed, source, reason = prev, "guard", hold_reason
+            proposed, source, reason = prev, "guard", f"holding: {hold_reason}"
 
         # override
         ov = self._override
@@ -836,6 +890,7 @@ class SmartAllocator:
                 self._override = None
                 note = f"override {ov.emb_share:.4f} expired at t={ov.expires_at_s:g}s"
                 notes = note if notes is None else f"{notes}; {note}"
+                note_list.append(note)
             else:
                 override_active = True
                 learnable = False
@@ -843,25 +898,17 @@ class SmartAllocator:
                 reason = f"operator override {ov.emb_share:.4f} ({ov.reason}) {until}; layers proposed " \
                          f"{proposed:.4f} via {source} ({reason})"
                 proposed, source = ov.emb_share, "override"
+                override_reason = ov.reason
 
-        # guards: step limit (not for overrides), then bounds
-        share = proposed
-        if not override_active:
-            if share > prev + g.max_step_up:
-                share = prev + g.max_step_up
-                reason = f"step limited to +{g.max_step_up:g} from {prev:.4f}; {source}: {reason}"
-                source = "guard"
-            elif share < prev - g.max_step_down:
-                share = prev - g.max_step_down
-                reason = f"step limited to -{g.max_step_down:g} from {prev:.4f}; {source}: {reason}"
-                source = "guard"
-        if share > g.max_emb_share:
-            share = g.max_emb_share
-            reason = f"clamped to max_emb_share {g.max_emb_share:g}; {source}: {reason}"
-            source = "guard"
-        elif share < g.min_emb_share:
-            share = g.min_emb_share
-            reason = f"clamped to min_emb_share {g.min_emb_share:g}; {source}: {reason}"
+        # guards (`guard_stage`): step limit (not for overrides), then bounds
+        layer_source = source
+        share, guard_action = guard_stage(proposed, prev, g, step_limit=not override_active)
+        if guard_action is not None:
+            words = {"step_up": f"step limited to +{g.max_step_up:g} from {prev:.4f}",
+                     "step_down": f"step limited to -{g.max_step_down:g} from {prev:.4f}",
+                     "max": f"clamped to max_emb_share {g.max_emb_share:g}",
+                     "min": f"clamped to min_emb_share {g.min_emb_share:g}"}[guard_action]
+            reason = f"{words}; {source}: {reason}"
             source = "guard"
         if notes is not None:
             reason = f"{reason} [{notes}]"
@@ -869,7 +916,10 @@ class SmartAllocator:
         self._seq += 1
         d = AllocatorDecision(self._seq, now_s, share, source, reason, prev, proposed, base, residual,
                               self.recovery.phase == "burst", override_active,
-                              policy.policy_id if policy is not None else None, row.copy())
+                              policy.policy_id if policy is not None else None, row.copy(),
+                              layer_source=layer_source, guard_action=guard_action, hold_reason=hold_reason,
+                              recovery_phase=self.recovery.phase, recovery_event=recovery_event,
+                              recovery_cap=recovery_cap, override_reason=override_reason, notes=tuple(note_list))
         self._share = share
         self._pending = d
         self._pending_learnable = learnable and self.residual.config.enabled

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+
+log = logging.getLogger("racer.node_agent")
 
 
 def _positive_int(text: str) -> int:
@@ -177,9 +180,17 @@ def build_agent(args, *, announce=None):
     if args.policy or control_plane:
         # with a control plane the allocator exists even without a policy: it applies overrides and
         # the policy versions the control plane hands out (without a policy it holds the split)
-        from .allocator import AllocatorConfig, SmartAllocator
+        from .allocator import AllocatorConfig, PolicyLoadError, SmartAllocator
 
-        allocator = SmartAllocator(AllocatorConfig(initial_emb_share=args.emb_share), policy_dir=args.policy)
+        allocator = SmartAllocator(AllocatorConfig(initial_emb_share=args.emb_share))
+        try:
+            if args.policy:
+                allocator.load_policy(args.policy)
+        except PolicyLoadError as e:  # e.g. another feature schema: run on, holding the split, and say why
+            msg = f"policy refused, running without it (the split stays at {args.emb_share}): {e}"
+            log.warning("%s", msg)
+            if announce:
+                announce(msg)
         if costs is None:  # the allocator needs the node's miss costs: measure them now (a few seconds)
             from .profile import ProfileConfig, measure_profile
 

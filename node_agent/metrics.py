@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workloads.regimes import top_share
+from .features import top_share
 
 
 @dataclass(frozen=True)

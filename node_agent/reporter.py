@@ -210,7 +210,7 @@ def cost_profile(miss_costs: dict | None, *, queue_capacity: int, service_time_u
     full-miss service time: ``history_len * kv + num_candidates * emb`` (the router's load term
     only needs it to scale queue depth into time).
     """
-    from .agent import cost_at
+    from .control import cost_at
 
     costs = miss_costs or {}
     kv = cost_at(costs.get("kv_recompute_us_per_token", 0.0), history_len)

@@ -1,7 +1,7 @@
 """The actor network, its config and the checkpoint format a training run saves.
 
 Action definition (absolute share, sigmoid-bounded). The actor maps the feature vector
-(`policies.features`, ``NUM_FEATURES`` floats) to one logit ``z = mlp(features)``; the **mean
+(`node_agent.features`, ``NUM_FEATURES`` floats) to one logit ``z = mlp(features)``; the **mean
 action** is the target split ``emb_share = sigmoid(z)`` in (0, 1). For exploration PPO samples
 ``z' ~ Normal(z, exp(log_std))`` and applies ``sigmoid(z')``; the log-probability is taken of
 ``z'`` (the sigmoid is a bijection, so its Jacobian cancels in PPO's probability ratio). Only the
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .features import FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION
+from node_agent.features import FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION
 
 CHECKPOINT_FORMAT = "racer-actor-checkpoint"
 CHECKPOINT_VERSION = 1

@@ -8,7 +8,7 @@ table measures.
 
 Multi-agent with one shared policy: every node of the simulated cluster is an agent.
 
-- **observation** ``[num_nodes, NUM_FEATURES]`` float32: `policies.features.build_features` of
+- **observation** ``[num_nodes, NUM_FEATURES]`` float32: `node_agent.features.build_features` of
   each node's `WindowStats` for the interval that just ended, with that node's previous interval
   as ``prev`` (the two delta features; None on an episode's first observation);
 - **action** ``[num_nodes]``: each node's target ``emb_share`` in [0, 1] (the actor's
@@ -52,9 +52,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from node_agent.allocator import GuardConfig
+from node_agent.allocator import GuardConfig, guard_stage
 
-from .features import NUM_FEATURES, P99_OVER_SLO_MAX, WindowStats, build_features, miss_costs_us
+from node_agent.features import NUM_FEATURES, P99_OVER_SLO_MAX, WindowStats, build_features, miss_costs_us
 
 TRACE_NAMES = ("taobao", "amazon", "synthetic")
 P99_FLOOR = 0.1  # p99 / slo below this counts as this in the reward's log
@@ -144,12 +144,13 @@ def team_rewards(own: np.ndarray, num_requests: np.ndarray, team_weight: float) 
     return team_weight * team + (1.0 - team_weight) * own
 
 
-def apply_guards(targets: np.ndarray, prev: np.ndarray, guard: GuardConfig) -> np.ndarray:
-    """The runtime's guards on a vector of proposals: step limit from ``prev`` (the previous
-    decisions), then the bounds; the same order and limits as `SmartAllocator.decide`."""
-    out = np.minimum(targets, prev + guard.max_step_up)
-    out = np.maximum(out, prev - guard.max_step_down)
-    return np.clip(out, guard.min_emb_share, guard.max_emb_share)
+def apply_guards(targets: np.ndarray, prev: np.ndarray, guard: GuardConfig, *, step_limit: bool = True) -> np.ndarray:
+    """The runtime's guard stage (`node_agent.allocator.guard_stage`, the function
+    `SmartAllocator.decide` calls) on a vector of proposals: step limit from ``prev`` (the
+    previous decisions; skipped with ``step_limit=False``), then the bounds."""
+    return np.array([guard_stage(float(t), float(p), guard, step_limit=step_limit)[0]
+                     for t, p in zip(np.asarray(targets, dtype=np.float64).reshape(-1),
+                                     np.asarray(prev, dtype=np.float64).reshape(-1))])
 
 
 @dataclass(frozen=True)
@@ -352,10 +353,7 @@ class AllocatorEnv:
         if a.shape != self.action_shape or not np.all(np.isfinite(a)) or np.any((a < 0) | (a > 1)):
             raise ValueError(f"action must be {self.num_agents} finite emb_shares in [0, 1], got {action!r}")
         g = self.config.guard
-        if self.config.step_limit:
-            targets = apply_guards(a, self._targets, g)
-        else:
-            targets = np.clip(a, g.min_emb_share, g.max_emb_share)
+        targets = apply_guards(a, self._targets, g, step_limit=self.config.step_limit)
         try:
             now_s, stats = self._run.send(targets.tolist())
         except StopIteration:  # cannot happen when the window count above matches the simulator's

@@ -12,7 +12,7 @@ existing one untouched unless ``overwrite``):
 2. ``onnx.checker.check_model(full_check=True)``;
 3. torch's outputs on the golden inputs are finite and in [0, 1];
 4. onnxruntime (CPUExecutionProvider) reproduces them within ``tolerance`` (default 1e-5);
-5. the probe inputs (`policies.artifact.probe_inputs`) give finite outputs in [0, 1];
+5. the probe inputs (`node_agent.artifact.probe_inputs`) give finite outputs in [0, 1];
 6. the written directory passes `verify_artifact` (manifest schema, sha256 of both files, parity
    again from the files on disk).
 
@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from .actor import Actor, _json_dict, load_checkpoint
-from .artifact import (ACTION, GOLDEN_FILE, INPUT_NAME, MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, ONNX_FILE,
+from node_agent.artifact import (ACTION, GOLDEN_FILE, INPUT_NAME, MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, ONNX_FILE,
                        OUTPUT_NAME, PARITY_TOLERANCE, ArtifactError, check_outputs, io_spec, probe_inputs,
                        read_golden, read_manifest, read_onnx_bytes, sha256_file)
-from .features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION, WindowStats,
+from node_agent.features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION, WindowStats,
                        build_features)
 
 OPSET = 17

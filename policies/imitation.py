@@ -9,7 +9,7 @@ P99 is lowest. Its choices, paired with what each node observed before them, are
 
 - **collect** (`collect_oracle_data`): episodes drawn exactly as the PPO environment draws them
   (`AllocatorEnv.draw_episode`: trace, regime, stream seed, request rate), the oracle replayed on
-  each; one sample per node and window: the node's features (`policies.features.build_features`
+  each; one sample per node and window: the node's features (`node_agent.features.build_features`
   of its `WindowStats`, with its previous window as ``prev``) -> the share the oracle chose next,
   clipped to the runtime's guard bounds;
 - **clone** (`behaviour_clone`): minibatch Adam on the mean squared error between the actor's
@@ -32,7 +32,7 @@ import torch
 
 from .actor import Actor
 from .env import AllocatorEnv, EnvConfig
-from .features import NUM_FEATURES, build_features
+from node_agent.features import NUM_FEATURES, build_features
 
 
 def oracle_samples(observed: list, schedule: list[float], lo: float = 0.0, hi: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

@@ -50,7 +50,7 @@ from torch import nn
 
 from .actor import Actor, ActorConfig, make_initial_actor, save_checkpoint
 from .env import AllocatorEnv, EnvConfig
-from .features import NUM_FEATURES
+from node_agent.features import NUM_FEATURES
 
 
 @dataclass
@@ -386,8 +386,10 @@ def write_curve(rows: list[dict], episodes: list[dict], out: Path, plot: bool = 
 # --------------------------------------------------------------------------------------------- training
 
 
-def train(args: Args) -> dict:
-    """Train, evaluate, save; return a summary (paths, figures)."""
+def train(args: Args, env=None) -> dict:
+    """Train, evaluate, save; return a summary (paths, figures). ``env``: an environment with
+    `AllocatorEnv`'s interface to train on instead of ``AllocatorEnv(args.env_config())`` (tests
+    use a bandit with a known best split); the evaluation runs on the simulator either way."""
     from tqdm import tqdm
 
     args.validate()
@@ -395,7 +397,7 @@ def train(args: Args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.torch_threads)
     env_cfg = args.env_config()
-    env = AllocatorEnv(env_cfg)
+    env = env if env is not None else AllocatorEnv(env_cfg)
     n = env.num_agents
     gen = torch.Generator().manual_seed(args.seed)  # action noise and minibatch order
     actor = make_initial_actor(args.seed, ActorConfig(hidden_sizes=tuple(args.hidden_sizes),

@@ -1,7 +1,7 @@
 """Allocators for the simulator: who picks each node's ``emb_share`` every control interval.
 
 One interface: ``decide(node, stats, now_s) -> float`` (the target ``emb_share`` for ``node``
-from that node's `policies.features.WindowStats` of the interval just ended), plus ``reset()``
+from that node's `node_agent.features.WindowStats` of the interval just ended), plus ``reset()``
 before a run. The simulator calls it once per node per control interval and hands the target to
 the node's Memory Manager, exactly as the node agent does with the SmartAllocator.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.features import WindowStats
+from node_agent.features import WindowStats
 
 
 class Allocator:

@@ -3,8 +3,10 @@
 Every simulated node runs the node agent's own `node_agent.memory.MemoryManager` (EMB LRU slab,
 paged KV pool, bounded boundary moves, throttled refill) in metadata-only mode, so hit rates,
 evictions and boundary moves are exactly what the real structures do; the router is the real
-`control_plane.router`; allocators decide through the same `policies.features.WindowStats`
-the node agent builds. Only time is modelled (`simulator.cost`).
+`control_plane.router`; each node's window statistics come from the node agent's own control
+core (`node_agent.control.WindowAccumulator`: the same `WindowStats` definitions, fed by the
+simulated batches) and targets are applied by its `apply_target` (the half-page rule). Only time
+is modelled (`simulator.cost`).
 
 The clock advances in slices of ``batch_window_ms``. A node serves the requests the router sent it
 during a slice as one micro-batch (a GPU batching window): the batch starts when the slice ends
@@ -34,8 +36,9 @@ import torch
 from control_plane.router import NodeReport, RequestBatch, make_router
 from control_plane.weights import CostProfile as RouterProfile
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
-from policies.features import WindowStats, marginal_utilities_us
-from workloads.regimes import RequestStream, top_share
+from node_agent.control import MissCosts, WindowAccumulator, apply_target
+from node_agent.features import WindowStats
+from workloads.regimes import RequestStream
 
 from .allocators import Allocator
 from .cost import batch_duration_us, request_compute_us
@@ -146,23 +149,18 @@ class SimResult:
 
 
 class _Window:
-    """Per-node accumulators of one control interval."""
+    """Per-node service figures of one control interval for the router's reports (requests
+    dispatched and their batches' modelled busy time: the node's measured service time)."""
 
-    __slots__ = ("n", "users", "hist", "emb_lookups", "emb_hits", "kv_tokens", "kv_hit_tokens", "busy_us",
-                 "lat", "refill_bytes")
+    __slots__ = ("n", "busy_us")
 
     def __init__(self) -> None:
         self.n = 0
-        self.users: list[np.ndarray] = []
-        self.hist: list[np.ndarray] = []
-        self.lat: list[np.ndarray] = []
-        self.emb_lookups = self.emb_hits = self.kv_tokens = self.kv_hit_tokens = 0
         self.busy_us = 0.0
-        self.refill_bytes = 0
 
 
 class _Node:
-    __slots__ = ("index", "id", "mm", "busy_until", "win", "seq")
+    __slots__ = ("index", "id", "mm", "busy_until", "win", "seq", "acc")
 
     def __init__(self, index: int, mm: MemoryManager) -> None:
         self.index = index
@@ -171,6 +169,7 @@ class _Node:
         self.busy_until = 0.0
         self.win = _Window()
         self.seq = 0
+        self.acc = WindowAccumulator(0.0)  # the control core's window (node_agent.control)
 
 
 def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
@@ -230,6 +229,22 @@ def _gather(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
         return np.empty(0, dtype=np.int64)
     ends = np.cumsum(lens)
     return np.repeat(starts - (ends - lens), lens) + np.arange(total)
+
+
+def feed_batches(accs, batch_node, starts, ends, bstart, bsize, arrival, users, L, cached, emb_req, emb_hit):
+    """The simulator's feed of the control core (`node_agent.control.WindowAccumulator`): batch
+    ``j`` ran on node ``batch_node[j]`` over ``[starts[j], ends[j]]`` and holds requests
+    ``[bstart[j], bstart[j] + bsize[j])`` of the per-request arrays (arrival time, user, history
+    length, history tokens cached); ``emb_req[j]`` / ``emb_hit[j]`` are its EMB rows and hits.
+    Returns each request's latency: its batch's end minus its arrival (all of a batch's
+    requests finish together)."""
+    b_of = np.repeat(np.arange(len(bstart)), bsize)
+    lat = ends[b_of] - arrival
+    for j, (r0, size) in enumerate(zip(np.asarray(bstart).tolist(), np.asarray(bsize).tolist())):
+        r1 = r0 + size
+        accs[int(batch_node[j])].add_batch(starts[j], ends[j], lat[r0:r1], users[r0:r1], L[r0:r1], cached[r0:r1],
+                                           emb_req[j], emb_hit[j])
+    return lat
 
 
 def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router: str = "racer", *,
@@ -306,6 +321,7 @@ class ClusterSim:
         self.mcfg = mcfg = memory_config(trace.num_items, cfg)
         self.nodes = [_Node(i, MemoryManager(mcfg)) for i in range(cfg.num_nodes)]
         self.rp = rp = router_profile(stream, cfg)
+        self.costs = MissCosts(rp.kv_recompute_us_per_token, prof.emb_transfer_us_per_row)
         self.rt = make_router(router, [n.id for n in self.nodes], rp, num_shards=trace.num_shards, seed=cfg.seed,
                               node_timeout_s=float("inf"))
         n_req = len(stream)
@@ -390,11 +406,9 @@ class ClusterSim:
             target = float(target)
             if not (math.isfinite(target) and 0.0 <= target <= 1.0):
                 raise ValueError(f"allocator {self.name} returned emb_share {target!r} for {node.id}")
-            if abs(target - self.target_now[node.index]) > 1e-12:
-                node.mm.set_target(target, t0)
-                self.target_now[node.index] = target
-                if self.record is not None:
-                    self.record.append(("target", node.index, target, t0, False))
+            self.target_now[node.index] = target
+            if apply_target(node.mm, target, t0) is not None and self.record is not None:
+                self.record.append(("target", node.index, target, t0, False))
             node.win = _Window()
         self.targets[wi, :] = self.target_now
         self._run_slice_rest(k)
@@ -452,7 +466,7 @@ class ClusterSim:
             if record is not None:
                 record.append(("step", node.index, t0))
             if ms.refill_bytes:
-                node.win.refill_bytes += ms.refill_bytes
+                node.acc.add_refill_bytes(ms.refill_bytes)
                 totals["refill"] += ms.refill_bytes
         a, b = int(c.bounds[k]), int(c.bounds[k + 1])
         if a == b:
@@ -563,6 +577,9 @@ class ClusterSim:
         comp_max = np.maximum.reduceat(comp, bstart)
         ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts)
         ends = np.empty(len(bstart))
+        starts = np.empty(len(bstart))
+        emb_req = np.empty(len(bstart), dtype=np.int64)
+        emb_hit = np.empty(len(bstart), dtype=np.int64)
         record = self.record
         completions = self.completions
         for j, (s0, s1) in enumerate(zip(seg[:-1].tolist(), seg[1:].tolist())):
@@ -579,61 +596,28 @@ class ClusterSim:
             dur_us = batch_duration_us(prof, size, float(comp_max[j]), csum, lk.num_unique_misses, lk.num_hits)
             end = start + dur_us / 1e6
             ends[j] = end
+            starts[j] = start
+            emb_req[j] = lk.num_requested
+            emb_hit[j] = lk.num_hits
             node.busy_until = end
-            w = node.win
-            w.emb_lookups += lk.num_requested
-            w.emb_hits += lk.num_hits
-            w.busy_us += dur_us
+            node.win.busy_us += dur_us
             heapq.heappush(completions, (end, node.index, size))
 
-        # 4. latencies and the window's per-node figures
-        lat = ends[b_of] - c.arrival[sidx]
+        # 4. latencies; the batches go to their nodes' control windows (node_agent.control)
+        lat = feed_batches([nd.acc for nd in nodes], snode[bstart], starts, ends, bstart, bsize, c.arrival[sidx],
+                           users, L, cached, emb_req, emb_hit)
         self.latency[sidx] = lat
-        hs_n = np.add.reduceat(L, node_start).tolist()
-        cs_n = np.add.reduceat(cached, node_start).tolist()
         totals = self.totals
-        for k, (r0, r1) in enumerate(zip(node_start.tolist(), np.r_[node_start[1:], n].tolist())):
-            w = nodes[int(snode[r0])].win
-            w.n += r1 - r0
-            w.users.append(users[r0:r1])
-            w.hist.append(L[r0:r1])
-            w.lat.append(lat[r0:r1])
-            w.kv_tokens += hs_n[k]
-            w.kv_hit_tokens += cs_n[k]
-            totals["kv_tokens"] += hs_n[k]
-            totals["kv_hit_tokens"] += cs_n[k]
+        totals["kv_tokens"] += int(L.sum())
+        totals["kv_hit_tokens"] += int(cached.sum())
+        for r0, r1 in zip(node_start.tolist(), np.r_[node_start[1:], n].tolist()):
+            node = nodes[int(snode[r0])]
+            node.win.n += r1 - r0
+            node.acc.add_arrivals(r1 - r0)
 
     def _window_stats(self, node: _Node) -> WindowStats:
-        cfg, prof, mcfg = self.cfg, self.prof, self.mcfg
-        w = node.win
-        iv = cfg.control_interval_s
-        if w.n:
-            hot = top_share(np.concatenate(w.users), 0.01)
-            hist = np.concatenate(w.hist)
-            lat = np.concatenate(w.lat)
-            h50, h99 = float(np.percentile(hist, 50)), float(np.percentile(hist, 99))
-            p99 = float(np.percentile(lat, 99)) * 1e3
-        else:
-            hot = h50 = h99 = p99 = 0.0
-        emb_marginal, kv_marginal = self._marginal_us(node, w.n)
-        return WindowStats(
-            interval_s=iv, num_requests=w.n, arrival_rate_rps=w.n / iv, hot_user_ratio=hot,
-            history_len_p50=h50, history_len_p99=max(h50, h99),
-            emb_lookups_per_request=w.emb_lookups / w.n if w.n else 0.0,
-            emb_hit_rate=w.emb_hits / w.emb_lookups if w.emb_lookups else 0.0,
-            kv_hit_rate=w.kv_hit_tokens / w.kv_tokens if w.kv_tokens else 0.0,
-            kv_recompute_us_per_token=self.rp.kv_recompute_us_per_token,
-            emb_transfer_us_per_row=prof.emb_transfer_us_per_row,
-            emb_share=node.mm.emb_share, load=min(1.0, w.busy_us / 1e6 / iv), p99_ms=p99, slo_ms=cfg.slo_ms,
-            refill_bytes=float(w.refill_bytes), arena_bytes=float(mcfg.num_pages * mcfg.page_bytes),
-            emb_marginal_us=emb_marginal, kv_marginal_us=kv_marginal,
-        )
-
-    def _marginal_us(self, node: _Node, n: int) -> tuple[float, float]:
-        """The window's marginal utilities of memory (EMB, KV) from the caches' ghost counters."""
-        emb, kv = node.mm.take_ghost_counts()
-        return marginal_utilities_us(self.mcfg.ghost_probe_shares, emb, kv, n, self.prof.emb_transfer_us_per_row,
-                                     self.rp.kv_recompute_us_per_token)
+        """Close the node's control window at the current boundary (`WindowAccumulator.close_window`)."""
+        return node.acc.close_window(self.k * self.slice_s, node.mm, self.costs, self.cfg.slo_ms)
 
     def _report(self, node: _Node, now_s: float) -> None:
         c = self._c

@@ -25,7 +25,8 @@ from collections import Counter
 from pathlib import Path
 
 from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator
-from policies.features import WindowStats
+from node_agent.control import decide_step
+from node_agent.features import WindowStats
 
 from .allocators import GHOST_SUFFIX, Allocator, needs_ghost_lists
 
@@ -78,6 +79,7 @@ class SmartAllocatorSim(Allocator):
                                     "then `racer policy export`)")
         self.allocators: list[SmartAllocator] = []
         self.decisions_by_source: Counter = Counter()
+        self.last_decisions: list = []
 
     def reset(self, num_nodes: int, initial_share: float) -> None:
         cfg = AllocatorConfig(guard=self.config.guard, residual=self.config.residual, recovery=self.config.recovery,
@@ -85,12 +87,14 @@ class SmartAllocatorSim(Allocator):
                               intra_op_num_threads=self.config.intra_op_num_threads,
                               golden_tolerance=self.config.golden_tolerance)
         self.allocators = [SmartAllocator(cfg, policy_dir=self.artifact_dir) for _ in range(num_nodes)]
+        self.last_decisions = [None] * num_nodes
         self.decisions_by_source = Counter()
 
     def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
-        alloc = self.allocators[node]
-        alloc.observe(stats)  # the outcome of the previous decision (skipped, with a reason, when there is none)
-        d = alloc.decide(stats, now_s)
+        # the node agent's control step (node_agent.control): observe the outcome of the previous
+        # decision, then decide; the simulator applies the target with the same half-page rule
+        d = decide_step(self.allocators[node], stats, now_s)
+        self.last_decisions[node] = d
         self.decisions_by_source[d.source] += 1
         return d.emb_share
 

@@ -11,6 +11,10 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("RACER_DATA_DIR", REPO.parent / "shared" / "data"))
 TAOBAO_SAMPLE = SHARED_DATA / "taobao_userbehavior" / "UserBehavior_userprefix_84k.csv"
 AMAZON_SAMPLE = SHARED_DATA / "amazon_video_games" / "Amazon_Video_Games.inter"
+# tests that run the benchmarks on the sample traces skip without them (the benchmarks refuse
+# to run on a substitute: bench.MissingTraceError)
+needs_samples = pytest.mark.skipif(not (TAOBAO_SAMPLE.exists() and AMAZON_SAMPLE.exists()),
+                                   reason="../shared/data (the sample traces) not present")
 
 
 def _cuda_available() -> bool:

@@ -19,9 +19,9 @@ from onnx import TensorProto, helper
 from node_agent.allocator import (DECISION_SOURCES, AllocatorConfig, GuardConfig, OnnxPolicy, PolicyLoadError,
                                   RecoveryConfig, ResidualConfig, SmartAllocator)
 from policies.actor import make_initial_actor
-from policies.artifact import sha256_file
+from node_agent.artifact import sha256_file
 from policies.export import export_actor, golden_inputs
-from policies.features import NUM_FEATURES, SCHEMA_VERSION, WindowStats, build_features
+from node_agent.features import NUM_FEATURES, SCHEMA_VERSION, WindowStats, build_features
 
 # ----------------------------------------------------------------------------------------- helpers (shared)
 
@@ -305,7 +305,13 @@ def test_decision_record_is_complete_and_json_able(policies):
     rec = d.to_dict()
     json.dumps(rec, allow_nan=False)
     assert set(rec) == {"seq", "now_s", "emb_share", "source", "reason", "prev_emb_share", "proposed_emb_share",
-                        "base_emb_share", "residual", "recovery_active", "override_active", "policy_id", "features"}
+                        "base_emb_share", "residual", "recovery_active", "override_active", "policy_id", "features",
+                        "layer_source", "guard_action", "hold_reason", "recovery_phase", "recovery_event",
+                        "recovery_cap", "override_reason", "notes"}
+    assert rec["layer_source"] in DECISION_SOURCES and rec["recovery_phase"] in ("warmup", "normal", "burst")
+    assert rec["hold_reason"] is None and rec["override_reason"] is None
+    assert rec["guard_action"] in (None, "step_up", "step_down", "max", "min")
+    assert (rec["guard_action"] is None) == (rec["source"] != "guard")
     assert list(rec["features"]) == list(alloc.policy.manifest["feature_names"])
     assert d.source in DECISION_SOURCES and d.reason
     state = alloc.state()
@@ -314,6 +320,25 @@ def test_decision_record_is_complete_and_json_able(policies):
     # the record keeps its own copy of the features
     alloc.decide(window(load=0.9), 1.0)
     assert rec["features"]["load"] == pytest.approx(0.3)
+
+
+def test_structured_reasons_of_a_hold_an_override_and_a_guard(policies):
+    alloc = SmartAllocator(CPU)  # no policy: the allocator holds
+    d = alloc.decide(window(), 0.0)
+    assert (d.source, d.layer_source, d.hold_reason, d.guard_action) == ("guard", "guard", "no base policy loaded",
+                                                                        None)
+    alloc.set_override(0.9, now_s=1.0, expires_at_s=5.0, reason="drill")
+    d = alloc.decide(window(), 1.0)
+    assert (d.source, d.layer_source, d.override_reason, d.emb_share) == ("override", "override", "drill", 0.9)
+    d = alloc.decide(window(), 6.0)
+    assert d.notes and "expired" in d.notes[0] and d.override_reason is None
+    alloc = SmartAllocator(AllocatorConfig(guard=GuardConfig(max_step_up=0.01, max_emb_share=0.505), device="cpu",
+                                           residual=ResidualConfig(enabled=False)), policy_dir=policies["c99"])
+    d = alloc.decide(window(emb_share=0.49), 0.0)  # base 0.99: the step limit, 0.50
+    assert (d.source, d.layer_source, d.guard_action) == ("guard", "base", "step_up")
+    assert d.emb_share == pytest.approx(0.50) and d.proposed_emb_share == pytest.approx(0.99, abs=1e-3)
+    d = alloc.decide(window(emb_share=0.50), 1.0)  # step to 0.51, then the bound 0.505
+    assert (d.guard_action, d.emb_share) == ("max", 0.505)
 
 
 def test_configs_are_validated():
@@ -334,7 +359,7 @@ def test_docs_match_the_code():
     import dataclasses
     import re
 
-    from policies.features import FEATURE_SPECS
+    from node_agent.features import FEATURE_SPECS
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "allocator.md").read_text()
     rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (.+?) \| \[(-?[\d.]+), (-?[\d.]+)\] \|$", doc, flags=re.M)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from policies.features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, FEATURE_SPECS, NUM_FEATURES, SCHEMA_VERSION,
+from node_agent.features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, FEATURE_SPECS, NUM_FEATURES, SCHEMA_VERSION,
                                FeatureError, WindowStats, build_features, miss_costs_us)
 
 
@@ -23,7 +23,7 @@ def stats(**kw) -> WindowStats:
 
 
 def test_schema_names_are_ordered_unique_and_versioned():
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2
     assert NUM_FEATURES == 16 == len(set(FEATURE_NAMES))
     assert FEATURE_NAMES == (
         "arrival_rate_log", "hot_user_ratio", "history_len_p50_log", "history_len_p99_log", "emb_lookups_log",

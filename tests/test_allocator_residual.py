@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from node_agent.allocator import (AllocatorConfig, RecoveryConfig, ResidualAdapter, ResidualConfig, SmartAllocator)
-from policies.features import NUM_FEATURES, build_features
+from node_agent.features import NUM_FEATURES, build_features
 from tests.test_allocator import constant_policy, window
 
 # p99 45 ms over a 30 ms SLO: pressure 1.5 - 0.9 = 0.6. Miss time per request: KV (1-0.6)*80*0.5 = 16 us,
@@ -166,7 +166,7 @@ def test_ghost_signal_follows_the_marginal_utilities_not_the_miss_time():
 
 
 def test_marginal_utility_takes_the_best_rate_over_the_probes():
-    from policies.features import marginal_utilities_us, marginal_utility_us
+    from node_agent.features import marginal_utilities_us, marginal_utility_us
 
     # a KV pool that saves nothing with 5% more but 40 us with 20% more is worth 20 us per 10%
     assert marginal_utility_us((0.05, 0.1, 0.2), (0.0, 0.0, 40.0)) == pytest.approx(20.0)

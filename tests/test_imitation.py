@@ -10,7 +10,7 @@ import torch
 
 from policies.actor import ActorConfig, make_initial_actor
 from policies.env import EnvConfig
-from policies.features import NUM_FEATURES
+from node_agent.features import NUM_FEATURES
 from policies.imitation import behaviour_clone, collect_oracle_data, oracle_samples
 from policies.train_ppo import Args, train
 

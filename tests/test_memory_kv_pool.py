@@ -200,9 +200,13 @@ def test_accept_pages_extends_the_free_run_next_to_the_boundary():
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("payload", [True, False])
 def test_random_sequences_keep_invariants(seed, payload):
+    from collections import OrderedDict
+
     rng = random.Random(seed)
     p = make_pool(num_pages=24, emb_pages=6, payload=payload)
-    shadow: dict[int, torch.Tensor] = {}  # user -> the K/V we wrote
+    shadow: dict[int, torch.Tensor] = {}  # user -> the K/V we wrote (payload pools)
+    order: OrderedDict[int, None] = OrderedDict()  # resident users, least recently used first (both pools)
+    num_evictions = 0
     for step in range(300):
         op = rng.random()
         if op < 0.55:
@@ -210,32 +214,47 @@ def test_random_sequences_keep_invariants(seed, payload):
             a = p.append(u, n)
             if a is None:
                 shadow.pop(u, None)
+                order.pop(u, None)
             else:
+                # the victims are the least recently used users, oldest first (never u itself)
+                lru_first = [v for v in order if v != u]
+                assert list(a.evicted_users) == lru_first[:len(a.evicted_users)], f"step {step}"
+                num_evictions += len(a.evicted_users)
                 for v in a.evicted_users:
                     shadow.pop(v, None)
+                    order.pop(v, None)
+                order[u] = None
+                order.move_to_end(u)
                 if payload:
                     kv = kv_tokens(n, float(step * 100))
                     p.write(u, a.start_token, kv)
                     prev = shadow.get(u, torch.zeros(2, 2, 0, 1, 4))
                     shadow[u] = torch.cat([prev, kv], dim=2)
         elif op < 0.75:
-            p.lookup(rng.randrange(12))
+            u = rng.randrange(12)
+            if p.lookup(u):  # a hit makes the user most recent
+                order.move_to_end(u)
         elif op < 0.82:
             u = rng.randrange(12)
             p.evict(u)
             shadow.pop(u, None)
+            order.pop(u, None)
         else:
             target = rng.randint(0, 20)
             if target > p.kv_start:
                 rel = p.release_low_pages(target)
                 for v in rel.evicted_users:
                     shadow.pop(v, None)
+                    order.pop(v, None)
             else:
                 p.arena.set_emb_pages(target)
                 p.accept_pages(target)
             p.arena.set_emb_pages(target)
         assert p.check_invariants() == [], f"step {step}"
-        assert set(p.users_lru()) == set(shadow) or not payload
+        assert p.users_lru() == list(order), f"step {step}"  # the LRU order, with or without payload
+        if payload:
+            assert set(shadow) == set(order)
+    assert num_evictions > 0  # the sequence did exercise eviction
     if payload:
         for u, kv in shadow.items():
             assert torch.equal(p.read(u), kv)

@@ -212,17 +212,27 @@ def test_control_step_runs_the_allocator_and_moves_the_boundary(tmp_path):
     t = [0.0]
     agent = NodeAgent(eng, AgentConfig(), allocator=alloc, clock=lambda: t[0],
                       miss_costs={"kv_recompute_us_per_token": {"128": 5.0, "512": 9.0}, "emb_transfer_us_per_row": 0.3})
-    for u in range(6):
-        r = eng.serve(RecRequest(u, list(range(u, u + 12)), [], top_k=2), now_s=0.5)
-        agent.metrics.record(0.5, r.latency.total_us, emb_requested=r.emb_rows, emb_hits=r.emb_hits,
-                             kv_tokens=r.num_history, kv_hit_tokens=r.kv_hit_tokens, user=u, history_len=12)
+    loop = asyncio.new_event_loop()
+    from node_agent.agent import _Job
+
+    for u in range(6):  # served through the device worker's code, one batch each, 0.1 s busy
+        t[0] = 0.3 + 0.1 * u
+        job = _Job(RecRequest(u, list(range(u, u + 12)), [], top_k=2, arrival_s=0.25), loop, loop.create_future())
+        agent._arrivals += 1
+        clock_reads = iter([t[0], t[0] + 0.1])
+        agent.clock = lambda: next(clock_reads)
+        agent._serve([job])
+    loop.close()
+    agent.clock = lambda: t[0]
     t[0] = 1.0
     step = agent.control_step(1.0)
     w = step["window"]
     assert w["num_requests"] == 6 and w["history_len_p50"] == 12 and w["kv_recompute_us_per_token"] == 5.0
+    assert w["arrival_rate_rps"] == 6.0 and w["load"] == pytest.approx(0.6)  # the busy fraction
+    assert w["p99_ms"] == pytest.approx(1e3 * np.percentile([0.4 + 0.1 * u - 0.25 for u in range(6)], 99))  # end - arrival
     assert w["emb_transfer_us_per_row"] == 0.3 and w["emb_share"] == 0.5
     # marginal utilities of memory: the engine's ghost counters over the window, priced
-    from policies.features import marginal_utilities_us
+    from node_agent.features import marginal_utilities_us
 
     emb_ghost, kv_ghost = eng.mm.ghost_counters()
     assert len(emb_ghost) == len(eng.mm.config.ghost_probes) == 4
@@ -260,3 +270,39 @@ def test_oversize_body_gets_413_before_parsing():
     big, small = asyncio.run(run())
     assert big.status_code == 413 and "exceeds 1000 bytes" in big.json()["error"]
     assert small.status_code == 422 and small.json()["error"] == "top_k: Input should be greater than or equal to 1"
+
+
+def test_agent_refuses_a_policy_of_the_old_schema_and_runs_on_without_it(tmp_path, caplog):
+    """The schema-1 policy shipped before the control core (tests/data/policy_schema1) is refused
+    by this runtime (schema 2) with a message naming both versions; the agent still serves and
+    its control steps hold the split."""
+    import argparse
+    import logging
+
+    from node_agent.cli import add_node_parser, build_agent
+    from node_agent.features import SCHEMA_VERSION
+
+    old = REPO / "tests" / "data" / "policy_schema1"
+    assert json.loads((old / "manifest.json").read_text())["feature_schema_version"] == 1 != SCHEMA_VERSION
+    csv = write_taobao_csv(tmp_path / "UserBehavior_small.csv")
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"kv_recompute_us_per_token": {"128": 2.0}, "emb_transfer_us_per_row": 0.5}))
+    p = argparse.ArgumentParser()
+    add_node_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["node-agent", "--trace", "taobao", "--path", str(csv), "--policy", str(old), "--device", "cpu",
+                         "--embedding-dim", "16", "--num-layers", "1", "--head-dim", "8", "--num-pages", "64",
+                         "--page-tokens", "4", "--max-history-len", "64", "--num-candidates", "8",
+                         "--emb-share", "0.4", "--profile", str(prof)])
+    said = []
+    with caplog.at_level(logging.WARNING, logger="racer.node_agent"):
+        agent = build_agent(args, announce=said.append)
+    msg = agent.allocator.last_load_error
+    assert agent.allocator.policy is None and "feature schema version 1 does not match this runtime's 2" in msg
+    assert any("policy refused, running without it" in m and "version 1" in m for m in said)
+    assert any("version 1" in r.getMessage() for r in caplog.records)
+    r = agent.engine.serve(RecRequest(1000, [1, 2, 3], [4], top_k=2), now_s=0.1)  # it serves
+    assert len(r.items) == 2
+    step = agent.control_step(agent.clock())
+    d = step["decision"]
+    assert (d["source"], d["hold_reason"]) == ("guard", "no base policy loaded")
+    assert d["emb_share"] == agent.engine.mm.emb_share == pytest.approx(0.4, abs=1 / 64)  # the split held

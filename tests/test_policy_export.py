@@ -14,10 +14,10 @@ import torch
 
 from policies.actor import (ActorConfig, CheckpointError, load_checkpoint, make_initial_actor,
                             save_checkpoint)
-from policies.artifact import ArtifactError, check_manifest, probe_inputs, sha256_file
+from node_agent.artifact import ArtifactError, check_manifest, probe_inputs, sha256_file
 from policies.cli import add_policy_parser
 from policies.export import ExportError, export_actor, export_checkpoint, golden_inputs, verify_artifact
-from policies.features import FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION
+from node_agent.features import FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from node_agent.allocator import GuardConfig
 from policies.actor import load_checkpoint
 from policies.env import AllocatorEnv, EnvConfig, RewardConfig, apply_guards, node_reward, team_rewards
 from policies.export import export_checkpoint, verify_artifact
-from policies.features import NUM_FEATURES, WindowStats
+from node_agent.features import NUM_FEATURES, WindowStats
 from policies.train_ppo import Args, compute_gae, ppo_loss, train
 
 TINY = dict(traces=("synthetic",), num_nodes=2, rate_rps=200.0, rate_spread=0.0, duration_s=5.0, num_users=300,
@@ -144,10 +144,104 @@ def test_team_reward_is_the_request_weighted_mean():
         RewardConfig(team_weight=1.5).validate()
 
 
-def test_guards_match_the_runtime():
-    g = GuardConfig(min_emb_share=0.05, max_emb_share=0.95, max_step_up=0.05, max_step_down=0.1)
-    out = apply_guards(np.array([0.9, 0.1, 0.52, 1.0, 0.0]), np.array([0.5, 0.5, 0.5, 0.93, 0.1]), g)
-    assert out.tolist() == pytest.approx([0.55, 0.4, 0.52, 0.95, 0.05])
+def test_guards_match_the_runtime(tmp_path):
+    """`apply_guards` (training) against the runtime's own decisions: a real SmartAllocator (ONNX
+    policy, residual and recovery off) with tight guards, on varied stats; each decision's value
+    is `apply_guards` of its proposal and its previous split, and every guard binds somewhere."""
+    from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator
+    from policies.actor import make_initial_actor
+    from policies.export import export_actor
+
+    g = GuardConfig(min_emb_share=0.45, max_emb_share=0.6, max_step_up=0.04, max_step_down=0.08)
+    rng = np.random.default_rng(0)
+    actions = set()
+    for bias in (-0.6, 0.6):  # one policy proposing mostly below the bounds, one mostly above
+        actor = make_initial_actor(5, head_gain=4.0)
+        with torch.no_grad():
+            actor.head.bias.fill_(bias)
+        export_actor(actor, tmp_path / str(bias))
+        alloc = SmartAllocator(AllocatorConfig(guard=g, residual=ResidualConfig(enabled=False),
+                                               recovery=RecoveryConfig(enabled=False), device="cpu"),
+                               policy_dir=tmp_path / str(bias))
+        for k in range(150):
+            st = WindowStats(interval_s=1.0, num_requests=int(rng.integers(0, 500)),
+                             arrival_rate_rps=float(rng.uniform(0, 3e3)), hot_user_ratio=float(rng.uniform()),
+                             history_len_p50=50.0, history_len_p99=float(rng.uniform(50, 5e3)),
+                             emb_lookups_per_request=float(rng.uniform(0, 2e3)), emb_hit_rate=float(rng.uniform()),
+                             kv_hit_rate=float(rng.uniform()), kv_recompute_us_per_token=3.0,
+                             emb_transfer_us_per_row=1.4, emb_share=0.5, load=float(rng.uniform()),
+                             p99_ms=float(rng.uniform(0, 90)), slo_ms=30.0, refill_bytes=0.0, arena_bytes=1e9)
+            d = alloc.decide(st, float(k))
+            want = apply_guards(np.array([d.proposed_emb_share]), np.array([d.prev_emb_share]), g)[0]
+            assert d.emb_share == want, (d.proposed_emb_share, d.prev_emb_share, d.emb_share, want)
+            actions.add(d.guard_action)
+    assert {"step_up", "step_down", "max", "min"} <= actions, actions
+    # without the step limit (the env's default) only the bounds apply, as np.clip
+    out = apply_guards(np.array([0.9, 0.1, 0.52]), np.array([0.5, 0.5, 0.5]), g, step_limit=False)
+    assert out.tolist() == [0.6, 0.45, 0.52]
+
+
+class SplitBandit:
+    """A tiny setting with a known best split: every node's reward is ``-8 (a - 0.8)^2`` whatever
+    it observes (random features in the feature box), episodes of 8 steps."""
+
+    def __init__(self, num_agents: int = 2, seed: int = 0):
+        self.num_agents = num_agents
+        self.rng = np.random.default_rng(seed)
+        self.t = 0
+        self.rewards: list[float] = []
+        self.actions: list[float] = []
+
+    def _obs(self):
+        from node_agent.features import FEATURE_HIGH, FEATURE_LOW
+
+        u = self.rng.random((self.num_agents, NUM_FEATURES), dtype=np.float32)
+        return (FEATURE_LOW + (FEATURE_HIGH - FEATURE_LOW) * u).astype(np.float32)
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        self.rewards, self.actions = [], []
+        return self._obs(), {}
+
+    def step(self, action):
+        a = np.asarray(action, dtype=np.float64)
+        r = (-8.0 * (a - 0.8) ** 2).astype(np.float32)
+        self.t += 1
+        self.rewards.append(float(r.mean()))
+        self.actions.append(float(a.mean()))
+        info = {}
+        trunc = self.t >= 8
+        if trunc:
+            info["episode"] = {"trace": "bandit", "regime": "steady", "stream_seed": 0, "rate_rps": 0.0,
+                               "initial_share": 0.5, "mean_reward": float(np.mean(self.rewards)),
+                               "mean_target_share": float(np.mean(self.actions)), "p99_ms": 0.0,
+                               "slo_attainment": 1.0, "mean_share": float(np.mean(self.actions))}
+        return self._obs(), r, False, trunc, info
+
+    def close(self):
+        pass
+
+
+def test_ppo_moves_toward_the_known_best_split(tmp_path):
+    args = Args(**TINY, regimes=("steady",), seed=2, out=str(tmp_path), total_steps=480, num_steps=32,
+                update_epochs=4, num_minibatches=2, progress=False, eval_static_shares=())
+    probe = SplitBandit(seed=9)._obs()
+
+    def mean_action(actor) -> float:
+        with torch.no_grad():
+            return float(torch.sigmoid(actor.logit(torch.from_numpy(probe))).mean())
+
+    from policies.actor import ActorConfig, make_initial_actor
+
+    before = mean_action(make_initial_actor(args.seed, ActorConfig(hidden_sizes=tuple(args.hidden_sizes),
+                                                                   init_log_std=args.init_log_std)))
+    train(args, env=SplitBandit(seed=1))
+    after = mean_action(load_checkpoint(tmp_path / "actor.pt").actor)
+    assert abs(before - 0.5) < 0.1  # the initial actor proposes about 0.5
+    assert abs(after - 0.8) < abs(before - 0.8) - 0.1, (before, after)  # and training moved it toward 0.8
+    curve = json.loads((tmp_path / "curve.json").read_text())
+    rewards = [r["rollout_reward"] for r in curve["updates"]]
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3])
 
 
 # ------------------------------------------------------------------------------------------ environment

@@ -18,6 +18,8 @@ from workloads import RegimeConfig, generate, synthetic_trace
 from workloads.regimes import RequestStream
 from workloads.trace import build_trace
 
+from .conftest import needs_samples
+
 ROUND = CostProfile(
     name="round", token_us=10.0, attn_us_per_ctx=0.0, cand_us=5.0, emb_transfer_us_per_row=2.0,
     emb_hit_us_per_row=1.0, batch_overhead_us=100.0, request_overhead_us=10.0, batch_speedup=1.0, max_batch=64,
@@ -351,6 +353,7 @@ def test_ghost_lists_change_nothing_but_report_the_marginal_utilities(small):
     assert all(a.emb_hit_rate == b.emb_hit_rate for a, b in zip(off.seen, on.seen))
 
 
+@needs_samples
 def test_bench_marginal_reports_each_regime(capsys):
     from bench.marginal import main
 
@@ -369,6 +372,7 @@ def test_bench_marginal_reports_each_regime(capsys):
     assert "do not fit" in capsys.readouterr().err
 
 
+@needs_samples
 def test_bench_simulator_floor_replays_the_runs_calls():
     from bench.simulator import _fingerprint, _floor_regime, main
     from workloads import generate
@@ -395,6 +399,7 @@ def test_bench_simulator_floor_replays_the_runs_calls():
     assert _fingerprint(torch.tensor([1, 2])) == _fingerprint(np.array([1, 2]))
 
 
+@needs_samples
 def test_bench_oracle_gap_small_sweep(capsys, tmp_path):
     from bench.oracle_gap import main
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: load is the busy fraction, p99/percentiles over completed requests, one producer (node_agent.control)
 
 # normalisation references (part of the schema)
 RATE_REF_RPS = 100_000.0
@@ -58,29 +58,36 @@ class FeatureError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class WindowStats:
-    """What one node measured over one control interval (a snapshot; the producer fills it).
+    """What one node measured over one control interval ``[start, now]`` (a snapshot).
 
-    - ``interval_s``: length of the interval (> 0);
-    - ``num_requests``: requests that arrived in it (>= 0);
-    - ``arrival_rate_rps``: arrivals per second (>= 0);
-    - ``hot_user_ratio``: share of the interval's requests sent by the top 1% of the users active
-      in it, ranked by their request count in the interval (at least one user), as
-      `workloads.RequestStream.window_stats` defines it; in [0, 1];
-    - ``history_len_p50`` / ``history_len_p99``: percentiles of the requests' history lengths in
-      tokens (p50 <= p99);
-    - ``emb_lookups_per_request``: mean embedding rows looked up per request (history items the KV
-      cache did not cover, new items, candidates);
-    - ``emb_hit_rate``: share of those row lookups served by the EMB hot cache, in [0, 1];
-    - ``kv_hit_rate``: share of history tokens whose K/V came from the KV cache (not recomputed),
-      in [0, 1];
-    - ``kv_recompute_us_per_token`` / ``emb_transfer_us_per_row``: the node's profiled miss costs
-      (>= 0);
-    - ``emb_share``: the split in effect during the interval, in [0, 1];
-    - ``load``: mean queue depth over the queue capacity, the router's ``l(n)``, in [0, 1];
-    - ``p99_ms``: P99 latency of the requests finished in the interval (0 when none finished);
-    - ``slo_ms``: the latency SLO (> 0);
+    Produced in one place, `node_agent.control.WindowAccumulator.close_window`, for the node agent
+    and the simulator alike (these definitions are the contract; schema 2). "Completed" requests
+    are those of the batches whose service ended inside the interval.
+
+    - ``interval_s``: length of the interval, seconds (> 0);
+    - ``num_requests``: requests completed in the interval (>= 0);
+    - ``arrival_rate_rps``: requests that arrived at the node (were accepted) in the interval, per
+      second (>= 0);
+    - ``hot_user_ratio``: share of the completed requests sent by the top 1% of their distinct
+      users, ranked by request count (at least one user; `top_share`); in [0, 1];
+    - ``history_len_p50`` / ``history_len_p99``: percentiles of the completed requests' history
+      lengths, tokens (p50 <= p99);
+    - ``emb_lookups_per_request``: embedding rows the completed batches looked up (history items
+      the KV cache did not cover, new items, candidates) per completed request;
+    - ``emb_hit_rate``: share of those rows served by the EMB hot cache, in [0, 1];
+    - ``kv_hit_rate``: share of the completed requests' history tokens whose K/V came from the KV
+      cache (not recomputed), in [0, 1];
+    - ``kv_recompute_us_per_token``: the node's profiled recompute cost, µs per token, at the
+      interval's ``history_len_p50`` (nearest profiled length; a single profiled number as is);
+      ``emb_transfer_us_per_row``: its profiled host -> device cost per row, µs (>= 0);
+    - ``emb_share``: the split in effect at the end of the interval, in [0, 1];
+    - ``load``: the **busy fraction**: seconds the node's device spent serving batches within the
+      interval over ``interval_s``, clipped to [0, 1] (the node agent measures its device
+      worker's time in ``serve_batch``; the simulator its batches' modelled durations);
+    - ``p99_ms``: P99 of the completed requests' latencies (finish - arrival), ms (0 when none);
+    - ``slo_ms``: the latency SLO, ms (> 0);
     - ``refill_bytes``: bytes the memory manager copied host -> device in the background to fill
-      newly granted EMB pages (>= 0); ``arena_bytes``: the HBM arena's size (> 0);
+      newly granted EMB pages in the interval (>= 0); ``arena_bytes``: the HBM arena's size (> 0);
     - ``emb_marginal_us`` / ``kv_marginal_us`` (optional, default 0; not policy features): the
       marginal utility of memory for the EMB slab / the KV pool: busy time per request that 10%
       more of the arena would have saved, read from the caches' ghost lists
@@ -179,6 +186,18 @@ FEATURE_NAMES: tuple[str, ...] = tuple(s.name for s in FEATURE_SPECS)
 NUM_FEATURES = len(FEATURE_NAMES)
 FEATURE_LOW = np.array([s.low for s in FEATURE_SPECS], dtype=np.float32)
 FEATURE_HIGH = np.array([s.high for s in FEATURE_SPECS], dtype=np.float32)
+
+
+def top_share(ids: np.ndarray, fraction: float = 0.01) -> float:
+    """Share of ``ids`` taken by the top ``fraction`` of its distinct values (at least one): the
+    hot-user ratio of a window's users. (The trace generator, `workloads.regimes.top_share`,
+    has its own copy so the runtime never imports it; a test checks that they agree.)"""
+    if len(ids) == 0:
+        return 0.0
+    counts = np.unique(ids, return_counts=True)[1]
+    k = max(1, int(np.ceil(fraction * len(counts))))
+    top = np.partition(counts, len(counts) - k)[len(counts) - k:]
+    return float(top.sum()) / len(ids)
 
 
 def miss_costs_us(stats: WindowStats) -> tuple[float, float]:
