@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from sqlalchemy.exc import DataError, IntegrityError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from db import queries
@@ -616,7 +617,11 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: st
             with state.factory() as s:
                 return s.get(Node, node_id) is not None
 
-        if not await anyio.to_thread.run_sync(known):
+        try:
+            is_known = await anyio.to_thread.run_sync(known)
+        except Exception as e:  # noqa: BLE001 - database unreachable: the node keeps the batch and retries
+            return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
+        if not is_known:
             return 404, _json({"detail": f"node_id {node_id!r} is not registered (POST {API}/nodes/register first)"})
         state.known_nodes.add(node_id)
     now = clock()
@@ -637,8 +642,10 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: st
     try:
         stored, dup = await state.writer.submit(node_id, rows, decisions, bursts,
                                                 (now, last.seq, last.emb_share, last.policy_version))
-    except Exception as e:  # noqa: BLE001 - the batch was refused by the database
+    except (IntegrityError, DataError) as e:  # the batch itself is wrong: the node drops it and counts it
         return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"})
+    except Exception as e:  # noqa: BLE001 - database unreachable or failing: the node keeps the batch and retries
+        return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
     m = state.metrics
     m.reports_received.inc(len(rows))
     m.reports_stored.inc(stored)

@@ -47,7 +47,7 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
@@ -611,7 +611,8 @@ def create_app(agent: NodeAgent) -> FastAPI:
     async def residency(cursor: Annotated[int, Field(ge=0)] = 0, epoch: str | None = None):
         return {**agent.residency.since(cursor, epoch), "queue_depth": agent._queue.qsize(), "at_s": agent.clock()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus_metrics():
         from .exporter import render
 
