@@ -270,3 +270,39 @@ def test_oversize_body_gets_413_before_parsing():
     big, small = asyncio.run(run())
     assert big.status_code == 413 and "exceeds 1000 bytes" in big.json()["error"]
     assert small.status_code == 422 and small.json()["error"] == "top_k: Input should be greater than or equal to 1"
+
+
+def test_agent_refuses_a_policy_of_the_old_schema_and_runs_on_without_it(tmp_path, caplog):
+    """The schema-1 policy shipped before the control core (tests/data/policy_schema1) is refused
+    by this runtime (schema 2) with a message naming both versions; the agent still serves and
+    its control steps hold the split."""
+    import argparse
+    import logging
+
+    from node_agent.cli import add_node_parser, build_agent
+    from node_agent.features import SCHEMA_VERSION
+
+    old = REPO / "tests" / "data" / "policy_schema1"
+    assert json.loads((old / "manifest.json").read_text())["feature_schema_version"] == 1 != SCHEMA_VERSION
+    csv = write_taobao_csv(tmp_path / "UserBehavior_small.csv")
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"kv_recompute_us_per_token": {"128": 2.0}, "emb_transfer_us_per_row": 0.5}))
+    p = argparse.ArgumentParser()
+    add_node_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["node-agent", "--trace", "taobao", "--path", str(csv), "--policy", str(old), "--device", "cpu",
+                         "--embedding-dim", "16", "--num-layers", "1", "--head-dim", "8", "--num-pages", "64",
+                         "--page-tokens", "4", "--max-history-len", "64", "--num-candidates", "8",
+                         "--emb-share", "0.4", "--profile", str(prof)])
+    said = []
+    with caplog.at_level(logging.WARNING, logger="racer.node_agent"):
+        agent = build_agent(args, announce=said.append)
+    msg = agent.allocator.last_load_error
+    assert agent.allocator.policy is None and "feature schema version 1 does not match this runtime's 2" in msg
+    assert any("policy refused, running without it" in m and "version 1" in m for m in said)
+    assert any("version 1" in r.getMessage() for r in caplog.records)
+    r = agent.engine.serve(RecRequest(1000, [1, 2, 3], [4], top_k=2), now_s=0.1)  # it serves
+    assert len(r.items) == 2
+    step = agent.control_step(agent.clock())
+    d = step["decision"]
+    assert (d["source"], d["hold_reason"]) == ("guard", "no base policy loaded")
+    assert d["emb_share"] == agent.engine.mm.emb_share == pytest.approx(0.4, abs=1 / 64)  # the split held
