@@ -39,6 +39,8 @@ def cmd_paper_table(args) -> int:
     bad = [r for r in (args.routers or ()) if r not in ROUTERS]
     if bad:
         raise ValueError(f"unknown router(s) {', '.join(bad)}; choose from {', '.join(ROUTERS)}")
+    if args.seeds is not None and args.out is None:
+        raise ValueError("--seeds needs --out")
     if args.seed is not None and args.seeds is not None:
         raise ValueError("give --seed or --seeds, not both")
     if args.seed is not None and args.seed < 0:
@@ -92,7 +94,8 @@ def cmd_paper_table(args) -> int:
     else:
         print(format_rows(result["rows"]))
         print(json.dumps(result["findings"], indent=1))
-        print(f"wrote {args.out}/paper_table_{cfg.trace}.json and plots in {result['wall_s']} s")
+        print(f"wrote {args.out}/paper_table_{cfg.trace}.json and plots in {result['wall_s']} s" if args.out
+              else f"done in {result['wall_s']} s (nothing saved: give --out DIR to keep the runs and plots)")
     return 0
 
 
@@ -164,7 +167,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "'all'; the best single static split for the whole run)")
     p.add_argument("--regimes", type=_names, default=("steady", "trend", "burst"),
                    help="comma-separated regimes (default steady,trend,burst)")
-    p.add_argument("--out", required=True, help="directory for the JSON and the plots")
+    p.add_argument("--out", default=None,
+                   help="directory for the JSON, the plots and the saved runs (a rerun resumes from them); "
+                        "without it nothing is saved")
     p.add_argument("--quick", action="store_true", help="a small, coarse table (smoke run, about a minute)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--rate", type=float, default=None, help="base request rate of the cluster, req/s")

@@ -77,13 +77,15 @@ class TableConfig:
 
     @classmethod
     def paper(cls, quick: bool = False, **kw) -> "TableConfig":
-        """The paper-scale setting on ``num_nodes`` nodes (``--quick``: 2, else 4) of the 32-node
-        cluster: users and rate in proportion (31,250 users and 125 req/s per node), histories as
-        built (``history_scale`` 1), the racer router only unless ``routers`` says otherwise."""
+        """The paper-scale setting on ``num_nodes`` nodes (``--quick``: 1 node at scale 1/384, else
+        4 nodes at 1/192) of the 32-node cluster: users and rate in proportion (31,250 users and
+        125 req/s per node), histories as built (``history_scale`` 1), the racer router only unless
+        ``routers`` says otherwise."""
         from .profiles import PaperScale
 
-        nodes = int(kw.pop("num_nodes", 2 if quick else 4))
-        ps = PaperScale(scale=float(kw.get("paper_scale", 1 / 192))).validate()
+        nodes = int(kw.pop("num_nodes", 1 if quick else 4))
+        kw.setdefault("paper_scale", 1 / 384 if quick else 1 / 192)
+        ps = PaperScale(scale=float(kw["paper_scale"])).validate()
         base = dict(setting="paper-scale", num_nodes=nodes, num_users=ps.users_per_node * nodes,
                     rate_rps=ps.rate_rps_per_node * nodes, history_scale=1.0, routers=("racer",),
                     other_router_allocators=("best_static",), duration_s=30.0,
