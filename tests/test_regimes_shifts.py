@@ -105,3 +105,19 @@ def test_scale_model_keeps_the_deciding_ratios():
     assert b.page_tokens() == 2 * a.page_tokens()
     with pytest.raises(ValueError, match="scale"):
         PaperScale(scale=1 / 100).validate()
+
+
+def test_paper_scale_table_config_follows_the_setting():
+    from simulator.cluster import memory_config
+    from simulator.table import TableConfig, sim_config
+
+    cfg = TableConfig.paper(quick=True)
+    assert (cfg.num_nodes, cfg.paper_scale, cfg.num_users, cfg.rate_rps) == (1, 1 / 384, 31_250, 125.0)
+    big = TableConfig.paper(num_nodes=4)
+    assert (big.paper_scale, big.num_users, big.rate_rps, big.history_scale) == (1 / 192, 125_000, 500.0, 1.0)
+    scfg = sim_config(cfg)
+    ps = PaperScale(scale=1 / 384)
+    assert scfg.cache_bytes == ps.scaled_arena_bytes() and scfg.profile.page_tokens == 64
+    mcfg = memory_config(ps.scaled_rows(), scfg)
+    # the arena in rows over the table's rows: the full-scale 1.38%
+    assert mcfg.num_pages * scfg.profile.rows_per_page / ps.scaled_rows() == pytest.approx(0.01377, rel=0.01)
