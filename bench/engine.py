@@ -15,6 +15,17 @@ cache with link emulation where it applies, K/V read, prefill, K/V write, rankin
 ``kv_hit_speedup_2048`` is the median miss latency over the median hit latency at L = 2048
 (target >= 4; the arithmetic bound is about (2048 + 256) / (8 + 256)). Figures are medians and
 99th percentiles over the repetitions of a shared, noisy 2-core VM: compare, do not assert.
+
+**HTTP** (``http`` in the JSON; ``--no-http`` skips it): a real ``racer node-agent`` process
+(small model, a synthetic Taobao-format trace written to a temporary folder) is started, and
+``/healthz`` and a KV-hit ``POST /v1/recommend`` (128 cached history tokens, nothing new to
+prefill) are timed 50 times each: ``keepalive_p50_ms`` over one kept-alive connection
+(``httpx.Client``) and ``fresh_connection_p50_ms`` with a new connection per request (the
+client is made outside the timed part); the two alternate request by request, so they share the
+machine's noise. The agent runs on asyncio's own event loop (uvloop blocked), the setup in which
+the missing TCP_NODELAY cost ~44 ms (uvloop sets TCP_NODELAY itself). Keep-alive should cost at most a fresh connection;
+before ``node_agent.server`` set TCP_NODELAY it cost ~44 ms more (Nagle's algorithm meeting
+the client's delayed ACK).
 """
 
 from __future__ import annotations
@@ -88,6 +99,89 @@ def bench_length(engine: Engine, L: int, reps: int, rng: np.random.Generator, ne
     }
 
 
+def _write_trace(path, num_users: int = 50, num_items: int = 2000) -> None:
+    rng = np.random.default_rng(0)
+    rows = []
+    for u in range(num_users):
+        n = int(rng.integers(150, 200))
+        ts = np.sort(rng.integers(1_511_000_000, 1_512_000_000, n))
+        items = rng.integers(0, num_items, n)
+        rows += [f"{1000 + u},{5000 + i},{i % 17},pv,{t}" for i, t in zip(items, ts)]
+    path.write_text("\n".join(rows) + "\n")
+
+
+def bench_http(n: int = 50, device: str = "auto") -> dict:
+    """Keep-alive and fresh-connection p50 of /healthz and a KV-hit /v1/recommend against a real
+    node-agent process (see the module docstring)."""
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        csv = Path(tmp) / "ub.csv"
+        _write_trace(csv)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        repo = Path(__file__).resolve().parent.parent
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+        # asyncio's own event loop (uvloop blocked): the setup of the issue; uvloop would set
+        # TCP_NODELAY by itself and hide a regression of node_agent.server
+        boot = "import sys; sys.modules['uvloop'] = None; from racer.cli import main; sys.exit(main(sys.argv[1:]))"
+        proc = subprocess.Popen([sys.executable, "-c", boot, "node-agent", "--port", str(port), "--trace", "taobao",
+                                 "--path", str(csv), "--num-pages", "512", "--max-history-len", "512",
+                                 "--device", device], cwd=repo, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"node agent exited: {proc.stderr.read().decode()[-2000:]}")
+                try:
+                    if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("node agent did not become healthy in 120 s")
+                time.sleep(0.1)
+            num_items = httpx.get(f"{base}/v1/metrics").json()["node"]["num_items"]
+            hist = np.random.default_rng(1).integers(0, num_items, 128).tolist()
+            body = {"user_id": 1, "history": hist, "num_candidates": 64, "top_k": 10}
+            out: dict = {"requests": n, "agent": "racer node-agent (default model, CPU threads 1)",
+                         "event_loop": "asyncio (uvloop blocked)"}
+            for name, method, path, kw in [("healthz", "GET", "/healthz", {}),
+                                           ("recommend_kv_hit", "POST", "/v1/recommend", {"json": body})]:
+                fresh_clients = [httpx.Client(base_url=base, timeout=30.0) for _ in range(n)]  # made untimed
+                keep_ms, fresh_ms = [], []
+                with httpx.Client(base_url=base, timeout=30.0) as client:
+                    client.request(method, path, **kw).raise_for_status()  # opens the connection; caches the KV
+                    for c in fresh_clients:  # alternate, so both share the machine's noise
+                        for who, times in ((client, keep_ms), (c, fresh_ms)):
+                            t = time.perf_counter()
+                            r = who.request(method, path, **kw)
+                            times.append((time.perf_counter() - t) * 1e3)
+                            r.raise_for_status()
+                            if path == "/v1/recommend" and r.json()["kv"]["outcome"] != "hit":
+                                raise RuntimeError(f"expected a KV hit, got {r.json()['kv']}")
+                        c.close()
+                k, f = round(float(np.median(keep_ms)), 3), round(float(np.median(fresh_ms)), 3)
+                out[name] = {"keepalive_p50_ms": k, "fresh_connection_p50_ms": f, "keepalive_at_most_fresh": k <= f}
+            return out
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -97,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="repetitions per length (default 30 at 128 and 512, 12 at 2048)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (8 / 4)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    ap.add_argument("--no-http", action="store_true", help="skip the node-agent HTTP figures")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = EngineConfig(model=ModelConfig(), num_items=NUM_ITEMS, num_pages=2048, emb_share=0.5,
@@ -130,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     result["kv_hit_speedup_target"] = 4.0
     st = engine.mm.stats()
     result["emb_hit_rate"] = round(st.emb.hit_rate, 4)
+    if not args.no_http:
+        result["http"] = bench_http(device=args.device)
     if args.json:
         print(json.dumps(result))
     else:
@@ -140,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"miss p50 {r['miss']['p50_ms']:8.2f} ms  p99 {r['miss']['p99_ms']:8.2f} ms   "
                   f"speedup {r['kv_hit_speedup']:.1f}x  ({r['reps']} reps)")
         print(f"kv_hit_speedup_2048 {result['kv_hit_speedup_2048']} (target >= 4)")
+        for name in ("healthz", "recommend_kv_hit"):
+            if "http" in result:
+                h = result["http"][name]
+                print(f"{name}: keep-alive p50 {h['keepalive_p50_ms']} ms, fresh connection p50 "
+                      f"{h['fresh_connection_p50_ms']} ms")
     return 0
 
 

@@ -84,7 +84,7 @@ def agent_loads(duration_s: float, rate_rps: float, policy: str, seed: int, devi
     agent = build_agent(args, announce=lambda m: print(f"agent: {m}", file=sys.stderr))
     trace = load_trace("taobao")
     stream = generate(trace, regime="trend", rate_rps=rate_rps, duration_s=duration_s, seed=seed,
-                      max_history_len=512, num_candidates=128)
+                      max_history_len=448, num_candidates=128)  # history + new items within the engine's 512
     from node_agent.engine import RecRequest
 
     async def replay() -> dict:

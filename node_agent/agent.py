@@ -3,11 +3,17 @@
     POST /v1/recommend   one recommendation request (`RecommendBody`) -> top-k + breakdown
     GET  /healthz        liveness of the process and of the device worker
     GET  /v1/metrics     rolling metrics, memory, emb_share, link emulation, allocator state
+    GET  /metrics        Prometheus text (node_agent/exporter.py)
+
+With ``--control-plane`` a `node_agent.reporter.Reporter` (its own thread) gets each control
+step's output through ``control_hooks`` and does the network I/O (docs/node_reporting.md).
 
 One **device worker** thread owns the engine (the device): HTTP handlers validate a request
 (pydantic, then `Engine.validate`), put it on a bounded queue and await its result. The worker
-takes the first waiting request plus every other one already queued (up to ``max_batch``;
-optionally waiting ``batch_window_us`` for more) and serves them as one micro-batch. Between
+admits queued requests into two lanes by estimated prefill tokens (large KV misses apart, see
+"Admission" in docs/engine.md) and serves a large miss alone or the small lane's waiting
+requests (up to ``max_batch`` and ``max_prefill_tokens_per_batch``; optionally waiting
+``batch_window_us`` for more) as one micro-batch, the two lanes alternating. Between
 batches, and at least every 50 ms when idle, it calls `Engine.maintenance` (one bounded boundary
 step and one throttled refill chunk); every ``control_interval_s`` it runs the control step of
 the shared control core (`node_agent.control`, the same code the simulator runs): the served
@@ -16,9 +22,9 @@ batches (with the worker's busy time) and the refill feed a `WindowAccumulator`,
 (observe, decide) and applies its emb_share to the Memory Manager (the half-page rule), when a
 policy was given. Without an allocator the split stays at the configured ``emb_share``.
 
-Bad requests get 4xx with a message saying what is wrong (422: validation; 413: body too
-large); a full queue gets 503 and a request that waits past ``request_timeout_s`` 504. None of
-them stops the agent. Time comes from an injected clock (``clock``, seconds).
+Bad requests get 4xx with a message saying what is wrong (422: validation, NaN and Infinity
+included; 413: body too large, counted on the bytes received); a full queue gets 503 and a
+request that waits past ``request_timeout_s`` 504. None of them stops the agent. Time comes from an injected clock (``clock``, seconds).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import math
 import queue
@@ -38,12 +45,13 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at)
+from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
+from .server import serve_forever  # noqa: F401 - re-exported: the one HTTP server (node_agent.server)
 
 log = logging.getLogger("racer.node_agent")
 
@@ -60,7 +68,13 @@ class AgentConfig:
     - ``request_timeout_s``: a request not served by then gets 504;
     - ``control_interval_s``: period of the control step (WindowStats, allocator);
     - ``slo_ms`` / ``metrics_window_s``: the latency SLO and the metrics window;
-    - ``max_body_bytes``: larger request bodies get 413 before they are parsed.
+    - ``max_body_bytes``: larger request bodies get 413 before they are parsed (bytes received
+      are counted, so a chunked body is refused too);
+    - ``large_prefill_tokens``: a request whose estimated prefill (its tokens not in its user's
+      KV cache) is at least this many tokens is a *large miss* and waits in the large lane;
+    - ``max_prefill_tokens_per_batch``: a micro-batch of the small lane stops taking requests
+      once their estimated prefill tokens would pass this (its first request always goes).
+      See "Admission" in docs/engine.md.
     """
 
     max_batch: int = 16
@@ -71,10 +85,13 @@ class AgentConfig:
     slo_ms: float = 30.0
     metrics_window_s: float = 60.0
     max_body_bytes: int = 4 * 2**20
+    large_prefill_tokens: int = 1024
+    max_prefill_tokens_per_batch: int = 2048
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("max_batch", "max_queue", "max_body_bytes"):
+        for name in ("max_batch", "max_queue", "max_body_bytes", "large_prefill_tokens",
+                     "max_prefill_tokens_per_batch"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
@@ -121,6 +138,7 @@ class _Job:
     req: RecRequest
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    prefill_est: int = 0  # tokens to prefill, estimated when the worker admits the job
 
 
 def _resolve(fut: asyncio.Future, value, exc: BaseException | None) -> None:
@@ -147,6 +165,12 @@ class NodeAgent:
         self.metrics = RollingMetrics(MetricsConfig(slo_ms=self.config.slo_ms, window_s=self.config.metrics_window_s),
                                       link_emulated=engine.link.enabled)
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=self.config.max_queue)
+        # the device worker's lanes (only the worker touches them; see "Admission" in docs/engine.md)
+        self._small: collections.deque[_Job] = collections.deque()
+        self._large: collections.deque[_Job] = collections.deque()
+        self._last_was_large = True  # so the small lane goes first
+        self.num_large_batches = 0
+        self.num_expired = 0  # jobs whose caller had given up (504) before the device reached them
         self._lock = threading.Lock()  # guards metrics and the published snapshots
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -163,6 +187,9 @@ class NodeAgent:
         self.last_window: dict | None = None
         self.num_control_steps = 0
         self.worker_error: str | None = None
+        # called by the device worker with each control step's output (cheap, no I/O: see reporter.py)
+        self.control_hooks: list[Callable[[dict], None]] = []
+        self.reporter = None  # node_agent.reporter.Reporter when a control plane is configured
 
     # ------------------------------------------------------------------------- lifecycle ---
     def start(self) -> None:
@@ -177,12 +204,15 @@ class NodeAgent:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        while True:  # fail whatever is still queued
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
+        self._drain()
+        while self._small or self._large:  # fail whatever is still queued
+            job = (self._small or self._large).popleft()
             job.loop.call_soon_threadsafe(_resolve, job.future, None, RuntimeError("node agent stopping"))
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for the device (the arrival queue and both lanes)."""
+        return self._queue.qsize() + len(self._small) + len(self._large)
 
     @property
     def worker_alive(self) -> bool:
@@ -192,6 +222,8 @@ class NodeAgent:
     async def submit(self, req: RecRequest) -> RecResponse:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if self.queue_depth >= self.config.max_queue:
+            raise QueueFull(f"the node's queue is full ({self.config.max_queue} requests waiting)")
         try:
             self._queue.put_nowait(_Job(req, loop, fut))
         except queue.Full:
@@ -199,20 +231,81 @@ class NodeAgent:
         self._arrivals += 1
         return await asyncio.wait_for(fut, self.config.request_timeout_s)
 
-    def _take_batch(self, first: _Job) -> list[_Job]:
-        jobs = [first]
+    # ------------------------------------------------------------------------- admission ---
+    def _admit(self, job: _Job) -> None:
+        """Estimate the job's prefill tokens from its user's cached K/V and put it in a lane."""
+        req = job.req
+        nh = len(req.history) if req.history is not None else 0
+        nn = len(req.new_items) if req.new_items is not None else 0
+        cached = self.engine.mm.kv.num_tokens(int(req.user_id))
+        job.prefill_est = nh + nn - min(cached, nh)
+        (self._large if job.prefill_est >= self.config.large_prefill_tokens else self._small).append(job)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._admit(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _pop_live(self, lane: collections.deque) -> _Job | None:
+        """The lane's next job whose caller still waits (a 504'd job is dropped, not served)."""
+        while lane:
+            job = lane.popleft()
+            if not job.future.done():
+                return job
+            self.num_expired += 1
+        return None
+
+    def _next_batch(self, wait_s: float) -> list[_Job] | None:
+        """The next micro-batch, waiting up to ``wait_s`` for a first request (None: none came).
+
+        Two lanes: large misses (estimated prefill >= ``large_prefill_tokens``) are served one
+        per batch, alternating with the small lane: a large one goes when the small lane is
+        empty or the previous batch was small, so a small request waits for at most one large
+        miss, never for a queue of them."""
+        self._drain()
+        if not self._small and not self._large:
+            try:
+                self._admit(self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait())
+            except queue.Empty:
+                return None
+            self._drain()
+        if self._large and (not self._small or not self._last_was_large):
+            job = self._pop_live(self._large)
+            if job is not None:
+                self._last_was_large = True
+                self.num_large_batches += 1
+                return [job]
+        self._last_was_large = False
+        return self._take_batch() or None
+
+    def _take_batch(self) -> list[_Job]:
+        """Up to ``max_batch`` small-lane jobs within ``max_prefill_tokens_per_batch`` (the
+        first always goes), waiting up to ``batch_window_us`` after the first for more."""
+        jobs: list[_Job] = []
+        tokens = 0
+        budget = self.config.max_prefill_tokens_per_batch
         deadline = self.clock() + self.config.batch_window_us * 1e-6
         while len(jobs) < self.config.max_batch:
-            try:
-                jobs.append(self._queue.get_nowait())
+            if not self._small:
+                self._drain()
+            if self._small:
+                nxt = self._small[0]
+                if nxt.future.done():
+                    self._small.popleft()
+                    self.num_expired += 1
+                    continue
+                if jobs and tokens + nxt.prefill_est > budget:
+                    break
+                jobs.append(self._small.popleft())
+                tokens += nxt.prefill_est
                 continue
-            except queue.Empty:
-                pass
             left = deadline - self.clock()
-            if left <= 0:
+            if not jobs or left <= 0:
                 break
             try:
-                jobs.append(self._queue.get(timeout=left))
+                self._admit(self._queue.get(timeout=left))
             except queue.Empty:
                 break
         return jobs
@@ -266,12 +359,9 @@ class NodeAgent:
         try:
             while not self._stop.is_set():
                 wait = min(0.05, max(0.0, next_control - self.clock()))
-                try:
-                    first = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    first = None
-                if first is not None:
-                    self._serve(self._take_batch(first))
+                jobs = self._next_batch(wait)
+                if jobs:
+                    self._serve(jobs)
                 now = self.clock()
                 step = self.engine.maintenance(now)
                 if step.refill_bytes:
@@ -315,6 +405,11 @@ class NodeAgent:
         log.info("control step t=%.3f: load %.4f, p99 %.2f ms, %d requests, emb_share %.4f -> %s", now_s, stats.load,
                  stats.p99_ms, stats.num_requests, stats.emb_share,
                  "no allocator" if d is None else f"{d.emb_share:.4f} ({d.source})")
+        for hook in self.control_hooks:
+            try:
+                hook(out)
+            except Exception:  # noqa: BLE001 - a hook never stops the worker
+                log.error("control hook failed: %s", traceback.format_exc())
         return out
 
     # ------------------------------------------------------------------------- reporting ---
@@ -328,7 +423,7 @@ class NodeAgent:
     def health(self) -> dict:
         return {"status": "ok" if self.worker_alive else "unavailable", "worker_alive": self.worker_alive,
                 "worker_error": None if self.worker_error is None else self.worker_error.strip().splitlines()[-1],
-                "uptime_s": round(self.clock() - self.started_s, 3), "queue_depth": self._queue.qsize(),
+                "uptime_s": round(self.clock() - self.started_s, 3), "queue_depth": self.queue_depth,
                 "num_served": self.engine.num_served, "device": str(self.engine.device),
                 "link_emulated": self.engine.link.enabled}
 
@@ -349,18 +444,26 @@ class NodeAgent:
             "engine": {"num_served": self.engine.num_served, "kv_outcomes": dict(self.engine.kv_outcomes),
                        "num_uncacheable": self.engine.num_uncacheable,
                        "emulated_link_us_total": round(self.engine.link_us_total, 1)},
-            "queue_depth": self._queue.qsize(),
+            "queue_depth": self.queue_depth,
+            "admission": {"large_prefill_tokens": self.config.large_prefill_tokens,
+                          "max_prefill_tokens_per_batch": self.config.max_prefill_tokens_per_batch,
+                          "large_lane_depth": len(self._large), "num_large_batches": self.num_large_batches,
+                          "num_expired": self.num_expired},
             "control": {"interval_s": self.config.control_interval_s, "num_steps": self.num_control_steps,
                         "last_window": self.last_window},
             "allocator": {"enabled": self.allocator is not None, **(alloc or {})},
             "miss_costs": self.miss_costs,
+            **({"control_plane": self.reporter.status()} if self.reporter is not None else {}),
         }
 
 
 # ---------------------------------------------------------------------------------- the app ---
 
 
-def _one_line(errors: list[dict]) -> str:
+ITEM_ID_FIELDS = ("history", "new_items", "candidates")
+
+
+def _one_line(errors: list[dict], num_items: int | None = None) -> str:
     parts = []
     for e in errors[:5]:
         if e.get("type") == "json_invalid":
@@ -368,10 +471,78 @@ def _one_line(errors: list[dict]) -> str:
             why = (e.get("ctx") or {}).get("error", "")
             parts.append(f"malformed JSON body at character {pos}" + (f": {why}" if why else ""))
             continue
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        path = [x for x in e.get("loc", ()) if x != "body"]
+        if (num_items is not None and len(path) == 2 and path[0] in ITEM_ID_FIELDS and isinstance(path[1], int)
+                and e.get("type", "").startswith("int")):  # e.g. 1e23: name the element and the range
+            parts.append(f"{path[0]}[{path[1]}] = {e.get('input')!r} is not an item id: item ids are integers "
+                         f"in [0, {num_items})")
+            continue
+        loc = ".".join(str(x) for x in path) or "body"
         parts.append(f"{loc}: {e.get('msg', 'invalid')}")
     more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
     return "; ".join(parts) + more
+
+
+def json_safe(value):
+    """``value`` with every non-finite float replaced by its JSON-text spelling ("NaN",
+    "Infinity", "-Infinity"), so a 422 that echoes a rejected input still encodes as JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class BodyLimit:
+    """ASGI middleware: refuse an HTTP request body over ``max_bytes`` with 413 JSON, counting
+    the bytes actually received (a chunked body has no Content-Length), before the app parses
+    it. A declared Content-Length over the limit is refused without reading the body. The body
+    (at most ``max_bytes``) is read here and handed to the app unchanged."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _refuse(self, send, what: str) -> None:
+        body = json.dumps({"error": f"request body of {what} exceeds {self.max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                if value.isdigit() and int(value) > self.max_bytes:
+                    await self._refuse(send, f"{int(value)} bytes")
+                    return
+                break
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                replay = [message]
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(send, f"at least {size} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+                break
+
+        async def replayed():
+            return replay.pop(0) if replay else await receive()
+
+        await self.app(scope, replayed, send)
 
 
 def create_app(agent: NodeAgent) -> FastAPI:
@@ -387,20 +558,15 @@ def create_app(agent: NodeAgent) -> FastAPI:
 
     app = FastAPI(title="RACER node agent", version="1", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > agent.config.max_body_bytes:
-            return JSONResponse(status_code=413, content={
-                "error": f"request body of {size} bytes exceeds {agent.config.max_body_bytes} bytes"})
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=agent.config.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
-        errors = jsonable_encoder(exc.errors())
+        errors = json_safe(jsonable_encoder(exc.errors()))  # the rejected input may be NaN or ±Infinity
         with agent._lock:
             agent.metrics.record_rejected()
-        return JSONResponse(status_code=422, content={"error": _one_line(errors), "detail": errors})
+        return JSONResponse(status_code=422, content={"error": _one_line(errors, agent.engine.config.num_items),
+                                                       "detail": errors})
 
     @app.post("/v1/recommend")
     async def recommend(body: RecommendBody):
@@ -434,30 +600,11 @@ def create_app(agent: NodeAgent) -> FastAPI:
     async def metrics():
         return agent.metrics_snapshot()
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from .exporter import render
+
+        body, content_type = render(agent)
+        return Response(content=body, media_type=content_type)
+
     return app
-
-
-def serve_forever(app: FastAPI, host: str, port: int, *, log_level: str = "warning",
-                  ready: Callable[[str, int], None] | None = None) -> None:
-    """Bind ``host:port`` (0: a free port), report it through ``ready``, serve until SIGINT/SIGTERM.
-
-    SIGINT and SIGTERM shut down gracefully (the lifespan stops the worker) and return normally.
-    """
-    import signal
-    import socket
-
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    bound = sock.getsockname()[1]
-    if ready is not None:
-        ready(host, bound)
-    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
-    # place that re-raise is a no-op and the process exits with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, f: None)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])

@@ -1,7 +1,7 @@
 """The ``racer node`` and ``racer node-agent`` subcommands; racer/cli.py registers them with
 `add_node_parser`.
 
-    racer node profile [--json] [--out node_profile.json] [--lengths 128,512,2048] [--repeats 5] ...
+    racer node profile [--json] [--out FILE] [--lengths 128,512,2048] [--repeats 5] ...
     racer node-agent --port P --trace KIND [--path PATH] [--emb-share 0.5] [--slo-ms 30] [--seed 0]
                      [--policy DIR] [--profile FILE] ...
 
@@ -125,13 +125,14 @@ def cmd_node_profile(args) -> int:
                         emb_batch_rows=args.emb_batch_rows, num_candidates=args.num_candidates,
                         page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, link=_link_config(args),
                         device=args.device, seed=args.seed)
-    out = Path(args.out)
-    if out.parent and not out.parent.exists():
+    out = Path(args.out) if args.out else None
+    if out is not None and out.parent and not out.parent.exists():
         raise FileNotFoundError(f"--out: directory {out.parent} does not exist")
     with tqdm(total=profile_steps(cfg), desc="racer node profile", unit="run", delay=2.0, file=sys.stderr,
               disable=args.no_progress) as bar:
         prof = measure_profile(cfg, progress=lambda: bar.update(1))
-    out.write_text(json.dumps(prof, indent=2) + "\n")
+    if out is not None:  # a file only when asked for: never a stray node_profile.json in the cwd
+        out.write_text(json.dumps(prof, indent=2) + "\n")
     if args.json:
         print(json.dumps(prof))
     else:
@@ -141,8 +142,8 @@ def cmd_node_profile(args) -> int:
               f"  emb_transfer_us_per_row    {prof['emb_transfer_us_per_row']:.4g}\n"
               f"  emb_hit_us_per_row         {prof['emb_hit_us_per_row']:.4g}\n"
               f"  kv_read_us_per_token       {prof['kv_read_us_per_token']:.4g}\n"
-              f"  rank_us_per_candidate      {prof['rank_us_per_candidate']:.4g}\n"
-              f"wrote {out}")
+              f"  rank_us_per_candidate      {prof['rank_us_per_candidate']:.4g}"
+              + (f"\nwrote {out}" if out is not None else ""))
     return 0
 
 
@@ -166,18 +167,25 @@ def build_agent(args, *, announce=None):
         default_top_k=args.top_k, link=_link_config(args), device=args.device)
     acfg = AgentConfig(max_batch=args.max_batch, batch_window_us=args.batch_window_us, max_queue=args.max_queue,
                        request_timeout_s=args.request_timeout_s, control_interval_s=args.control_interval_s,
-                       slo_ms=args.slo_ms, metrics_window_s=args.metrics_window_s)
+                       slo_ms=args.slo_ms, metrics_window_s=args.metrics_window_s,
+                       large_prefill_tokens=args.large_prefill_tokens,
+                       max_prefill_tokens_per_batch=args.max_prefill_tokens_per_batch,
+                       max_body_bytes=args.max_body_bytes)
     engine = Engine(ecfg, item_popularity=trace.item_popularity())
     allocator = None
     costs = None
     if args.profile:
         costs = _read_costs(args.profile)
-    if args.policy:
+    control_plane = getattr(args, "control_plane", None)
+    if args.policy or control_plane:
+        # with a control plane the allocator exists even without a policy: it applies overrides and
+        # the policy versions the control plane hands out (without a policy it holds the split)
         from .allocator import AllocatorConfig, PolicyLoadError, SmartAllocator
 
         allocator = SmartAllocator(AllocatorConfig(initial_emb_share=args.emb_share))
         try:
-            allocator.load_policy(args.policy)
+            if args.policy:
+                allocator.load_policy(args.policy)
         except PolicyLoadError as e:  # e.g. another feature schema: run on, holding the split, and say why
             msg = f"policy refused, running without it (the split stays at {args.emb_share}): {e}"
             log.warning("%s", msg)
@@ -206,12 +214,42 @@ def _read_costs(path: str) -> dict:
             if k in data}
 
 
+def _node_token(args) -> str:
+    import os
+
+    token = args.token or os.environ.get("RACER_NODE_TOKEN")
+    if not token:
+        raise ValueError("--control-plane needs --token (or RACER_NODE_TOKEN): a token of role node")
+    return token
+
+
+def reporter_config(args, host: str, port: int):
+    """The `ReporterConfig` of ``racer node-agent --control-plane ...`` once the port is known."""
+    import socket
+
+    from .reporter import ReporterConfig, default_node_id, default_state_dir
+
+    token = _node_token(args)
+    node_id = args.node_id or default_node_id(port)
+    if args.advertise_url:
+        advertise = args.advertise_url.rstrip("/")
+    else:
+        h = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        advertise = f"http://{'[' + h + ']' if ':' in h else h}:{port}"
+    return ReporterConfig(control_plane_url=args.control_plane.rstrip("/"), token=token, node_id=node_id,
+                          advertise_url=advertise, state_dir=args.state_dir or default_state_dir(node_id),
+                          max_buffered_reports=args.max_buffered_reports, service_time_us=args.service_time_us)
+
+
 def cmd_node_agent(args) -> int:
-    from .agent import create_app, serve_forever
+    from .agent import create_app
+    from .server import serve_forever
 
     def announce(msg: str) -> None:
         print(f"racer node-agent: {msg}", flush=True)
 
+    if args.control_plane:
+        reporter_config(args, args.host, args.port or 1)  # refuse a bad option (token, ids, URLs) before loading
     agent = build_agent(args, announce=announce)
     eng = agent.engine
 
@@ -219,8 +257,21 @@ def cmd_node_agent(args) -> int:
         announce(f"serving on http://{host}:{port} (device {eng.device}, link emulated: {eng.link.enabled}, "
                  f"{eng.config.num_items} items, emb_share {eng.mm.emb_share:.3f}, "
                  f"allocator: {'on' if agent.allocator is not None else 'off'})")
+        if args.control_plane:
+            from .reporter import Reporter
 
-    serve_forever(create_app(agent), args.host, args.port, log_level=args.log_level, ready=ready)
+            rep = Reporter(agent, reporter_config(args, host, port))
+            agent.reporter = rep
+            agent.control_hooks.append(rep.on_control)
+            rep.start()
+            announce(f"reporting to {args.control_plane} as node {rep.config.node_id} "
+                     f"(spool {rep.config.state_dir}, next seq {rep.spool.next_seq}, {len(rep.spool)} buffered)")
+
+    try:
+        serve_forever(create_app(agent), args.host, args.port, log_level=args.log_level, ready=ready)
+    finally:
+        if agent.reporter is not None:
+            agent.reporter.stop()
     announce("stopped")
     return 0
 
@@ -245,7 +296,8 @@ def add_node_parser(subparsers) -> None:
                     help="ids per EMB lookup when timing hits and misses (default 512)")
     pr.add_argument("--num-candidates", type=_positive_int, default=256,
                     help="candidates when timing ranking (default 256)")
-    pr.add_argument("--out", default="node_profile.json", help="profile file to write (default node_profile.json)")
+    pr.add_argument("--out", default=None,
+                    help="also write the profile to this file (default: print only, write no file)")
     pr.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_node_profile)
@@ -280,12 +332,36 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--batch-window-us", type=float, default=0.0,
                    help="wait this long for more requests after the first (default 0)")
     g.add_argument("--max-queue", type=_positive_int, default=1024, help="queued requests before 503 (default 1024)")
+    g.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
+                   help="larger request bodies get 413, chunked ones included (default 4194304)")
+    g.add_argument("--large-prefill-tokens", type=_positive_int, default=1024,
+                   help="a request with at least this many tokens to prefill (not in its KV cache) is a large "
+                        "miss: served alone, alternating with the small requests (default 1024)")
+    g.add_argument("--max-prefill-tokens-per-batch", type=_positive_int, default=2048,
+                   help="estimated prefill tokens per micro-batch of small requests (default 2048)")
     g.add_argument("--request-timeout-s", type=_positive_float, default=30.0, help="504 after this long (default 30)")
     g.add_argument("--control-interval-s", type=_positive_float, default=1.0,
                    help="control step period: window stats, allocator (default 1)")
     g.add_argument("--metrics-window-s", type=_positive_float, default=60.0, help="metrics window (default 60)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
+    g = ag.add_argument_group("control plane (optional: without --control-plane the agent runs on its own)")
+    g.add_argument("--control-plane", default=None, metavar="URL",
+                   help="control plane base URL (http://host:port): register, report every control interval, "
+                        "apply directives")
+    g.add_argument("--token", default=None,
+                   help="bearer token of role node (default: $RACER_NODE_TOKEN)")
+    g.add_argument("--node-id", default=None, help="this node's id (default: <hostname>-<port>)")
+    g.add_argument("--advertise-url", default=None,
+                   help="the agent's URL for gateways (default: http://<host>:<port>)")
+    g.add_argument("--state-dir", default=None,
+                   help="report spool, sequence counter and downloaded policies "
+                        "(default: $XDG_STATE_HOME or ~/.local/state, then racer/node-agent/<node-id>)")
+    g.add_argument("--max-buffered-reports", type=_positive_int, default=10_000,
+                   help="reports kept on disk while the control plane is unreachable; the oldest are dropped "
+                        "beyond (default 10000)")
+    g.add_argument("--service-time-us", type=_positive_float, default=None,
+                   help="service time per request sent in the cost profile (default: estimated from the miss costs)")
     _add_model_args(ag)
     _add_link_args(ag)
     ag.set_defaults(func=cmd_node_agent)

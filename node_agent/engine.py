@@ -299,6 +299,10 @@ def _int_array(name: str, values, limit: int) -> np.ndarray:
         raise RequestError(f"{name} must be a list of item ids ({e})") from None
     if a.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if a.ndim == 1 and a.dtype.kind == "O":  # ints beyond int64 (e.g. 10**23) make an object array
+        for i, v in enumerate(a):
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and not 0 <= v < limit:
+                raise RequestError(f"{name}[{i}] = {int(v)} is out of range: item ids must be in [0, {limit})")
     if a.ndim != 1 or a.dtype.kind not in "iu":
         raise RequestError(f"{name} must be a flat list of integer item ids")
     bad = np.flatnonzero((a < 0) | (a >= limit))

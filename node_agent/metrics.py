@@ -110,6 +110,28 @@ class RollingMetrics:
             "queue_us_mean": float(rows[:, _QUEUE].mean()),
         }
 
+    def latency_summary(self, now_s: float, interval_s: float, slo_ms: float) -> dict:
+        """P50 and P99 latency (ms) and SLO attainment of the requests finished in
+        ``[now_s - interval_s, now_s]`` (None for each when there were none)."""
+        rows = self._rows(now_s - interval_s)
+        rows = rows[rows[:, _T] <= now_s]
+        n = len(rows)
+        if n == 0:
+            return {"num_requests": 0, "p50_ms": None, "p99_ms": None, "slo_attainment": None}
+        lat_ms = rows[:, _LAT] / 1e3
+        return {"num_requests": n, "p50_ms": float(np.percentile(lat_ms, 50)),
+                "p99_ms": float(np.percentile(lat_ms, 99)), "slo_attainment": float(np.mean(lat_ms <= slo_ms))}
+
+    def latencies_since(self, count: int) -> tuple[np.ndarray, int]:
+        """Latencies (seconds) of the requests recorded after the first ``count`` ones, and the new
+        count: an exporter's cursor. Requests already overwritten in the ring are skipped."""
+        total = self._n
+        first = max(count, total - len(self._ring))
+        if first >= total:
+            return np.empty(0), total
+        idx = np.arange(first, total) % len(self._ring)
+        return self._ring[idx, _LAT] * 1e-6, total
+
     def snapshot(self, now_s: float) -> dict:
         """Window and lifetime figures as plain JSON-able values."""
         rows = self._rows(now_s - self.config.window_s)

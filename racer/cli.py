@@ -60,12 +60,25 @@ def _stream(trace, args):
                     num_users=args.users, seed=args.seed, history_scale=args.history_scale)
 
 
+def _round_figures(value, digits: int = 4):
+    """Floats rounded to ``digits`` decimals (lengths are rounded to one decimal at the source),
+    so no figure prints as 0.13333333333333333 or 197.83999999999924."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: _round_figures(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_round_figures(v, digits) for v in value]
+    return value
+
+
 def cmd_workload_describe(args) -> int:
     trace = _load(args)
     out = trace.describe()
     if args.regime:
         stream = _stream(trace, args)
         out["stream"] = stream.summary()
+    out = _round_figures(out)
     if args.json:
         print(json.dumps(out))
     else:
@@ -127,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     from simulator.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from control_plane.cli import add_control_plane_parser
+
+    add_control_plane_parser(sub)
     return parser
 
 

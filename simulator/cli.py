@@ -74,8 +74,16 @@ def cmd_paper_table(args) -> int:
         kw["shares"] = args.shares
     if args.routers:
         kw["routers"] = args.routers
-    if args.allocators:
-        kw["extra_allocators"] = args.allocators
+    # the SmartAllocator row (racer) is part of the paper's table unless --allocators says otherwise
+    # (--allocators none: no SmartAllocator row); a schedule's default rows are set above
+    if args.allocators and "none" in args.allocators:
+        if len(args.allocators) > 1:
+            raise ValueError("--allocators none cannot be combined with other allocators")
+        kw["extra_allocators"] = ()
+    elif args.allocators:
+        kw["extra_allocators"] = tuple(args.allocators)
+    elif "extra_allocators" not in kw:
+        kw["extra_allocators"] = ("racer",)
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     cfg = replace(base, **kw)
@@ -186,7 +194,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None,
                    help="policy artifact directory of the SmartAllocator rows (default: policies/default)")
     p.add_argument("--allocators", type=_names, default=None,
-                   help="extra allocators run with the racer router (e.g. racer,ppo,ppo+residual,ppo+recovery; "
+                   help="extra allocators run with the racer router (default: racer, the SmartAllocator; none: no "
+                        "extra row; "
+                        "e.g. racer,ppo,ppo+residual,ppo+recovery; "
                         "add @ghost to run the residual adapter on the caches' marginal utilities, e.g. racer@ghost)")
     p.add_argument("--seed", type=int, default=None, help="the streams' seed (default 0)")
     p.add_argument("--seeds", type=_seeds, default=None,

@@ -94,3 +94,30 @@ def test_describe_default_path_is_the_sample(capsys):
     assert main(["workload", "describe", "--trace", "taobao", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["num_users"] == 815 and d["num_items"] == 55368
+
+
+def test_describe_json_rounds_figures_to_what_they_mean(tmp_path, capsys):
+    import numpy as np
+
+    lens = [3 * u + 1 for u in range(1, 31)]  # user u has 3u+1 interactions: p99 = 88.13
+    rows = [f"{u},{100 + (u * 7 + k) % 53},{k % 3},pv,{1000 + k}" for u, n in zip(range(1, 31), lens)
+            for k in range(n)]
+    csv = tmp_path / "ub.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    assert main(["workload", "describe", "--trace", "taobao", "--path", str(csv), "--regime", "trend",
+                 "--rate", "200", "--duration", "10", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    raw = float(np.percentile(lens, 99))
+    assert raw != round(raw, 1) and d["seq_len_p99"] == round(raw, 1)
+    lengths = {k: v for k, v in {**d, **d["stream"]}.items() if "len" in k and isinstance(v, (int, float))}
+    assert len(lengths) >= 7
+    assert all(v == round(v, 1) for v in lengths.values()), lengths
+
+    def floats(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                yield from floats(v)
+        elif isinstance(x, float):
+            yield x
+
+    assert all(v == round(v, 4) for v in floats(d))  # rates and shares: at most 4 decimals

@@ -66,3 +66,13 @@ def test_profile_errors(tmp_path, capsys):
     assert main(["node", "profile", "--out", str(tmp_path / "p.json")] + SMALL + ["--lengths", "1,x"]) == 2
     assert "--lengths must be comma-separated integers" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_racer_node_profile_json_without_out_prints_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["node", "profile", "--json"] + SMALL) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed["kv_recompute_us_per_token"]) == {"16", "64"}
+    assert list(tmp_path.iterdir()) == []  # no node_profile.json in the current folder
+    assert main(["node", "profile"] + SMALL) == 0  # the table, still no file
+    assert "wrote" not in capsys.readouterr().out and list(tmp_path.iterdir()) == []

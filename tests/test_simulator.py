@@ -238,7 +238,8 @@ def test_table_saves_each_run_and_resumes_from_them(tmp_path, capsys):
 
     args = ["bench", "paper-table", "--trace", "sequences", "--path", str(trace_file), "--nodes", "3",
             "--regimes", "steady", "--rate", "200", "--duration", "3", "--users", "500", "--shares", "0.3,0.7",
-            "--routers", "racer,least_load", "--jobs", "1", "--out", str(out), "--no-progress", "--json"]
+            "--routers", "racer,least_load", "--allocators", "none", "--jobs", "1", "--out", str(out),
+            "--no-progress", "--json"]
     capsys.readouterr()
     assert main(args) == 0
     cap = capsys.readouterr()
@@ -246,6 +247,12 @@ def test_table_saves_each_run_and_resumes_from_them(tmp_path, capsys):
     assert main(args + ["--fresh"]) == 0
     cap = capsys.readouterr()
     assert "reused" not in cap.err and json.loads(cap.out)["runs"]["computed"] == total
+    # without --allocators the table has the SmartAllocator row (racer): only that run is new
+    default = [a for a in args if a not in ("--allocators", "none")]
+    assert main(default) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["runs"]["computed"] == 1 and res["runs"]["reused"] == total
+    assert [r["allocator"] for r in res["rows"] if r["router"] == "racer"].count("racer") == 1
 
 
 def test_a_fork_continues_exactly_like_the_run_it_was_forked_from(small):
@@ -469,7 +476,7 @@ def test_table_across_seeds(tmp_path, capsys):
 
     args = ["bench", "paper-table", "--trace", "sequences", "--path", str(trace_file), "--nodes", "3",
             "--regimes", "steady", "--rate", "200", "--duration", "3", "--users", "500", "--shares", "0.3,0.7",
-            "--routers", "racer", "--jobs", "1", "--out", str(out), "--no-progress"]
+            "--routers", "racer", "--allocators", "none", "--jobs", "1", "--out", str(out), "--no-progress"]
     capsys.readouterr()
     assert main(args + ["--seeds", "0,3"]) == 0  # every run saved: reused
     cap = capsys.readouterr()

@@ -1,0 +1,702 @@
+"""The control plane's HTTP API (FastAPI; base path ``/api/v1``; OpenAPI at ``/docs``).
+
+Routes own their transactions (``with factory.begin() as s``) and call `db.queries` functions,
+which never commit; inputs are pydantic models that forbid unknown fields, so a bad payload gets
+a 4xx whose message names the field and nothing is stored. Every route declares the roles it
+accepts in its OpenAPI operation (``x-racer-roles``); docs/control_plane.md lists them all.
+Report ingestion goes through the group-commit writer (`control_plane.ingest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import tarfile
+import tempfile
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from db import queries
+from db.engine import make_engine, session_factory, upgrade
+from db.models import Node, Override, Policy, Rollout, Router
+
+from . import rollout_service
+from .auth import Principal, Require, TokenCache, ensure_admin_token, new_secret
+from .cp_metrics import ControlPlaneMetrics
+from .ingest import IngestWriter
+from .jobs import Scheduling
+from .rollout_service import Conflict, NotFound
+from .schemas import (AuditPage, BurstOut, DecisionPage, DirectivesOut, NodeId, NodeOut, OverrideDirective,
+                      OverrideIn, OverrideOut, PolicyDirective, PolicyLoadedIn, PolicyOut, ReasonIn, RegisterIn,
+                      RegisterOut, ReportBatchIn, ReportBatchOut, ReportOut, RolloutIn, RolloutOut, RouterIn,
+                      RouterOut, RouterWeightsHistoryOut, RouterWeightsOut, SummaryOut, TokenIn, TokenOut, WhoAmIOut)
+from .settings import Settings
+
+log = logging.getLogger("racer.control_plane")
+
+API = "/api/v1"
+MAX_ARTIFACT_BYTES = 64 << 20
+ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
+
+NODE, OPERATOR, VIEWER = "node", "operator", "viewer"
+
+
+def roles(*r: str) -> dict:
+    """Dependencies and OpenAPI marker of a route that accepts roles ``r``."""
+    return {"dependencies": [Depends(Require(*r))], "openapi_extra": {"x-racer-roles": list(r)}}
+
+
+def principal(*r: str):
+    return Annotated[Principal, Depends(Require(*r))]
+
+
+# ------------------------------------------------------------------------------------ artifacts
+def pack_artifact(files: dict[str, bytes]) -> bytes:
+    """The canonical tar of an artifact (sorted names, zero times and owners): same files, same bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in sorted(files):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(files[name]), 0, 0o644
+            tar.addfile(info, io.BytesIO(files[name]))
+    return buf.getvalue()
+
+
+def unpack_artifact(data: bytes) -> dict[str, bytes]:
+    """The artifact's three files from an uploaded tar (optionally gzip'd; a top directory is
+    allowed). Raises ValueError saying what is wrong."""
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+    except tarfile.TarError as e:
+        raise ValueError(f"body: not a tar archive of a policy artifact ({e})") from None
+    files: dict[str, bytes] = {}
+    with tar:
+        for m in tar.getmembers():
+            base = os.path.basename(m.name.rstrip("/"))
+            if base not in ARTIFACT_FILES:
+                continue
+            if not m.isreg():
+                raise ValueError(f"body: {m.name} is not a regular file")
+            if base in files:
+                raise ValueError(f"body: {base} appears twice")
+            files[base] = tar.extractfile(m).read()
+    missing = [f for f in ARTIFACT_FILES if f not in files]
+    if missing:
+        raise ValueError(f"body: the artifact lacks {', '.join(missing)} (expected the files `racer policy export` "
+                         f"writes: {', '.join(ARTIFACT_FILES)})")
+    return files
+
+
+def verify_files(files: dict[str, bytes]) -> dict:
+    """Check an artifact as the node agent does before using it (manifest, sha256, onnx.checker,
+    I/O names/shapes/types, golden parity, finite probe outputs); returns the manifest."""
+    from node_agent.allocator import OnnxPolicy, PolicyLoadError
+
+    with tempfile.TemporaryDirectory(prefix="racer-policy-") as d:
+        for name, data in files.items():
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(data)
+        try:
+            pol = OnnxPolicy(d, device="cpu")
+        except PolicyLoadError as e:
+            raise ValueError(str(e).replace(d, "<upload>")) from None
+        return dict(pol.manifest)
+
+
+# ----------------------------------------------------------------------------------------- app
+def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = make_engine(settings.database_url)
+        upgrade(engine)
+        factory = session_factory(engine)
+        metrics = ControlPlaneMetrics()
+        app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
+        app.state.tokens = TokenCache(factory)
+        app.state.known_nodes = set()
+        app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows)
+        secret = ensure_admin_token(factory, admin_token=settings.admin_token, now_s=clock())
+        if secret is not None:
+            print(f"racer control plane: admin operator token (shown once): {secret}", flush=True)
+        instance = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        app.state.instance = instance
+        app.state.scheduling = Scheduling(engine, factory, settings, metrics, instance, clock=clock)
+        if settings.scheduler:
+            app.state.scheduling.start()
+        try:
+            yield
+        finally:
+            app.state.scheduling.stop()
+            app.state.writer.close()
+            engine.dispose()
+
+    app = FastAPI(title="RACER control plane", version="1", lifespan=lifespan,
+                  description="Node registration, reports, directives, router weights, overrides, policy "
+                              "registry and rollouts, audit log. See docs/control_plane.md.")
+    app.state.settings, app.state.clock = settings, clock
+
+    @app.exception_handler(Conflict)
+    async def _conflict(_req, e: Conflict):
+        return JSONResponse({"detail": str(e)}, status_code=409)
+
+    @app.exception_handler(NotFound)
+    async def _notfound(_req, e: NotFound):
+        return JSONResponse({"detail": str(e)}, status_code=404)
+
+    r = APIRouter(prefix=API)
+
+    def begin(request: Request):
+        return request.app.state.factory.begin()
+
+    # ---- identity
+    @r.get("/whoami", response_model=WhoAmIOut, **roles(NODE, OPERATOR, VIEWER))
+    def whoami(p: principal(NODE, OPERATOR, VIEWER)):
+        return WhoAmIOut(token_id=p.token_id, name=p.name, role=p.role)
+
+    @r.post("/tokens", response_model=TokenOut, status_code=201, **roles(OPERATOR))
+    def create_token(body: TokenIn, request: Request, p: principal(OPERATOR)):
+        secret = new_secret()
+        with begin(request) as s:
+            t = queries.add_token(s, name=body.name, role=body.role, secret=secret, now_s=clock())
+            queries.audit(s, ts_s=clock(), actor=p.name, action="token.create", target=f"token:{t.id}",
+                          after={"name": body.name, "role": body.role}, reason="")
+            return TokenOut(id=t.id, name=t.name, role=t.role, token=secret)
+
+    # ---- nodes
+    @r.post("/nodes/register", response_model=RegisterOut, **roles(NODE))
+    def register(body: RegisterIn, request: Request, p: principal(NODE)):
+        now = clock()
+        with begin(request) as s:
+            node, before = queries.upsert_node(s, node_id=body.node_id, address=body.address, device=body.device,
+                                               cost_profile=body.cost_profile.model_dump(),
+                                               policy_version=body.policy_version, now_s=now,
+                                               report_interval_s=settings.report_interval_s)
+            if before is None or before["address"] != body.address or before["cost_profile"] != node.cost_profile:
+                queries.audit(s, ts_s=now, actor=p.name, action="node.register", target=f"node:{body.node_id}",
+                              before=before, after=body.model_dump(), reason="")
+            last_seq = queries.highest_report_seq(s, body.node_id)
+        request.app.state.known_nodes.add(body.node_id)
+        return RegisterOut(node_id=body.node_id, report_interval_s=settings.report_interval_s, last_report_seq=last_seq)
+
+    def _require_known(request: Request, node_id: str) -> None:
+        known = request.app.state.known_nodes
+        if node_id in known:
+            return
+        with request.app.state.factory() as s:
+            if s.get(Node, node_id) is None:
+                raise HTTPException(404, f"node_id {node_id!r} is not registered (POST {API}/nodes/register first)")
+        known.add(node_id)
+
+    ingest_roles = {"openapi_extra": {"x-racer-roles": [NODE]}}  # auth inside ingest_batch (shared with the fast path)
+    ingest_roles["openapi_extra"]["requestBody"] = {
+        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReportBatchIn"}}}}
+
+    @r.post("/nodes/{node_id}/reports", response_model=ReportBatchOut, responses={422: {"description": "bad report"}},
+            **ingest_roles)
+    async def reports(node_id: NodeId, request: Request):
+        """Store a batch of reports (idempotent on (node_id, seq)). The body is parsed by pydantic-core
+        straight from the bytes (the hot path: one request per node per interval; `IngestFastPath`
+        serves the same function without FastAPI's routing when the app runs under `asgi_app`)."""
+        status, body = await ingest_batch(request.app.state, node_id, await request.body(), clock,
+                                          authorization=request.headers.get("authorization") or "")
+        return Response(body, status_code=status, media_type="application/json")
+
+    @r.get("/nodes/{node_id}/directives", response_model=DirectivesOut, **roles(NODE))
+    def directives(node_id: NodeId, request: Request):
+        now = clock()
+        with request.app.state.factory() as s:
+            if s.get(Node, node_id) is None:
+                raise HTTPException(404, f"node_id {node_id!r} is not registered")
+            ovs = queries.active_overrides(s, node_id)
+            ov = next((o for o in ovs if o.node_id == node_id), None) or next(
+                (o for o in ovs if o.node_id is None), None)
+            if ov is not None and ov.expires_at_s is not None and ov.expires_at_s <= now:
+                ov = None  # past its expiry; the expiry job will mark it
+            pol, rollout_id = rollout_service.policy_for_node(s, node_id)
+            return DirectivesOut(
+                node_id=node_id, now_s=now, report_interval_s=settings.report_interval_s,
+                override=None if ov is None else OverrideDirective(
+                    override_id=ov.id, emb_share=ov.emb_share, expires_at_s=ov.expires_at_s, reason=ov.reason,
+                    scope="node" if ov.node_id else "cluster"),
+                policy=None if pol is None else PolicyDirective(
+                    version=pol.version, digest=pol.digest, rollout_id=rollout_id,
+                    download_url=f"{API}/policies/{pol.version}/artifact"))
+
+    @r.post("/nodes/{node_id}/policy", response_model=NodeOut, **roles(NODE))
+    def policy_loaded(node_id: NodeId, body: PolicyLoadedIn, request: Request):
+        now = clock()
+        with begin(request) as s:
+            node = s.get(Node, node_id)
+            if node is None:
+                raise HTTPException(404, f"node_id {node_id!r} is not registered")
+            rollout_service.node_confirmed(s, node, version=body.policy_version, status=body.status,
+                                           error=body.error, now_s=now)
+            return NodeOut.model_validate(node)
+
+    @r.get("/nodes", response_model=list[NodeOut], **roles(OPERATOR, VIEWER))
+    def nodes(request: Request):
+        with request.app.state.factory() as s:
+            return [NodeOut.model_validate(n) for n in queries.list_nodes(s)]
+
+    @r.get("/nodes/{node_id}", response_model=NodeOut, **roles(OPERATOR, VIEWER))
+    def node(node_id: NodeId, request: Request):
+        with request.app.state.factory() as s:
+            n = s.get(Node, node_id)
+            if n is None:
+                raise HTTPException(404, f"node_id {node_id!r} is not registered")
+            return NodeOut.model_validate(n)
+
+    # ---- history
+    Range = dict(start_s=Query(None, description="from (Unix s, inclusive)"),
+                 end_s=Query(None, description="to (Unix s, exclusive)"))
+
+    @r.get("/reports", response_model=list[ReportOut], **roles(OPERATOR, VIEWER))
+    def report_history(request: Request, node_id: str | None = None, start_s: float | None = Range["start_s"],
+                       end_s: float | None = Range["end_s"],
+                       step_s: Annotated[float | None, Query(gt=0, description="downsample: mean per bucket")] = None,
+                       limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+                       cluster: Annotated[bool, Query(description="one row per bucket for the whole cluster "
+                                                                   "(node_id '*'; needs step_s)")] = False):
+        if cluster and (step_s is None or node_id is not None):
+            raise HTTPException(422, "cluster=true needs step_s and no node_id")
+        with request.app.state.factory() as s:
+            if cluster:
+                return [ReportOut(**d) for d in queries.cluster_history(s, start_s=start_s, end_s=end_s, step_s=step_s,
+                                                                        limit=limit)]
+            return [ReportOut(**d) for d in queries.report_history(s, node_id=node_id, start_s=start_s, end_s=end_s,
+                                                                   step_s=step_s, limit=limit)]
+
+    @r.get("/decisions", response_model=DecisionPage, **roles(OPERATOR, VIEWER))
+    def decisions(request: Request, node_id: str | None = None,
+                  source: Annotated[str | None, Query(pattern="^(base|residual|recovery|override|guard)$")] = None,
+                  q: Annotated[str | None, Query(max_length=200, description="text in the reason or node id")] = None,
+                  start_s: float | None = None, end_s: float | None = None,
+                  offset: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+        with request.app.state.factory() as s:
+            total, rows = queries.decisions_page(s, node_id=node_id, source=source, q=q, start_s=start_s,
+                                                 end_s=end_s, offset=offset, limit=limit)
+            return DecisionPage(total=total, offset=offset, limit=limit, items=rows)
+
+    @r.get("/bursts", response_model=list[BurstOut], **roles(OPERATOR, VIEWER))
+    def bursts(request: Request, node_id: str | None = None, start_s: float | None = None,
+               end_s: float | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 1000):
+        with request.app.state.factory() as s:
+            return [BurstOut.model_validate(b) for b in queries.bursts(s, node_id=node_id, start_s=start_s,
+                                                                        end_s=end_s, limit=limit)]
+
+    @r.get("/summary", response_model=SummaryOut, **roles(OPERATOR, VIEWER))
+    def summary(request: Request):
+        from db.models import SchedulerLease
+
+        now = clock()
+        with request.app.state.factory() as s:
+            ns = queries.list_nodes(s)
+            latest = queries.latest_reports(s, now - 10 * settings.report_interval_s)
+
+            def mean(vals):
+                vals = [v for v in vals if v is not None]
+                return sum(vals) / len(vals) if vals else None
+
+            ro = queries.open_rollout(s)
+            act = queries.active_policy(s)
+            w = queries.latest_weights(s)
+            lease = s.get(SchedulerLease, "scheduler")
+            return SummaryOut(
+                now_s=now, num_nodes=len(ns), num_up=sum(n.status == "up" for n in ns),
+                num_down=sum(n.status == "down" for n in ns),
+                mean_emb_share=mean([x.emb_share for x in latest]), mean_p99_ms=mean([x.p99_ms for x in latest]),
+                mean_slo_attainment=mean([x.slo_attainment for x in latest]),
+                total_throughput_rps=sum(x.throughput_rps for x in latest) if latest else None,
+                active_policy=act.version if act else None,
+                active_rollout=None if ro is None else _rollout_out(s, ro),
+                num_active_overrides=len(queries.active_overrides(s)),
+                router_weights_version=w.version if w else None, leader=lease.holder if lease else None,
+                decisions_by_source=queries.decisions_by_source(s, now - 300))
+
+    @r.get("/jobs", **roles(OPERATOR, VIEWER))
+    def jobs(request: Request, job: str | None = None, since_s: float | None = None,
+             limit: Annotated[int, Query(ge=1, le=10_000)] = 500):
+        with request.app.state.factory() as s:
+            return [dict(job=j.job, instance=j.instance, started_s=j.started_s, duration_s=j.duration_s, ok=j.ok,
+                         error=j.error, summary=j.summary) for j in queries.job_runs(s, job, since_s, limit)]
+
+    # ---- routers and weights
+    def _router_out(x: Router) -> RouterOut:
+        return RouterOut(url=x.url, has_push_token=x.push_token is not None, registered_at_s=x.registered_at_s,
+                         pushed_version=x.pushed_version, last_push_s=x.last_push_s, last_error=x.last_error)
+
+    @r.post("/routers", response_model=RouterOut, **roles(NODE, OPERATOR))
+    def register_router(body: RouterIn, request: Request, p: principal(NODE, OPERATOR)):
+        now = clock()
+        with begin(request) as s:
+            router, new = queries.upsert_router(s, body.url, now, body.push_token)
+            if new:
+                queries.audit(s, ts_s=now, actor=p.name, action="router.register", target=f"router:{body.url}",
+                              after={"url": body.url, "has_push_token": body.push_token is not None}, reason="")
+            return _router_out(router)
+
+    @r.get("/routers", response_model=list[RouterOut], **roles(OPERATOR, VIEWER))
+    def routers(request: Request):
+        with request.app.state.factory() as s:
+            return [_router_out(x) for x in queries.list_routers(s)]
+
+    @r.delete("/routers", response_model=RouterOut, **roles(OPERATOR))
+    def delete_router(request: Request, p: principal(OPERATOR),
+                      url: Annotated[str, Query(min_length=1, max_length=512)]):
+        with begin(request) as s:
+            router = s.get(Router, url)
+            if router is None:
+                raise HTTPException(404, f"url {url!r} is not a registered router")
+            out = _router_out(router)
+            s.delete(router)
+            queries.audit(s, ts_s=clock(), actor=p.name, action="router.delete", target=f"router:{url}",
+                          before={"url": url}, reason="")
+            return out
+
+    @r.get("/router/weights", response_model=RouterWeightsOut, **roles(NODE, OPERATOR, VIEWER))
+    def router_weights(request: Request):
+        with request.app.state.factory() as s:
+            w = queries.latest_weights(s)
+            if w is None:
+                raise HTTPException(404, "no router weights yet (no node has registered, or the weights job has "
+                                         "not run)")
+            return RouterWeightsOut(version=w.version, computed_at_s=w.computed_at_s, nodes=w.nodes)
+
+    @r.get("/router/weights/history", response_model=list[RouterWeightsHistoryOut], **roles(OPERATOR, VIEWER))
+    def router_weights_history(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+        with request.app.state.factory() as s:
+            return [RouterWeightsHistoryOut.model_validate(w) for w in queries.weights_history(s, limit)]
+
+    # ---- overrides
+    @r.get("/overrides", response_model=list[OverrideOut], **roles(OPERATOR, VIEWER))
+    def overrides(request: Request, state: Annotated[str | None, Query(pattern="^(active|cleared|expired)$")] = None,
+                  limit: Annotated[int, Query(ge=1, le=10_000)] = 500):
+        with request.app.state.factory() as s:
+            return [OverrideOut.model_validate(o) for o in queries.list_overrides(s, state=state, limit=limit)]
+
+    @r.post("/overrides", response_model=OverrideOut, status_code=201, **roles(OPERATOR))
+    def create_override(body: OverrideIn, request: Request, p: principal(OPERATOR)):
+        now = clock()
+        lo, hi = settings.guard_bounds()
+        if not lo <= body.emb_share <= hi:
+            raise HTTPException(422, f"emb_share {body.emb_share} is outside the allocator's guard bounds "
+                                     f"[{lo}, {hi}]")
+        if body.expires_at_s is not None and body.ttl_s is not None:
+            raise HTTPException(422, "give expires_at_s or ttl_s, not both")
+        expires = body.expires_at_s if body.expires_at_s is not None else (
+            now + body.ttl_s if body.ttl_s is not None else None)
+        if expires is not None and expires <= now:
+            raise HTTPException(422, f"expires_at_s {expires} is not in the future (now {now:.3f})")
+        with begin(request) as s:
+            if body.node_id is not None and s.get(Node, body.node_id) is None:
+                raise HTTPException(404, f"node_id {body.node_id!r} is not registered")
+            replaced = [o for o in queries.active_overrides(s) if o.node_id == body.node_id]
+            for o in replaced:
+                o.state, o.ended_at_s = "cleared", now
+            o = Override(node_id=body.node_id, emb_share=body.emb_share, reason=body.reason, created_by=p.name,
+                         created_at_s=now, expires_at_s=expires, state="active")
+            s.add(o)
+            s.flush()
+            queries.audit(s, ts_s=now, actor=p.name, action="override.create", target=f"override:{o.id}",
+                          before=None if not replaced else {"replaced": [x.id for x in replaced],
+                                                            "emb_share": replaced[0].emb_share},
+                          after={"node_id": o.node_id, "emb_share": o.emb_share, "expires_at_s": expires},
+                          reason=body.reason)
+            return OverrideOut.model_validate(o)
+
+    @r.post("/overrides/{override_id}/clear", response_model=OverrideOut, **roles(OPERATOR))
+    def clear_override(override_id: int, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+        now = clock()
+        with begin(request) as s:
+            o = s.get(Override, override_id)
+            if o is None:
+                raise HTTPException(404, f"override_id {override_id} does not exist")
+            if o.state != "active":
+                raise HTTPException(409, f"override {override_id} is already {o.state}")
+            o.state, o.ended_at_s = "cleared", now
+            queries.audit(s, ts_s=now, actor=p.name, action="override.clear", target=f"override:{o.id}",
+                          before={"state": "active", "emb_share": o.emb_share, "node_id": o.node_id},
+                          after={"state": "cleared"}, reason=body.reason)
+            return OverrideOut.model_validate(o)
+
+    # ---- audit
+    @r.get("/audit", response_model=AuditPage, **roles(OPERATOR, VIEWER))
+    def audit_log(request: Request, actor: str | None = None, action: str | None = None, target: str | None = None,
+                  start_s: float | None = None, end_s: float | None = None,
+                  offset: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+        with request.app.state.factory() as s:
+            total, rows = queries.audit_page(s, start_s=start_s, end_s=end_s, actor=actor, action=action,
+                                             target=target, offset=offset, limit=limit)
+            return AuditPage(total=total, offset=offset, limit=limit, items=rows)
+
+    # ---- policies
+    def _policy_out(p: Policy) -> PolicyOut:
+        return PolicyOut(version=p.version, digest=p.digest, status=p.status, uploaded_by=p.uploaded_by,
+                         uploaded_at_s=p.uploaded_at_s, manifest=p.manifest, evaluation=p.evaluation,
+                         size_bytes=len(p.artifact))
+
+    @r.post("/policies", response_model=PolicyOut, status_code=201, **{
+        **roles(OPERATOR), "openapi_extra": {"x-racer-roles": [OPERATOR], "requestBody": {
+            "required": True, "description": "tar (or tar.gz) of the files `racer policy export` writes",
+            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}}})
+    async def upload_policy(request: Request, p: principal(OPERATOR)):
+        import anyio.to_thread
+
+        data = await request.body()
+        if not data:
+            raise HTTPException(422, "body: empty; send a tar of the artifact's files")
+        if len(data) > MAX_ARTIFACT_BYTES:
+            raise HTTPException(413, f"body: artifact larger than {MAX_ARTIFACT_BYTES} bytes")
+        try:
+            files = unpack_artifact(data)
+            manifest = await anyio.to_thread.run_sync(verify_files, files)
+        except ValueError as e:
+            raise HTTPException(422, f"policy artifact refused: {e}") from None
+        packed = pack_artifact(files)
+        digest = hashlib.sha256(packed).hexdigest()
+        version = str(manifest["policy_id"])
+        now = clock()
+
+        def store():
+            with begin(request) as s:
+                old = s.get(Policy, version)
+                if old is not None:
+                    if old.digest != digest:
+                        raise Conflict(f"policy_id {version!r} is already registered with other files (digest "
+                                       f"{old.digest[:12]}); export the new policy under a new policy_id")
+                    return _policy_out(old), False
+                pol = Policy(version=version, digest=digest, artifact=packed, manifest=manifest,
+                             evaluation=manifest.get("evaluation") or {}, status="registered", uploaded_by=p.name,
+                             uploaded_at_s=now)
+                s.add(pol)
+                queries.audit(s, ts_s=now, actor=p.name, action="policy.upload", target=f"policy:{version}",
+                              after={"digest": digest, "size_bytes": len(packed)}, reason="")
+                s.flush()
+                return _policy_out(pol), True
+
+        out, created = await anyio.to_thread.run_sync(store)
+        return JSONResponse(out.model_dump(), status_code=201 if created else 200)
+
+    @r.get("/policies", response_model=list[PolicyOut], **roles(OPERATOR, VIEWER))
+    def policies(request: Request):
+        with request.app.state.factory() as s:
+            return [_policy_out(x) for x in queries.list_policies(s)]
+
+    @r.get("/policies/{version}", response_model=PolicyOut, **roles(OPERATOR, VIEWER))
+    def policy(version: str, request: Request):
+        with request.app.state.factory() as s:
+            x = s.get(Policy, version)
+            if x is None:
+                raise HTTPException(404, f"policy version {version!r} is not in the registry")
+            return _policy_out(x)
+
+    @r.get("/policies/{version}/artifact", response_class=Response, **roles(NODE, OPERATOR, VIEWER))
+    def policy_artifact(version: str, request: Request):
+        with request.app.state.factory() as s:
+            x = s.get(Policy, version)
+            if x is None:
+                raise HTTPException(404, f"policy version {version!r} is not in the registry")
+            return Response(x.artifact, media_type="application/x-tar",
+                            headers={"X-Racer-Digest": x.digest,
+                                     "Content-Disposition": f'attachment; filename="{version}.tar"'})
+
+    @r.post("/policies/{version}/activate", response_model=PolicyOut, **roles(OPERATOR))
+    def activate_policy(version: str, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+        with begin(request) as s:
+            return _policy_out(rollout_service.activate(s, version, actor=p.name, reason=body.reason, now_s=clock()))
+
+    # ---- rollouts
+    def _rollout_out(s, ro: Rollout) -> RolloutOut:
+        out = RolloutOut.model_validate(ro)
+        out.nodes = queries.rollout_nodes(s, ro.id)
+        out.steps = queries.rollout_steps(s, ro.id)
+        return RolloutOut.model_validate(out.model_dump())
+
+    @r.post("/rollouts", response_model=RolloutOut, status_code=201, **roles(OPERATOR))
+    def create_rollout(body: RolloutIn, request: Request, p: principal(OPERATOR)):
+        with begin(request) as s:
+            ro = rollout_service.create_rollout(s, body, actor=p.name, now_s=clock())
+            return _rollout_out(s, ro)
+
+    @r.get("/rollouts", response_model=list[RolloutOut], **roles(OPERATOR, VIEWER))
+    def list_rollouts(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50):
+        with request.app.state.factory() as s:
+            return [_rollout_out(s, x) for x in queries.rollouts(s, limit)]
+
+    @r.get("/rollouts/{rollout_id}", response_model=RolloutOut, **roles(OPERATOR, VIEWER))
+    def get_rollout(rollout_id: int, request: Request):
+        with request.app.state.factory() as s:
+            ro = s.get(Rollout, rollout_id)
+            if ro is None:
+                raise HTTPException(404, f"rollout_id {rollout_id} does not exist")
+            return _rollout_out(s, ro)
+
+    def _event_route(event: str):
+        def handler(rollout_id: int, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+            with begin(request) as s:
+                ro = s.get(Rollout, rollout_id)
+                if ro is None:
+                    raise HTTPException(404, f"rollout_id {rollout_id} does not exist")
+                rollout_service.transition(s, ro, event, actor=p.name, reason=body.reason, now_s=clock())
+                return _rollout_out(s, ro)
+
+        handler.__name__ = f"rollout_{event}"
+        r.add_api_route(f"/rollouts/{{rollout_id}}/{event}", handler, methods=["POST"], response_model=RolloutOut,
+                        summary=f"{event} a rollout (operator)", **roles(OPERATOR))
+
+    for ev in ("promote", "pause", "resume", "rollback"):
+        _event_route(ev)
+
+    app.include_router(r)
+
+    def openapi():
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            comps = spec.setdefault("components", {}).setdefault("schemas", {})
+            extra = ReportBatchIn.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps.update(extra.pop("$defs", {}))
+            comps["ReportBatchIn"] = extra
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.get("/healthz")
+    def healthz(request: Request):
+        sch = getattr(request.app.state, "scheduling", None)
+        return {"ok": True, "instance": getattr(request.app.state, "instance", None),
+                "leader": bool(sch and sch.leader)}
+
+    @app.get("/metrics")
+    def metrics(request: Request):
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+INGEST_PATH = re.compile(r"^/api/v1/nodes/([A-Za-z0-9_.:\-]{1,128})/reports$")
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: str | None = None,
+                       principal_checked: bool = False) -> tuple[int, bytes]:
+    """Authenticate (node role), validate, store one report batch; (HTTP status, JSON body)."""
+    t0 = time.perf_counter()
+    if authorization is not None or not principal_checked:
+        scheme, _, secret = (authorization or "").partition(" ")
+        secret = secret.strip()
+        if scheme.lower() != "bearer" or not secret:
+            return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"})
+        p = state.tokens.cached(secret)
+        if p is None:
+            import anyio.to_thread
+
+            p = await anyio.to_thread.run_sync(state.tokens.lookup, secret)
+        if p is None:
+            return 401, _json({"detail": "unknown or revoked token"})
+        if not p.has(NODE):
+            return 403, _json({"detail": f"role {p.role!r} may not do this (needs node)"})
+    try:
+        body = ReportBatchIn.model_validate_json(raw)
+    except ValidationError as e:
+        errs = [{**x, "loc": ["body", *x["loc"]]} for x in e.errors(include_url=False, include_context=False)]
+        return 422, _json({"detail": jsonable_encoder(errs)})
+    if node_id not in state.known_nodes:
+        import anyio.to_thread
+
+        def known() -> bool:
+            with state.factory() as s:
+                return s.get(Node, node_id) is not None
+
+        if not await anyio.to_thread.run_sync(known):
+            return 404, _json({"detail": f"node_id {node_id!r} is not registered (POST {API}/nodes/register first)"})
+        state.known_nodes.add(node_id)
+    now = clock()
+    rows, decisions, bursts = [], [], []
+    for rep in body.reports:
+        d = rep.model_dump(exclude={"decision", "bursts"})
+        d["node_id"], d["received_s"] = node_id, now
+        d["decision_source"] = rep.decision.source if rep.decision is not None else None
+        rows.append(d)
+        if rep.decision is not None:
+            decisions.append(dict(node_id=node_id, seq=rep.seq, ts_s=rep.ts_s, source=rep.decision.source,
+                                  emb_share=rep.decision.emb_share, prev_emb_share=rep.decision.prev_emb_share,
+                                  reason=rep.decision.reason, policy_version=rep.policy_version,
+                                  features=rep.decision.features))
+        for b in rep.bursts:
+            bursts.append(dict(node_id=node_id, start_s=b.start_s, end_s=b.end_s, magnitude=b.magnitude))
+    last = max(body.reports, key=lambda x: x.seq)
+    try:
+        stored, dup = await state.writer.submit(node_id, rows, decisions, bursts,
+                                                (now, last.seq, last.emb_share, last.policy_version))
+    except Exception as e:  # noqa: BLE001 - the batch was refused by the database
+        return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"})
+    m = state.metrics
+    m.reports_received.inc(len(rows))
+    m.reports_stored.inc(stored)
+    if dup:
+        m.reports_duplicate.inc(dup)
+    m.observe_report(node_id, last)
+    m.ingest_request.observe(time.perf_counter() - t0)
+    return 200, b'{"stored":%d,"duplicates":%d}' % (stored, dup)
+
+
+class IngestFastPath:
+    """ASGI wrapper: ``POST /api/v1/nodes/{node_id}/reports`` goes straight to `ingest_batch`
+    (same auth, validation and storage as the FastAPI route, without its routing and dependency
+    machinery); everything else goes to the FastAPI app."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            m = INGEST_PATH.match(scope["path"])
+            if m is not None:
+                auth = None
+                for k, v in scope["headers"]:
+                    if k == b"authorization":
+                        auth = v.decode("latin-1")
+                        break
+                chunks = []
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    chunks.append(msg.get("body", b""))
+                    if not msg.get("more_body"):
+                        break
+                status, body = await ingest_batch(self.state, m.group(1), b"".join(chunks), self.state.clock,
+                                                  authorization=auth or "")
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                if status == 401:
+                    headers.append((b"www-authenticate", b"Bearer"))
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def asgi_app(settings: Settings | None = None, *, clock=time.time) -> IngestFastPath:
+    """The app to serve: `create_app` behind the ingestion fast path."""
+    return IngestFastPath(create_app(settings, clock=clock))

@@ -1,0 +1,326 @@
+"""Scheduled jobs and the one scheduler per cluster.
+
+`Scheduling` runs an APScheduler 3 ``BackgroundScheduler`` in the replica that leads:
+
+- PostgreSQL: the leader holds a session-level ``pg_try_advisory_lock(SCHEDULER_LOCK_KEY)`` on a
+  dedicated connection; standbys retry every ``leader_poll_s``; when the leader's process or
+  connection dies, PostgreSQL releases the lock and a standby takes over. The leader checks its
+  connection on every poll and stops its scheduler if it is lost.
+- SQLite: one process per database file, so the process leads.
+
+The ``scheduler_lease`` row records who leads (for the summary); ``job_runs`` records every run
+(instance, start, duration, outcome). Each job is a thin function over one transaction, safe to
+run twice, timed; an exception is recorded and logged and stops no other job (each job has its
+own APScheduler entry, ``max_instances=1``, ``coalesce=True``).
+
+Jobs: ``router_weights`` (recompute, store on change, push to routers), ``rollout_evaluation``,
+``override_expiry``, ``node_liveness``, ``retention`` (downsampling and retention).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+import httpx
+from sqlalchemy import text
+
+from db import queries
+from db.models import Override, Router, SchedulerLease
+
+from . import rollout_service
+from .weights import CostProfile, derive_weights
+
+log = logging.getLogger("racer.control_plane.jobs")
+
+SCHEDULER_LOCK_KEY = 0x52414346  # "RACF"
+COST_FIELDS = ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "service_time_us", "queue_capacity")
+
+
+# ------------------------------------------------------------------------------------------ the jobs
+def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
+    """The weights payload the cluster should have now, its inputs, and why it differs from the
+    stored version; None when nothing changed (or no node is up)."""
+    nodes = [n for n in queries.list_nodes(s) if n.status == "up"]
+    if not nodes:
+        return None
+    reported = queries.recent_miss_costs(s, now_s - settings.weights_window_s)
+    payload, inputs = {}, {}
+    for n in nodes:
+        prof = {k: n.cost_profile[k] for k in COST_FIELDS}
+        src = {k: "registered" for k in COST_FIELDS}
+        for k, v in reported.get(n.node_id, {}).items():
+            prof[k], src[k] = float(v), "reported median"
+        CostProfile(**prof)  # validates (finite, >= 0, capacity >= 1)
+        why = ", ".join(f"{k}={prof[k]:.6g} ({src[k]})" for k in COST_FIELDS)
+        payload[n.node_id] = {**prof, "reason": why}
+        inputs[n.node_id] = {"profile": prof, "source": src}
+    derive_weights([CostProfile(**{k: payload[i][k] for k in COST_FIELDS}) for i in sorted(payload)])
+    prev = queries.latest_weights(s)
+    if prev is None:
+        return payload, inputs, f"first weights for {len(payload)} nodes"
+    changes = []
+    for nid in sorted(set(prev.nodes) - set(payload)):
+        changes.append(f"{nid} left (down or gone)")
+    for nid in sorted(set(payload) - set(prev.nodes)):
+        changes.append(f"{nid} joined")
+    tol = settings.weights_rel_change
+    for nid in sorted(set(payload) & set(prev.nodes)):
+        for k in COST_FIELDS:
+            a, b = float(prev.nodes[nid][k]), float(payload[nid][k])
+            if abs(b - a) > tol * max(abs(a), 1e-12):
+                changes.append(f"{nid} {k} {a:.6g} -> {b:.6g}")
+    if not changes:
+        return None
+    # unchanged nodes keep their stored figures, so small drifts never accumulate into churn
+    for nid in set(payload) & set(prev.nodes):
+        if not any(c.startswith(nid + " ") for c in changes):
+            payload[nid] = prev.nodes[nid]
+    return payload, inputs, "; ".join(changes)
+
+
+def push_weights(factory, settings, metrics) -> dict:
+    """POST the latest weights to every router that does not have them yet."""
+    with factory() as s:
+        w = queries.latest_weights(s)
+        routers = [(r.url, r.push_token) for r in queries.list_routers(s)
+                   if w is not None and r.pushed_version != w.version]
+    if w is None:
+        return {"pushed": 0, "failed": 0}
+    body = {"version": w.version, "computed_at_s": w.computed_at_s, "nodes": w.nodes}
+    results = {}
+    for url, push_token in routers:
+        headers = {"Authorization": f"Bearer {push_token}"} if push_token else {}
+        try:
+            resp = httpx.post(url.rstrip("/") + "/v1/router/weights", json=body, headers=headers,
+                              timeout=settings.push_timeout_s)
+            results[url] = None if resp.status_code < 300 else f"HTTP {resp.status_code}: {resp.text[:200]}"
+        except httpx.HTTPError as e:
+            results[url] = f"{type(e).__name__}: {e}"
+    now = time.time()
+    with factory.begin() as s:
+        for url, err in results.items():
+            r = s.get(Router, url)
+            if r is None:
+                continue
+            r.last_push_s, r.last_error = now, err
+            if err is None:
+                r.pushed_version = w.version
+            metrics.weight_pushes.labels("ok" if err is None else "error").inc()
+    return {"pushed": sum(e is None for e in results.values()), "failed": sum(e is not None for e in results.values()),
+            "version": w.version}
+
+
+def job_router_weights(factory, settings, metrics, now_s: float) -> dict:
+    with factory.begin() as s:
+        got = compute_weights(s, settings, now_s)
+        if got is not None:
+            payload, inputs, reason = got
+            w = queries.add_weights(s, computed_at_s=now_s, nodes=payload, inputs=inputs, reason=reason)
+            version = w.version
+        else:
+            prev = queries.latest_weights(s)
+            version = prev.version if prev else None
+    if version is not None:
+        metrics.weights_version.set(version)
+    out = {"changed": got is not None, "version": version}
+    out.update(push_weights(factory, settings, metrics))
+    return out
+
+
+def job_rollout_evaluation(factory, settings, metrics, now_s: float) -> dict:
+    with factory.begin() as s:
+        return rollout_service.evaluate(s, now_s) or {"rollout_id": None}
+
+
+def job_override_expiry(factory, settings, metrics, now_s: float) -> dict:
+    with factory.begin() as s:
+        due = queries.due_overrides(s, now_s)
+        for o in due:
+            o.state, o.ended_at_s = "expired", now_s
+            queries.audit(s, ts_s=now_s, actor="system", action="override.expire", target=f"override:{o.id}",
+                          before={"state": "active", "emb_share": o.emb_share, "node_id": o.node_id,
+                                  "expires_at_s": o.expires_at_s},
+                          after={"state": "expired"}, reason="expiry time reached")
+        metrics.overrides_active.set(len(queries.active_overrides(s)))
+        return {"expired": [o.id for o in due]}
+
+
+def job_node_liveness(factory, settings, metrics, now_s: float) -> dict:
+    with factory.begin() as s:
+        down = queries.mark_down(s, now_s=now_s, missed_intervals=settings.liveness_missed_intervals)
+        for nid in down:
+            queries.audit(s, ts_s=now_s, actor="system", action="node.down", target=f"node:{nid}",
+                          before={"status": "up"}, after={"status": "down"},
+                          reason=f"no report for {settings.liveness_missed_intervals:g} report intervals")
+        counts = {"up": 0, "down": 0}
+        for n in queries.list_nodes(s):
+            counts[n.status] = counts.get(n.status, 0) + 1
+        for k, v in counts.items():
+            metrics.nodes.labels(k).set(v)
+        return {"marked_down": down, **counts}
+
+
+def job_retention(factory, settings, metrics, now_s: float) -> dict:
+    with factory.begin() as s:
+        return queries.rollup_and_prune(s, now_s=now_s, step_s=settings.rollup_step_s,
+                                        raw_retention_s=settings.raw_retention_s,
+                                        rollup_retention_s=settings.rollup_retention_s)
+
+
+JOBS = {
+    "router_weights": (job_router_weights, "weights_period_s"),
+    "rollout_evaluation": (job_rollout_evaluation, "rollout_period_s"),
+    "override_expiry": (job_override_expiry, "override_period_s"),
+    "node_liveness": (job_node_liveness, "liveness_period_s"),
+    "retention": (job_retention, "retention_period_s"),
+}
+
+
+# ------------------------------------------------------------------------------------- leadership
+class Scheduling:
+    """Leader election plus the scheduler of the leading replica (see the module docstring)."""
+
+    def __init__(self, engine, factory, settings, metrics, instance: str, clock=time.time):
+        self.engine, self.factory, self.settings, self.metrics = engine, factory, settings, metrics
+        self.instance, self.clock = instance, clock
+        self._conn = None
+        self._sched = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.leader = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="racer-leader", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._step_down()
+
+    def run_job(self, name: str) -> None:
+        fn, _ = JOBS[name]
+        now = self.clock()
+        t0 = time.perf_counter()
+        ok, err, summary = True, None, None
+        try:
+            summary = fn(self.factory, self.settings, self.metrics, now)
+        except Exception as e:  # noqa: BLE001 - recorded; the other jobs keep running
+            ok, err = False, f"{type(e).__name__}: {e}"
+            log.error("job %s failed: %s\n%s", name, err, traceback.format_exc())
+        dt = time.perf_counter() - t0
+        self.metrics.job_runs.labels(name, "ok" if ok else "error").inc()
+        self.metrics.job_duration.labels(name).observe(dt)
+        try:
+            with self.factory.begin() as s:
+                queries.record_job_run(s, job=name, instance=self.instance, started_s=now, duration_s=dt, ok=ok,
+                                       error=err, summary=_jsonable(summary))
+        except Exception as e:  # noqa: BLE001
+            log.error("could not record the run of job %s: %s", name, e)
+
+    def _try_lead(self) -> bool:
+        if self.engine.dialect.name != "postgresql":
+            return True
+        try:
+            if self._conn is None:
+                self._conn = self.engine.connect()
+            got = bool(self._conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
+                                          {"k": SCHEDULER_LOCK_KEY}).scalar())
+            self._conn.commit()
+            return got
+        except Exception as e:  # noqa: BLE001
+            log.warning("leader election: %s", e)
+            self._drop_conn()
+            return False
+
+    def _still_leader(self) -> bool:
+        if self.engine.dialect.name != "postgresql":
+            return True
+        try:
+            self._conn.execute(text("SELECT 1"))
+            self._conn.commit()
+            return True
+        except Exception as e:  # noqa: BLE001
+            log.error("lost the leader connection: %s", e)
+            self._drop_conn()
+            return False
+
+    def _drop_conn(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.invalidate()
+                self._conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._conn = None
+
+    def _become_leader(self) -> None:
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        now = self.clock()
+        with self.factory.begin() as s:
+            lease = s.get(SchedulerLease, "scheduler")
+            if lease is None:
+                s.add(SchedulerLease(name="scheduler", holder=self.instance, acquired_s=now, renewed_s=now))
+            else:
+                lease.holder, lease.acquired_s, lease.renewed_s = self.instance, now, now
+        sched = BackgroundScheduler(timezone="UTC")
+        for name, (_, period_attr) in JOBS.items():
+            sched.add_job(self.run_job, "interval", args=[name], id=name, name=name,
+                          seconds=getattr(self.settings, period_attr), max_instances=1, coalesce=True,
+                          misfire_grace_time=None)
+        sched.start()
+        self._sched, self.leader = sched, True
+        self.metrics.is_leader.set(1)
+        log.info("%s leads the scheduler", self.instance)
+
+    def _step_down(self) -> None:
+        if self._sched is not None:
+            try:
+                self._sched.shutdown(wait=True)
+            except Exception:  # noqa: BLE001
+                pass
+            self._sched = None
+        if self.leader:
+            self.leader = False
+            self.metrics.is_leader.set(0)
+        self._drop_conn()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.leader:
+                if self._try_lead():
+                    try:
+                        self._become_leader()
+                    except Exception as e:  # noqa: BLE001
+                        log.error("could not start the scheduler: %s", e)
+                        self._step_down()
+            else:
+                if not self._still_leader():
+                    self._step_down()
+                else:
+                    try:
+                        with self.factory.begin() as s:
+                            lease = s.get(SchedulerLease, "scheduler")
+                            if lease is not None and lease.holder == self.instance:
+                                lease.renewed_s = self.clock()
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("lease renewal: %s", e)
+            self._stop.wait(self.settings.leader_poll_s)
+
+
+def _jsonable(x):
+    import json
+
+    try:
+        json.dumps(x)
+        return x
+    except (TypeError, ValueError):
+        return {"repr": repr(x)}
+
+
+__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights", "Override"]

@@ -1,0 +1,371 @@
+"""The control-plane API's JSON shapes (pydantic v2). Inputs forbid unknown fields and check
+ranges, so a bad payload gets a 422 naming the field, and nothing is stored."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ROLES = ("node", "operator", "viewer")
+DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+Version = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+# ---- nodes
+class CostProfileIn(In):
+    kv_recompute_us_per_token: NonNeg
+    emb_transfer_us_per_row: NonNeg
+    service_time_us: NonNeg
+    queue_capacity: Annotated[int, Field(ge=1)] = 64
+
+
+class RegisterIn(In):
+    node_id: NodeId
+    address: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://")]
+    device: Annotated[str, Field(min_length=1, max_length=128)]
+    cost_profile: CostProfileIn
+    policy_version: Version | None = None
+
+
+class RegisterOut(Out):
+    node_id: str
+    report_interval_s: float
+    last_report_seq: int | None = None  # highest seq stored for the node: a node that lost its state continues above it
+
+
+class DecisionIn(In):
+    source: Literal["base", "residual", "recovery", "override", "guard"]
+    emb_share: Unit
+    reason: Annotated[str, Field(max_length=2000)] = ""
+    prev_emb_share: Unit | None = None
+    features: dict[str, Finite] = Field(default_factory=dict)
+
+
+class BurstIn(In):
+    start_s: Finite
+    end_s: Finite | None = None
+    magnitude: Finite = 0.0
+
+
+class ReportIn(In):
+    """One control interval of one node. Figures that had no requests in the window are null."""
+
+    seq: Annotated[int, Field(ge=0, lt=2**31)]
+    ts_s: Finite
+    interval_s: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    emb_share: Unit
+    emb_share_target: Unit
+    kv_hit_rate: Unit | None = None
+    emb_hit_rate: Unit | None = None
+    p50_ms: NonNeg | None = None
+    p99_ms: NonNeg | None = None
+    slo_attainment: Unit | None = None
+    throughput_rps: NonNeg = 0.0
+    num_requests: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    queue_depth: NonNeg = 0.0
+    refill_bytes: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    kv_recompute_us_per_token: NonNeg | None = None
+    emb_transfer_us_per_row: NonNeg | None = None
+    policy_version: Version | None = None
+    decision: DecisionIn | None = None
+    bursts: Annotated[list[BurstIn], Field(max_length=100)] = Field(default_factory=list)
+
+
+class ReportBatchIn(In):
+    reports: Annotated[list[ReportIn], Field(min_length=1, max_length=1000)]
+
+    @field_validator("reports")
+    @classmethod
+    def _distinct_seq(cls, v: list[ReportIn]) -> list[ReportIn]:
+        seqs = [r.seq for r in v]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("reports: seq values must be distinct within a batch")
+        return v
+
+
+class ReportBatchOut(Out):
+    stored: int
+    duplicates: int
+
+
+class OverrideDirective(Out):
+    override_id: int
+    emb_share: float
+    expires_at_s: float | None
+    reason: str
+    scope: Literal["node", "cluster"]
+
+
+class PolicyDirective(Out):
+    version: str
+    digest: str
+    download_url: str
+    rollout_id: int | None = None
+
+
+class DirectivesOut(Out):
+    node_id: str
+    now_s: float
+    report_interval_s: float
+    override: OverrideDirective | None
+    policy: PolicyDirective | None
+
+
+class PolicyLoadedIn(In):
+    policy_version: Version
+    status: Literal["loaded", "failed"]
+    error: Annotated[str, Field(max_length=4000)] | None = None
+
+
+class NodeOut(Out):
+    node_id: str
+    address: str
+    device: str
+    status: str
+    last_seen_s: float
+    registered_at_s: float
+    report_interval_s: float
+    policy_version: str | None
+    policy_error: str | None
+    emb_share: float | None
+    cost_profile: dict[str, Any]
+    last_report_seq: int | None
+
+
+# ---- history
+class ReportOut(Out):
+    node_id: str
+    seq: int | None = None
+    ts_s: float
+    num_reports: int = 1
+    emb_share: float | None = None
+    emb_share_target: float | None = None
+    kv_hit_rate: float | None = None
+    emb_hit_rate: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    slo_attainment: float | None = None
+    throughput_rps: float | None = None
+    num_requests: float | None = None
+    queue_depth: float | None = None
+    refill_bytes: float | None = None
+    kv_recompute_us_per_token: float | None = None
+    emb_transfer_us_per_row: float | None = None
+    policy_version: str | None = None
+    decision_source: str | None = None
+
+
+class DecisionOut(Out):
+    id: int
+    node_id: str
+    seq: int
+    ts_s: float
+    source: str
+    emb_share: float
+    prev_emb_share: float | None
+    reason: str
+    policy_version: str | None
+    features: dict[str, Any]
+
+
+class Page(Out):
+    total: int
+    offset: int
+    limit: int
+
+
+class DecisionPage(Page):
+    items: list[DecisionOut]
+
+
+class BurstOut(Out):
+    id: int
+    node_id: str
+    start_s: float
+    end_s: float | None
+    magnitude: float
+
+
+# ---- routers
+class RouterIn(In):
+    url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://")]
+    push_token: Annotated[str, Field(min_length=1, max_length=512)] | None = None  # sent as the push's bearer
+
+
+class RouterOut(Out):
+    url: str
+    has_push_token: bool = False
+    registered_at_s: float
+    pushed_version: int | None
+    last_push_s: float | None
+    last_error: str | None
+
+
+class RouterWeightsOut(Out):
+    version: int
+    computed_at_s: float
+    nodes: dict[str, dict[str, Any]]
+
+
+class RouterWeightsHistoryOut(RouterWeightsOut):
+    inputs: dict[str, Any]
+    reason: str
+
+
+# ---- overrides
+class OverrideIn(In):
+    node_id: NodeId | None = None
+    emb_share: Finite
+    expires_at_s: Finite | None = None
+    ttl_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    reason: Annotated[str, Field(min_length=1, max_length=2000)]
+
+
+class ReasonIn(In):
+    reason: Annotated[str, Field(min_length=1, max_length=2000)]
+
+
+class OverrideOut(Out):
+    id: int
+    node_id: str | None
+    emb_share: float
+    reason: str
+    created_by: str
+    created_at_s: float
+    expires_at_s: float | None
+    state: str
+    ended_at_s: float | None
+
+
+# ---- audit
+class AuditOut(Out):
+    id: int
+    ts_s: float
+    actor: str
+    action: str
+    target: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    reason: str
+
+
+class AuditPage(Page):
+    items: list[AuditOut]
+
+
+# ---- policies and rollouts
+class PolicyOut(Out):
+    version: str
+    digest: str
+    status: str
+    uploaded_by: str
+    uploaded_at_s: float
+    manifest: dict[str, Any]
+    evaluation: dict[str, Any]
+    size_bytes: int
+
+
+class RolloutIn(In):
+    """A rollout of ``policy_version``; the judge's fields are `control_plane.rollout.RolloutConfig`'s."""
+
+    policy_version: Version
+    canary_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.25
+    bake_time_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 300.0
+    min_samples: Annotated[int, Field(ge=3)] = 10
+    alpha: Annotated[float, Field(gt=0, le=0.5, allow_inf_nan=False)] = 0.01
+    max_p99_regression_pct: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 10.0
+    max_slo_attainment_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
+    load_timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 120.0
+    max_failed_canary_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    auto: bool = True
+    reason: Annotated[str, Field(min_length=1, max_length=2000)] = "rollout"
+
+
+class RolloutNodeOut(Out):
+    node_id: str
+    role: str
+    status: str
+    error: str | None
+
+
+class RolloutStepOut(Out):
+    id: int
+    ts_s: float
+    actor: str
+    action: str
+    from_state: str | None
+    to_state: str
+    reason: str
+    details: dict[str, Any] | None
+
+
+class RolloutOut(Out):
+    id: int
+    policy_version: str
+    baseline_version: str | None
+    state: str
+    config: dict[str, Any]
+    created_by: str
+    created_at_s: float
+    bake_started_s: float | None
+    paused_from: str | None = None
+    updated_at_s: float
+    reason: str
+    verdict: dict[str, Any] | None
+    nodes: list[RolloutNodeOut] = Field(default_factory=list)
+    steps: list[RolloutStepOut] = Field(default_factory=list)
+
+
+# ---- auth, summary
+class WhoAmIOut(Out):
+    token_id: int | None
+    name: str
+    role: str
+
+
+class TokenIn(In):
+    role: Literal["node", "operator", "viewer"]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class TokenOut(Out):
+    id: int
+    name: str
+    role: str
+    token: str | None = None  # the secret, shown once on creation
+
+
+class SummaryOut(Out):
+    now_s: float
+    num_nodes: int
+    num_up: int
+    num_down: int
+    mean_emb_share: float | None
+    mean_p99_ms: float | None
+    mean_slo_attainment: float | None
+    total_throughput_rps: float | None
+    active_policy: str | None
+    active_rollout: RolloutOut | None
+    num_active_overrides: int
+    router_weights_version: int | None
+    leader: str | None
+    decisions_by_source: dict[str, int]
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)

@@ -1,0 +1,93 @@
+"""Engine and session factory; the schema is made by Alembic (``upgrade(engine)``).
+
+- ``make_engine(url)``: SQLite gets WAL, ``synchronous=NORMAL``, foreign keys and a busy timeout
+  on every connection; PostgreSQL URLs are normalised to psycopg 3 (``postgresql+psycopg://``).
+- ``session_factory(engine)``: ``Session`` objects with ``expire_on_commit=False``; callers (the
+  API routes, the jobs) own the transaction: ``with factory.begin() as s: queries.f(s, ...)``.
+- ``upgrade(engine)``: ``alembic upgrade head`` run in-process (the control plane calls it on
+  start; concurrent replicas on PostgreSQL serialise on an advisory lock).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+DEFAULT_DATABASE_URL = "sqlite:///racer-control-plane.db"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+MIGRATION_LOCK_KEY = 0x52414345  # "RACE": advisory lock taken while migrating on PostgreSQL
+
+
+def normalize_url(url: str) -> str:
+    """``postgres://`` / ``postgresql://`` -> ``postgresql+psycopg://`` (psycopg 3)."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def database_url(url: str | None = None) -> str:
+    return normalize_url(url or os.environ.get("RACER_DATABASE_URL") or DEFAULT_DATABASE_URL)
+
+
+def make_engine(url: str | None = None, *, pool_size: int = 10) -> Engine:
+    url = database_url(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):  # noqa: ANN001
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    if not url.startswith("postgresql"):
+        raise ValueError(f"unsupported database URL {url!r}: use sqlite:///PATH or postgresql+psycopg://...")
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(engine: Engine):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Bring the schema to ``revision`` (Alembic, in this process)."""
+    from alembic import command
+
+    cfg = alembic_config(engine)
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
+            conn.commit()
+        try:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+            conn.commit()
+        finally:
+            if engine.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK_KEY})
+                conn.commit()
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()

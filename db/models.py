@@ -1,0 +1,282 @@
+"""The control plane's tables (SQLAlchemy 2 typed models).
+
+Times are Unix seconds as float (``*_s``), the project's one time unit. JSON columns hold
+structured values (cost profiles, features, manifests, verdicts). Every constraint and index is
+named by the naming convention below (``ix_<table>__<cols>`` ...), so Alembic migrations can
+refer to them by name on SQLite (batch mode) and PostgreSQL alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String, Text,
+                        UniqueConstraint)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s__%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s__%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s__%(constraint_name)s",
+    "fk": "fk_%(table_name)s__%(column_0_N_name)s__%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+Seconds = Float(precision=53)  # double precision on PostgreSQL (plain REAL would lose sub-ms on epoch times)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, float: Seconds}
+
+
+class Node(Base):
+    """A registered node agent; ``status`` is "up" or "down" (the liveness job sets "down")."""
+
+    __tablename__ = "nodes"
+    node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    address: Mapped[str] = mapped_column(String(512))
+    device: Mapped[str] = mapped_column(String(128))
+    cost_profile: Mapped[dict[str, Any]]
+    policy_version: Mapped[str | None] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16), default="up")
+    registered_at_s: Mapped[float]
+    last_seen_s: Mapped[float]
+    report_interval_s: Mapped[float]
+    last_report_seq: Mapped[int | None] = mapped_column(Integer)
+    emb_share: Mapped[float | None]
+    policy_error: Mapped[str | None] = mapped_column(Text)
+
+
+class NodeReport(Base):
+    """One control interval of one node (the raw time series; idempotent on (node_id, seq))."""
+
+    __tablename__ = "node_reports"
+    __table_args__ = (UniqueConstraint("node_id", "seq"), Index(None, "ts_s"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    ts_s: Mapped[float]
+    received_s: Mapped[float]
+    interval_s: Mapped[float]
+    emb_share: Mapped[float]
+    emb_share_target: Mapped[float]
+    kv_hit_rate: Mapped[float | None]
+    emb_hit_rate: Mapped[float | None]
+    p50_ms: Mapped[float | None]
+    p99_ms: Mapped[float | None]
+    slo_attainment: Mapped[float | None]
+    throughput_rps: Mapped[float]
+    num_requests: Mapped[int] = mapped_column(Integer)
+    queue_depth: Mapped[float]
+    refill_bytes: Mapped[int] = mapped_column(Integer)
+    kv_recompute_us_per_token: Mapped[float | None]
+    emb_transfer_us_per_row: Mapped[float | None]
+    policy_version: Mapped[str | None] = mapped_column(String(256))
+    decision_source: Mapped[str | None] = mapped_column(String(16))
+
+
+class NodeReportRollup(Base):
+    """Downsampled history: per node, per ``step_s`` bucket, the mean of each figure (the
+    downsampling job writes these before the retention job drops the raw rows)."""
+
+    __tablename__ = "node_report_rollups"
+    __table_args__ = (UniqueConstraint("node_id", "step_s", "bucket_s"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"))
+    step_s: Mapped[float]
+    bucket_s: Mapped[float]
+    num_reports: Mapped[int] = mapped_column(Integer)
+    figures: Mapped[dict[str, Any]]
+
+
+class Decision(Base):
+    """One allocator decision (source base/residual/recovery/override/guard) with its reason."""
+
+    __tablename__ = "decisions"
+    __table_args__ = (UniqueConstraint("node_id", "seq"), Index(None, "ts_s"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    ts_s: Mapped[float]
+    source: Mapped[str] = mapped_column(String(16))
+    emb_share: Mapped[float]
+    prev_emb_share: Mapped[float | None]
+    reason: Mapped[str] = mapped_column(Text)
+    policy_version: Mapped[str | None] = mapped_column(String(256))
+    features: Mapped[dict[str, Any]]
+
+
+class Burst(Base):
+    """A burst the node's recovery controller saw (end_s None while it lasts)."""
+
+    __tablename__ = "bursts"
+    __table_args__ = (UniqueConstraint("node_id", "start_s"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"))
+    start_s: Mapped[float]
+    end_s: Mapped[float | None]
+    magnitude: Mapped[float]
+
+
+class RouterWeightsVersion(Base):
+    """One version of the cluster's router weights, with its inputs and why it changed."""
+
+    __tablename__ = "router_weights"
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    computed_at_s: Mapped[float]
+    nodes: Mapped[dict[str, Any]]  # node_id -> CostProfile fields + reason (the push payload)
+    inputs: Mapped[dict[str, Any]]  # node_id -> where each cost came from
+    reason: Mapped[str] = mapped_column(Text)
+
+
+class Router(Base):
+    """A registered gateway; the weights job pushes each new version to ``url``, with
+    ``Authorization: Bearer <push_token>`` when the gateway gave one (a secret of its own choosing,
+    kept in clear because the control plane must send it; it grants nothing here)."""
+
+    __tablename__ = "routers"
+    url: Mapped[str] = mapped_column(String(512), primary_key=True)
+    push_token: Mapped[str | None] = mapped_column(String(512))
+    registered_at_s: Mapped[float]
+    pushed_version: Mapped[int | None] = mapped_column(Integer)
+    last_push_s: Mapped[float | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+
+class Override(Base):
+    """An operator's emb_share override for one node (node_id) or the cluster (node_id None).
+    ``state``: "active", "cleared" (by an operator) or "expired" (by the expiry job)."""
+
+    __tablename__ = "overrides"
+    __table_args__ = (Index(None, "state"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    emb_share: Mapped[float]
+    reason: Mapped[str] = mapped_column(Text)
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at_s: Mapped[float]
+    expires_at_s: Mapped[float | None]
+    state: Mapped[str] = mapped_column(String(16), default="active")
+    ended_at_s: Mapped[float | None]
+
+
+class Policy(Base):
+    """A policy artifact (the files `racer policy export` writes, stored as one tar) and its
+    manifest. ``version`` is the manifest's policy_id. ``status``: "registered", "active",
+    "canary", "retired", "rolled_back"."""
+
+    __tablename__ = "policies"
+    version: Mapped[str] = mapped_column(String(256), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    artifact: Mapped[bytes] = mapped_column(LargeBinary)
+    manifest: Mapped[dict[str, Any]]
+    evaluation: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), default="registered")
+    uploaded_by: Mapped[str] = mapped_column(String(128))
+    uploaded_at_s: Mapped[float]
+
+
+class Rollout(Base):
+    """A canary rollout of ``policy_version`` over ``baseline_version``. ``state``: "pending"
+    (waiting for the canary nodes to load the candidate), "baking", "paused", "promoted",
+    "rolled_back" (the last two are final); see `control_plane.rollout`."""
+
+    __tablename__ = "rollouts"
+    __table_args__ = (Index(None, "state"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy_version: Mapped[str] = mapped_column(ForeignKey("policies.version"))
+    baseline_version: Mapped[str | None] = mapped_column(String(256))
+    state: Mapped[str] = mapped_column(String(16))
+    config: Mapped[dict[str, Any]]
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at_s: Mapped[float]
+    bake_started_s: Mapped[float | None]
+    paused_from: Mapped[str | None] = mapped_column(String(16))
+    updated_at_s: Mapped[float]
+    reason: Mapped[str] = mapped_column(Text, default="")
+    verdict: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class RolloutNode(Base):
+    """A node's part in a rollout: role "canary" or "baseline"; status "assigned", "loaded"
+    or "failed" (with the node's error); ``prev_version`` is what it ran when the rollout began."""
+
+    __tablename__ = "rollout_nodes"
+    __table_args__ = (UniqueConstraint("rollout_id", "node_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id", ondelete="CASCADE"))
+    node_id: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="assigned")
+    prev_version: Mapped[str | None] = mapped_column(String(256))
+    error: Mapped[str | None] = mapped_column(Text)
+    updated_at_s: Mapped[float]
+
+
+class RolloutStep(Base):
+    """Every transition and judgement of a rollout (who/what, state before and after, why)."""
+
+    __tablename__ = "rollout_steps"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id", ondelete="CASCADE"), index=True)
+    ts_s: Mapped[float]
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(32))
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class AuditEntry(Base):
+    """Every operator (and system) action: who, what, on what, before, after, why."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (Index(None, "ts_s"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts_s: Mapped[float]
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(256))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class Token(Base):
+    """A bearer token, stored as the sha256 of its text (tokens are 256-bit random strings)."""
+
+    __tablename__ = "tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at_s: Mapped[float]
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class JobRun(Base):
+    """One run of a scheduled job by the leader replica ``instance`` (timing and outcome)."""
+
+    __tablename__ = "job_runs"
+    __table_args__ = (Index(None, "job", "started_s"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job: Mapped[str] = mapped_column(String(64))
+    instance: Mapped[str] = mapped_column(String(128))
+    started_s: Mapped[float]
+    duration_s: Mapped[float]
+    ok: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class SchedulerLease(Base):
+    """The scheduler lease (one row per cluster) where advisory locks are not available; on
+    PostgreSQL the leader holds a session advisory lock and this row only records who leads."""
+
+    __tablename__ = "scheduler_lease"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    acquired_s: Mapped[float]
+    renewed_s: Mapped[float]

@@ -1,0 +1,506 @@
+"""Query functions over the control plane's tables. Each takes a `Session`, may flush, and
+never commits: the caller (an API route, a job) owns the transaction."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import and_, bindparam, delete, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from .models import (AuditEntry, Burst, Decision, JobRun, Node, NodeReport, NodeReportRollup, Override, Policy,
+                     Router, RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token)
+
+REPORT_FIGURES = ("emb_share", "emb_share_target", "kv_hit_rate", "emb_hit_rate", "p50_ms", "p99_ms",
+                  "slo_attainment", "throughput_rps", "num_requests", "queue_depth", "refill_bytes",
+                  "kv_recompute_us_per_token", "emb_transfer_us_per_row")
+
+
+def dialect_insert(session: Session, table):
+    """The dialect's own INSERT (for ON CONFLICT DO NOTHING on SQLite and PostgreSQL)."""
+    name = session.get_bind().dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table)
+    if name == "sqlite":
+        return sqlite.insert(table)
+    raise ValueError(f"unsupported dialect {name}")
+
+
+def sha256_text(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+# ---- audit
+def audit(session: Session, *, ts_s: float, actor: str, action: str, target: str, before: dict | None = None,
+          after: dict | None = None, reason: str = "") -> AuditEntry:
+    e = AuditEntry(ts_s=ts_s, actor=actor, action=action, target=target, before=before, after=after, reason=reason)
+    session.add(e)
+    return e
+
+
+def audit_page(session: Session, *, start_s: float | None, end_s: float | None, actor: str | None,
+               action: str | None, target: str | None, offset: int, limit: int) -> tuple[int, list[AuditEntry]]:
+    conds = []
+    if start_s is not None:
+        conds.append(AuditEntry.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(AuditEntry.ts_s < end_s)
+    if actor:
+        conds.append(AuditEntry.actor == actor)
+    if action:
+        conds.append(AuditEntry.action == action)
+    if target:
+        conds.append(AuditEntry.target.contains(target, autoescape=True))
+    total = session.scalar(select(func.count()).select_from(AuditEntry).where(*conds))
+    rows = session.scalars(select(AuditEntry).where(*conds).order_by(AuditEntry.id.desc())
+                           .offset(offset).limit(limit)).all()
+    return int(total or 0), list(rows)
+
+
+# ---- tokens
+def token_by_secret(session: Session, secret: str) -> Token | None:
+    return session.scalar(select(Token).where(Token.token_sha256 == sha256_text(secret), Token.revoked.is_(False)))
+
+
+def add_token(session: Session, *, name: str, role: str, secret: str, now_s: float) -> Token:
+    t = Token(name=name, role=role, token_sha256=sha256_text(secret), created_at_s=now_s, revoked=False)
+    session.add(t)
+    session.flush()
+    return t
+
+
+def count_tokens(session: Session, role: str | None = None) -> int:
+    q = select(func.count()).select_from(Token)
+    if role:
+        q = q.where(Token.role == role)
+    return int(session.scalar(q) or 0)
+
+
+# ---- nodes and reports
+def upsert_node(session: Session, *, node_id: str, address: str, device: str, cost_profile: dict,
+                policy_version: str | None, now_s: float, report_interval_s: float) -> tuple[Node, dict | None]:
+    """Register (or re-register) a node; returns the node and its previous registration (or None)."""
+    node = session.get(Node, node_id)
+    before = None
+    if node is None:
+        node = Node(node_id=node_id, registered_at_s=now_s)
+        session.add(node)
+    else:
+        before = {"address": node.address, "device": node.device, "cost_profile": node.cost_profile,
+                  "policy_version": node.policy_version, "status": node.status}
+    node.address, node.device, node.cost_profile = address, device, cost_profile
+    node.policy_version, node.status, node.last_seen_s = policy_version, "up", now_s
+    node.report_interval_s = report_interval_s
+    session.flush()
+    return node, before
+
+
+def list_nodes(session: Session) -> list[Node]:
+    return list(session.scalars(select(Node).order_by(Node.node_id)).all())
+
+
+def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:
+    ids = list(set(node_ids))
+    return set(session.scalars(select(Node.node_id).where(Node.node_id.in_(ids))).all()) if ids else set()
+
+
+# The ingestion hot path: plain SQL on the driver connection of the session's transaction (the
+# SQLAlchemy executemany machinery costs ~5x more per row here). SQLite: one C-level execute per
+# row (rowcount tells inserted from duplicate); PostgreSQL: one statement over unnest() arrays.
+_REPORT_COLS = [c.name for c in NodeReport.__table__.columns if c.name != "id"]
+_DECISION_COLS = [c.name for c in Decision.__table__.columns if c.name != "id"]
+_PG_TYPES = {"node_id": "text", "seq": "int", "num_requests": "int", "refill_bytes": "int", "policy_version": "text",
+             "decision_source": "text", "source": "text", "reason": "text", "features": "json"}
+
+
+def _pg_unnest(cols: list[str], rows: Sequence[dict]) -> tuple[str, list]:
+    import json
+
+    arrays = []
+    for c in cols:
+        vals = [r.get(c) for r in rows]
+        if _PG_TYPES.get(c) == "json":
+            vals = [None if v is None else json.dumps(v) for v in vals]
+        arrays.append(vals)
+    casts = ", ".join(f"%s::{_PG_TYPES.get(c, 'float8')}[]" for c in cols)
+    return f"SELECT * FROM unnest({casts})", arrays
+
+
+def insert_reports(session: Session, rows: Sequence[dict]) -> set[tuple[str, int]]:
+    """Insert report rows, skipping any (node_id, seq) already stored (ON CONFLICT DO NOTHING on
+    both dialects); returns the keys actually inserted."""
+    if not rows:
+        return set()
+    conn = session.connection().connection.driver_connection
+    cols = _REPORT_COLS
+    if session.get_bind().dialect.name == "postgresql":
+        select_sql, arrays = _pg_unnest(cols, rows)
+        sql = (f"INSERT INTO node_reports ({', '.join(cols)}) {select_sql} "
+               f"ON CONFLICT (node_id, seq) DO NOTHING RETURNING node_id, seq")
+        with conn.cursor() as cur:
+            cur.execute(sql, arrays)
+            return {(r[0], r[1]) for r in cur.fetchall()}
+    sql = (f"INSERT INTO node_reports ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+           f"ON CONFLICT (node_id, seq) DO NOTHING")
+    cur = conn.cursor()
+    inserted = set()
+    try:
+        for r in rows:
+            cur.execute(sql, [r.get(c) for c in cols])
+            if cur.rowcount == 1:
+                inserted.add((r["node_id"], r["seq"]))
+    finally:
+        cur.close()
+    return inserted
+
+
+def insert_decisions(session: Session, rows: Sequence[dict]) -> None:
+    if not rows:
+        return
+    import json
+
+    conn = session.connection().connection.driver_connection
+    cols = _DECISION_COLS
+    if session.get_bind().dialect.name == "postgresql":
+        select_sql, arrays = _pg_unnest(cols, rows)
+        with conn.cursor() as cur:
+            cur.execute(f"INSERT INTO decisions ({', '.join(cols)}) {select_sql} ON CONFLICT (node_id, seq) DO NOTHING",
+                        arrays)
+        return
+    conn.executemany(f"INSERT INTO decisions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+                     f"ON CONFLICT (node_id, seq) DO NOTHING",
+                     [[json.dumps(r[c]) if c == "features" else r.get(c) for c in cols] for r in rows])
+
+
+def upsert_bursts(session: Session, rows: Sequence[dict]) -> None:
+    """Insert bursts; a burst already stored (same node and start) gets its end and magnitude."""
+    if not rows:
+        return
+    ins = dialect_insert(session, Burst)
+    stmt = ins.on_conflict_do_update(index_elements=["node_id", "start_s"],
+                                     set_={"end_s": func.coalesce(ins.excluded.end_s, Burst.end_s),
+                                           "magnitude": ins.excluded.magnitude})
+    for r in rows:  # one statement per row: ON CONFLICT DO UPDATE cannot touch one row twice per statement
+        session.execute(stmt, r)
+
+
+def highest_report_seq(session: Session, node_id: str) -> int | None:
+    """The highest sequence number stored for ``node_id`` (raw reports, else the node's last one)."""
+    top = session.scalar(select(func.max(NodeReport.seq)).where(NodeReport.node_id == node_id))
+    last = session.scalar(select(Node.last_report_seq).where(Node.node_id == node_id))
+    vals = [v for v in (top, last) if v is not None]
+    return max(vals) if vals else None
+
+
+def touch_nodes(session: Session, seen: dict[str, tuple[float, int, float, str | None]]) -> None:
+    """Mark nodes seen and up: node_id -> (last_seen_s, last_report_seq, emb_share, policy_version)."""
+    if not seen:
+        return
+    conn = session.connection().connection.driver_connection
+    if session.get_bind().dialect.name == "postgresql":
+        ids = list(seen)
+        with conn.cursor() as cur:
+            cur.execute("UPDATE nodes SET last_seen_s = v.seen, last_report_seq = v.seq, emb_share = v.share, "
+                        "status = 'up' FROM unnest(%s::text[], %s::float8[], %s::int[], %s::float8[]) "
+                        "AS v(node_id, seen, seq, share) WHERE nodes.node_id = v.node_id",
+                        [ids, [seen[k][0] for k in ids], [seen[k][1] for k in ids], [seen[k][2] for k in ids]])
+        return
+    conn.executemany("UPDATE nodes SET last_seen_s = ?, last_report_seq = ?, emb_share = ?, status = 'up' "
+                     "WHERE node_id = ?", [(v[0], v[1], v[2], k) for k, v in seen.items()])
+
+
+def mark_down(session: Session, *, now_s: float, missed_intervals: float) -> list[str]:
+    """Nodes whose last report is older than ``missed_intervals`` report intervals: status "down"."""
+    stale = session.scalars(select(Node.node_id).where(
+        Node.status == "up", Node.last_seen_s < now_s - missed_intervals * Node.report_interval_s)).all()
+    if stale:
+        session.execute(update(Node).where(Node.node_id.in_(stale)).values(status="down"))
+    return list(stale)
+
+
+def report_history(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
+                   step_s: float | None, limit: int) -> list[dict]:
+    """Raw reports (step_s None), or per-node ``step_s`` buckets holding each figure's mean; raw
+    rows already dropped by retention come from the stored rollups of the same step."""
+    conds = []
+    if node_id:
+        conds.append(NodeReport.node_id == node_id)
+    if start_s is not None:
+        conds.append(NodeReport.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(NodeReport.ts_s < end_s)
+    if not step_s:
+        rows = session.scalars(select(NodeReport).where(*conds).order_by(NodeReport.ts_s, NodeReport.node_id)
+                               .limit(limit)).all()
+        out = []
+        for r in rows:
+            d = {k: getattr(r, k) for k in REPORT_FIGURES}
+            d.update(node_id=r.node_id, seq=r.seq, ts_s=r.ts_s, policy_version=r.policy_version,
+                     decision_source=r.decision_source)
+            out.append(d)
+        return out
+    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
+    cols = [func.avg(getattr(NodeReport, k)).label(k) for k in REPORT_FIGURES]
+    q = (select(NodeReport.node_id, bucket, func.count().label("n"), *cols).where(*conds)
+         .group_by(NodeReport.node_id, bucket).order_by(bucket, NodeReport.node_id).limit(limit))
+    out = [dict(node_id=r.node_id, ts_s=float(r.bucket), num_reports=int(r.n),
+                **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
+           for r in session.execute(q)]
+    have = {(d["node_id"], d["ts_s"]) for d in out}
+    rconds = [NodeReportRollup.step_s == step_s]
+    if node_id:
+        rconds.append(NodeReportRollup.node_id == node_id)
+    if start_s is not None:
+        rconds.append(NodeReportRollup.bucket_s >= start_s)
+    if end_s is not None:
+        rconds.append(NodeReportRollup.bucket_s < end_s)
+    for r in session.scalars(select(NodeReportRollup).where(*rconds).limit(limit)):
+        if (r.node_id, r.bucket_s) not in have:
+            out.append(dict(node_id=r.node_id, ts_s=r.bucket_s, num_reports=r.num_reports, **r.figures))
+    out.sort(key=lambda d: (d["ts_s"], d["node_id"]))
+    return out[:limit]
+
+
+CLUSTER_SUMS = ("throughput_rps", "num_requests", "refill_bytes")
+
+
+def cluster_history(session: Session, *, start_s: float | None, end_s: float | None, step_s: float,
+                    limit: int) -> list[dict]:
+    """The cluster per ``step_s`` bucket: throughput, requests and refill bytes summed over nodes
+    (each node's mean in the bucket), every other figure the mean over all reports in the bucket.
+    Raw reports only (buckets already rolled up are left out)."""
+    conds = []
+    if start_s is not None:
+        conds.append(NodeReport.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(NodeReport.ts_s < end_s)
+    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
+    per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
+                       *[func.avg(getattr(NodeReport, k)).label("avg_" + k) for k in CLUSTER_SUMS],
+                       *[func.sum(getattr(NodeReport, k)).label("sum_" + k) for k in REPORT_FIGURES],
+                       *[func.count(getattr(NodeReport, k)).label("cnt_" + k) for k in REPORT_FIGURES])
+                .where(*conds).group_by(NodeReport.node_id, bucket).subquery())
+    cols = [(func.sum(per_node.c["avg_" + k]) if k in CLUSTER_SUMS else
+             func.sum(per_node.c["sum_" + k]) / func.nullif(func.sum(per_node.c["cnt_" + k]), 0)).label(k)
+            for k in REPORT_FIGURES]
+    q = (select(per_node.c.bucket, func.sum(per_node.c.n).label("n"), func.count().label("nodes"), *cols)
+         .group_by(per_node.c.bucket).order_by(per_node.c.bucket).limit(limit))
+    return [dict(node_id="*", ts_s=float(r.bucket), num_reports=int(r.n),
+                 **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
+            for r in session.execute(q)]
+
+
+def rollup_and_prune(session: Session, *, now_s: float, step_s: float, raw_retention_s: float,
+                     rollup_retention_s: float, max_rows: int = 50_000) -> dict:
+    """Downsample raw reports older than ``raw_retention_s`` into ``step_s`` rollups, delete them,
+    and drop rollups older than ``rollup_retention_s``. Idempotent (rollups upsert by bucket)."""
+    cutoff = now_s - raw_retention_s
+    cutoff = (cutoff // step_s) * step_s  # whole buckets only
+    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
+    cols = [func.avg(getattr(NodeReport, k)).label(k) for k in REPORT_FIGURES]
+    q = (select(NodeReport.node_id, bucket, func.count().label("n"), *cols).where(NodeReport.ts_s < cutoff)
+         .group_by(NodeReport.node_id, bucket).limit(max_rows))
+    rows = [dict(node_id=r.node_id, step_s=step_s, bucket_s=float(r.bucket), num_reports=int(r.n),
+                 figures={k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
+            for r in session.execute(q)]
+    if rows:
+        ins = dialect_insert(session, NodeReportRollup)
+        session.execute(ins.on_conflict_do_update(index_elements=["node_id", "step_s", "bucket_s"],
+                                                  set_={"num_reports": ins.excluded.num_reports,
+                                                        "figures": ins.excluded.figures}), rows)
+    deleted = session.execute(delete(NodeReport).where(NodeReport.ts_s < cutoff)).rowcount
+    dropped = session.execute(delete(NodeReportRollup).where(
+        NodeReportRollup.bucket_s < now_s - rollup_retention_s)).rowcount
+    ddel = session.execute(delete(Decision).where(Decision.ts_s < now_s - rollup_retention_s)).rowcount
+    return {"rollups": len(rows), "raw_deleted": int(deleted or 0), "rollups_dropped": int(dropped or 0),
+            "decisions_dropped": int(ddel or 0)}
+
+
+def decisions_page(session: Session, *, node_id: str | None, source: str | None, q: str | None,
+                   start_s: float | None, end_s: float | None, offset: int, limit: int) -> tuple[int, list[Decision]]:
+    conds = []
+    if node_id:
+        conds.append(Decision.node_id == node_id)
+    if source:
+        conds.append(Decision.source == source)
+    if q:
+        conds.append(or_(Decision.reason.contains(q, autoescape=True), Decision.node_id.contains(q, autoescape=True)))
+    if start_s is not None:
+        conds.append(Decision.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(Decision.ts_s < end_s)
+    total = session.scalar(select(func.count()).select_from(Decision).where(*conds))
+    rows = session.scalars(select(Decision).where(*conds).order_by(Decision.ts_s.desc(), Decision.id.desc())
+                           .offset(offset).limit(limit)).all()
+    return int(total or 0), list(rows)
+
+
+def decisions_by_source(session: Session, since_s: float) -> dict[str, int]:
+    q = select(Decision.source, func.count()).where(Decision.ts_s >= since_s).group_by(Decision.source)
+    return {s: int(n) for s, n in session.execute(q)}
+
+
+def bursts(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
+           limit: int) -> list[Burst]:
+    conds = []
+    if node_id:
+        conds.append(Burst.node_id == node_id)
+    if start_s is not None:
+        conds.append(or_(Burst.end_s.is_(None), Burst.end_s >= start_s))
+    if end_s is not None:
+        conds.append(Burst.start_s < end_s)
+    return list(session.scalars(select(Burst).where(*conds).order_by(Burst.start_s.desc()).limit(limit)).all())
+
+
+def latest_reports(session: Session, since_s: float) -> list[NodeReport]:
+    """Each node's newest report received since ``since_s``."""
+    sub = (select(NodeReport.node_id, func.max(NodeReport.seq).label("seq")).where(NodeReport.ts_s >= since_s)
+           .group_by(NodeReport.node_id).subquery())
+    return list(session.scalars(select(NodeReport).join(
+        sub, and_(NodeReport.node_id == sub.c.node_id, NodeReport.seq == sub.c.seq))).all())
+
+
+def window_values(session: Session, node_ids: Sequence[str], *, since_s: float, until_s: float,
+                  policy_version: str | None = None) -> dict[str, list[float]]:
+    """Per-window values of the judged figures (slo_attainment, p99_ms) of reports from these nodes
+    with at least one request, optionally only those that ran ``policy_version``."""
+    out: dict[str, list[float]] = {"slo_attainment": [], "p99_ms": []}
+    if not node_ids:
+        return out
+    conds = [NodeReport.node_id.in_(list(node_ids)), NodeReport.ts_s >= since_s, NodeReport.ts_s <= until_s,
+             NodeReport.num_requests > 0]
+    if policy_version is not None:
+        conds.append(NodeReport.policy_version == policy_version)
+    for slo, p99 in session.execute(select(NodeReport.slo_attainment, NodeReport.p99_ms).where(*conds)):
+        if slo is not None:
+            out["slo_attainment"].append(float(slo))
+        if p99 is not None:
+            out["p99_ms"].append(float(p99))
+    return out
+
+
+def recent_miss_costs(session: Session, since_s: float) -> dict[str, dict[str, float]]:
+    """node_id -> median of the reported miss costs since ``since_s`` (nodes that reported any)."""
+    vals: dict[str, dict[str, list[float]]] = {}
+    q = select(NodeReport.node_id, NodeReport.kv_recompute_us_per_token, NodeReport.emb_transfer_us_per_row).where(
+        NodeReport.ts_s >= since_s)
+    for nid, kv, emb in session.execute(q):
+        d = vals.setdefault(nid, {"kv_recompute_us_per_token": [], "emb_transfer_us_per_row": []})
+        if kv is not None:
+            d["kv_recompute_us_per_token"].append(kv)
+        if emb is not None:
+            d["emb_transfer_us_per_row"].append(emb)
+    out = {}
+    for nid, d in vals.items():
+        m = {k: sorted(v)[len(v) // 2] for k, v in d.items() if v}
+        if m:
+            out[nid] = m
+    return out
+
+
+# ---- routers and weights
+def latest_weights(session: Session) -> RouterWeightsVersion | None:
+    return session.scalar(select(RouterWeightsVersion).order_by(RouterWeightsVersion.version.desc()).limit(1))
+
+
+def weights_history(session: Session, limit: int) -> list[RouterWeightsVersion]:
+    return list(session.scalars(select(RouterWeightsVersion).order_by(RouterWeightsVersion.version.desc())
+                                .limit(limit)).all())
+
+
+def add_weights(session: Session, *, computed_at_s: float, nodes: dict, inputs: dict, reason: str
+                ) -> RouterWeightsVersion:
+    prev = latest_weights(session)
+    w = RouterWeightsVersion(version=(prev.version + 1) if prev else 1, computed_at_s=computed_at_s, nodes=nodes,
+                             inputs=inputs, reason=reason)
+    session.add(w)
+    session.flush()
+    return w
+
+
+def upsert_router(session: Session, url: str, now_s: float, push_token: str | None = None) -> tuple[Router, bool]:
+    """Register a router (again); a changed push token means the next push goes out again."""
+    r = session.get(Router, url)
+    if r is not None:
+        if push_token != r.push_token:
+            r.push_token, r.pushed_version = push_token, None
+        return r, False
+    r = Router(url=url, registered_at_s=now_s, push_token=push_token)
+    session.add(r)
+    session.flush()
+    return r, True
+
+
+def list_routers(session: Session) -> list[Router]:
+    return list(session.scalars(select(Router).order_by(Router.url)).all())
+
+
+# ---- overrides
+def active_overrides(session: Session, node_id: str | None = None) -> list[Override]:
+    q = select(Override).where(Override.state == "active")
+    if node_id is not None:
+        q = q.where(or_(Override.node_id == node_id, Override.node_id.is_(None)))
+    return list(session.scalars(q.order_by(Override.id.desc())).all())
+
+
+def list_overrides(session: Session, *, state: str | None, limit: int) -> list[Override]:
+    q = select(Override)
+    if state:
+        q = q.where(Override.state == state)
+    return list(session.scalars(q.order_by(Override.id.desc()).limit(limit)).all())
+
+
+def due_overrides(session: Session, now_s: float) -> list[Override]:
+    return list(session.scalars(select(Override).where(
+        Override.state == "active", Override.expires_at_s.is_not(None), Override.expires_at_s <= now_s)).all())
+
+
+# ---- policies and rollouts
+def active_policy(session: Session) -> Policy | None:
+    return session.scalar(select(Policy).where(Policy.status == "active").limit(1))
+
+
+def list_policies(session: Session) -> list[Policy]:
+    return list(session.scalars(select(Policy).order_by(Policy.uploaded_at_s.desc())).all())
+
+
+def open_rollout(session: Session) -> Rollout | None:
+    """The rollout in progress ("pending", "baking" or "paused"); at most one at a time."""
+    return session.scalar(select(Rollout).where(Rollout.state.in_(("pending", "baking", "paused"))).order_by(
+        Rollout.id.desc()).limit(1))
+
+
+def rollouts(session: Session, limit: int) -> list[Rollout]:
+    return list(session.scalars(select(Rollout).order_by(Rollout.id.desc()).limit(limit)).all())
+
+
+def rollout_nodes(session: Session, rollout_id: int) -> list[RolloutNode]:
+    return list(session.scalars(select(RolloutNode).where(RolloutNode.rollout_id == rollout_id)
+                                .order_by(RolloutNode.node_id)).all())
+
+
+def rollout_steps(session: Session, rollout_id: int) -> list[RolloutStep]:
+    return list(session.scalars(select(RolloutStep).where(RolloutStep.rollout_id == rollout_id)
+                                .order_by(RolloutStep.id)).all())
+
+
+def rollout_role(session: Session, rollout_id: int, node_id: str) -> RolloutNode | None:
+    return session.scalar(select(RolloutNode).where(RolloutNode.rollout_id == rollout_id,
+                                                    RolloutNode.node_id == node_id))
+
+
+# ---- jobs
+def record_job_run(session: Session, **kw: Any) -> None:
+    session.add(JobRun(**kw))
+
+
+def job_runs(session: Session, job: str | None, since_s: float | None, limit: int = 1000) -> list[JobRun]:
+    q = select(JobRun)
+    if job:
+        q = q.where(JobRun.job == job)
+    if since_s is not None:
+        q = q.where(JobRun.started_s >= since_s)
+    return list(session.scalars(q.order_by(JobRun.id.desc()).limit(limit)).all())

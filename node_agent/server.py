@@ -1,0 +1,87 @@
+"""The project's one way to run an ASGI app over HTTP: `serve_forever` (node agent, control
+plane, gateway).
+
+Why it exists: asyncio sets ``TCP_NODELAY`` on an accepted connection only when the listening
+socket was created with ``proto=IPPROTO_TCP`` (``asyncio.base_events._set_nodelay`` checks
+``sock.proto``). A socket made as ``socket(AF_INET, SOCK_STREAM)`` has proto 0, so every
+connection kept Nagle's algorithm on; uvicorn writes a response's head and body separately, and
+the second write waited for the client's delayed ACK: ~40 ms on every request after the first on
+a kept-alive connection. `listen_socket` creates the socket with ``IPPROTO_TCP`` (so asyncio's
+own check passes) and `serve_forever` also sets ``TCP_NODELAY`` on each accepted connection in
+uvicorn's connection hook, so the fix does not hang on an asyncio detail.
+``bench.engine`` reports keep-alive and fresh-connection p50 side by side; the tests check it.
+
+    serve_forever(app, host, port, *, log_level="warning", ready=None) -> None
+
+``app`` is any ASGI app (FastAPI, Starlette, a bare callable); ``port`` 0 binds a free port;
+``ready(host, port)`` is called with the bound port before serving starts; SIGINT and SIGTERM
+shut down gracefully (the app's lifespan runs its shutdown) and the call returns normally. It
+installs signal handlers, so it must run in the process's main thread.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+__all__ = ["listen_socket", "serve_forever", "set_nodelay"]
+
+
+def set_nodelay(sock: socket.socket) -> None:
+    """Turn off Nagle's algorithm on a connected TCP socket (no-op for other sockets)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket for ``host:port`` with proto ``IPPROTO_TCP``, so
+    asyncio turns Nagle off on every connection it accepts; inheritable, ``SO_REUSEADDR``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _nodelay_protocol(base):
+    """uvicorn's HTTP protocol class with ``TCP_NODELAY`` set on each new connection."""
+
+    class NoDelayProtocol(base):
+        def connection_made(self, transport) -> None:  # noqa: D401 - asyncio hook
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    set_nodelay(sock)
+                except OSError:  # the peer may already be gone
+                    pass
+            super().connection_made(transport)
+
+    NoDelayProtocol.__name__ = f"NoDelay{base.__name__}"
+    return NoDelayProtocol
+
+
+def serve_forever(app, host: str, port: int, *, log_level: str = "warning",
+                  ready: Callable[[str, int], None] | None = None) -> None:
+    """Bind ``host:port`` (0: a free port), report it through ``ready``, serve ``app`` (any
+    ASGI app) until SIGINT/SIGTERM, then return normally after a graceful shutdown.
+
+    Every accepted connection has ``TCP_NODELAY`` set (see the module docstring). Call it from
+    the main thread.
+    """
+    import signal
+
+    import uvicorn
+
+    sock = listen_socket(host, port)
+    bound = sock.getsockname()[1]
+    if ready is not None:
+        ready(host, bound)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
+    # place that re-raise is a no-op and the process exits with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: None)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False)
+    config.load()  # resolves config.http_protocol_class (h11 or httptools)
+    config.http_protocol_class = _nodelay_protocol(config.http_protocol_class)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,230 @@
+"""The control plane over real HTTP: a control-plane process (uvicorn) per module or test, its
+jobs running on short periods. Node traffic here is simulated HTTP (the tests with real node-agent
+processes are in tests/test_node_agent_control_plane*.py)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from .cp_util import REPO, ControlPlane, Database, artifact_tar, backends, register, report, wait_for
+
+DEFAULT_POLICY = REPO / "policies" / "default"
+
+
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp")
+    d = Database("sqlite", tmp)
+    c = ControlPlane(d.url, tmp / "cp.log")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=backends())
+def cp_any(request, tmp_path):
+    d = Database(request.param, tmp_path)
+    c = ControlPlane(d.url, tmp_path / "cp.log")
+    yield c
+    c.stop()
+    d.drop()
+
+
+def test_replayed_batch_is_stored_once(cp_any):
+    node = cp_any.client(cp_any.token("node"))
+    register(node, "r1")
+    batch = {"reports": [report(i, ts_s=1000.0 + i, decision={"source": "base", "emb_share": 0.5, "reason": "x"})
+                         for i in range(5)]}
+    assert node.post("/nodes/r1/reports", json=batch).json() == {"stored": 5, "duplicates": 0}
+    assert node.post("/nodes/r1/reports", json=batch).json() == {"stored": 0, "duplicates": 5}
+    overlap = {"reports": batch["reports"][3:] + [report(5, ts_s=1005.0)]}
+    assert node.post("/nodes/r1/reports", json=overlap).json() == {"stored": 1, "duplicates": 2}
+    rows = cp_any.admin.get("/reports", params={"node_id": "r1"}).json()
+    assert [r["seq"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    cl = cp_any.admin.get("/reports", params={"cluster": "true", "step_s": 100}).json()
+    assert [(r["node_id"], r["ts_s"], r["num_reports"]) for r in cl] == [("*", 1000.0, 6)]
+    assert cp_any.admin.get("/reports", params={"cluster": "true"}).status_code == 422
+    dec = cp_any.admin.get("/decisions", params={"node_id": "r1"}).json()
+    assert dec["total"] == 5
+    text = httpx.get(cp_any.base + "/metrics").text
+    assert "racer_cp_reports_stored_total 6.0" in text and "racer_cp_reports_duplicate_total 7.0" in text
+
+
+def test_bad_reports_get_422_naming_the_field_and_nothing_is_stored(cp):
+    node = cp.client(cp.token("node"))
+    register(node, "bad1")
+    good, bad = report(0, ts_s=1.0), report(1, ts_s=2.0, emb_share=1.5)
+    r = node.post("/nodes/bad1/reports", json={"reports": [good, bad]})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "reports", 1, "emb_share"]
+    r = node.post("/nodes/bad1/reports", json={"reports": [report(0, ts_s=1.0, surprise=1)]})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "reports", 0, "surprise"]
+    r = node.post("/nodes/bad1/reports", content=b'{"reports": [{"seq": 0, "ts_s": NaN}]}')
+    assert r.status_code == 422
+    r = node.post("/nodes/nobody/reports", json={"reports": [good]})
+    assert r.status_code == 404 and "nobody" in r.json()["detail"]
+    r = node.post("/nodes/register", json={"node_id": "x", "address": "ftp://x", "device": "cpu",
+                                           "cost_profile": {"kv_recompute_us_per_token": -1,
+                                                            "emb_transfer_us_per_row": 1, "service_time_us": 1}})
+    assert r.status_code == 422
+    assert {tuple(e["loc"]) for e in r.json()["detail"]} == {("body", "address"),
+                                                            ("body", "cost_profile", "kv_recompute_us_per_token")}
+    assert cp.admin.get("/reports", params={"node_id": "bad1"}).json() == []
+    assert cp.admin.get("/nodes/x").status_code == 404
+
+
+def _fill(path: str, params: list[dict]) -> str:
+    for p in params:
+        if p.get("in") == "path":
+            val = "1" if p["schema"].get("type") == "integer" else "n1"
+            path = path.replace("{" + p["name"] + "}", val)
+    return path
+
+
+def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
+    spec = httpx.get(cp.base + "/openapi.json").json()
+    tokens = {role: cp.token(role) for role in ("node", "operator", "viewer")}
+    checked = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            if method not in ("post", "put", "patch", "delete"):
+                continue
+            allowed = op["x-racer-roles"]  # every mutating route must declare its roles
+            url = cp.base + _fill(path, op.get("parameters", []))
+            for token, want in [(None, 401), ("racer_not-a-token", 401)] + [
+                    (tokens[r], 403) for r in ("node", "operator", "viewer") if r not in allowed]:
+                h = {"Authorization": f"Bearer {token}"} if token else {}
+                r = httpx.request(method.upper(), url, headers=h, json={}, timeout=30)
+                assert r.status_code == want, (method, path, token and token[:10], r.status_code, r.text)
+            checked.append((method, path))
+    assert len(checked) >= 15, checked
+    # and the reads: a viewer reads, a node token does not read operator history
+    assert cp.client(tokens["viewer"]).get("/nodes").status_code == 200
+    assert cp.client(tokens["node"]).get("/audit").status_code == 403
+    assert cp.client(tokens["viewer"]).get("/whoami").json()["role"] == "viewer"
+
+
+def test_override_lifecycle_with_expiry_and_audit(cp):
+    node = cp.client(cp.token("node"))
+    register(node, "o1")
+    register(node, "o2")
+    r = cp.admin.post("/overrides", json={"node_id": "o1", "emb_share": 0.99, "reason": "too high"})
+    assert r.status_code == 422 and "guard bounds" in r.json()["detail"]
+    r = cp.admin.post("/overrides", json={"node_id": "o1", "emb_share": 0.3})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "reason"]
+    assert cp.admin.get("/overrides").json() == []
+    # cluster-wide override, then a node override with a short expiry
+    c = cp.admin.post("/overrides", json={"emb_share": 0.6, "reason": "cluster test"}).json()
+    o = cp.admin.post("/overrides", json={"node_id": "o1", "emb_share": 0.3, "ttl_s": 1.5, "reason": "hot items"})
+    assert o.status_code == 201
+    o = o.json()
+    d1 = node.get("/nodes/o1/directives").json()["override"]
+    assert (d1["override_id"], d1["emb_share"], d1["scope"]) == (o["id"], 0.3, "node")
+    assert node.get("/nodes/o2/directives").json()["override"]["emb_share"] == 0.6
+    wait_for(lambda: cp.admin.get("/overrides", params={"state": "expired"}).json(), timeout_s=15)
+    assert node.get("/nodes/o1/directives").json()["override"]["emb_share"] == 0.6  # back to the cluster's
+    r = cp.admin.post(f"/overrides/{c['id']}/clear", json={"reason": "done"})
+    assert r.status_code == 200 and r.json()["state"] == "cleared"
+    assert cp.admin.post(f"/overrides/{c['id']}/clear", json={"reason": "again"}).status_code == 409
+    assert node.get("/nodes/o2/directives").json()["override"] is None
+    audit = cp.admin.get("/audit", params={"target": "override:"}).json()["items"]
+    seen = {(a["action"], a["target"]) for a in audit}
+    assert {("override.create", f"override:{c['id']}"), ("override.create", f"override:{o['id']}"),
+            ("override.expire", f"override:{o['id']}"), ("override.clear", f"override:{c['id']}")} <= seen
+    exp = next(a for a in audit if a["action"] == "override.expire")
+    assert exp["actor"] == "system" and exp["before"]["emb_share"] == 0.3
+    create = next(a for a in audit if a["target"] == f"override:{o['id']}" and a["action"] == "override.create")
+    assert create["actor"] == "admin" and create["reason"] == "hot items"
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Authorization") != "Bearer gw-push-secret":
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        type(self).received.append((self.path, json.loads(body)))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *a):
+        pass
+
+
+def test_router_weights_pushed_on_change_only_and_pullable(cp):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    _Recorder.received = []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        node = cp.client(cp.token("node"))
+        # nodes of the earlier tests are down by now or will be: keep ours alive with reports
+        for nid, kv in (("w1", 2.0), ("w2", 4.0)):
+            register(node, nid, kv_recompute_us_per_token=kv)
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        r = node.post("/routers", json={"url": url, "push_token": "gw-push-secret"})
+        assert r.status_code == 200 and r.json()["has_push_token"] and "push_token" not in r.json()
+
+        def keep_alive(seq, **kw):
+            for nid in ("w1", "w2"):
+                node.post(f"/nodes/{nid}/reports", json={"reports": [report(seq, **kw)]})
+
+        keep_alive(0)
+        first = wait_for(lambda: [b for p, b in _Recorder.received if {"w1", "w2"} <= set(b["nodes"])])[0]
+        assert first["nodes"]["w2"]["kv_recompute_us_per_token"] == 4.0
+        assert "registered" in first["nodes"]["w2"]["reason"]
+        pulled = node.get("/router/weights").json()
+        assert pulled["version"] >= first["version"]
+        v = pulled["version"]
+        keep_alive(1)
+        time.sleep(1.5)  # three weights-job periods with the same inputs: no new version
+        keep_alive(2)
+        assert node.get("/router/weights").json()["version"] == v
+        # w2 reports a much higher KV recompute cost: a new version with the reason, pushed
+        for seq in range(3, 8):
+            node.post("/nodes/w2/reports", json={"reports": [report(seq, kv_recompute_us_per_token=9.0)]})
+            node.post("/nodes/w1/reports", json={"reports": [report(seq)]})
+        new = wait_for(lambda: [b for p, b in _Recorder.received
+                                if b["nodes"].get("w2", {}).get("kv_recompute_us_per_token") == 9.0])[0]
+        assert new["version"] > v and "reported median" in new["nodes"]["w2"]["reason"]
+        hist = cp.admin.get("/router/weights/history").json()
+        change = next(h for h in hist if h["version"] == new["version"])
+        assert "w2 kv_recompute_us_per_token 4 -> 9" in change["reason"]
+        assert all(p == "/v1/router/weights" for p, _ in _Recorder.received)
+        routers = cp.admin.get("/routers").json()
+        assert any(r["url"] == url and r["pushed_version"] == new["version"] for r in routers)
+    finally:
+        srv.shutdown()
+
+
+def test_policy_upload_verify_download(cp):
+    bad = artifact_tar(DEFAULT_POLICY, policy_id="corrupt-1", corrupt_onnx=True)
+    r = cp.admin.post("/policies", content=bad, headers={"Content-Type": "application/x-tar"})
+    assert r.status_code == 422 and "refused" in r.json()["detail"]
+    r = cp.admin.post("/policies", content=b"not a tar", headers={"Content-Type": "application/x-tar"})
+    assert r.status_code == 422 and "tar" in r.json()["detail"]
+    assert cp.admin.get("/policies/corrupt-1").status_code == 404
+    good = artifact_tar(DEFAULT_POLICY, policy_id="up-a")
+    r = cp.admin.post("/policies", content=good, headers={"Content-Type": "application/x-tar"})
+    assert r.status_code == 201, r.text
+    p = r.json()
+    assert p["version"] == "up-a" and p["status"] == "registered" and p["manifest"]["policy_id"] == "up-a"
+    assert cp.admin.post("/policies", content=good).status_code == 200  # same files: idempotent
+    other = artifact_tar(DEFAULT_POLICY)  # the default's own policy_id, different manifest bytes from up-a
+    assert cp.admin.post("/policies", content=other).status_code == 201
+    node = cp.client(cp.token("node"))
+    art = node.get("/policies/up-a/artifact")
+    import hashlib
+
+    assert art.status_code == 200 and hashlib.sha256(art.content).hexdigest() == p["digest"]
+    assert art.headers["x-racer-digest"] == p["digest"]

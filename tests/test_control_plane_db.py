@@ -1,0 +1,167 @@
+"""db/: migrations and query functions on SQLite and PostgreSQL (real SQL, both dialects)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import inspect, select
+
+from db import queries
+from db.engine import current_revision, make_engine, normalize_url, session_factory, upgrade
+from db.models import Decision, Node, NodeReport, NodeReportRollup
+
+from .cp_util import Database, backends
+
+
+@pytest.fixture(params=backends())
+def db(request, tmp_path):
+    d = Database(request.param, tmp_path)
+    engine = make_engine(d.url)
+    upgrade(engine)
+    yield engine, session_factory(engine)
+    engine.dispose()
+    d.drop()
+
+
+def _node(s, nid, now=100.0):
+    queries.upsert_node(s, node_id=nid, address="http://h:1", device="cpu", cost_profile={"service_time_us": 1.0},
+                        policy_version=None, now_s=now, report_interval_s=1.0)
+
+
+def _row(nid, seq, ts, **kw):
+    d = dict(node_id=nid, seq=seq, ts_s=ts, received_s=ts, interval_s=1.0, emb_share=0.5, emb_share_target=0.5,
+             kv_hit_rate=None, emb_hit_rate=None, p50_ms=1.0, p99_ms=2.0, slo_attainment=1.0, throughput_rps=10.0,
+             num_requests=10, queue_depth=0.0, refill_bytes=0, kv_recompute_us_per_token=None,
+             emb_transfer_us_per_row=None, policy_version="a", decision_source=None)
+    d.update(kw)
+    return d
+
+
+def test_migrations_make_every_table_and_are_idempotent(db):
+    engine, _ = db
+    upgrade(engine)  # second run: nothing to do
+    assert current_revision(engine) == "0002"
+    names = set(inspect(engine).get_table_names())
+    for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
+              "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
+              "job_runs", "scheduler_lease", "alembic_version"):
+        assert t in names, t
+    uqs = {tuple(u["column_names"]) for u in inspect(engine).get_unique_constraints("node_reports")}
+    assert ("node_id", "seq") in uqs
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
+    d = Database(backend, tmp_path)
+    engine = make_engine(d.url)
+    try:
+        upgrade(engine, "0001")
+        assert current_revision(engine) == "0001"
+        assert "push_token" not in {c["name"] for c in inspect(engine).get_columns("routers")}
+        upgrade(engine)
+        assert current_revision(engine) == "0002"
+        assert "push_token" in {c["name"] for c in inspect(engine).get_columns("routers")}
+    finally:
+        engine.dispose()
+        d.drop()
+
+
+def test_insert_reports_is_idempotent_on_node_and_seq(db):
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a")
+        _node(s, "b")
+    with factory.begin() as s:
+        got = queries.insert_reports(s, [_row("a", 0, 100.0), _row("a", 1, 101.0), _row("b", 0, 100.0)])
+    assert got == {("a", 0), ("a", 1), ("b", 0)}
+    with factory.begin() as s:  # replay plus one new report
+        got = queries.insert_reports(s, [_row("a", 1, 101.0, p99_ms=99.0), _row("a", 2, 102.0)])
+        queries.insert_decisions(s, [dict(node_id="a", seq=2, ts_s=102.0, source="base", emb_share=0.4,
+                                          prev_emb_share=0.5, reason="r", policy_version="a", features={"x": 1.0})] * 2)
+    assert got == {("a", 2)}
+    with factory() as s:
+        rows = s.execute(select(NodeReport.node_id, NodeReport.seq, NodeReport.p99_ms).order_by(
+            NodeReport.node_id, NodeReport.seq)).all()
+        assert [tuple(r) for r in rows] == [("a", 0, 2.0), ("a", 1, 2.0), ("a", 2, 2.0), ("b", 0, 2.0)]
+        assert s.scalar(select(Decision.features)) == {"x": 1.0}
+        assert len(s.scalars(select(Decision)).all()) == 1
+
+
+def test_unknown_node_is_refused_by_the_foreign_key(db):
+    _, factory = db
+    with pytest.raises(Exception):
+        with factory.begin() as s:
+            queries.insert_reports(s, [_row("ghost", 0, 1.0)])
+    with factory() as s:
+        assert s.scalars(select(NodeReport)).all() == []
+
+
+def test_history_downsampling_rollups_and_retention(db):
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a")
+        queries.insert_reports(s, [_row("a", i, 1000.0 + i, p99_ms=float(i)) for i in range(20)])
+    with factory() as s:
+        raw = queries.report_history(s, node_id="a", start_s=1005.0, end_s=1010.0, step_s=None, limit=100)
+        assert [r["seq"] for r in raw] == [5, 6, 7, 8, 9]
+        buckets = queries.report_history(s, node_id="a", start_s=None, end_s=None, step_s=10.0, limit=100)
+        assert [(b["ts_s"], b["num_reports"], b["p99_ms"]) for b in buckets] == [(1000.0, 10, 4.5), (1010.0, 10, 14.5)]
+    with factory.begin() as s:  # raw rows older than 1010 are rolled up (10 s buckets) and deleted
+        out = queries.rollup_and_prune(s, now_s=1015.0, step_s=10.0, raw_retention_s=5.0, rollup_retention_s=1e9)
+    assert out["raw_deleted"] == 10 and out["rollups"] == 1
+    with factory.begin() as s:  # idempotent
+        out = queries.rollup_and_prune(s, now_s=1015.0, step_s=10.0, raw_retention_s=5.0, rollup_retention_s=1e9)
+    assert out["raw_deleted"] == 0
+    with factory() as s:
+        assert len(s.scalars(select(NodeReportRollup)).all()) == 1
+        buckets = queries.report_history(s, node_id="a", start_s=None, end_s=None, step_s=10.0, limit=100)
+        assert [(b["ts_s"], b["num_reports"], b["p99_ms"]) for b in buckets] == [(1000.0, 10, 4.5), (1010.0, 10, 14.5)]
+
+
+def test_cluster_history_sums_rates_and_averages_the_rest(db):
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a")
+        _node(s, "b")
+        queries.insert_reports(s, [_row("a", i, 1000.0 + i, p99_ms=2.0, throughput_rps=10.0) for i in range(4)]
+                               + [_row("b", i, 1000.0 + i, p99_ms=6.0, throughput_rps=30.0) for i in range(4)]
+                               + [_row("b", 9, 1001.5, p99_ms=None, throughput_rps=30.0)])
+    with factory() as s:
+        rows = queries.cluster_history(s, start_s=None, end_s=None, step_s=10.0, limit=10)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["node_id"], r["ts_s"], r["num_reports"], r["throughput_rps"], r["p99_ms"]) == ("*", 1000.0, 9, 40.0, 4.0)
+
+
+def test_liveness_marks_silent_nodes_down_and_a_report_brings_them_up(db):
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a", now=100.0)
+        _node(s, "b", now=104.0)
+    with factory.begin() as s:
+        assert queries.mark_down(s, now_s=105.5, missed_intervals=5) == ["a"]
+    with factory.begin() as s:
+        queries.touch_nodes(s, {"a": (106.0, 3, 0.4, None)})
+    with factory() as s:
+        a = s.get(Node, "a")
+        assert (a.status, a.last_seen_s, a.last_report_seq, a.emb_share) == ("up", 106.0, 3, 0.4)
+
+
+def test_window_values_select_nodes_versions_and_windows_with_requests(db):
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a")
+        _node(s, "b")
+        queries.insert_reports(s, [_row("a", 0, 10.0, p99_ms=5.0, policy_version="new"),
+                                   _row("a", 1, 11.0, p99_ms=None, slo_attainment=None, num_requests=0,
+                                        policy_version="new"),
+                                   _row("a", 2, 12.0, p99_ms=7.0, policy_version="old"),
+                                   _row("b", 0, 10.0, p99_ms=3.0, policy_version="new")])
+    with factory() as s:
+        v = queries.window_values(s, ["a"], since_s=0.0, until_s=100.0, policy_version="new")
+        assert v == {"slo_attainment": [1.0], "p99_ms": [5.0]}
+
+
+def test_postgres_urls_use_psycopg3():
+    assert normalize_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert normalize_url("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert normalize_url("sqlite:///x.db") == "sqlite:///x.db"

@@ -1,0 +1,69 @@
+"""One scheduler per cluster: two control-plane processes on one PostgreSQL database; each job
+runs once per period (from one replica), and the standby takes over when the leader stops."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from .cp_util import ControlPlane, Database, backends, wait_for
+
+PG = [p for p in backends() if getattr(p, "values", [p])[0] == "postgresql"]
+
+PERIODS = {"router_weights": 0.5, "rollout_evaluation": 0.3, "override_expiry": 0.2, "node_liveness": 0.5}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", PG)
+def test_two_replicas_on_one_postgresql_run_each_job_once_per_period(backend, tmp_path):
+    d = Database(backend, tmp_path)
+    a = b = None
+    try:
+        a = ControlPlane(d.url, tmp_path / "a.log")
+        b = ControlPlane(d.url, tmp_path / "b.log")
+        leaders = lambda: [httpx.get(c.base + "/healthz").json() for c in (a, b)]  # noqa: E731
+        wait_for(lambda: sum(h["leader"] for h in leaders()) == 1, timeout_s=20)
+        t0 = time.time()
+        time.sleep(6.0)
+        t1 = time.time()
+        hs = leaders()
+        assert sum(h["leader"] for h in hs) == 1, hs
+        leader = next(h["instance"] for h in hs if h["leader"])
+        runs = a.admin.get("/jobs", params={"since_s": t0, "limit": 10000}).json()
+        runs = [r for r in runs if r["started_s"] < t1]
+        for job, period in PERIODS.items():
+            mine = sorted(r["started_s"] for r in runs if r["job"] == job)
+            assert {r["instance"] for r in runs if r["job"] == job} == {leader}, job
+            expected = (t1 - t0) / period
+            assert 0.6 * expected <= len(mine) <= expected + 1.5, (job, len(mine), expected)
+            gaps = [y - x for x, y in zip(mine, mine[1:])]
+            assert min(gaps) > 0.5 * period, (job, min(gaps))  # never two runs of one period
+            assert all(r["ok"] for r in runs if r["job"] == job), job
+        # the leader stops: the standby takes over (the advisory lock dies with its session)
+        (lead, stand) = (a, b) if hs[0]["leader"] else (b, a)
+        lead.stop()
+        wait_for(lambda: httpx.get(stand.base + "/healthz").json()["leader"], timeout_s=20)
+        new = httpx.get(stand.base + "/healthz").json()["instance"]
+        t2 = time.time()
+        wait_for(lambda: [r for r in stand.admin.get("/jobs", params={"since_s": t2}).json()
+                          if r["job"] == "override_expiry" and r["instance"] == new], timeout_s=10)
+        assert stand.admin.get("/summary").json()["leader"] == new
+    finally:
+        for c in (a, b):
+            if c is not None:
+                c.stop()
+        d.drop()
+
+
+def test_sqlite_replica_leads_alone(tmp_path):
+    d = Database("sqlite", tmp_path)
+    c = ControlPlane(d.url, tmp_path / "c.log")
+    try:
+        wait_for(lambda: httpx.get(c.base + "/healthz").json()["leader"], timeout_s=10)
+        runs = wait_for(lambda: c.admin.get("/jobs", params={"job": "node_liveness"}).json(), timeout_s=10)
+        assert runs[0]["ok"] and runs[0]["summary"] is not None
+        assert "racer_cp_scheduler_leader 1.0" in httpx.get(c.base + "/metrics").text
+    finally:
+        c.stop()

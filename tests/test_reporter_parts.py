@@ -1,0 +1,348 @@
+"""The reporter's parts without a control plane: the on-disk spool (sequence numbers, bound,
+restart), artifact unpacking, the registration cost profile, and policy directives served by a
+real HTTP server (digest mismatch and unloadable artifacts keep the old policy)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import tarfile
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from node_agent.reporter import Reporter, ReporterConfig, ReportSpool, cost_profile, unpack_artifact
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export_constant_policy(out_dir: Path, emb_share: float) -> Path:
+    """A policy artifact of the current feature schema that always proposes ``emb_share``."""
+    import math
+
+    import torch
+
+    from policies.actor import make_initial_actor
+    from policies.export import export_actor
+
+    actor = make_initial_actor(0)
+    with torch.no_grad():
+        actor.head.weight.zero_()
+        actor.head.bias.fill_(math.log(emb_share / (1 - emb_share)))
+    export_actor(actor, out_dir)
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory) -> Path:
+    return export_constant_policy(tmp_path_factory.mktemp("policy") / "p06", 0.6)
+
+
+def test_spool_numbers_reports_in_order_and_survives_a_restart(tmp_path):
+    sp = ReportSpool(tmp_path, max_reports=10)
+    assert [sp.append({"x": i}) for i in range(4)] == [0, 1, 2, 3]
+    assert [r["seq"] for r in sp.peek(3)] == [0, 1, 2] and [r["x"] for r in sp.peek(2)] == [0, 1]
+    sp.remove([0, 1])
+    again = ReportSpool(tmp_path, max_reports=10)  # a restarted agent
+    assert len(again) == 2 and [r["seq"] for r in again.peek(10)] == [2, 3]
+    assert again.append({"x": 9}) == 4  # never reuses a number
+    again.remove([2, 3, 4])
+    third = ReportSpool(tmp_path, max_reports=10)
+    assert len(third) == 0 and third.append({}) == 5  # the counter survives an empty spool
+
+
+def test_spool_is_bounded_dropping_the_oldest_and_counting(tmp_path):
+    sp = ReportSpool(tmp_path, max_reports=3)
+    for i in range(7):
+        sp.append({"x": i})
+    assert [r["seq"] for r in sp.peek(10)] == [4, 5, 6] and sp.num_dropped == 4
+    assert sorted(p.name for p in (tmp_path / "spool").iterdir()) == ["0000000004.json", "0000000005.json",
+                                                                     "0000000006.json"]
+    assert ReportSpool(tmp_path, max_reports=2).num_dropped == 5  # a smaller bound at restart drops one more
+    sp2 = ReportSpool(tmp_path, max_reports=2)
+    assert [r["seq"] for r in sp2.peek(10)] == [5, 6]
+
+
+def test_spool_raises_the_counter_past_what_the_control_plane_has(tmp_path):
+    sp = ReportSpool(tmp_path, max_reports=5)
+    sp.raise_next_seq(100)
+    assert sp.append({}) == 100
+    sp.raise_next_seq(50)
+    assert sp.append({}) == 101
+
+
+def test_unreadable_spooled_report_is_dropped_and_counted(tmp_path):
+    sp = ReportSpool(tmp_path, max_reports=5)
+    sp.append({"x": 1})
+    sp.append({"x": 2})
+    (tmp_path / "spool" / "0000000000.json").write_text("{not json")
+    assert [r["seq"] for r in sp.peek(5)] == [1] and sp.num_dropped == 1
+
+
+def _tar(files: dict[str, bytes], top: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"{top}/{name}" if top else name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_unpack_artifact_accepts_tar_targz_zip_and_one_top_folder(tmp_path, policy_dir):
+    files = {"manifest.json": b"{}", "policy.onnx": b"onnx", "golden.npz": b"npz"}
+    for i, blob in enumerate([_tar(files), _tar(files, top="art")]):
+        unpack_artifact(blob, tmp_path / str(i))
+        assert {p.name: p.read_bytes() for p in (tmp_path / str(i)).iterdir()} == files
+    zbuf = io.BytesIO()
+    with zipfile.ZipFile(zbuf, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+    unpack_artifact(zbuf.getvalue(), tmp_path / "z")
+    assert (tmp_path / "z" / "policy.onnx").read_bytes() == b"onnx"
+    # a plain tar whose last member is a zip (golden.npz is one) is still a tar
+    real = {n: (policy_dir / n).read_bytes() for n in ("manifest.json", "policy.onnx", "golden.npz")}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name in ("manifest.json", "policy.onnx", "golden.npz"):
+            info = tarfile.TarInfo(name)
+            info.size = len(real[name])
+            t.addfile(info, io.BytesIO(real[name]))
+    assert zipfile.is_zipfile(io.BytesIO(buf.getvalue()))
+    unpack_artifact(buf.getvalue(), tmp_path / "t")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == real
+
+
+@pytest.mark.parametrize("name", ["../evil", "/abs/evil"])
+def test_unpack_artifact_refuses_paths_that_leave_it(tmp_path, name):
+    with pytest.raises(RuntimeError, match="leaves the artifact"):
+        unpack_artifact(_tar({name: b"x", "policy.onnx": b"y"}), tmp_path / "d")
+    with pytest.raises(RuntimeError, match="neither a zip nor a tar"):
+        unpack_artifact(b"garbage", tmp_path / "e")
+
+
+def test_registration_cost_profile_from_the_node_profile():
+    p = cost_profile({"kv_recompute_us_per_token": {"128": 2.0, "512": 3.0, "2048": 9.0},
+                      "emb_transfer_us_per_row": 4.0}, queue_capacity=64)
+    assert p == {"kv_recompute_us_per_token": 3.0, "emb_transfer_us_per_row": 4.0,
+                 "service_time_us": 512 * 3.0 + 256 * 4.0, "queue_capacity": 64}
+    assert cost_profile(None, queue_capacity=8, service_time_us=100.0)["service_time_us"] == 100.0
+
+
+@pytest.mark.parametrize("kw, field", [({"control_plane_url": "cp:80"}, "control_plane_url"),
+                                       ({"node_id": "a b"}, "node_id"), ({"token": ""}, "token"),
+                                       ({"batch_size": 5000}, "batch_size"),
+                                       ({"max_buffered_reports": 0}, "max_buffered_reports")])
+def test_reporter_config_names_the_bad_field(kw, field):
+    base = dict(control_plane_url="http://127.0.0.1:1", token="t", node_id="n0",
+                advertise_url="http://127.0.0.1:2", state_dir="/tmp/x")
+    with pytest.raises(ValueError, match=field):
+        ReporterConfig(**{**base, **kw})
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    blobs: dict[str, bytes] = {}
+    posted: list = []
+
+    def do_GET(self):  # noqa: N802
+        blob = self.blobs.get(self.path)
+        self.send_response(200 if blob is not None else 404)
+        self.send_header("Content-Length", str(len(blob or b"")))
+        self.end_headers()
+        self.wfile.write(blob or b"")
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.posted.append((self.path, json.loads(body), self.headers.get("Authorization")))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture()
+def file_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    _Files.blobs, _Files.posted = {}, []
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", _Files
+    srv.shutdown()
+    srv.server_close()
+
+
+def _agent_with_policy(policy: Path):
+    from node_agent.agent import AgentConfig, NodeAgent
+    from node_agent.allocator import AllocatorConfig, SmartAllocator
+    from tests.test_node_agent import small_engine
+
+    alloc = SmartAllocator(AllocatorConfig(), policy_dir=policy)
+    return NodeAgent(small_engine(), AgentConfig(control_interval_s=0.1), allocator=alloc)
+
+
+def _artifact_blob(policy: Path, onnx: bytes | None = None) -> bytes:
+    """An uncompressed tar, golden.npz last (as the control plane's canonical tar ends with a zip)."""
+    files = {n: (policy / n).read_bytes() for n in ("manifest.json", "policy.onnx", "golden.npz")}
+    if onnx is not None:
+        files["policy.onnx"] = onnx
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_policy_directives_verify_the_digest_and_keep_the_old_policy_on_failure(tmp_path, file_server, policy_dir):
+    url, handler = file_server
+    agent = _agent_with_policy(policy_dir)
+    old = agent.allocator.policy
+    rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)))
+    try:
+        good = _artifact_blob(policy_dir)
+        handler.blobs["/a/good"] = good
+        # 1. wrong digest: refused before unpacking, old policy kept, failure confirmed
+        rep.apply_policy({"version": "v-bad-digest", "digest": "0" * 64, "download_url": "/a/good"})
+        assert agent.allocator.policy is old and rep.policy_version == old.policy_id
+        path, body, auth = handler.posted[-1]
+        assert path == "/api/v1/nodes/n0/policy" and auth == "Bearer tok"
+        assert body["status"] == "failed" and "digest mismatch" in body["error"] and body["policy_version"] == "v-bad-digest"
+        # the same (version, digest) is not retried
+        n = len(handler.posted)
+        rep.apply_policy({"version": "v-bad-digest", "digest": "0" * 64, "download_url": "/a/good"})
+        assert len(handler.posted) == n
+        # 2. right digest but the ONNX file does not match the manifest: load refused, old kept
+        broken = _artifact_blob(policy_dir, onnx=b"not an onnx model")
+        handler.blobs["/a/broken"] = broken
+        rep.apply_policy({"version": "v-broken", "digest": "sha256:" + hashlib.sha256(broken).hexdigest(),
+                          "download_url": "/a/broken"})
+        assert agent.allocator.policy is old
+        body = handler.posted[-1][1]
+        assert body["status"] == "failed" and "PolicyLoadError" in body["error"]
+        assert rep.status()["policy_error"].startswith("PolicyLoadError")
+        # 3. a good artifact: loaded (a new OnnxPolicy object), confirmed, reported from now on
+        rep.apply_policy({"version": "v-good", "digest": hashlib.sha256(good).hexdigest(), "download_url": "/a/good"})
+        assert agent.allocator.policy is not old and rep.policy_version == "v-good"
+        assert handler.posted[-1][1] == {"policy_version": "v-good", "status": "loaded", "error": None}
+        assert rep.status()["policy_error"] is None
+        # 4. the version it runs: one confirmation per directive, no download
+        n = len(handler.posted)
+        for _ in range(3):
+            rep.apply_policy({"version": "v-good", "digest": hashlib.sha256(good).hexdigest(), "rollout_id": 7})
+        assert len(handler.posted) == n + 1
+    finally:
+        rep.stop()
+
+
+def test_override_directive_expiry_is_converted_to_the_agent_clock(tmp_path, file_server, policy_dir):
+    url, _ = file_server
+    agent = _agent_with_policy(policy_dir)
+    t = [100.0]
+    agent.clock = lambda: t[0]
+    rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)))
+    try:
+        od = {"override_id": 3, "emb_share": 0.25, "expires_at_s": 5_000.0 + 30.0, "reason": "pin", "scope": "cluster"}
+        rep.apply_override(od, server_now_s=5_000.0)  # 30 s left on the control plane's clock
+        ov = agent.allocator.override
+        assert ov.emb_share == 0.25 and ov.expires_at_s == pytest.approx(130.0)  # 100 + 30 and "override 3, cluster" in ov.reason
+        rep.apply_override(od, server_now_s=5_001.0)  # the same override again: left alone
+        assert agent.allocator.override is ov
+        rep.apply_override(None, server_now_s=5_002.0)  # no longer sent: cleared
+        assert agent.allocator.override is None
+        # the agent's time of the request is the reference (the override ends early, never late)
+        rep.apply_override({**od, "override_id": 6}, server_now_s=5_000.0, agent_now_s=95.0)
+        assert agent.allocator.override.expires_at_s == pytest.approx(125.0)
+        rep.apply_override(None, server_now_s=5_002.0)
+        rep.apply_override({**od, "override_id": 4, "expires_at_s": 4_999.0}, server_now_s=5_000.0)  # past: ignored
+        assert agent.allocator.override is None
+        rep.apply_override({**od, "override_id": 5, "emb_share": 0.999}, server_now_s=5_000.0)  # outside the bounds
+        assert agent.allocator.override is None
+        assert rep.status()["override"]["applied"] is False and "guard bounds" in rep.status()["override"]["error"]
+        # an operator's own (local) override is never cleared by the control plane's absence of one
+        mine = agent.allocator.set_override(0.4, now_s=t[0])
+        rep.apply_override(None, server_now_s=5_003.0)
+        assert agent.allocator.override is mine
+    finally:
+        rep.stop()
+
+
+def test_bursts_are_reported_when_they_start_and_when_they_end(tmp_path, file_server, policy_dir):
+    url, _ = file_server
+    agent = _agent_with_policy(policy_dir)
+    t = [0.0]
+    agent.clock = lambda: t[0]
+    rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)),
+                   wall_clock=lambda: 1_000_000.0 + t[0])
+    rec = agent.allocator.recovery
+    try:
+        seen = []
+        for s in range(40):  # 1 s intervals: 15 s of baseline, a 3x burst from 15 s to 24 s, then normal
+            now = float(s)
+            t[0] = now
+            rate, hot = (300.0, 0.3) if 15 <= s < 24 else (100.0, 0.1)
+            rec.update(rate, hot, now, 0.5)
+            seen.append((s, rep._bursts(now)))
+        sent = [(s, b) for s, bs in seen for b in bs]
+        assert len(sent) == 2, sent
+        (s0, start), (s1, end) = sent
+        assert s0 == 15 and start == {"start_s": 1_000_015.0, "end_s": None, "magnitude": pytest.approx(3.0)}
+        assert s1 > 24 and end["start_s"] == 1_000_015.0 and end["end_s"] == 1_000_000.0 + s1
+        assert end["magnitude"] == pytest.approx(3.0)
+    finally:
+        rep.stop()
+
+
+def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_server, policy_dir):
+    """The report `on_control` builds passes the control plane's own input model (once merged)."""
+    schemas = pytest.importorskip("control_plane.schemas")
+    from node_agent.engine import RecRequest
+
+    url, _ = file_server
+    agent = _agent_with_policy(policy_dir)
+    agent.miss_costs = {"kv_recompute_us_per_token": {"128": 2.0}, "emb_transfer_us_per_row": 1.0}
+    rep = Reporter(agent, ReporterConfig(control_plane_url=url, token="tok", node_id="n0",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)))
+    try:
+        empty = agent.control_step(agent.clock())  # a window without requests: figures are null
+        now = agent.clock()
+        for u in range(5):
+            r = agent.engine.serve(RecRequest(u, list(range(u, u + 10)), [], top_k=2), now_s=now)
+            agent.metrics.record(now, r.latency.total_us, emb_requested=r.emb_rows, emb_hits=r.emb_hits,
+                                 kv_tokens=r.num_history, kv_hit_tokens=r.kv_hit_tokens, user=u, history_len=10)
+        busy = agent.control_step(agent.clock())
+        reports = [rep._build_report(o) for o in (empty, busy)]
+        for i, r in enumerate(reports):
+            schemas.ReportIn.model_validate({**r, "seq": i})
+        assert reports[0]["p99_ms"] is None and reports[0]["slo_attainment"] is None
+        assert reports[1]["num_requests"] == 5 and reports[1]["p50_ms"] <= reports[1]["p99_ms"]
+        assert reports[1]["decision"]["source"] in ("base", "residual", "guard")
+        assert reports[1]["policy_version"] == agent.allocator.policy.policy_id
+    finally:
+        rep.stop()
+
+
+def test_node_agent_control_plane_options_fail_early_in_one_line(tmp_path, capsys, monkeypatch):
+    from racer.cli import main as racer_main
+
+    monkeypatch.delenv("RACER_NODE_TOKEN", raising=False)
+    csv = tmp_path / "missing.csv"  # never read: the options are refused first
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "http://cp:8600"]) == 2
+    err = capsys.readouterr().err
+    assert "--control-plane needs --token" in err and err.count("\n") == 1
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "http://cp:8600",
+                       "--token", "t", "--node-id", "bad id"]) == 2
+    assert "node_id must be" in capsys.readouterr().err
+    assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "cp:8600",
+                       "--token", "t"]) == 2
+    assert "control_plane_url must start with http" in capsys.readouterr().err
