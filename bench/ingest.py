@@ -196,6 +196,9 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             "load_average_1m": round(os.getloadavg()[0], 2), "num_cpus": os.cpu_count(),
             "mean_rows_per_commit": None if rows is None else round(rows, 2),
             "mean_commit_ms": None if commit_s is None else round(commit_s * 1e3, 3),
+            "commit_p99_bound_ms": _ms(_hist_quantile_bound(metrics, "racer_cp_ingest_commit_duration_seconds", 0.99)),
+            "handler_p99_bound_ms": _ms(_hist_quantile_bound(metrics, "racer_cp_ingest_request_duration_seconds",
+                                                             0.99)),
             "mean_server_handler_ms": None if handler_s is None else round(handler_s * 1e3, 3),
             "target": {"reports_per_s": ">= 1000", "ingest_p99_ms": "<= 50"},
         }
@@ -207,10 +210,27 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             proc.kill()
 
 
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
 def _cpu_s(pid: int) -> float:
     """utime + stime of a process, seconds (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _hist_quantile_bound(text: str, name: str, q: float) -> float | None:
+    """The smallest histogram bucket bound holding a fraction ``q`` of the observations."""
+    buckets = []
+    for ln in text.splitlines():
+        if ln.startswith(name + "_bucket{"):
+            le = ln.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(ln.split()[-1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    return next(le for le, c in buckets if c >= q * total)
 
 
 def _hist_mean(text: str, name: str) -> float | None:

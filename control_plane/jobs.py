@@ -28,7 +28,7 @@ import httpx
 from sqlalchemy import text
 
 from db import queries
-from db.models import Override, Router, SchedulerLease
+from db.models import Router, SchedulerLease
 
 from . import rollout_service
 from .weights import CostProfile, derive_weights
@@ -323,4 +323,4 @@ def _jsonable(x):
         return {"repr": repr(x)}
 
 
-__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights", "Override"]
+__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights"]

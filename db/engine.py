@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, text
@@ -34,7 +35,10 @@ def database_url(url: str | None = None) -> str:
     return normalize_url(url or os.environ.get("RACER_DATABASE_URL") or DEFAULT_DATABASE_URL)
 
 
-def make_engine(url: str | None = None, *, pool_size: int = 10) -> Engine:
+def make_engine(url: str | None = None, *, pool_size: int = 10, background_checkpoint: bool = False) -> Engine:
+    """``background_checkpoint`` (SQLite): connections never checkpoint the WAL on commit (which
+    would fsync inside a writer's commit); a daemon thread checkpoints (PASSIVE) every second
+    instead, so the ingestion writer's commits stay short. For long-running servers only."""
     url = database_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
@@ -46,12 +50,38 @@ def make_engine(url: str | None = None, *, pool_size: int = 10) -> Engine:
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=30000")
+            if background_checkpoint:
+                cur.execute("PRAGMA wal_autocheckpoint=0")
             cur.close()
 
+        if background_checkpoint:
+            _start_checkpointer(engine)
         return engine
     if not url.startswith("postgresql"):
         raise ValueError(f"unsupported database URL {url!r}: use sqlite:///PATH or postgresql+psycopg://...")
     return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+
+
+def _start_checkpointer(engine: Engine, period_s: float = 1.0) -> None:
+    import threading
+    import weakref
+
+    ref = weakref.ref(engine)
+
+    def run() -> None:
+        while True:
+            time.sleep(period_s)
+            eng = ref()
+            if eng is None:
+                return
+            try:
+                with eng.connect() as conn:
+                    conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+            except Exception:  # noqa: BLE001 - a busy or disposed database: try again later
+                pass
+            del eng
+
+    threading.Thread(target=run, name="racer-sqlite-checkpoint", daemon=True).start()
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 

@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_node_parser(sub)
 
+    from dashboard.cli import add_dashboard_parser
+
+    add_dashboard_parser(sub)
+
     from simulator.cli import add_bench_parser
 
     add_bench_parser(sub)

@@ -1,0 +1,55 @@
+"""`racer token create` and the admin token printed once on first start (real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+
+from db import queries
+from db.engine import make_engine, session_factory
+
+from .cp_util import REPO, ControlPlane, wait_for
+
+
+def test_token_create_stores_only_the_hash(tmp_path):
+    url = f"sqlite:///{tmp_path}/cp.db"
+    out = subprocess.run([sys.executable, "-m", "racer", "token", "create", "--role", "viewer", "--name", "grafana",
+                          "--db", url, "--json"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    tok = json.loads(out.stdout)
+    assert tok["role"] == "viewer" and tok["name"] == "grafana" and tok["token"].startswith("racer_")
+    engine = make_engine(url)
+    with session_factory(engine)() as s:
+        t = queries.token_by_secret(s, tok["token"])
+        assert t is not None and t.role == "viewer" and t.token_sha256 != tok["token"]
+        assert tok["token"] not in json.dumps([t.name, t.role, t.token_sha256])
+    engine.dispose()
+    bad = subprocess.run([sys.executable, "-m", "racer", "token", "create", "--role", "root", "--db", url],
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "root" in bad.stderr
+
+
+def test_admin_token_is_printed_once_on_first_start(tmp_path, monkeypatch):
+    monkeypatch.delenv("RACER_ADMIN_TOKEN", raising=False)
+    url = f"sqlite:///{tmp_path}/cp.db"
+    cp = ControlPlane(url, tmp_path / "first.log", env={"RACER_ADMIN_TOKEN": ""})
+    try:
+        m = wait_for(lambda: re.search(r"admin operator token \(shown once\): (\S+)", (tmp_path / "first.log").read_text()))
+        secret = m.group(1)
+        who = httpx.get(cp.base + "/api/v1/whoami", headers={"Authorization": f"Bearer {secret}"}).json()
+        assert who["role"] == "operator" and who["name"] == "admin"
+    finally:
+        cp.stop()
+    cp = ControlPlane(url, tmp_path / "second.log", env={"RACER_ADMIN_TOKEN": ""})
+    try:
+        assert httpx.get(cp.base + "/api/v1/whoami", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+    finally:
+        cp.stop()
+    assert "shown once" not in (tmp_path / "second.log").read_text()

@@ -1,0 +1,166 @@
+"""Pure tests of dashboard.figures (no browser): series present, bursts shaded where they are,
+decision sources coloured as documented, units on every axis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dashboard import figures as F
+
+T0 = 1_790_000_000.0
+
+
+def _cluster(n=60):
+    t = [T0 + i for i in range(n)]
+    return {"t_s": t, "slo_attainment": [0.99 - 0.001 * i for i in range(n)], "p99_ms": [20 + i * 0.1 for i in range(n)],
+            "throughput_rps": [1000.0] * n, "emb_hit_rate": [0.8] * n, "kv_hit_rate": [0.5] * n}
+
+
+def _nodes(k=3, n=60):
+    return {f"node-{j}": {"t_s": [T0 + i for i in range(n)], "emb_share": [0.3 + 0.01 * j] * n,
+                          "target_emb_share": [0.35] * n, "p99_ms": [15.0 + j] * n} for j in range(k)}
+
+
+BURSTS = [{"node_id": "node-0", "start_s": T0 + 10, "end_s": T0 + 20, "magnitude": 3.0},
+          {"node_id": "node-1", "start_s": T0 + 15, "end_s": T0 + 25, "magnitude": 2.0},
+          {"node_id": "node-2", "start_s": T0 + 40, "end_s": None, "magnitude": 1.5}]
+
+
+def _bursts_of(fig):
+    return [s for s in fig.layout.shapes if s.name == "burst"]
+
+
+def _assert_axes_have_units(fig):
+    lay = fig.to_plotly_json()["layout"]
+    axes = [k for k in lay if k.startswith(("xaxis", "yaxis"))]
+    assert axes
+    for k in axes:
+        title = (lay[k].get("title") or {}).get("text") or ""
+        assert title, f"{k} has no title"
+        assert "(" in title or k.startswith("yaxis") and title == "node", f"{k} title {title!r} names no unit"
+
+
+def test_merge_periods_unions_overlaps_and_closes_open_bursts_at_now():
+    assert F.merge_periods(BURSTS, now_s=T0 + 50) == [(T0 + 10, T0 + 25), (T0 + 40, T0 + 50)]
+    assert F.merge_periods([]) == []
+
+
+def test_time_charts_shade_the_burst_periods_where_they_are():
+    figs = [F.slo_attainment_figure(_cluster(), 0.99, BURSTS, T0 + 50), F.p99_figure(_nodes(), 30.0, BURSTS, T0 + 50),
+            F.throughput_figure(_cluster(), BURSTS, T0 + 50), F.hit_rate_figure(_cluster(), BURSTS, T0 + 50),
+            F.share_lines_figure(_nodes(2), [], BURSTS, T0 + 50)]
+    for fig in figs:
+        shapes = _bursts_of(fig)
+        assert [(s.x0, s.x1) for s in shapes] == [(F.to_x(T0 + 10), F.to_x(T0 + 25)), (F.to_x(T0 + 40), F.to_x(T0 + 50))]
+        assert all(s.yref == "paper" and s.fillcolor == F.BURST_FILL for s in shapes)
+        assert any(t.name == "burst period" for t in fig.data)
+        _assert_axes_have_units(fig)
+    heat = F.emb_share_heatmap(_nodes(), BURSTS, T0 + 50)
+    assert len(_bursts_of(heat)) == 2
+    assert F.time_shapes([], None) == [] and len(_bursts_of(F.p99_figure(_nodes(), 30.0, []))) == 0
+
+
+def test_overview_series_present_with_values_and_reference_lines():
+    c = _cluster()
+    slo = F.slo_attainment_figure(c, 0.99)
+    assert slo.data[0].name == "attainment" and slo.data[0].y[0] == pytest.approx(99.0)
+    assert [s.name for s in slo.layout.shapes] == ["target"] and slo.layout.shapes[0].y0 == pytest.approx(99.0)
+    assert "%" in slo.layout.yaxis.title.text
+    p99 = F.p99_figure(_nodes(4), 30.0, cluster=c)
+    assert [t.name for t in p99.data[:5]] == ["node-0", "node-1", "node-2", "node-3", "cluster"]
+    assert all(t.type == "scattergl" for t in p99.data[:5])  # many series: WebGL
+    assert slo.data[0].type == "scatter"  # one series: SVG (fewer WebGL contexts per page)
+    assert [s.name for s in p99.layout.shapes] == ["slo"] and p99.layout.shapes[0].y0 == 30.0
+    assert "ms" in p99.layout.yaxis.title.text
+    hits = F.hit_rate_figure(c)
+    assert [t.name for t in hits.data[:2]] == ["EMB hit rate (rows)", "KV hit rate (tokens)"]
+    assert hits.data[0].y[0] == pytest.approx(80.0) and hits.data[1].y[0] == pytest.approx(50.0)
+    thr = F.throughput_figure(c)
+    assert "req/s" in thr.layout.yaxis.title.text and thr.data[0].y[0] == 1000.0
+
+
+def test_missing_and_non_finite_values_are_gaps():
+    c = _cluster(4)
+    c["p99_ms"] = [1.0, None, float("nan"), float("inf")]
+    fig = F.p99_figure({}, 30.0, cluster=c)
+    assert list(fig.data[0].y) == [1.0, None, None, None]
+    json.dumps(fig.to_plotly_json(), default=str)  # serialisable
+
+
+def test_heatmap_aligns_nodes_on_the_union_of_times():
+    nodes = {"a": {"t_s": [T0, T0 + 1], "emb_share": [0.2, 0.3]}, "b": {"t_s": [T0 + 1, T0 + 2], "emb_share": [0.6, 0.7]}}
+    fig = F.emb_share_heatmap(nodes)
+    h = fig.data[0]
+    assert h.type == "heatmap" and list(h.y) == ["a", "b"]
+    assert list(h.x) == [F.to_x(T0), F.to_x(T0 + 1), F.to_x(T0 + 2)]
+    assert [list(r) for r in h.z] == [[0.2, 0.3, None], [None, 0.6, 0.7]]
+    assert (h.zmin, h.zmax) == (0.0, 1.0) and h.colorbar.title.text == "emb_share"
+
+
+def test_decision_sources_coloured_as_documented():
+    nodes = _nodes(2)
+    decisions = [{"node_id": "node-0", "t_s": T0 + i, "source": src, "emb_share": 0.4, "reason": f"why {src}"}
+                 for i, src in enumerate(F.DECISION_SOURCES)]
+    decisions.append({"node_id": "node-9", "t_s": T0, "source": "base", "emb_share": 0.1, "reason": "not selected"})
+    fig = F.share_lines_figure(nodes, decisions)
+    names = [t.name for t in fig.data]
+    assert names[:4] == ["node-0 applied", "node-0 target", "node-1 applied", "node-1 target"]
+    assert fig.data[1].line.dash == "dash" and fig.data[0].line.dash is None
+    markers = {t.meta: t for t in fig.data if t.name.startswith("decision: ")}
+    assert list(markers) == list(F.DECISION_SOURCES)
+    for src, t in markers.items():
+        assert t.marker.color == F.SOURCE_COLORS[src]
+        assert len(t.x) == 1 and "why " + src in t.text[0]  # node-9's decision is not drawn
+    assert F.SOURCE_COLORS == {"base": "#1f77b4", "residual": "#2ca02c", "recovery": "#ff7f0e",
+                               "override": "#d62728", "guard": "#7f7f7f"}
+    assert len(set(F.SOURCE_COLORS.values())) == 5
+
+
+def test_split_bar_stacks_emb_and_kv_bytes_in_mib():
+    fig = F.split_bar_figure([{"node_id": "n0", "emb_bytes": 3 * F.MIB, "kv_bytes": 5 * F.MIB},
+                              {"node_id": "n1", "emb_bytes": 6 * F.MIB, "kv_bytes": 2 * F.MIB}])
+    emb, kv = fig.data
+    assert (emb.name, kv.name) == ("EMB slab", "KV pool") and fig.layout.barmode == "stack"
+    assert list(emb.x) == [3.0, 6.0] and list(kv.x) == [5.0, 2.0] and list(emb.y) == ["n0", "n1"]
+    assert "MiB" in fig.layout.xaxis.title.text
+    fig = F.split_bar_figure([{"node_id": "n0", "emb_share": 0.25, "arena_bytes": 8 * F.MIB}])
+    assert list(fig.data[0].x) == [2.0] and list(fig.data[1].x) == [6.0]
+    fig = F.split_bar_figure([{"node_id": "n0", "emb_share": 0.25}])  # arena size unknown: % of the arena
+    assert list(fig.data[0].x) == [25.0] and list(fig.data[1].x) == [75.0] and "%" in fig.layout.xaxis.title.text
+
+
+def test_router_weights_per_node_step_lines_with_reasons():
+    hist = [{"t_s": T0, "version": 1, "nodes": {"a": {"service_time_us": 100.0, "reason": "initial"},
+                                                "b": {"service_time_us": 200.0, "reason": "initial"}}},
+            {"t_s": T0 + 60, "version": 2, "nodes": {"a": {"service_time_us": 150.0, "reason": "miss costs changed"},
+                                                     "b": {"service_time_us": 200.0, "reason": "unchanged"}}}]
+    fig = F.router_weights_figure(hist)
+    assert [t.name for t in fig.data] == ["a", "b"]
+    assert list(fig.data[0].y) == [100.0, 150.0] and fig.data[0].line.shape == "hv"
+    assert "miss costs changed" in fig.data[0].text[1] and "µs" in fig.layout.yaxis.title.text
+
+
+def test_rollout_canary_vs_baseline():
+    w = [{"t_s": T0 + i, "group": g, "p99_ms": 20.0 + (5 if g == "canary" else 0), "slo_attainment": 0.99}
+         for i in range(3) for g in ("canary", "baseline")]
+    fig = F.rollout_figure(w, slo_ms=30.0, target=0.99)
+    by = {t.name: t for t in fig.data}
+    assert list(by["canary P99"].y) == [25.0] * 3 and list(by["baseline P99"].y) == [20.0] * 3
+    assert list(by["canary attainment"].y) == [99.0] * 3
+    assert fig.layout.yaxis.title.text == "P99 (ms)" and "%" in fig.layout.yaxis2.title.text
+    empty = F.rollout_figure([], slo_ms=30.0)
+    assert any(a.text == "no rollout windows yet" for a in empty.layout.annotations)
+
+
+def test_extend_updates_are_small_and_indexed_by_trace():
+    nodes = _nodes(32, 1)
+    order = list(nodes)
+    upd = F.extend_nodes(nodes, order, "p99_ms", 3600)
+    data, idx, maxp = upd
+    assert idx == list(range(32)) and maxp == 3600 and len(data["y"]) == 32 and data["y"][5] == [20.0]
+    assert len(json.dumps(upd)) < 5_000
+    assert F.extend_nodes({}, order, "p99_ms", 10) is None
+    c = F.extend_cluster(_cluster(2), ["emb_hit_rate", "kv_hit_rate"], 100, scale=100)
+    assert c[1] == [0, 1] and c[0]["y"][0] == [80.0, 80.0]
