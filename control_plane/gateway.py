@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import secrets
 import socket
 import time
@@ -786,7 +787,8 @@ def cmd_gateway(args) -> int:
         item_shard = load_trace(args.trace, args.path, num_shards=args.num_shards).item_shard
     if args.advertise_url and not args.control_plane:
         raise ValueError("--advertise-url applies with --control-plane only")
-    gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane, token=args.token,
+    gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane,
+                 token=args.token or os.environ.get("RACER_GATEWAY_TOKEN") or None,
                  advertise_url=args.advertise_url, push_token=args.push_token)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
@@ -810,7 +812,7 @@ def add_gateway_parser(subparsers) -> None:
     g.add_argument("--control-plane", default=None, help="control plane URL: node list and weights from it")
     g.add_argument("--token", default=None,
                    help="bearer token sent to the control plane (an operator token: it lists nodes, reads weights "
-                        "and registers the gateway)")
+                        "and registers the gateway; default: $RACER_GATEWAY_TOKEN, which keeps it out of ps)")
     g.add_argument("--push-token", default=None,
                    help="secret weight pushes to this gateway must carry (Authorization: Bearer ...); given to the "
                         "control plane when registering (default: drawn at random with --advertise-url, else pushes "

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import math
 import os
 import secrets
 import signal
@@ -55,7 +56,9 @@ DEFAULT_POLICY = REPO / "policies" / "default"
 # A small model per CPU node agent: four of them, the gateway, the control plane, the dashboard and
 # the load generator share a laptop-class CPU.
 CPU_AGENT_ARGS = ("--num-pages", "512", "--max-history-len", "256", "--embedding-dim", "32", "--num-layers", "1",
-                  "--num-candidates", "64", "--threads", "1")
+                  "--num-candidates", "64", "--threads", "1", "--control-interval-s", "2")
+# (2 s control windows: at racer up's few requests per node per second, a 1 s window holds one or
+# two requests, too few for the hot-user ratio to tell a burst's hot users from chance)
 PROFILE_ARGS = ("--embedding-dim", "32", "--num-layers", "1", "--threads", "1", "--lengths", "64,128,256",
                 "--repeats", "3", "--num-candidates", "64")
 
@@ -423,18 +426,20 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
     targets = list(node_urls)
     if "gateway" in commands:
         opts = commands["gateway"]
+        gw_env: dict[str, str] = {}
         port = args.gateway_port or free_port()
         gw_url = f"http://{host}:{port}"
         argv = _racer("gateway", "--port", str(port), "--host", host)
         if cp_url and "--control-plane" in opts:
-            argv += ["--control-plane", cp_url, "--token", operator_token]
+            argv += ["--control-plane", cp_url]  # the token in the environment (RACER_GATEWAY_TOKEN), not argv
+            gw_env = {"RACER_GATEWAY_TOKEN": operator_token}
             if "--advertise-url" in opts:  # registers for the control plane's weight pushes
                 argv += ["--advertise-url", gw_url]
         else:
             argv += ["--nodes", ",".join(node_urls)]
         if "--trace" in opts:
             argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
-        specs.append(ProcessSpec("gateway", argv, {}, [f"{gw_url}/healthz"], url=gw_url,
+        specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
                                  ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
         targets = [gw_url]
     else:
@@ -610,10 +615,15 @@ def cmd_up(args) -> int:
         raise UpError(f"--nodes must be >= 1, got {args.nodes}")
     if args.duration is not None and not args.duration > 0:
         raise UpError(f"--duration must be a positive number of seconds, got {args.duration}")
+    for name in ("phase_s", "first_phase_s"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UpError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v}")
     if args.policy is not None and not (Path(args.policy) / "manifest.json").exists():
         raise UpError(f"--policy {args.policy}: no policy artifact there (manifest.json missing); "
                       f"racer policy export writes one")
     data_dir = Path(args.data_dir).resolve()
+    first_phase_s = min(6.0, args.phase_s) if args.first_phase_s is None else args.first_phase_s
     check_data_dir(data_dir)
     lock = DataLock(data_dir)
     t_start = time.monotonic()
@@ -704,11 +714,13 @@ def cmd_up(args) -> int:
             if plan.dashboard_url:
                 say(f"dashboard     {plan.dashboard_url}")
             say(f"operator token {operator_token}  (also in {data_dir / 'operator_token'})")
-            say(f"replaying {args.trace} {' -> '.join(args.schedule)} in a loop, {args.phase_s:g} s each, base "
+            first = f" (the first pass {first_phase_s:g} s each)" if first_phase_s != args.phase_s else ""
+            say(f"replaying {args.trace} {' -> '.join(args.schedule)} in a loop, {args.phase_s:g} s each{first}, base "
                 f"rate {args.rate:g} req/s, to {', '.join(plan.targets)}"
                 + (f"; stopping after {args.duration:g} s" if args.duration else "; Ctrl-C stops everything"))
         cfg = ReplayConfig(schedule=tuple(args.schedule), rate_rps=args.rate,
-                           duration_s=args.phase_s * len(args.schedule), slo_ms=args.slo_ms, timeout_s=10.0,
+                           duration_s=args.phase_s * len(args.schedule),
+                           first_cycle_s=first_phase_s * len(args.schedule), slo_ms=args.slo_ms, timeout_s=10.0,
                            retries=1 if "gateway" in plan.missing and len(plan.targets) > 1 else 0,
                            num_candidates=64, max_history_len=256)
         stats = ReplayStats(args.slo_ms)
@@ -820,6 +832,9 @@ def add_up_parser(subparsers) -> None:
     up.add_argument("--schedule", type=schedule, default=["steady", "trend", "burst"],
                     help="regimes replayed in a loop (default steady,trend,burst)")
     up.add_argument("--phase-s", type=float, default=15.0, help="seconds per regime (default 15)")
+    up.add_argument("--first-phase-s", type=float, default=None,
+                    help="seconds per regime in the first pass (default: 6, or --phase-s if shorter; the first "
+                         "burst phase then starts 12 s into the load, after the nodes' 10 s warm-up)")
     up.add_argument("--slo-ms", type=float, default=50.0, help="latency SLO, ms (default 50)")
     up.add_argument("--dashboard-port", type=int, default=8050, help="dashboard port (default 8050; 0: a free one)")
     up.add_argument("--control-plane-port", type=int, default=0, help="control plane port (default: a free one)")

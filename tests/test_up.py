@@ -215,6 +215,15 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
             return s if up.exists() and "replaying" in up.read_text() else None
 
         state = _wait(load_running, 240, "racer up to start its processes and the load")
+        # no token in any process's arguments (what `ps` shows): they go in the environment
+        secrets_ = [(data / "operator_token").read_text().strip()]
+        secrets_ += [p.read_text().strip() for p in data.glob("node_token.*")]
+        for name, entry in state.items():
+            try:
+                argv = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:  # gone (restarting): nothing to read
+                continue
+            assert argv and not any(t in argv for t in secrets_), f"{name} has a token in its arguments"
         victim = state["node-1"]
         node_url, old_pid = victim["url"], victim["pid"]
         gw_url = state.get("gateway", {}).get("url")

@@ -146,6 +146,8 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
     assert proc.returncode == 0, (tmp_path / "up.err").read_text()[-3000:]
     rep = json.loads(out)
     assert rep["stopped_by"] == "signal SIGTERM" and rep["requests_lost"] == 0 and rep["requests_served"] > 0
+    # every process (the dashboard too) ends on racer up's SIGTERM by itself: exit status 0
+    assert {n: p["exit_code"] for n, p in rep["processes"].items()} == {n: 0 for n in rep["processes"]}
     for f in ("overview.png", "split.png", "bursts.png"):
         assert (shots / f).stat().st_size > 10_000
 

@@ -44,6 +44,8 @@ class ReplayConfig:
     """What to send and how (ranges checked in ``__post_init__``).
 
     - ``schedule``: regimes played in order, each for ``duration_s / len(schedule)`` seconds;
+    - ``first_cycle_s``: the length of the first pass over the schedule when looping (None: the
+      same ``duration_s``); `racer up` makes it short so the first burst phase comes early;
     - ``rate_rps``: the base rate of every regime (trend drifts around it, bursts multiply it);
     - ``max_history_len``: most history + new items in one request (the agent's own limit);
       histories are generated up to ``max_history_len - max_new_items``;
@@ -57,6 +59,7 @@ class ReplayConfig:
     schedule: tuple[str, ...] = ("steady",)
     rate_rps: float = 20.0
     duration_s: float = 60.0
+    first_cycle_s: float | None = None
     seed: int = 0
     num_users: int | None = None
     max_history_len: int = 256
@@ -89,6 +92,9 @@ class ReplayConfig:
                             f"({self.max_history_len})")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or not 0 <= self.retries <= 5:
             problems.append(f"retries must be an integer in [0, 5], got {self.retries!r}")
+        if self.first_cycle_s is not None and not (isinstance(self.first_cycle_s, (int, float))
+                                                   and math.isfinite(self.first_cycle_s) and self.first_cycle_s > 0):
+            problems.append(f"first_cycle_s must be a positive number or None, got {self.first_cycle_s!r}")
         if problems:
             raise ValueError("invalid replay config: " + "; ".join(problems))
 
@@ -112,9 +118,14 @@ def parse_schedule(text: str) -> tuple[str, ...]:
     return parts
 
 
+def cycle_length_s(config: ReplayConfig, cycle: int) -> float:
+    """Seconds of pass ``cycle``: ``first_cycle_s`` for the first when set, else ``duration_s``."""
+    return config.first_cycle_s if cycle == 0 and config.first_cycle_s is not None else config.duration_s
+
+
 def build_plan(trace: Trace, config: ReplayConfig, cycle: int = 0) -> list[Phase]:
     """The phases of one pass over the schedule; ``cycle`` varies the seed from pass to pass."""
-    phase_s = config.duration_s / len(config.schedule)
+    phase_s = cycle_length_s(config, cycle) / len(config.schedule)
     out = []
     for k, regime in enumerate(config.schedule):
         stream = generate(trace, regime=regime, rate_rps=config.rate_rps, duration_s=phase_s,
@@ -332,7 +343,7 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
             if stop is not None and stop.is_set():
                 break
             # the cycle's full length even if its last request came early
-            rest = start + config.duration_s - clock()
+            rest = start + cycle_length_s(config, cycle) - clock()
             if rest > 0 and loop_forever:
                 await asyncio.sleep(rest)
             cycle += 1
