@@ -259,7 +259,9 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     @r.get("/reports", response_model=list[ReportOut], **roles(OPERATOR, VIEWER))
     def report_history(request: Request, node_id: str | None = None, start_s: float | None = Range["start_s"],
                        end_s: float | None = Range["end_s"],
-                       step_s: Annotated[float | None, Query(gt=0, description="downsample: mean per bucket")] = None,
+                       step_s: Annotated[float | None, Query(gt=0, description=(
+                           "downsample: one row per node and bucket (throughput time-weighted, "
+                           "hit rates request-weighted)"))] = None,
                        limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
                        cluster: Annotated[bool, Query(description="one row per bucket for the whole cluster "
                                                                    "(node_id '*'; needs step_s)")] = False):
