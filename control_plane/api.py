@@ -30,6 +30,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from db import queries
+from node_agent.server import finite_validation_errors
 from db.engine import make_engine, session_factory, upgrade
 from db.models import Node, Override, Policy, Rollout, Router
 
@@ -170,6 +171,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                   description="Node registration, reports, directives, router weights, overrides, policy "
                               "registry and rollouts, audit log. See docs/control_plane.md.")
     app.state.settings, app.state.clock = settings, clock
+    finite_validation_errors(app)  # a rejected NaN/Infinity gets its 422, not a 500
 
     @app.exception_handler(Conflict)
     async def _conflict(_req, e: Conflict):

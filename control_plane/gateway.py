@@ -45,6 +45,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from node_agent.server import finite_validation_errors
+
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
 from .weights import CostProfile
 
@@ -727,6 +729,7 @@ def create_app(gateway: Gateway) -> GatewayApp:
             await gateway.stop()
 
     app = FastAPI(title="RACER gateway", version="1", lifespan=lifespan)
+    finite_validation_errors(app)  # a rejected NaN/Infinity gets its 422, not a 500
 
     @app.post("/v1/recommend", responses=_errors({
         422: "invalid request body (the field is named in `error`)", 502: "the node failed twice",

@@ -250,3 +250,16 @@ def test_policy_upload_verify_download(cp):
 
     assert art.status_code == 200 and hashlib.sha256(art.content).hexdigest() == p["digest"]
     assert art.headers["x-racer-digest"] == p["digest"]
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_get_422_naming_the_field_not_500(cp, text):
+    """JSON's NaN/Infinity spellings parse; the 422 that echoes them must still encode as JSON."""
+    op = cp.client(cp.token("operator"))
+    for body, field in [(f'{{"emb_share": {text}, "reason": "x"}}', "emb_share"),
+                        (f'{{"emb_share": 0.5, "ttl_s": {text}, "reason": "x"}}', "ttl_s")]:
+        r = op.post("/overrides", content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert ["body", field] in [e["loc"] for e in r.json()["detail"]]
+    stored = op.get("/overrides").json()
+    assert not [o for o in (stored if isinstance(stored, list) else stored.get("items", [])) if o["reason"] == "x"]
