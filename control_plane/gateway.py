@@ -38,9 +38,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from typing import Annotated
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from node_agent.server import finite_validation_errors
 
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
 from .weights import CostProfile
@@ -702,6 +707,16 @@ class GatewayApp:
         await self.fastapi(scope, receive, send)
 
 
+class GatewayError(BaseModel):
+    """The body of the gateway's own error answers (a node's error answer is passed on as the node
+    sent it, which has the same ``error`` field)."""
+    error: str
+
+
+def _errors(descriptions: dict[int, str]) -> dict:
+    return {c: {"model": GatewayError, "description": d} for c, d in descriptions.items()}
+
+
 def create_app(gateway: Gateway) -> GatewayApp:
     """The gateway's ASGI app; its lifespan starts and stops the gateway's loops and client."""
 
@@ -714,19 +729,24 @@ def create_app(gateway: Gateway) -> GatewayApp:
             await gateway.stop()
 
     app = FastAPI(title="RACER gateway", version="1", lifespan=lifespan)
+    finite_validation_errors(app)  # a rejected NaN/Infinity gets its 422, not a 500
 
-    @app.post("/v1/recommend")
+    @app.post("/v1/recommend", responses=_errors({
+        422: "invalid request body (the field is named in `error`)", 502: "the node failed twice",
+        503: "no live node", 504: "the node did not answer in time"}))
     async def recommend(request: Request):
         status, content, headers = await gateway.recommend(await request.body())
         return Response(content, status_code=status, headers=headers, media_type="application/json")
 
     @app.get("/v1/router")
-    async def router_state(user: int | None = None):
-        if user is not None and not 0 <= user < 2**63:
-            return JSONResponse(status_code=422, content={"error": f"user: must be in [0, 2^63), got {user}"})
+    async def router_state(user: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None):
         return gateway.describe(user)
 
-    @app.post("/v1/router/weights")
+    @app.post("/v1/router/weights", responses={
+        **_errors({401: "missing or wrong bearer token", 403: "weight pushes are disabled on this gateway",
+                   422: "invalid weights document (the field is named in `error`)"}),
+        409: {"description": "not applied: the version is older than the gateway's", "content": {
+            "application/json": {"schema": {"type": "object", "properties": {"applied": {"type": "boolean"}}}}}}})
     async def push_weights(request: Request):
         if not gateway.push_token:
             return JSONResponse(status_code=403, content={
@@ -746,7 +766,8 @@ def create_app(gateway: Gateway) -> GatewayApp:
         return JSONResponse(status_code=200 if live else 503, content={
             "status": "ok" if live else "no_live_node", "num_nodes": len(gateway.links), "num_live_nodes": live})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics():
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -54,6 +54,7 @@ from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, 
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
 from .residency_feed import ResidencyFeed
+from .server import json_safe  # noqa: F401 - re-exported for callers
 from .server import serve_forever  # noqa: F401 - re-exported: the one HTTP server (node_agent.server)
 
 log = logging.getLogger("racer.node_agent")
@@ -488,18 +489,6 @@ def _one_line(errors: list[dict], num_items: int | None = None) -> str:
         parts.append(f"{loc}: {e.get('msg', 'invalid')}")
     more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
     return "; ".join(parts) + more
-
-
-def json_safe(value):
-    """``value`` with every non-finite float replaced by its JSON-text spelling ("NaN",
-    "Infinity", "-Infinity"), so a 422 that echoes a rejected input still encodes as JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 class BodyLimit:
