@@ -22,13 +22,15 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
+from sqlalchemy.exc import DataError, IntegrityError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from db import queries
+from node_agent.server import finite_validation_errors
 from db.engine import make_engine, session_factory, upgrade
 from db.models import Node, Override, Policy, Rollout, Router
 
@@ -38,7 +40,7 @@ from .cp_metrics import ControlPlaneMetrics
 from .ingest import IngestWriter
 from .jobs import Scheduling
 from .rollout_service import Conflict, NotFound
-from .schemas import (AuditPage, BurstOut, DecisionPage, DirectivesOut, NodeId, NodeOut, OverrideDirective,
+from .schemas import (INT64_MAX, AuditPage, BurstOut, DecisionPage, DirectivesOut, ErrorOut, NodeId, NodeOut, OverrideDirective,
                       OverrideIn, OverrideOut, PolicyDirective, PolicyLoadedIn, PolicyOut, ReasonIn, RegisterIn,
                       RegisterOut, ReportBatchIn, ReportBatchOut, ReportOut, RolloutIn, RolloutOut, RouterIn,
                       RouterOut, RouterWeightsHistoryOut, RouterWeightsOut, SummaryOut, TokenIn, TokenOut, WhoAmIOut)
@@ -60,6 +62,27 @@ def roles(*r: str) -> dict:
 
 def principal(*r: str):
     return Annotated[Principal, Depends(Require(*r))]
+
+
+ERROR_DESCRIPTIONS = {
+    401: "missing, unknown or revoked token", 403: "the token's role may not do this",
+    404: "the named object does not exist", 409: "conflicts with the object's current state",
+    413: "body too large", 422: "invalid input: `detail` lists each refused field (`loc`) and why (`msg`)",
+    503: "database unavailable; retry later"}
+
+
+def errors(*codes: int) -> dict:
+    """OpenAPI ``responses`` for error statuses ``codes``: all answer the one error model, `ErrorOut`."""
+    return {c: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[c]} for c in codes}
+
+
+def invalid(loc: list, msg: str) -> HTTPException:
+    """A 422 in the shape of pydantic's validation errors, naming the refused field (``loc``)."""
+    return HTTPException(422, [{"loc": list(loc), "msg": msg, "type": "value_error"}])
+
+
+Id64 = Annotated[int, Path(ge=0, le=INT64_MAX, description="an id (0 <= id < 2^63)")]
+Offset = Annotated[int, Query(ge=0, le=INT64_MAX)]
 
 
 # ------------------------------------------------------------------------------------ artifacts
@@ -148,6 +171,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                   description="Node registration, reports, directives, router weights, overrides, policy "
                               "registry and rollouts, audit log. See docs/control_plane.md.")
     app.state.settings, app.state.clock = settings, clock
+    finite_validation_errors(app)  # a rejected NaN/Infinity gets its 422, not a 500
 
     @app.exception_handler(Conflict)
     async def _conflict(_req, e: Conflict):
@@ -157,7 +181,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     async def _notfound(_req, e: NotFound):
         return JSONResponse({"detail": str(e)}, status_code=404)
 
-    r = APIRouter(prefix=API)
+    r = APIRouter(prefix=API, responses=errors(401, 403, 422))  # every route: auth and input errors
 
     def begin(request: Request):
         return request.app.state.factory.begin()
@@ -196,7 +220,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     ingest_roles["openapi_extra"]["requestBody"] = {
         "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReportBatchIn"}}}}
 
-    @r.post("/nodes/{node_id}/reports", response_model=ReportBatchOut, responses={422: {"description": "bad report"}},
+    @r.post("/nodes/{node_id}/reports", response_model=ReportBatchOut, responses=errors(404, 503),
             **ingest_roles)
     async def reports(node_id: NodeId, request: Request):
         """Store a batch of reports (idempotent on (node_id, seq)). The body is parsed by pydantic-core
@@ -206,7 +230,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                                           authorization=request.headers.get("authorization") or "")
         return Response(body, status_code=status, media_type="application/json")
 
-    @r.get("/nodes/{node_id}/directives", response_model=DirectivesOut, **roles(NODE))
+    @r.get("/nodes/{node_id}/directives", response_model=DirectivesOut, responses=errors(404), **roles(NODE))
     def directives(node_id: NodeId, request: Request):
         now = clock()
         with request.app.state.factory() as s:
@@ -227,7 +251,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                     version=pol.version, digest=pol.digest, rollout_id=rollout_id,
                     download_url=f"{API}/policies/{pol.version}/artifact"))
 
-    @r.post("/nodes/{node_id}/policy", response_model=NodeOut, **roles(NODE))
+    @r.post("/nodes/{node_id}/policy", response_model=NodeOut, responses=errors(404, 409), **roles(NODE))
     def policy_loaded(node_id: NodeId, body: PolicyLoadedIn, request: Request):
         now = clock()
         with begin(request) as s:
@@ -243,7 +267,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         with request.app.state.factory() as s:
             return [NodeOut.model_validate(n) for n in queries.list_nodes(s)]
 
-    @r.get("/nodes/{node_id}", response_model=NodeOut, **roles(OPERATOR, VIEWER))
+    @r.get("/nodes/{node_id}", response_model=NodeOut, responses=errors(404), **roles(OPERATOR, VIEWER))
     def node(node_id: NodeId, request: Request):
         with request.app.state.factory() as s:
             n = s.get(Node, node_id)
@@ -258,12 +282,15 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     @r.get("/reports", response_model=list[ReportOut], **roles(OPERATOR, VIEWER))
     def report_history(request: Request, node_id: str | None = None, start_s: float | None = Range["start_s"],
                        end_s: float | None = Range["end_s"],
-                       step_s: Annotated[float | None, Query(gt=0, description="downsample: mean per bucket")] = None,
+                       step_s: Annotated[float | None, Query(ge=1e-3, le=1e9, description=(
+                           "downsample: one row per node and bucket, throughput time-weighted, hit rates "
+                           "request-weighted (s, 1 ms to 1e9)"))] = None,
                        limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
                        cluster: Annotated[bool, Query(description="one row per bucket for the whole cluster "
                                                                    "(node_id '*'; needs step_s)")] = False):
         if cluster and (step_s is None or node_id is not None):
-            raise HTTPException(422, "cluster=true needs step_s and no node_id")
+            raise invalid(["query", "step_s" if step_s is None else "node_id"],
+                          "cluster=true needs step_s and no node_id")
         with request.app.state.factory() as s:
             if cluster:
                 return [ReportOut(**d) for d in queries.cluster_history(s, start_s=start_s, end_s=end_s, step_s=step_s,
@@ -276,7 +303,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                   source: Annotated[str | None, Query(pattern="^(base|residual|recovery|override|guard)$")] = None,
                   q: Annotated[str | None, Query(max_length=200, description="text in the reason or node id")] = None,
                   start_s: float | None = None, end_s: float | None = None,
-                  offset: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+                  offset: Offset = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
         with request.app.state.factory() as s:
             total, rows = queries.decisions_page(s, node_id=node_id, source=source, q=q, start_s=start_s,
                                                  end_s=end_s, offset=offset, limit=limit)
@@ -345,7 +372,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         with request.app.state.factory() as s:
             return [_router_out(x) for x in queries.list_routers(s)]
 
-    @r.delete("/routers", response_model=RouterOut, **roles(OPERATOR))
+    @r.delete("/routers", response_model=RouterOut, responses=errors(404), **roles(OPERATOR))
     def delete_router(request: Request, p: principal(OPERATOR),
                       url: Annotated[str, Query(min_length=1, max_length=512)]):
         with begin(request) as s:
@@ -358,7 +385,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                           before={"url": url}, reason="")
             return out
 
-    @r.get("/router/weights", response_model=RouterWeightsOut, **roles(NODE, OPERATOR, VIEWER))
+    @r.get("/router/weights", response_model=RouterWeightsOut, responses=errors(404), **roles(NODE, OPERATOR, VIEWER))
     def router_weights(request: Request):
         with request.app.state.factory() as s:
             w = queries.latest_weights(s)
@@ -379,19 +406,20 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         with request.app.state.factory() as s:
             return [OverrideOut.model_validate(o) for o in queries.list_overrides(s, state=state, limit=limit)]
 
-    @r.post("/overrides", response_model=OverrideOut, status_code=201, **roles(OPERATOR))
+    @r.post("/overrides", response_model=OverrideOut, status_code=201, responses=errors(404), **roles(OPERATOR))
     def create_override(body: OverrideIn, request: Request, p: principal(OPERATOR)):
         now = clock()
         lo, hi = settings.guard_bounds()
         if not lo <= body.emb_share <= hi:
-            raise HTTPException(422, f"emb_share {body.emb_share} is outside the allocator's guard bounds "
-                                     f"[{lo}, {hi}]")
+            raise invalid(["body", "emb_share"], f"emb_share {body.emb_share} is outside the allocator's guard "
+                                                   f"bounds [{lo}, {hi}]")
         if body.expires_at_s is not None and body.ttl_s is not None:
-            raise HTTPException(422, "give expires_at_s or ttl_s, not both")
+            raise invalid(["body", "ttl_s"], "give expires_at_s or ttl_s, not both")
         expires = body.expires_at_s if body.expires_at_s is not None else (
             now + body.ttl_s if body.ttl_s is not None else None)
         if expires is not None and expires <= now:
-            raise HTTPException(422, f"expires_at_s {expires} is not in the future (now {now:.3f})")
+            raise invalid(["body", "expires_at_s" if body.expires_at_s is not None else "ttl_s"],
+                          f"expires_at_s {expires} is not in the future (now {now:.3f})")
         with begin(request) as s:
             if body.node_id is not None and s.get(Node, body.node_id) is None:
                 raise HTTPException(404, f"node_id {body.node_id!r} is not registered")
@@ -409,8 +437,9 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                           reason=body.reason)
             return OverrideOut.model_validate(o)
 
-    @r.post("/overrides/{override_id}/clear", response_model=OverrideOut, **roles(OPERATOR))
-    def clear_override(override_id: int, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+    @r.post("/overrides/{override_id}/clear", response_model=OverrideOut, responses=errors(404, 409),
+            **roles(OPERATOR))
+    def clear_override(override_id: Id64, body: ReasonIn, request: Request, p: principal(OPERATOR)):
         now = clock()
         with begin(request) as s:
             o = s.get(Override, override_id)
@@ -428,7 +457,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     @r.get("/audit", response_model=AuditPage, **roles(OPERATOR, VIEWER))
     def audit_log(request: Request, actor: str | None = None, action: str | None = None, target: str | None = None,
                   start_s: float | None = None, end_s: float | None = None,
-                  offset: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+                  offset: Offset = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
         with request.app.state.factory() as s:
             total, rows = queries.audit_page(s, start_s=start_s, end_s=end_s, actor=actor, action=action,
                                              target=target, offset=offset, limit=limit)
@@ -440,7 +469,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                          uploaded_at_s=p.uploaded_at_s, manifest=p.manifest, evaluation=p.evaluation,
                          size_bytes=len(p.artifact))
 
-    @r.post("/policies", response_model=PolicyOut, status_code=201, **{
+    @r.post("/policies", response_model=PolicyOut, status_code=201, responses=errors(409, 413), **{
         **roles(OPERATOR), "openapi_extra": {"x-racer-roles": [OPERATOR], "requestBody": {
             "required": True, "description": "tar (or tar.gz) of the files `racer policy export` writes",
             "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}}})
@@ -449,14 +478,14 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
 
         data = await request.body()
         if not data:
-            raise HTTPException(422, "body: empty; send a tar of the artifact's files")
+            raise invalid(["body"], "body: empty; send a tar of the artifact's files")
         if len(data) > MAX_ARTIFACT_BYTES:
             raise HTTPException(413, f"body: artifact larger than {MAX_ARTIFACT_BYTES} bytes")
         try:
             files = unpack_artifact(data)
             manifest = await anyio.to_thread.run_sync(verify_files, files)
         except ValueError as e:
-            raise HTTPException(422, f"policy artifact refused: {e}") from None
+            raise invalid(["body"], f"policy artifact refused: {e}") from None
         packed = pack_artifact(files)
         digest = hashlib.sha256(packed).hexdigest()
         version = str(manifest["policy_id"])
@@ -487,7 +516,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         with request.app.state.factory() as s:
             return [_policy_out(x) for x in queries.list_policies(s)]
 
-    @r.get("/policies/{version}", response_model=PolicyOut, **roles(OPERATOR, VIEWER))
+    @r.get("/policies/{version}", response_model=PolicyOut, responses=errors(404), **roles(OPERATOR, VIEWER))
     def policy(version: str, request: Request):
         with request.app.state.factory() as s:
             x = s.get(Policy, version)
@@ -495,7 +524,9 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                 raise HTTPException(404, f"policy version {version!r} is not in the registry")
             return _policy_out(x)
 
-    @r.get("/policies/{version}/artifact", response_class=Response, **roles(NODE, OPERATOR, VIEWER))
+    @r.get("/policies/{version}/artifact", response_class=Response, responses={
+        200: {"content": {"application/x-tar": {}}, "description": "the artifact's canonical tar"}, **errors(404)},
+        **roles(NODE, OPERATOR, VIEWER))
     def policy_artifact(version: str, request: Request):
         with request.app.state.factory() as s:
             x = s.get(Policy, version)
@@ -505,7 +536,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                             headers={"X-Racer-Digest": x.digest,
                                      "Content-Disposition": f'attachment; filename="{version}.tar"'})
 
-    @r.post("/policies/{version}/activate", response_model=PolicyOut, **roles(OPERATOR))
+    @r.post("/policies/{version}/activate", response_model=PolicyOut, responses=errors(404, 409), **roles(OPERATOR))
     def activate_policy(version: str, body: ReasonIn, request: Request, p: principal(OPERATOR)):
         with begin(request) as s:
             return _policy_out(rollout_service.activate(s, version, actor=p.name, reason=body.reason, now_s=clock()))
@@ -517,7 +548,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         out.steps = queries.rollout_steps(s, ro.id)
         return RolloutOut.model_validate(out.model_dump())
 
-    @r.post("/rollouts", response_model=RolloutOut, status_code=201, **roles(OPERATOR))
+    @r.post("/rollouts", response_model=RolloutOut, status_code=201, responses=errors(404, 409), **roles(OPERATOR))
     def create_rollout(body: RolloutIn, request: Request, p: principal(OPERATOR)):
         with begin(request) as s:
             ro = rollout_service.create_rollout(s, body, actor=p.name, now_s=clock())
@@ -528,8 +559,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         with request.app.state.factory() as s:
             return [_rollout_out(s, x) for x in queries.rollouts(s, limit)]
 
-    @r.get("/rollouts/{rollout_id}", response_model=RolloutOut, **roles(OPERATOR, VIEWER))
-    def get_rollout(rollout_id: int, request: Request):
+    @r.get("/rollouts/{rollout_id}", response_model=RolloutOut, responses=errors(404), **roles(OPERATOR, VIEWER))
+    def get_rollout(rollout_id: Id64, request: Request):
         with request.app.state.factory() as s:
             ro = s.get(Rollout, rollout_id)
             if ro is None:
@@ -537,7 +568,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
             return _rollout_out(s, ro)
 
     def _event_route(event: str):
-        def handler(rollout_id: int, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+        def handler(rollout_id: Id64, body: ReasonIn, request: Request, p: principal(OPERATOR)):
             with begin(request) as s:
                 ro = s.get(Rollout, rollout_id)
                 if ro is None:
@@ -547,7 +578,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
 
         handler.__name__ = f"rollout_{event}"
         r.add_api_route(f"/rollouts/{{rollout_id}}/{event}", handler, methods=["POST"], response_model=RolloutOut,
-                        summary=f"{event} a rollout (operator)", **roles(OPERATOR))
+                        summary=f"{event} a rollout (operator)", responses=errors(404, 409), **roles(OPERATOR))
 
     for ev in ("promote", "pause", "resume", "rollback"):
         _event_route(ev)
@@ -574,7 +605,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         return {"ok": True, "instance": getattr(request.app.state, "instance", None),
                 "leader": bool(sch and sch.leader)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     def metrics(request: Request):
         return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -616,7 +648,11 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: st
             with state.factory() as s:
                 return s.get(Node, node_id) is not None
 
-        if not await anyio.to_thread.run_sync(known):
+        try:
+            is_known = await anyio.to_thread.run_sync(known)
+        except Exception as e:  # noqa: BLE001 - database unreachable: the node keeps the batch and retries
+            return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
+        if not is_known:
             return 404, _json({"detail": f"node_id {node_id!r} is not registered (POST {API}/nodes/register first)"})
         state.known_nodes.add(node_id)
     now = clock()
@@ -637,8 +673,10 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: st
     try:
         stored, dup = await state.writer.submit(node_id, rows, decisions, bursts,
                                                 (now, last.seq, last.emb_share, last.policy_version))
-    except Exception as e:  # noqa: BLE001 - the batch was refused by the database
+    except (IntegrityError, DataError) as e:  # the batch itself is wrong: the node drops it and counts it
         return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"})
+    except Exception as e:  # noqa: BLE001 - database unreachable or failing: the node keeps the batch and retries
+        return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
     m = state.metrics
     m.reports_received.inc(len(rows))
     m.reports_stored.inc(stored)

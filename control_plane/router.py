@@ -430,6 +430,15 @@ class ClusterState(ArrayViews):
             parts.append(f"forgot {forgotten} evicted users")
         return ReportOutcome(report.node_id, True, ", ".join(parts), revived, forgotten, recorded)
 
+    def set_down(self, node: str | int) -> None:
+        """Take a node out of rotation now (the gateway's health checks failed): like expiry, it
+        gets no requests and its K/V residency and hot shards are forgotten; a report revives it."""
+        n = self.node_index(node)
+        self._alive_mv[n] = False
+        self._refresh(n)
+        self.kv.forget_node(n)
+        self.hot.clear(n)
+
     def expire(self, now_s: float) -> list[str]:
         """Mark nodes silent for longer than ``node_timeout_s`` as expired and forget their K/V
         residency and hot shards. Returns the ids of the nodes expired by this call."""

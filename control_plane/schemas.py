@@ -16,6 +16,9 @@ NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 Version = Annotated[str, Field(min_length=1, max_length=256)]
+# a report's time (Unix s): bounded so that bucketing it (floor(ts_s / step_s), step_s >= 1 ms) stays
+# within 64-bit integers on every database
+ReportTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
 
 
 class In(BaseModel):
@@ -24,6 +27,24 @@ class In(BaseModel):
 
 class Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
+
+
+# ---- errors
+INT64_MAX = 2**63 - 1  # the largest integer both databases store (SQLite and PostgreSQL BIGINT)
+
+
+class FieldError(BaseModel):
+    """One refused input: where (``loc``, e.g. ``["body", "emb_share"]`` or ``["query", "step_s"]``),
+    what is wrong (``msg``) and its kind (``type``); pydantic's validation errors have this shape."""
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorOut(BaseModel):
+    """Every 4xx body of the API: ``detail`` is a message naming the field or the object
+    (401/403/404/409/413), or, for a 422, the list of refused inputs."""
+    detail: str | list[FieldError]
 
 
 # ---- nodes
@@ -66,7 +87,7 @@ class ReportIn(In):
     """One control interval of one node. Figures that had no requests in the window are null."""
 
     seq: Annotated[int, Field(ge=0, lt=2**31)]
-    ts_s: Finite
+    ts_s: ReportTime
     interval_s: Annotated[float, Field(gt=0, allow_inf_nan=False)]
     emb_share: Unit
     emb_share_target: Unit

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import secrets
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -1009,9 +1010,16 @@ def run(control_plane_url: str, *, host: str = "127.0.0.1", port: int = 8050, re
     print(f"racer dashboard: http://{host}:{server.server_port}/ (control plane {control_plane_url})", flush=True)
     if ready is not None:
         ready(host, server.server_port)
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM (racer up's stop): a clean exit, status 0
+        def _on_term(signum, frame):
+            raise KeyboardInterrupt
+        previous = signal.signal(signal.SIGTERM, _on_term)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

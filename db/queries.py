@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -17,6 +17,34 @@ from .models import (AuditEntry, Burst, Decision, JobRun, Node, NodeReport, Node
 REPORT_FIGURES = ("emb_share", "emb_share_target", "kv_hit_rate", "emb_hit_rate", "p50_ms", "p99_ms",
                   "slo_attainment", "throughput_rps", "num_requests", "queue_depth", "refill_bytes",
                   "kv_recompute_us_per_token", "emb_transfer_us_per_row")
+
+
+REQUEST_WEIGHTED = ("slo_attainment", "emb_hit_rate", "kv_hit_rate")
+
+
+def bucket_figures():
+    """One node's figures over a bucket of its reports, as SQL aggregates (labelled by figure).
+
+    Reports cover windows of different lengths (a control step delayed by a long batch is
+    followed by a very short window whose rate is high and noisy), so the bucket's throughput
+    is the reports' rates weighted by the time each covers, ``sum(rate * interval_s) /
+    sum(interval_s)`` (the requests over that time), not the plain mean of the rates (with
+    which one short window can lift a bucket to several times the load); SLO attainment and
+    the hit rates are weighted by each report's requests (the plain mean where no report in
+    the bucket had any); every other figure is the plain mean."""
+    cols = []
+    for k in REPORT_FIGURES:
+        col = getattr(NodeReport, k)
+        if k == "throughput_rps":
+            expr = func.sum(col * NodeReport.interval_s) / func.nullif(func.sum(NodeReport.interval_s), 0.0)
+        elif k in REQUEST_WEIGHTED:
+            w = case((col.is_not(None), NodeReport.num_requests), else_=None)
+            expr = func.coalesce(func.sum(col * NodeReport.num_requests) / func.nullif(func.sum(w) * 1.0, 0.0),
+                                 func.avg(col))
+        else:
+            expr = func.avg(col)
+        cols.append(expr.label(k))
+    return cols
 
 
 def dialect_insert(session: Session, table):
@@ -223,7 +251,7 @@ def mark_down(session: Session, *, now_s: float, missed_intervals: float) -> lis
 
 def report_history(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
                    step_s: float | None, limit: int) -> list[dict]:
-    """Raw reports (step_s None), or per-node ``step_s`` buckets holding each figure's mean; raw
+    """Raw reports (step_s None), or per-node ``step_s`` buckets (`bucket_figures`); raw
     rows already dropped by retention come from the stored rollups of the same step."""
     conds = []
     if node_id:
@@ -243,7 +271,7 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
             out.append(d)
         return out
     bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
-    cols = [func.avg(getattr(NodeReport, k)).label(k) for k in REPORT_FIGURES]
+    cols = bucket_figures()
     q = (select(NodeReport.node_id, bucket, func.count().label("n"), *cols).where(*conds)
          .group_by(NodeReport.node_id, bucket).order_by(bucket, NodeReport.node_id).limit(limit))
     out = [dict(node_id=r.node_id, ts_s=float(r.bucket), num_reports=int(r.n),
@@ -270,7 +298,8 @@ CLUSTER_SUMS = ("throughput_rps", "num_requests", "refill_bytes")
 def cluster_history(session: Session, *, start_s: float | None, end_s: float | None, step_s: float,
                     limit: int) -> list[dict]:
     """The cluster per ``step_s`` bucket: throughput, requests and refill bytes summed over nodes
-    (each node's mean in the bucket), every other figure the mean over all reports in the bucket.
+    (each node's `bucket_figures` value in the bucket), every other figure the mean over all
+    reports in the bucket.
     Raw reports only (buckets already rolled up are left out)."""
     conds = []
     if start_s is not None:
@@ -279,7 +308,7 @@ def cluster_history(session: Session, *, start_s: float | None, end_s: float | N
         conds.append(NodeReport.ts_s < end_s)
     bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
     per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
-                       *[func.avg(getattr(NodeReport, k)).label("avg_" + k) for k in CLUSTER_SUMS],
+                       *[c.element.label("avg_" + c.name) for c in bucket_figures() if c.name in CLUSTER_SUMS],
                        *[func.sum(getattr(NodeReport, k)).label("sum_" + k) for k in REPORT_FIGURES],
                        *[func.count(getattr(NodeReport, k)).label("cnt_" + k) for k in REPORT_FIGURES])
                 .where(*conds).group_by(NodeReport.node_id, bucket).subquery())
@@ -300,7 +329,7 @@ def rollup_and_prune(session: Session, *, now_s: float, step_s: float, raw_reten
     cutoff = now_s - raw_retention_s
     cutoff = (cutoff // step_s) * step_s  # whole buckets only
     bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
-    cols = [func.avg(getattr(NodeReport, k)).label(k) for k in REPORT_FIGURES]
+    cols = bucket_figures()
     q = (select(NodeReport.node_id, bucket, func.count().label("n"), *cols).where(NodeReport.ts_s < cutoff)
          .group_by(NodeReport.node_id, bucket).limit(max_rows))
     rows = [dict(node_id=r.node_id, step_s=step_s, bucket_s=float(r.bucket), num_reports=int(r.n),

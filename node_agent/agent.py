@@ -3,6 +3,8 @@
     POST /v1/recommend   one recommendation request (`RecommendBody`) -> top-k + breakdown
     GET  /healthz        liveness of the process and of the device worker
     GET  /v1/metrics     rolling metrics, memory, emb_share, link emulation, allocator state
+    GET  /v1/residency   KV residency deltas and hot shards since a cursor, queue depth, service
+                         time (`ResidencyFeed`; the gateway's feed, docs/gateway.md)
     GET  /metrics        Prometheus text (node_agent/exporter.py)
 
 With ``--control-plane`` a `node_agent.reporter.Reporter` (its own thread) gets each control
@@ -45,12 +47,14 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
+from .residency_feed import ResidencyFeed
+from .server import json_safe  # noqa: F401 - re-exported for callers
 from .server import serve_forever  # noqa: F401 - re-exported: the one HTTP server (node_agent.server)
 
 log = logging.getLogger("racer.node_agent")
@@ -155,8 +159,9 @@ class NodeAgent:
 
     def __init__(self, engine: Engine, config: AgentConfig | None = None, *, allocator=None,
                  miss_costs: dict | None = None, clock: Callable[[], float] | None = None,
-                 info: dict | None = None) -> None:
+                 info: dict | None = None, residency: ResidencyFeed | None = None) -> None:
         self.engine = engine
+        self.residency = residency or ResidencyFeed()
         self.config = config or AgentConfig()
         self.clock = clock or engine.clock
         self.allocator = allocator
@@ -361,8 +366,11 @@ class NodeAgent:
                 wait = min(0.05, max(0.0, next_control - self.clock()))
                 jobs = self._next_batch(wait)
                 if jobs:
+                    t0 = self.clock()
                     self._serve(jobs)
+                    self.residency.note_served(self.clock() - t0, len(jobs))
                 now = self.clock()
+                self.residency.collect(self.engine, now)
                 step = self.engine.maintenance(now)
                 if step.refill_bytes:
                     self.window.add_refill_bytes(step.refill_bytes)
@@ -483,18 +491,6 @@ def _one_line(errors: list[dict], num_items: int | None = None) -> str:
     return "; ".join(parts) + more
 
 
-def json_safe(value):
-    """``value`` with every non-finite float replaced by its JSON-text spelling ("NaN",
-    "Infinity", "-Infinity"), so a 422 that echoes a rejected input still encodes as JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 class BodyLimit:
     """ASGI middleware: refuse an HTTP request body over ``max_bytes`` with 413 JSON, counting
     the bytes actually received (a chunked body has no Content-Length), before the app parses
@@ -600,7 +596,12 @@ def create_app(agent: NodeAgent) -> FastAPI:
     async def metrics():
         return agent.metrics_snapshot()
 
-    @app.get("/metrics")
+    @app.get("/v1/residency")
+    async def residency(cursor: Annotated[int, Field(ge=0)] = 0, epoch: str | None = None):
+        return {**agent.residency.since(cursor, epoch), "queue_depth": agent._queue.qsize(), "at_s": agent.clock()}
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus_metrics():
         from .exporter import render
 

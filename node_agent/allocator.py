@@ -553,6 +553,8 @@ class RecoveryController:
     - baselines: EWMAs with weight ``max(1 - exp(-dt / baseline_tau_s), 1 / n)`` (the running mean
       over the first samples, then a time-constant average), updated only outside bursts, so a
       burst never becomes its own baseline;
+    - idle windows (`idle`: under ``rate_floor_rps``, or nothing served) are skipped outside a
+      burst: they neither seed nor move the baselines and do not count toward the warmup;
     - phase ``warmup`` until ``warmup_s`` of baseline exist; ``normal`` -> ``burst`` when both ratios
       reach their enter thresholds; ``burst`` -> ``normal`` (hand back) when both ratios are at or
       below the exit thresholds on every interval for ``exit_confirm_s``, and ``min_hold_s`` has
@@ -595,9 +597,23 @@ class RecoveryController:
         self.rate_baseline += a * (rate - self.rate_baseline)
         self.hot_baseline += a * (hot - self.hot_baseline)
 
+    def idle(self, rate_rps: float, hot_user_ratio: float) -> bool:
+        """A window that says nothing about the baseline: arrivals under ``rate_floor_rps`` or no
+        request served (hot-user ratio 0: `top_share` of an empty window). Such a window neither
+        seeds nor moves the baselines, does not count toward ``warmup_s`` and never enters a burst,
+        so a node that idled before its load began sees the load's arrival as the start of its
+        warmup, not as a burst against a zero baseline (in a burst it is judged as usual)."""
+        return not (rate_rps >= self.config.rate_floor_rps and hot_user_ratio > 0.0)
+
     def update(self, rate_rps: float, hot_user_ratio: float, now_s: float, current_emb_share: float) -> str | None:
         c = self.config
         event = None
+        if self.phase != "burst" and self.idle(rate_rps, hot_user_ratio):
+            if self.rate_baseline is not None:
+                rb = self.rate_baseline if self.rate_baseline > c.rate_floor_rps else c.rate_floor_rps
+                hb = self.hot_baseline if self.hot_baseline > c.hot_floor else c.hot_floor
+                self.rate_ratio, self.hot_ratio = rate_rps / rb, hot_user_ratio / hb
+            return None
         if self.rate_baseline is None:
             self.rate_baseline, self.hot_baseline = rate_rps, hot_user_ratio
             self._first_s = self._last_s = now_s

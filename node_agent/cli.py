@@ -203,7 +203,10 @@ def build_agent(args, *, announce=None):
                                           "emb_hit_us_per_row")}
     info = {"trace": trace.name, "trace_path": trace.source_path, "num_users_in_trace": trace.num_users,
             "policy": args.policy, "profile": args.profile}
-    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info)
+    from .residency_feed import ResidencyFeed
+
+    feed = ResidencyFeed(trace.item_shard, trace.item_popularity(), num_shards=trace.num_shards)
+    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info, residency=feed)
 
 
 def _read_costs(path: str) -> dict:

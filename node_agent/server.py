@@ -21,10 +21,39 @@ installs signal handlers, so it must run in the process's main thread.
 
 from __future__ import annotations
 
+import math
 import socket
 from collections.abc import Callable
 
-__all__ = ["listen_socket", "serve_forever", "set_nodelay"]
+__all__ = ["finite_validation_errors", "json_safe", "listen_socket", "serve_forever", "set_nodelay"]
+
+
+def json_safe(value):
+    """``value`` with every non-finite float replaced by its JSON-text spelling ("NaN",
+    "Infinity", "-Infinity"), so a 422 that echoes a rejected input still encodes as JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def finite_validation_errors(app) -> None:
+    """Install on a FastAPI ``app`` a validation-error handler with FastAPI's own 422 shape
+    (``{"detail": [{loc, msg, type, input, ...}]}``) whose echoed inputs are `json_safe`.
+
+    FastAPI's default handler copies the rejected input into ``detail``; when that input is NaN
+    or ±Infinity (JSON text the parser accepts) the response cannot be encoded and the client
+    gets a plain-text 500 instead of a 422 naming the field."""
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, exc: RequestValidationError):
+        return JSONResponse(status_code=422, content={"detail": json_safe(jsonable_encoder(exc.errors()))})
 
 
 def set_nodelay(sock: socket.socket) -> None:

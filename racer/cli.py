@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .up import UpError
 
 
 class UsageError(Exception):
@@ -103,11 +104,45 @@ def cmd_workload_plot(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from workloads.replay import ReplayConfig, parse_schedule, replay
+
+    if (args.regime is None) == (args.schedule is None):
+        raise UsageError("give one of --regime R or --schedule steady,trend,burst")
+    schedule = (args.regime,) if args.regime else parse_schedule(args.schedule)
+    targets = [t.strip() for t in args.gateway.split(",") if t.strip()]
+    for t in targets:
+        if not t.startswith(("http://", "https://")):
+            raise UsageError(f"--gateway: {t!r} is not an http:// or https:// URL")
+    if not targets:
+        raise UsageError("--gateway: give the gateway's URL (or node agents' URLs, comma-separated)")
+    config = ReplayConfig(schedule=schedule, rate_rps=args.rate, duration_s=args.duration, seed=args.seed,
+                          num_users=args.users, max_history_len=args.max_history_len,
+                          num_candidates=args.num_candidates, top_k=args.top_k, slo_ms=args.slo_ms,
+                          timeout_s=args.timeout_s, retries=args.retries)
+    trace = _load(args)
+    out = replay(targets, trace, config, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        lat = out["latency_ms"]
+        print(f"sent {out['requests_sent']}  served {out['requests_served']}  failed {out['requests_failed']} "
+              f"{out['failures'] or ''}  retried {out['requests_retried']}  lost {out['requests_lost']}")
+        print(f"latency ms  p50 {lat['p50']}  p90 {lat['p90']}  p99 {lat['p99']}  max {lat['max']}")
+        print(f"SLO {args.slo_ms:g} ms attainment {out['slo_attainment']}  offered {out['offered_rps']} req/s  "
+              f"served {out['served_rps']} req/s")
+        for regime, r in out["regimes"].items():
+            print(f"  {regime:<7} sent {r['requests_sent']:>6}  p99 {r['p99_ms']} ms  SLO {r['slo_attainment']}")
+    return 0 if out["requests_lost"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="racer", description=(
         "RACER: runtime EMB/KV memory splitting for generative-recommender serving."))
     parser.add_argument("--version", action="version", version=f"racer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    from workloads.regimes import REGIMES
 
     wl = sub.add_parser("workload", help="load traces, describe them, generate and plot request streams",
                         description="Real-trace workloads and the steady / trend / burst regimes.")
@@ -129,6 +164,33 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the written paths as JSON")
     pl.set_defaults(func=cmd_workload_plot)
 
+    rp = sub.add_parser("replay", help="open-loop load generator: replay a trace through regimes against a gateway",
+                        description="Send a trace's requests (steady / trend / burst streams) to a gateway, or to "
+                                    "node agents directly, at their scheduled times whether or not earlier ones "
+                                    "returned; report served, failed and retried requests, latency percentiles and "
+                                    "SLO attainment.")
+    _add_trace_args(rp)
+    rp.add_argument("--regime", choices=REGIMES, default=None, help="one regime for the whole run")
+    rp.add_argument("--schedule", default=None, help="regimes in order, e.g. steady,trend,burst (equal parts of "
+                                                     "--duration)")
+    rp.add_argument("--rate", type=float, default=20.0, help="base request rate, req/s (default 20)")
+    rp.add_argument("--duration", type=float, default=60.0, help="run length, s (default 60)")
+    rp.add_argument("--gateway", required=True, help="gateway URL (or node agents' URLs, comma-separated: round "
+                                                     "robin)")
+    rp.add_argument("--users", type=int, default=None, help="number of users (default: the trace's)")
+    rp.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    rp.add_argument("--max-history-len", type=int, default=256,
+                    help="most history + new items per request; at most the agents' --max-history-len (default 256)")
+    rp.add_argument("--num-candidates", type=int, default=64, help="candidates to rank per request (default 64)")
+    rp.add_argument("--top-k", type=int, default=10, help="items returned per request (default 10)")
+    rp.add_argument("--slo-ms", type=float, default=30.0, help="latency SLO, ms (default 30)")
+    rp.add_argument("--timeout-s", type=float, default=10.0, help="a request fails after this long (default 10)")
+    rp.add_argument("--retries", type=int, default=0,
+                    help="client retries on the next target after a connection error, timeout or 5xx (default 0)")
+    rp.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    rp.set_defaults(func=cmd_replay)
+
     from policies.cli import add_policy_parser
 
     add_policy_parser(sub)
@@ -136,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     from node_agent.cli import add_node_parser
 
     add_node_parser(sub)
+
+    from control_plane.gateway import add_gateway_parser
+
+    add_gateway_parser(sub)
+
+    from .up import add_up_parser
+
+    add_up_parser(sub)
 
     from dashboard.cli import add_dashboard_parser
 
@@ -156,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except (UsageError, UpError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"racer: error: {e}", file=sys.stderr)
         return 2
 

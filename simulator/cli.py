@@ -32,18 +32,40 @@ def cmd_paper_table(args) -> int:
     from .table import ROUTERS, TableConfig, format_rows, run_table
 
     bad = [r for r in args.regimes if r not in REGIMES]
+    if args.schedule is not None and args.seeds is not None:
+        raise ValueError("--schedule runs one seed (--seed)")
     if bad:
         raise ValueError(f"unknown regime(s) {', '.join(bad)}; choose from {', '.join(REGIMES)}")
     bad = [r for r in (args.routers or ()) if r not in ROUTERS]
     if bad:
         raise ValueError(f"unknown router(s) {', '.join(bad)}; choose from {', '.join(ROUTERS)}")
+    if args.seeds is not None and args.out is None:
+        raise ValueError("--seeds needs --out")
     if args.seed is not None and args.seeds is not None:
         raise ValueError("give --seed or --seeds, not both")
     if args.seed is not None and args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    base = TableConfig.quick() if args.quick else TableConfig()
-    kw = {"trace": args.trace, "path": args.path, "regimes": args.regimes, "num_nodes": args.nodes,
+    kw = {"trace": args.trace, "path": args.path, "regimes": args.regimes,
           "seed": args.seed if args.seed is not None else 0, "jobs": args.jobs}
+    if args.nodes is not None:
+        kw["num_nodes"] = args.nodes
+    if args.setting == "paper-scale":
+        pk = {"paper_scale": args.paper_scale} if args.paper_scale is not None else {}
+        if args.nodes is not None:
+            pk["num_nodes"] = args.nodes
+        base = TableConfig.paper(quick=args.quick, **pk)
+    else:
+        if args.paper_scale is not None:
+            raise ValueError("--paper-scale needs --setting paper-scale")
+        base = TableConfig.quick() if args.quick else TableConfig()
+    if args.schedule is not None:
+        from workloads.regimes import parse_schedule
+
+        parse_schedule(args.schedule)  # a clear error before anything runs
+        kw["schedule"] = args.schedule
+        kw["regimes"] = ("schedule",)
+        if not args.allocators:
+            kw["extra_allocators"] = usable_smart_allocators(("racer", "ppo"), args.policy)
     for name in ("rate", "duration", "users", "history_scale", "cache_fraction", "slo_ms", "profile", "policy"):
         v = getattr(args, name)
         if v is not None:
@@ -53,14 +75,16 @@ def cmd_paper_table(args) -> int:
     if args.routers:
         kw["routers"] = args.routers
     # the SmartAllocator row (racer) is part of the paper's table unless --allocators says otherwise
-    # (--allocators none: no SmartAllocator row)
+    # (--allocators none: no SmartAllocator row); a schedule's default rows are set above
     if args.allocators and "none" in args.allocators:
         if len(args.allocators) > 1:
             raise ValueError("--allocators none cannot be combined with other allocators")
         kw["extra_allocators"] = ()
-    else:
-        kw["extra_allocators"] = tuple(args.allocators) if args.allocators else ("racer",)
-    if args.nodes < 1:
+    elif args.allocators:
+        kw["extra_allocators"] = tuple(args.allocators)
+    elif "extra_allocators" not in kw:
+        kw["extra_allocators"] = ("racer",)
+    if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     cfg = replace(base, **kw)
     if args.seeds is not None:
@@ -78,8 +102,25 @@ def cmd_paper_table(args) -> int:
     else:
         print(format_rows(result["rows"]))
         print(json.dumps(result["findings"], indent=1))
-        print(f"wrote {args.out}/paper_table_{cfg.trace}.json and plots in {result['wall_s']} s")
+        print(f"wrote {args.out}/paper_table_{cfg.trace}.json and plots in {result['wall_s']} s" if args.out
+              else f"done in {result['wall_s']} s (nothing saved: give --out DIR to keep the runs and plots)")
     return 0
+
+
+def usable_smart_allocators(specs, policy=None) -> tuple[str, ...]:
+    """``specs`` whose policy artifact loads here; for the others, say on stderr why they are left
+    out (e.g. an artifact of another feature schema, while the shipped policy is retrained)."""
+    from .smart import make_smart_allocator
+
+    ok = []
+    for spec in specs:
+        try:
+            make_smart_allocator(spec, policy).reset(1, 0.5)  # loads and checks the artifact
+        except Exception as e:  # noqa: BLE001 - reported, the row is left out
+            print(f"row {spec!r} left out: its policy does not load here: {e}", file=sys.stderr)
+            continue
+        ok.append(spec)
+    return tuple(ok)
 
 
 def _paper_table_seeds(cfg, args) -> int:
@@ -121,10 +162,22 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                    "on the steady / trend / burst streams of one trace.")
     p.add_argument("--trace", required=True, choices=sorted(LOADERS), help="trace format")
     p.add_argument("--path", default=None, help="trace file (default: the sample under ../shared/data)")
-    p.add_argument("--nodes", type=int, default=32, help="cluster size (default 32)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="cluster size (default 32; paper-scale: 4, --quick 2, a slice of the 32-node cluster)")
+    p.add_argument("--setting", choices=("sample", "paper-scale"), default="sample",
+                   help="sample: the sample trace as it is; paper-scale: the paper-scale setting and its scale "
+                        "model (docs/simulator.md)")
+    p.add_argument("--paper-scale", type=float, default=None,
+                   help="the scale model's factor (default 1/192 = 0.005208...; 1/96, 1/384, ... keep whole rows "
+                        "per page)")
+    p.add_argument("--schedule", default=None,
+                   help="regimes within one run, e.g. steady:60,trend:60,burst:30,steady:60 (rows per phase and "
+                        "'all'; the best single static split for the whole run)")
     p.add_argument("--regimes", type=_names, default=("steady", "trend", "burst"),
                    help="comma-separated regimes (default steady,trend,burst)")
-    p.add_argument("--out", required=True, help="directory for the JSON and the plots")
+    p.add_argument("--out", default=None,
+                   help="directory for the JSON, the plots and the saved runs (a rerun resumes from them); "
+                        "without it nothing is saved")
     p.add_argument("--quick", action="store_true", help="a small, coarse table (smoke run, about a minute)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--rate", type=float, default=None, help="base request rate of the cluster, req/s")

@@ -482,13 +482,21 @@ class ClusterSim:
         items[pos_new] = c.new_items[c.new_off[a]:c.new_off[b]]
         mask = np.ones(len(items), dtype=bool)
         mask[pos_new] = False
-        items[mask] = c.pool[np.arange(c.cand_off[a], c.cand_off[b]) % _CAND_POOL]
+        items[mask] = self._candidates(np.arange(a, b), c.ncand_all[a:b], np.arange(c.cand_off[a], c.cand_off[b]))
         batch = RequestBatch(c.users_all[a:b], L, nn, sh_off, c.item_shard[items])
         routed = self.rt.route_batch(batch, t0).node_index
         self.node_of[a:b] = routed
         self._serve_slice(idx, routed, t1)
         if self.bar is not None:
             self.bar.update(b - a)
+
+    def _candidates(self, req: np.ndarray, nc: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """The candidates of requests ``req`` (``nc`` each, at pool positions ``pos``), after the
+        stream's item shifts (a trend's drift, an EMB burst's hot item set)."""
+        cands = self._c.pool[pos % _CAND_POOL]
+        if not self.stream.shifts_items:
+            return cands
+        return self.stream.shift_items(np.repeat(req, nc), cands, salt=1)
 
     def _serve_slice(self, idx: np.ndarray, routed: np.ndarray, t1: float) -> None:
         """Serve the slice's requests ``idx`` (arrival order), routed to ``routed``: each node's
@@ -566,7 +574,7 @@ class ClusterSim:
             counts[hpos] = sp // bl + ((p - mc) < sp % bl)
         ids[_gather(base + hist_b[b_of] + within(nn), nn)] = c.new_items[_gather(c.new_off[sidx], nn)]
         ids[_gather(base + (hist_b + new_b)[b_of] + within(nc), nc)] = \
-            c.pool[_gather(c.cand_off[sidx], nc) % _CAND_POOL]
+            self._candidates(sidx, nc, _gather(c.cand_off[sidx], nc))
         repeated = np.zeros(len(bstart), dtype=bool)  # batches that pass repeat counts
         nonempty = tot_b > 0
         if nonempty.any():

@@ -66,6 +66,32 @@ class TableConfig:
     slo_ms: float = 30.0
     seed: int = 0
     jobs: int = 0  # 0: one per core
+    # "sample": the sample trace as it is (histories stretched by history_scale, the arena
+    # cache_fraction x the trace's table); "paper-scale": `simulator.profiles.PaperScale` at
+    # `paper_scale` (the trace built by `workloads.scale.paper_scale_trace`, the arena and byte
+    # sizes of the scale model; num_users and rate_rps follow num_nodes: `TableConfig.paper`)
+    setting: str = "sample"
+    paper_scale: float = 1 / 192
+    # "steady:60,trend:60,burst:30,steady:60": the regimes in one run (regimes becomes ("schedule",))
+    schedule: str | None = None
+
+    @classmethod
+    def paper(cls, quick: bool = False, **kw) -> "TableConfig":
+        """The paper-scale setting on ``num_nodes`` nodes (``--quick``: 1 node at scale 1/384, else
+        4 nodes at 1/192) of the 32-node cluster: users and rate in proportion (31,250 users and
+        125 req/s per node), histories as built (``history_scale`` 1), the racer router only unless
+        ``routers`` says otherwise."""
+        from .profiles import PaperScale
+
+        nodes = int(kw.pop("num_nodes", 1 if quick else 4))
+        kw.setdefault("paper_scale", 1 / 384 if quick else 1 / 192)
+        ps = PaperScale(scale=float(kw["paper_scale"])).validate()
+        base = dict(setting="paper-scale", num_nodes=nodes, num_users=ps.users_per_node * nodes,
+                    rate_rps=ps.rate_rps_per_node * nodes, history_scale=1.0, routers=("racer",),
+                    other_router_allocators=("best_static",), duration_s=30.0,
+                    shares=(0.2, 0.5, 0.8) if quick else (0.1, 0.3, 0.5, 0.7, 0.9))
+        base.update(kw)
+        return cls(**base)
 
     @classmethod
     def quick(cls, **kw) -> "TableConfig":
@@ -93,23 +119,49 @@ def _trace(cfg: TableConfig):
     key = ("trace", cfg.trace, cfg.path)
     if key not in _STREAMS:
         _STREAMS[key] = load_trace(cfg.trace, cfg.path)
-    return _STREAMS[key]
+    if cfg.setting == "sample":
+        return _STREAMS[key]
+    if cfg.setting != "paper-scale":
+        raise ValueError(f"unknown setting {cfg.setting!r}; choose sample or paper-scale")
+    from workloads.regimes import RegimeConfig
+    from workloads.scale import paper_scale_trace
+
+    from .profiles import PaperScale
+
+    ps = PaperScale(scale=cfg.paper_scale).validate()
+    pkey = ("paper-scale", cfg.trace, cfg.path, cfg.num_users, cfg.paper_scale, cfg.seed)
+    if pkey not in _STREAMS:
+        _STREAMS[pkey] = paper_scale_trace(_STREAMS[key], num_users=cfg.num_users, num_rows=ps.scaled_rows(),
+                                           history_tail=ps.history_tail,
+                                           max_history_len=RegimeConfig().max_history_len, seed=cfg.seed)
+    return _STREAMS[pkey]
 
 
 def _stream(cfg: TableConfig, regime: str):
     from workloads import generate
+    from workloads.regimes import generate_schedule
 
-    key = (cfg.trace, cfg.path, regime, cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed)
+    key = (cfg.trace, cfg.path, regime, cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed,
+           cfg.setting, cfg.paper_scale, cfg.schedule)
     if key not in _STREAMS:
         trace = _trace(cfg)
-        _STREAMS[key] = generate(trace, regime=regime, rate_rps=cfg.rate_rps, duration_s=cfg.duration_s,
-                                 num_users=cfg.num_users, history_scale=cfg.history_scale, seed=cfg.seed)
+        kw = dict(rate_rps=cfg.rate_rps, num_users=cfg.num_users, history_scale=cfg.history_scale, seed=cfg.seed)
+        if regime == "schedule":
+            if not cfg.schedule:
+                raise ValueError("regime 'schedule' needs a schedule")
+            _STREAMS[key] = generate_schedule(trace, cfg.schedule, **kw)
+        else:
+            _STREAMS[key] = generate(trace, regime=regime, duration_s=cfg.duration_s, **kw)
     return _STREAMS[key]
 
 
 def sim_config(cfg: TableConfig) -> SimConfig:
-    from .profiles import get_profile
+    from .profiles import PaperScale, get_profile
 
+    if cfg.setting == "paper-scale":
+        ps = PaperScale(scale=cfg.paper_scale)
+        return SimConfig(num_nodes=cfg.num_nodes, profile=ps.profile(get_profile(cfg.profile)),
+                         cache_bytes=ps.scaled_arena_bytes(), slo_ms=cfg.slo_ms, seed=cfg.seed)
     return SimConfig(num_nodes=cfg.num_nodes, profile=get_profile(cfg.profile), cache_fraction=cfg.cache_fraction,
                      slo_ms=cfg.slo_ms, seed=cfg.seed)
 
@@ -150,10 +202,36 @@ def _run(args) -> tuple[tuple, dict, dict]:
         alloc = _make_allocator(job.allocator, job.schedule, scfg, cfg.policy)
         res = simulate(stream, scfg, alloc, job.router)
         sched = bands = None
-    series = {"window_p99_ms": res.window_p99_ms.tolist(), "shares": res.shares.mean(axis=1).tolist(),
+    series = {"phases": phase_figures(stream, res, scfg),
+              "window_p99_ms": res.window_p99_ms.tolist(), "shares": res.shares.mean(axis=1).tolist(),
               "share_matrix": res.shares.tolist(), "bursts": [list(b) for b in stream.bursts], "schedule": sched,
               "bands": bands}
     return job.key, res.summary(), series
+
+
+def phase_name(regime: str, start_s: float, end_s: float) -> str:
+    return f"{regime}[{start_s:g}-{end_s:g}s]"
+
+
+def phase_figures(stream, res: SimResult, scfg: SimConfig) -> dict:
+    """P50/P99, SLO attainment and mean share over each phase of a schedule (requests by arrival,
+    control windows by start), keyed by `phase_name`; {} for a one-regime stream."""
+    if len(stream.phases) < 2:
+        return {}
+    out = {}
+    lat_ms = res.latency_s * 1e3
+    w_start = np.arange(len(res.shares)) * scfg.control_interval_s
+    for rg, a, b in stream.phases:
+        m = (stream.arrival_s >= a) & (stream.arrival_s < b)
+        wm = (w_start >= a) & (w_start < b)
+        x = lat_ms[m]
+        out[phase_name(rg, a, b)] = {
+            "num_requests": int(m.sum()),
+            "p50_ms": round(float(np.percentile(x, 50)), 3) if len(x) else None,
+            "p99_ms": round(float(np.percentile(x, 99)), 3) if len(x) else None,
+            "slo_attainment": round(float(np.mean(x <= scfg.slo_ms)), 5) if len(x) else None,
+            "mean_share": round(float(res.shares[wm].mean()), 4) if wm.any() else None}
+    return out
 
 
 def _pool(cfg: TableConfig):
@@ -177,7 +255,10 @@ def _trace_digest(trace) -> str:
     """What a run reads of a trace, whichever files it was loaded from (a loader may read sibling
     files, e.g. Amazon's item categories): histories, timestamps, categories, shards."""
     h = hashlib.sha256()
+    h.update(trace.source_path.encode())
     for a in (trace.offsets, trace.items, trace.timestamps_s, trace.item_category, trace.item_shard):
+        if a.ndim and a.strides[0] == 0:  # a constant (paper-scale timestamps, categories): no copy
+            a = a[:1]
         a = np.ascontiguousarray(a)
         h.update(f"{a.dtype}{a.shape}".encode())
         h.update(a.tobytes())
@@ -217,7 +298,8 @@ class RunCache:
         code = _files_digest(sorted(f.relative_to(root) for pkg in _CODE_PACKAGES for f in (root / pkg).rglob("*.py")))
         self._base = {"code": code, "libraries": _library_versions(), "trace": cfg.trace,
                       "trace_content": _trace_digest(_trace(cfg)),
-                      "stream": [cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed],
+                      "stream": [cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed,
+                                 cfg.setting, cfg.paper_scale, cfg.schedule],
                       "sim": asdict(sim_config(cfg))}  # `_canon` makes it JSON
         self._policy = None
         self._cfg = cfg
@@ -382,7 +464,7 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
             sm = np.array(ser["share_matrix"])  # [windows, nodes]
             err = float(np.mean(np.abs(sm - oracle[: len(sm), None]))) if len(sm) else None
             band_err = band_error(sm, bands, cfg.shares)
-            return {"trace": cfg.trace, "regime": rg, "allocator": alloc, "router": router,
+            return {"trace": cfg.trace, "regime": rg, "allocator": alloc, "router": router, "phase": "all",
                     "p50_ms": summary["p50_ms"], "p99_ms": summary["p99_ms"],
                     "slo_attainment": summary["slo_attainment"], "throughput_rps": summary["throughput_rps"],
                     "emb_hit_rate": summary["emb_hit_rate"], "kv_hit_rate": summary["kv_hit_rate"],
@@ -405,8 +487,17 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
             rows.append(row(key[0], key[2], summary, ser))
             series[(rg, key[0], key[2])] = ser
 
+    expanded = []
+    for r in rows:  # a schedule's rows: each phase, then the whole run ("all")
+        for ph, f in (series.get((r["regime"], r["allocator"], r["router"])) or {}).get("phases", {}).items():
+            expanded.append({**{k: None for k in r}, "trace": r["trace"], "regime": r["regime"],
+                             "allocator": r["allocator"], "router": r["router"], "phase": ph, **f})
+        expanded.append(r)
+    rows = expanded
     result = {
         "trace": cfg.trace,
+        "setting": cfg.setting,
+        "schedule": cfg.schedule,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         "sim_config": _json_safe(asdict(sim_config(cfg))),
         "profile": _json_safe(sim_config(cfg).profile.to_json()),
@@ -578,7 +669,8 @@ def findings(result: dict) -> dict:
     means = [v["mean_share"] for v in result["oracle"].values()]
     for rg in result["oracle"]:
         def get(alloc, router="racer"):
-            return next((r for r in rows if r["regime"] == rg and r["allocator"] == alloc and r["router"] == router), None)
+            return next((r for r in rows if r["regime"] == rg and r["allocator"] == alloc and r["router"] == router
+                         and r.get("phase", "all") == "all"), None)
 
         best, oracle = get("best_static"), get("oracle")
         f = {"oracle_mean_share": result["oracle"][rg]["mean_share"],
@@ -589,6 +681,15 @@ def findings(result: dict) -> dict:
         if bands:  # how often the window's replay cannot tell the oracle's share from others
             f["oracle_band_mean_size"] = round(float(np.mean([len(b) for b in bands])), 3)
             f["oracle_band_ambiguous_windows"] = round(float(np.mean([len(b) > 1 for b in bands])), 3)
+        if rg == "schedule" and best and oracle and oracle["p99_ms"]:  # one split for the whole schedule
+            f["best_single_static_share"] = f["best_static_share"]
+            f["best_single_static_over_oracle_pct"] = round(100 * (best["p99_ms"] / oracle["p99_ms"] - 1), 2)
+            for name in ("racer", "ppo", "heuristic"):
+                r = get(name)
+                if r and r["p99_ms"]:
+                    f[f"{name}_over_oracle_pct"] = round(100 * (r["p99_ms"] / oracle["p99_ms"] - 1), 2)
+                    f[f"{name}_over_best_single_static_pct"] = round(100 * (r["p99_ms"] / best["p99_ms"] - 1), 2)
+            out.update({k: v for k, v in f.items() if k.startswith(("best_single", "racer_", "ppo_", "heuristic_"))})
         out[rg] = f
     out["oracle_mean_share_spread"] = round(max(means) - min(means), 4) if means else None
     return out

@@ -147,3 +147,33 @@ def test_detects_the_burst_regimes_bursts_and_nothing_else(num_users, seed):
         allowed |= set(range(math.floor(start), math.floor(end) + 3))  # hand back within 2 s of the end
     assert active <= allowed, sorted(active - allowed)
     assert rc.num_bursts == len(stream.bursts)
+
+
+IDLE = dict(num_requests=0, arrival_rate_rps=0.0, hot_user_ratio=0.0)
+
+
+def test_idle_then_ramp_then_steady_is_no_burst(c60):
+    """A node that idled before its load began (zero-request windows), then a ramp from idle to
+    the steady rate: the ramp is the start of the warmup, not a burst against a zero baseline."""
+    alloc = allocator(c60)
+    ramp = [dict(arrival_rate_rps=100.0 * k, hot_user_ratio=0.02) for k in range(1, 11)]  # 100 -> 1000 rps in 10 s
+    script = [IDLE] * 20 + ramp + [NORMAL] * 40
+    d = run(alloc, script)
+    assert not any(x.recovery_active for x in d.values())
+    st = alloc.recovery.state()
+    assert st.num_bursts == 0 and st.phase == "normal" and st.last_event is None
+    # the warmup began with the first served window (t=20), not with the idle ones
+    assert [d[t].recovery_phase for t in (19, 29, 30)] == ["warmup", "warmup", "normal"]
+
+
+def test_steady_burst_steady_is_one_burst_that_ends(c60):
+    """Idle, then steady, a burst, steady again (with idle windows inside the steady stretches):
+    one burst, entered at the burst and ended when the rate and hot-user ratio are back."""
+    alloc = allocator(c60)
+    steady = [NORMAL] * 7 + [IDLE] + [NORMAL] * 7
+    script = [IDLE] * 10 + steady + [BURST] * 3 + steady
+    d = run(alloc, script)
+    events = {t: x.recovery_event for t, x in d.items() if x.recovery_event}
+    assert events == {25: "entered", 29: "ended"}
+    assert [d[t].recovery_active for t in (24, 25, 28, 29, 40)] == [False, True, True, False, False]
+    assert alloc.recovery.state().num_bursts == 1

@@ -48,7 +48,8 @@ def test_replayed_batch_is_stored_once(cp_any):
     assert [r["seq"] for r in rows] == [0, 1, 2, 3, 4, 5]
     cl = cp_any.admin.get("/reports", params={"cluster": "true", "step_s": 100}).json()
     assert [(r["node_id"], r["ts_s"], r["num_reports"]) for r in cl] == [("*", 1000.0, 6)]
-    assert cp_any.admin.get("/reports", params={"cluster": "true"}).status_code == 422
+    r = cp_any.admin.get("/reports", params={"cluster": "true"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "step_s"]
     dec = cp_any.admin.get("/decisions", params={"node_id": "r1"}).json()
     assert dec["total"] == 5
     text = httpx.get(cp_any.base + "/metrics").text
@@ -114,7 +115,8 @@ def test_override_lifecycle_with_expiry_and_audit(cp):
     register(node, "o1")
     register(node, "o2")
     r = cp.admin.post("/overrides", json={"node_id": "o1", "emb_share": 0.99, "reason": "too high"})
-    assert r.status_code == 422 and "guard bounds" in r.json()["detail"]
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "emb_share"]
+    assert "guard bounds" in r.json()["detail"][0]["msg"]
     r = cp.admin.post("/overrides", json={"node_id": "o1", "emb_share": 0.3})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "reason"]
     assert cp.admin.get("/overrides").json() == []
@@ -163,37 +165,54 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 
 
 def test_router_weights_pushed_on_change_only_and_pullable(cp):
+    """No timing assumptions: w1 and w2 are kept up by a reporting thread, the nodes of the earlier
+    tests are waited down (their leaving is a real change of inputs), and "no new version with the
+    same inputs" is checked over three runs of the weights job counted in `GET /jobs`."""
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     _Recorder.received = []
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    node_token = cp.token("node")
+    node = cp.client(node_token)
+    seqs, seq_lock, stop = iter(range(10**6)), threading.Lock(), threading.Event()
+
+    def send(nid, **kw):  # one report; seqs increase per node whichever thread sends
+        with seq_lock:
+            seq = next(seqs)
+            r = node.post(f"/nodes/{nid}/reports", json={"reports": [report(seq, **kw)]})
+        assert r.status_code == 200, r.text
+
+    def keep_alive():  # well inside the liveness limit (5 report intervals), whatever the load
+        while not stop.wait(0.3):
+            for nid in ("w1", "w2"):
+                send(nid)
+
+    alive = threading.Thread(target=keep_alive, daemon=True)
     try:
-        node = cp.client(cp.token("node"))
-        # nodes of the earlier tests are down by now or will be: keep ours alive with reports
         for nid, kv in (("w1", 2.0), ("w2", 4.0)):
             register(node, nid, kv_recompute_us_per_token=kv)
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         r = node.post("/routers", json={"url": url, "push_token": "gw-push-secret"})
         assert r.status_code == 200 and r.json()["has_push_token"] and "push_token" not in r.json()
-
-        def keep_alive(seq, **kw):
-            for nid in ("w1", "w2"):
-                node.post(f"/nodes/{nid}/reports", json={"reports": [report(seq, **kw)]})
-
-        keep_alive(0)
+        alive.start()
         first = wait_for(lambda: [b for p, b in _Recorder.received if {"w1", "w2"} <= set(b["nodes"])])[0]
         assert first["nodes"]["w2"]["kv_recompute_us_per_token"] == 4.0
         assert "registered" in first["nodes"]["w2"]["reason"]
-        pulled = node.get("/router/weights").json()
+        # the nodes of the earlier tests no longer report: wait until the weights hold w1 and w2 only
+        pulled = wait_for(lambda: (lambda w: w if set(w["nodes"]) == {"w1", "w2"} else None)(
+            node.get("/router/weights").json()), timeout_s=60)
         assert pulled["version"] >= first["version"]
         v = pulled["version"]
-        keep_alive(1)
-        time.sleep(1.5)  # three weights-job periods with the same inputs: no new version
-        keep_alive(2)
+        assert {n["node_id"] for n in cp.admin.get("/nodes").json() if n["status"] == "up"} == {"w1", "w2"}
+        # three runs of the weights job with the same inputs: no new version
+        since = time.time()
+        wait_for(lambda: len([j for j in cp.admin.get("/jobs", params={"job": "router_weights", "since_s": since})
+                              .json() if j["ok"]]) >= 3, timeout_s=60)
         assert node.get("/router/weights").json()["version"] == v
+        assert {n["node_id"] for n in cp.admin.get("/nodes").json() if n["status"] == "up"} == {"w1", "w2"}
         # w2 reports a much higher KV recompute cost: a new version with the reason, pushed
-        for seq in range(3, 8):
-            node.post("/nodes/w2/reports", json={"reports": [report(seq, kv_recompute_us_per_token=9.0)]})
-            node.post("/nodes/w1/reports", json={"reports": [report(seq)]})
+        for _ in range(5):
+            send("w2", kv_recompute_us_per_token=9.0)
+            send("w1")
         new = wait_for(lambda: [b for p, b in _Recorder.received
                                 if b["nodes"].get("w2", {}).get("kv_recompute_us_per_token") == 9.0])[0]
         assert new["version"] > v and "reported median" in new["nodes"]["w2"]["reason"]
@@ -204,15 +223,18 @@ def test_router_weights_pushed_on_change_only_and_pullable(cp):
         routers = cp.admin.get("/routers").json()
         assert any(r["url"] == url and r["pushed_version"] == new["version"] for r in routers)
     finally:
+        stop.set()
+        if alive.is_alive():
+            alive.join(timeout=10)
         srv.shutdown()
 
 
 def test_policy_upload_verify_download(cp):
     bad = artifact_tar(DEFAULT_POLICY, policy_id="corrupt-1", corrupt_onnx=True)
     r = cp.admin.post("/policies", content=bad, headers={"Content-Type": "application/x-tar"})
-    assert r.status_code == 422 and "refused" in r.json()["detail"]
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"] and "refused" in r.json()["detail"][0]["msg"]
     r = cp.admin.post("/policies", content=b"not a tar", headers={"Content-Type": "application/x-tar"})
-    assert r.status_code == 422 and "tar" in r.json()["detail"]
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"] and "tar" in r.json()["detail"][0]["msg"]
     assert cp.admin.get("/policies/corrupt-1").status_code == 404
     good = artifact_tar(DEFAULT_POLICY, policy_id="up-a")
     r = cp.admin.post("/policies", content=good, headers={"Content-Type": "application/x-tar"})
@@ -228,3 +250,16 @@ def test_policy_upload_verify_download(cp):
 
     assert art.status_code == 200 and hashlib.sha256(art.content).hexdigest() == p["digest"]
     assert art.headers["x-racer-digest"] == p["digest"]
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_get_422_naming_the_field_not_500(cp, text):
+    """JSON's NaN/Infinity spellings parse; the 422 that echoes them must still encode as JSON."""
+    op = cp.client(cp.token("operator"))
+    for body, field in [(f'{{"emb_share": {text}, "reason": "x"}}', "emb_share"),
+                        (f'{{"emb_share": 0.5, "ttl_s": {text}, "reason": "x"}}', "ttl_s")]:
+        r = op.post("/overrides", content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert ["body", field] in [e["loc"] for e in r.json()["detail"]]
+    stored = op.get("/overrides").json()
+    assert not [o for o in (stored if isinstance(stored, list) else stored.get("items", [])) if o["reason"] == "x"]

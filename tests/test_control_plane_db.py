@@ -165,3 +165,40 @@ def test_postgres_urls_use_psycopg3():
     assert normalize_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
     assert normalize_url("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
     assert normalize_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_a_short_window_does_not_lift_the_bucket_throughput(db):
+    """A control step delayed by a long batch is followed by a very short window with a high
+    rate (here 60 req/s over 0.1 s). The bucket's throughput is the requests over the time the
+    reports cover, not the plain mean of their rates (24 req/s here, 3x the node's 8 req/s:
+    the spike seen on the overview), and hit rates / attainment are weighted by requests."""
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a")
+        _node(s, "b")
+        reps = []
+        for nid in ("a", "b"):
+            reps += [_row(nid, 1, 1000.5, interval_s=2.0, throughput_rps=8.0, num_requests=16, emb_hit_rate=0.5,
+                          slo_attainment=1.0),
+                     _row(nid, 2, 1004.4, interval_s=3.9, throughput_rps=4.0, num_requests=16, emb_hit_rate=0.5,
+                          slo_attainment=0.5),
+                     _row(nid, 3, 1004.5, interval_s=0.1, throughput_rps=60.0, num_requests=6, emb_hit_rate=0.95,
+                          slo_attainment=1.0)]
+        queries.insert_reports(s, reps)
+    want_thr = (8.0 * 2.0 + 4.0 * 3.9 + 60.0 * 0.1) / 6.0  # 6.27 req/s: 37.6 requests over 6 s
+    want_hit = (0.5 * 16 + 0.5 * 16 + 0.95 * 6) / 38
+    with factory() as s:
+        rows = queries.report_history(s, node_id=None, start_s=None, end_s=None, step_s=5.0, limit=10)
+        cl = queries.cluster_history(s, start_s=None, end_s=None, step_s=5.0, limit=10)
+    assert [(r["node_id"], r["ts_s"], r["num_reports"]) for r in rows] == [("a", 1000.0, 3), ("b", 1000.0, 3)]
+    for r in rows:
+        assert r["throughput_rps"] == pytest.approx(want_thr)
+        assert r["emb_hit_rate"] == pytest.approx(want_hit)
+        assert r["slo_attainment"] == pytest.approx((16 + 8 + 6) / 38)
+        assert r["p99_ms"] == pytest.approx(2.0)
+    assert len(cl) == 1 and cl[0]["throughput_rps"] == pytest.approx(2 * want_thr)
+    with factory.begin() as s:  # the rollups keep the same figures
+        queries.rollup_and_prune(s, now_s=1100.0, step_s=5.0, raw_retention_s=10.0, rollup_retention_s=1e9)
+    with factory() as s:
+        rolled = queries.report_history(s, node_id="a", start_s=None, end_s=None, step_s=5.0, limit=10)
+    assert len(rolled) == 1 and rolled[0]["throughput_rps"] == pytest.approx(want_thr)

@@ -198,3 +198,24 @@ def test_item_id_out_of_range_names_the_element_and_the_range(agent):
 def test_agent_logged_no_traceback(agent):
     _, _, err = agent
     assert "Traceback" not in err.read_text()
+
+
+def test_finite_validation_errors_answers_422_for_every_non_finite_form():
+    """The handler every FastAPI app of the project installs (control plane, gateway)."""
+    from fastapi import Body, FastAPI
+    from fastapi.testclient import TestClient
+
+    from node_agent.server import finite_validation_errors
+
+    app = FastAPI()
+    finite_validation_errors(app)
+
+    @app.post("/x")
+    async def post_x(x: float = Body(..., embed=True, allow_inf_nan=False)):
+        return {"x": x}
+
+    client = TestClient(app)
+    for text in ("NaN", "Infinity", "-Infinity"):
+        r = client.post("/x", content=f'{{"x": {text}}}', headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "x"]
+        assert r.json()["detail"][0]["input"] == text

@@ -33,9 +33,19 @@ Regimes (``t`` runs over [0, duration_s], ``u = t / duration_s``):
   (first-request histories and the rate at which new items accrue).
 - ``burst``: the steady stream plus ``num_bursts`` bursts (default one per ``burst_every_s``),
   each placed uniformly at random in its own equal slot of the run so bursts never overlap. A
-  burst lasts ``burst_duration_s``; in it a fresh random hot set of ``burst_hot_user_fraction`` of
+  burst lasts ``burst_duration_s``; in it a fresh hot set of ``burst_hot_user_fraction`` of
   the users (at least one) sends extra requests at ``(burst_rate_mult - 1) * rate_rps``, so the
-  total rate is ``burst_rate_mult`` times the baseline.
+  total rate is ``burst_rate_mult`` times the baseline. ``burst_kind`` says what the burst moves:
+  ``kv`` (default): the hot set is returning users drawn by activity (weight; long histories),
+  which a KV pool can hold; ``emb``: the hot set is new users (not seen yet in the run, drawn
+  uniformly) whose new items and candidates come from a hot set of ``burst_item_set_size`` items
+  drawn uniformly from the catalogue (cold rows turned hot), which an EMB slab can hold.
+- the trend also drifts item popularity: a request's new items and candidates are, with
+  probability ``trend_item_drift_end * u``, their drifted twins (`RequestStream.shift_items`).
+
+Schedules (`generate_schedule`, ``"steady:60,trend:60,burst:30,steady:60"``): the regimes follow
+each other in one stream; users keep their identity and running histories across phases, the
+drift reached in a trend stays for the phases after it.
 
 Statistics (`window_stats`), per window of ``window_s``:
 
@@ -58,6 +68,7 @@ import numpy as np
 from .trace import Trace
 
 REGIMES = ("steady", "trend", "burst")
+BURST_KINDS = ("kv", "emb")
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,14 @@ class RegimeConfig:
     burst_duration_s: float = 3.0
     burst_rate_mult: float = 4.0
     burst_hot_user_fraction: float = 0.005
+    # what a burst moves: "kv" (hot returning users, drawn by activity: long histories) or "emb"
+    # (new users, drawn uniformly among those not seen yet, whose new items and candidates come
+    # from a hot set of `burst_item_set_size` items drawn uniformly from the catalogue: cold rows)
+    burst_kind: str = "kv"
+    burst_item_set_size: int = 256
+    # trend: by the run's end this share of new items and candidates comes from a shifted
+    # popularity (the item ranks moved by a fixed bijection): what is hot drifts
+    trend_item_drift_end: float = 0.5
 
     def validate(self) -> "RegimeConfig":
         problems = []
@@ -111,6 +130,12 @@ class RegimeConfig:
             v = getattr(self, name)
             if not 0 < v <= 1:
                 problems.append(f"{name} must be in (0, 1], got {v!r}")
+        if self.burst_kind not in BURST_KINDS:
+            problems.append(f"burst_kind must be one of {', '.join(BURST_KINDS)}, got {self.burst_kind!r}")
+        if self.burst_item_set_size < 1:
+            problems.append(f"burst_item_set_size must be >= 1, got {self.burst_item_set_size}")
+        if not 0 <= self.trend_item_drift_end <= 1:
+            problems.append(f"trend_item_drift_end must be in [0, 1], got {self.trend_item_drift_end!r}")
         if self.burst_rate_mult < 1:
             problems.append(f"burst_rate_mult must be >= 1, got {self.burst_rate_mult}")
         if self.num_bursts is not None and self.num_bursts < 0:
@@ -158,6 +183,12 @@ class RequestStream:
     hot_users: np.ndarray  # int64 users of the static hot set
     bursts: list[tuple[float, float]] = field(default_factory=list)  # [start_s, end_s)
     burst_hot_users: list[np.ndarray] = field(default_factory=list)
+    # item shifts (see `shift_items`): per request the share of its new items and candidates drawn
+    # from the drifted popularity, and the index of the hot item set it draws them from (-1: none)
+    item_drift: np.ndarray | None = None
+    item_set: np.ndarray | None = None
+    item_sets: list[np.ndarray] = field(default_factory=list)
+    phases: list[tuple[str, float, float]] = field(default_factory=list)  # (regime, start_s, end_s)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -176,7 +207,8 @@ class RequestStream:
 
     def new_items(self, i: int) -> np.ndarray:
         h = int(self.history_len[i])
-        return self._items_at(int(self.user[i]), np.arange(h, h + int(self.num_new_items[i])))
+        items = self._items_at(int(self.user[i]), np.arange(h, h + int(self.num_new_items[i])))
+        return self.shift_items(np.full(len(items), i), items) if self.item_drift is not None else items
 
     def request(self, i: int) -> Request:
         return Request(index=i, arrival_s=float(self.arrival_s[i]), user=int(self.user[i]),
@@ -187,8 +219,42 @@ class RequestStream:
         for i in range(len(self)):
             yield self.request(i)
 
+    @property
+    def shifts_items(self) -> bool:
+        return self.item_drift is not None
+
+    def shift_items(self, req: np.ndarray, items: np.ndarray, salt: int = 0) -> np.ndarray:
+        """The looked-up items of requests ``req`` (one entry per item) after the stream's item
+        shifts: an item of a request in a hot item set's burst is that set's
+        ``hash(req, item, salt) mod size``-th item; otherwise, with probability
+        ``item_drift[req]`` (a hash, so deterministic), the item's drifted twin
+        ``(item * 2654435761 + 12345) mod num_items`` (a bijection when the count is odd; a fixed
+        map either way), so what was cold becomes hot as the drift grows. Histories read from the
+        trace stay as they are."""
+        if self.item_drift is None or len(items) == 0:
+            return items
+        n = self.trace.num_items
+        req = np.asarray(req, dtype=np.int64)
+        h = ((req.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.asarray(items, dtype=np.uint64)
+             * np.uint64(0xBF58476D1CE4E5B9)) ^ np.uint64(salt * 0x94D049BB133111EB + 1))
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xD6E8FEB86659FD93)
+        h ^= h >> np.uint64(32)
+        u = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+        out = np.asarray(items, dtype=np.int64).copy()
+        drift = u < self.item_drift[req]
+        out[drift] = (out[drift] * 2654435761 + 12345) % n
+        if self.item_sets:
+            k = self.item_set[req]
+            for j, items_j in enumerate(self.item_sets):
+                m = k == j
+                if m.any():
+                    out[m] = items_j[(h[m] % np.uint64(len(items_j))).astype(np.int64)]
+        return out
+
     def all_new_items(self) -> tuple[np.ndarray, np.ndarray]:
-        """(request index, item id) of every new-item lookup in the stream, vectorised."""
+        """(request index, item id) of every new-item lookup in the stream, vectorised (after the
+        stream's item shifts, `shift_items`)."""
         n_new = self.num_new_items.astype(np.int64)
         req = np.repeat(np.arange(len(self)), n_new)
         starts = np.cumsum(n_new) - n_new
@@ -198,7 +264,7 @@ class RequestStream:
         offs = self.trace.offsets
         lens = offs[base + 1] - offs[base]
         items = self.trace.items[offs[base] + (pos + self.rotation[users]) % lens]
-        return req, items
+        return req, self.shift_items(req, items)
 
     def in_burst(self) -> np.ndarray:
         """Boolean per request: arrived inside a burst window."""
@@ -277,9 +343,49 @@ def _poisson_times(rng: np.random.Generator, rate: float, start: float, end: flo
 def generate(trace: Trace, config: RegimeConfig | None = None, **overrides) -> RequestStream:
     """Generate the request stream of ``config`` (fields may be overridden by keyword)."""
     cfg = replace(config or RegimeConfig(), **overrides).validate()
+    return generate_schedule(trace, [(cfg.regime, cfg.duration_s)], cfg)
+
+
+def parse_schedule(text: str) -> list[tuple[str, float]]:
+    """``"steady:60,trend:60,burst:30,steady:60"`` -> [(regime, seconds), ...] (checked)."""
+    phases = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        name, sep, dur = part.partition(":")
+        if not sep:
+            raise ValueError(f"schedule phase {part!r}: want REGIME:SECONDS")
+        if name not in REGIMES:
+            raise ValueError(f"schedule phase {part!r}: regime must be one of {', '.join(REGIMES)}")
+        try:
+            d = float(dur)
+        except ValueError:
+            raise ValueError(f"schedule phase {part!r}: seconds must be a number") from None
+        if not (np.isfinite(d) and d > 0):
+            raise ValueError(f"schedule phase {part!r}: seconds must be positive")
+        phases.append((name, d))
+    if not phases:
+        raise ValueError("schedule: want at least one REGIME:SECONDS phase")
+    return phases
+
+
+def generate_schedule(trace: Trace, phases, config: RegimeConfig | None = None, **overrides) -> RequestStream:
+    """One stream whose regimes follow each other: ``phases`` is [(regime, seconds), ...] (or a
+    `parse_schedule` string). Users keep their identity, activity and running histories across
+    phases (one user population, histories computed over the whole run), so a cache's state
+    carries over; each phase's arrivals, hot-user share, history scaling and bursts are those
+    of its regime over its own span (``u`` runs over the phase), and the trend's item drift,
+    once reached, stays for the phases after it (popularity does not drift back)."""
+    if isinstance(phases, str):
+        phases = parse_schedule(phases)
+    phases = [(str(r), float(d)) for r, d in phases]
+    base = replace(config or RegimeConfig(), **overrides)
+    total = float(sum(d for _, d in phases))
+    cfg = replace(base, regime=phases[0][0], duration_s=total).validate()
+    for r, d in phases:
+        replace(base, regime=r, duration_s=d).validate()
     rng = np.random.default_rng(cfg.seed)
     num_users = cfg.num_users or trace.num_users
-    dur, rate = cfg.duration_s, cfg.rate_rps
 
     # users: base trace user, rotation, activity weight, hot set
     base_user = np.arange(num_users, dtype=np.int64)
@@ -293,7 +399,76 @@ def generate(trace: Trace, config: RegimeConfig | None = None, **overrides) -> R
     is_hot = np.zeros(num_users, dtype=bool)
     is_hot[hot_users] = True
 
-    # arrivals of the base process
+    parts, bursts, burst_sets, item_sets, spans = [], [], [], [], []
+    t0, drift0, seen = 0.0, 0.0, np.zeros(num_users, dtype=bool)
+    for regime, dur in phases:
+        pc = replace(base, regime=regime, duration_s=dur)
+        p = _phase(rng, pc, num_users, weight, is_hot, hot_users, drift0, seen, len(item_sets), trace.num_items)
+        parts.append((p["times"] + t0, p["users"], p["scale"], p["drift"], p["set"]))
+        bursts += [(s + t0, e + t0) for s, e in p["bursts"]]
+        burst_sets += p["burst_sets"]
+        item_sets += p["item_sets"]
+        spans.append((regime, t0, t0 + dur))
+        seen[p["users"]] = True
+        drift0 = p["drift_end"]
+        t0 += dur
+    times = np.concatenate([q[0] for q in parts])
+    users = np.concatenate([q[1] for q in parts])
+    scale = np.concatenate([q[2] for q in parts])
+    drift = np.concatenate([q[3] for q in parts])
+    iset = np.concatenate([q[4] for q in parts])
+    n = len(times)
+
+    # per-user running history: group requests by user (stable keeps arrival order within a user)
+    by_user = np.argsort(users, kind="stable")
+    su = users[by_user]
+    first = np.ones(n, dtype=bool)
+    first[1:] = su[1:] != su[:-1]
+    st = times[by_user]
+    gap = np.empty(n)
+    gap[1:] = st[1:] - st[:-1]
+    lam = np.where(first, cfg.mean_new_items, cfg.new_items_per_s * gap) * scale[by_user]
+    sn = np.minimum(rng.poisson(lam), cfg.max_new_items)
+    cs = np.cumsum(sn)
+    group_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    before = cs - sn - (cs[group_start] - sn[group_start])  # new items of the user's earlier requests
+    h0_frac = rng.uniform(0.5, 1.0, size=num_users)
+    first_scale = scale[by_user][group_start]
+    h0 = np.maximum(1, np.round(base_len[su] * cfg.history_scale * h0_frac[su] * first_scale)).astype(np.int64)
+    hist = np.empty(n, dtype=np.int64)
+    hist[by_user] = np.minimum(h0 + before, cfg.max_history_len)
+    n_new = np.empty(n, dtype=np.int64)
+    n_new[by_user] = sn
+    prev = np.full(n, -1, dtype=np.int64)
+    prev_sorted = np.where(first, -1, np.concatenate(([-1], by_user[:-1])))
+    prev[by_user] = prev_sorted
+    shifts = bool(np.any(drift > 0) or np.any(iset >= 0))
+
+    return RequestStream(
+        trace=trace,
+        config=cfg,
+        arrival_s=times,
+        user=users,
+        history_len=hist.astype(np.int32),
+        num_new_items=n_new.astype(np.int32),
+        num_candidates=np.full(n, cfg.num_candidates, dtype=np.int32),
+        prev_request=prev,
+        base_user=base_user.astype(np.int32),
+        rotation=rotation.astype(np.int32),
+        hot_users=hot_users,
+        bursts=bursts,
+        burst_hot_users=burst_sets,
+        item_drift=drift if shifts else None,
+        item_set=iset if shifts else None,
+        item_sets=item_sets,
+        phases=spans,
+    )
+
+
+def _phase(rng, cfg: RegimeConfig, num_users: int, weight: np.ndarray, is_hot: np.ndarray, hot_users: np.ndarray,
+           drift0: float, seen: np.ndarray, set_base: int, num_items: int) -> dict:
+    """One phase's arrivals (times from 0), users, history scaling, item drift and bursts."""
+    dur, rate = cfg.duration_s, cfg.rate_rps
     if cfg.regime == "trend":
         a, b = cfg.trend_rate_start, cfg.trend_rate_end
         total = rate * dur * (a + b) / 2
@@ -320,72 +495,54 @@ def generate(trace: Trace, config: RegimeConfig | None = None, **overrides) -> R
     cold_users = np.flatnonzero(~is_hot)
     users[pick_hot] = _weighted_choice(rng, hot_users, weight[hot_users], int(pick_hot.sum()))
     users[~pick_hot] = _weighted_choice(rng, cold_users, weight[cold_users], int((~pick_hot).sum()))
+    iset = np.full(len(times), -1, dtype=np.int64)
 
     # bursts: extra requests from a fresh hot set, one burst per equal slot of the run
     bursts: list[tuple[float, float]] = []
     burst_sets: list[np.ndarray] = []
+    item_sets: list[np.ndarray] = []
     if cfg.regime == "burst" and cfg.bursts_count() > 0:
         k = cfg.bursts_count()
         slot = dur / k
-        extra_t, extra_u = [times], [users]
+        extra_t, extra_u, extra_s = [times], [users], [iset]
         num_burst_users = max(1, int(round(cfg.burst_hot_user_fraction * num_users)))
         for j in range(k):
             s = j * slot + rng.uniform(0, slot - cfg.burst_duration_s)
             e = s + cfg.burst_duration_s
-            hot = np.sort(rng.choice(num_users, size=min(num_burst_users, num_users), replace=False))
+            size = min(num_burst_users, num_users)
+            if cfg.burst_kind == "kv":  # hot returning users, by activity (long histories)
+                hot = np.sort(rng.choice(num_users, size=size, replace=False, p=weight / weight.sum()))
+            else:  # new users (not seen yet, when there are enough), uniformly
+                before = seen.copy()
+                before[users[times < s]] = True
+                fresh = np.flatnonzero(~before)
+                pool = fresh if len(fresh) >= size else np.arange(num_users)
+                hot = np.sort(rng.choice(pool, size=size, replace=False))
+                item_sets.append(np.sort(rng.choice(num_items, size=min(cfg.burst_item_set_size, num_items),
+                                                    replace=False)))
             t = _poisson_times(rng, (cfg.burst_rate_mult - 1) * rate, s, e)
             extra_t.append(t)
             extra_u.append(hot[rng.integers(0, len(hot), size=len(t))])
+            extra_s.append(np.full(len(t), set_base + len(item_sets) - 1 if cfg.burst_kind == "emb" else -1))
             bursts.append((float(s), float(e)))
             burst_sets.append(hot)
         times = np.concatenate(extra_t)
         users = np.concatenate(extra_u)
+        iset = np.concatenate(extra_s)
         order = np.argsort(times, kind="stable")
-        times, users = times[order], users[order]
+        times, users, iset = times[order], users[order], iset[order]
         u = times / dur
 
     n = len(times)
     scale = 1.0 + (cfg.trend_history_scale_end - 1.0) * u if cfg.regime == "trend" else np.ones(n)
-
-    # per-user running history: group requests by user (stable keeps arrival order within a user)
-    by_user = np.argsort(users, kind="stable")
-    su = users[by_user]
-    first = np.ones(n, dtype=bool)
-    first[1:] = su[1:] != su[:-1]
-    st = times[by_user]
-    gap = np.empty(n)
-    gap[1:] = st[1:] - st[:-1]
-    lam = np.where(first, cfg.mean_new_items, cfg.new_items_per_s * gap) * scale[by_user]
-    sn = np.minimum(rng.poisson(lam), cfg.max_new_items)
-    cs = np.cumsum(sn)
-    group_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
-    before = cs - sn - (cs[group_start] - sn[group_start])  # new items of the user's earlier requests
-    h0_frac = rng.uniform(0.5, 1.0, size=num_users)
-    first_scale = scale[by_user][group_start]
-    h0 = np.maximum(1, np.round(base_len[su] * cfg.history_scale * h0_frac[su] * first_scale)).astype(np.int64)
-    hist = np.empty(n, dtype=np.int64)
-    hist[by_user] = np.minimum(h0 + before, cfg.max_history_len)
-    n_new = np.empty(n, dtype=np.int64)
-    n_new[by_user] = sn
-    prev = np.full(n, -1, dtype=np.int64)
-    prev_sorted = np.where(first, -1, np.concatenate(([-1], by_user[:-1])))
-    prev[by_user] = prev_sorted
-
-    return RequestStream(
-        trace=trace,
-        config=cfg,
-        arrival_s=times,
-        user=users,
-        history_len=hist.astype(np.int32),
-        num_new_items=n_new.astype(np.int32),
-        num_candidates=np.full(n, cfg.num_candidates, dtype=np.int32),
-        prev_request=prev,
-        base_user=base_user.astype(np.int32),
-        rotation=rotation.astype(np.int32),
-        hot_users=hot_users,
-        bursts=bursts,
-        burst_hot_users=burst_sets,
-    )
+    if cfg.regime == "trend":
+        drift_end = max(drift0, cfg.trend_item_drift_end)
+        drift = drift0 + (drift_end - drift0) * u
+    else:
+        drift_end = drift0
+        drift = np.full(n, drift0)
+    return {"times": times, "users": users, "scale": scale, "drift": drift, "set": iset, "bursts": bursts,
+            "burst_sets": burst_sets, "item_sets": item_sets, "drift_end": drift_end}
 
 
 def _weighted_choice(rng: np.random.Generator, population: np.ndarray, weight: np.ndarray, size: int) -> np.ndarray:

@@ -1,0 +1,405 @@
+"""Benchmark of the gateway in front of real node-agent processes.
+
+    python -m bench.gateway --json
+    python -m bench.gateway --routers racer,least_load,round_robin --trace taobao --json
+
+Default mode profiles the small model once (``racer node profile``: the agents' ``--profile``,
+whose miss costs the gateway's weights come from), starts 4 ``racer node-agent`` processes
+(small model: 1 layer, 32-dim embeddings, 256 pages, histories up to 256 tokens) and one
+``racer gateway`` process (router ``racer``), then measures:
+
+- **overhead** (closed loop, one request at a time, the same requests): for every request sent
+  through the gateway, the client's latency minus the gateway's round trip to the node for that
+  request (``gateway.upstream_ms`` in the answer), i.e. what the extra hop and the routing add on
+  top of the node's own service time as the gateway saw it. ``overhead_p50_ms`` /
+  ``overhead_p99_ms``; ``gateway_internal_p50_ms`` is the gateway's own histogram (parse, route,
+  splice) for comparison. ``direct_p50_ms`` is the same requests sent straight to the agents.
+- **max_rps**: open-loop Poisson load at rising rates through the gateway; the highest rate whose
+  P99 stays within 2x the P99 at the lowest rate (and with no errors). ``direct_max_rps``: the
+  same sweep sent straight to the agents (requests spread round-robin), in the same run.
+
+``--routers`` mode replays the same request stream (a ``steady`` regime of the trace; candidates
+sampled by item popularity, sent explicitly so the gateway sees every looked-up item) through a
+gateway per router, restarting the 4 agents before each router so every router starts cold, and
+prints each router's P99 and the KV hit rate (history tokens whose K/V was reused) and EMB hit
+rate (rows found in the slab) summed over the answers.
+Figures come from a shared, noisy machine: compare, do not assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+SMALL_AGENT = ["--num-pages", "256", "--max-history-len", "256", "--num-candidates", "32", "--max-candidates", "256",
+               "--emb-share", "0.5", "--embedding-dim", "32", "--head-dim", "16", "--num-layers", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process (``racer ...``) with its output in a log file; `kill` and `stop` by pid."""
+
+    def __init__(self, args: list[str], log_path: Path, port: int) -> None:
+        self.args, self.log_path, self.port = args, log_path, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Proc":
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "racer", *self.args, "--port", str(self.port)],
+                                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        return self
+
+    def wait_ready(self, path: str = "/healthz", timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.args[0]} exited with {self.proc.returncode}: "
+                                   f"{self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.args[0]} on port {self.port} not ready after {timeout_s} s")
+
+    def kill(self) -> None:
+        """SIGKILL (kill -9)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start_agents(n: int, workdir: Path, trace: str = "taobao", path: str | None = None,
+                 extra: list[str] | None = None, ports: list[int] | None = None) -> list[Proc]:
+    """``n`` node agents (small model), started in parallel and healthy on return."""
+    agents = []
+    for i in range(n):
+        port = ports[i] if ports else free_port()
+        args = ["node-agent", "--trace", trace, *(["--path", path] if path else []), *SMALL_AGENT,
+                "--seed", "1", *(extra or [])]
+        agents.append(Proc(args, workdir / f"agent{i}.log", port).start())
+    try:
+        for a in agents:
+            a.wait_ready()
+    except Exception:
+        for a in agents:
+            a.kill()
+        raise
+    return agents
+
+
+def measure_profile(workdir: Path) -> Path:
+    """``racer node profile`` of the small model (the agents' ``--profile``: their miss costs,
+    which the gateway's weights come from)."""
+    out = workdir / "node_profile.json"
+    model = [a for a in SMALL_AGENT[SMALL_AGENT.index("--embedding-dim"):]]
+    subprocess.run([sys.executable, "-m", "racer", "node", "profile", *model, "--lengths", "64,128,256",
+                    "--repeats", "3", "--num-candidates", "32", "--out", str(out), "--no-progress"],
+                   cwd=REPO, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return out
+
+
+def start_gateway(node_urls: list[str], workdir: Path, router: str = "racer", trace: str | None = "taobao",
+                  path: str | None = None, extra: list[str] | None = None, port: int | None = None) -> Proc:
+    args = ["gateway", "--nodes", ",".join(node_urls), "--router", router,
+            *(["--trace", trace] if trace else []), *(["--path", path] if path else []), *(extra or [])]
+    g = Proc(args, workdir / f"gateway-{router}.log", port or free_port()).start()
+    try:
+        g.wait_ready()
+    except Exception:
+        g.kill()
+        raise
+    return g
+
+
+# ----------------------------------------------------------------------------------- requests ---
+def make_bodies(trace_kind: str, path: str | None, num: int, seed: int = 0, rate_rps: float = 200.0,
+                num_candidates: int = 32, max_history_len: int = 200, num_users: int | None = None) -> list[bytes]:
+    """Request bodies of a ``steady`` stream of the trace, candidates sampled by popularity."""
+    from workloads import generate, load_trace
+
+    trace = load_trace(trace_kind, path)
+    stream = generate(trace, regime="steady", rate_rps=rate_rps, duration_s=num / rate_rps * 1.3 + 1, seed=seed,
+                      num_candidates=num_candidates, max_history_len=max_history_len, num_users=num_users)
+    rng = np.random.default_rng(seed)
+    pop = trace.item_popularity().astype(np.float64)
+    cdf = np.cumsum(pop / pop.sum())
+    out = []
+    for i in range(min(num, len(stream))):
+        r = stream.request(i)
+        cands = np.unique(np.minimum(np.searchsorted(cdf, rng.random(num_candidates)), trace.num_items - 1))
+        out.append(json.dumps({"user_id": int(r.user), "history": r.history.tolist(),
+                               "new_items": r.new_items.tolist(), "candidates": cands.tolist(),
+                               "top_k": 10}).encode())
+    return out
+
+
+async def closed_loop(urls: list[str], bodies: list[bytes]) -> list[tuple[float, dict]]:
+    """One request at a time; ``urls`` used round-robin. Returns (latency s, answer)."""
+    out = []
+    async with httpx.AsyncClient(timeout=30.0) as c:
+        for i, b in enumerate(bodies):
+            t = time.perf_counter()
+            r = await c.post(urls[i % len(urls)] + "/v1/recommend", content=b,
+                             headers={"content-type": "application/json"})
+            dt = time.perf_counter() - t
+            if r.status_code != 200:
+                raise RuntimeError(f"request {i}: {r.status_code} {r.text[:300]}")
+            out.append((dt, r.json()))
+    return out
+
+
+async def open_loop(urls: list[str], bodies: list[bytes], rate_rps: float, duration_s: float,
+                    seed: int = 0, timeout_s: float = 10.0) -> dict:
+    """Poisson arrivals at ``rate_rps`` for ``duration_s``; latency percentiles and errors."""
+    rng = np.random.default_rng(seed)
+    n = max(1, int(rate_rps * duration_s))
+    gaps = rng.exponential(1.0 / rate_rps, n)
+    lat: list[float] = []
+    errors = 0
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as c:
+        async def one(i: int) -> None:
+            nonlocal errors
+            t = time.perf_counter()
+            try:
+                r = await c.post(urls[i % len(urls)] + "/v1/recommend", content=bodies[i % len(bodies)],
+                                 headers={"content-type": "application/json"})
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                lat.append(time.perf_counter() - t)
+            else:
+                errors += 1
+
+        tasks = []
+        start = time.perf_counter()
+        at = 0.0
+        for i in range(n):
+            at += gaps[i]
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    a = np.array(lat) * 1e3 if lat else np.array([np.inf])
+    return {"offered_rps": rate_rps, "achieved_rps": round(len(lat) / elapsed, 1), "n": n, "errors": errors,
+            "p50_ms": round(float(np.percentile(a, 50)), 2), "p99_ms": round(float(np.percentile(a, 99)), 2)}
+
+
+async def sweep(urls: list[str], bodies: list[bytes], rates: list[float], duration_s: float) -> tuple[float, list]:
+    rows = []
+    base = None
+    best = 0.0
+    for k, rate in enumerate(rates):
+        row = await open_loop(urls, bodies[k * 1000:] + bodies, rate, duration_s, seed=k)
+        rows.append(row)
+        if base is None:
+            base = row["p99_ms"]
+        ok = row["errors"] == 0 and row["p99_ms"] <= 2 * base
+        row["within_2x_low_load_p99"] = ok
+        if ok:
+            best = rate
+        else:
+            break
+    return best, rows
+
+
+def _pct(xs, q) -> float:
+    return round(float(np.percentile(xs, q)), 3)
+
+
+def _gateway_internal_p50_ms(url: str) -> float | None:
+    """The gateway's overhead histogram's median (linear within the bucket)."""
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith("racer_gateway_overhead_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= total / 2:
+            frac = (total / 2 - prev_c) / max(c - prev_c, 1e-9)
+            return round((prev_le + frac * (le - prev_le)) * 1e3, 3)
+        prev_le, prev_c = le, c
+    return None
+
+
+# ------------------------------------------------------------------------------------- modes ---
+def run_overhead(args, workdir: Path) -> dict:
+    load_at_start = os.getloadavg()[0]
+    profile = ["--profile", str(measure_profile(workdir))]
+    agents = start_agents(args.nodes, workdir, args.trace, args.path, extra=profile)
+    gw = None
+    try:
+        urls = [a.url for a in agents]
+        gw = start_gateway(urls, workdir, "racer", args.trace, args.path)
+        bodies = make_bodies(args.trace, args.path, args.requests + 6000, seed=1)
+        warm = bodies[:50]
+        asyncio.run(closed_loop([gw.url], warm))
+        asyncio.run(closed_loop(urls, warm))
+        reqs = bodies[50:50 + args.requests]
+        # alternate gateway and direct in chunks so both see the same machine noise
+        over, g_lat, d_lat = [], [], []
+        for k in range(0, len(reqs), 50):
+            chunk = reqs[k:k + 50]
+            for dt, ans in asyncio.run(closed_loop([gw.url], chunk)):
+                g_lat.append(dt * 1e3)
+                over.append(dt * 1e3 - ans["gateway"]["upstream_ms"])
+            for dt, _ in asyncio.run(closed_loop(urls, chunk)):
+                d_lat.append(dt * 1e3)
+        internal = _gateway_internal_p50_ms(gw.url)
+        rates = [float(r) for r in args.rates.split(",")]
+        sweep_bodies = bodies[50 + args.requests:]
+        direct_max, direct_rows = asyncio.run(sweep(urls, sweep_bodies, rates, args.duration))
+        gw_max, gw_rows = asyncio.run(sweep([gw.url], sweep_bodies, rates, args.duration))
+        state = httpx.get(gw.url + "/v1/router", timeout=5.0).json()
+        return {
+            "num_nodes": args.nodes, "requests": len(reqs), "cpu_count": os.cpu_count(),
+            "load_average_at_start": load_at_start,
+            "overhead_p50_ms": _pct(over, 50), "overhead_p99_ms": _pct(over, 99),
+            "overhead_target_ms": {"p50": 1.0, "p99": 5.0},
+            "gateway_internal_p50_ms": internal,
+            "gateway_p50_ms": _pct(g_lat, 50), "gateway_p99_ms": _pct(g_lat, 99),
+            "direct_p50_ms": _pct(d_lat, 50), "direct_p99_ms": _pct(d_lat, 99),
+            "max_rps": gw_max, "direct_max_rps": direct_max,
+            "sweep": {"gateway": gw_rows, "direct": direct_rows},
+            "served_by": {n["node_id"]: n["kv_resident_users"] for n in state["nodes"]},
+        }
+    finally:
+        if gw is not None:
+            gw.stop()
+        for a in agents:
+            a.stop()
+
+
+def run_routers(args, workdir: Path) -> dict:
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    bodies = make_bodies(args.trace, args.path, args.requests, seed=2, rate_rps=args.replay_rps,
+                         num_users=args.replay_users)
+    profile = ["--profile", str(measure_profile(workdir))]
+    out = {"trace": args.trace, "requests": len(bodies), "rate_rps": args.replay_rps, "users": args.replay_users,
+           "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()[0], "routers": {}}
+    for router in routers:
+        agents = start_agents(args.nodes, workdir, args.trace, args.path, extra=profile)
+        gw = None
+        try:
+            gw = start_gateway([a.url for a in agents], workdir, router, args.trace, args.path,
+                               extra=["--report-interval-s", "0.2"])
+            answers = asyncio.run(replay(gw.url, bodies, args.replay_rps))
+            st = httpx.get(gw.url + "/v1/router", timeout=5.0).json()
+            lat = [a[0] * 1e3 for a in answers if a[1] is not None]
+            ok = [a[1] for a in answers if a[1] is not None]
+            hist = sum(a["kv"]["hit_tokens"] + a["kv"]["recomputed_tokens"] for a in ok)
+            rows = sum(a["emb"]["rows"] for a in ok)
+            per_node: dict[str, int] = {}
+            for a in ok:
+                per_node[a["served_by"]] = per_node.get(a["served_by"], 0) + 1
+            out["routers"][router] = {
+                "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99), "errors": len(answers) - len(ok),
+                "kv_hit_rate": round(sum(a["kv"]["hit_tokens"] for a in ok) / max(hist, 1), 4),
+                "emb_hit_rate": round(sum(a["emb"]["hits"] for a in ok) / max(rows, 1), 4),
+                "retried": sum(a["retried"] for a in ok), "requests_per_node": per_node,
+                "guard": sum(a["routing"]["source"] == "guard" for a in ok),
+                "kv_holder_known": round(sum(a["routing"]["kv_holder"] is not None for a in ok) / max(len(ok), 1), 4),
+                "hot_shards_per_node": [len(n["hot_shards"]) for n in st["nodes"]],
+            }
+        finally:
+            if gw is not None:
+                gw.stop()
+            for a in agents:
+                a.stop()
+    return out
+
+
+async def replay(url: str, bodies: list[bytes], rate_rps: float) -> list:
+    """The bodies at a fixed rate (open loop); (latency s, answer or None)."""
+    out: list = [None] * len(bodies)
+    async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_connections=256)) as c:
+        async def one(i: int) -> None:
+            t = time.perf_counter()
+            try:
+                r = await c.post(url + "/v1/recommend", content=bodies[i], headers={"content-type": "application/json"})
+                out[i] = (time.perf_counter() - t, r.json() if r.status_code == 200 else None)
+            except httpx.HTTPError:
+                out[i] = (time.perf_counter() - t, None)
+
+        start = time.perf_counter()
+        tasks = []
+        for i in range(len(bodies)):
+            delay = start + i / rate_rps - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--nodes", type=int, default=4, help="node agents (default 4)")
+    ap.add_argument("--trace", default="taobao", help="trace the agents serve (default taobao)")
+    ap.add_argument("--path", default=None, help="trace file (default: the sample)")
+    ap.add_argument("--requests", type=int, default=300,
+                    help="closed-loop requests for the overhead; replayed requests with --routers (default 300)")
+    ap.add_argument("--rates", default="4,8,12,16,24,32,48,64,96,128,192,256",
+                    help="offered rates of the max_rps sweep, req/s, lowest first: the lowest is the low-load "
+                         "reference (default 4,8,12,16,24,32,48,64,96,128,192,256; the sweep stops at the first "
+                         "rate that fails)")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per sweep rate (default 5)")
+    ap.add_argument("--routers", default=None, help="compare these routers on one replayed stream")
+    ap.add_argument("--replay-rps", type=float, default=6.0, help="replay rate with --routers (default 6)")
+    ap.add_argument("--replay-users", type=int, default=100,
+                    help="users in the replayed stream (default 100, so users come back within the replay)")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="racer-bench-gateway-") as d:
+        workdir = Path(d)
+        result = run_routers(args, workdir) if args.routers else run_overhead(args, workdir)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

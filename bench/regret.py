@@ -1,0 +1,225 @@
+"""Each allocator judged by its regret over a grid of settings.
+
+    python -m bench.regret [--json] [--quick] [--out DIR] [--seeds 0,1,2] [--jobs N]
+                           [--executor process|ray] [--address A] [--fresh]
+
+A *setting* is one request stream on one cluster: a trace setting (the Taobao and Amazon samples
+as the paper table runs them, and the paper-scale setting of `simulator.profiles.PaperScale` on
+the Taobao sample), a regime (``steady``, ``trend``, ``burst``) or the schedule
+(``steady,trend,burst,steady`` in one run), and a seed. On each setting every allocator runs with
+the RACER router: each static split of the grid (each its own allocator), the replay oracle, the
+hit-rate ``heuristic``, and the SmartAllocator rows ``racer`` and ``ppo`` (left out, with the
+reason, when the shipped policy does not load). An allocator's regret on a setting is its P99
+over the oracle's P99 minus 1 (in %; negative where it beats the greedy oracle); the output gives
+per allocator ``max_regret_pct`` and ``mean_regret_pct`` over the settings, and ``settings`` (how
+many).
+
+Each setting is one `simulator.table.run_table` (its runs saved under ``DIR/<setting>/runs`` and
+reused by a rerun with the same code and settings: an interrupted grid resumes), and the settings
+run in parallel: a local process pool (``--jobs``, default one per core) or a Ray cluster
+(``--executor ray --address A``; ``--address local`` starts a local Ray instance). A progress bar
+counts settings.
+
+``--quick``: short streams (sample settings: 8 nodes, 800 req/s, 4 s per regime, a 4+4+4+4 s
+schedule, histories x4; paper-scale: one node at scale 1/384, 5 s per regime, a 5+5+4+5 s
+schedule), shares 0.2 / 0.5 / 0.8. Default: 16 nodes, 2,000 req/s, 10 s per regime, a
+10+10+5+10 s schedule, paper-scale on two nodes at scale 1/192, shares 0.1 .. 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+REGIMES = ("steady", "trend", "burst", "schedule")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cell of the grid."""
+
+    trace: str
+    setting: str  # "sample" or "paper-scale"
+    regime: str  # a regime or "schedule"
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.trace}-{self.setting}-{self.regime}-s{self.seed}"
+
+
+def grid(seeds=(0, 1, 2), traces=("taobao", "amazon"), paper_traces=("taobao",), regimes=REGIMES) -> list[Setting]:
+    out = [Setting(t, "sample", r, s) for s in seeds for t in traces for r in regimes]
+    out += [Setting(t, "paper-scale", r, s) for s in seeds for t in paper_traces for r in regimes]
+    return out
+
+
+def table_config(st: Setting, quick: bool, smart: tuple[str, ...], policy: str | None = None):
+    """The `TableConfig` of one setting (racer router only, no other routers)."""
+    from simulator.table import TableConfig
+
+    common = dict(trace=st.trace, seed=st.seed, routers=("racer",), other_router_allocators=(),
+                  extra_allocators=smart, policy=policy, jobs=1)
+    if st.setting == "paper-scale":
+        if quick:
+            cfg = TableConfig.paper(quick=True, num_nodes=1, paper_scale=1 / 384, duration_s=5.0, **common)
+            sched = "steady:5,trend:5,burst:4,steady:5"
+        else:
+            cfg = TableConfig.paper(quick=False, num_nodes=2, duration_s=10.0, **common)
+            sched = "steady:10,trend:10,burst:5,steady:10"
+    else:
+        if quick:
+            cfg = TableConfig.quick(num_nodes=8, rate_rps=800.0, duration_s=4.0, num_users=4_000, **common)
+            sched = "steady:4,trend:4,burst:4,steady:4"
+        else:
+            cfg = TableConfig(num_nodes=16, rate_rps=2_000.0, duration_s=10.0, num_users=10_000, **common)
+            sched = "steady:10,trend:10,burst:5,steady:10"
+    if st.regime == "schedule":
+        return replace(cfg, regimes=("schedule",), schedule=sched)
+    return replace(cfg, regimes=(st.regime,))
+
+
+def run_setting(args) -> dict:
+    """Run one setting's table (``(name, TableConfig, out_dir)``); return its P99 per allocator
+    (the ``all`` rows)."""
+    name, cfg, out = args
+    from simulator.table import run_table
+
+    res = run_table(cfg, Path(out) / name if out else None, progress=False, resume=True)
+    p99 = {}
+    for r in res["rows"]:
+        if r.get("phase", "all") != "all" or r["router"] != "racer" or r["allocator"] == "best_static":
+            continue
+        p99[r["allocator"]] = r["p99_ms"]
+    return {"setting": name, "p99_ms": p99, "runs": res["runs"], "wall_s": res["wall_s"]}
+
+
+def regret(results: list[dict]) -> dict:
+    """Per allocator: regret = P99 / oracle P99 - 1 on each setting (%), its max and mean."""
+    per: dict[str, list[float]] = {}
+    for r in results:
+        o = r["p99_ms"].get("oracle")
+        if not o:
+            continue
+        for name, v in r["p99_ms"].items():
+            if name == "oracle" or v is None:
+                continue
+            per.setdefault(name, []).append(100.0 * (v / o - 1.0))
+    return {name: {"max_regret_pct": round(max(v), 2), "mean_regret_pct": round(sum(v) / len(v), 2),
+                   "settings": len(v)} for name, v in sorted(per.items())}
+
+
+def run_grid(settings: list[Setting], quick: bool, out: str | None, executor: str = "process", jobs: int = 0,
+             address: str | None = None, smart=("racer", "ppo"), policy: str | None = None,
+             progress: bool = True, make_config=None) -> dict:
+    """Run ``settings`` (each a `run_table` with ``make_config(setting, quick, smart, policy)``,
+    `table_config` by default) on the executor; the figures of `regret` and each setting's P99s."""
+    from tqdm import tqdm
+
+    from simulator.cli import usable_smart_allocators
+
+    t0 = time.perf_counter()
+    smart = usable_smart_allocators(tuple(smart), policy) if smart else ()
+    make_config = make_config or table_config
+    work = [(st.name, make_config(st, quick, smart, policy), out) for st in settings]
+    bar = tqdm(total=len(work), desc="regret", unit="setting", disable=not progress)
+    results = []
+    if executor == "ray":
+        import ray
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        started = not ray.is_initialized()
+        if started:
+            if address in (None, "", "local"):
+                ray.init(num_cpus=jobs or (os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
+        try:
+            remote = ray.remote(num_cpus=1)(run_setting)
+            pending = [remote.remote(w) for w in work]
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                results.append(ray.get(done[0]))
+                bar.update(1)
+        finally:
+            if started:
+                ray.shutdown()
+    elif executor == "process":
+        n = jobs or (os.cpu_count() or 1)
+        if n <= 1:
+            for w in work:
+                results.append(run_setting(w))
+                bar.update(1)
+        else:
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            with ProcessPoolExecutor(max_workers=n) as pool:
+                for f in as_completed([pool.submit(run_setting, w) for w in work]):
+                    results.append(f.result())
+                    bar.update(1)
+    else:
+        raise ValueError(f"unknown executor {executor!r}; choose process or ray")
+    bar.close()
+    results.sort(key=lambda r: r["setting"])
+    return {"allocators": regret(results), "settings": len(results), "smart_allocators": list(smart),
+            "per_setting": results, "quick": quick, "executor": executor,
+            "runs": {k: sum(r["runs"][k] for r in results) for k in ("total", "computed", "reused")},
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 0:
+        raise argparse.ArgumentTypeError("want at least one integer >= 0")
+    return vals
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.regret", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--quick", action="store_true", help="short streams (see the module docstring)")
+    p.add_argument("--out", default=None, help="directory for each setting's runs (resumable; default "
+                                               "bench_regret[_quick] under the current directory)")
+    p.add_argument("--seeds", type=_ints, default=(0, 1, 2))
+    p.add_argument("--traces", default="taobao,amazon", help="sample traces of the grid")
+    p.add_argument("--paper-traces", default="taobao", help="traces run in the paper-scale setting ('' for none)")
+    p.add_argument("--regimes", default=",".join(REGIMES), help="regimes and/or 'schedule'")
+    p.add_argument("--executor", choices=("process", "ray"), default="process")
+    p.add_argument("--address", default=None, help="Ray cluster address (default / 'local': a local instance)")
+    p.add_argument("--jobs", type=int, default=0, help="parallel settings (default: one per core)")
+    p.add_argument("--no-smart", action="store_true", help="leave out the SmartAllocator rows")
+    p.add_argument("--policy", default=None, help="policy artifact of the SmartAllocator rows")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    regimes = tuple(x.strip() for x in args.regimes.split(",") if x.strip())
+    bad = [r for r in regimes if r not in REGIMES]
+    if bad or not regimes:
+        p.error(f"--regimes: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(REGIMES)}")
+    traces = tuple(x for x in args.traces.split(",") if x)
+    paper = tuple(x for x in args.paper_traces.split(",") if x)
+    settings = grid(args.seeds, traces, paper, regimes)
+    if not settings:
+        p.error("the grid is empty")
+    out = args.out or ("bench_regret_quick" if args.quick else "bench_regret")
+    res = run_grid(settings, args.quick, out, args.executor, args.jobs, args.address,
+                   () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{'allocator':>14} {'max_regret_pct':>15} {'mean_regret_pct':>16} {'settings':>9}")
+        for name, v in res["allocators"].items():
+            print(f"{name:>14} {v['max_regret_pct']:>15.2f} {v['mean_regret_pct']:>16.2f} {v['settings']:>9}")
+        print(f"{res['settings']} settings in {res['wall_s']} s; runs {res['runs']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

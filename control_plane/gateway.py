@@ -1,0 +1,859 @@
+"""The gateway: the EMB-KV-aware router on the request path, in front of real node agents.
+
+    racer gateway --nodes http://h:p,http://h:p,... | --control-plane URL [--token T]
+                  [--router racer] [--trace taobao [--path P]] [--port 8000]
+
+    POST /v1/recommend       the node agent's body -> route -> forward -> the node's answer plus
+                             ``served_by``, ``retried`` and ``routing`` (source, reason, scores)
+    GET  /v1/router          weights in force (version, source), per-node state, config;
+                             ``?user=U``: the node the gateway scores as U's K/V holder
+    POST /v1/router/weights  the control plane's weight push (Bearer token)
+    GET  /healthz            the gateway's own liveness and its live nodes
+    GET  /metrics            Prometheus metrics
+
+Residency and load never go through the database: every routing decision updates the router's
+`ClusterState` optimistically (queue depth + 1, the user's K/V on the chosen node), every answer
+completes it (queue depth - 1), and every ``report_interval_s`` the gateway pulls each node's
+`GET /v1/residency?cursor=N&epoch=E` (users evicted and added since the cursor, hot shards,
+queue depth, service time) and applies it as a `NodeReport`. Health checks (``GET /healthz``
+every ``health_interval_s``) take a node out after ``health_failures`` failures in a row and put
+it back after ``health_successes`` successes. A request that meets a connection error, a timeout
+or a 5xx is retried once on the next-best node; 4xx answers pass through unchanged. See
+docs/gateway.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import httpx
+import numpy as np
+from typing import Annotated
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from node_agent.server import finite_validation_errors
+
+from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
+from .weights import CostProfile
+
+log = logging.getLogger("racer.gateway")
+
+DEFAULT_PROFILE = CostProfile(kv_recompute_us_per_token=1.0, emb_transfer_us_per_row=1.0, service_time_us=2_000.0,
+                              queue_capacity=64)
+_PROFILE_FIELDS = ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "service_time_us", "queue_capacity")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway's settings (ranges checked in ``__post_init__``).
+
+    - ``router``: one of `control_plane.router.POLICIES`;
+    - ``report_interval_s``: how often each node's residency feed is pulled;
+    - ``health_interval_s`` / ``health_timeout_s`` / ``health_failures`` / ``health_successes``:
+      health checks (SGLang's gateway: 3 failures out, 2 successes back);
+    - ``request_timeout_s``: one forward attempt's limit (a request takes at most two attempts);
+      ``connect_timeout_s``: the connect part of it;
+    - ``weights_interval_s``: how often weights are pulled (control plane) or re-derived from the
+      nodes' ``/v1/metrics``; ``registry_interval_s``: how often the control plane's node list is
+      re-read;
+    - ``queue_capacity``: the queue depth at which a node counts as full (``l = 1``) when the
+      weights come from the nodes; ``num_shards``: embedding shards (must match the nodes');
+    - ``max_connections``: pooled connections to all nodes together.
+    """
+
+    router: str = "racer"
+    report_interval_s: float = 0.5
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 0.5
+    health_failures: int = 3
+    health_successes: int = 2
+    request_timeout_s: float = 10.0
+    connect_timeout_s: float = 1.0
+    weights_interval_s: float = 5.0
+    registry_interval_s: float = 5.0
+    queue_capacity: int = 64
+    num_shards: int = 64
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.router not in POLICIES:
+            problems.append(f"router must be one of {', '.join(POLICIES)}, got {self.router!r}")
+        for name in ("report_interval_s", "health_interval_s", "health_timeout_s", "request_timeout_s",
+                     "connect_timeout_s", "weights_interval_s", "registry_interval_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                problems.append(f"{name} must be a positive number, got {v!r}")
+        for name in ("health_failures", "health_successes", "queue_capacity", "num_shards", "max_connections"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                problems.append(f"{name} must be an integer >= 1, got {v!r}")
+        if problems:
+            raise ValueError("invalid gateway config: " + "; ".join(problems))
+
+
+@dataclass
+class NodeLink:
+    """What the gateway knows of one node besides the router's state."""
+
+    node_id: str
+    address: str
+    live: bool = True
+    failures: int = 0  # consecutive failed health checks (and connection errors)
+    successes: int = 0  # consecutive successful health checks
+    last_error: str | None = None
+    inflight: int = 0  # requests this gateway has sent and not yet seen answered
+    epoch: str | None = None  # the node's residency feed epoch and cursor
+    cursor: int = 0
+    last_report_s: float | None = None
+    report_error: str | None = None
+    service_time_us: float | None = None
+    node_queue_depth: int = 0
+    hot_shards: list[int] = field(default_factory=list)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
+    """The router's view of a node-agent body; only the fields routing needs are checked here
+    (the node validates the rest and answers 4xx, which the gateway passes through)."""
+    try:
+        d = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body: malformed JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise BadRequest("body: must be a JSON object")
+    user = d.get("user_id")
+    if isinstance(user, bool) or not isinstance(user, int) or not 0 <= user < 2**63:
+        raise BadRequest(f"user_id: must be an integer in [0, 2^63), got {user!r}")
+    history = d.get("history", [])
+    new_items = d.get("new_items", [])
+    cands = d.get("candidates")
+    for name, v in (("history", history), ("new_items", new_items)):
+        if not isinstance(v, list):
+            raise BadRequest(f"{name}: must be a list of item ids")
+    if cands is not None and not isinstance(cands, list):
+        raise BadRequest("candidates: must be a list of item ids")
+    shards = _EMPTY
+    if item_shard is not None:
+        looked_up = new_items + cands if cands else new_items
+        if looked_up:
+            try:
+                ids = np.asarray(looked_up, dtype=np.int64)
+            except (ValueError, TypeError, OverflowError):
+                raise BadRequest("new_items / candidates: item ids must be integers") from None
+            ids = ids[(ids >= 0) & (ids < len(item_shard))]
+            shards = item_shard[ids]
+    return RouteRequest(user, len(history), shards, len(new_items))
+
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("racer_gateway_requests", "Requests answered, by serving node, outcome and "
+                                "decision source", ("node", "outcome", "source"), registry=r)
+        self.retries = Counter("racer_gateway_retries", "Requests retried on another node, by failure kind",
+                               ("kind",), registry=r)
+        self.failures = Counter("racer_gateway_upstream_failures", "Failed forward attempts by node and kind",
+                                ("node", "kind"), registry=r)
+        self.overhead = Histogram("racer_gateway_overhead_seconds", "Time a request spends in the gateway "
+                                  "outside the node's round trip", registry=r,
+                                  buckets=(5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25))
+        self.upstream = Histogram("racer_gateway_upstream_seconds", "Round trip to the serving node", registry=r,
+                                  buckets=(1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0))
+        self.live_nodes = Gauge("racer_gateway_live_nodes", "Nodes in rotation", registry=r)
+        self.weights_version = Gauge("racer_gateway_weights_version", "Version of the router weights in force",
+                                     registry=r)
+
+
+class Gateway:
+    """The router, the node links and the loops that keep them current.
+
+    ``nodes``: ``[(node_id, address)]``; ``item_shard``: item -> shard map of the trace the nodes
+    serve (``None``: the EMB term sees no items); ``control_plane``/``token``: where node lists and
+    weights come from (``None``: the ``nodes`` given, weights from the nodes' ``/v1/metrics``).
+    """
+
+    def __init__(self, nodes: Sequence[tuple[str, str]], config: GatewayConfig | None = None, *,
+                 item_shard: np.ndarray | None = None, control_plane: str | None = None,
+                 token: str | None = None, advertise_url: str | None = None, push_token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or GatewayConfig()
+        self.item_shard = None if item_shard is None else np.asarray(item_shard, dtype=np.int64)
+        if self.item_shard is not None and len(self.item_shard) and int(self.item_shard.max()) >= self.config.num_shards:
+            raise ValueError(f"the item -> shard map names shard {int(self.item_shard.max())} but num_shards is "
+                             f"{self.config.num_shards}")
+        self.control_plane = control_plane.rstrip("/") if control_plane else None
+        self.token = token
+        self.advertise_url = advertise_url.rstrip("/") if advertise_url else None
+        # the secret the control plane must send on pushes (given, or drawn when registering)
+        self.push_token = push_token or (secrets.token_urlsafe(24) if advertise_url else None)
+        self.registered = False
+        self.clock = clock
+        self.metrics = _Metrics()
+        self.weights_version = 0
+        self.weights_source = "control_plane" if self.control_plane else "node_metrics"
+        self.weights_computed_at_s: float | None = None
+        self.weights_reasons: dict[str, str] = {}
+        self.client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.links: list[NodeLink] = []
+        self.router: Router | None = None
+        if nodes:
+            self._build(nodes)
+
+    # ------------------------------------------------------------------------ structure ---
+    def _build(self, nodes: Sequence[tuple[str, str]]) -> None:
+        ids = [n for n, _ in nodes]
+        old = {l.node_id: l for l in self.links}
+        profiles = [self.router.state.profiles[self.router.state.index[n]] if self.router and n in self.router.state.index
+                    else DEFAULT_PROFILE for n in ids]
+        rcfg = RouterConfig(num_shards=self.config.num_shards, node_timeout_s=math.inf)
+        self.router = make_router(self.config.router, ids, profiles, rcfg, now_s=self.clock())
+        self.links = [old.get(n) or NodeLink(n, a.rstrip("/")) for n, a in nodes]
+        for link, (_, a) in zip(self.links, nodes):
+            link.address = a.rstrip("/")
+            link.epoch, link.cursor, link.inflight = None, 0, 0
+            if not link.live:
+                self._mark_down(self.links.index(link))
+        self.metrics.live_nodes.set(sum(l.live for l in self.links))
+
+    def _mark_down(self, i: int) -> None:
+        self.router.state.set_down(i)
+
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def start(self) -> None:
+        c = self.config
+        transport = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=c.max_connections),
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self.client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(
+            c.request_timeout_s, connect=c.connect_timeout_s))
+        if self.control_plane:
+            await self._refresh_registry(first=True)
+            await self._register()
+        await self._refresh_weights()
+        await self._pull_residency_all()
+        self._tasks = [asyncio.create_task(self._loop(c.health_interval_s, self._health_round), name="health"),
+                       asyncio.create_task(self._loop(c.report_interval_s, self._pull_residency_all), name="residency"),
+                       asyncio.create_task(self._loop(c.weights_interval_s, self._refresh_weights), name="weights")]
+        if self.control_plane:
+            self._tasks.append(asyncio.create_task(self._loop(c.registry_interval_s, self._refresh_registry),
+                                                   name="registry"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    @staticmethod
+    async def _loop(interval_s: float, fn) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a loop must survive one bad round
+                log.exception("gateway background round %s failed", getattr(fn, "__name__", fn))
+
+    # ------------------------------------------------------------------------- request path ---
+    async def recommend(self, body: bytes) -> tuple[int, bytes, dict]:
+        """Route, forward, retry once; returns ``(status, body, extra headers)``."""
+        t0 = time.perf_counter()
+        m = self.metrics
+        try:
+            rreq = _route_request(body, self.item_shard)
+        except BadRequest as e:
+            m.requests.labels("none", "bad_request", "none").inc()
+            return 422, _dumps({"error": str(e)}), {}
+        router = self.router
+        if router is None:
+            return 503, _dumps({"error": "no nodes known to the gateway"}), {}
+        try:
+            d = router.route(rreq, self.clock())
+        except NoLiveNodeError:
+            m.requests.labels("none", "no_live_node", "none").inc()
+            return 503, _dumps({"error": self._no_live_reason()}), {}
+        source = d.source
+        first = d.node_index
+        status, content, up_s, kind = await self._forward(first, body)
+        served, retried, failed = first, False, None
+        if kind is not None:
+            failed = self._failure_note(first, kind, status, content, rreq.user)
+            alt = self._next_best(d, first)
+            if alt is None:
+                m.requests.labels(self.links[first].node_id, "upstream_error", source).inc()
+                m.overhead.observe(max(time.perf_counter() - t0 - up_s, 0.0))
+                return 502 if kind != "timeout" else 504, _dumps({
+                    "error": f"node {self.links[first].node_id} failed ({failed['error']}) and no other node is "
+                             f"live to retry on", "failed": failed}), {}
+            m.retries.labels(kind).inc()
+            router.state.dispatch(alt, rreq.user, rreq.history_len + rreq.num_new_items, self.clock())
+            status, content, up2, kind2 = await self._forward(alt, body)
+            up_s += up2
+            served, retried = alt, True
+            if kind2 is not None:
+                failed2 = self._failure_note(alt, kind2, status, content, rreq.user)
+                m.requests.labels(self.links[alt].node_id, "upstream_error", source).inc()
+                m.overhead.observe(max(time.perf_counter() - t0 - up_s, 0.0))
+                return 502 if kind2 != "timeout" else 504, _dumps({
+                    "error": f"nodes {self.links[first].node_id} and {self.links[alt].node_id} both failed "
+                             f"({failed['error']}; {failed2['error']})", "failed": [failed, failed2],
+                    "retried": True}), {}
+        nid = self.links[served].node_id
+        headers = {"x-racer-served-by": nid, "x-racer-retried": "1" if retried else "0"}
+        if status >= 300:  # a 4xx: the node's answer, unchanged
+            m.requests.labels(nid, "client_error", source).inc()
+            m.overhead.observe(max(time.perf_counter() - t0 - up_s, 0.0))
+            return status, content, headers
+        extra = {"served_by": nid, "retried": retried,
+                 "routing": {"policy": d.policy, "source": source, "reason": d.reason,
+                             "kv_holder": None if d.kv_holder < 0 else self.links[d.kv_holder].node_id},
+                 "gateway": {"upstream_ms": round(up_s * 1e3, 3)}}
+        if failed is not None:
+            extra["routing"]["failed"] = failed
+        b = d.breakdown()
+        if b is not None:
+            extra["routing"]["scores"] = {r.pop("node"): r for r in b.rows()}
+        tail = _dumps(extra)
+        out = content[:-1] + b"," + tail[1:] if len(content) > 2 and content.endswith(b"}") else content
+        m.requests.labels(nid, "ok", source).inc()
+        overhead = max(time.perf_counter() - t0 - up_s, 0.0)
+        m.overhead.observe(overhead)
+        m.upstream.observe(up_s)
+        return status, out, headers
+
+    async def _forward(self, i: int, body: bytes) -> tuple[int, bytes, float, str | None]:
+        """One attempt on node ``i``: ``(status, content, round trip s, failure kind or None)``."""
+        link = self.links[i]
+        link.inflight += 1
+        t = time.perf_counter()
+        try:
+            r = await self.client.post(link.address + "/v1/recommend", content=body,
+                                       headers={"content-type": "application/json"})
+            status, content, kind = r.status_code, r.content, ("5xx" if r.status_code >= 500 else None)
+        except httpx.TimeoutException as e:
+            status, content, kind = 0, str(e).encode() or b"timeout", "timeout"
+        except httpx.TransportError as e:
+            status, content, kind = 0, (str(e) or type(e).__name__).encode(), "connect"
+        finally:
+            link.inflight -= 1
+            self.router.complete(i)
+        return status, content, time.perf_counter() - t, kind
+
+    def _failure_note(self, i: int, kind: str, status: int, content: bytes, user: int) -> dict:
+        link = self.links[i]
+        err = content[:300].decode("utf-8", "replace")
+        note = {"node": link.node_id, "kind": kind, "status": status or None, "error": f"{kind}: {err}"}
+        self.metrics.failures.labels(link.node_id, kind).inc()
+        log.warning(json.dumps({"event": "upstream_failure", "node": link.node_id, "address": link.address,
+                                "kind": kind, "status": status or None, "user_id": user, "error": err}))
+        if kind == "connect":  # a refused connection counts as a failed health check
+            self._health_result(i, False, f"connect: {err}")
+        return note
+
+    def _next_best(self, d, exclude: int) -> int | None:
+        st = self.router.state
+        if d.score is not None:
+            s = d.score.copy()
+            s[~st.alive] = -math.inf
+            s[exclude] = -math.inf
+            best = int(s.argmax())
+            return best if s[best] > -math.inf else None
+        load = st.load.copy()
+        load[exclude] = math.inf
+        best = int(load.argmin())
+        return best if math.isfinite(load[best]) else None
+
+    def _no_live_reason(self) -> str:
+        parts = [f"{l.node_id}: {l.last_error or 'out of rotation'}" for l in self.links if not l.live]
+        return "no live node: every node is out of rotation (" + "; ".join(parts) + ")"
+
+    # --------------------------------------------------------------------------- health ---
+    def _health_result(self, i: int, ok: bool, error: str | None = None) -> None:
+        link = self.links[i]
+        c = self.config
+        if ok:
+            link.successes += 1
+            link.failures = 0
+            if not link.live and link.successes >= c.health_successes:
+                link.live = True
+                link.last_error = None
+                link.epoch, link.cursor = None, 0  # the node may have restarted: take a full snapshot
+                self.router.report(NodeReport(link.node_id, at_s=self.clock(), queue_depth=0.0))
+                log.warning(json.dumps({"event": "node_in", "node": link.node_id, "successes": link.successes}))
+        else:
+            link.failures += 1
+            link.successes = 0
+            link.last_error = error
+            if link.live and link.failures >= c.health_failures:
+                link.live = False
+                self._mark_down(i)
+                log.warning(json.dumps({"event": "node_out", "node": link.node_id, "failures": link.failures,
+                                        "error": error}))
+        self.metrics.live_nodes.set(sum(l.live for l in self.links))
+
+    async def _check(self, i: int) -> None:
+        link = self.links[i]
+        try:
+            r = await self.client.get(link.address + "/healthz", timeout=self.config.health_timeout_s)
+            ok = r.status_code == 200
+            err = None if ok else f"healthz {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            ok, err = False, f"{type(e).__name__}: {e}"
+        if i < len(self.links) and self.links[i] is link:
+            self._health_result(i, ok, err)
+
+    async def _health_round(self) -> None:
+        await asyncio.gather(*(self._check(i) for i in range(len(self.links))))
+
+    # ------------------------------------------------------------------------ residency ---
+    async def _pull_residency(self, i: int) -> None:
+        link = self.links[i]
+        if not link.live:
+            return
+        params = {"cursor": link.cursor}
+        if link.epoch:
+            params["epoch"] = link.epoch
+        sent_s = self.clock()
+        try:
+            r = await self.client.get(link.address + "/v1/residency", params=params,
+                                      timeout=self.config.health_timeout_s * 4)
+            r.raise_for_status()
+            feed = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            link.report_error = f"{type(e).__name__}: {e}"
+            return
+        if self.links[i] is not link or not link.live:
+            return
+        self.apply_feed(i, feed, sent_s)
+
+    def apply_feed(self, i: int, feed: dict, at_s: float) -> None:
+        """Apply one ``/v1/residency`` answer of node ``i`` fetched at gateway time ``at_s``."""
+        link = self.links[i]
+        st = self.router.state
+        added = np.asarray(feed.get("kv_added", []), dtype=np.int64)
+        lens = np.asarray(feed.get("kv_cached_lens", []), dtype=np.int64)
+        evicted = np.asarray(feed.get("kv_evicted", []), dtype=np.int64)
+        if feed.get("full"):  # everything the node holds: forget what the map puts there and it lacks
+            used = np.flatnonzero((st.kv.node == i) & (st.kv.keys >= 0))
+            evicted = np.setdiff1d(st.kv.keys[used], added)
+        hot = feed.get("hot_shards")
+        if hot is not None and feed.get("num_shards") not in (None, 0, st.num_shards):
+            link.report_error = (f"node has {feed.get('num_shards')} shards, gateway {st.num_shards}: "
+                                 f"hot shards ignored")
+            hot = None
+        node_q = int(feed.get("queue_depth") or 0)
+        report = NodeReport(link.node_id, at_s=at_s, queue_depth=float(max(link.inflight, node_q)),
+                            hot_shards=None if hot is None else np.asarray(hot, dtype=np.int64),
+                            evicted_users=evicted, kv_users=added, kv_cached_lens=lens)
+        self.router.report(report)
+        link.epoch, link.cursor = feed.get("epoch"), int(feed.get("cursor", 0))
+        link.last_report_s, link.report_error = at_s, None
+        link.node_queue_depth = node_q
+        link.hot_shards = [] if hot is None else list(hot)
+        svc = feed.get("service_time_us")
+        if svc:
+            link.service_time_us = float(svc)
+            if self.weights_source == "node_metrics":
+                p = st.profiles[i]
+                if abs(p.service_time_us - svc) > 0.1 * p.service_time_us:
+                    st.set_profile(i, replace(p, service_time_us=float(svc)))
+                    self.weights_version += 1
+                    self.weights_computed_at_s = time.time()
+                    self.weights_reasons[link.node_id] = "miss costs from the node's /v1/metrics; " \
+                                                         "service time from its residency feed"
+                    self.metrics.weights_version.set(self.weights_version)
+
+    async def _pull_residency_all(self) -> None:
+        await asyncio.gather(*(self._pull_residency(i) for i in range(len(self.links))))
+
+    # -------------------------------------------------------------------------- weights ---
+    def apply_weights(self, payload: dict) -> dict:
+        """Apply a weights document (push or pull); raises ValueError naming the bad field."""
+        if not isinstance(payload, dict):
+            raise ValueError("body: must be a JSON object")
+        version = payload.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: must be an integer >= 0, got {version!r}")
+        nodes = payload.get("nodes")
+        if not isinstance(nodes, dict):
+            raise ValueError("nodes: must be an object {node_id: cost profile}")
+        profiles = {}
+        for nid, p in nodes.items():
+            if not isinstance(p, dict):
+                raise ValueError(f"nodes.{nid}: must be an object")
+            missing = [f for f in _PROFILE_FIELDS if f not in p]
+            if missing:
+                raise ValueError(f"nodes.{nid}.{missing[0]}: field required")
+            try:
+                profiles[nid] = CostProfile(**{f: p[f] for f in _PROFILE_FIELDS})
+            except ValueError as e:
+                raise ValueError(f"nodes.{nid}: {e}") from None
+        computed = payload.get("computed_at_s")
+        if self.weights_source == "control_plane" and version <= self.weights_version and self.weights_computed_at_s:
+            if version == self.weights_version:  # a push of what a pull already brought: nothing to do
+                return {"applied": False, "current": True, "version": version, "reason": "already in force"}
+            return {"applied": False, "current": False,
+                    "reason": f"version {version} < version in force {self.weights_version}"}
+        st = self.router.state
+        known = [n for n in profiles if n in st.index]
+        for n in known:
+            st.profiles[st.index[n]] = profiles[n]
+            self.weights_reasons[n] = str(nodes[n].get("reason", "control plane"))
+        if known:
+            st.set_profile(known[0], profiles[known[0]])  # re-derives the weights once
+        self.weights_version = version
+        self.weights_source = "control_plane"
+        self.weights_computed_at_s = float(computed) if isinstance(computed, (int, float)) else time.time()
+        self.metrics.weights_version.set(version)
+        return {"applied": True, "version": version, "nodes": known,
+                "ignored_unknown_nodes": sorted(set(profiles) - set(known))}
+
+    async def _refresh_weights(self) -> None:
+        if self.control_plane:
+            try:
+                r = await self.client.get(self.control_plane + "/api/v1/router/weights", headers=self._headers(),
+                                          timeout=5.0)
+                if r.status_code == 200:
+                    self.apply_weights(r.json())
+                else:
+                    log.warning(json.dumps({"event": "weights_pull_failed", "status": r.status_code,
+                                            "error": r.text[:200]}))
+            except (httpx.HTTPError, ValueError) as e:
+                log.warning(json.dumps({"event": "weights_pull_failed", "error": f"{type(e).__name__}: {e}"}))
+            return
+        if self.weights_source == "control_plane":  # a pushed document is in force: keep it
+            return
+        st = self.router.state
+        changed = False
+
+        async def one(i: int) -> None:
+            nonlocal changed
+            link = self.links[i]
+            try:
+                r = await self.client.get(link.address + "/v1/metrics", timeout=2.0)
+                r.raise_for_status()
+                costs = r.json().get("miss_costs") or {}
+            except (httpx.HTTPError, ValueError):
+                return
+            old = st.profiles[i]
+            kv = costs.get("kv_recompute_us_per_token")
+            if isinstance(kv, dict) and kv:
+                kv = float(np.median([float(v) for v in kv.values()]))
+            emb = costs.get("emb_transfer_us_per_row")
+            p = CostProfile(kv_recompute_us_per_token=float(kv) if kv is not None else old.kv_recompute_us_per_token,
+                            emb_transfer_us_per_row=float(emb) if emb is not None else old.emb_transfer_us_per_row,
+                            service_time_us=link.service_time_us or old.service_time_us,
+                            queue_capacity=self.config.queue_capacity)
+            self.weights_reasons[link.node_id] = ("miss costs from the node's /v1/metrics" if costs else
+                                                  "defaults: the node reports no miss costs (no --profile)")
+            if p != old:
+                st.profiles[i] = p
+                changed = True
+
+        await asyncio.gather(*(one(i) for i in range(len(self.links))))
+        if changed or self.weights_computed_at_s is None:
+            st.set_profile(0, st.profiles[0])
+            self.weights_version += 1
+            self.weights_computed_at_s = time.time()
+            self.metrics.weights_version.set(self.weights_version)
+
+    # ------------------------------------------------------------------------- registry ---
+    async def _refresh_registry(self, first: bool = False) -> None:
+        last_err = None
+        for attempt in range(10 if first else 1):
+            try:
+                r = await self.client.get(self.control_plane + "/api/v1/nodes", headers=self._headers(), timeout=5.0)
+                if r.status_code != 200:
+                    raise ValueError(f"GET /api/v1/nodes answered {r.status_code}: {r.text[:200]}")
+                rows = r.json()
+                if isinstance(rows, dict):
+                    rows = rows.get("nodes", rows.get("items", []))
+                nodes = [(str(n["node_id"]), str(n["address"])) for n in rows]
+                break
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                last_err = f"{type(e).__name__}: {e}"
+                if first:
+                    await asyncio.sleep(0.5)
+        else:
+            if first:
+                raise RuntimeError(f"cannot read the node list from {self.control_plane}: {last_err}")
+            log.warning(json.dumps({"event": "registry_failed", "error": last_err}))
+            return
+        if not nodes:
+            if first:
+                log.warning(json.dumps({"event": "registry_empty", "control_plane": self.control_plane}))
+            return
+        await self._register()  # until it succeeds
+        if self.router is None or [(l.node_id, l.address) for l in self.links] != nodes:
+            log.warning(json.dumps({"event": "nodes_changed", "nodes": [n for n, _ in nodes]}))
+            self._build(nodes)
+            if not first:
+                await self._pull_residency_all()
+
+    async def _register(self) -> None:
+        """Register this gateway for weight pushes (``POST /api/v1/routers {url}``) once."""
+        if self.registered or not self.advertise_url:
+            return
+        try:
+            r = await self.client.post(self.control_plane + "/api/v1/routers",
+                                       json={"url": self.advertise_url, "push_token": self.push_token},
+                                       headers=self._headers(), timeout=5.0)
+            if r.status_code < 300:
+                self.registered = True
+            else:
+                log.warning(json.dumps({"event": "register_failed", "status": r.status_code, "error": r.text[:200]}))
+        except httpx.HTTPError as e:
+            log.warning(json.dumps({"event": "register_failed", "error": f"{type(e).__name__}: {e}"}))
+
+    # ---------------------------------------------------------------------- inspection ---
+    def describe(self, user: int | None = None) -> dict:
+        st = self.router.state
+        w = st.weights
+        counts = st.kv.count_by_node(st.num_nodes).tolist()
+        now = self.clock()
+        nodes = []
+        for i, l in enumerate(self.links):
+            nodes.append({
+                "node_id": l.node_id, "address": l.address, "live": l.live,
+                "health": {"consecutive_failures": l.failures, "consecutive_successes": l.successes,
+                           "last_error": l.last_error},
+                "queue_depth": float(st.queue[i]), "load": None if not math.isfinite(st.load[i]) else float(st.load[i]),
+                "inflight": l.inflight, "node_queue_depth": l.node_queue_depth,
+                "kv_resident_users": counts[i], "hot_shards": l.hot_shards,
+                "residency_feed": {"epoch": l.epoch, "cursor": l.cursor, "report_error": l.report_error,
+                                   "last_report_age_s": None if l.last_report_s is None
+                                   else round(now - l.last_report_s, 3)},
+                "weights": {"kv_us_per_token": float(w.kv_us_per_token[i]), "emb_us_per_row": float(w.emb_us_per_row[i]),
+                            "ld_us": float(w.ld_us[i]), "load_offset_us": float(w.load_offset_us[i])},
+            })
+        out = {
+            "router": self.config.router,
+            "weights": {"version": self.weights_version, "source": self.weights_source,
+                        "computed_at_s": self.weights_computed_at_s,
+                        "nodes": {l.node_id: {**{f: getattr(st.profiles[i], f) for f in _PROFILE_FIELDS},
+                                              "reason": self.weights_reasons.get(l.node_id, "defaults")}
+                                  for i, l in enumerate(self.links)}},
+            "nodes": nodes, "num_live_nodes": sum(l.live for l in self.links),
+            "control_plane": self.control_plane, "registered_for_pushes": self.registered,
+            "config": asdict(self.config),
+        }
+        if user is not None:
+            holder, cached = st.kv.lookup(user)
+            out["user"] = {"user_id": user, "kv_holder": None if holder < 0 else self.links[holder].node_id,
+                           "cached_len": int(cached)}
+        return out
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+# ------------------------------------------------------------------------------------ the app ---
+class GatewayApp:
+    """The ASGI app: ``POST /v1/recommend`` handled directly (no framework layers on the request
+    path: it reads the body, calls `Gateway.recommend`, sends the answer), everything else
+    (including the lifespan) by the FastAPI app ``fastapi``."""
+
+    def __init__(self, gateway: Gateway, fastapi_app: FastAPI) -> None:
+        self.gateway = gateway
+        self.fastapi = fastapi_app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/recommend" and scope["method"] == "POST":
+            chunks = []
+            more = True
+            while more:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                chunks.append(msg.get("body", b""))
+                more = msg.get("more_body", False)
+            status, content, headers = await self.gateway.recommend(b"".join(chunks))
+            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+            raw += [(k.encode(), v.encode()) for k, v in headers.items()]
+            await send({"type": "http.response.start", "status": status, "headers": raw})
+            await send({"type": "http.response.body", "body": content})
+            return
+        await self.fastapi(scope, receive, send)
+
+
+class GatewayError(BaseModel):
+    """The body of the gateway's own error answers (a node's error answer is passed on as the node
+    sent it, which has the same ``error`` field)."""
+    error: str
+
+
+def _errors(descriptions: dict[int, str]) -> dict:
+    return {c: {"model": GatewayError, "description": d} for c, d in descriptions.items()}
+
+
+def create_app(gateway: Gateway) -> GatewayApp:
+    """The gateway's ASGI app; its lifespan starts and stops the gateway's loops and client."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="RACER gateway", version="1", lifespan=lifespan)
+    finite_validation_errors(app)  # a rejected NaN/Infinity gets its 422, not a 500
+
+    @app.post("/v1/recommend", responses=_errors({
+        422: "invalid request body (the field is named in `error`)", 502: "the node failed twice",
+        503: "no live node", 504: "the node did not answer in time"}))
+    async def recommend(request: Request):
+        status, content, headers = await gateway.recommend(await request.body())
+        return Response(content, status_code=status, headers=headers, media_type="application/json")
+
+    @app.get("/v1/router")
+    async def router_state(user: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None):
+        return gateway.describe(user)
+
+    @app.post("/v1/router/weights", responses={
+        **_errors({401: "missing or wrong bearer token", 403: "weight pushes are disabled on this gateway",
+                   422: "invalid weights document (the field is named in `error`)"}),
+        409: {"description": "not applied: the version is older than the gateway's", "content": {
+            "application/json": {"schema": {"type": "object", "properties": {"applied": {"type": "boolean"}}}}}}})
+    async def push_weights(request: Request):
+        if not gateway.push_token:
+            return JSONResponse(status_code=403, content={
+                "error": "weight pushes are disabled: the gateway was started without --push-token or --advertise-url"})
+        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {gateway.push_token}"):
+            return JSONResponse(status_code=401, content={"error": "missing or wrong bearer token"})
+        try:
+            payload = json.loads(await request.body())
+            result = gateway.apply_weights(payload)
+        except ValueError as e:
+            return JSONResponse(status_code=422, content={"error": str(e)})
+        return JSONResponse(status_code=200 if result["applied"] or result.get("current") else 409, content=result)
+
+    @app.get("/healthz")
+    async def healthz():
+        live = sum(l.live for l in gateway.links)
+        return JSONResponse(status_code=200 if live else 503, content={
+            "status": "ok" if live else "no_live_node", "num_nodes": len(gateway.links), "num_live_nodes": live})
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+    async def metrics():
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return GatewayApp(gateway, app)
+
+
+# -------------------------------------------------------------------------------- command line ---
+def _node_list(text: str) -> list[tuple[str, str]]:
+    out = []
+    for part in text.split(","):
+        url = part.strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--nodes: {url!r} is not an http(s) URL")
+        out.append((url.split("://", 1)[1], url))
+    if not out:
+        raise ValueError("--nodes: no node URL given")
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError("--nodes: a node is listed twice")
+    return out
+
+
+def cmd_gateway(args) -> int:
+    from node_agent.server import serve_forever  # TCP_NODELAY on accepted connections
+
+    if bool(args.nodes) == bool(args.control_plane):
+        raise ValueError("give exactly one of --nodes and --control-plane")
+    cfg = GatewayConfig(router=args.router, report_interval_s=args.report_interval_s,
+                        health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
+                        health_failures=args.health_failures, health_successes=args.health_successes,
+                        request_timeout_s=args.request_timeout_s, num_shards=args.num_shards)
+    nodes = _node_list(args.nodes) if args.nodes else []
+    item_shard = None
+    if args.trace:
+        from workloads.loaders import load_trace
+
+        item_shard = load_trace(args.trace, args.path, num_shards=args.num_shards).item_shard
+    if args.advertise_url and not args.control_plane:
+        raise ValueError("--advertise-url applies with --control-plane only")
+    gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane,
+                 token=args.token or os.environ.get("RACER_GATEWAY_TOKEN") or None,
+                 advertise_url=args.advertise_url, push_token=args.push_token)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+
+    def ready(host: str, port: int) -> None:
+        print(f"racer gateway: serving on http://{host}:{port} (router {cfg.router}, "
+              f"{len(nodes) if nodes else 'registry'} nodes)", flush=True)
+
+    serve_forever(create_app(gw), args.host, args.port, log_level=args.log_level, ready=ready)
+    print("racer gateway: stopped", flush=True)
+    return 0
+
+
+def add_gateway_parser(subparsers) -> None:
+    """Add ``gateway`` to racer's top-level subparsers."""
+    from workloads.loaders import LOADERS
+
+    g = subparsers.add_parser("gateway", help="route recommendation requests to node agents (EMB-KV-aware)",
+                              description="The gateway: POST /v1/recommend routed by the chosen router to the "
+                                          "node agents, with residency feeds, health checks and retries.")
+    g.add_argument("--nodes", default=None, help="node agent URLs, comma-separated (http://host:port,...)")
+    g.add_argument("--control-plane", default=None, help="control plane URL: node list and weights from it")
+    g.add_argument("--token", default=None,
+                   help="bearer token sent to the control plane (an operator token: it lists nodes, reads weights "
+                        "and registers the gateway; default: $RACER_GATEWAY_TOKEN, which keeps it out of ps)")
+    g.add_argument("--push-token", default=None,
+                   help="secret weight pushes to this gateway must carry (Authorization: Bearer ...); given to the "
+                        "control plane when registering (default: drawn at random with --advertise-url, else pushes "
+                        "are refused)")
+    g.add_argument("--advertise-url", default=None,
+                   help="this gateway's URL as the control plane reaches it: registered with POST /api/v1/routers "
+                        "for weight pushes (default: none, weights are pulled only)")
+    g.add_argument("--router", default="racer", choices=POLICIES, help="routing policy (default racer)")
+    g.add_argument("--trace", default=None, choices=sorted(LOADERS),
+                   help="trace the nodes serve: its item -> shard map feeds the EMB term (default: none, no EMB term)")
+    g.add_argument("--path", default=None, help="trace file (default: the sample)")
+    g.add_argument("--num-shards", type=int, default=64, help="embedding shards (default 64, as the nodes)")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    g.add_argument("--report-interval-s", type=float, default=0.5, help="residency feed pull period (default 0.5)")
+    g.add_argument("--health-interval-s", type=float, default=1.0, help="health check period (default 1)")
+    g.add_argument("--health-timeout-s", type=float, default=0.5, help="health check timeout (default 0.5)")
+    g.add_argument("--health-failures", type=int, default=3, help="failures in a row that take a node out (3)")
+    g.add_argument("--health-successes", type=int, default=2, help="successes in a row that bring it back (2)")
+    g.add_argument("--request-timeout-s", type=float, default=10.0, help="one forward attempt's limit (default 10)")
+    g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn log level (default warning)")
+    g.set_defaults(func=cmd_gateway)

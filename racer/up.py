@@ -1,0 +1,849 @@
+"""``racer up``: the whole system on this machine from one command.
+
+A supervisor starts, in order, the control plane (SQLite in the data folder unless ``--db``), N node
+agents (CPU unless a GPU is seen, each its own process, the shipped policy), the gateway and the
+dashboard; each process runs in its own process group with its log in ``DATA/logs/<name>.log``.
+It then replays the Taobao trace through steady -> trend -> burst in a loop (`workloads.replay`,
+open loop) against the gateway, and prints one status line: requests served, P99 and SLO
+attainment over the last 30 s, the current regime, the processes up.
+
+A process that exits is reported on stderr (and in ``DATA/logs/up.log``) and restarted (with a
+back-off when it keeps dying). Ctrl-C or SIGTERM (or ``--duration``) stops the replay, waits for
+its requests in flight, then stops the processes in reverse order with SIGTERM to each process
+group (SIGKILL after ``--stop-timeout-s``): nothing is left running, and the control plane, stopped
+last, closes its database itself. A second ``racer up`` on the same data folder reuses the
+database, the tokens and the cost profile; two at once on one folder are refused (a lock file).
+
+The supervisor is generic: a list of `ProcessSpec` (argv, environment, readiness URL). The pieces
+are found in the ``racer`` command itself (`available_commands`): a build without ``racer gateway``
+replays straight to the node agents (round robin, one client retry); without ``racer
+control-plane`` or ``racer dashboard`` those are left out and the start-up message says so.
+
+Files in the data folder (written whole: temp file, fsync, rename; a write that fails leaves
+nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
+``RACER_ADMIN_TOKEN``), ``node_profile.json`` (the
+miss costs every agent reads instead of measuring them again), ``racer.db`` (SQLite), ``logs/``,
+``node_token.<db hash>`` (the agents' token, one per database: made with ``racer token create``
+before the control plane starts, checked with ``/api/v1/whoami`` once it answers and remade through
+``POST /api/v1/tokens`` if that database does not know it), ``agents/node-K/`` (each agent's
+report spool and downloaded policies), ``processes.json`` (each process's pid, URL,
+restarts and log), ``up.lock``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import json
+import math
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_POLICY = REPO / "policies" / "default"
+
+# A small model per CPU node agent: four of them, the gateway, the control plane, the dashboard and
+# the load generator share a laptop-class CPU.
+CPU_AGENT_ARGS = ("--num-pages", "512", "--max-history-len", "256", "--embedding-dim", "32", "--num-layers", "1",
+                  "--num-candidates", "64", "--threads", "1", "--control-interval-s", "2")
+# (2 s control windows: at racer up's few requests per node per second, a 1 s window holds one or
+# two requests, too few for the hot-user ratio to tell a burst's hot users from chance)
+PROFILE_ARGS = ("--embedding-dim", "32", "--num-layers", "1", "--threads", "1", "--lengths", "64,128,256",
+                "--repeats", "3", "--num-candidates", "64")
+
+
+class UpError(Exception):
+    """A problem the user can fix (bad option, unwritable data folder, busy folder); one line."""
+
+
+# ------------------------------------------------------------------------------ data folder ---
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` whole or not at all (temp file in the same folder, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def check_data_dir(data_dir: Path) -> None:
+    """Create the folder if needed and prove it takes a real write (a probe of 64 KiB, fsynced):
+    a read-only or full folder raises `UpError` with the reason before anything starts."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "logs").mkdir(exist_ok=True)
+        write_atomic(data_dir / ".write-probe", "x" * 65536)
+        os.unlink(data_dir / ".write-probe")
+    except OSError as e:
+        why = {errno.EROFS: "the file system is read-only", errno.ENOSPC: "no space left on the device",
+               errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}.get(e.errno, e.strerror)
+        raise UpError(f"data folder {data_dir} is not writable: {why} ({e.__class__.__name__}: {e}); "
+                      f"free space or choose another with --data-dir") from None
+
+
+def read_or_create_secret(path: Path, prefix: str) -> str:
+    if path.exists():
+        text = path.read_text().strip()
+        if text:
+            return text
+    secret = prefix + secrets.token_urlsafe(32)
+    write_atomic(path, secret + "\n", mode=0o600)
+    return secret
+
+
+class DataLock:
+    """One ``racer up`` per data folder: an exclusive flock on ``up.lock`` (released on exit, even
+    a kill -9)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        import fcntl
+
+        self.path = data_dir / "up.lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise UpError(f"another racer up (pid {other}) is using {data_dir}; stop it or pass another "
+                          f"--data-dir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+# ------------------------------------------------------------------------------- supervisor ---
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class ProcessSpec:
+    """One supervised process: ``argv`` (run with ``env`` added to ours), ready when GET on one of
+    ``ready_urls`` answers 200 (no URL: ready when started)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_urls: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 120.0
+    url: str | None = None
+    ready_check: Callable[[], bool] | None = None  # beyond the URL answering 200
+
+
+@dataclass
+class _Proc:
+    spec: ProcessSpec
+    popen: subprocess.Popen | None = None
+    started_s: float = 0.0
+    restarts: int = 0
+    next_start_s: float = 0.0
+    backoff_s: float = 1.0
+    exits: list = field(default_factory=list)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class Supervisor:
+    """Start `ProcessSpec`s in order, restart those that exit, stop them all in reverse order.
+
+    Each process gets its own session (process group), so stopping it stops whatever it started;
+    its stdout and stderr are appended to ``log_dir/<name>.log``. ``report(line)`` receives every
+    event (start, exit, restart, stop)."""
+
+    def __init__(self, specs: Sequence[ProcessSpec], log_dir: Path, *, report: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.monotonic, max_backoff_s: float = 30.0,
+                 state_file: Path | None = None, secrets: Sequence[str] = (),
+                 cancel: threading.Event | None = None) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"process names must be distinct: {names}")
+        self.procs = [_Proc(s) for s in specs]
+        self.log_dir = log_dir
+        self.report = report
+        self.clock = clock
+        self.max_backoff_s = max_backoff_s
+        self.state_file = state_file
+        self.secrets = [x for x in secrets if x]
+        self.cancel = cancel or threading.Event()  # set: stop waiting for readiness
+        self.stopping = False
+
+    def __getitem__(self, name: str) -> _Proc:
+        for p in self.procs:
+            if p.spec.name == name:
+                return p
+        raise KeyError(name)
+
+    def _spawn(self, p: _Proc) -> None:
+        log = open(self.log_dir / f"{p.spec.name}.log", "ab")
+        try:
+            shown = " ".join(p.spec.argv)
+            for secret in self.secrets:  # tokens never reach a log
+                shown = shown.replace(secret, "***")
+            log.write(f"\n==== racer up: starting {p.spec.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                      f"{shown}\n".encode())
+            log.flush()
+            p.popen = subprocess.Popen(p.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True, cwd=REPO,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **p.spec.env})
+        finally:
+            log.close()
+        p.started_s = self.clock()
+        self.write_state()
+
+    def write_state(self) -> None:
+        """``state_file``: each process's pid, URL and restarts (for operators and tests)."""
+        if self.state_file is None:
+            return
+        state = {p.spec.name: {"pid": p.popen.pid if p.popen else None, "url": p.spec.url, "restarts": p.restarts,
+                               "log": str(self.log_dir / f"{p.spec.name}.log")} for p in self.procs}
+        with contextlib.suppress(OSError):
+            write_atomic(self.state_file, json.dumps({"supervisor_pid": os.getpid(), "processes": state}) + "\n")
+
+    def start(self, names: Sequence[str] | None = None, *, wait: bool = True) -> None:
+        """Start the named processes (all by default) together, then wait until each is ready."""
+        group = [p for p in self.procs if names is None or p.spec.name in names]
+        for p in group:
+            self._spawn(p)
+        if wait:
+            for p in group:
+                self.wait_ready(p)
+
+    def wait_ready(self, p: _Proc) -> None:
+        """Wait until ``p`` answers on a ready URL; meanwhile restart any *other* process that
+        exits. ``p`` itself exiting is a start-up failure (`UpError` with the end of its log)."""
+        import httpx
+
+        if not p.spec.ready_urls:
+            return
+        deadline = self.clock() + p.spec.ready_timeout_s
+        while self.clock() < deadline and not self.stopping and not self.cancel.is_set():
+            self.poll(skip=p)
+            code = p.popen.poll()
+            if code is not None:
+                tail = _tail(self.log_dir / f"{p.spec.name}.log")
+                raise UpError(f"{p.spec.name} {describe_exit(code)} while starting; the end of its log "
+                              f"({self.log_dir / (p.spec.name + '.log')}):\n{tail}")
+            for url in p.spec.ready_urls:
+                try:
+                    if httpx.get(url, timeout=2.0).status_code == 200 and (
+                            p.spec.ready_check is None or p.spec.ready_check()):
+                        return
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    pass
+            time.sleep(0.25)
+        if not self.stopping and not self.cancel.is_set():
+            raise UpError(f"{p.spec.name} was not ready within {p.spec.ready_timeout_s:g} s "
+                          f"(log: {self.log_dir / (p.spec.name + '.log')})")
+
+    def poll(self, skip: _Proc | None = None) -> list[str]:
+        """Restart every process that has exited (after its back-off); returns the events."""
+        events = []
+        now = self.clock()
+        for p in self.procs:
+            if self.stopping or p.popen is None or p is skip:
+                continue
+            code = p.popen.poll()
+            if code is None:
+                if p.backoff_s > 1.0 and now - p.started_s > 60.0:
+                    p.backoff_s = 1.0  # it stayed up: forget earlier crashes
+                continue
+            if p.next_start_s == 0.0:  # first time we see this exit
+                ran_s = now - p.started_s
+                p.exits.append({"at_s": now, "code": code, "ran_s": round(ran_s, 1)})
+                p.next_start_s = now + (p.backoff_s if ran_s < 10.0 else 0.0)
+                if ran_s < 10.0:
+                    p.backoff_s = min(self.max_backoff_s, p.backoff_s * 2)
+                ev = (f"{p.spec.name} (pid {p.popen.pid}) {describe_exit(code)} after {ran_s:.0f} s; "
+                      f"restarting{f' in {p.next_start_s - now:.0f} s' if p.next_start_s > now else ''} "
+                      f"(log: {self.log_dir / (p.spec.name + '.log')})")
+                events.append(ev)
+                self.report(ev)
+            if now >= p.next_start_s:
+                p.next_start_s = 0.0
+                p.restarts += 1
+                self._spawn(p)
+                ev = f"{p.spec.name} restarted (pid {p.popen.pid}, restart {p.restarts})"
+                events.append(ev)
+                self.report(ev)
+        return events
+
+    def alive(self) -> dict[str, bool]:
+        return {p.spec.name: p.popen is not None and p.popen.poll() is None for p in self.procs}
+
+    def stop(self, timeout_s: float = 20.0) -> dict[str, int | None]:
+        """SIGTERM every process group in reverse start order, each waited for up to ``timeout_s``,
+        then SIGKILL what is left. Returns each process's exit code."""
+        self.stopping = True
+        codes: dict[str, int | None] = {}
+        for p in reversed(self.procs):
+            if p.popen is None:
+                continue
+            pg = p.popen.pid
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pg, signal.SIGTERM)
+                try:
+                    p.popen.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.report(f"{p.spec.name} did not stop within {timeout_s:g} s: SIGKILL")
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pg, signal.SIGKILL)
+                    p.popen.wait(10)
+            # whatever the process started and left in its group goes with it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pg, signal.SIGKILL)
+            codes[p.spec.name] = p.popen.returncode
+        return codes
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of ``pid`` (Linux /proc), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ------------------------------------------------------------------------ what `racer up` runs ---
+def available_commands() -> dict[str, set[str]]:
+    """The ``racer`` subcommands of this build and their option strings."""
+    from .cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {name: {o for a in p._actions for o in a.option_strings} for name, p in action.choices.items()}
+    return {}
+
+
+def _racer(*args: str) -> list[str]:
+    return [sys.executable, "-m", "racer", *args]
+
+
+@dataclass
+class Plan:
+    specs: list[ProcessSpec]
+    targets: list[str]  # where the load goes
+    dashboard_url: str | None
+    control_plane_url: str | None
+    missing: list[str]  # pieces this build lacks
+    node_urls: list[str]
+
+
+def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator_token: str,
+                   node_env: dict[str, str], profile: Path | None, db_url: str) -> Plan:
+    """The process specs of ``racer up`` for the pieces this build has."""
+    host = "127.0.0.1"
+    specs: list[ProcessSpec] = []
+    missing = []
+    env_tokens = {"RACER_ADMIN_TOKEN": operator_token}
+    cp_url = None
+    if "control-plane" in commands:
+        opts = commands["control-plane"]
+        port = args.control_plane_port or free_port()
+        cp_url = f"http://{host}:{port}"
+        argv = _racer("control-plane", "--port", str(port))
+        # the database URL (it may hold a password) and the token go in the environment, not argv
+        env = {**env_tokens, "RACER_DATABASE_URL": db_url}
+        if "--host" in opts:
+            argv += ["--host", host]
+        specs.append(ProcessSpec("control-plane", argv, env, [f"{cp_url}/healthz"], url=cp_url))
+    else:
+        missing.append("control-plane")
+
+    agent_opts = commands.get("node-agent", set())
+    node_urls = []
+    for k in range(args.nodes):
+        port = free_port()
+        url = f"http://{host}:{port}"
+        node_urls.append(url)
+        argv = _racer("node-agent", "--port", str(port), "--host", host, "--trace", args.trace, *CPU_AGENT_ARGS,
+                      "--seed", "0", "--slo-ms", str(args.slo_ms))
+        if args.path:
+            argv += ["--path", args.path]
+        if args.policy:
+            argv += ["--policy", str(args.policy)]
+        if profile is not None:
+            argv += ["--profile", str(profile)]
+        env = node_env  # shared: RACER_NODE_TOKEN is set there once the control plane has made it
+        if cp_url and "--control-plane" in agent_opts:
+            argv += ["--control-plane", cp_url]  # the token goes in the environment: never in argv or a log
+            if "--node-id" in agent_opts:
+                argv += ["--node-id", f"node-{k}"]
+            if "--state-dir" in agent_opts:
+                argv += ["--state-dir", str(data_dir / "agents" / f"node-{k}")]
+        specs.append(ProcessSpec(f"node-{k}", argv, env, [f"{url}/healthz"], url=url))
+
+    targets = list(node_urls)
+    if "gateway" in commands:
+        opts = commands["gateway"]
+        gw_env: dict[str, str] = {}
+        port = args.gateway_port or free_port()
+        gw_url = f"http://{host}:{port}"
+        argv = _racer("gateway", "--port", str(port), "--host", host)
+        if cp_url and "--control-plane" in opts:
+            argv += ["--control-plane", cp_url]  # the token in the environment (RACER_GATEWAY_TOKEN), not argv
+            gw_env = {"RACER_GATEWAY_TOKEN": operator_token}
+            if "--advertise-url" in opts:  # registers for the control plane's weight pushes
+                argv += ["--advertise-url", gw_url]
+        else:
+            argv += ["--nodes", ",".join(node_urls)]
+        if "--trace" in opts:
+            argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
+        specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
+                                 ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
+        targets = [gw_url]
+    else:
+        missing.append("gateway")
+
+    dash_url = None
+    if "dashboard" in commands and cp_url:
+        opts = commands["dashboard"]
+        port = args.dashboard_port if args.dashboard_port else free_port()
+        if not port_free(port):
+            raise UpError(f"--dashboard-port {port} is taken; pass another (0: a free one)")
+        dash_url = f"http://{host}:{port}"
+        argv = _racer("dashboard", "--control-plane", cp_url, "--port", str(port))
+        if "--host" in opts:
+            argv += ["--host", host]
+        if "--slo-ms" in opts:
+            argv += ["--slo-ms", f"{args.slo_ms:g}"]
+        if "--refresh-s" in opts:
+            argv += ["--refresh-s", "2"]
+        specs.append(ProcessSpec("dashboard", argv, {}, [f"{dash_url}/"], url=dash_url))
+    else:
+        missing.append("dashboard")
+    return Plan(specs, targets, dash_url, cp_url, missing, node_urls)
+
+
+def _token_path(data_dir: Path, db_url: str) -> Path:
+    import hashlib
+
+    return data_dir / f"node_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}"
+
+
+def start_token_create(data_dir: Path, db_url: str, log: Callable[[str], None]) -> subprocess.Popen | None:
+    """On a database racer up has not used yet: make the agents' node token before the control
+    plane starts (``racer token create``, which also creates the schema), so the agents can start
+    with the control plane instead of after it. The URL goes in the environment, not argv."""
+    path = _token_path(data_dir, db_url)
+    if path.exists() and path.read_text().strip():
+        return None
+    log("creating the node agents' token (racer token create --role node)")
+    err = open(data_dir / "logs" / "token-create.log", "ab")
+    try:
+        return subprocess.Popen(_racer("token", "create", "--role", "node", "--name", "racer-up-nodes"), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                env={**os.environ, "RACER_DATABASE_URL": db_url, "PYTHONUNBUFFERED": "1"})
+    finally:
+        err.close()
+
+
+def finish_token_create(data_dir: Path, db_url: str, proc: subprocess.Popen | None) -> str | None:
+    """The node token: the one just created, else the one kept from an earlier run (None: none)."""
+    path = _token_path(data_dir, db_url)
+    if proc is not None:
+        out, _ = proc.communicate()
+        secret = out.strip().splitlines()[-1].strip() if out.strip() else ""
+        if proc.returncode != 0 or not secret:
+            raise UpError(f"racer token create failed for {_safe_url(db_url)}; see "
+                          f"{data_dir / 'logs' / 'token-create.log'}:\n" + _tail(data_dir / "logs" / "token-create.log", 8))
+        write_atomic(path, secret + "\n", mode=0o600)
+        return secret
+    return path.read_text().strip() if path.exists() else None
+
+
+def gateway_routes_to(gw_url: str, node_urls: Sequence[str]) -> bool:
+    """Whether the gateway has every one of this run's agents in rotation (GET /v1/router): on a
+    reused database the registry first holds the agents' old addresses, and the load must not
+    start before the gateway has caught up."""
+    import httpx
+
+    nodes = httpx.get(f"{gw_url}/v1/router", timeout=2.0).json().get("nodes")
+    if not isinstance(nodes, list):
+        return True  # a gateway without that view: its /healthz is all we can ask
+    live = {str(n.get("address", "")).rstrip("/") for n in nodes if n.get("live")}
+    return set(node_urls) <= live
+
+
+def ensure_node_token(data_dir: Path, db_url: str, cp_url: str, operator_token: str,
+                      log: Callable[[str], None]) -> str:
+    """A token of role node for the agents: the one kept for this database in
+    ``DATA/node_token.<db hash>`` if the control plane still knows it (GET /api/v1/whoami), else a
+    new one (POST /api/v1/tokens with the operator token), kept there for the next run."""
+    import httpx
+
+    path = _token_path(data_dir, db_url)
+    api = f"{cp_url}/api/v1"
+    if path.exists() and (secret := path.read_text().strip()):
+        r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {secret}"}, timeout=10.0)
+        if r.status_code == 200 and r.json().get("role") == "node":
+            return secret
+    log("creating the node agents' token (role node)")
+    r = httpx.post(f"{api}/tokens", json={"role": "node", "name": "racer-up-nodes"},
+                   headers={"Authorization": f"Bearer {operator_token}"}, timeout=10.0)
+    if r.status_code != 201:
+        raise UpError(f"the control plane refused to create a node token: {r.status_code} {r.text[:300]}")
+    secret = r.json()["token"]
+    write_atomic(path, secret + "\n", mode=0o600)
+    return secret
+
+
+def _safe_url(url: str) -> str:
+    """A database URL without its password."""
+    if "://" in url and "@" in url.split("://", 1)[1]:
+        scheme, rest = url.split("://", 1)
+        cred, hostpart = rest.rsplit("@", 1)
+        return f"{scheme}://{cred.split(':', 1)[0]}:***@{hostpart}"
+    return url
+
+
+def start_profile(data_dir: Path, log: Callable[[str], None]) -> subprocess.Popen | None:
+    """Start measuring the agents' cost profile into the data folder unless it is there already
+    (measured once, reused by every later run)."""
+    if (data_dir / "node_profile.json").exists():
+        return None
+    log("measuring this machine's miss costs once (racer node profile) into " + str(data_dir / "node_profile.json"))
+    tmp = data_dir / ".node_profile.json.tmp"
+    err = open(data_dir / "logs" / "node-profile.log", "ab")
+    try:
+        return subprocess.Popen(_racer("node", "profile", *PROFILE_ARGS, "--out", str(tmp), "--no-progress"),
+                                cwd=REPO, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        err.close()
+
+
+def finish_profile(data_dir: Path, proc: subprocess.Popen | None) -> Path:
+    path = data_dir / "node_profile.json"
+    if proc is None:
+        return path
+    tmp = data_dir / ".node_profile.json.tmp"
+    if proc.wait() != 0 or not tmp.exists():
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise UpError(f"racer node profile failed; see {data_dir / 'logs' / 'node-profile.log'}:\n"
+                      + _tail(data_dir / "logs" / "node-profile.log", 8))
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------- status ---
+def status_line(elapsed_s: float, snap: dict, alive: dict[str, bool], slo_ms: float) -> str:
+    p99 = "-" if snap["recent_p99_ms"] is None else f"{snap['recent_p99_ms']:.1f} ms"
+    slo = "-" if snap["recent_slo_attainment"] is None else f"{100 * snap['recent_slo_attainment']:.1f}%"
+    nodes = [v for k, v in alive.items() if k.startswith("node-")]
+    down = [k for k, v in alive.items() if not v]
+    return (f"[{elapsed_s:6.0f} s] served {snap['requests_served']} (failed {snap['requests_failed']}, retried "
+            f"{snap['requests_retried']})  P99 {p99}  SLO({slo_ms:g} ms) {slo}  regime {snap['regime'] or '-'} "
+            f"(cycle {snap['cycle'] + 1})  nodes {sum(nodes)}/{len(nodes)} up"
+            + (f"  DOWN: {','.join(down)}" if down else ""))
+
+
+class _Replayer(threading.Thread):
+    """The load generator in its own thread and event loop."""
+
+    def __init__(self, targets, trace, config, stats) -> None:
+        super().__init__(name="racer-up-replay", daemon=True)
+        self.targets, self.trace, self.config, self.stats = targets, trace, config, stats
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from workloads.replay import run_replay
+
+        try:
+            asyncio.run(run_replay(self.targets, self.trace, self.config, self.stats, loop_forever=True,
+                                   stop=self.stop_event))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            self.error = e
+
+
+def cmd_up(args) -> int:
+    from workloads.loaders import load_trace
+    from workloads.replay import ReplayConfig, ReplayStats
+
+    if args.nodes < 1:
+        raise UpError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.duration is not None and not args.duration > 0:
+        raise UpError(f"--duration must be a positive number of seconds, got {args.duration}")
+    for name in ("phase_s", "first_phase_s"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UpError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v}")
+    if args.policy is not None and not (Path(args.policy) / "manifest.json").exists():
+        raise UpError(f"--policy {args.policy}: no policy artifact there (manifest.json missing); "
+                      f"racer policy export writes one")
+    data_dir = Path(args.data_dir).resolve()
+    first_phase_s = min(6.0, args.phase_s) if args.first_phase_s is None else args.first_phase_s
+    check_data_dir(data_dir)
+    lock = DataLock(data_dir)
+    t_start = time.monotonic()
+    up_log = open(data_dir / "logs" / "up.log", "a")
+
+    def say(line: str, err: bool = False) -> None:
+        up_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        up_log.flush()
+        print(f"racer up: {line}", file=sys.stderr if err or args.json else sys.stdout, flush=True)
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        received.append(signum)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    sup: Supervisor | None = None
+    replayer: _Replayer | None = None
+    profiling: subprocess.Popen | None = None
+    tokening: subprocess.Popen | None = None
+    report: dict = {}
+    rss: dict[str, dict] = {}
+    try:
+        operator_token = read_or_create_secret(data_dir / "operator_token", "racer_")
+        trace = load_trace(args.trace, args.path)
+        profiling = start_profile(data_dir, say) if args.policy else None
+        profile = data_dir / "node_profile.json" if args.policy else None
+        commands = available_commands()
+        db_url = args.db or f"sqlite:///{data_dir / 'racer.db'}"
+        # the node token is known once the control plane answers; the specs read it then
+        node_env: dict[str, str] = {}
+        plan = plan_processes(args, data_dir, commands, operator_token, node_env, profile, db_url)
+        if plan.missing:
+            say("this build has no " + ", ".join(f"racer {m}" for m in plan.missing) +
+                ("; the load goes straight to the node agents" if "gateway" in plan.missing else ""))
+        sup = Supervisor(plan.specs, data_dir / "logs", report=lambda line: say(line, err=True),
+                         state_file=data_dir / "processes.json", secrets=[operator_token], cancel=stop)
+        say(f"data folder {data_dir} (logs in {data_dir / 'logs'})")
+        # the cost profile (once per data folder) and the node token (once per database) first,
+        # side by side; then every process at once: agents spool their reports until the control
+        # plane answers, the gateway and the dashboard retry it
+        others = [s.name for s in plan.specs if not s.name.startswith("node-")]
+        nodes = [s.name for s in plan.specs if s.name.startswith("node-")]
+        reporting = bool(plan.control_plane_url) and "--control-plane" in commands.get("node-agent", set())
+        tokening = start_token_create(data_dir, db_url, say) if reporting and "token" in commands else None
+        if args.policy:
+            finish_profile(data_dir, profiling)
+        profiling = None
+        if reporting:
+            token = finish_token_create(data_dir, db_url, tokening)
+            tokening = None
+            if token:
+                node_env["RACER_NODE_TOKEN"] = token
+                sup.secrets.append(token)
+        say("starting " + ", ".join(others + nodes))
+        if reporting and "RACER_NODE_TOKEN" not in node_env:  # no token yet: make one through the API
+            sup.start(others, wait=False)
+            sup.wait_ready(sup["control-plane"])
+            if not stop.is_set():
+                node_env["RACER_NODE_TOKEN"] = ensure_node_token(data_dir, db_url, plan.control_plane_url,
+                                                                 operator_token, say)
+                sup.secrets.append(node_env["RACER_NODE_TOKEN"])
+            sup.start(nodes, wait=False)
+        else:
+            sup.start(others + nodes, wait=False)
+        if reporting and not stop.is_set():
+            sup.wait_ready(sup["control-plane"])
+            # a token kept from an earlier run that this database does not know: a new one, and
+            # the agents restarted with it
+            token = ensure_node_token(data_dir, db_url, plan.control_plane_url, operator_token, say)
+            if not stop.is_set() and token != node_env.get("RACER_NODE_TOKEN"):
+                node_env["RACER_NODE_TOKEN"] = token
+                sup.secrets.append(token)
+                for name in nodes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(sup[name].popen.pid, signal.SIGTERM)
+                    sup[name].popen.wait(args.stop_timeout_s)
+                    sup._spawn(sup[name])
+        for name in others + nodes:
+            if stop.is_set():
+                break
+            sup.wait_ready(sup[name])
+        if not stop.is_set():
+            if plan.control_plane_url:
+                say(f"control plane {plan.control_plane_url}")
+            if plan.dashboard_url:
+                say(f"dashboard     {plan.dashboard_url}")
+            say(f"operator token {operator_token}  (also in {data_dir / 'operator_token'})")
+            first = f" (the first pass {first_phase_s:g} s each)" if first_phase_s != args.phase_s else ""
+            say(f"replaying {args.trace} {' -> '.join(args.schedule)} in a loop, {args.phase_s:g} s each{first}, base "
+                f"rate {args.rate:g} req/s, to {', '.join(plan.targets)}"
+                + (f"; stopping after {args.duration:g} s" if args.duration else "; Ctrl-C stops everything"))
+        cfg = ReplayConfig(schedule=tuple(args.schedule), rate_rps=args.rate,
+                           duration_s=args.phase_s * len(args.schedule),
+                           first_cycle_s=first_phase_s * len(args.schedule), slo_ms=args.slo_ms, timeout_s=10.0,
+                           retries=1 if "gateway" in plan.missing and len(plan.targets) > 1 else 0,
+                           num_candidates=64, max_history_len=256)
+        stats = ReplayStats(args.slo_ms)
+        replayer = _Replayer(plan.targets, trace, cfg, stats)
+        if not stop.is_set():
+            replayer.start()
+        t_load = time.monotonic()
+        human = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the report alone
+        tty = human.isatty()
+        next_status = time.monotonic() + (2.0 if tty else args.status_every_s)
+        next_rss = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            if args.duration is not None and now - t_load >= args.duration:
+                break
+            sup.poll()
+            if replayer.error is not None:
+                raise UpError(f"the load generator stopped: {replayer.error!r}")
+            if now >= next_rss:
+                for p in sup.procs + [None]:
+                    name, pid = ("racer-up", os.getpid()) if p is None else (p.spec.name, p.popen.pid)
+                    r = rss_bytes(pid)
+                    if r is None:
+                        continue
+                    e = rss.setdefault(name, {"pid": pid, "samples": []})
+                    if e["pid"] != pid:  # restarted: a new process, a new series
+                        e.update(pid=pid, samples=[])
+                    e["samples"].append((round(now - t_load, 1), r))
+                next_rss = now + args.rss_every_s
+            if now >= next_status:
+                line = status_line(now - t_load, stats.snapshot(), sup.alive(), args.slo_ms)
+                if tty:
+                    print("\r" + line[:200].ljust(120), end="", file=human, flush=True)
+                else:
+                    print(line, file=human, flush=True)
+                next_status = now + (2.0 if tty else args.status_every_s)
+            stop.wait(0.25)
+        if tty:
+            print(file=human)
+        why = f"signal {signal.Signals(received[0]).name}" if received else "--duration reached"
+        say(f"stopping ({why}): load generator first, then the processes")
+        report = {"stopped_by": why}
+    finally:
+        for helper in (profiling, tokening):
+            if helper is not None and helper.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(helper.pid, signal.SIGKILL)
+                helper.wait()
+        if replayer is not None and replayer.is_alive():
+            replayer.stop_event.set()
+            replayer.join(replayer.config.timeout_s + 5.0)
+        codes = sup.stop(args.stop_timeout_s) if sup is not None else {}
+        for s, h in old.items():
+            signal.signal(s, h)
+        if sup is not None:
+            say("stopped: " + ", ".join(f"{k} {describe_exit(v) if v is not None else '?'}" for k, v in
+                                        reversed(list(codes.items()))))
+        lock.release()
+        up_log.close()
+    rep = stats.report()
+    out = {**report, "elapsed_s": round(time.monotonic() - t_start, 1), "load_s": round(time.monotonic() - t_load, 1),
+           "dashboard_url": plan.dashboard_url, "control_plane_url": plan.control_plane_url,
+           "targets": plan.targets, "missing": plan.missing, **rep,
+           "processes": {p.spec.name: {"restarts": p.restarts, "exits": p.exits, "exit_code": codes.get(p.spec.name)}
+                         for p in sup.procs},
+           "rss": {k: {"pid": v["pid"], "samples": v["samples"]} for k, v in rss.items()}}
+    print(f"racer up: served {rep['requests_served']} of {rep['requests_sent']} (failed {rep['requests_failed']}, "
+          f"lost {rep['requests_lost']}), P99 {rep['p99_ms']} ms, SLO attainment {rep['slo_attainment']}",
+          file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps(out))
+    if args.report:
+        write_atomic(Path(args.report), json.dumps(out) + "\n")
+    return 0
+
+
+def add_up_parser(subparsers) -> None:
+    from workloads.loaders import LOADERS
+
+    def schedule(text: str) -> list[str]:
+        from workloads.replay import parse_schedule
+
+        try:
+            return list(parse_schedule(text))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    up = subparsers.add_parser(
+        "up", help="run the whole system here: control plane, node agents, gateway, dashboard, trace replay",
+        description="Start the control plane (SQLite in the data folder), N node agents with the shipped policy, "
+                    "the gateway and the dashboard, then replay a trace through steady -> trend -> burst in a "
+                    "loop. Prints the dashboard URL and the operator token, and one status line. Ctrl-C or "
+                    "SIGTERM stops everything.")
+    up.add_argument("--nodes", type=int, default=4, help="node agents (default 4)")
+    up.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace to serve and replay (default "
+                                                                                "taobao, the bundled sample)")
+    up.add_argument("--path", default=None, help="trace file (default: the sample under $RACER_DATA_DIR or "
+                                                 "../shared/data)")
+    up.add_argument("--db", default=None, help="database URL (default: sqlite in the data folder; e.g. "
+                                               "postgresql+psycopg://user@host/racer)")
+    up.add_argument("--policy", default=str(DEFAULT_POLICY),
+                    help="allocator policy artifact for every node (default: the shipped policies/default)")
+    up.add_argument("--data-dir", default="racer-data", help="database, tokens, logs (default ./racer-data; a "
+                                                             "second run reuses it)")
+    up.add_argument("--duration", type=float, default=None, help="stop by itself after this many seconds of load "
+                                                                 "(default: run until Ctrl-C)")
+    up.add_argument("--rate", type=float, default=8.0, help="base request rate of the replay, req/s (default 8; "
+                                                            "bursts reach 4x)")
+    up.add_argument("--schedule", type=schedule, default=["steady", "trend", "burst"],
+                    help="regimes replayed in a loop (default steady,trend,burst)")
+    up.add_argument("--phase-s", type=float, default=15.0, help="seconds per regime (default 15)")
+    up.add_argument("--first-phase-s", type=float, default=None,
+                    help="seconds per regime in the first pass (default: 6, or --phase-s if shorter; the first "
+                         "burst phase then starts 12 s into the load, after the nodes' 10 s warm-up)")
+    up.add_argument("--slo-ms", type=float, default=50.0, help="latency SLO, ms (default 50)")
+    up.add_argument("--dashboard-port", type=int, default=8050, help="dashboard port (default 8050; 0: a free one)")
+    up.add_argument("--control-plane-port", type=int, default=0, help="control plane port (default: a free one)")
+    up.add_argument("--gateway-port", type=int, default=0, help="gateway port (default: a free one)")
+    up.add_argument("--status-every-s", type=float, default=10.0,
+                    help="status line period when stdout is not a terminal (default 10)")
+    up.add_argument("--rss-every-s", type=float, default=5.0, help="RSS sampling period (default 5)")
+    up.add_argument("--stop-timeout-s", type=float, default=20.0,
+                    help="SIGKILL a process that has not stopped this long after SIGTERM (default 20)")
+    up.add_argument("--json", action="store_true", help="print a JSON report at the end")
+    up.add_argument("--report", default=None, help="also write the JSON report to this file")
+    up.set_defaults(func=cmd_up)

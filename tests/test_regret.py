@@ -1,0 +1,85 @@
+"""Issue 19: the schedule's rows in the paper table, and bench.regret on a small grid (process pool and a
+local Ray instance)."""
+
+import os
+
+import pytest
+
+from tests.conftest import needs_samples
+
+
+def _small(cfg):
+    from dataclasses import replace
+
+    return replace(cfg, num_nodes=4, rate_rps=300.0, num_users=1_500, history_scale=2.0, shares=(0.2, 0.8))
+
+
+@needs_samples
+def test_schedule_rows_have_phases_and_the_best_single_static_split(tmp_path):
+    from simulator.table import TableConfig, run_table
+
+    cfg = _small(TableConfig.quick(trace="taobao", regimes=("schedule",), schedule="steady:2,burst:3,steady:2",
+                                   routers=("racer",), other_router_allocators=(), jobs=1))
+    res = run_table(cfg, tmp_path, progress=False)
+    phases = ["steady[0-2s]", "burst[2-5s]", "steady[5-7s]", "all"]
+    for alloc in ("static:0.20", "static:0.80", "best_static", "oracle", "heuristic"):
+        rows = [r for r in res["rows"] if r["allocator"] == alloc]
+        assert [r["phase"] for r in rows] == phases
+        for r in rows:
+            assert set(("allocator", "router", "phase", "p99_ms", "slo_attainment", "mean_share")) <= set(r)
+            assert r["p99_ms"] > 0 and 0 <= r["slo_attainment"] <= 1
+        # the phases partition the run's requests
+        assert sum(r["num_requests"] for r in rows[:-1]) == rows[-1]["num_requests"]
+    f = res["findings"]
+    statics = {r["allocator"]: r["p99_ms"] for r in res["rows"] if r["phase"] == "all"}
+    best = min((0.2, 0.8), key=lambda s: statics[f"static:{s:.2f}"])
+    assert f["best_single_static_share"] == best
+    assert f["best_single_static_over_oracle_pct"] == pytest.approx(
+        100 * (statics[f"static:{best:.2f}"] / statics["oracle"] - 1), abs=0.01)
+
+
+def _small_setting(st, quick, smart, policy=None):
+    from dataclasses import replace
+
+    from simulator.table import TableConfig
+
+    cfg = _small(TableConfig.quick(trace=st.trace, seed=st.seed, routers=("racer",), other_router_allocators=(),
+                                   extra_allocators=smart, jobs=1, duration_s=2.0))
+    return replace(cfg, regimes=(st.regime,))
+
+
+@needs_samples
+@pytest.mark.slow
+def test_regret_on_a_local_ray_instance_matches_the_process_pool(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    import bench.regret as rg
+
+    settings = rg.grid(seeds=(0, 1), traces=("taobao",), paper_traces=(), regimes=("steady",))
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", os.getcwd())}})
+    try:
+        res = rg.run_grid(settings, True, str(tmp_path / "ray"), executor="ray", smart=(), progress=False,
+                          make_config=_small_setting)
+    finally:
+        ray.shutdown()
+    assert res["settings"] == 2
+    a = res["allocators"]
+    assert {"static:0.20", "static:0.80", "heuristic"} <= set(a)
+    for v in a.values():
+        assert v["settings"] == 2 and v["max_regret_pct"] >= v["mean_regret_pct"]
+    # the same grid in-process gives the same figures (deterministic runs), from the saved runs
+    again = rg.run_grid(settings, True, str(tmp_path / "ray"), executor="process", jobs=1, smart=(), progress=False,
+                        make_config=_small_setting)
+    assert again["allocators"] == a and again["runs"]["reused"] == again["runs"]["total"]
+
+
+def test_regret_arithmetic():
+    from bench.regret import regret
+
+    res = regret([{"p99_ms": {"oracle": 10.0, "static:0.50": 11.0, "racer": 10.0}},
+                  {"p99_ms": {"oracle": 20.0, "static:0.50": 20.0, "racer": 23.0}}])
+    assert res["static:0.50"] == {"max_regret_pct": 10.0, "mean_regret_pct": 5.0, "settings": 2}
+    assert res["racer"] == {"max_regret_pct": 15.0, "mean_regret_pct": 7.5, "settings": 2}

@@ -1,0 +1,293 @@
+"""`racer up`: the supervisor over real processes, the whole system under replay with a node agent
+killed (-9) and restarted, a second run on the same data, and data folders that refuse writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from racer.cli import main as racer_main
+from racer.up import ProcessSpec, Supervisor, UpError, check_data_dir, write_atomic
+
+from .conftest import REPO
+from .procs import skip_or_fail
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie not yet reaped by its parent counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _group_gone(pgid: int) -> bool:
+    """No live (non-zombie) process is left in process group ``pgid``."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return False
+    return True
+
+
+def test_supervisor_restarts_what_exits_and_stops_whole_process_groups(tmp_path):
+    parent_with_child = ("import subprocess, sys, time; c = subprocess.Popen(['sleep', '300']); "
+                         "print('CHILD' + 'PID', c.pid, flush=True); time.sleep(300)")
+    events = []
+    sup = Supervisor([ProcessSpec("steady", [sys.executable, "-c", parent_with_child]),
+                      ProcessSpec("crashy", [sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"])],
+                     tmp_path, report=events.append, max_backoff_s=0.5, state_file=tmp_path / "processes.json")
+    sup.start()
+    first_crashy = sup["crashy"].popen.pid
+    deadline = time.monotonic() + 20
+    while sup["crashy"].restarts < 2 and time.monotonic() < deadline:
+        sup.poll()
+        time.sleep(0.05)
+    assert sup["crashy"].restarts >= 2 and sup["steady"].restarts == 0
+    assert sup["crashy"].exits[0]["code"] == 3
+    assert any("crashy" in e and "exited with status 3" in e and "restarting" in e for e in events)
+    assert any(e.startswith("crashy restarted") for e in events)
+    state = json.loads((tmp_path / "processes.json").read_text())
+    assert state["processes"]["crashy"]["pid"] != first_crashy and state["processes"]["crashy"]["restarts"] >= 2
+    # the grandchild (sleep) lives in the steady process's group
+    for _ in range(100):
+        log = (tmp_path / "steady.log").read_text()
+        if "child" in log:
+            break
+        time.sleep(0.05)
+    child = int(log.split("CHILDPID", 1)[1].split()[0])
+    steady_pid = sup["steady"].popen.pid
+    assert os.getpgid(child) == steady_pid
+    codes = sup.stop(timeout_s=5)
+    assert codes["steady"] == -signal.SIGTERM
+    assert _gone(child) and _gone(steady_pid) and _group_gone(steady_pid)
+    sup.poll()  # stopping: nothing is restarted
+    assert all(not v for v in sup.alive().values())
+
+
+def test_write_atomic_leaves_nothing_behind_on_failure(tmp_path):
+    write_atomic(tmp_path / "a.json", "{}\n")
+    assert (tmp_path / "a.json").read_text() == "{}\n"
+
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(TypeError):
+        write_atomic(tmp_path / "b.json", None)  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def _mount_tmpfs(path: Path, opts: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    return p.returncode == 0
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mounted = []
+
+    def make(name: str, opts: str) -> Path:
+        path = tmp_path / name
+        if not _mount_tmpfs(path, opts):
+            skip_or_fail("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_read_only_data_folder_is_a_clear_error_before_anything_starts(tmpfs, capsys):
+    ro = tmpfs("ro", "ro,size=1m")
+    rc = racer_main(["up", "--data-dir", str(ro / "racer-data"), "--duration", "1", "--dashboard-port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not writable: the file system is read-only" in err and "Traceback" not in err
+    assert list(ro.iterdir()) == []
+
+
+def test_full_data_folder_is_a_clear_error_and_nothing_is_half_written(tmpfs, capsys):
+    full = tmpfs("full", "size=256k")
+    data = full / "racer-data"
+    (data / "logs").mkdir(parents=True)
+    write_atomic(data / "operator_token", "racer_existing\n", mode=0o600)
+    fd = os.open(full / "filler", os.O_WRONLY | os.O_CREAT)  # fill the file system
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    before = {p.name: p.read_bytes() for p in data.iterdir() if p.is_file()}
+    rc = racer_main(["up", "--data-dir", str(data), "--duration", "1", "--dashboard-port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not writable: no space left on the device" in err and "Traceback" not in err
+    after = {p.name: p.read_bytes() for p in data.iterdir() if p.is_file()}
+    assert after == before  # the token file intact, no temp or probe files left
+    with pytest.raises(UpError, match="no space left"):
+        check_data_dir(data)
+
+
+def test_second_racer_up_on_the_same_folder_is_refused(tmp_path):
+    from racer.up import DataLock, UpError
+
+    lock = DataLock(tmp_path)
+    try:
+        with pytest.raises(UpError, match=f"another racer up \\(pid {os.getpid()}\\) is using"):
+            DataLock(tmp_path)
+    finally:
+        lock.release()
+    DataLock(tmp_path).release()  # free again once released
+
+
+def _wait(pred, timeout_s: float, what: str, every_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _state(data: Path) -> dict | None:
+    try:
+        return json.loads((data / "processes.json").read_text())["processes"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _healthy(url: str) -> dict | None:
+    try:
+        r = httpx.get(f"{url}/healthz", timeout=1.0)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _gateway_live(gw_url: str, node_url: str) -> bool | None:
+    try:
+        nodes = httpx.get(f"{gw_url}/v1/router", timeout=2.0).json().get("nodes", [])
+    except (httpx.HTTPError, ValueError):
+        return None
+    for n in nodes if isinstance(nodes, list) else []:
+        if str(n.get("address", "")).rstrip("/") == node_url:
+            return bool(n.get("live"))
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_data(tmp_path):
+    """4 node agents under replay; node-1 is killed with SIGKILL: every request is served (after a
+    retry) or failed with a counted reason, none lost; the gateway (when this build has one) takes
+    node-1 out of rotation; racer up restarts it and it serves again. All processes stop cleanly
+    at --duration and a second run reuses the tokens and the cost profile."""
+    data = tmp_path / "racer-data"
+    cmd = [sys.executable, "-m", "racer", "up", "--nodes", "4", "--data-dir", str(data), "--duration", "600",
+           "--rate", "8", "--phase-s", "5", "--dashboard-port", "0", "--json", "--status-every-s", "5"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    err = open(tmp_path / "up.err", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    try:
+        def load_running():
+            s = _state(data)
+            if s is None or proc.poll() is not None:
+                return None
+            up = (data / "logs" / "up.log")
+            return s if up.exists() and "replaying" in up.read_text() else None
+
+        state = _wait(load_running, 240, "racer up to start its processes and the load")
+        # no token in any process's arguments (what `ps` shows): they go in the environment
+        secrets_ = [(data / "operator_token").read_text().strip()]
+        secrets_ += [p.read_text().strip() for p in data.glob("node_token.*")]
+        for name, entry in state.items():
+            try:
+                argv = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:  # gone (restarting): nothing to read
+                continue
+            assert argv and not any(t in argv for t in secrets_), f"{name} has a token in its arguments"
+        victim = state["node-1"]
+        node_url, old_pid = victim["url"], victim["pid"]
+        gw_url = state.get("gateway", {}).get("url")
+        assert _healthy(node_url)["status"] == "ok"
+        time.sleep(3)  # under load
+        os.kill(old_pid, signal.SIGKILL)
+        if gw_url:
+            _wait(lambda: _gateway_live(gw_url, node_url) is False, 15, "the gateway to take node-1 out of rotation")
+        new = _wait(lambda: (s := _state(data)) and s["node-1"]["pid"] != old_pid and s["node-1"], 30,
+                    "racer up to restart node-1")
+        assert new["restarts"] == 1
+        # the new node-1 process serves requests again
+        _wait(lambda: (h := _healthy(node_url)) and h["num_served"] > 0, 60, "the restarted node-1 to serve")
+        if gw_url:
+            _wait(lambda: _gateway_live(gw_url, node_url) is True, 30, "the gateway to put node-1 back")
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)  # as Ctrl-C would
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        err.close()
+    assert proc.returncode == 0, (tmp_path / "up.err").read_text()[-3000:]
+    rep = json.loads(out)
+    assert rep["stopped_by"] == "signal SIGTERM"
+    assert rep["requests_sent"] > 100 and rep["requests_lost"] == 0
+    assert rep["requests_served"] + rep["requests_failed"] == rep["requests_sent"]
+    assert set(rep["failures"]) <= {"connect", "timeout", "http_502", "http_503", "http_504"} or not rep["failures"]
+    assert rep["requests_served"] >= 0.9 * rep["requests_sent"]
+    p1 = rep["processes"]["node-1"]
+    assert p1["restarts"] == 1 and p1["exits"][0]["code"] == -signal.SIGKILL
+    # every process stopped on SIGTERM (status 0 from its handler, or the signal's default action;
+    # never SIGKILL after the stop timeout) and nothing is left running
+    assert all(p["exit_code"] in (0, -signal.SIGTERM) for p in rep["processes"].values()), rep["processes"]
+    assert "did not stop within" not in (tmp_path / "up.err").read_text()
+    final = _state(data)
+    assert all(_gone(p["pid"]) for p in final.values())
+    text = (tmp_path / "up.err").read_text()
+    assert "node-1 (pid" in text and "killed by SIGKILL" in text and "node-1 restarted" in text
+    assert "operator token racer_" in text
+    for name in rep["processes"]:
+        assert (data / "logs" / f"{name}.log").stat().st_size > 0
+    token = (data / "operator_token").read_text()
+    profile_mtime = (data / "node_profile.json").stat().st_mtime
+
+    # a second racer up on the same folder: same tokens, the profile is not measured again
+    p = subprocess.run([sys.executable, "-m", "racer", "up", "--nodes", "2", "--data-dir", str(data), "--duration",
+                        "4", "--rate", "5", "--dashboard-port", "0", "--json"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep2 = json.loads(p.stdout)
+    assert rep2["requests_lost"] == 0 and rep2["requests_served"] > 0
+    assert (data / "operator_token").read_text() == token and token.strip() in p.stderr
+    assert (data / "node_profile.json").stat().st_mtime == profile_mtime
+    assert "measuring this machine's miss costs" not in p.stderr
+
+
+def test_soak_rss_growth_is_measured_after_warm_up():
+    from bench.soak import rss_growth
+
+    samples = [(0.0, 100), (10.0, 500), (20.0, 1000), (30.0, 1000), (40.0, 1010), (50.0, 1020), (60.0, 1050),
+               (70.0, 1040), (80.0, 1060)]
+    g = rss_growth(samples, warmup_s=20.0)
+    # after warm-up: median(1000, 1000, 1010) = 1000; end: median(1050, 1040, 1060) = 1050
+    assert g == {"rss_after_warmup_bytes": 1000, "rss_end_bytes": 1050, "rss_growth_pct": 5.0}
+    assert rss_growth(samples[:5], warmup_s=20.0) is None  # too few samples after warm-up

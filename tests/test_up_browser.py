@@ -1,0 +1,163 @@
+"""The README's first command, seen in a real browser: `racer up` on a fresh data folder, then the
+dashboard in headless Chromium (Playwright, Debian's /usr/bin/chromium) signed in with the
+operator token `racer up` printed. It must show live EMB/KV splits of the four nodes, burst
+periods and SLO attainment. The seconds from the command to each of them are printed and saved
+with the screenshots under the test's temporary folder (``up-shots/``): a figure, not an assert
+(the machine is shared); the assert allows 240 s.
+
+Needs the whole system (control plane, gateway, dashboard): skipped on a build without them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from racer.up import available_commands
+
+from .conftest import REPO
+from .procs import skip_or_fail
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--no-first-run", "--disable-quic"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+_MISSING = {"control-plane", "gateway", "dashboard"} - set(available_commands())
+
+
+def _need_everything() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("playwright") is None:
+        skip_or_fail("playwright is not installed (the test extra has it)")
+    if not Path(CHROMIUM).exists():
+        skip_or_fail(f"{CHROMIUM} missing (.ci/run installs Debian's chromium)")
+    if _MISSING:
+        skip_or_fail(f"this build has no racer {', '.join(sorted(_MISSING))}")
+
+PLOT_JS = """(gid) => {
+  const el = document.querySelector('#' + gid + ' .js-plotly-plot');
+  if (!el || !el.data) return null;
+  return {traces: el.data.map(t => ({name: t.name, type: t.type, n: (t.x || []).length,
+                                     rows: t.z ? t.z.length : null,
+                                     cols: (t.z && t.z.length) ? t.z[0].length : null})),
+          shapes: (el.layout.shapes || []).length};
+}"""
+
+
+def _plot(page, gid: str) -> dict | None:
+    return page.evaluate(PLOT_JS, gid)
+
+
+def _points(state: dict | None) -> int:
+    return 0 if not state else sum(t["n"] or 0 for t in state["traces"])
+
+
+def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(tmp_path):
+    _need_everything()
+    from playwright.sync_api import sync_playwright
+
+    data = tmp_path / "racer-data"
+    shots = tmp_path / "up-shots"
+    shots.mkdir()
+    t0 = time.monotonic()
+    # the README's first command after the install step (a fresh data folder: nothing measured yet)
+    cmd = [sys.executable, "-m", "racer", "up", "--data-dir", str(data), "--duration", "600", "--dashboard-port",
+           "0", "--json"]
+    err = open(tmp_path / "up.err", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    figures: dict[str, float] = {}
+
+    def mark(what: str) -> None:
+        figures.setdefault(what, round(time.monotonic() - t0, 1))
+
+    try:
+        dash_url = None
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and dash_url is None:
+            assert proc.poll() is None, (tmp_path / "up.err").read_text()[-3000:]
+            for line in (tmp_path / "up.err").read_text().splitlines():
+                if line.startswith("racer up: dashboard"):
+                    dash_url = line.split()[-1]
+            time.sleep(0.5)
+        assert dash_url, "racer up printed no dashboard URL"
+        mark("dashboard_url_printed_s")
+        text = (tmp_path / "up.err").read_text()
+        token = (data / "operator_token").read_text().strip()
+        assert f"operator token {token}" in text
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(dash_url)
+            page.fill("#login-token", token)
+            page.click("#btn-login")
+            page.wait_for_selector("#main", state="visible", timeout=60_000)
+            assert token not in page.url
+
+            # SLO attainment: a live series and the KPI
+            def slo_live():
+                st = _plot(page, "g-slo")
+                kpi = page.inner_text("#kpi-slo") if page.query_selector("#kpi-slo") else ""
+                return _points(st) >= 2 and "%" in kpi
+            _wait(slo_live, t0, 240, "SLO attainment in the overview")
+            mark("slo_attainment_shown_s")
+            page.screenshot(path=str(shots / "overview.png"), full_page=True)
+
+            # EMB/KV splits: the heatmap has a row per node and columns filling in
+            page.click("text=EMB-KV split")
+
+            def splits_live():
+                st = _plot(page, "g-heat")
+                return st and any((t["rows"] or 0) >= 4 and (t["cols"] or 0) >= 2 for t in st["traces"])
+            _wait(splits_live, t0, 240, "emb_share per node in the split heatmap")
+            mark("splits_shown_s")
+            page.screenshot(path=str(shots / "split.png"), full_page=True)
+
+            # bursts: the steady -> trend -> burst loop reaches its burst phase; a node's recovery
+            # controller reports it and the dashboard lists and shades it
+            page.click("text=Bursts")
+
+            def bursts_live():
+                rows = page.query_selector_all("#grid-bursts .ag-center-cols-container .ag-row")
+                return len(rows) >= 1
+            _wait(bursts_live, t0, 300, "a burst in the bursts table")
+            mark("burst_shown_s")
+            page.screenshot(path=str(shots / "bursts.png"), full_page=True)
+            page.click("text=Overview")
+            time.sleep(3)
+            page.screenshot(path=str(shots / "overview_with_burst.png"), full_page=True)
+            browser.close()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        err.close()
+        (shots / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"\nracer up -> dashboard figures (s since the command): {figures}; screenshots in {shots}")
+    assert proc.returncode == 0, (tmp_path / "up.err").read_text()[-3000:]
+    rep = json.loads(out)
+    assert rep["stopped_by"] == "signal SIGTERM" and rep["requests_lost"] == 0 and rep["requests_served"] > 0
+    # every process (the dashboard too) ends on racer up's SIGTERM by itself: exit status 0
+    assert {n: p["exit_code"] for n, p in rep["processes"].items()} == {n: 0 for n in rep["processes"]}
+    for f in ("overview.png", "split.png", "bursts.png"):
+        assert (shots / f).stat().st_size > 10_000
+
+
+def _wait(pred, t0: float, limit_s: float, what: str) -> None:
+    while time.monotonic() - t0 < limit_s:
+        try:
+            if pred():
+                return
+        except Exception:  # noqa: BLE001 - the page is re-rendering; look again
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"{what}: not shown within {limit_s} s of the command")

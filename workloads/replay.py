@@ -1,0 +1,380 @@
+"""Open-loop replay of a trace's request streams against a gateway or node agents (``racer replay``).
+
+A *plan* is a list of phases, one per regime of the schedule (e.g. ``steady,trend,burst``), each a
+`RequestStream` generated for ``duration_s / len(schedule)`` seconds at ``rate_rps`` and laid end to
+end. `run_replay` sends every request at its own arrival time whether or not earlier ones have
+returned (open loop: a slow server does not slow the offered load down, so queueing shows up in the
+latencies instead of being hidden by a waiting client). Latency is measured from the request's
+*scheduled* time, so time a request spent waiting for a free connection or behind a late dispatch
+counts (no coordinated omission); ``dispatch_lag_ms_p99`` says how late the generator itself was.
+
+One `httpx.AsyncClient` (pooled keep-alive connections) carries every request. The body is the
+node agent's (`POST /v1/recommend`: user_id, history, new_items, num_candidates, top_k), so the
+same replay drives a gateway or node agents directly; with several targets the requests go round
+robin. Every request ends in exactly one outcome: *served* (HTTP 200) or *failed* with a counted
+reason (``http_<status>``, ``timeout``, ``connect``, ``transport``); ``requests_lost`` (sent with no
+outcome) is reported and is 0 unless the run is cut off. A request the gateway says it retried
+(``"retried": true`` or ``"attempts" > 1`` in its answer) counts in ``requests_retried``; with
+``retries > 0`` the client itself retries connection errors, timeouts and 5xx answers on the next
+target (useful against bare node agents, where nobody else retries).
+
+SLO attainment is the share of *sent* requests served within ``slo_ms`` (failures count as misses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+from .regimes import REGIMES, RequestStream, generate
+from .trace import Trace
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """What to send and how (ranges checked in ``__post_init__``).
+
+    - ``schedule``: regimes played in order, each for ``duration_s / len(schedule)`` seconds;
+    - ``first_cycle_s``: the length of the first pass over the schedule when looping (None: the
+      same ``duration_s``); `racer up` makes it short so the first burst phase comes early;
+    - ``rate_rps``: the base rate of every regime (trend drifts around it, bursts multiply it);
+    - ``max_history_len``: most history + new items in one request (the agent's own limit);
+      histories are generated up to ``max_history_len - max_new_items``;
+    - ``num_candidates`` / ``top_k``: the ranking asked of the node;
+    - ``slo_ms``: the latency a request must meet to count towards SLO attainment;
+    - ``timeout_s``: a request with no answer by then fails as ``timeout``;
+    - ``retries``: client-side retries on the next target (0: leave retries to the gateway);
+    - ``max_connections``: size of the client's connection pool.
+    """
+
+    schedule: tuple[str, ...] = ("steady",)
+    rate_rps: float = 20.0
+    duration_s: float = 60.0
+    first_cycle_s: float | None = None
+    seed: int = 0
+    num_users: int | None = None
+    max_history_len: int = 256
+    max_new_items: int = 32
+    num_candidates: int = 64
+    top_k: int = 10
+    slo_ms: float = 30.0
+    timeout_s: float = 10.0
+    retries: int = 0
+    max_connections: int = 256
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.schedule:
+            problems.append("schedule must name at least one regime")
+        for r in self.schedule:
+            if r not in REGIMES:
+                problems.append(f"schedule: unknown regime {r!r} (choose from {', '.join(REGIMES)})")
+        for name in ("rate_rps", "duration_s", "slo_ms", "timeout_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                problems.append(f"{name} must be a positive number, got {v!r}")
+        for name in ("max_history_len", "max_new_items", "num_candidates", "top_k", "max_connections"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                problems.append(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(self.max_history_len, int) and isinstance(self.max_new_items, int) \
+                and self.max_new_items >= self.max_history_len:
+            problems.append(f"max_new_items ({self.max_new_items}) must be below max_history_len "
+                            f"({self.max_history_len})")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or not 0 <= self.retries <= 5:
+            problems.append(f"retries must be an integer in [0, 5], got {self.retries!r}")
+        if self.first_cycle_s is not None and not (isinstance(self.first_cycle_s, (int, float))
+                                                   and math.isfinite(self.first_cycle_s) and self.first_cycle_s > 0):
+            problems.append(f"first_cycle_s must be a positive number or None, got {self.first_cycle_s!r}")
+        if problems:
+            raise ValueError("invalid replay config: " + "; ".join(problems))
+
+
+@dataclass
+class Phase:
+    """One regime's stream, played from ``offset_s`` after the start of its cycle."""
+
+    regime: str
+    offset_s: float
+    stream: RequestStream
+
+
+def parse_schedule(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not parts:
+        raise ValueError("--schedule: give one or more of steady, trend, burst separated by commas")
+    bad = [p for p in parts if p not in REGIMES]
+    if bad:
+        raise ValueError(f"--schedule: unknown regime {bad[0]!r} (choose from {', '.join(REGIMES)})")
+    return parts
+
+
+def cycle_length_s(config: ReplayConfig, cycle: int) -> float:
+    """Seconds of pass ``cycle``: ``first_cycle_s`` for the first when set, else ``duration_s``."""
+    return config.first_cycle_s if cycle == 0 and config.first_cycle_s is not None else config.duration_s
+
+
+def build_plan(trace: Trace, config: ReplayConfig, cycle: int = 0) -> list[Phase]:
+    """The phases of one pass over the schedule; ``cycle`` varies the seed from pass to pass."""
+    phase_s = cycle_length_s(config, cycle) / len(config.schedule)
+    out = []
+    for k, regime in enumerate(config.schedule):
+        stream = generate(trace, regime=regime, rate_rps=config.rate_rps, duration_s=phase_s,
+                          num_users=config.num_users, seed=config.seed + 1000 * cycle + k,
+                          num_candidates=config.num_candidates, max_new_items=config.max_new_items,
+                          max_history_len=config.max_history_len - config.max_new_items,
+                          burst_every_s=min(30.0, phase_s), burst_duration_s=min(3.0, phase_s / 2))
+        out.append(Phase(regime, k * phase_s, stream))
+    return out
+
+
+def request_body(stream: RequestStream, i: int, top_k: int) -> dict:
+    """The node agent's `POST /v1/recommend` body of request ``i``."""
+    r = stream.request(i)
+    return {"user_id": r.user, "history": r.history.tolist(), "new_items": r.new_items.tolist(),
+            "num_candidates": r.num_candidates, "top_k": top_k}
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if len(values) == 0:
+        return None
+    return round(float(np.percentile(np.asarray(values, dtype=np.float64), q)), 3)
+
+
+@dataclass
+class _Tally:
+    sent: int = 0
+    served: int = 0
+    failed: int = 0
+    within_slo: int = 0
+    latencies_ms: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"requests_sent": self.sent, "requests_served": self.served, "requests_failed": self.failed,
+                "p50_ms": _pct(self.latencies_ms, 50), "p99_ms": _pct(self.latencies_ms, 99),
+                "slo_attainment": round(self.within_slo / self.sent, 4) if self.sent else None}
+
+
+class ReplayStats:
+    """Outcome counts and latencies of a replay; safe to read (`snapshot`, `report`) from another
+    thread while the replay's event loop writes it."""
+
+    def __init__(self, slo_ms: float, recent_window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.slo_ms = slo_ms
+        self.recent_window_s = recent_window_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.total = _Tally()
+        self.by_regime: dict[str, _Tally] = {}
+        self.failures: Counter = Counter()
+        self.served_by: Counter = Counter()
+        self.retried = 0
+        self.client_retries = 0
+        self.dispatch_lag_ms: list[float] = []
+        self.in_flight = 0
+        self.regime: str | None = None
+        self.cycle = 0
+        self._recent: deque = deque()  # (done_s, latency_ms or None when failed)
+
+    def on_sent(self, regime: str, lag_ms: float) -> None:
+        with self._lock:
+            self.total.sent += 1
+            self.by_regime.setdefault(regime, _Tally()).sent += 1
+            self.dispatch_lag_ms.append(lag_ms)
+            self.in_flight += 1
+            self.regime = regime
+
+    def on_done(self, regime: str, latency_ms: float | None, failure: str | None, served_by: str | None,
+                retried: bool) -> None:
+        now = self.clock()
+        with self._lock:
+            self.in_flight -= 1
+            for t in (self.total, self.by_regime[regime]):
+                if failure is None:
+                    t.served += 1
+                    t.latencies_ms.append(latency_ms)
+                    t.within_slo += latency_ms <= self.slo_ms
+                else:
+                    t.failed += 1
+            if failure is not None:
+                self.failures[failure] += 1
+            if served_by is not None:
+                self.served_by[served_by] += 1
+            self.retried += bool(retried)
+            self._recent.append((now, latency_ms if failure is None else None))
+            while self._recent and self._recent[0][0] < now - self.recent_window_s:
+                self._recent.popleft()
+
+    def snapshot(self) -> dict:
+        """Figures for a status line: totals, and P99 / SLO attainment over the recent window."""
+        with self._lock:
+            recent = [lat for _, lat in self._recent]
+            served = [lat for lat in recent if lat is not None]
+            return {"requests_sent": self.total.sent, "requests_served": self.total.served,
+                    "requests_failed": self.total.failed, "requests_retried": self.retried,
+                    "in_flight": self.in_flight, "regime": self.regime, "cycle": self.cycle,
+                    "recent_p99_ms": _pct(served, 99),
+                    "recent_slo_attainment": (round(sum(lat <= self.slo_ms for lat in served) / len(recent), 4)
+                                              if recent else None)}
+
+    def report(self) -> dict:
+        with self._lock:
+            t = self.total
+            lat = t.latencies_ms
+            return {
+                "requests_sent": t.sent, "requests_served": t.served, "requests_failed": t.failed,
+                "requests_retried": self.retried, "client_retries": self.client_retries,
+                "requests_lost": t.sent - t.served - t.failed,
+                "failures": dict(self.failures),
+                "latency_ms": {"p50": _pct(lat, 50), "p90": _pct(lat, 90), "p99": _pct(lat, 99),
+                               "max": round(max(lat), 3) if lat else None,
+                               "mean": round(float(np.mean(lat)), 3) if lat else None},
+                "p99_ms": _pct(lat, 99),
+                "slo_ms": self.slo_ms,
+                "slo_attainment": round(t.within_slo / t.sent, 4) if t.sent else None,
+                "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
+                "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
+                "served_by": dict(self.served_by),
+            }
+
+
+def _served_by(answer: dict, target: str) -> str:
+    for key in ("node_id", "node", "served_by"):
+        v = answer.get(key)
+        if isinstance(v, str):
+            return v
+        if isinstance(v, dict) and isinstance(v.get("node_id"), str):
+            return v["node_id"]
+    return target
+
+
+def _was_retried(answer: dict) -> bool:
+    if answer.get("retried") is True:
+        return True
+    attempts = answer.get("attempts")
+    return isinstance(attempts, int) and not isinstance(attempts, bool) and attempts > 1
+
+
+async def _send(client, targets: Sequence[str], first: int, body: dict, config: ReplayConfig,
+                stats: ReplayStats) -> tuple[str | None, dict | None, bool]:
+    """POST ``body``; returns (failure reason or None, answer, client retried)."""
+    failure = None
+    for attempt in range(config.retries + 1):
+        target = targets[(first + attempt) % len(targets)]
+        try:
+            r = await client.post(f"{target}/v1/recommend", json=body)
+        except httpx.TimeoutException:
+            failure = "timeout"
+        except httpx.ConnectError:
+            failure = "connect"
+        except httpx.TransportError as e:
+            failure = f"transport_{type(e).__name__}"
+        else:
+            if r.status_code == 200:
+                try:
+                    answer = r.json()
+                except ValueError:
+                    return "bad_json", None, attempt > 0
+                return None, {"_target": target, **answer} if isinstance(answer, dict) else {"_target": target}, \
+                    attempt > 0
+            failure = f"http_{r.status_code}"
+            if r.status_code < 500:  # the request itself is wrong: retrying cannot help
+                return failure, None, attempt > 0
+        if attempt < config.retries:
+            with stats._lock:
+                stats.client_retries += 1
+    return failure, None, config.retries > 0
+
+
+async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig, stats: ReplayStats | None = None, *,
+                     loop_forever: bool = False, stop: threading.Event | None = None,
+                     on_done: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic
+                     ) -> ReplayStats:
+    """Replay the schedule against ``targets`` (base URLs), open loop; once, or in a loop until
+    ``stop`` is set when ``loop_forever``. Returns the stats (also filled in place)."""
+    if not targets:
+        raise ValueError("no target to send requests to")
+    targets = [t.rstrip("/") for t in targets]
+    stats = stats or ReplayStats(config.slo_ms, clock=clock)
+    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
+    timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 5.0))
+    tasks: set[asyncio.Task] = set()
+    counter = 0
+
+    async def one(regime: str, body: dict, scheduled_s: float, first: int) -> None:
+        failure, answer, client_retried = await _send(client, targets, first, body, config, stats)
+        latency_ms = (clock() - scheduled_s) * 1e3
+        served_by = _served_by(answer, answer["_target"]) if answer else None
+        stats.on_done(regime, latency_ms if failure is None else None, failure, served_by,
+                      client_retried or (answer is not None and _was_retried(answer)))
+        if on_done is not None:
+            on_done()
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        cycle = 0
+        while True:
+            plan = build_plan(trace, config, cycle)
+            stats.cycle = cycle
+            start = clock()
+            for phase in plan:
+                arrivals = phase.stream.arrival_s
+                for i in range(len(phase.stream)):
+                    if stop is not None and stop.is_set():
+                        break
+                    due = start + phase.offset_s + float(arrivals[i])
+                    delay = due - clock()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    body = request_body(phase.stream, i, config.top_k)
+                    stats.on_sent(phase.regime, max(0.0, clock() - due) * 1e3)
+                    task = asyncio.create_task(one(phase.regime, body, due, counter))
+                    counter += 1
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            if stop is not None and stop.is_set():
+                break
+            # the cycle's full length even if its last request came early
+            rest = start + cycle_length_s(config, cycle) - clock()
+            if rest > 0 and loop_forever:
+                await asyncio.sleep(rest)
+            cycle += 1
+            if not loop_forever:
+                break
+        if tasks:  # every request ends in an outcome: served, or failed by the client's timeout
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return stats
+
+
+def replay(targets: Sequence[str], trace: Trace, config: ReplayConfig, *, progress: bool = False) -> dict:
+    """Run one pass of the schedule and return the JSON report."""
+    from tqdm import tqdm
+
+    plan_total = sum(len(p.stream) for p in build_plan(trace, config))
+    stats = ReplayStats(config.slo_ms)
+    t0 = time.monotonic()
+    with tqdm(total=plan_total, desc="racer replay", unit="req", file=sys.stderr,
+              disable=not progress, mininterval=0.5) as bar:
+        def tick() -> None:
+            bar.update(1)
+            if bar.n % 50 == 0:
+                s = stats.snapshot()
+                bar.set_postfix(regime=s["regime"], failed=s["requests_failed"], p99_ms=s["recent_p99_ms"],
+                                refresh=False)
+
+        asyncio.run(run_replay(targets, trace, config, stats, on_done=tick))
+    wall = time.monotonic() - t0
+    out = {"targets": list(targets), "trace": trace.name, "config": {**asdict(config),
+                                                                      "schedule": list(config.schedule)},
+           **stats.report(), "wall_s": round(wall, 3)}
+    out["offered_rps"] = round(out["requests_sent"] / config.duration_s, 2)
+    out["served_rps"] = round(out["requests_served"] / wall, 2) if wall > 0 else None
+    return out
