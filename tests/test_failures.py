@@ -156,7 +156,8 @@ def test_control_plane_restart_under_load_loses_no_report_and_stores_none_twice(
     assert set(seqs) == {"node-0", "node-1"}
     for node, s in seqs.items():
         assert s[0] == 0 and gaps(s) == [], (node, gaps(s)[:20])
-        assert len(s) == len(set(s)) and s[-1] > seq_at_kill[node] + 5
+        # reports made after the restart reached the database (what the wait above saw)
+        assert len(s) == len(set(s)) and s[-1] >= seq_at_kill[node] + 5
     assert check_database(db) == []
 
 

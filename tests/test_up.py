@@ -236,7 +236,8 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
                     "racer up to restart node-1")
         assert new["restarts"] == 1
         # the new node-1 process serves requests again
-        _wait(lambda: (h := _healthy(node_url)) and h["num_served"] > 0, 60, "the restarted node-1 to serve")
+        # the load goes on after the restart: the new node-1 process serves several requests
+        _wait(lambda: (h := _healthy(node_url)) and h["num_served"] >= 5, 90, "the restarted node-1 to serve")
         if gw_url:
             _wait(lambda: _gateway_live(gw_url, node_url) is True, 30, "the gateway to put node-1 back")
         time.sleep(3)
@@ -250,7 +251,9 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert proc.returncode == 0, (tmp_path / "up.err").read_text()[-3000:]
     rep = json.loads(out)
     assert rep["stopped_by"] == "signal SIGTERM"
-    assert rep["requests_sent"] > 100 and rep["requests_lost"] == 0
+    # how many were sent depends on how fast this machine got through the steps above (a
+    # condition, not a clock, ends each wait): the load spanned the kill and the restart
+    assert rep["requests_sent"] > 20 and rep["requests_lost"] == 0
     assert rep["requests_served"] + rep["requests_failed"] == rep["requests_sent"]
     assert set(rep["failures"]) <= {"connect", "timeout", "http_502", "http_503", "http_504"} or not rep["failures"]
     assert rep["requests_served"] >= 0.9 * rep["requests_sent"]
