@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from bench.dashboard import (CHROMIUM, free_port, launch_browser, plot_state, sign_in, start_control_plane,
                              start_dashboard, stop)
 from dashboard import figures as F
 from dashboard.fleet import Fleet, FleetConfig
+
+from .test_node_agent import write_taobao_csv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -51,19 +52,6 @@ def _agent_connects() -> bool:
 
 AGENT = _agent_connects()
 needs_agent = pytest.mark.skipif(not AGENT, reason="racer node-agent has no --control-plane yet (issue 15)")
-
-
-def write_taobao_csv(path: Path, num_users: int = 40, num_items: int = 300, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for u in range(num_users):
-        n = int(rng.integers(5, 60))
-        ts = np.sort(rng.integers(1_511_000_000, 1_512_000_000, n))
-        items = rng.zipf(1.3, n) % num_items
-        beh = rng.choice(["pv", "pv", "pv", "cart", "fav", "buy"], n)
-        rows += [f"{1000 + u},{5000 + i},{i % 17},{b},{t}" for i, b, t in zip(items, beh, ts)]
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 def policy_tar(policy_id: str | None = None) -> bytes:
