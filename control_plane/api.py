@@ -139,6 +139,20 @@ def verify_files(files: dict[str, bytes]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- app
+
+# 404 messages of the rows a route looks up by key (one wording per kind of row)
+_NOT_FOUND = {Node: "node_id {!r} is not registered", Router: "url {!r} is not a registered router",
+              Override: "override_id {} does not exist", Policy: "policy version {!r} is not in the registry",
+              Rollout: "rollout_id {} does not exist"}
+
+
+def _get_or_404(s, model, key):
+    """The row of ``model`` with primary key ``key``, or a 404 that names the key."""
+    row = s.get(model, key)
+    if row is None:
+        raise HTTPException(404, _NOT_FOUND[model].format(key))
+    return row
+
 def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     settings = settings or Settings.from_env()
 
@@ -234,8 +248,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def directives(node_id: NodeId, request: Request):
         now = clock()
         with request.app.state.factory() as s:
-            if s.get(Node, node_id) is None:
-                raise HTTPException(404, f"node_id {node_id!r} is not registered")
+            _get_or_404(s, Node, node_id)
             ovs = queries.active_overrides(s, node_id)
             ov = next((o for o in ovs if o.node_id == node_id), None) or next(
                 (o for o in ovs if o.node_id is None), None)
@@ -255,9 +268,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def policy_loaded(node_id: NodeId, body: PolicyLoadedIn, request: Request):
         now = clock()
         with begin(request) as s:
-            node = s.get(Node, node_id)
-            if node is None:
-                raise HTTPException(404, f"node_id {node_id!r} is not registered")
+            node = _get_or_404(s, Node, node_id)
             rollout_service.node_confirmed(s, node, version=body.policy_version, status=body.status,
                                            error=body.error, now_s=now)
             return NodeOut.model_validate(node)
@@ -270,9 +281,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     @r.get("/nodes/{node_id}", response_model=NodeOut, responses=errors(404), **roles(OPERATOR, VIEWER))
     def node(node_id: NodeId, request: Request):
         with request.app.state.factory() as s:
-            n = s.get(Node, node_id)
-            if n is None:
-                raise HTTPException(404, f"node_id {node_id!r} is not registered")
+            n = _get_or_404(s, Node, node_id)
             return NodeOut.model_validate(n)
 
     # ---- history
@@ -376,9 +385,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def delete_router(request: Request, p: principal(OPERATOR),
                       url: Annotated[str, Query(min_length=1, max_length=512)]):
         with begin(request) as s:
-            router = s.get(Router, url)
-            if router is None:
-                raise HTTPException(404, f"url {url!r} is not a registered router")
+            router = _get_or_404(s, Router, url)
             out = _router_out(router)
             s.delete(router)
             queries.audit(s, ts_s=clock(), actor=p.name, action="router.delete", target=f"router:{url}",
@@ -421,8 +428,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
             raise invalid(["body", "expires_at_s" if body.expires_at_s is not None else "ttl_s"],
                           f"expires_at_s {expires} is not in the future (now {now:.3f})")
         with begin(request) as s:
-            if body.node_id is not None and s.get(Node, body.node_id) is None:
-                raise HTTPException(404, f"node_id {body.node_id!r} is not registered")
+            if body.node_id is not None:
+                _get_or_404(s, Node, body.node_id)
             replaced = [o for o in queries.active_overrides(s) if o.node_id == body.node_id]
             for o in replaced:
                 o.state, o.ended_at_s = "cleared", now
@@ -442,9 +449,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def clear_override(override_id: Id64, body: ReasonIn, request: Request, p: principal(OPERATOR)):
         now = clock()
         with begin(request) as s:
-            o = s.get(Override, override_id)
-            if o is None:
-                raise HTTPException(404, f"override_id {override_id} does not exist")
+            o = _get_or_404(s, Override, override_id)
             if o.state != "active":
                 raise HTTPException(409, f"override {override_id} is already {o.state}")
             o.state, o.ended_at_s = "cleared", now
@@ -519,9 +524,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     @r.get("/policies/{version}", response_model=PolicyOut, responses=errors(404), **roles(OPERATOR, VIEWER))
     def policy(version: str, request: Request):
         with request.app.state.factory() as s:
-            x = s.get(Policy, version)
-            if x is None:
-                raise HTTPException(404, f"policy version {version!r} is not in the registry")
+            x = _get_or_404(s, Policy, version)
             return _policy_out(x)
 
     @r.get("/policies/{version}/artifact", response_class=Response, responses={
@@ -529,9 +532,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         **roles(NODE, OPERATOR, VIEWER))
     def policy_artifact(version: str, request: Request):
         with request.app.state.factory() as s:
-            x = s.get(Policy, version)
-            if x is None:
-                raise HTTPException(404, f"policy version {version!r} is not in the registry")
+            x = _get_or_404(s, Policy, version)
             return Response(x.artifact, media_type="application/x-tar",
                             headers={"X-Racer-Digest": x.digest,
                                      "Content-Disposition": f'attachment; filename="{version}.tar"'})
@@ -562,17 +563,13 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     @r.get("/rollouts/{rollout_id}", response_model=RolloutOut, responses=errors(404), **roles(OPERATOR, VIEWER))
     def get_rollout(rollout_id: Id64, request: Request):
         with request.app.state.factory() as s:
-            ro = s.get(Rollout, rollout_id)
-            if ro is None:
-                raise HTTPException(404, f"rollout_id {rollout_id} does not exist")
+            ro = _get_or_404(s, Rollout, rollout_id)
             return _rollout_out(s, ro)
 
     def _event_route(event: str):
         def handler(rollout_id: Id64, body: ReasonIn, request: Request, p: principal(OPERATOR)):
             with begin(request) as s:
-                ro = s.get(Rollout, rollout_id)
-                if ro is None:
-                    raise HTTPException(404, f"rollout_id {rollout_id} does not exist")
+                ro = _get_or_404(s, Rollout, rollout_id)
                 rollout_service.transition(s, ro, event, actor=p.name, reason=body.reason, now_s=clock())
                 return _rollout_out(s, ro)
 
