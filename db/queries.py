@@ -130,6 +130,17 @@ def list_nodes(session: Session) -> list[Node]:
     return list(session.scalars(select(Node).order_by(Node.node_id)).all())
 
 
+def up_node_profiles(session: Session) -> list[tuple[str, dict]]:
+    """(node_id, registered cost profile) of every node whose status is up, by node id."""
+    q = select(Node.node_id, Node.cost_profile).where(Node.status == "up").order_by(Node.node_id)
+    return [(nid, prof) for nid, prof in session.execute(q)]
+
+
+def node_status_counts(session: Session) -> dict[str, int]:
+    """Nodes per status ({"up": n, "down": m}), counted in SQL (no ORM objects loaded)."""
+    return {str(st): int(n) for st, n in session.execute(select(Node.status, func.count()).group_by(Node.status))}
+
+
 def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:
     ids = list(set(node_ids))
     return set(session.scalars(select(Node.node_id).where(Node.node_id.in_(ids))).all()) if ids else set()
@@ -412,21 +423,20 @@ def window_values(session: Session, node_ids: Sequence[str], *, since_s: float, 
 
 
 def recent_miss_costs(session: Session, since_s: float) -> dict[str, dict[str, float]]:
-    """node_id -> median of the reported miss costs since ``since_s`` (nodes that reported any)."""
-    vals: dict[str, dict[str, list[float]]] = {}
-    q = select(NodeReport.node_id, NodeReport.kv_recompute_us_per_token, NodeReport.emb_transfer_us_per_row).where(
-        NodeReport.ts_s >= since_s)
-    for nid, kv, emb in session.execute(q):
-        d = vals.setdefault(nid, {"kv_recompute_us_per_token": [], "emb_transfer_us_per_row": []})
-        if kv is not None:
-            d["kv_recompute_us_per_token"].append(kv)
-        if emb is not None:
-            d["emb_transfer_us_per_row"].append(emb)
-    out = {}
-    for nid, d in vals.items():
-        m = {k: sorted(v)[len(v) // 2] for k, v in d.items() if v}
-        if m:
-            out[nid] = m
+    """node_id -> median of the reported miss costs since ``since_s`` (nodes that reported any).
+
+    The median (the upper one for an even count: ``sorted(v)[n // 2]``) is picked in SQL with
+    window functions, so the database sorts and only one row per node and cost reaches Python."""
+    out: dict[str, dict[str, float]] = {}
+    for name in ("kv_recompute_us_per_token", "emb_transfer_us_per_row"):
+        col = getattr(NodeReport, name)
+        ranked = (select(NodeReport.node_id.label("node_id"), col.label("v"),
+                         func.row_number().over(partition_by=NodeReport.node_id, order_by=col).label("rn"),
+                         func.count().over(partition_by=NodeReport.node_id).label("n"))
+                  .where(NodeReport.ts_s >= since_s, col.is_not(None)).subquery())
+        q = select(ranked.c.node_id, ranked.c.v).where(ranked.c.rn == ranked.c.n // 2 + 1)
+        for nid, v in session.execute(q):
+            out.setdefault(nid, {})[name] = float(v)
     return out
 
 

@@ -202,3 +202,37 @@ def test_a_short_window_does_not_lift_the_bucket_throughput(db):
     with factory() as s:
         rolled = queries.report_history(s, node_id="a", start_s=None, end_s=None, step_s=5.0, limit=10)
     assert len(rolled) == 1 and rolled[0]["throughput_rps"] == pytest.approx(want_thr)
+
+
+def test_recent_miss_costs_is_the_upper_median_per_node_in_the_window(db):
+    """The median is picked in SQL (window functions on both dialects): it must equal
+    ``sorted(values)[n // 2]`` for odd and even counts, skip missing values and old reports, and
+    leave out a node with no value in the window. Node status counts are counted in SQL too."""
+    import random
+
+    _, factory = db
+    rng = random.Random(3)
+    want: dict[str, dict[str, float]] = {}
+    with factory.begin() as s:
+        rows = []
+        for nid, n in (("a", 7), ("b", 8), ("c", 1)):
+            _node(s, nid)
+            kv = [round(rng.uniform(0.5, 9.0), 3) for _ in range(n)]
+            emb = [None if i % 3 == 0 else round(rng.uniform(0.1, 2.0), 3) for i in range(n)]
+            rows += [_row(nid, i, 100.0 + i, kv_recompute_us_per_token=kv[i], emb_transfer_us_per_row=emb[i])
+                     for i in range(n)]
+            rows.append(_row(nid, n, 10.0, kv_recompute_us_per_token=1e6))  # older than the window
+            got_emb = sorted(v for v in emb if v is not None)
+            want[nid] = {"kv_recompute_us_per_token": sorted(kv)[len(kv) // 2]}
+            if got_emb:
+                want[nid]["emb_transfer_us_per_row"] = got_emb[len(got_emb) // 2]
+        _node(s, "d")
+        rows.append(_row("d", 0, 100.0))  # reported, but no miss costs
+        queries.insert_reports(s, rows)
+    with factory() as s:
+        got = queries.recent_miss_costs(s, since_s=50.0)
+        counts = queries.node_status_counts(s)
+    assert got == want  # the stored values themselves, picked, not computed
+    assert "c" in got and "emb_transfer_us_per_row" not in got["c"]
+    assert "d" not in got
+    assert counts == {"up": 4}
