@@ -14,7 +14,8 @@ run twice, timed; an exception is recorded and logged and stops no other job (ea
 own APScheduler entry, ``max_instances=1``, ``coalesce=True``).
 
 Jobs: ``router_weights`` (recompute, store on change, push to routers), ``rollout_evaluation``,
-``override_expiry``, ``node_liveness``, ``retention`` (downsampling and retention).
+``override_expiry``, ``node_liveness``, ``retention`` (downsampling and retention), ``history_rollup``
+(keeps the pre-aggregated recent history, `db.queries.roll_up_history`, current).
 """
 
 from __future__ import annotations
@@ -179,12 +180,18 @@ def job_retention(factory, settings, metrics, now_s: float) -> dict:
                                         rollup_retention_s=settings.rollup_retention_s)
 
 
+def job_history_rollup(factory, settings, metrics, now_s: float) -> dict:
+    with factory.begin() as s:
+        return queries.roll_up_history(s, now_s=now_s, margin_s=settings.history_rollup_margin_s)
+
+
 JOBS = {
     "router_weights": (job_router_weights, "weights_period_s"),
     "rollout_evaluation": (job_rollout_evaluation, "rollout_period_s"),
     "override_expiry": (job_override_expiry, "override_period_s"),
     "node_liveness": (job_node_liveness, "liveness_period_s"),
     "retention": (job_retention, "retention_period_s"),
+    "history_rollup": (job_history_rollup, "history_rollup_period_s"),
 }
 
 

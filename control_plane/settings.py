@@ -20,6 +20,9 @@ class Settings:
     - ``weights_rel_change``: a node's cost must move by more than this fraction (or a node
       join/leave) for a new weights version;
     - ``rollup_step_s``, ``raw_retention_s``, ``rollup_retention_s``: downsampling and retention;
+    - ``history_rollup_period_s``: period of the job that keeps the pre-aggregated recent history
+      current; ``history_rollup_margin_s``: how far behind its run time its watermark stays (a
+      report committed up to this long after it was received is still picked up);
     - ``min_override_emb_share`` / ``max_override_emb_share``: the allocator's guard bounds
       (node_agent.allocator.GuardConfig defaults) outside which overrides are refused;
     - ``scheduler``: False runs the API without jobs (a replica that never schedules);
@@ -39,6 +42,8 @@ class Settings:
     override_period_s: float = 1.0
     liveness_period_s: float = 2.0
     retention_period_s: float = 300.0
+    history_rollup_period_s: float = 5.0
+    history_rollup_margin_s: float = 10.0
     weights_window_s: float = 60.0
     weights_rel_change: float = 0.05
     rollup_step_s: float = 60.0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String, Text,
-                        UniqueConstraint)
+from sqlalchemy import (JSON, Boolean, Column, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String,
+                        Table, Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -52,7 +52,7 @@ class NodeReport(Base):
     """One control interval of one node (the raw time series; idempotent on (node_id, seq))."""
 
     __tablename__ = "node_reports"
-    __table_args__ = (UniqueConstraint("node_id", "seq"), Index(None, "ts_s"))
+    __table_args__ = (UniqueConstraint("node_id", "seq"), Index(None, "ts_s"), Index(None, "received_s"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(Integer)
@@ -88,6 +88,57 @@ class NodeReportRollup(Base):
     bucket_s: Mapped[float]
     num_reports: Mapped[int] = mapped_column(Integer)
     figures: Mapped[dict[str, Any]]
+
+
+# The figures a report carries that history aggregates (per node and bucket), and those of them
+# weighted by each report's requests (the rest are plain means; throughput is time-weighted).
+REPORT_FIGURES = ("emb_share", "emb_share_target", "kv_hit_rate", "emb_hit_rate", "p50_ms", "p99_ms",
+                  "slo_attainment", "throughput_rps", "num_requests", "queue_depth", "refill_bytes",
+                  "kv_recompute_us_per_token", "emb_transfer_us_per_row")
+REQUEST_WEIGHTED = ("slo_attainment", "emb_hit_rate", "kv_hit_rate")
+
+
+def bucket_sum_columns() -> list[Column]:
+    """The mergeable sums one `NodeReportBucket` row keeps (adding two rows' columns gives the
+    row of the union of their reports): ``num_reports``; ``sum_interval_s`` and
+    ``sum_rate_x_interval`` (throughput weighted by the time each report covers); per figure
+    ``sum_<f>`` and ``cnt_<f>`` (sum and count of its non-null values); per request-weighted
+    figure ``wsum_<f>`` (sum of value x requests) and ``w_<f>`` (requests of the reports where it
+    is not null). Sums are NULL where no report had a value, as SQL's SUM."""
+    cols = [Column("num_reports", Integer, nullable=False), Column("sum_interval_s", Seconds, nullable=False),
+            Column("sum_rate_x_interval", Seconds, nullable=False)]
+    for f in REPORT_FIGURES:
+        cols += [Column(f"sum_{f}", Seconds, nullable=True), Column(f"cnt_{f}", Integer, nullable=False)]
+    for f in REQUEST_WEIGHTED:
+        cols += [Column(f"wsum_{f}", Seconds, nullable=True), Column(f"w_{f}", Seconds, nullable=True)]
+    return cols
+
+
+class NodeReportBucket(Base):
+    """Recent history pre-aggregated per node at fixed steps (`db.queries.HISTORY_STEPS`), kept
+    current by the ``history_rollup`` job, as mergeable sums (`bucket_sum_columns`): a read at a
+    step that is a multiple of a stored step groups these rows instead of the raw reports."""
+
+    __table__ = Table(
+        "node_report_buckets", Base.metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("node_id", String(128), ForeignKey("nodes.node_id", ondelete="CASCADE"), nullable=False),
+        Column("step_s", Seconds, nullable=False),
+        Column("bucket_s", Seconds, nullable=False),
+        *bucket_sum_columns(),
+        UniqueConstraint("node_id", "step_s", "bucket_s"),
+        Index(None, "step_s", "bucket_s"),
+    )
+
+
+class HistoryRollupState(Base):
+    """How far the ``history_rollup`` job has aggregated: every raw report received (and
+    committed) before ``received_to_s`` minus the job's margin is in `NodeReportBucket`."""
+
+    __tablename__ = "history_rollup_state"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    received_to_s: Mapped[float]
+    updated_s: Mapped[float]
 
 
 class Decision(Base):

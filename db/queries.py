@@ -4,22 +4,17 @@ never commits: the caller (an API route, a job) owns the transaction."""
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, case, delete, func, or_, select, update
+from sqlalchemy import and_, case, delete, func, literal, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from .models import (AuditEntry, Burst, Decision, JobRun, Node, NodeReport, NodeReportRollup, Override, Policy,
-                     Router, RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token)
-
-REPORT_FIGURES = ("emb_share", "emb_share_target", "kv_hit_rate", "emb_hit_rate", "p50_ms", "p99_ms",
-                  "slo_attainment", "throughput_rps", "num_requests", "queue_depth", "refill_bytes",
-                  "kv_recompute_us_per_token", "emb_transfer_us_per_row")
-
-
-REQUEST_WEIGHTED = ("slo_attainment", "emb_hit_rate", "kv_hit_rate")
+from .models import (REPORT_FIGURES, REQUEST_WEIGHTED, AuditEntry, Burst, Decision, HistoryRollupState, JobRun,
+                     Node, NodeReport, NodeReportBucket, NodeReportRollup, Override, Policy, Router,
+                     RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token, bucket_sum_columns)
 
 
 def bucket_figures():
@@ -260,10 +255,159 @@ def mark_down(session: Session, *, now_s: float, missed_intervals: float) -> lis
     return list(stale)
 
 
+def _raw_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
+                 step_s: float, limit: int) -> list[dict]:
+    """Per-node ``step_s`` buckets grouped from the raw reports (`bucket_figures`)."""
+    conds = []
+    if node_id:
+        conds.append(NodeReport.node_id == node_id)
+    if start_s is not None:
+        conds.append(NodeReport.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(NodeReport.ts_s < end_s)
+    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
+    cols = bucket_figures()
+    q = (select(NodeReport.node_id, bucket, func.count().label("n"), *cols).where(*conds)
+         .group_by(NodeReport.node_id, bucket).order_by(bucket, NodeReport.node_id).limit(limit))
+    return [_bucket_row(r) for r in session.execute(q)]
+
+
+def _bucket_row(r) -> dict:
+    return dict(node_id=r.node_id, ts_s=float(r.bucket), num_reports=int(r.n),
+                **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
+
+
+# ---- pre-aggregated recent history (node_report_buckets, kept by the history_rollup job)
+HISTORY_STEPS = (5.0, 30.0, 300.0)  # the stored steps; a read at a multiple of one groups its rows
+HISTORY_STATE = "history"
+SUM_COLUMNS = tuple(c.name for c in bucket_sum_columns())
+
+
+def _sums_of_raw() -> list:
+    """`bucket_sum_columns` of a group of raw reports (SQL aggregates, labelled)."""
+    R = NodeReport
+    cols = [func.count().label("num_reports"), func.sum(R.interval_s).label("sum_interval_s"),
+            func.sum(R.throughput_rps * R.interval_s).label("sum_rate_x_interval")]
+    for f in REPORT_FIGURES:
+        c = getattr(R, f)
+        cols += [func.sum(c).label(f"sum_{f}"), func.count(c).label(f"cnt_{f}")]
+    for f in REQUEST_WEIGHTED:
+        c = getattr(R, f)
+        cols += [func.sum(c * R.num_requests).label(f"wsum_{f}"),
+                 func.sum(case((c.is_not(None), R.num_requests), else_=None)).label(f"w_{f}")]
+    return cols
+
+
+def figures_of_sums(col) -> list:
+    """The `bucket_figures` of a group of `NodeReportBucket` rows (``col(name)``: the column),
+    computed from the sum of their sums: the same figures as grouping their raw reports."""
+    def S(name):
+        return func.sum(col(name))
+
+    out = []
+    for k in REPORT_FIGURES:
+        mean = S(f"sum_{k}") / func.nullif(S(f"cnt_{k}") * 1.0, 0.0)
+        if k == "throughput_rps":
+            expr = S("sum_rate_x_interval") / func.nullif(S("sum_interval_s"), 0.0)
+        elif k in REQUEST_WEIGHTED:
+            expr = func.coalesce(S(f"wsum_{k}") / func.nullif(S(f"w_{k}") * 1.0, 0.0), mean)
+        else:
+            expr = mean
+        out.append(expr.label(k))
+    return out
+
+
+def history_level(step_s: float) -> float | None:
+    """The largest stored step that divides ``step_s`` (None: read the raw reports)."""
+    for level in sorted(HISTORY_STEPS, reverse=True):
+        k = step_s / level
+        if k >= 1 and abs(k - round(k)) < 1e-9:
+            return level
+    return None
+
+
+def _aligned(t: float | None, step_s: float) -> bool:
+    if t is None:
+        return True
+    k = t / step_s
+    return abs(k - round(k)) < 1e-9
+
+
+def history_boundary(session: Session, step_s: float, start_s: float | None, end_s: float | None
+                     ) -> tuple[float, float] | None:
+    """(stored step, boundary): buckets before ``boundary`` (a multiple of ``step_s``) are read
+    from `NodeReportBucket`, the newer ones from the raw reports; None when the stored buckets
+    cannot serve this read (no stored step divides ``step_s``, a range edge that is not on a
+    bucket edge, or the job has not run yet)."""
+    level = history_level(step_s)
+    if level is None or not _aligned(start_s, step_s) or not _aligned(end_s, step_s):
+        return None
+    state = session.get(HistoryRollupState, HISTORY_STATE)
+    if state is None:
+        return None
+    return level, math.floor(state.received_to_s / step_s) * step_s
+
+
+def _stored_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float,
+                    step_s: float, level: float, limit: int) -> list[dict]:
+    B = NodeReportBucket.__table__
+    conds = [B.c.step_s == level, B.c.bucket_s < end_s]
+    if node_id:
+        conds.append(B.c.node_id == node_id)
+    if start_s is not None:
+        conds.append(B.c.bucket_s >= start_s)
+    bucket = (func.floor(B.c.bucket_s / step_s) * step_s).label("bucket")
+    q = (select(B.c.node_id, bucket, func.sum(B.c.num_reports).label("n"), *figures_of_sums(lambda n: B.c[n]))
+         .where(*conds).group_by(B.c.node_id, bucket).order_by(bucket, B.c.node_id).limit(limit))
+    return [_bucket_row(r) for r in session.execute(q)]
+
+
+def roll_up_history(session: Session, *, now_s: float, margin_s: float) -> dict:
+    """Bring `NodeReportBucket` up to date (the ``history_rollup`` job): recompute, from the raw
+    reports, every stored-step bucket that holds a report received since the last run (late and
+    replayed reports included), and record ``now_s - margin_s`` as the watermark (a report
+    received before it but committed after this run's read is picked up by the next run, which
+    reads from the watermark). The first run aggregates every stored raw report. Idempotent."""
+    state = session.get(HistoryRollupState, HISTORY_STATE)
+    since = None if state is None else state.received_to_s
+    R, B = NodeReport, NodeReportBucket.__table__
+    base = HISTORY_STEPS[0]
+    names = ["node_id", "step_s", "bucket_s", *SUM_COLUMNS]
+    for level in HISTORY_STEPS:
+        if level == base:
+            bucket = func.floor(R.ts_s / base) * base
+            q = select(R.node_id, literal(base), bucket, *_sums_of_raw())
+            if since is not None:
+                touched = (select((func.floor(R.ts_s / base) * base).label("b")).where(R.received_s >= since)
+                           .distinct().subquery())
+                q = q.join(touched, and_(R.ts_s >= touched.c.b, R.ts_s < touched.c.b + base))
+            q = q.where(true()).group_by(R.node_id, bucket)
+        else:
+            bucket = func.floor(B.c.bucket_s / level) * level
+            q = select(B.c.node_id, literal(level), bucket, *[func.sum(B.c[n]) for n in SUM_COLUMNS])
+            if since is not None:
+                touched = (select((func.floor(R.ts_s / level) * level).label("b")).where(R.received_s >= since)
+                           .distinct().subquery())
+                q = q.join(touched, and_(B.c.bucket_s >= touched.c.b, B.c.bucket_s < touched.c.b + level))
+            q = q.where(B.c.step_s == base).group_by(B.c.node_id, bucket)
+        ins = dialect_insert(session, B)
+        stmt = ins.from_select(names, q).on_conflict_do_update(
+            index_elements=["node_id", "step_s", "bucket_s"], set_={n: ins.excluded[n] for n in SUM_COLUMNS})
+        session.execute(stmt)
+    mark = now_s - margin_s
+    if state is None:
+        session.add(HistoryRollupState(name=HISTORY_STATE, received_to_s=mark, updated_s=now_s))
+    elif mark > state.received_to_s:
+        state.received_to_s, state.updated_s = mark, now_s
+    return {"since_s": since, "received_to_s": max(mark, since or mark)}
+
+
 def report_history(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
                    step_s: float | None, limit: int) -> list[dict]:
-    """Raw reports (step_s None), or per-node ``step_s`` buckets (`bucket_figures`); raw
-    rows already dropped by retention come from the stored rollups of the same step."""
+    """Raw reports (step_s None), or per-node ``step_s`` buckets (`bucket_figures`). Buckets are
+    grouped from the pre-aggregated `NodeReportBucket` rows where they can serve the read
+    (`history_boundary`: up to the job's watermark) and from the raw reports after it; raw rows
+    already dropped by retention come from the stored rollups of the same step."""
     conds = []
     if node_id:
         conds.append(NodeReport.node_id == node_id)
@@ -281,13 +425,18 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
                      decision_source=r.decision_source)
             out.append(d)
         return out
-    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
-    cols = bucket_figures()
-    q = (select(NodeReport.node_id, bucket, func.count().label("n"), *cols).where(*conds)
-         .group_by(NodeReport.node_id, bucket).order_by(bucket, NodeReport.node_id).limit(limit))
-    out = [dict(node_id=r.node_id, ts_s=float(r.bucket), num_reports=int(r.n),
-                **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
-           for r in session.execute(q)]
+    out: list[dict] = []
+    raw_from = start_s
+    plan = history_boundary(session, step_s, start_s, end_s)
+    if plan is not None:
+        level, boundary = plan
+        upto = boundary if end_s is None else min(boundary, end_s)
+        if start_s is None or upto > start_s:
+            out += _stored_buckets(session, node_id=node_id, start_s=start_s, end_s=upto, step_s=step_s,
+                                   level=level, limit=limit)
+        raw_from = boundary if start_s is None else max(start_s, boundary)
+    if end_s is None or raw_from is None or raw_from < end_s:
+        out += _raw_buckets(session, node_id=node_id, start_s=raw_from, end_s=end_s, step_s=step_s, limit=limit)
     have = {(d["node_id"], d["ts_s"]) for d in out}
     rconds = [NodeReportRollup.step_s == step_s]
     if node_id:
@@ -306,31 +455,59 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
 CLUSTER_SUMS = ("throughput_rps", "num_requests", "refill_bytes")
 
 
+def _cluster_of(per_node, limit: int):
+    cols = [(func.sum(per_node.c["avg_" + k]) if k in CLUSTER_SUMS else
+             func.sum(per_node.c["sum_" + k]) / func.nullif(func.sum(per_node.c["cnt_" + k]), 0)).label(k)
+            for k in REPORT_FIGURES]
+    return (select(per_node.c.bucket, func.sum(per_node.c.n).label("n"), func.count().label("nodes"), *cols)
+            .group_by(per_node.c.bucket).order_by(per_node.c.bucket).limit(limit))
+
+
 def cluster_history(session: Session, *, start_s: float | None, end_s: float | None, step_s: float,
                     limit: int) -> list[dict]:
     """The cluster per ``step_s`` bucket: throughput, requests and refill bytes summed over nodes
     (each node's `bucket_figures` value in the bucket), every other figure the mean over all
-    reports in the bucket.
-    Raw reports only (buckets already rolled up are left out)."""
-    conds = []
-    if start_s is not None:
-        conds.append(NodeReport.ts_s >= start_s)
-    if end_s is not None:
-        conds.append(NodeReport.ts_s < end_s)
-    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
-    per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
-                       *[c.element.label("avg_" + c.name) for c in bucket_figures() if c.name in CLUSTER_SUMS],
-                       *[func.sum(getattr(NodeReport, k)).label("sum_" + k) for k in REPORT_FIGURES],
-                       *[func.count(getattr(NodeReport, k)).label("cnt_" + k) for k in REPORT_FIGURES])
-                .where(*conds).group_by(NodeReport.node_id, bucket).subquery())
-    cols = [(func.sum(per_node.c["avg_" + k]) if k in CLUSTER_SUMS else
-             func.sum(per_node.c["sum_" + k]) / func.nullif(func.sum(per_node.c["cnt_" + k]), 0)).label(k)
-            for k in REPORT_FIGURES]
-    q = (select(per_node.c.bucket, func.sum(per_node.c.n).label("n"), func.count().label("nodes"), *cols)
-         .group_by(per_node.c.bucket).order_by(per_node.c.bucket).limit(limit))
-    return [dict(node_id="*", ts_s=float(r.bucket), num_reports=int(r.n),
-                 **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
-            for r in session.execute(q)]
+    reports in the bucket. From the pre-aggregated buckets up to their watermark, then the raw
+    reports (as `report_history`); buckets already rolled up by retention are left out."""
+    out: list[dict] = []
+    raw_from = start_s
+    plan = history_boundary(session, step_s, start_s, end_s)
+    if plan is not None:
+        level, boundary = plan
+        upto = boundary if end_s is None else min(boundary, end_s)
+        if start_s is None or upto > start_s:
+            B = NodeReportBucket.__table__
+            bucket = (func.floor(B.c.bucket_s / step_s) * step_s).label("bucket")
+            conds = [B.c.step_s == level, B.c.bucket_s < upto]
+            if start_s is not None:
+                conds.append(B.c.bucket_s >= start_s)
+            figs = {c.name: c for c in figures_of_sums(lambda n: B.c[n])}
+            per_node = (select(B.c.node_id, bucket, func.sum(B.c.num_reports).label("n"),
+                               *[figs[k].element.label("avg_" + k) for k in CLUSTER_SUMS],
+                               *[func.sum(B.c["sum_" + k]).label("sum_" + k) for k in REPORT_FIGURES],
+                               *[func.sum(B.c["cnt_" + k]).label("cnt_" + k) for k in REPORT_FIGURES])
+                        .where(*conds).group_by(B.c.node_id, bucket).subquery())
+            out += [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
+        raw_from = boundary if start_s is None else max(start_s, boundary)
+    if end_s is None or raw_from is None or raw_from < end_s:
+        conds = []
+        if raw_from is not None:
+            conds.append(NodeReport.ts_s >= raw_from)
+        if end_s is not None:
+            conds.append(NodeReport.ts_s < end_s)
+        bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
+        per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
+                           *[c.element.label("avg_" + c.name) for c in bucket_figures() if c.name in CLUSTER_SUMS],
+                           *[func.sum(getattr(NodeReport, k)).label("sum_" + k) for k in REPORT_FIGURES],
+                           *[func.count(getattr(NodeReport, k)).label("cnt_" + k) for k in REPORT_FIGURES])
+                    .where(*conds).group_by(NodeReport.node_id, bucket).subquery())
+        out += [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
+    return out[:limit]
+
+
+def _cluster_row(r) -> dict:
+    return dict(node_id="*", ts_s=float(r.bucket), num_reports=int(r.n),
+                **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
 
 
 def rollup_and_prune(session: Session, *, now_s: float, step_s: float, raw_retention_s: float,
@@ -352,6 +529,7 @@ def rollup_and_prune(session: Session, *, now_s: float, step_s: float, raw_reten
                                                   set_={"num_reports": ins.excluded.num_reports,
                                                         "figures": ins.excluded.figures}), rows)
     deleted = session.execute(delete(NodeReport).where(NodeReport.ts_s < cutoff)).rowcount
+    session.execute(delete(NodeReportBucket).where(NodeReportBucket.bucket_s < cutoff))  # their raw rows are gone
     dropped = session.execute(delete(NodeReportRollup).where(
         NodeReportRollup.bucket_s < now_s - rollup_retention_s)).rowcount
     ddel = session.execute(delete(Decision).where(Decision.ts_s < now_s - rollup_retention_s)).rowcount

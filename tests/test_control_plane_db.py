@@ -39,11 +39,11 @@ def _row(nid, seq, ts, **kw):
 def test_migrations_make_every_table_and_are_idempotent(db):
     engine, _ = db
     upgrade(engine)  # second run: nothing to do
-    assert current_revision(engine) == "0002"
+    assert current_revision(engine) == "0003"
     names = set(inspect(engine).get_table_names())
     for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
               "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
-              "job_runs", "scheduler_lease", "alembic_version"):
+              "job_runs", "scheduler_lease", "node_report_buckets", "history_rollup_state", "alembic_version"):
         assert t in names, t
     uqs = {tuple(u["column_names"]) for u in inspect(engine).get_unique_constraints("node_reports")}
     assert ("node_id", "seq") in uqs
@@ -57,9 +57,13 @@ def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
         upgrade(engine, "0001")
         assert current_revision(engine) == "0001"
         assert "push_token" not in {c["name"] for c in inspect(engine).get_columns("routers")}
-        upgrade(engine)
+        upgrade(engine, "0002")
         assert current_revision(engine) == "0002"
         assert "push_token" in {c["name"] for c in inspect(engine).get_columns("routers")}
+        upgrade(engine)
+        assert current_revision(engine) == "0003"
+        assert "node_report_buckets" in set(inspect(engine).get_table_names())
+        assert "ix_node_reports__received_s" in {i["name"] for i in inspect(engine).get_indexes("node_reports")}
     finally:
         engine.dispose()
         d.drop()
