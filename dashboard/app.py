@@ -158,34 +158,10 @@ def _range_options(range_s: int) -> list[dict]:
     return opts
 
 
-def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
-    login = dbc.Card(dbc.CardBody([
-        html.H5("Sign in"),
-        html.P("Paste a control-plane token (operator or viewer). It stays on the dashboard server; "
-               "the browser keeps only a session id.", className="small text-muted"),
-        dbc.InputGroup([dbc.Input(id="login-token", type="password", placeholder="token", autoComplete="off"),
-                        dbc.Button("Sign in", id="btn-login", color="primary")]),
-        html.Div(id="login-error", className="text-danger small mt-2"),
-    ]), id="login-card", className="my-3", style={"maxWidth": "560px"})
-
-    header = dbc.Navbar(dbc.Container([
-        dbc.NavbarBrand("RACER operator dashboard", className="fw-bold"),
-        html.Div([
-            html.Span("range ", className="text-light small me-1"),
-            dcc.Dropdown(id="range", options=_range_options(range_s), value=range_s,
-                         clearable=False, searchable=False,
-                         style={"width": "110px", "display": "inline-block", "color": "#212529"}),
-            html.Span(id="who", className="text-light small ms-3 me-2"),
-            dbc.Button("Sign out", id="btn-logout", size="sm", color="secondary", className="ms-1",
-                       style={"display": "none"}),
-        ], className="d-flex align-items-center"),
-    ], fluid=True), color="dark", dark=True, className="mb-2")
-
-    kpis = dbc.Row([_kpi("kpi-nodes", "nodes up / down"), _kpi("kpi-slo", "SLO attainment (mean of nodes, now)"),
-                    _kpi("kpi-p99", "P99 (mean of nodes, now)"), _kpi("kpi-thr", "throughput"),
-                    _kpi("kpi-policy", "active policy"), _kpi("kpi-overrides", "active overrides"),
-                    _kpi("kpi-age", "data age")], className="g-2 mb-2")
-
+def build_tabs(viewer: bool) -> dcc.Tabs:
+    """The pages (tabs), sent to the browser on sign-in (`auth_ui`), not with the page: a page
+    that has not signed in draws no chart or grid. ``viewer``: every action button disabled and
+    the viewer's note shown."""
     overview = html.Div([
         dbc.Row([dbc.Col(_graph("g-slo"), lg=6), dbc.Col(_graph("g-thr"), lg=6)]),
         dbc.Row([dbc.Col(_graph("g-p99", 380), lg=12)]),
@@ -234,7 +210,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
 
     viewer_note = dbc.Alert("Signed in as a viewer: you can see everything, and every control is disabled "
                             "(an operator token is needed to act).", id="viewer-note", color="secondary",
-                            is_open=False, className="py-2")
+                            is_open=viewer, className="py-2")
     override = html.Div([
         dbc.Card(dbc.CardBody([
             html.H6("Set an emb_share override"),
@@ -248,7 +224,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
                          dbc.Input(id="ov-ttl", type="number", min=0, step=1)], lg=2),
             ]),
             dbc.Row([dbc.Col([dbc.Label("reason"), dbc.Input(id="ov-reason", placeholder="why (required)")], lg=8),
-                     dbc.Col(dbc.Button("Submit override…", id="btn-ov-submit", color="danger", className="mt-4"),
+                     dbc.Col(dbc.Button("Submit override…", id="btn-ov-submit", disabled=viewer, color="danger", className="mt-4"),
                              lg=2)]),
             html.Div(id="ov-error", className="text-danger small mt-2"),
         ]), className="mb-3"),
@@ -256,7 +232,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
         _grid("grid-overrides", [_col("id"), _col("scope"), _col("emb_share", "emb_share"), _col("reason", flex=2),
                                  _col("created_by", "by"), _time_col("created", "created (UTC)"),
                                  _time_col("expires", "expires (UTC)")], height=220, selectable=True, row_id="id"),
-        dbc.Button("Clear selected override…", id="btn-ov-clear", color="secondary", className="my-2"),
+        dbc.Button("Clear selected override…", id="btn-ov-clear", disabled=viewer, color="secondary", className="my-2"),
         html.H6("Audit log", className="mt-3"),
         _grid("grid-audit", [_time_col("time", "time (UTC)"), _col("actor"), _col("action"), _col("target"),
                              _col("before", minWidth=160), _col("after", minWidth=160), _col("reason", flex=2)],
@@ -278,25 +254,20 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
                 dbc.Col([dbc.Label("min samples"), dbc.Input(id="ro-min", type="number", value=10, min=1)], lg=2),
                 dbc.Col([dbc.Label("reason"), dbc.Input(id="ro-reason", placeholder="why")], lg=3),
             ]),
-            dbc.Button("Start rollout…", id="btn-ro-start", color="primary", className="mt-2"),
+            dbc.Button("Start rollout…", id="btn-ro-start", disabled=viewer, color="primary", className="mt-2"),
         ]), className="my-3"),
         html.H6("Current rollout"),
         html.Div(id="ro-status", className="mb-2"),
-        dbc.ButtonGroup([dbc.Button("Promote…", id="btn-ro-promote", color="success"),
-                         dbc.Button("Pause…", id="btn-ro-pause", color="warning"),
-                         dbc.Button("Resume…", id="btn-ro-resume", color="info"),
-                         dbc.Button("Roll back…", id="btn-ro-rollback", color="danger")], className="mb-2"),
+        dbc.ButtonGroup([dbc.Button("Promote…", id="btn-ro-promote", disabled=viewer, color="success"),
+                         dbc.Button("Pause…", id="btn-ro-pause", disabled=viewer, color="warning"),
+                         dbc.Button("Resume…", id="btn-ro-resume", disabled=viewer, color="info"),
+                         dbc.Button("Roll back…", id="btn-ro-rollback", disabled=viewer, color="danger")], className="mb-2"),
         _graph("g-rollout", 500),
         _grid("grid-ro-nodes", [_col("node_id", "node"), _col("role"), _col("status"), _col("error", flex=2)],
               height=220, page_size=8),
     ], className="pt-2")
 
-    modal = dbc.Modal([dbc.ModalHeader(dbc.ModalTitle("Confirm")), dbc.ModalBody(id="confirm-body"),
-                       dbc.ModalFooter([dbc.Button("Cancel", id="btn-cancel", color="secondary"),
-                                        dbc.Button("Confirm", id="btn-confirm", color="danger")])],
-                      id="confirm-modal", is_open=False)
-
-    tabs = dcc.Tabs(id="tabs", value="overview", children=[
+    return dcc.Tabs(id="tabs", value="overview", children=[
         dcc.Tab(label="Overview", value="overview", children=overview),
         dcc.Tab(label="EMB-KV split", value="split", children=split),
         dcc.Tab(label="Bursts", value="bursts", children=bursts),
@@ -304,13 +275,49 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
         dcc.Tab(label="Override", value="override", children=[viewer_note, override]),
         dcc.Tab(label="Policies", value="policies", children=policies),
     ])
+
+
+def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
+    login = dbc.Card(dbc.CardBody([
+        html.H5("Sign in"),
+        html.P("Paste a control-plane token (operator or viewer). It stays on the dashboard server; "
+               "the browser keeps only a session id.", className="small text-muted"),
+        dbc.InputGroup([dbc.Input(id="login-token", type="password", placeholder="token", autoComplete="off"),
+                        dbc.Button("Sign in", id="btn-login", color="primary")]),
+        html.Div(id="login-error", className="text-danger small mt-2"),
+    ]), id="login-card", className="my-3", style={"maxWidth": "560px"})
+
+    header = dbc.Navbar(dbc.Container([
+        dbc.NavbarBrand("RACER operator dashboard", className="fw-bold"),
+        html.Div([
+            html.Span("range ", className="text-light small me-1"),
+            dcc.Dropdown(id="range", options=_range_options(range_s), value=range_s,
+                         clearable=False, searchable=False,
+                         style={"width": "110px", "display": "inline-block", "color": "#212529"}),
+            html.Span(id="who", className="text-light small ms-3 me-2"),
+            dbc.Button("Sign out", id="btn-logout", size="sm", color="secondary", className="ms-1",
+                       style={"display": "none"}),
+        ], className="d-flex align-items-center"),
+    ], fluid=True), color="dark", dark=True, className="mb-2")
+
+    kpis = dbc.Row([_kpi("kpi-nodes", "nodes up / down"), _kpi("kpi-slo", "SLO attainment (mean of nodes, now)"),
+                    _kpi("kpi-p99", "P99 (mean of nodes, now)"), _kpi("kpi-thr", "throughput"),
+                    _kpi("kpi-policy", "active policy"), _kpi("kpi-overrides", "active overrides"),
+                    _kpi("kpi-age", "data age")], className="g-2 mb-2")
+
+    modal = dbc.Modal([dbc.ModalHeader(dbc.ModalTitle("Confirm")), dbc.ModalBody(id="confirm-body"),
+                       dbc.ModalFooter([dbc.Button("Cancel", id="btn-cancel", color="secondary"),
+                                        dbc.Button("Confirm", id="btn-confirm", color="danger")])],
+                      id="confirm-modal", is_open=False)
+
     return html.Div([
         header,
         dbc.Container([
             login,
             dbc.Alert(id="banner", color="warning", is_open=False, className="py-2"),
             dbc.Alert(id="action-result", is_open=False, dismissable=True, className="py-2"),
-            html.Div([kpis, html.Div(id="role-note-policies"), tabs], id="main", style={"display": "none"}),
+            html.Div([kpis, html.Div(id="role-note-policies"), html.Div(id="main-body")], id="main",
+                     style={"display": "none"}),
         ], fluid=True),
         modal,
         dcc.Interval(id="tick", interval=int(refresh_s * 1000), disabled=True),
@@ -409,6 +416,27 @@ def rollout_windows(rows: list[dict], rollout: dict, step_s: float) -> list[dict
 # ------------------------------------------------------------------------------- the app ---
 
 
+def warm_figures(slo_ms: float = 30.0, slo_target: float = SLO_TARGET_DEFAULT) -> None:
+    """Build and serialise each kind of figure once, on made-up data. plotly loads its figure
+    classes and property validators on first use (a few hundred ms on a slow machine); done at
+    start-up, that cost does not land on the first operator's first render."""
+    from plotly.io.json import to_json_plotly
+
+    t = [0.0, 30.0]
+    cl = {"t_s": t, "slo_attainment": [1.0, 0.99], "p99_ms": [5.0, 6.0], "throughput_rps": [1.0, 2.0],
+          "emb_hit_rate": [0.5, 0.6], "kv_hit_rate": [0.5, 0.6]}
+    ns = {"n": {"t_s": t, "p99_ms": [5.0, 6.0], "emb_share": [0.5, 0.4], "target_emb_share": [0.5, 0.4]}}
+    bursts = [{"node_id": "n", "start_s": 0.0, "end_s": 10.0, "magnitude": 2.0}]
+    dec = [{"node_id": "n", "t_s": 0.0, "source": "base", "emb_share": 0.5, "reason": "warm-up"}]
+    figs = [F.slo_attainment_figure(cl, slo_target, bursts, 60.0), F.p99_figure(ns, slo_ms, bursts, 60.0),
+            F.p99_figure({}, slo_ms, bursts, 60.0, cluster=cl), F.throughput_figure(cl, bursts, 60.0),
+            F.hit_rate_figure(cl, bursts, 60.0), F.emb_share_heatmap(ns, bursts, 60.0),
+            F.share_lines_figure(ns, dec, bursts, 60.0), F.split_bar_figure([{"node_id": "n", "emb_share": 0.5}]),
+            F.router_weights_figure([], "service_time_us", 60.0), F.rollout_figure([], slo_ms, slo_target)]
+    for f in figs:
+        to_json_plotly(f)
+
+
 def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: float = 3.0,
                slo_target: float = SLO_TARGET_DEFAULT, slo_ms: float = 30.0, range_s: int = 900) -> dash.Dash:
     """The Dash app for the control plane at ``control_plane_url`` (see the module docstring)."""
@@ -425,6 +453,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     if not (isinstance(range_s, int) and range_s > 0):
         raise ValueError(f"range_s must be a positive integer of seconds, got {range_s!r}")
     app.layout = build_layout(refresh_s, range_s)
+    warm_figures(slo_ms, slo_target)
     app.server.config["RACER_CLIENT"] = client
     app.server.config["RACER_SESSIONS"] = sessions
     state = {"slo_ms": slo_ms}
@@ -466,22 +495,20 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         return None
 
     @app.callback(Output("login-card", "style"), Output("main", "style"), Output("who", "children"),
-                  Output("btn-logout", "style"), Output("tick", "disabled"), Output("viewer-note", "is_open"),
-                  *[Output(b, "disabled") for b in ACTION_BUTTONS],
+                  Output("btn-logout", "style"), Output("tick", "disabled"), Output("main-body", "children"),
                   Output("role-note-policies", "children"),
                   Input("sid", "data"))
     def auth_ui(sid):
         s = sessions.get(sid)
         if s is None:
-            return ({"maxWidth": "560px"}, {"display": "none"}, "", {"display": "none"}, True, False,
-                    *[True] * len(ACTION_BUTTONS), None)
+            return {"maxWidth": "560px"}, {"display": "none"}, "", {"display": "none"}, True, [], None
         viewer = s.role != "operator"
         note = None
         if viewer:
             note = dbc.Alert("Viewer: read-only. Override and rollout controls are disabled.",
                              color="secondary", className="py-1 small", id="viewer-banner")
         return ({"display": "none"}, {"display": "block"}, f"{s.name} ({s.role})", {"display": "inline-block"},
-                False, viewer, *[viewer] * len(ACTION_BUTTONS), note)
+                False, build_tabs(viewer), note)
 
     # --------------------------------------------------------------------- full render ---
     graph_outputs = [Output(g, "figure") for g in ALL_GRAPHS]

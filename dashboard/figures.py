@@ -16,9 +16,12 @@ Inputs are plain columnar dicts (what `dashboard.client` returns):
 
 Times are Unix seconds; axes show them as UTC date-times. Every axis names its unit.
 
-WebGL (`Scattergl`) is used where there are many series (P99 per node, target vs applied per
-node); the small cluster charts are SVG `Scatter`, which keeps the number of WebGL contexts per
-page low (browsers allow about 8) and draws faster where WebGL is software-rendered.
+Every chart is SVG (`Scatter`, `Heatmap`, `Bar`): a series holds at most about 180 buckets (the
+dashboard's `MAX_POINTS`), so even 32 nodes' P99 lines are a few thousand points, which SVG draws
+faster than WebGL sets up its contexts (browsers allow about 8 per page; software-rendered WebGL
+is slow). The dashboard ships plotly.js's *cartesian* bundle (scatter, bar, heatmap, ...;
+`dashboard/assets/plotly-cartesian.min.js`), a third of the full bundle, so no WebGL trace types
+are available.
 
 **Decision-source colours** (the same everywhere on the dashboard, and in docs/dashboard.md):
 
@@ -200,17 +203,17 @@ def slo_attainment_figure(cluster: Mapping, target: float, bursts: Sequence[Mapp
 
 def p99_figure(nodes: Mapping[str, Mapping], slo_ms: float, bursts: Sequence[Mapping] | None = None,
                now_s: float | None = None, cluster: Mapping | None = None) -> go.Figure:
-    """P99 latency per node (one Scattergl trace each, in ``nodes`` order) with the SLO line.
+    """P99 latency per node (one line each, in ``nodes`` order) with the SLO line.
 
     With ``cluster`` the cluster-wide P99 is the last trace (thicker). Trace order is what the
     live `extend_nodes` update relies on.
     """
     fig = _base("P99 latency vs SLO", "P99 latency (ms)")
     for node_id, s in nodes.items():
-        fig.add_trace(go.Scattergl(x=to_xs(s.get("t_s", [])), y=_clean(s.get("p99_ms", [])), mode="lines",
+        fig.add_trace(go.Scatter(x=to_xs(s.get("t_s", [])), y=_clean(s.get("p99_ms", [])), mode="lines",
                                    name=str(node_id), line=dict(width=1), opacity=0.7, legendgroup="nodes"))
     if cluster is not None:
-        fig.add_trace(go.Scattergl(x=to_xs(cluster.get("t_s", [])), y=_clean(cluster.get("p99_ms", [])),
+        fig.add_trace(go.Scatter(x=to_xs(cluster.get("t_s", [])), y=_clean(cluster.get("p99_ms", [])),
                                    mode="lines", name="cluster", line=dict(width=3, color="#111111")))
     fig.add_annotation(xref="paper", x=0, y=slo_ms, yref="y", text=f"SLO {slo_ms:g} ms", showarrow=False,
                        xanchor="left", yanchor="bottom", font=dict(color=SLO_LINE))
@@ -288,10 +291,10 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
     for i, (node_id, s) in enumerate(nodes.items()):
         color = palette[i % len(palette)]
         xs = to_xs(s.get("t_s", []))
-        fig.add_trace(go.Scattergl(x=xs, y=_clean(s.get("emb_share", [])), mode="lines",
+        fig.add_trace(go.Scatter(x=xs, y=_clean(s.get("emb_share", [])), mode="lines",
                                    name=f"{node_id} applied", line=dict(color=color, width=2),
                                    legendgroup=str(node_id)))
-        fig.add_trace(go.Scattergl(x=xs, y=_clean(s.get("target_emb_share", [])), mode="lines",
+        fig.add_trace(go.Scatter(x=xs, y=_clean(s.get("target_emb_share", [])), mode="lines",
                                    name=f"{node_id} target", line=dict(color=color, width=1.5, dash="dash"),
                                    legendgroup=str(node_id)))
     selected = {str(n) for n in nodes}
@@ -300,7 +303,7 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
         if str(d.get("node_id")) in selected:
             by_source.setdefault(str(d.get("source")), []).append(d)
     for source, rows in by_source.items():
-        fig.add_trace(go.Scattergl(
+        fig.add_trace(go.Scatter(
             x=to_xs(r["t_s"] for r in rows), y=_clean(r.get("emb_share") for r in rows), mode="markers",
             name=f"decision: {source}", legendgroup="sources",
             marker=dict(color=SOURCE_COLORS.get(source, UNKNOWN_SOURCE_COLOR), size=7,

@@ -273,8 +273,11 @@ def _raw_buckets(session: Session, *, node_id: str | None, start_s: float | None
 
 
 def _bucket_row(r) -> dict:
-    return dict(node_id=r.node_id, ts_s=float(r.bucket), num_reports=int(r.n),
-                **{k: (None if getattr(r, k) is None else float(getattr(r, k))) for k in REPORT_FIGURES})
+    """A (node_id, bucket, n, *REPORT_FIGURES) result row as the API's history row."""
+    d = {"node_id": r[0], "ts_s": float(r[1]), "num_reports": int(r[2])}
+    for k, v in zip(REPORT_FIGURES, r[3:]):
+        d[k] = None if v is None else float(v)
+    return d
 
 
 # ---- pre-aggregated recent history (node_report_buckets, kept by the history_rollup job)
@@ -338,14 +341,24 @@ def history_boundary(session: Session, step_s: float, start_s: float | None, end
     """(stored step, boundary): buckets before ``boundary`` (a multiple of ``step_s``) are read
     from `NodeReportBucket`, the newer ones from the raw reports; None when the stored buckets
     cannot serve this read (no stored step divides ``step_s``, a range edge that is not on a
-    bucket edge, or the job has not run yet)."""
+    bucket edge, or the job has not run yet).
+
+    The stored buckets hold every report received before the job's watermark. The boundary is
+    at or before the watermark, and at or before the bucket of the oldest report received since
+    (a late report, or a node replaying its buffer after an outage): every report before the
+    boundary is in the stored buckets, and every one after it is read raw, so a read is exact
+    at any time, not only after the job's next run."""
     level = history_level(step_s)
     if level is None or not _aligned(start_s, step_s) or not _aligned(end_s, step_s):
         return None
     state = session.get(HistoryRollupState, HISTORY_STATE)
     if state is None:
         return None
-    return level, math.floor(state.received_to_s / step_s) * step_s
+    boundary = state.received_to_s
+    oldest_late = session.scalar(select(func.min(NodeReport.ts_s)).where(NodeReport.received_s >= state.received_to_s))
+    if oldest_late is not None:
+        boundary = min(boundary, float(oldest_late))
+    return level, math.floor(boundary / step_s) * step_s
 
 
 def _stored_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float,

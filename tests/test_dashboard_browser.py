@@ -212,7 +212,11 @@ def test_overview_and_split_render_every_series_and_the_burst_shading(stack, bro
     nodes = sorted([f"gpu-{i:02d}" for i in range(NUM_FLEET)] + ([AGENT_ID] if AGENT else []))
     p99 = wait_plot(page, "g-p99", lambda st: sum(1 for t in st["traces"] if t["n"] > 0) >= len(nodes))
     assert [t["name"] for t in p99["traces"][:len(nodes)]] == nodes
-    assert all(t["type"] == "scattergl" for t in p99["traces"][:len(nodes)])
+    assert all(t["type"] == "scatter" for t in p99["traces"][:len(nodes)])
+    # plotly.js is the cartesian bundle from the dashboard's assets; the full bundle is not fetched
+    scripts = page.evaluate("() => performance.getEntriesByType('resource').map(e => e.name)")
+    assert any("plotly-cartesian.min.js" in u for u in scripts)
+    assert not any(u.split("?")[0].endswith("/plotly.min.js") for u in scripts), scripts
     assert "ms" in p99["ytitle"] and "UTC" in p99["xtitle"]
     assert [s for s in p99["shapes"] if s["name"] == "slo"][0]["y0"] == 30
     # burst shading where the seeded bursts are (within the 15-min range)

@@ -70,8 +70,7 @@ def test_overview_series_present_with_values_and_reference_lines():
     assert "%" in slo.layout.yaxis.title.text
     p99 = F.p99_figure(_nodes(4), 30.0, cluster=c)
     assert [t.name for t in p99.data[:5]] == ["node-0", "node-1", "node-2", "node-3", "cluster"]
-    assert all(t.type == "scattergl" for t in p99.data[:5])  # many series: WebGL
-    assert slo.data[0].type == "scatter"  # one series: SVG (fewer WebGL contexts per page)
+    assert all(t.type == "scatter" for t in p99.data[:5])  # SVG: the cartesian bundle has no WebGL types
     assert [s.name for s in p99.layout.shapes] == ["slo"] and p99.layout.shapes[0].y0 == 30.0
     assert "ms" in p99.layout.yaxis.title.text
     hits = F.hit_rate_figure(c)
@@ -164,3 +163,25 @@ def test_extend_updates_are_small_and_indexed_by_trace():
     assert F.extend_nodes({}, order, "p99_ms", 10) is None
     c = F.extend_cluster(_cluster(2), ["emb_hit_rate", "kv_hit_rate"], 100, scale=100)
     assert c[1] == [0, 1] and c[0]["y"][0] == [80.0, 80.0]
+
+
+# the trace types in plotly.js's cartesian bundle (dashboard/assets/plotly-cartesian.min.js's header)
+CARTESIAN_TRACES = {"bar", "box", "contour", "heatmap", "histogram", "histogram2d", "histogram2dcontour", "image",
+                    "pie", "scatter", "scatterternary", "violin"}
+
+
+def test_every_figure_uses_only_trace_types_of_the_shipped_plotly_bundle():
+    from pathlib import Path
+
+    bundle = Path(F.__file__).parent / "assets" / "plotly-cartesian.min.js"
+    assert "plotly.js (cartesian - minified)" in bundle.read_text()[:200]
+    c, nodes = _cluster(), _nodes(4)
+    figs = [F.slo_attainment_figure(c, 0.99, BURSTS, T0 + 50), F.p99_figure(nodes, 30.0, BURSTS, T0 + 50, cluster=c),
+            F.throughput_figure(c, BURSTS, T0 + 50), F.hit_rate_figure(c, BURSTS, T0 + 50),
+            F.emb_share_heatmap(nodes, BURSTS, T0 + 50),
+            F.share_lines_figure(nodes, [dict(node_id="node-0", t_s=T0 + 5, source="base", emb_share=0.4, reason="r")],
+                                 BURSTS, T0 + 50),
+            F.split_bar_figure([{"node_id": "node-0", "emb_share": 0.4}]),
+            F.router_weights_figure([], "service_time_us", T0 + 50), F.rollout_figure([], 30.0, 0.99)]
+    used = {t.type for f in figs for t in f.data}
+    assert used and used <= CARTESIAN_TRACES, used - CARTESIAN_TRACES
