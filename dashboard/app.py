@@ -166,9 +166,7 @@ def build_tabs(viewer: bool) -> dcc.Tabs:
         dbc.Row([dbc.Col(_graph("g-slo"), lg=6), dbc.Col(_graph("g-thr"), lg=6)]),
         dbc.Row([dbc.Col(_graph("g-p99", 380), lg=12)]),
         dbc.Row([dbc.Col(_graph("g-hits"), lg=6), dbc.Col(html.Div([
-            html.H6("Nodes"), _grid("grid-nodes", [_col("node_id", "node"), _col("status"), _col("device"),
-                                                   _col("emb_share", "emb_share"), _col("policy_version", "policy")],
-                  height=300, page_size=8)
+            html.H6("Nodes"), html.Div(id="nodes-table", style={"maxHeight": "300px", "overflowY": "auto"}),
         ]), lg=6)]),
     ], className="pt-2")
 
@@ -326,6 +324,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
         dcc.Store(id="pending", data=None),
         dcc.Store(id="reload", data=0),
         dcc.Store(id="summary", data=None),
+        dcc.Store(id="nodes-data", data=None),
         dcc.Store(id="tables-key", data={}),
         dcc.Store(id="tick-go"), dcc.Store(id="tick-done"), dcc.Store(id="tick-sink"),
         dcc.Store(id="acted", data=0),
@@ -445,7 +444,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     if not 0 < slo_target <= 1:
         raise ValueError(f"slo_target must be in (0, 1], got {slo_target!r}")
     client = ControlPlaneClient(control_plane_url, timeout_s=timeout_s)
-    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="racer-dashboard-fetch")
+    pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="racer-dashboard-fetch")
     cache = HistoryCache(client.history, grace_s=BUCKET_GRACE_S)
     sessions = SessionStore()
     app = dash.Dash(__name__, title="RACER operator dashboard", update_title=None,
@@ -515,7 +514,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
 
     @app.callback(*graph_outputs, Output("view", "data"), Output("split-nodes", "options"),
                   Output("ov-node", "options"), Output("grid-bursts", "rowData"), Output("grid-decisions", "rowData"),
-                  Output("grid-weights", "rowData"), Output("summary", "data"), Output("grid-nodes", "rowData"),
+                  Output("grid-weights", "rowData"), Output("summary", "data"), Output("nodes-data", "data"),
                   Input("tabs", "value"), Input("range", "value"), Input("sid", "data"), Input("split-nodes", "value"),
                   Input("reload", "data"), Input("dec-search", "value"), Input("weights-field", "value"),
                   Input("acted", "data"))
@@ -529,15 +528,24 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         step = step_for(range_s)
         t_render = time.time()
         try:
-            # the summary first (it also checks the token), then nodes, bursts and history in
-            # parallel (the history, from the shared cache, is the long one)
-            summary = client.summary(tok)
-            now = float(summary["now_s"])
+            # every read at once: the summary, nodes, bursts and the history (from the shared
+            # cache: the long one). The range ends at this server's clock, as the live ticks' do.
+            # The history is used only once the summary has accepted the user's token (the cache
+            # may answer from what other users' reads stored).
+            now = time.time()
             start = now - range_s
             need_hist = tab in ("overview", "split", "bursts")
+            f_summary = pool.submit(client.summary, tok)
             f_nodes = pool.submit(client.nodes, tok)
             f_bursts = pool.submit(client.bursts, tok, start_s=start)
             f_rows = pool.submit(cache.rows, tok, step, start, now) if need_hist else None
+            try:
+                summary = f_summary.result()
+            except Exception:
+                for f in (f_nodes, f_bursts, f_rows):
+                    if f is not None:
+                        f.cancel()
+                raise
             nodes = f_nodes.result()
             order = sorted(n["node_id"] for n in nodes)
             extra[5] = summary
@@ -612,7 +620,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                   Output("banner", "is_open"), Output("banner", "children"), Output("banner", "color"),
                   Output("reload", "data"),
                   Output("summary", "data", allow_duplicate=True), Output("kpi-age", "children"),
-                  Output("grid-decisions", "rowTransaction"), Output("grid-nodes", "rowData"),
+                  Output("grid-decisions", "rowTransaction"), Output("nodes-data", "data"),
                   Output("grid-bursts", "rowData", allow_duplicate=True),
                   Output("tick-done", "data"),
                   Input("tick-go", "data"), State("view", "data"), State("sid", "data"), State("reload", "data"),
@@ -636,6 +644,23 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     app.clientside_callback(
         """function(d) { window._racerTickBusy = 0; return window.dash_clientside.no_update; }""",
         Output("tick-sink", "data"), Input("tick-done", "data"), prevent_initial_call=True)
+    # The overview's nodes table: a plain HTML table drawn in the browser from the node rows (the
+    # server sends only the rows, and only when they changed; a data grid's start-up would cost
+    # the first render a few hundred ms), status in colour.
+    app.clientside_callback(
+        """function(rows) {
+            if (!rows) { return window.dash_clientside.no_update; }
+            const h = (type, props) => ({type: type, namespace: "dash_html_components", props: props});
+            const cols = [["node_id", "node"], ["status", "status"], ["device", "device"],
+                          ["emb_share", "emb_share"], ["policy_version", "policy"]];
+            const head = h("Thead", {children: h("Tr", {children: cols.map(c => h("Th", {children: c[1]}))})});
+            const body = h("Tbody", {children: rows.map(r => h("Tr", {children: cols.map(c => h("Td", {
+                children: r[c[0]] === null || r[c[0]] === undefined ? "\u2013" : String(r[c[0]]),
+                className: c[0] !== "status" ? undefined
+                           : (r.status === "up" ? "text-success" : "text-danger fw-semibold")}))}))});
+            return h("Table", {children: [head, body], id: "nodes-tbl",
+                               className: "table table-sm table-striped table-hover small mb-0"});
+        }""", Output("nodes-table", "children"), Input("nodes-data", "data"), prevent_initial_call=True)
 
     def tick_updates(view, sid, reload_n):
         n_ext, n_patch = 5, 7

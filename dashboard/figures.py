@@ -201,6 +201,9 @@ def slo_attainment_figure(cluster: Mapping, target: float, bursts: Sequence[Mapp
     return fig
 
 
+LEGEND_MAX_NODES = 12
+
+
 def p99_figure(nodes: Mapping[str, Mapping], slo_ms: float, bursts: Sequence[Mapping] | None = None,
                now_s: float | None = None, cluster: Mapping | None = None) -> go.Figure:
     """P99 latency per node (one line each, in ``nodes`` order) with the SLO line.
@@ -209,9 +212,17 @@ def p99_figure(nodes: Mapping[str, Mapping], slo_ms: float, bursts: Sequence[Map
     live `extend_nodes` update relies on.
     """
     fig = _base("P99 latency vs SLO", "P99 latency (ms)")
+    # one legend entry per node up to LEGEND_MAX_NODES; beyond, one entry for the group (it
+    # toggles every node; hovering a line names its node): a 32-entry legend is unreadable and
+    # measuring its labels was a fifth of the browser's first draw
+    grouped = len(nodes) > LEGEND_MAX_NODES
     for node_id, s in nodes.items():
         fig.add_trace(go.Scatter(x=to_xs(s.get("t_s", [])), y=_clean(s.get("p99_ms", [])), mode="lines",
-                                   name=str(node_id), line=dict(width=1), opacity=0.7, legendgroup="nodes"))
+                                 name=str(node_id), line=dict(width=1), opacity=0.7, legendgroup="nodes",
+                                 showlegend=not grouped))
+    if grouped:  # the group's legend entry (after the node traces: extendData addresses those by index)
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"{len(nodes)} nodes (hover: node)",
+                                 legendgroup="nodes", line=dict(width=1, color="#888888"), hoverinfo="skip"))
     if cluster is not None:
         fig.add_trace(go.Scatter(x=to_xs(cluster.get("t_s", [])), y=_clean(cluster.get("p99_ms", [])),
                                    mode="lines", name="cluster", line=dict(width=3, color="#111111")))

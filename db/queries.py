@@ -355,7 +355,9 @@ def history_boundary(session: Session, step_s: float, start_s: float | None, end
     if state is None:
         return None
     boundary = state.received_to_s
-    oldest_late = session.scalar(select(func.min(NodeReport.ts_s)).where(NodeReport.received_s >= state.received_to_s))
+    # ``+ 0.0``: SQLite would otherwise walk the ts_s index for min() instead of the received_s one
+    oldest_late = session.scalar(select(func.min(NodeReport.ts_s + 0.0))
+                                 .where(NodeReport.received_s >= state.received_to_s))
     if oldest_late is not None:
         boundary = min(boundary, float(oldest_late))
     return level, math.floor(boundary / step_s) * step_s

@@ -185,3 +185,14 @@ def test_every_figure_uses_only_trace_types_of_the_shipped_plotly_bundle():
             F.router_weights_figure([], "service_time_us", T0 + 50), F.rollout_figure([], 30.0, 0.99)]
     used = {t.type for f in figs for t in f.data}
     assert used and used <= CARTESIAN_TRACES, used - CARTESIAN_TRACES
+
+
+def test_many_nodes_share_one_legend_entry_and_keep_their_names():
+    many = F.p99_figure(_nodes(F.LEGEND_MAX_NODES + 1), 30.0)
+    nodes = many.data[:F.LEGEND_MAX_NODES + 1]
+    assert [t.name for t in nodes] == [f"node-{i}" for i in range(F.LEGEND_MAX_NODES + 1)]  # hover names
+    assert not any(t.showlegend for t in nodes) and all(t.legendgroup == "nodes" for t in nodes)
+    group = many.data[F.LEGEND_MAX_NODES + 1]
+    assert group.legendgroup == "nodes" and group.name.startswith(f"{F.LEGEND_MAX_NODES + 1} nodes")
+    few = F.p99_figure(_nodes(3), 30.0)
+    assert [t.showlegend for t in few.data[:3]] == [True] * 3 and "nodes (hover" not in str([t.name for t in few.data])
