@@ -755,6 +755,9 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                                       (1, [F.hline_shape(slo, "slo")]), (2, []), (3, [])):
                             p = Patch()
                             p["layout"]["shapes"] = F.time_shapes(bursts, now, hl)
+                            if isinstance(ext[i], list):  # never a figure change and extendData together
+                                F.fold_extend(p, ext[i])
+                                ext[i] = no_update
                             patches[i] = p
                 else:  # split
                     sel = view.get("split_sel") or []
@@ -810,6 +813,9 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                     if shapes_changed and sel:
                         p = Patch()
                         p["layout"]["shapes"] = F.time_shapes(bursts, now)
+                        if isinstance(ext[4], list):  # never a figure change and extendData together
+                            F.fold_extend(p, ext[4])
+                            ext[4] = no_update
                         patches[5] = p
             elif tab == "decisions":
                 page = client.decisions(tok, start_s=now - range_s, q=view.get("search"), limit=100)

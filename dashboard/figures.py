@@ -486,6 +486,23 @@ def extend_nodes(nodes: Mapping[str, Mapping], order: Sequence[str], field: str,
     return [{"x": xs, "y": ys}, idx, max_points]
 
 
+def fold_extend(patch, ext: list | None) -> None:
+    """Append the points of an ``extendData`` update (`extend_nodes`, `extend_cluster`) to
+    ``patch``, a `dash.Patch` of the same figure, instead of sending both in one answer.
+
+    dcc.Graph mishandles a ``figure`` change and an ``extendData`` arriving together: the new
+    points are dropped, and re-appended on later ticks, out of order and more than once (a line
+    jumping back to an earlier time: a spike). So a tick that must change a chart's layout (its
+    burst shapes) sends that chart's new points in the same `Patch`; ``maxPoints`` trimming then
+    waits for the next plain ``extendData``."""
+    if not ext:
+        return
+    data, idx = ext[0], ext[1]
+    for k, i in enumerate(idx):
+        for key, values in data.items():
+            patch["data"][i][key].extend(values[k])
+
+
 def extend_cluster(cluster: Mapping, fields: Sequence[str], max_points: int,
                    scale: float = 1.0) -> list | None:
     """``extendData`` for traces 0..len(fields)-1 of a cluster figure, one field each."""

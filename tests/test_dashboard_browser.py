@@ -207,6 +207,9 @@ def wait_text(page, gid: str, needle: str, timeout_s: float = 30.0, absent: bool
 # ------------------------------------------------------------------------------- tests ---
 
 
+OVERVIEW_TIME_GRAPHS = ("g-slo", "g-p99", "g-thr", "g-hits")
+
+
 def test_overview_and_split_render_every_series_and_the_burst_shading(stack, browser):
     page = open_page(browser, stack, stack.admin)
     nodes = sorted([f"gpu-{i:02d}" for i in range(NUM_FLEET)] + ([AGENT_ID] if AGENT else []))
@@ -238,6 +241,13 @@ def test_overview_and_split_render_every_series_and_the_burst_shading(stack, bro
                                             for t in st["traces"][:len(nodes)] if before.get(t["name"])),
               timeout_s=40)
     page.wait_for_timeout(500)
+    # every point once and in time order after live ticks (a figure Patch and extendData sent to
+    # a chart together used to drop points and repeat them later: spikes)
+    for gid in OVERVIEW_TIME_GRAPHS:
+        xs = page.evaluate("(g) => document.querySelector('#' + g + ' .js-plotly-plot').data"
+                           ".map(t => Array.from(t.x || []).filter(v => v !== null))", gid)
+        for x in xs:
+            assert x == sorted(x) and len(x) == len(set(x)), (gid, x)
     page.screenshot(path=str(stack.shots / "overview.png"), full_page=True)
     # the token stays on the dashboard server: not in the URL, the browser's storage, the page or a log
     assert stack.admin not in page.url

@@ -196,3 +196,18 @@ def test_many_nodes_share_one_legend_entry_and_keep_their_names():
     assert group.legendgroup == "nodes" and group.name.startswith(f"{F.LEGEND_MAX_NODES + 1} nodes")
     few = F.p99_figure(_nodes(3), 30.0)
     assert [t.showlegend for t in few.data[:3]] == [True] * 3 and "nodes (hover" not in str([t.name for t in few.data])
+
+
+def test_fold_extend_appends_the_points_to_the_patch():
+    from dash import Patch
+
+    ext = F.extend_nodes(_nodes(2, 3), ["node-0", "node-1"], "p99_ms", 10)
+    p = Patch()
+    p["layout"]["shapes"] = []
+    F.fold_extend(p, ext)
+    ops = p.to_plotly_json()["operations"]
+    ext_ops = [(o["location"], o["params"]["value"]) for o in ops if o["operation"] == "Extend"]
+    assert (["data", 0, "x"], ext[0]["x"][0]) in ext_ops and (["data", 1, "y"], ext[0]["y"][1]) in ext_ops
+    assert len(ext_ops) == 4
+    F.fold_extend(p, None)
+    assert len(p.to_plotly_json()["operations"]) == len(ops)
