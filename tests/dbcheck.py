@@ -58,7 +58,7 @@ def check_database(url: str) -> list[str]:
                 q("select n.id from rollout_nodes n left join rollouts r on r.id = n.rollout_id where r.id is null",
                   "rollout node of an unknown rollout")
             if "tokens" in tables:
-                q("select id, role from tokens where role not in ('node', 'operator', 'viewer') "
+                q("select id, role from tokens where role not in ('node', 'operator', 'viewer', 'router') "
                   "or length(token_sha256) != 64", "token (role or hash)")
             if "audit_log" in tables:
                 q("select id from audit_log where actor is null or actor = '' or action is null or action = ''",
