@@ -557,7 +557,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             rows = f_rows.result() if f_rows is not None else []
             bursts = f_bursts.result()
             view["last_t_s"] = max((r["ts_s"] for r in rows), default=None)
-            view["burst_key"] = F.merge_periods(bursts, now)
+            view["burst_key"] = F.merge_periods(bursts)  # open bursts at their start: see tick
             view["open_burst"] = any(b.get("end_s") is None for b in bursts)
             slo = _slo_ms(tok)
             if tab == "overview":
@@ -733,9 +733,12 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 if key != view.get("nodes_key"):
                     view["nodes_key"] = key
                     tail[1] = node_rows
-                periods = F.merge_periods(bursts, now)
+                # the shading changes when a burst starts, ends or merges with another; while one
+                # is on, its band is extended to now when new points arrive (a complete bucket),
+                # not every tick: each shapes Patch redraws the chart in the browser
+                periods = F.merge_periods(bursts)
                 shapes_changed = (json.dumps(periods) != json.dumps(view.get("burst_key"))
-                                  or any(b.get("end_s") is None for b in bursts))
+                                  or (bool(rows) and any(b.get("end_s") is None for b in bursts)))
                 view["burst_key"] = periods
                 ns = node_series(rows)
                 new_nodes = sorted(set(ns) - set(order))
