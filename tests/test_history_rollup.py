@@ -49,8 +49,8 @@ def _reports(rng: random.Random, node: str, seqs, t_of, received_s: float) -> li
 def _seed(factory, rng, nodes=("a", "b", "c"), n=1500):
     with factory.begin() as s:
         for nid in nodes:
-            queries.upsert_node(s, node_id=nid, address="http://h:1", device="cpu", cost_profile={}, policy_version=None,
-                                now_s=T0, report_interval_s=1.0)
+            queries.upsert_node(s, node_id=nid, address="http://h:1", device="cpu", cost_profile={},
+                                policy_version=None, now_s=T0, report_interval_s=1.0)
     with factory.begin() as s:
         for k, nid in enumerate(nodes):  # about one report a second, with jitter; one node starts late
             queries.insert_reports(s, _reports(rng, nid, range(n), lambda i, k=k: T0 + 60 * k + i * 1.0
