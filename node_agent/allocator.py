@@ -1046,9 +1046,8 @@ class SmartAllocator:
                     if offset != 0.0 or tuner_step != 0.0:
                         source = "residual"
                         reason = f"base policy {policy.policy_id} {base:.4f} + residual {residual:+.4f} + " \
-                                 f"operating point {offset:+.4f} ({tuner_action} {tuner_step:+.4f}: 10% of the " \
-                                 f"arena saves EMB {stats.emb_marginal_us:.0f} us, KV {stats.kv_marginal_us:.0f} us " \
-                                 f"per request, gradient {tuner_gradient:+.4f} at load {stats.load:.2f})"
+                                 f"operating point {offset:+.4f} ({tuner_action} {tuner_step:+.4f}, busy-time " \
+                                 f"gradient {tuner_gradient:+.4f} at load {stats.load:.2f})"
                     elif residual != 0.0:
                         source = "residual"
                         reason = f"base policy {policy.policy_id} {base:.4f} + residual {residual:+.4f}"
@@ -1123,6 +1122,7 @@ class SmartAllocator:
             if back != 0.0:
                 self.tuner.take_back(back)
                 offset, tuner_step = self.tuner.offset, self.tuner.last_step
+                reason = f"{reason}; the step limit took back {back:+.4f} of the operating point's step"
         if guard_action is not None:
             words = {"step_up": f"step limited to +{g.max_step_up:g} from {prev:.4f}",
                      "step_down": f"step limited to -{g.max_step_down:g} from {prev:.4f}",
