@@ -11,12 +11,16 @@ whose miss costs the gateway's weights come from), starts 4 ``racer node-agent``
 - **overhead** (closed loop, one request at a time, the same requests): for every request sent
   through the gateway, the client's latency minus the gateway's round trip to the node for that
   request (``gateway.upstream_ms`` in the answer), i.e. what the extra hop and the routing add on
-  top of the node's own service time as the gateway saw it. ``overhead_p50_ms`` /
+  top of the node's own service time as the gateway saw it (the client's own cost is in it too:
+  the client is `LoadClient`, the gateway's lean pooled HTTP/1.1 client, not httpx, whose ~1.5 ms
+  per request on this machine used to be most of the figure). ``overhead_p50_ms`` /
   ``overhead_p99_ms``; ``gateway_internal_p50_ms`` is the gateway's own histogram (parse, route,
   splice) for comparison. ``direct_p50_ms`` is the same requests sent straight to the agents.
 - **max_rps**: open-loop Poisson load at rising rates through the gateway; the highest rate whose
   P99 stays within 2x the P99 at the lowest rate (and with no errors). ``direct_max_rps``: the
-  same sweep sent straight to the agents (requests spread round-robin), in the same run.
+  same sweep sent straight to the agents (requests spread round-robin), in the same run, level by
+  level interleaved with the gateway's (`sweep_both`: the lowest level runs for 200 requests, so
+  its P99 is a yardstick and not one outlier; a failing level is tried once more).
 
 ``--routers`` mode replays the same request stream (a ``steady`` regime of the trace; candidates
 sampled by item popularity, sent explicitly so the gateway sees every looked-up item) through a
@@ -42,6 +46,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from control_plane.upstream import UpstreamError, UpstreamPool
+from node_agent.server import tune_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,18 +173,37 @@ def make_bodies(trace_kind: str, path: str | None, num: int, seed: int = 0, rate
     return out
 
 
+class LoadClient:
+    """The benchmark's HTTP client: one `control_plane.upstream.UpstreamPool` (pooled keep-alive
+    HTTP/1.1, the gateway's own forwarding client) per URL. A lean client matters on a 2-core
+    machine: with httpx the client's own ~1.5 ms per request counted as gateway overhead and its CPU
+    was taken from the agents under load."""
+
+    def __init__(self, urls: list[str], max_connections: int = 256) -> None:
+        self.pools = [UpstreamPool(u, max_connections=max_connections, connect_timeout_s=5.0) for u in urls]
+
+    async def post(self, i: int, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+        return await self.pools[i % len(self.pools)].post("/v1/recommend", body, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        for p in self.pools:
+            await p.close()
+
+
 async def closed_loop(urls: list[str], bodies: list[bytes]) -> list[tuple[float, dict]]:
     """One request at a time; ``urls`` used round-robin. Returns (latency s, answer)."""
     out = []
-    async with httpx.AsyncClient(timeout=30.0) as c:
+    c = LoadClient(urls)
+    try:
         for i, b in enumerate(bodies):
             t = time.perf_counter()
-            r = await c.post(urls[i % len(urls)] + "/v1/recommend", content=b,
-                             headers={"content-type": "application/json"})
+            status, content = await c.post(i, b, timeout_s=30.0)
             dt = time.perf_counter() - t
-            if r.status_code != 200:
-                raise RuntimeError(f"request {i}: {r.status_code} {r.text[:300]}")
-            out.append((dt, r.json()))
+            if status != 200:
+                raise RuntimeError(f"request {i}: {status} {content[:300]!r}")
+            out.append((dt, json.loads(content)))
+    finally:
+        await c.close()
     return out
 
 
@@ -189,16 +215,15 @@ async def open_loop(urls: list[str], bodies: list[bytes], rate_rps: float, durat
     gaps = rng.exponential(1.0 / rate_rps, n)
     lat: list[float] = []
     errors = 0
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as c:
+    c = LoadClient(urls)
+    try:
         async def one(i: int) -> None:
             nonlocal errors
             t = time.perf_counter()
             try:
-                r = await c.post(urls[i % len(urls)] + "/v1/recommend", content=bodies[i % len(bodies)],
-                                 headers={"content-type": "application/json"})
-                ok = r.status_code == 200
-            except httpx.HTTPError:
+                status, _ = await c.post(i, bodies[i % len(bodies)], timeout_s=timeout_s)
+                ok = status == 200
+            except UpstreamError:
                 ok = False
             if ok:
                 lat.append(time.perf_counter() - t)
@@ -216,27 +241,51 @@ async def open_loop(urls: list[str], bodies: list[bytes], rate_rps: float, durat
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
+    finally:
+        await c.close()
     a = np.array(lat) * 1e3 if lat else np.array([np.inf])
     return {"offered_rps": rate_rps, "achieved_rps": round(len(lat) / elapsed, 1), "n": n, "errors": errors,
             "p50_ms": round(float(np.percentile(a, 50)), 2), "p99_ms": round(float(np.percentile(a, 99)), 2)}
 
 
-async def sweep(urls: list[str], bodies: list[bytes], rates: list[float], duration_s: float) -> tuple[float, list]:
-    rows = []
-    base = None
-    best = 0.0
+BASELINE_SAMPLES = 200  # requests at the lowest rate: its P99 is the yardstick of every other level
+
+
+async def sweep_both(paths: dict[str, list[str]], bodies: list[bytes], rates: list[float],
+                     duration_s: float) -> dict[str, tuple[float, list]]:
+    """Open-loop sweeps of several paths (``{"direct": urls, "gateway": [url]}``), interleaved
+    level by level (the order alternates per level) so every path sees the same machine noise.
+
+    A path's lowest level runs long enough for ``BASELINE_SAMPLES`` requests; a level passes when
+    it has no errors and its P99 is within 2x the lowest level's; a failing level is run once
+    more (a noisy neighbour can spoil one 5-s window) and the path stops at its first level that
+    fails twice. Returns ``{name: (highest passing rate, rows)}``."""
+    state = {name: {"best": 0.0, "rows": [], "base": None, "done": False} for name in paths}
+    names = list(paths)
     for k, rate in enumerate(rates):
-        row = await open_loop(urls, bodies[k * 1000:] + bodies, rate, duration_s, seed=k)
-        rows.append(row)
-        if base is None:
-            base = row["p99_ms"]
-        ok = row["errors"] == 0 and row["p99_ms"] <= 2 * base
-        row["within_2x_low_load_p99"] = ok
-        if ok:
-            best = rate
-        else:
+        order = names if k % 2 == 0 else names[::-1]
+        for name in order:
+            st = state[name]
+            if st["done"]:
+                continue
+            dur = max(duration_s, BASELINE_SAMPLES / rate) if k == 0 else duration_s
+            row = await open_loop(paths[name], bodies[k * 1000:] + bodies, rate, dur, seed=k)
+            if st["base"] is None:
+                st["base"] = row["p99_ms"]
+            ok = row["errors"] == 0 and row["p99_ms"] <= 2 * st["base"]
+            if not ok and k > 0:
+                again = await open_loop(paths[name], bodies[k * 1000 + 500:] + bodies, rate, dur, seed=k + 100)
+                row["retry"] = again
+                ok = again["errors"] == 0 and again["p99_ms"] <= 2 * st["base"]
+            row["within_2x_low_load_p99"] = ok
+            st["rows"].append(row)
+            if ok:
+                st["best"] = rate
+            else:
+                st["done"] = True
+        if all(st["done"] for st in state.values()):
             break
-    return best, rows
+    return {name: (st["best"], st["rows"]) for name, st in state.items()}
 
 
 def _pct(xs, q) -> float:
@@ -289,8 +338,8 @@ def run_overhead(args, workdir: Path) -> dict:
         internal = _gateway_internal_p50_ms(gw.url)
         rates = [float(r) for r in args.rates.split(",")]
         sweep_bodies = bodies[50 + args.requests:]
-        direct_max, direct_rows = asyncio.run(sweep(urls, sweep_bodies, rates, args.duration))
-        gw_max, gw_rows = asyncio.run(sweep([gw.url], sweep_bodies, rates, args.duration))
+        swept = asyncio.run(sweep_both({"direct": urls, "gateway": [gw.url]}, sweep_bodies, rates, args.duration))
+        (direct_max, direct_rows), (gw_max, gw_rows) = swept["direct"], swept["gateway"]
         state = httpx.get(gw.url + "/v1/router", timeout=5.0).json()
         return {
             "num_nodes": args.nodes, "requests": len(reqs), "cpu_count": os.cpu_count(),
@@ -353,13 +402,14 @@ def run_routers(args, workdir: Path) -> dict:
 async def replay(url: str, bodies: list[bytes], rate_rps: float) -> list:
     """The bodies at a fixed rate (open loop); (latency s, answer or None)."""
     out: list = [None] * len(bodies)
-    async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_connections=256)) as c:
+    c = LoadClient([url])
+    try:
         async def one(i: int) -> None:
             t = time.perf_counter()
             try:
-                r = await c.post(url + "/v1/recommend", content=bodies[i], headers={"content-type": "application/json"})
-                out[i] = (time.perf_counter() - t, r.json() if r.status_code == 200 else None)
-            except httpx.HTTPError:
+                status, content = await c.post(0, bodies[i], timeout_s=30.0)
+                out[i] = (time.perf_counter() - t, json.loads(content) if status == 200 else None)
+            except UpstreamError:
                 out[i] = (time.perf_counter() - t, None)
 
         start = time.perf_counter()
@@ -370,6 +420,8 @@ async def replay(url: str, bodies: list[bytes], rate_rps: float) -> list:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
+    finally:
+        await c.close()
     return out
 
 
@@ -393,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="racer-bench-gateway-") as d:
         workdir = Path(d)
+        tune_runtime()  # the client's own collections and GIL hand-offs would otherwise count as latency
         result = run_routers(args, workdir) if args.routers else run_overhead(args, workdir)
     if args.json:
         print(json.dumps(result))

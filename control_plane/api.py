@@ -52,7 +52,7 @@ API = "/api/v1"
 MAX_ARTIFACT_BYTES = 64 << 20
 ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
 
-NODE, OPERATOR, VIEWER = "node", "operator", "viewer"
+NODE, OPERATOR, VIEWER, ROUTER = "node", "operator", "viewer", "router"
 
 
 def roles(*r: str) -> dict:
@@ -201,8 +201,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         return request.app.state.factory.begin()
 
     # ---- identity
-    @r.get("/whoami", response_model=WhoAmIOut, **roles(NODE, OPERATOR, VIEWER))
-    def whoami(p: principal(NODE, OPERATOR, VIEWER)):
+    @r.get("/whoami", response_model=WhoAmIOut, **roles(NODE, OPERATOR, VIEWER, ROUTER))
+    def whoami(p: principal(NODE, OPERATOR, VIEWER, ROUTER)):
         return WhoAmIOut(token_id=p.token_id, name=p.name, role=p.role)
 
     @r.post("/tokens", response_model=TokenOut, status_code=201, **roles(OPERATOR))
@@ -273,7 +273,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                                            error=body.error, now_s=now)
             return NodeOut.model_validate(node)
 
-    @r.get("/nodes", response_model=list[NodeOut], **roles(OPERATOR, VIEWER))
+    @r.get("/nodes", response_model=list[NodeOut], **roles(OPERATOR, VIEWER, ROUTER))
     def nodes(request: Request):
         with request.app.state.factory() as s:
             return [NodeOut.model_validate(n) for n in queries.list_nodes(s)]
@@ -366,8 +366,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         return RouterOut(url=x.url, has_push_token=x.push_token is not None, registered_at_s=x.registered_at_s,
                          pushed_version=x.pushed_version, last_push_s=x.last_push_s, last_error=x.last_error)
 
-    @r.post("/routers", response_model=RouterOut, **roles(NODE, OPERATOR))
-    def register_router(body: RouterIn, request: Request, p: principal(NODE, OPERATOR)):
+    @r.post("/routers", response_model=RouterOut, **roles(NODE, OPERATOR, ROUTER))
+    def register_router(body: RouterIn, request: Request, p: principal(NODE, OPERATOR, ROUTER)):
         now = clock()
         with begin(request) as s:
             router, new = queries.upsert_router(s, body.url, now, body.push_token)
@@ -392,7 +392,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                           before={"url": url}, reason="")
             return out
 
-    @r.get("/router/weights", response_model=RouterWeightsOut, responses=errors(404), **roles(NODE, OPERATOR, VIEWER))
+    @r.get("/router/weights", response_model=RouterWeightsOut, responses=errors(404), **roles(NODE, OPERATOR, VIEWER, ROUTER))
     def router_weights(request: Request):
         with request.app.state.factory() as s:
             w = queries.latest_weights(s)

@@ -1,8 +1,10 @@
-"""Bearer tokens with roles ``node``, ``operator``, ``viewer``.
+"""Bearer tokens with roles ``node``, ``operator``, ``viewer``, ``router``.
 
 Tokens are 256-bit random strings (``secrets.token_urlsafe(32)``), stored as their sha256 (a
 slow hash buys nothing for random secrets). ``operator`` may do everything a ``viewer`` may;
-``node`` is separate (register, report, directives, confirmations, router registration). A
+``node`` is separate (register, report, directives, confirmations, router registration);
+``router`` is what a gateway needs and nothing more (list the nodes, read the weights, register
+itself for weight pushes), so a gateway never holds an operator's power. A
 missing or unknown token gets 401, a known token of the wrong role 403. Lookups are cached for
 ``ttl_s`` seconds (a revoked token stops working within that time).
 """
@@ -18,7 +20,7 @@ from fastapi import HTTPException, Request
 
 from db import queries
 
-ROLE_IMPLIES = {"operator": {"operator", "viewer"}, "viewer": {"viewer"}, "node": {"node"}}
+ROLE_IMPLIES = {"operator": {"operator", "viewer"}, "viewer": {"viewer"}, "node": {"node"}, "router": {"router"}}
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def add_control_plane_parser(sub) -> None:
     tsub = tok.add_subparsers(dest="token_command", metavar="SUBCOMMAND", required=True)
     c = tsub.add_parser("create", help="create a token and print its secret once",
                         description="Create a bearer token in the control plane's database.")
-    c.add_argument("--role", required=True, choices=("node", "operator", "viewer"))
+    c.add_argument("--role", required=True, choices=("node", "operator", "viewer", "router"))
     c.add_argument("--name", default=None, help="a name for the audit log (default: the role)")
     c.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or the SQLite file)")
     c.add_argument("--json", action="store_true", help="print {id, name, role, token}")

@@ -48,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from node_agent.server import finite_validation_errors
 
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
+from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from .weights import CostProfile
 
 log = logging.getLogger("racer.gateway")
@@ -124,6 +125,7 @@ class NodeLink:
     service_time_us: float | None = None
     node_queue_depth: int = 0
     hot_shards: list[int] = field(default_factory=list)
+    pool: UpstreamPool | None = field(default=None, repr=False)  # the request path's connections
 
 
 class BadRequest(ValueError):
@@ -272,6 +274,10 @@ class Gateway:
         if self.client is not None:
             await self.client.aclose()
             self.client = None
+        for link in self.links:
+            if link.pool is not None:
+                await link.pool.close()
+                link.pool = None
 
     @staticmethod
     async def _loop(interval_s: float, fn) -> None:
@@ -357,12 +363,18 @@ class Gateway:
         link.inflight += 1
         t = time.perf_counter()
         try:
-            r = await self.client.post(link.address + "/v1/recommend", content=body,
-                                       headers={"content-type": "application/json"})
-            status, content, kind = r.status_code, r.content, ("5xx" if r.status_code >= 500 else None)
-        except httpx.TimeoutException as e:
+            pool = link.pool
+            if pool is None or pool.address != link.address:
+                if pool is not None:
+                    await pool.close()
+                c = self.config
+                pool = link.pool = UpstreamPool(link.address, max_connections=c.max_connections,
+                                                connect_timeout_s=c.connect_timeout_s)
+            status, content = await pool.post("/v1/recommend", body, timeout_s=self.config.request_timeout_s)
+            kind = "5xx" if status >= 500 else None
+        except UpstreamTimeout as e:
             status, content, kind = 0, str(e).encode() or b"timeout", "timeout"
-        except httpx.TransportError as e:
+        except UpstreamError as e:
             status, content, kind = 0, (str(e) or type(e).__name__).encode(), "connect"
         finally:
             link.inflight -= 1

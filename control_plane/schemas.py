@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ROLES = ("node", "operator", "viewer")
+ROLES = ("node", "operator", "viewer", "router")
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -360,7 +360,7 @@ class WhoAmIOut(Out):
 
 
 class TokenIn(In):
-    role: Literal["node", "operator", "viewer"]
+    role: Literal["node", "operator", "viewer", "router"]
     name: Annotated[str, Field(min_length=1, max_length=128)]
 
 

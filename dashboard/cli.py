@@ -2,38 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-import math
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {v}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+from node_agent.argtypes import port, positive_float, positive_int
 
 
 def add_dashboard_parser(subparsers) -> None:
@@ -44,13 +13,13 @@ def add_dashboard_parser(subparsers) -> None:
     db.add_argument("--control-plane", required=True, metavar="URL",
                     help="control-plane base URL, e.g. http://127.0.0.1:8600")
     db.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    db.add_argument("--port", type=_port, default=8050, help="port (default 8050; 0: a free one)")
-    db.add_argument("--refresh-s", type=_positive_float, default=2.0, help="live refresh period, s (default 2)")
-    db.add_argument("--timeout-s", type=_positive_float, default=3.0,
+    db.add_argument("--port", type=port, default=8050, help="port (default 8050; 0: a free one)")
+    db.add_argument("--refresh-s", type=positive_float, default=2.0, help="live refresh period, s (default 2)")
+    db.add_argument("--timeout-s", type=positive_float, default=3.0,
                     help="control-plane request timeout, s (default 3)")
-    db.add_argument("--slo-ms", type=_positive_float, default=30.0,
+    db.add_argument("--slo-ms", type=positive_float, default=30.0,
                     help="the latency SLO drawn on P99 charts, ms (default 30, the node agent's default)")
-    db.add_argument("--range-s", type=_positive_int, default=900, help="initial time range, s (default 900)")
+    db.add_argument("--range-s", type=positive_int, default=900, help="initial time range, s (default 900)")
     db.set_defaults(func=cmd_dashboard)
 
 

@@ -17,61 +17,23 @@ import json
 import logging
 import sys
 
+from .argtypes import port, positive_float, positive_int, unit_interval
+
 log = logging.getLogger("racer.node_agent")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return v
-
-
-def _share(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return v
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (HSTU; weights initialised from --seed)")
-    g.add_argument("--embedding-dim", type=_positive_int, default=64, help="item embedding / model width (default 64)")
-    g.add_argument("--num-layers", type=_positive_int, default=2, help="HSTU layers (default 2)")
-    g.add_argument("--num-heads", type=_positive_int, default=2, help="attention heads (default 2)")
-    g.add_argument("--head-dim", type=_positive_int, default=32,
+    g.add_argument("--embedding-dim", type=positive_int, default=64, help="item embedding / model width (default 64)")
+    g.add_argument("--num-layers", type=positive_int, default=2, help="HSTU layers (default 2)")
+    g.add_argument("--num-heads", type=positive_int, default=2, help="attention heads (default 2)")
+    g.add_argument("--head-dim", type=positive_int, default=32,
                    help="per-head size of Q, K and V (one size: the KV pages store K and V alike; default 32)")
-    g.add_argument("--page-tokens", type=_positive_int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--page-tokens", type=positive_int, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="K/V storage type in the pages (default float32)")
     g.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU, else CPU), cpu, cuda[:N]")
-    g.add_argument("--threads", type=_positive_int, default=1,
+    g.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads on the CPU (default 1: these VMs are shared)")
     g.add_argument("--seed", type=int, default=0, help="seed of the model weights and the item table (default 0)")
 
@@ -80,7 +42,7 @@ def _add_link_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("link emulation (charges EMB misses what a PCIe link would)")
     g.add_argument("--link-emulation", choices=("auto", "on", "off"), default="auto",
                    help="auto: on for the CPU, off on CUDA where the copies are real (default auto)")
-    g.add_argument("--link-bandwidth-gb-per-s", type=_positive_float, default=None,
+    g.add_argument("--link-bandwidth-gb-per-s", type=positive_float, default=None,
                    help="emulated bandwidth, GB/s (default: PCIe 4.0 x16, see docs/engine.md)")
     g.add_argument("--link-latency-us", type=float, default=None,
                    help="emulated fixed cost per transfer, µs (default: PCIe 4.0 x16, see docs/engine.md)")
@@ -294,10 +256,10 @@ def add_node_parser(subparsers) -> None:
     _add_link_args(pr)
     pr.add_argument("--lengths", default="128,512,2048", help="history lengths for kv_recompute_us_per_token "
                                                               "(default 128,512,2048)")
-    pr.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per figure, median (default 5)")
-    pr.add_argument("--emb-batch-rows", type=_positive_int, default=512,
+    pr.add_argument("--repeats", type=positive_int, default=5, help="timed runs per figure, median (default 5)")
+    pr.add_argument("--emb-batch-rows", type=positive_int, default=512,
                     help="ids per EMB lookup when timing hits and misses (default 512)")
-    pr.add_argument("--num-candidates", type=_positive_int, default=256,
+    pr.add_argument("--num-candidates", type=positive_int, default=256,
                     help="candidates when timing ranking (default 256)")
     pr.add_argument("--out", default=None,
                     help="also write the profile to this file (default: print only, write no file)")
@@ -309,43 +271,43 @@ def add_node_parser(subparsers) -> None:
                                description="The node agent: the GR engine (model, EMB cache, KV pool, Memory "
                                            "Manager) behind POST /v1/recommend, GET /healthz and GET /v1/metrics.")
     ag.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ag.add_argument("--port", type=_non_negative_int, default=8100, help="port (0: a free one; default 8100)")
+    ag.add_argument("--port", type=port, default=8100, help="port (0: a free one; default 8100)")
     ag.add_argument("--trace", required=True, choices=sorted(LOADERS),
                     help="trace format; the item count comes from the trace")
     ag.add_argument("--path", default=None,
                     help="trace file (default: the sample under $RACER_DATA_DIR or ../shared/data)")
-    ag.add_argument("--max-rows", type=_positive_int, default=None, help="read at most this many interactions")
-    ag.add_argument("--emb-share", type=_share, default=0.5, help="initial EMB share of the arena (default 0.5)")
-    ag.add_argument("--slo-ms", type=_positive_float, default=30.0, help="latency SLO, ms (default 30)")
+    ag.add_argument("--max-rows", type=positive_int, default=None, help="read at most this many interactions")
+    ag.add_argument("--emb-share", type=unit_interval, default=0.5, help="initial EMB share of the arena (default 0.5)")
+    ag.add_argument("--slo-ms", type=positive_float, default=30.0, help="latency SLO, ms (default 30)")
     ag.add_argument("--policy", default=None,
                     help="SmartAllocator policy artifact directory (default: none, emb_share stays fixed)")
     ag.add_argument("--profile", default=None,
                     help="cost profile (racer node profile) for the allocator's miss costs (default: measured "
                          "at start when --policy is given)")
     g = ag.add_argument_group("memory and limits")
-    g.add_argument("--num-pages", type=_positive_int, default=4096, help="arena pages (default 4096)")
-    g.add_argument("--max-history-len", type=_positive_int, default=4096,
+    g.add_argument("--num-pages", type=positive_int, default=4096, help="arena pages (default 4096)")
+    g.add_argument("--max-history-len", type=positive_int, default=4096,
                    help="most history + new items per request (default 4096)")
-    g.add_argument("--max-candidates", type=_positive_int, default=4096, help="most candidates per request")
-    g.add_argument("--num-candidates", type=_positive_int, default=256,
+    g.add_argument("--max-candidates", type=positive_int, default=4096, help="most candidates per request")
+    g.add_argument("--num-candidates", type=positive_int, default=256,
                    help="candidates generated when a request names none and gives no count (default 256)")
-    g.add_argument("--top-k", type=_positive_int, default=10, help="default top-k (default 10)")
+    g.add_argument("--top-k", type=positive_int, default=10, help="default top-k (default 10)")
     g = ag.add_argument_group("serving loop")
-    g.add_argument("--max-batch", type=_positive_int, default=16, help="most requests per micro-batch (default 16)")
+    g.add_argument("--max-batch", type=positive_int, default=16, help="most requests per micro-batch (default 16)")
     g.add_argument("--batch-window-us", type=float, default=0.0,
                    help="wait this long for more requests after the first (default 0)")
-    g.add_argument("--max-queue", type=_positive_int, default=1024, help="queued requests before 503 (default 1024)")
-    g.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
+    g.add_argument("--max-queue", type=positive_int, default=1024, help="queued requests before 503 (default 1024)")
+    g.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20,
                    help="larger request bodies get 413, chunked ones included (default 4194304)")
-    g.add_argument("--large-prefill-tokens", type=_positive_int, default=1024,
+    g.add_argument("--large-prefill-tokens", type=positive_int, default=1024,
                    help="a request with at least this many tokens to prefill (not in its KV cache) is a large "
                         "miss: served alone, alternating with the small requests (default 1024)")
-    g.add_argument("--max-prefill-tokens-per-batch", type=_positive_int, default=2048,
+    g.add_argument("--max-prefill-tokens-per-batch", type=positive_int, default=2048,
                    help="estimated prefill tokens per micro-batch of small requests (default 2048)")
-    g.add_argument("--request-timeout-s", type=_positive_float, default=30.0, help="504 after this long (default 30)")
-    g.add_argument("--control-interval-s", type=_positive_float, default=1.0,
+    g.add_argument("--request-timeout-s", type=positive_float, default=30.0, help="504 after this long (default 30)")
+    g.add_argument("--control-interval-s", type=positive_float, default=1.0,
                    help="control step period: window stats, allocator (default 1)")
-    g.add_argument("--metrics-window-s", type=_positive_float, default=60.0, help="metrics window (default 60)")
+    g.add_argument("--metrics-window-s", type=positive_float, default=60.0, help="metrics window (default 60)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
     g = ag.add_argument_group("control plane (optional: without --control-plane the agent runs on its own)")
@@ -360,10 +322,10 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--state-dir", default=None,
                    help="report spool, sequence counter and downloaded policies "
                         "(default: $XDG_STATE_HOME or ~/.local/state, then racer/node-agent/<node-id>)")
-    g.add_argument("--max-buffered-reports", type=_positive_int, default=10_000,
+    g.add_argument("--max-buffered-reports", type=positive_int, default=10_000,
                    help="reports kept on disk while the control plane is unreachable; the oldest are dropped "
                         "beyond (default 10000)")
-    g.add_argument("--service-time-us", type=_positive_float, default=None,
+    g.add_argument("--service-time-us", type=positive_float, default=None,
                    help="service time per request sent in the cost profile (default: estimated from the miss costs)")
     _add_model_args(ag)
     _add_link_args(ag)

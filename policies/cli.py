@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from node_agent.argtypes import positive_float
+
 
 def cmd_policy_export(args) -> int:
     from .export import export_checkpoint
@@ -52,13 +54,6 @@ def cmd_policy_train(args) -> int:
     return cmd_train(args)
 
 
-def _positive_float(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
 def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``policy`` (with ``train``, ``export`` and ``verify``) to racer's top-level subparsers."""
     from .train_ppo import add_train_arguments
@@ -74,7 +69,7 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="artifact directory to create")
     e.add_argument("--num-golden", type=int, default=64, help="golden inputs stored with the artifact (default 64)")
     e.add_argument("--seed", type=int, default=0, help="seed of the golden inputs (default 0)")
-    e.add_argument("--tolerance", type=_positive_float, default=1e-5,
+    e.add_argument("--tolerance", type=positive_float, default=1e-5,
                    help="max |onnxruntime - torch| on the golden inputs (default 1e-5)")
     e.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     e.add_argument("--json", action="store_true", help="print one JSON object")

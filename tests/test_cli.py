@@ -121,3 +121,19 @@ def test_describe_json_rounds_figures_to_what_they_mean(tmp_path, capsys):
             yield x
 
     assert all(v == round(v, 4) for v in floats(d))  # rates and shares: at most 4 decimals
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["dashboard", "--control-plane", "http://h:1", "--port", "70000"], "--port: must be in [0, 65535], got 70000"),
+    (["dashboard", "--control-plane", "http://h:1", "--refresh-s", "nan"], "--refresh-s: must be a positive number"),
+    (["node-agent", "--trace", "taobao", "--port", "-1"], "--port: must be in [0, 65535], got -1"),
+    (["node-agent", "--trace", "taobao", "--emb-share", "1.5"], "--emb-share: must be in [0, 1], got 1.5"),
+    (["node-agent", "--trace", "taobao", "--max-batch", "two"], "--max-batch: must be an integer, got 'two'"),
+    (["policy", "export", "--tolerance", "x"], "--tolerance: must be a number, got 'x'"),
+])
+def test_every_command_line_words_range_errors_alike(argv, message, capsys):
+    """node_agent.argtypes is the one set of converters: the same wording in every command."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -89,7 +89,7 @@ def _fill(path: str, params: list[dict]) -> str:
 
 def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
     spec = httpx.get(cp.base + "/openapi.json").json()
-    tokens = {role: cp.token(role) for role in ("node", "operator", "viewer")}
+    tokens = {role: cp.token(role) for role in ("node", "operator", "viewer", "router")}
     checked = []
     for path, ops in spec["paths"].items():
         for method, op in ops.items():
@@ -98,7 +98,7 @@ def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
             allowed = op["x-racer-roles"]  # every mutating route must declare its roles
             url = cp.base + _fill(path, op.get("parameters", []))
             for token, want in [(None, 401), ("racer_not-a-token", 401)] + [
-                    (tokens[r], 403) for r in ("node", "operator", "viewer") if r not in allowed]:
+                    (tokens[r], 403) for r in ("node", "operator", "viewer", "router") if r not in allowed]:
                 h = {"Authorization": f"Bearer {token}"} if token else {}
                 r = httpx.request(method.upper(), url, headers=h, json={}, timeout=30)
                 assert r.status_code == want, (method, path, token and token[:10], r.status_code, r.text)
@@ -108,6 +108,18 @@ def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
     assert cp.client(tokens["viewer"]).get("/nodes").status_code == 200
     assert cp.client(tokens["node"]).get("/audit").status_code == 403
     assert cp.client(tokens["viewer"]).get("/whoami").json()["role"] == "viewer"
+    # a gateway's token (role router): the node list, the weights and its own registration, no more
+    gw = cp.client(tokens["router"])
+    assert gw.get("/nodes").status_code == 200
+    assert gw.get("/router/weights").status_code in (200, 404)  # 404: no weights computed yet
+    assert gw.post("/routers", json={"url": "http://127.0.0.1:9"}).status_code == 200
+    assert gw.delete("/routers", params={"url": "http://127.0.0.1:9"}).status_code == 403
+    assert cp.admin.delete("/routers", params={"url": "http://127.0.0.1:9"}).status_code == 200  # the module's cp is shared
+    for path in ("/reports", "/decisions", "/audit", "/overrides", "/policies", "/summary"):
+        assert gw.get(path).status_code == 403, path
+    assert [p for p, ops in spec["paths"].items() for m, op in ops.items()
+            if "router" in op.get("x-racer-roles", [])] == ["/api/v1/whoami", "/api/v1/nodes", "/api/v1/routers",
+                                                             "/api/v1/router/weights"]
 
 
 def test_override_lifecycle_with_expiry_and_audit(cp):

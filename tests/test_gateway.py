@@ -389,7 +389,7 @@ def test_gateway_with_the_real_control_plane(cluster, tmp_path):
                 "cost_profile": {"kv_recompute_us_per_token": 4.0, "emb_transfer_us_per_row": 2.0,
                                  "service_time_us": 3000.0, "queue_capacity": 48}})
             assert r.status_code == 200, r.text
-        op = cp.token("operator")
+        op = cp.token("router")  # a gateway's own role: nodes, weights, its registration
         gw_port = free_port()
         gw = Proc(["gateway", "--control-plane", cp.base, "--token", op, "--trace", "taobao",
                    "--advertise-url", f"http://127.0.0.1:{gw_port}"], tmp_path / "gw-realcp.log", gw_port)
