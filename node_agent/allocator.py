@@ -12,7 +12,10 @@ Layers, in order (each decision records which one set its value, as ``source``):
    (IOBinding) to preallocated numpy buffers, into which `build_features` writes directly.
 2. ``residual``: `ResidualAdapter`, a linear model of the features trained online by normalised
    LMS after each interval; its correction is added to the base output, bounded by
-   ``|correction| <= max_correction`` (0.1).
+   ``|correction| <= max_correction`` (0.1); and `OperatingPointTuner`, an offset added as well,
+   moved every interval along the node's busy-time gradient measured by the caches' ghost lists
+   (weighted by the queueing pressure), over the whole guard range: it finds a setting's
+   operating point online where the base policy is far from it.
 3. ``recovery``: `RecoveryController`, a burst detector with hysteresis over slow EWMA baselines
    of the arrival rate and the hot-user ratio; in a burst it caps emb_share at the split in force
    when the burst began minus ``kv_shift`` (memory moves to the KV cache), then hands control back.
