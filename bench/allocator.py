@@ -2,10 +2,11 @@
 
     python -m bench.allocator [--json] [--artifact DIR] [--rounds 20] [--decisions 5000]
 
-Times ``SmartAllocator.decide`` end to end -- features -> onnxruntime (IOBinding) -> residual ->
-recovery -> override/guards -> the decision record -- over a scripted stream of control
-intervals that exercises every path (steady drift, bursts that enter, hold and hand back, an
-operator override that expires, step-limited moves), with the adapter learning between decisions
+Times ``SmartAllocator.decide`` end to end -- features -> onnxruntime (IOBinding) -> residual
+(adapter and operating-point tuner) -> recovery -> override/guards -> the decision record -- over
+a scripted stream of control intervals that exercises every path (steady drift, bursts that
+enter, hold and hand back, an operator override that expires, step-limited moves, ghost-list
+marginal utilities that move the tuner KV-ward in bursts), with the adapter learning between decisions
 as in the node agent (``observe`` is timed separately). The process is pinned to one CPU, and
 onnxruntime and torch run one thread. The machine is shared and noisy, so it runs many rounds and
 reports percentiles over all decisions (``decision_us_p50``, ``decision_us_p99``) plus the spread
@@ -48,7 +49,8 @@ def _pin_one_core() -> list[int] | None:
 
 def scripted_stats(num: int, seed: int = 0) -> list:
     """``num`` consecutive 1-s intervals: noisy steady load with slow drift, a burst (rate x4,
-    hot-user ratio x6) every 60 s lasting 4 s, latency rising with load."""
+    hot-user ratio x6) every 60 s lasting 4 s, latency rising with load; the ghost lists'
+    marginal utilities noisy around 40 µs (EMB) and 35 µs (KV), the KV side +80 µs in bursts."""
     from node_agent.features import WindowStats
 
     rng = np.random.default_rng(seed)
@@ -67,7 +69,8 @@ def scripted_stats(num: int, seed: int = 0) -> list:
             history_len_p50=p50, history_len_p99=p50 * 5, emb_lookups_per_request=120.0, emb_hit_rate=emb_hit,
             kv_hit_rate=kv_hit, kv_recompute_us_per_token=0.5, emb_transfer_us_per_row=2.0, emb_share=0.5,
             load=min(1.0, rate / 5000), p99_ms=max(0.0, p99), slo_ms=30.0, refill_bytes=float(rng.uniform(0, 1e8)),
-            arena_bytes=8e9))
+            arena_bytes=8e9, emb_marginal_us=max(0.0, float(rng.normal(40, 8))),
+            kv_marginal_us=max(0.0, float(rng.normal(115 if burst else 35, 10)))))
     return out
 
 
@@ -111,6 +114,7 @@ def main(argv=None) -> dict:
         decide_ns: list[int] = []
         observe_ns: list[int] = []
         round_p50: list[float] = []
+        tuner_actions: dict = {}
         perf = time.perf_counter_ns
         now = 0.0
         for r in range(args.rounds + 1):  # round 0 warms up and is not reported
@@ -125,6 +129,9 @@ def main(argv=None) -> dict:
                 alloc.decide(s, now)
                 t2 = perf()
                 ns[i] = t2 - t1
+                if r == 1:
+                    a = alloc.last_decision.tuner_action
+                    tuner_actions[a] = tuner_actions.get(a, 0) + 1
                 if r:
                     observe_ns.append(t1 - t0)
                 now += 1.0
@@ -134,7 +141,10 @@ def main(argv=None) -> dict:
 
         # component medians (each timed alone, same inputs)
         row = policy.input_row
-        comp = {"features": [], "onnxruntime": [], "residual": []}
+        comp = {"features": [], "onnxruntime": [], "residual": [], "tuner": []}
+        from node_agent.allocator import OperatingPointTuner
+
+        tuner = OperatingPointTuner(alloc.config.tuner)  # a spare one: the allocator's state stays as it was
         prev = None
         for s in stats:
             t0 = perf()
@@ -144,6 +154,9 @@ def main(argv=None) -> dict:
             t2 = perf()
             alloc.residual.predict(row)
             t3 = perf()
+            tuner.update(s, -0.5, 0.5)
+            t4 = perf()
+            comp["tuner"].append(t4 - t3)
             comp["features"].append(t1 - t0)
             comp["onnxruntime"].append(t2 - t1)
             comp["residual"].append(t3 - t2)
@@ -171,6 +184,7 @@ def main(argv=None) -> dict:
             "num_decisions": len(decide_ns),
             "rounds": args.rounds,
             "decision_sources": dict(alloc.num_decisions),
+            "tuner_actions_one_round": {str(k): v for k, v in tuner_actions.items()},
             "policy_id": policy.policy_id,
             "providers": policy.providers,
             "cpu_affinity": cpus,

@@ -12,7 +12,10 @@ Layers, in order (each decision records which one set its value, as ``source``):
    (IOBinding) to preallocated numpy buffers, into which `build_features` writes directly.
 2. ``residual``: `ResidualAdapter`, a linear model of the features trained online by normalised
    LMS after each interval; its correction is added to the base output, bounded by
-   ``|correction| <= max_correction`` (0.1).
+   ``|correction| <= max_correction`` (0.1); and `OperatingPointTuner`, an offset added as well,
+   moved every interval along the node's busy-time gradient measured by the caches' ghost lists
+   (weighted by the queueing pressure), over the whole guard range: it finds a setting's
+   operating point online where the base policy is far from it.
 3. ``recovery``: `RecoveryController`, a burst detector with hysteresis over slow EWMA baselines
    of the arrival rate and the hot-user ratio; in a burst it caps emb_share at the split in force
    when the burst began minus ``kv_shift`` (memory moves to the KV cache), then hands control back.
@@ -167,6 +170,40 @@ class ResidualConfig:
 
 
 @dataclass(frozen=True)
+class TunerConfig:
+    """The operating-point tuner, the residual layer's second part (see `OperatingPointTuner`).
+
+    - ``enabled``: False turns it off (offset 0, no learning);
+    - ``gain``: emb_share moved per unit of the pressure-weighted gradient, in (0, 10];
+    - ``max_rate``: most the offset moves in one interval, in (0, 0.5];
+    - ``deadband``: a step smaller than this is not taken, in [0, 0.1);
+    - ``headroom_floor``: floor of ``1 - load`` in the queueing pressure ``load / (1 - load)``
+      (caps the pressure at ``1 / headroom_floor``), in (0, 1).
+    """
+
+    enabled: bool = True
+    gain: float = 1.0
+    max_rate: float = 0.1
+    deadband: float = 0.005
+    headroom_floor: float = 0.05
+
+    def __post_init__(self) -> None:
+        problems = [] if isinstance(self.enabled, bool) else [f"enabled must be a bool, got {self.enabled!r}"]
+        rules = {
+            "gain": (lambda v: 0 < v <= 10, "(0, 10]"),
+            "max_rate": (lambda v: 0 < v <= 0.5, "(0, 0.5]"),
+            "deadband": (lambda v: 0 <= v < 0.1, "[0, 0.1)"),
+            "headroom_floor": (lambda v: 0 < v < 1, "(0, 1)"),
+        }
+        for name, (ok, words) in rules.items():
+            v = getattr(self, name)
+            if not (_num(v) and ok(v)):
+                problems.append(f"{name} must be in {words}, got {v!r}")
+        if problems:
+            raise ValueError("invalid TunerConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
 class RecoveryConfig:
     """The burst recovery controller (see `RecoveryController`).
 
@@ -236,6 +273,7 @@ class AllocatorConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
     initial_emb_share: float = 0.5
     device: str = "auto"
     intra_op_num_threads: int = 1
@@ -243,7 +281,8 @@ class AllocatorConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for name, cls in (("guard", GuardConfig), ("residual", ResidualConfig), ("recovery", RecoveryConfig)):
+        for name, cls in (("guard", GuardConfig), ("residual", ResidualConfig), ("recovery", RecoveryConfig),
+                          ("tuner", TunerConfig)):
             if not isinstance(getattr(self, name), cls):
                 problems.append(f"{name} must be a {cls.__name__}")
         if not (_num(self.initial_emb_share) and 0 <= self.initial_emb_share <= 1):
@@ -523,6 +562,134 @@ class ResidualAdapter:
                              mean_abs_error=self.mean_abs_error, last_reset_reason=self.last_reset_reason)
 
 
+# --------------------------------------------------------------------------------------------- tuner
+
+
+TUNER_ACTIONS = ("emb_ward", "kv_ward", "deadband", "bound", "no_evidence")
+
+
+@dataclass(frozen=True)
+class TunerState:
+    enabled: bool
+    offset: float
+    num_updates: int
+    num_holds: int
+    num_resets: int
+    last_action: str | None
+    last_gradient: float
+    last_step: float
+    last_reset_reason: str | None
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class OperatingPointTuner:
+    """The setting's operating point, found online: an offset added to the base policy's share
+    (with the adapter's bounded correction, the residual layer), moved every interval along the
+    measured gradient of the node's busy time, over the whole guard range.
+
+    Gradient (utility-based cache partitioning, Qureshi and Patt, MICRO 2006, on the ghost lists
+    of both caches, `node_agent.features.marginal_utility_us`): from the interval's `WindowStats`,
+    with ``busy_us = load * interval_s * 1e6 / num_requests`` the device time per completed request,
+
+    - ``gradient = (emb_marginal_us - kv_marginal_us) / busy_us``: the share of a request's device
+      time that moving 10% of the arena toward the EMB slab would save (negative: toward the KV
+      pool). The marginal utilities are priced at the node's own profiled miss costs and counted
+      per 10% of its own arena, so the gradient is dimensionless: the same number means the same
+      thing on any node, model or arena size (nothing to re-tune per setting);
+    - ``pressure = load^2 / max(1 - load, headroom_floor)``: the device time that moves is
+      ``gradient * load`` of the node's time, and in a queue the wait grows as
+      ``load / (1 - load)``: a node with headroom gains nothing in latency from saving a little
+      device time (the offset hardly moves: the base policy's split stands), a saturated one
+      gains its backlog's growth (the offset moves at ``max_rate``);
+    - ``step = clip(gain * gradient * pressure, -max_rate, max_rate)``, not taken when
+      ``|step| < deadband``; a step never carries ``base + correction + offset`` past a guard
+      bound (``bound``; a base output beyond a bound is left to the guard stage).
+
+    So the offset climbs the busy-time gradient until the two caches' marginal utilities meet or a
+    bound is reached, at most ``max_rate`` per interval: from any base share, the far end of the
+    guard range (0.9 of emb_share) is at most ``0.9 / max_rate`` intervals away. No evidence (no
+    request served, no busy time, both ghost lists silent: the lists off or both caches cold)
+    holds the offset. The allocator also takes back the part of a step that the guards' step
+    limit refused (anti-windup: the offset never runs ahead of the split in force).
+    `reset` zeroes it (an operator's `SmartAllocator.reset_residual`, or a new base policy when
+    `ResidualConfig.reset_on_policy_swap`).
+    """
+
+    def __init__(self, config: TunerConfig | None = None):
+        self.config = config or TunerConfig()
+        self.offset = 0.0
+        self.num_updates = 0
+        self.num_holds = 0
+        self.num_resets = 0
+        self.last_action: str | None = None
+        self.last_gradient = 0.0
+        self.last_step = 0.0
+        self.last_reset_reason: str | None = None
+
+    def update(self, stats: WindowStats, lo: float, hi: float) -> str:
+        """One interval: move the offset by this interval's step, kept in ``[lo, hi]``; returns
+        the action (one of `TUNER_ACTIONS`); ``last_gradient`` / ``last_step`` hold the figures."""
+        c = self.config
+        n = stats.num_requests
+        em = stats.emb_marginal_us
+        km = stats.kv_marginal_us
+        rho = stats.load
+        if n <= 0 or rho <= 0.0 or em + km <= 0.0:
+            self.num_holds += 1
+            self.last_gradient = self.last_step = 0.0
+            action = "no_evidence"
+            off = self.offset
+        else:
+            g = (em - km) * n / (rho * stats.interval_s * 1e6)
+            headroom = 1.0 - rho
+            if headroom < c.headroom_floor:
+                headroom = c.headroom_floor
+            step = c.gain * g * rho * rho / headroom
+            m = c.max_rate
+            step = m if step > m else (-m if step < -m else step)
+            self.last_gradient = g
+            self.num_updates += 1
+            if -c.deadband < step < c.deadband:
+                self.last_step = 0.0
+                action = "deadband"
+                off = self.offset
+            else:
+                self.last_step = step
+                action = "emb_ward" if step > 0 else "kv_ward"
+                off = self.offset + step
+        if hi < 0.0:  # the bounds clip the offset's own push only; a base output beyond them is the guard's
+            hi = 0.0
+        if lo > 0.0:
+            lo = 0.0
+        if off > hi and off > self.offset:
+            off, action = (hi if hi > self.offset else self.offset), "bound"
+        elif off < lo and off < self.offset:
+            off, action = (lo if lo < self.offset else self.offset), "bound"
+        self.last_step = off - self.offset
+        self.offset = off
+        self.last_action = action
+        return action
+
+    def take_back(self, amount: float) -> None:
+        """Remove ``amount`` of the last step (the part the guards' step limit refused)."""
+        self.offset -= amount
+        self.last_step -= amount
+
+    def reset(self, reason: str = "reset") -> None:
+        self.offset = self.last_gradient = self.last_step = 0.0
+        self.last_action = None
+        self.num_resets += 1
+        self.last_reset_reason = reason
+
+    def state(self) -> TunerState:
+        return TunerState(enabled=self.config.enabled, offset=self.offset, num_updates=self.num_updates,
+                          num_holds=self.num_holds, num_resets=self.num_resets, last_action=self.last_action,
+                          last_gradient=self.last_gradient, last_step=self.last_step,
+                          last_reset_reason=self.last_reset_reason)
+
+
 # --------------------------------------------------------------------------------------------- recovery
 
 
@@ -695,6 +862,12 @@ class AllocatorDecision:
     ``recovery_event`` (``entered``, ``ended``, ``new_regime`` or None) and ``recovery_cap`` (the
     KV-ward cap in a burst, else None); ``override_reason`` the operator's reason while an
     override is in force; ``notes`` other events of the step (an override expired).
+    The operating-point tuner (`OperatingPointTuner`, part of the residual layer):
+    ``tuner_offset`` its offset in the proposal (``proposed = base + residual + tuner_offset``
+    before recovery, override and guards), ``tuner_step`` how much this decision moved it,
+    ``tuner_gradient`` the measured busy-time gradient (share of a request's device time that 10%
+    of the arena moved toward the EMB slab would save; negative: toward the KV pool) and
+    ``tuner_action`` (`TUNER_ACTIONS`, or None when the tuner did not run: disabled, a hold).
     """
 
     seq: int
@@ -718,6 +891,10 @@ class AllocatorDecision:
     recovery_cap: float | None = None
     override_reason: str | None = None
     notes: tuple[str, ...] = ()
+    tuner_offset: float = 0.0
+    tuner_step: float = 0.0
+    tuner_gradient: float = 0.0
+    tuner_action: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-able (NaN base becomes None; features as name -> value)."""
@@ -751,6 +928,7 @@ class SmartAllocator:
         self.config = config or AllocatorConfig()
         self.residual = ResidualAdapter(self.config.residual)
         self.recovery = RecoveryController(self.config.recovery)
+        self.tuner = OperatingPointTuner(self.config.tuner)
         self._policy: OnnxPolicy | None = None
         self._scratch = np.zeros(NUM_FEATURES, dtype=np.float32)  # feature buffer when no policy is loaded
         self._share: float | None = None
@@ -788,6 +966,7 @@ class SmartAllocator:
             self.last_load_error = None
             if old is not None and self.config.residual.reset_on_policy_swap:
                 self.residual.reset(f"base policy swapped: {old.policy_id} -> {new.policy_id}")
+                self.tuner.reset(f"base policy swapped: {old.policy_id} -> {new.policy_id}")
                 self._pending = None  # the last decision's correction belongs to the old policy
         return PolicySwap(previous_policy_id=old.policy_id if old else None, policy_id=new.policy_id,
                           providers=new.providers, now_s=now_s)
@@ -815,7 +994,9 @@ class SmartAllocator:
         return self._override
 
     def reset_residual(self, reason: str = "operator reset") -> None:
+        """Zero the residual layer: the adapter's weights and the operating-point tuner's offset."""
         self.residual.reset(reason)
+        self.tuner.reset(reason)
 
     # ---- the decision
     def decide(self, stats: WindowStats, now_s: float) -> AllocatorDecision:
@@ -833,6 +1014,8 @@ class SmartAllocator:
         recovery_event = None
         recovery_cap = None
         override_reason = None
+        offset = tuner_step = tuner_gradient = 0.0
+        tuner_action = None
         note_list: list[str] = []
         try:
             build_features(stats, self._prev_stats, out=row)
@@ -853,8 +1036,22 @@ class SmartAllocator:
                 base = policy.run()
                 if 0.0 <= base <= 1.0:  # False for NaN
                     residual = self.residual.predict(row)
-                    proposed = base + residual
-                    if residual != 0.0:
+                    tuner = self.tuner
+                    if tuner.config.enabled:
+                        ov = self._override
+                        if ov is None or (ov.expires_at_s is not None and now_s >= ov.expires_at_s):
+                            # the operator's split measures nothing about the layers: hold under it
+                            tuner_action = tuner.update(stats, g.min_emb_share - base - residual,
+                                                        g.max_emb_share - base - residual)
+                            tuner_step, tuner_gradient = tuner.last_step, tuner.last_gradient
+                        offset = tuner.offset
+                    proposed = base + residual + offset
+                    if offset != 0.0 or tuner_step != 0.0:
+                        source = "residual"
+                        reason = f"base policy {policy.policy_id} {base:.4f} + residual {residual:+.4f} + " \
+                                 f"operating point {offset:+.4f} ({tuner_action} {tuner_step:+.4f}, busy-time " \
+                                 f"gradient {tuner_gradient:+.4f} at load {stats.load:.2f})"
+                    elif residual != 0.0:
                         source = "residual"
                         reason = f"base policy {policy.policy_id} {base:.4f} + residual {residual:+.4f}"
                     else:
@@ -919,6 +1116,16 @@ class SmartAllocator:
         # guards (`guard_stage`): step limit (not for overrides), then bounds
         layer_source = source
         share, guard_action = guard_stage(proposed, prev, g, step_limit=not override_active)
+        if tuner_step != 0.0 and layer_source == "residual" and (guard_action == "step_up" or
+                                                                  guard_action == "step_down"):
+            # anti-windup: take back the part of this step that the step limit refused
+            refused = proposed - share
+            back = (min(refused, tuner_step) if tuner_step > 0 else max(refused, tuner_step)) \
+                if (refused > 0) == (tuner_step > 0) else 0.0
+            if back != 0.0:
+                self.tuner.take_back(back)
+                offset, tuner_step = self.tuner.offset, self.tuner.last_step
+                reason = f"{reason}; the step limit took back {back:+.4f} of the operating point's step"
         if guard_action is not None:
             words = {"step_up": f"step limited to +{g.max_step_up:g} from {prev:.4f}",
                      "step_down": f"step limited to -{g.max_step_down:g} from {prev:.4f}",
@@ -935,7 +1142,9 @@ class SmartAllocator:
                               policy.policy_id if policy is not None else None, row.copy(),
                               layer_source=layer_source, guard_action=guard_action, hold_reason=hold_reason,
                               recovery_phase=self.recovery.phase, recovery_event=recovery_event,
-                              recovery_cap=recovery_cap, override_reason=override_reason, notes=tuple(note_list))
+                              recovery_cap=recovery_cap, override_reason=override_reason, notes=tuple(note_list),
+                              tuner_offset=offset, tuner_step=tuner_step, tuner_gradient=tuner_gradient,
+                              tuner_action=tuner_action)
         self._share = share
         self._pending = d
         self._pending_learnable = learnable and self.residual.config.enabled
@@ -975,6 +1184,7 @@ class SmartAllocator:
                                                  "expires_at_s": ov.expires_at_s, "reason": ov.reason},
             "residual": self.residual.state().to_dict(),
             "recovery": self.recovery.state().to_dict(),
+            "tuner": self.tuner.state().to_dict(),
             "num_decisions": dict(self.num_decisions),
             "last_decision": self.last_decision.to_dict() if self.last_decision is not None else None,
         }

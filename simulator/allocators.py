@@ -121,6 +121,11 @@ def make_allocator(spec: str, **kwargs) -> Allocator:
 GHOST_SUFFIX = "@ghost"  # a SmartAllocator spec whose residual adapter reads the caches' ghost lists
 
 
+TUNED_SPECS = ("racer", "ppo+residual")  # SmartAllocator rows whose residual layer runs the operating-point tuner
+
+
 def needs_ghost_lists(spec: str) -> bool:
-    """True for the allocator specs that need the simulator's ghost lists on (``...@ghost``)."""
-    return spec.endswith(GHOST_SUFFIX)
+    """True for the allocator specs that need the simulator's ghost lists on: ``...@ghost`` (the
+    adapter on the ghost signal) and the rows whose residual layer runs the operating-point tuner
+    (`TUNED_SPECS`, which reads the caches' marginal utilities)."""
+    return spec.endswith(GHOST_SUFFIX) or spec in TUNED_SPECS

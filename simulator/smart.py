@@ -6,9 +6,12 @@
     make_smart_allocator("ppo+recovery")   # base + recovery controller
     make_smart_allocator("racer@ghost")    # any of them with the residual adapter on the ghost signal
 
-A spec ending in ``@ghost`` runs the residual adapter on the caches' marginal utilities
-(``ResidualConfig(signal="ghost")``); the simulator must then run with ghost lists on
-(``SimConfig.ghost_probes``, which the table sets for such rows: `needs_ghost_lists`).
+The residual layer (``racer``, ``ppo+residual``) is the bounded adapter plus the
+operating-point tuner (`node_agent.allocator.OperatingPointTuner`), which reads the caches'
+marginal utilities from their ghost lists; a spec ending in ``@ghost`` also runs the adapter on
+them (``ResidualConfig(signal="ghost")``). The simulator runs such rows with ghost lists on
+(``SimConfig.ghost_probes``, which the table sets for them: `needs_ghost_lists`), as the node
+agent runs with them on by default (`node_agent.engine.EngineConfig.ghost_probes`).
 
 Each simulated node gets its own `node_agent.allocator.SmartAllocator` (the node agent's runtime,
 unchanged: ONNX base policy in onnxruntime, residual adapter, burst recovery controller, guards),
@@ -24,15 +27,15 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator
+from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator, TunerConfig
 from node_agent.control import decide_step
 from node_agent.features import WindowStats
 
-from .allocators import GHOST_SUFFIX, Allocator, needs_ghost_lists
+from .allocators import GHOST_SUFFIX, Allocator
 
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent.parent / "policies" / "default"
 
-# spec -> (residual adapter on, recovery controller on)
+# spec -> (residual layer on: the adapter and the operating-point tuner, recovery controller on)
 SMART_SPECS: dict[str, tuple[bool, bool]] = {
     "racer": (True, True),
     "ppo": (False, False),
@@ -45,17 +48,19 @@ def smart_config(spec: str, base: AllocatorConfig | None = None) -> AllocatorCon
     """The `AllocatorConfig` of an ablation: ``base`` (default `AllocatorConfig()`) with the
     residual adapter and the recovery controller switched on or off as ``spec`` says (and, with
     the ``@ghost`` suffix, the adapter on the ghost signal)."""
-    name = spec[: -len(GHOST_SUFFIX)] if needs_ghost_lists(spec) else spec
+    on_ghost = spec.endswith(GHOST_SUFFIX)
+    name = spec[: -len(GHOST_SUFFIX)] if on_ghost else spec
     if name not in SMART_SPECS:
         raise ValueError(f"unknown SmartAllocator spec {spec!r}: use one of {', '.join(SMART_SPECS)}, "
                          f"optionally with {GHOST_SUFFIX}")
     residual_on, recovery_on = SMART_SPECS[name]
     base = base or AllocatorConfig()
-    signal = "ghost" if needs_ghost_lists(spec) else base.residual.signal
+    signal = "ghost" if on_ghost else base.residual.signal
     return AllocatorConfig(
         guard=base.guard,
         residual=ResidualConfig(**{**_fields(base.residual), "enabled": residual_on, "signal": signal}),
         recovery=RecoveryConfig(**{**_fields(base.recovery), "enabled": recovery_on}),
+        tuner=TunerConfig(**{**_fields(base.tuner), "enabled": residual_on and base.tuner.enabled}),
         initial_emb_share=base.initial_emb_share, device=base.device,
         intra_op_num_threads=base.intra_op_num_threads, golden_tolerance=base.golden_tolerance)
 
@@ -83,7 +88,7 @@ class SmartAllocatorSim(Allocator):
 
     def reset(self, num_nodes: int, initial_share: float) -> None:
         cfg = AllocatorConfig(guard=self.config.guard, residual=self.config.residual, recovery=self.config.recovery,
-                              initial_emb_share=initial_share, device=self.config.device,
+                              tuner=self.config.tuner, initial_emb_share=initial_share, device=self.config.device,
                               intra_op_num_threads=self.config.intra_op_num_threads,
                               golden_tolerance=self.config.golden_tolerance)
         self.allocators = [SmartAllocator(cfg, policy_dir=self.artifact_dir) for _ in range(num_nodes)]

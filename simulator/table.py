@@ -193,7 +193,7 @@ def _run(args) -> tuple[tuple, dict, dict]:
     cfg, job = args
     stream = _stream(cfg, job.regime)
     scfg = sim_config(cfg)
-    if needs_ghost_lists(job.allocator):  # its residual adapter reads the caches' marginal utilities
+    if needs_ghost_lists(job.allocator):  # its residual layer reads the caches' marginal utilities
         scfg = replace(scfg, ghost_probes=GHOST_PROBES)
     if job.allocator == "oracle" and job.schedule is None:  # the replay oracle
         res, sched = oracle_replay(stream, scfg, cfg.shares, job.router)

@@ -307,7 +307,9 @@ def test_decision_record_is_complete_and_json_able(policies):
     assert set(rec) == {"seq", "now_s", "emb_share", "source", "reason", "prev_emb_share", "proposed_emb_share",
                         "base_emb_share", "residual", "recovery_active", "override_active", "policy_id", "features",
                         "layer_source", "guard_action", "hold_reason", "recovery_phase", "recovery_event",
-                        "recovery_cap", "override_reason", "notes"}
+                        "recovery_cap", "override_reason", "notes", "tuner_offset", "tuner_step", "tuner_gradient",
+                        "tuner_action"}
+    assert rec["tuner_action"] in (None, "emb_ward", "kv_ward", "deadband", "bound", "no_evidence")
     assert rec["layer_source"] in DECISION_SOURCES and rec["recovery_phase"] in ("warmup", "normal", "burst")
     assert rec["hold_reason"] is None and rec["override_reason"] is None
     assert rec["guard_action"] in (None, "step_up", "step_down", "max", "min")

@@ -174,6 +174,8 @@ def test_agent_and_simulator_paths_give_identical_stats_and_decisions(policy_dir
     # the windows were not trivial: KV hits, a varying split and the profiled cost at p50
     assert any(r[5].kv_hit_rate > 0 for r in rounds)
     assert all(r[5].kv_recompute_us_per_token in (3.0, 6.0) for r in rounds)
+    # the ghost lists (on in the engine) gave the operating-point tuner a step, identical on both paths
+    assert any(r[1].tuner_action in ("kv_ward", "emb_ward") and r[1].tuner_step != 0.0 for r in rounds)
 
 
 class QueueBlindAgent(NodeAgent):

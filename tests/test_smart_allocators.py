@@ -10,6 +10,7 @@ from policies.actor import make_initial_actor
 from policies.export import export_actor
 from simulator import SimConfig, simulate
 from simulator.smart import DEFAULT_ARTIFACT, SMART_SPECS, SmartAllocatorSim, make_smart_allocator, smart_config
+from simulator.allocators import needs_ghost_lists
 from simulator.table import _make_allocator
 from workloads import generate, synthetic_trace
 
@@ -48,6 +49,11 @@ def test_spec_configs():
     on = {s: (smart_config(s).residual.enabled, smart_config(s).recovery.enabled) for s in SPECS}
     assert on == {"racer": (True, True), "ppo": (False, False), "ppo+residual": (True, False),
                   "ppo+recovery": (False, True)}
+    # the residual layer is the adapter and the operating-point tuner; those rows read the ghost lists
+    assert {s: smart_config(s).tuner.enabled for s in SPECS} == {"racer": True, "ppo": False, "ppo+residual": True,
+                                                                 "ppo+recovery": False}
+    assert [s for s in SPECS + ("ppo@ghost", "static:0.5", "oracle") if needs_ghost_lists(s)] == \
+        ["racer", "ppo+residual", "ppo@ghost"]
     base = AllocatorConfig(guard=GuardConfig(max_step_up=0.02))
     assert smart_config("ppo", base).guard.max_step_up == 0.02  # the other settings come from the base config
     with pytest.raises(ValueError, match="unknown SmartAllocator spec"):

@@ -1,0 +1,166 @@
+"""The operating-point tuner (the residual layer's second part): its gradient and step, the
+bounds, anti-windup, holds, and a synthetic setting whose optimum it must reach from a base
+policy that is 0.4 away from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from node_agent.allocator import (AllocatorConfig, GuardConfig, OperatingPointTuner, RecoveryConfig, ResidualConfig,
+                                  SmartAllocator, TunerConfig)
+from node_agent.control import decide_step
+from tests.test_allocator import constant_policy, window
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tuner")
+    return {"c60": constant_policy(root / "c60", 0.6), "c30": constant_policy(root / "c30", 0.3)}
+
+
+def cfg(tuner: TunerConfig | None = None, **guard) -> AllocatorConfig:
+    """Base + tuner + guards (the adapter and the burst controller off, for exact arithmetic)."""
+    return AllocatorConfig(guard=GuardConfig(**guard), residual=ResidualConfig(enabled=False),
+                           recovery=RecoveryConfig(enabled=False), tuner=tuner or TunerConfig(), device="cpu")
+
+
+def marginal_window(emb_us: float, kv_us: float, *, load: float, n: int = 100, **kw):
+    return window(num_requests=n, arrival_rate_rps=float(n), emb_marginal_us=emb_us, kv_marginal_us=kv_us, load=load,
+                  **kw)
+
+
+# ------------------------------------------------------------------------------------- the step
+
+
+def test_step_is_the_pressure_weighted_busy_time_gradient():
+    t = OperatingPointTuner(TunerConfig(gain=1.0, max_rate=0.1, deadband=0.0))
+    # busy per request = 0.5 * 1 s / 100 = 5,000 us; gradient (10 - 110) / 5,000 = -0.02;
+    # pressure 0.5^2 / (1 - 0.5) = 0.5: step -0.01 (toward the KV pool)
+    assert t.update(marginal_window(10.0, 110.0, load=0.5), -1.0, 1.0) == "kv_ward"
+    assert t.last_gradient == pytest.approx(-0.02) and t.last_step == pytest.approx(-0.01)
+    assert t.offset == pytest.approx(-0.01)
+    # EMB-ward by the same rule: (210 - 10) / 5,000 * 0.5 = +0.02
+    assert t.update(marginal_window(210.0, 10.0, load=0.5), -1.0, 1.0) == "emb_ward"
+    assert t.offset == pytest.approx(0.01)
+
+
+def test_saturation_moves_at_max_rate_and_headroom_hardly_moves():
+    sat = OperatingPointTuner(TunerConfig(max_rate=0.1))
+    # load 0.99: 1 - load floored at 0.05 -> pressure 0.99^2 / 0.05 = 19.6; gradient -0.0202 -> clipped to -0.1
+    sat.update(marginal_window(10.0, 110.0, load=0.99), -1.0, 1.0)
+    assert sat.last_step == pytest.approx(-0.1)
+    idle = OperatingPointTuner(TunerConfig(max_rate=0.1, deadband=0.005))
+    # load 0.05 (busy 500 us per request): gradient -100 / 500 = -0.2, a step of 0.05^2 / 0.95 * -0.2 = -0.0005:
+    # in the deadband
+    assert idle.update(marginal_window(10.0, 110.0, load=0.05), -1.0, 1.0) == "deadband"
+    assert idle.offset == 0.0 and idle.last_gradient == pytest.approx(-0.2)
+
+
+def test_no_evidence_holds_and_bounds_clip_only_the_offsets_own_push():
+    t = OperatingPointTuner(TunerConfig(max_rate=0.1))
+    t.offset = -0.2
+    assert t.update(marginal_window(0.0, 0.0, load=0.9), -1.0, 1.0) == "no_evidence"  # ghost lists off / cold
+    assert t.update(marginal_window(5.0, 50.0, load=0.9, n=0), -1.0, 1.0) == "no_evidence"  # nothing served
+    assert t.offset == -0.2 and t.state().num_holds == 2
+    # a KV-ward step that would carry the proposal under the lower bound stops at it
+    assert t.update(marginal_window(0.0, 500.0, load=0.99), -0.25, 1.0) == "bound"
+    assert t.offset == pytest.approx(-0.25) and t.last_step == pytest.approx(-0.05)
+    # an offset already past a bound (the base moved) is not pulled back by the tuner: the guard clamps
+    assert t.update(marginal_window(0.0, 500.0, load=0.99), -0.1, 1.0) == "bound"
+    assert t.offset == pytest.approx(-0.25) and t.last_step == 0.0
+    t.reset("test")
+    assert t.offset == 0.0 and t.state().num_resets == 1 and t.state().last_reset_reason == "test"
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="gain must be in"):
+        TunerConfig(gain=0.0)
+    with pytest.raises(ValueError, match="max_rate must be in"):
+        TunerConfig(max_rate=0.9)
+    with pytest.raises(ValueError, match="headroom_floor must be in"):
+        TunerConfig(headroom_floor=1.0)
+    with pytest.raises(ValueError, match="enabled must be a bool"):
+        TunerConfig(enabled=1)
+    with pytest.raises(ValueError, match="tuner must be a TunerConfig"):
+        AllocatorConfig(tuner={"gain": 1.0})
+
+
+# ------------------------------------------------------------------------------------- in the allocator
+
+
+def test_decision_carries_the_tuner_and_anti_windup(policies):
+    alloc = SmartAllocator(cfg(max_step_up=0.05), policy_dir=policies["c60"])
+    # saturated, EMB-ward: the tuner asks +0.1, the step limit allows +0.05 from 0.6: the offset keeps +0.05
+    d = alloc.decide(marginal_window(400.0, 0.0, load=0.99, emb_share=0.6), 0.0)
+    assert d.source == "guard" and d.layer_source == "residual" and d.guard_action == "step_up"
+    assert d.emb_share == pytest.approx(0.65) and d.tuner_action == "emb_ward"
+    assert d.tuner_offset == pytest.approx(0.05, abs=1e-6) and d.tuner_step == pytest.approx(0.05, abs=1e-6)
+    assert d.tuner_gradient == pytest.approx(400.0 * 100 / (0.99 * 1e6))
+    assert "operating point +0.1000 (emb_ward +0.1000, busy-time gradient +0.0404 at load 0.99)" in d.reason
+    assert "the step limit took back +0.0500 of the operating point's step" in d.reason
+    assert alloc.state()["tuner"]["offset"] == pytest.approx(0.05, abs=1e-6)
+    json.dumps(d.to_dict(), allow_nan=False)
+    # an override holds the tuner (its interval says nothing about the layers)
+    alloc.set_override(0.4, now_s=1.0)
+    d = alloc.decide(marginal_window(0.0, 400.0, load=0.99, emb_share=0.4), 1.0)
+    assert d.source == "override" and d.tuner_action is None and d.tuner_offset == pytest.approx(0.05, abs=1e-6)
+    alloc.clear_override()
+    alloc.reset_residual("operator reset")
+    assert alloc.tuner.offset == 0.0
+
+
+def test_disabled_tuner_leaves_the_base(policies):
+    alloc = SmartAllocator(cfg(TunerConfig(enabled=False)), policy_dir=policies["c60"])
+    d = alloc.decide(marginal_window(0.0, 400.0, load=0.99, emb_share=0.6), 0.0)
+    assert d.source == "base" and d.tuner_action is None and d.tuner_offset == 0.0 and d.emb_share == pytest.approx(0.6)
+
+
+# ------------------------------------------------------------------------------------- a known optimum
+
+
+def synthetic_node(share: float, s_star: float, n: int):
+    """One interval of a synthetic node whose device time per request is convex in the split,
+    ``busy(s) = 9,000 + 20,000 (s - s_star)^2`` µs, with the ghost lists' readings that follow
+    from it: what 10% more of the arena saves the EMB slab (``busy(s) - busy(s + 0.1)``) and the
+    KV pool (``busy(s) - busy(s - 0.1)``), never negative."""
+
+    def busy(s):
+        return 9_000.0 + 20_000.0 * (s - s_star) ** 2
+
+    emb = max(0.0, busy(share) - busy(share + 0.1))
+    kv = max(0.0, busy(share) - busy(share - 0.1))
+    load = min(1.0, n * busy(share) / 1e6)
+    return marginal_window(emb, kv, load=load, n=n, emb_share=share)
+
+
+def run_synthetic(alloc: SmartAllocator, s_star: float, n: int, windows: int) -> list[float]:
+    share, path = 0.5, []
+    for t in range(windows):
+        d = decide_step(alloc, synthetic_node(share, s_star, n), float(t))
+        share = d.emb_share
+        path.append(share)
+    return path
+
+
+@pytest.mark.parametrize("s_star, policy, within", [(0.2, "c60", 8), (0.85, "c30", 16)])
+def test_reaches_a_known_optimum_the_base_policy_misses(policies, s_star, policy, within):
+    """A saturated node (load ~1) whose optimum lies 0.4-0.55 from the base policy's constant
+    share: the full allocator (default config: adapter, burst controller, guards) gets within
+    0.06 of it in ``within`` intervals and stays there; with the tuner off it stays at the base."""
+    alloc = SmartAllocator(AllocatorConfig(device="cpu"), policy_dir=policies[policy])
+    path = run_synthetic(alloc, s_star, n=110, windows=30)
+    assert all(abs(s - s_star) <= 0.06 for s in path[within:]), path
+    off = SmartAllocator(AllocatorConfig(device="cpu", tuner=TunerConfig(enabled=False)), policy_dir=policies[policy])
+    base = 0.6 if policy == "c60" else 0.3
+    assert abs(run_synthetic(off, s_star, n=110, windows=30)[-1] - base) <= 0.11  # the bounded adapter alone
+
+
+def test_a_node_with_headroom_keeps_the_base_split(policies):
+    """The same convex node at ~12% load: moving memory would save device time that no request
+    waits for; every step is in the deadband and the split stays at the base policy's."""
+    alloc = SmartAllocator(cfg(), policy_dir=policies["c60"])
+    path = run_synthetic(alloc, 0.2, n=10, windows=30)
+    assert all(abs(s - 0.6) < 1e-6 for s in path[2:]), path
+    assert alloc.last_decision.tuner_action == "deadband" and alloc.tuner.offset == 0.0
