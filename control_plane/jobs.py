@@ -181,8 +181,7 @@ def job_retention(factory, settings, metrics, now_s: float) -> dict:
 
 
 def job_history_rollup(factory, settings, metrics, now_s: float) -> dict:
-    with factory.begin() as s:
-        return queries.roll_up_history(s, now_s=now_s, margin_s=settings.history_rollup_margin_s)
+    return queries.roll_up_history(factory, now_s=now_s, margin_s=settings.history_rollup_margin_s)
 
 
 JOBS = {
