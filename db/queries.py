@@ -255,9 +255,9 @@ def mark_down(session: Session, *, now_s: float, missed_intervals: float) -> lis
     return list(stale)
 
 
-def _raw_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
-                 step_s: float, limit: int) -> list[dict]:
-    """Per-node ``step_s`` buckets grouped from the raw reports (`bucket_figures`)."""
+def _report_conds(node_id: str | None, start_s: float | None, end_s: float | None) -> list:
+    """WHERE terms of a raw-report read: one node (None: all), ``start_s <= ts_s < end_s``
+    (None: open)."""
     conds = []
     if node_id:
         conds.append(NodeReport.node_id == node_id)
@@ -265,6 +265,13 @@ def _raw_buckets(session: Session, *, node_id: str | None, start_s: float | None
         conds.append(NodeReport.ts_s >= start_s)
     if end_s is not None:
         conds.append(NodeReport.ts_s < end_s)
+    return conds
+
+
+def _raw_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
+                 step_s: float, limit: int) -> list[dict]:
+    """Per-node ``step_s`` buckets grouped from the raw reports (`bucket_figures`)."""
+    conds = _report_conds(node_id, start_s, end_s)
     bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
     cols = bucket_figures()
     q = (select(NodeReport.node_id, bucket, func.count().label("n"), *cols).where(*conds)
@@ -463,13 +470,7 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
     grouped from the pre-aggregated `NodeReportBucket` rows where they can serve the read
     (`history_boundary`: up to the job's watermark) and from the raw reports after it; raw rows
     already dropped by retention come from the stored rollups of the same step."""
-    conds = []
-    if node_id:
-        conds.append(NodeReport.node_id == node_id)
-    if start_s is not None:
-        conds.append(NodeReport.ts_s >= start_s)
-    if end_s is not None:
-        conds.append(NodeReport.ts_s < end_s)
+    conds = _report_conds(node_id, start_s, end_s)
     if not step_s:
         rows = session.scalars(select(NodeReport).where(*conds).order_by(NodeReport.ts_s, NodeReport.node_id)
                                .limit(limit)).all()
@@ -545,11 +546,7 @@ def cluster_history(session: Session, *, start_s: float | None, end_s: float | N
             out += [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
         raw_from = boundary if start_s is None else max(start_s, boundary)
     if end_s is None or raw_from is None or raw_from < end_s:
-        conds = []
-        if raw_from is not None:
-            conds.append(NodeReport.ts_s >= raw_from)
-        if end_s is not None:
-            conds.append(NodeReport.ts_s < end_s)
+        conds = _report_conds(None, raw_from, end_s)
         bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
         per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
                            *[c.element.label("avg_" + c.name) for c in bucket_figures() if c.name in CLUSTER_SUMS],

@@ -69,6 +69,19 @@ class Database:
                 c.execute(f'DROP DATABASE IF EXISTS "{self._name}" WITH (FORCE)')
 
 
+@pytest.fixture(params=backends())
+def migrated_db(request, tmp_path):
+    """(engine, session factory) of a fresh database at the newest migration, on each backend."""
+    from db.engine import make_engine, session_factory, upgrade
+
+    d = Database(request.param, tmp_path)
+    engine = make_engine(d.url)
+    upgrade(engine)
+    yield engine, session_factory(engine)
+    engine.dispose()
+    d.drop()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

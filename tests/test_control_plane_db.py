@@ -6,20 +6,10 @@ import pytest
 from sqlalchemy import inspect, select
 
 from db import queries
-from db.engine import current_revision, make_engine, normalize_url, session_factory, upgrade
+from db.engine import current_revision, make_engine, normalize_url, upgrade
 from db.models import Decision, Node, NodeReport, NodeReportRollup
 
-from .cp_util import Database, backends
-
-
-@pytest.fixture(params=backends())
-def db(request, tmp_path):
-    d = Database(request.param, tmp_path)
-    engine = make_engine(d.url)
-    upgrade(engine)
-    yield engine, session_factory(engine)
-    engine.dispose()
-    d.drop()
+from .cp_util import Database, backends, migrated_db as db  # noqa: F401 - the fixture
 
 
 def _node(s, nid, now=100.0):

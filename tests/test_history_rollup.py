@@ -11,23 +11,13 @@ import pytest
 from sqlalchemy import func, select
 
 from db import queries
-from db.engine import current_revision, make_engine, session_factory, upgrade
+from db.engine import current_revision
 from db.models import HistoryRollupState, NodeReportBucket
 
-from .cp_util import Database, backends
+from .cp_util import migrated_db as db  # noqa: F401 - the fixture
 
 T0 = 1_800_000_000.0  # a multiple of every stored step
 STEPS = (5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-
-@pytest.fixture(params=backends())
-def db(request, tmp_path):
-    d = Database(request.param, tmp_path)
-    engine = make_engine(d.url)
-    upgrade(engine)
-    yield engine, session_factory(engine)
-    engine.dispose()
-    d.drop()
 
 
 def _reports(rng: random.Random, node: str, seqs, t_of, received_s: float) -> list[dict]:
