@@ -35,7 +35,8 @@ def marginal_window(emb_us: float, kv_us: float, *, load: float, n: int = 100, *
 
 
 def test_step_is_the_pressure_weighted_busy_time_gradient():
-    t = OperatingPointTuner(TunerConfig(gain=1.0, max_rate=0.1, deadband=0.0))
+    # each reading taken as it is (no smoothing, no noise gate): the step's own arithmetic
+    t = OperatingPointTuner(TunerConfig(gain=1.0, max_rate=0.1, deadband=0.0, smoothing=1.0, confidence=0.0))
     # busy per request = 0.5 * 1 s / 100 = 5,000 us; gradient (10 - 110) / 5,000 = -0.02;
     # pressure 0.5^2 / (1 - 0.5) = 0.5: step -0.01 (toward the KV pool)
     assert t.update(marginal_window(10.0, 110.0, load=0.5), -1.0, 1.0) == "kv_ward"
@@ -83,8 +84,63 @@ def test_config_is_validated():
         TunerConfig(headroom_floor=1.0)
     with pytest.raises(ValueError, match="enabled must be a bool"):
         TunerConfig(enabled=1)
+    with pytest.raises(ValueError, match=r"smoothing must be in \(0, 1\]"):
+        TunerConfig(smoothing=0.0)
+    with pytest.raises(ValueError, match=r"confidence must be in \[0, 10\]"):
+        TunerConfig(confidence=-1.0)
+    with pytest.raises(ValueError, match=r"noise_window must be an integer in \[4, 64\]"):
+        TunerConfig(noise_window=3)
+    with pytest.raises(ValueError, match="noise_window must be an integer"):
+        TunerConfig(noise_window=9.0)
     with pytest.raises(ValueError, match="tuner must be a TunerConfig"):
         AllocatorConfig(tuner={"gain": 1.0})
+
+
+# ------------------------------------------------------------------------------------- the estimate
+
+
+def reading(g: float, load: float = 0.95, n: int = 100):
+    """A window whose busy-time gradient reading is ``g`` (busy per request: load * 1e4 us)."""
+    busy = load * 1e6 / n
+    return marginal_window(max(0.0, g) * busy + 1.0, max(0.0, -g) * busy + 1.0, load=load, n=n)
+
+
+def test_the_estimate_is_an_ewma_and_the_noise_its_median_successive_difference():
+    t = OperatingPointTuner(TunerConfig(smoothing=0.5, confidence=0.0, deadband=0.0))
+    t.update(reading(0.02), -1.0, 1.0)
+    assert t.mean_gradient == pytest.approx(0.02) and t.gradient_se == 0.0  # first reading: face value
+    t.update(reading(-0.02), -1.0, 1.0)
+    assert t.mean_gradient == pytest.approx(0.0, abs=1e-12)
+    t.update(reading(0.02), -1.0, 1.0)
+    assert t.gradient_se == 0.0  # three readings: no noise estimate yet
+    t.update(reading(0.0), -1.0, 1.0)
+    # successive differences 0.04, 0.04, 0.02: median 0.04; se = 0.04 / 0.954 * sqrt(0.5 / 1.5)
+    assert t.gradient_se == pytest.approx(0.04 / 0.954 * (1 / 3) ** 0.5)
+    assert t.state().mean_gradient == t.mean_gradient and t.state().gradient_se == t.gradient_se
+    t.reset("test")
+    assert t.mean_gradient == 0.0 and t.gradient_se == 0.0
+    t.update(reading(-0.03), -1.0, 1.0)
+    assert t.mean_gradient == pytest.approx(-0.03)  # the history went with the reset
+
+
+def test_noise_does_not_walk_the_split_and_a_regime_change_still_moves_it_at_once():
+    """At saturation (pressure ~18) readings that scatter by 0.01 around 0, as a node's do on the
+    32-node Taobao trend, send an ungated tuner across the range in ±0.1 steps; the default one
+    stays put (``uncertain``). A jump to a strong KV-ward reading (a burst of returning users) is
+    not noise: the median of the successive differences ignores it, and the step is taken at once."""
+    import numpy as np
+
+    g = np.random.default_rng(7).normal(0.0, 0.01, size=40)
+    gated = OperatingPointTuner(TunerConfig())
+    raw = OperatingPointTuner(TunerConfig(smoothing=1.0, confidence=0.0))
+    acts, raw_path = [], []
+    for x in g:
+        acts.append(gated.update(reading(float(x)), -1.0, 1.0))
+        raw.update(reading(float(x)), -1.0, 1.0)
+        raw_path.append(raw.offset)
+    assert max(abs(v) for v in raw_path) >= 0.3  # the ungated tuner random-walks
+    assert abs(gated.offset) <= 0.1 and acts[4:].count("uncertain") >= 30
+    assert gated.update(reading(-0.2), -1.0, 1.0) == "kv_ward" and gated.last_step == pytest.approx(-0.1)
 
 
 # ------------------------------------------------------------------------------------- in the allocator
@@ -98,7 +154,8 @@ def test_decision_carries_the_tuner_and_anti_windup(policies):
     assert d.emb_share == pytest.approx(0.65) and d.tuner_action == "emb_ward"
     assert d.tuner_offset == pytest.approx(0.05, abs=1e-6) and d.tuner_step == pytest.approx(0.05, abs=1e-6)
     assert d.tuner_gradient == pytest.approx(400.0 * 100 / (0.99 * 1e6))
-    assert "operating point +0.1000 (emb_ward +0.1000, busy-time gradient +0.0404 at load 0.99)" in d.reason
+    assert "operating point +0.1000 (emb_ward +0.1000, busy-time gradient +0.0404, estimate +0.0404 +- 0.0000, " \
+           "at load 0.99)" in d.reason
     assert "the step limit took back +0.0500 of the operating point's step" in d.reason
     assert alloc.state()["tuner"]["offset"] == pytest.approx(0.05, abs=1e-6)
     json.dumps(d.to_dict(), allow_nan=False)
