@@ -105,18 +105,26 @@ def cmd_workload_plot(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from workloads.replay import ReplayConfig, parse_schedule, replay
+    from workloads.replay import ReplayConfig, parse_phases, replay
 
     if (args.regime is None) == (args.schedule is None):
-        raise UsageError("give one of --regime R or --schedule steady,trend,burst")
-    schedule = (args.regime,) if args.regime else parse_schedule(args.schedule)
+        raise UsageError("give one of --regime R or --schedule steady,trend,burst (or steady:60,trend:60,...)")
+    schedule, phase_s = ((args.regime,), None) if args.regime else parse_phases(args.schedule)
+    duration_s = 60.0 if args.duration is None else args.duration
+    if phase_s is not None:
+        total_s = sum(phase_s)
+        if args.duration is not None and abs(args.duration - total_s) > 1e-9 * max(1.0, total_s):
+            raise UsageError(f"--duration {args.duration:g} differs from the schedule's {total_s:g} s "
+                             f"({args.schedule}): with REGIME:SECONDS phases the run lasts their sum; "
+                             f"leave --duration out")
+        duration_s = total_s
     targets = [t.strip() for t in args.gateway.split(",") if t.strip()]
     for t in targets:
         if not t.startswith(("http://", "https://")):
             raise UsageError(f"--gateway: {t!r} is not an http:// or https:// URL")
     if not targets:
         raise UsageError("--gateway: give the gateway's URL (or node agents' URLs, comma-separated)")
-    config = ReplayConfig(schedule=schedule, rate_rps=args.rate, duration_s=args.duration, seed=args.seed,
+    config = ReplayConfig(schedule=schedule, phase_s=phase_s, rate_rps=args.rate, duration_s=duration_s, seed=args.seed,
                           num_users=args.users, max_history_len=args.max_history_len,
                           num_candidates=args.num_candidates, top_k=args.top_k, slo_ms=args.slo_ms,
                           timeout_s=args.timeout_s, retries=args.retries)
@@ -131,8 +139,11 @@ def cmd_replay(args) -> int:
         print(f"latency ms  p50 {lat['p50']}  p90 {lat['p90']}  p99 {lat['p99']}  max {lat['max']}")
         print(f"SLO {args.slo_ms:g} ms attainment {out['slo_attainment']}  offered {out['offered_rps']} req/s  "
               f"served {out['served_rps']} req/s")
-        for regime, r in out["regimes"].items():
-            print(f"  {regime:<7} sent {r['requests_sent']:>6}  p99 {r['p99_ms']} ms  SLO {r['slo_attainment']}")
+        for phase, r in out["phases"].items():
+            print(f"  {phase:<22} sent {r['requests_sent']:>6}  p99 {r['p99_ms']} ms  SLO {r['slo_attainment']}")
+        if len(out["regimes"]) < len(out["phases"]):  # a regime played in several phases: its whole too
+            for regime, r in out["regimes"].items():
+                print(f"  {regime:<22} sent {r['requests_sent']:>6}  p99 {r['p99_ms']} ms  SLO {r['slo_attainment']}")
     return 0 if out["requests_lost"] == 0 else 1
 
 
@@ -171,10 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "SLO attainment.")
     _add_trace_args(rp)
     rp.add_argument("--regime", choices=REGIMES, default=None, help="one regime for the whole run")
-    rp.add_argument("--schedule", default=None, help="regimes in order, e.g. steady,trend,burst (equal parts of "
-                                                     "--duration)")
+    rp.add_argument("--schedule", default=None,
+                    help="regimes in order: steady,trend,burst (equal parts of --duration, each its own stream) or "
+                         "REGIME:SECONDS,... e.g. steady:60,trend:60,burst:30,steady:60 (one stream, users keep "
+                         "their identity and histories across phases; the run lasts the sum)")
     rp.add_argument("--rate", type=float, default=20.0, help="base request rate, req/s (default 20)")
-    rp.add_argument("--duration", type=float, default=60.0, help="run length, s (default 60)")
+    rp.add_argument("--duration", type=float, default=None,
+                    help="run length, s (default 60; with a REGIME:SECONDS schedule, the phases' sum)")
     rp.add_argument("--gateway", required=True, help="gateway URL (or node agents' URLs, comma-separated: round "
                                                      "robin)")
     rp.add_argument("--users", type=int, default=None, help="number of users (default: the trace's)")

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from racer.cli import main as racer_main
 from workloads import load_trace
-from workloads.replay import ReplayConfig, build_plan, replay
+from workloads.replay import ReplayConfig, build_plan, parse_phases, parse_schedule, replay, request_body
 
 from .conftest import REPO
 from .procs import free_port, start_agent, stop, wait_http
@@ -155,3 +155,142 @@ def test_replay_progress_bar_on_stderr_report_on_stdout(agent, small_trace):
     out = json.loads(p.stdout)
     assert out["regimes"]["burst"]["requests_sent"] == out["requests_sent"]
     assert "racer replay" in p.stderr and "req" in p.stderr
+
+
+def test_replay_timed_schedule_is_one_stream_users_keep_their_identity_across_phases(agent, small_trace, capsys):
+    """``--schedule steady:1.5,trend:1,burst:1,steady:1``: one `generate_schedule` stream cut into
+    four phases; a user's request in a later phase continues its history from an earlier phase;
+    the report's per-phase figures (keyed like the simulator's phases) add up to what was sent."""
+    import httpx
+
+    trace = load_trace("taobao", small_trace)
+    text = "steady:1.5,trend:1,burst:1,steady:1"
+    schedule, phase_s = parse_phases(text)
+    assert schedule == ("steady", "trend", "burst", "steady") and phase_s == (1.5, 1.0, 1.0, 1.0)
+    # the config racer replay builds from these options (its defaults for the rest)
+    cfg = ReplayConfig(schedule=schedule, phase_s=phase_s, duration_s=4.5, rate_rps=15, slo_ms=200)
+    plan = build_plan(trace, cfg)
+    names = ["steady[0-1.5s]", "trend[1.5-2.5s]", "burst[2.5-3.5s]", "steady[3.5-4.5s]"]
+    assert [p.name for p in plan] == names
+    stream = plan[0].stream
+    assert all(p.stream is stream for p in plan)  # one stream for the pass
+    # the phases tile the stream: every request in exactly one phase, by arrival time
+    assert plan[0].first == 0 and plan[-1].stop == len(stream)
+    assert all(a.stop == b.first for a, b in zip(plan, plan[1:]))
+    for p in plan:
+        t = stream.arrival_s[p.indices.start:p.indices.stop]
+        assert p.num_requests > 0 and t.min() >= p.start_s and t.max() < p.end_s
+    # identity kept: a user's first request of a later phase follows its own request of an earlier
+    # phase (prev_request crosses the boundary) and its history continues that request's history
+    first_phase = set(plan[0].indices)
+    crossing = [(int(stream.prev_request[i]), i) for p in plan[1:] for i in p.indices
+                if int(stream.prev_request[i]) in first_phase]
+    assert crossing, "no user of phase 1 came back in a later phase"
+    for j, i in crossing:
+        assert stream.user[i] == stream.user[j]
+        before, after = request_body(stream, j, 10), request_body(stream, i, 10)
+        assert after["user_id"] == before["user_id"]
+        assert len(after["history"]) >= len(before["history"])
+        assert after["history"][:len(before["history"])] == before["history"]
+
+    served_before = httpx.get(f"{agent}/v1/metrics").json()["engine"]["num_served"]
+    rc = racer_main(["replay", "--trace", "taobao", "--path", str(small_trace), "--schedule", text, "--rate", "15",
+                     "--slo-ms", "200", "--gateway", agent, "--json", "--no-progress"])
+    out = json.loads(capsys.readouterr().out)
+    expected = len(stream)
+    assert rc == 0 and out["requests_sent"] == expected > 0
+    assert out["requests_served"] == expected and out["requests_lost"] == 0
+    assert out["config"]["schedule"] == list(schedule) and out["config"]["phase_s"] == [1.5, 1.0, 1.0, 1.0]
+    assert out["config"]["duration_s"] == 4.5 and out["offered_rps"] == round(expected / 4.5, 2)
+    assert list(out["phases"]) == names
+    assert [out["phases"][p.name]["requests_sent"] for p in plan] == [p.num_requests for p in plan]
+    assert sum(r["requests_sent"] for r in out["phases"].values()) == out["requests_sent"]
+    # the regimes' figures aggregate their phases (steady played twice)
+    assert out["regimes"]["steady"]["requests_sent"] == plan[0].num_requests + plan[3].num_requests
+    assert sum(r["requests_sent"] for r in out["regimes"].values()) == out["requests_sent"]
+    assert httpx.get(f"{agent}/v1/metrics").json()["engine"]["num_served"] - served_before == expected
+
+    # --duration equal to the phases' sum is accepted
+    rc = racer_main(["replay", "--trace", "taobao", "--path", str(small_trace), "--schedule", "steady:0.5",
+                     "--duration", "0.5", "--rate", "10", "--gateway", agent, "--json", "--no-progress"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and list(out["phases"]) == ["steady[0-0.5s]"] and out["config"]["duration_s"] == 0.5
+
+
+def test_replay_equal_parts_schedule_keeps_its_per_phase_streams():
+    """The old form still gives one stream per regime (own seed) laid end to end; phases are named."""
+    from workloads import synthetic_trace
+
+    trace = synthetic_trace(num_users=40, num_items=300, seed=1)
+    cfg = ReplayConfig(schedule=("steady", "burst", "steady"), rate_rps=20, duration_s=3.0)
+    plan = build_plan(trace, cfg)
+    assert [p.name for p in plan] == ["steady[0-1s]", "burst[1-2s]", "steady[2-3s]"]
+    assert [p.offset_s for p in plan] == [0.0, 1.0, 2.0]
+    assert len({id(p.stream) for p in plan}) == 3
+    assert all(p.indices == range(len(p.stream)) for p in plan)
+    assert parse_phases("steady,trend,burst") == (("steady", "trend", "burst"), None)
+
+
+def test_replay_timed_schedule_bad_input_exits_2_and_sends_nothing(agent, small_trace, capsys):
+    import httpx
+
+    served_before = httpx.get(f"{agent}/v1/metrics").json()["engine"]["num_served"]
+    bad = [
+        (["--schedule", "steady:2,trend"], "'trend' has no seconds but 'steady:2' has"),
+        (["--schedule", "steady:2,spiky:1"], "'spiky:1': regime must be one of steady, trend, burst"),
+        (["--schedule", "steady:0"], "'steady:0': seconds must be positive"),
+        (["--schedule", "steady:-5,burst:1"], "'steady:-5': seconds must be positive"),
+        (["--schedule", "steady:abc"], "'steady:abc': seconds must be a number"),
+        (["--schedule", "steady:nan"], "'steady:nan': seconds must be positive"),
+        (["--schedule", ""], "give one or more of steady, trend, burst"),
+        (["--schedule", " , "], "give one or more of steady, trend, burst"),
+        (["--schedule", "steady:2,burst:1", "--duration", "10"], "--duration 10 differs from the schedule's 3 s"),
+        (["--regime", "steady", "--schedule", "steady:2"], "give one of --regime"),
+    ]
+    for args, words in bad:
+        rc = racer_main(["replay", "--trace", "taobao", "--path", str(small_trace), "--gateway", agent,
+                         "--rate", "10", *args])
+        cap = capsys.readouterr()
+        assert rc == 2 and words in cap.err and cap.out == "", (args, cap.err)
+        assert cap.err.startswith("racer: error: ") and "Traceback" not in cap.err
+    assert httpx.get(f"{agent}/v1/metrics").json()["engine"]["num_served"] == served_before  # nothing sent
+    # the names-only parser (racer up's --schedule) says why it refuses seconds
+    with pytest.raises(ValueError, match="regime names only"):
+        parse_schedule("steady:60,trend:60")
+    with pytest.raises(ValueError, match="must be the sum of phase_s"):
+        ReplayConfig(schedule=("steady", "burst"), phase_s=(2.0, 1.0), duration_s=60.0)
+    with pytest.raises(ValueError, match="phase_s has 1 entries for 2 regimes"):
+        ReplayConfig(schedule=("steady", "burst"), phase_s=(2.0,), duration_s=2.0)
+
+
+def test_replay_timed_schedule_in_a_loop_one_stream_per_pass(agent, small_trace):
+    """`racer up`'s loop with a REGIME:SECONDS schedule: each pass is one `generate_schedule` stream
+    with its own seed; a short first pass scales every phase alike; figures add up across passes."""
+    from workloads.replay import ReplayStats, run_replay
+
+    trace = load_trace("taobao", small_trace)
+    cfg = ReplayConfig(schedule=("steady", "burst"), phase_s=(0.8, 0.4), duration_s=1.2, first_cycle_s=0.6,
+                       rate_rps=15, slo_ms=500)
+    p0, p1, p2 = (build_plan(trace, cfg, c) for c in range(3))
+    assert [p.name for p in p0] == ["steady[0-0.4s]", "burst[0.4-0.6s]"]
+    assert [p.name for p in p1] == [p.name for p in p2] == ["steady[0-0.8s]", "burst[0.8-1.2s]"]
+    assert not (len(p1[0].stream) == len(p2[0].stream)
+                and (p1[0].stream.arrival_s == p2[0].stream.arrival_s).all())  # a new seed per pass
+
+    stats, stop_event = ReplayStats(cfg.slo_ms), threading.Event()
+    t = threading.Thread(target=lambda: asyncio.run(run_replay([agent], trace, cfg, stats, loop_forever=True,
+                                                               stop=stop_event)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while stats.cycle < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop_event.set()
+    t.join(20)
+    assert not t.is_alive() and stats.cycle >= 2
+    rep = stats.report()
+    assert rep["requests_lost"] == 0 and rep["requests_served"] == rep["requests_sent"] > 0
+    assert {"steady[0-0.4s]", "burst[0.4-0.6s]", "steady[0-0.8s]"} <= set(rep["phases"])
+    assert rep["phases"]["steady[0-0.4s]"]["requests_sent"] == p0[0].num_requests
+    assert rep["phases"]["burst[0.4-0.6s]"]["requests_sent"] == p0[1].num_requests
+    assert rep["phases"]["steady[0-0.8s]"]["requests_sent"] >= p1[0].num_requests
+    assert sum(r["requests_sent"] for r in rep["phases"].values()) == rep["requests_sent"]

@@ -1,8 +1,18 @@
 """Open-loop replay of a trace's request streams against a gateway or node agents (``racer replay``).
 
-A *plan* is a list of phases, one per regime of the schedule (e.g. ``steady,trend,burst``), each a
-`RequestStream` generated for ``duration_s / len(schedule)`` seconds at ``rate_rps`` and laid end to
-end. `run_replay` sends every request at its own arrival time whether or not earlier ones have
+A *plan* is a list of phases, one per regime of the schedule, in one of two forms:
+
+- ``steady,trend,burst`` (regime names): each phase a `RequestStream` of its own, generated for
+  ``duration_s / len(schedule)`` seconds at ``rate_rps`` with its own seed, laid end to end (users
+  do not keep their histories from one phase to the next);
+- ``steady:60,trend:60,burst:30,steady:60`` (``REGIME:SECONDS``, `ReplayConfig.phase_s`): ONE
+  stream from `workloads.regimes.generate_schedule`, the simulator's schedule stream: users keep
+  their identity, activity and running histories across the phases, so what the nodes' caches
+  hold carries over; each phase is that stream's requests arriving in its span.
+
+Figures are kept per regime (``regimes``) and per phase (``phases``, keyed ``regime[start-end s]``
+as the simulator's `simulator.table.phase_name`; a loop's passes add up under the same keys).
+`run_replay` sends every request at its own arrival time whether or not earlier ones have
 returned (open loop: a slow server does not slow the offered load down, so queueing shows up in the
 latencies instead of being hidden by a waiting client). Latency is measured from the request's
 *scheduled* time, so time a request spent waiting for a free connection or behind a late dispatch
@@ -35,7 +45,8 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import numpy as np
 
-from .regimes import REGIMES, RequestStream, generate
+from .regimes import REGIMES, RequestStream, generate, generate_schedule
+from .regimes import parse_schedule as parse_timed_schedule
 from .trace import Trace
 
 
@@ -43,7 +54,11 @@ from .trace import Trace
 class ReplayConfig:
     """What to send and how (ranges checked in ``__post_init__``).
 
-    - ``schedule``: regimes played in order, each for ``duration_s / len(schedule)`` seconds;
+    - ``schedule``: regimes played in order, each for ``duration_s / len(schedule)`` seconds as
+      streams of their own, unless ``phase_s`` is given;
+    - ``phase_s``: seconds of each regime of ``schedule`` (the ``REGIME:SECONDS`` form): one pass is
+      then ONE `generate_schedule` stream in which users keep their identity across phases, and
+      ``duration_s`` must be the sum;
     - ``first_cycle_s``: the length of the first pass over the schedule when looping (None: the
       same ``duration_s``); `racer up` makes it short so the first burst phase comes early;
     - ``rate_rps``: the base rate of every regime (trend drifts around it, bursts multiply it);
@@ -57,6 +72,7 @@ class ReplayConfig:
     """
 
     schedule: tuple[str, ...] = ("steady",)
+    phase_s: tuple[float, ...] | None = None
     rate_rps: float = 20.0
     duration_s: float = 60.0
     first_cycle_s: float | None = None
@@ -95,27 +111,90 @@ class ReplayConfig:
         if self.first_cycle_s is not None and not (isinstance(self.first_cycle_s, (int, float))
                                                    and math.isfinite(self.first_cycle_s) and self.first_cycle_s > 0):
             problems.append(f"first_cycle_s must be a positive number or None, got {self.first_cycle_s!r}")
+        if self.phase_s is not None:
+            if len(self.phase_s) != len(self.schedule):
+                problems.append(f"phase_s has {len(self.phase_s)} entries for {len(self.schedule)} regimes")
+            bad = [v for v in self.phase_s if isinstance(v, bool) or not isinstance(v, (int, float))
+                   or not math.isfinite(v) or v <= 0]
+            if bad:
+                problems.append(f"phase_s must be positive numbers, got {bad[0]!r}")
+            elif isinstance(self.duration_s, (int, float)) and \
+                    abs(sum(self.phase_s) - self.duration_s) > 1e-9 * max(1.0, self.duration_s):
+                problems.append(f"duration_s ({self.duration_s:g}) must be the sum of phase_s "
+                                f"({sum(self.phase_s):g})")
         if problems:
             raise ValueError("invalid replay config: " + "; ".join(problems))
 
 
+def phase_name(regime: str, start_s: float, end_s: float) -> str:
+    """A phase's key in the report: the same format as `simulator.table.phase_name` (written again
+    here: workloads is the lowest folder and imports nothing from simulator)."""
+    return f"{regime}[{start_s:g}-{end_s:g}s]"
+
+
 @dataclass
 class Phase:
-    """One regime's stream, played from ``offset_s`` after the start of its cycle."""
+    """Requests ``first`` to ``stop`` (None: the end) of ``stream``, the part of a pass that one
+    regime plays from ``start_s`` to ``end_s`` of its cycle; a request is sent ``offset_s`` +
+    its ``arrival_s`` after the start of the cycle (``offset_s`` is where ``stream`` begins: the
+    phase's own start for a stream of its own, 0 for a phase of a pass's one schedule stream)."""
 
     regime: str
     offset_s: float
     stream: RequestStream
+    start_s: float = 0.0
+    end_s: float = 0.0
+    first: int = 0
+    stop: int | None = None
+
+    @property
+    def name(self) -> str:
+        return phase_name(self.regime, self.start_s, self.end_s)
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, len(self.stream) if self.stop is None else self.stop)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.indices)
 
 
 def parse_schedule(text: str) -> tuple[str, ...]:
+    """``"steady,trend,burst"`` -> the regimes (equal parts of the run); see `parse_phases` for the
+    ``REGIME:SECONDS`` form too."""
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
     if not parts:
         raise ValueError("--schedule: give one or more of steady, trend, burst separated by commas")
+    timed = [p for p in parts if ":" in p]
+    if timed:
+        raise ValueError(f"--schedule: {timed[0]!r} has seconds; here the schedule is regime names only "
+                         f"(e.g. steady,trend,burst)")
     bad = [p for p in parts if p not in REGIMES]
     if bad:
         raise ValueError(f"--schedule: unknown regime {bad[0]!r} (choose from {', '.join(REGIMES)})")
     return parts
+
+
+def parse_phases(text: str) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
+    """`racer replay --schedule`: ``"steady,trend,burst"`` -> (regimes, None), equal parts of the
+    run; ``"steady:60,trend:60,burst:30,steady:60"`` -> (regimes, seconds of each), one stream in
+    which users keep their identity (`workloads.regimes.parse_schedule` checks it). Mixing the
+    two forms, an unknown regime, seconds that are not a positive number, or no phase at all is a
+    `ValueError` naming the part."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    timed = [p for p in parts if ":" in p]
+    if not timed:
+        return parse_schedule(text), None
+    bare = [p for p in parts if ":" not in p]
+    if bare:
+        raise ValueError(f"--schedule: {bare[0]!r} has no seconds but {timed[0]!r} has: give every phase as "
+                         f"REGIME:SECONDS (e.g. steady:60,trend:60,burst:30) or none (steady,trend,burst)")
+    try:
+        phases = parse_timed_schedule(text)
+    except ValueError as e:
+        raise ValueError(f"--schedule: {e}") from None
+    return tuple(r for r, _ in phases), tuple(d for _, d in phases)
 
 
 def cycle_length_s(config: ReplayConfig, cycle: int) -> float:
@@ -124,17 +203,34 @@ def cycle_length_s(config: ReplayConfig, cycle: int) -> float:
 
 
 def build_plan(trace: Trace, config: ReplayConfig, cycle: int = 0) -> list[Phase]:
-    """The phases of one pass over the schedule; ``cycle`` varies the seed from pass to pass."""
-    phase_s = cycle_length_s(config, cycle) / len(config.schedule)
-    out = []
-    for k, regime in enumerate(config.schedule):
-        stream = generate(trace, regime=regime, rate_rps=config.rate_rps, duration_s=phase_s,
-                          num_users=config.num_users, seed=config.seed + 1000 * cycle + k,
-                          num_candidates=config.num_candidates, max_new_items=config.max_new_items,
-                          max_history_len=config.max_history_len - config.max_new_items,
-                          burst_every_s=min(30.0, phase_s), burst_duration_s=min(3.0, phase_s / 2))
-        out.append(Phase(regime, k * phase_s, stream))
-    return out
+    """The phases of one pass over the schedule; ``cycle`` varies the seed from pass to pass.
+
+    Regime names: one stream per phase (seed ``seed + 1000 cycle + k``). With ``phase_s``: one
+    `generate_schedule` stream for the pass (seed ``seed + 1000 cycle``; a shorter first pass
+    scales every phase alike), cut into its phases by arrival time, so a user keeps its identity
+    and history from one phase to the next."""
+    length_s = cycle_length_s(config, cycle)
+    common = dict(rate_rps=config.rate_rps, num_users=config.num_users, num_candidates=config.num_candidates,
+                  max_new_items=config.max_new_items, max_history_len=config.max_history_len - config.max_new_items)
+    if config.phase_s is None:
+        phase_s = length_s / len(config.schedule)
+        out = []
+        for k, regime in enumerate(config.schedule):
+            stream = generate(trace, regime=regime, duration_s=phase_s, seed=config.seed + 1000 * cycle + k,
+                              burst_every_s=min(30.0, phase_s), burst_duration_s=min(3.0, phase_s / 2), **common)
+            out.append(Phase(regime, k * phase_s, stream, k * phase_s, (k + 1) * phase_s))
+        return out
+    scale = length_s / config.duration_s
+    phases = [(r, d * scale) for r, d in zip(config.schedule, config.phase_s)]
+    # the bursts' spacing and length as for a stream of its own, set by the shortest burst phase
+    # (one setting for the whole stream; every burst phase then fits its bursts)
+    shortest = min((d for r, d in phases if r == "burst"), default=min(d for _, d in phases))
+    stream = generate_schedule(trace, phases, seed=config.seed + 1000 * cycle, burst_every_s=min(30.0, shortest),
+                               burst_duration_s=min(3.0, shortest / 2), **common)
+    cuts = [int(np.searchsorted(stream.arrival_s, a, side="left")) for _, a, _ in stream.phases[1:]]
+    firsts, stops = [0, *cuts], [*cuts, len(stream)]
+    return [Phase(regime, 0.0, stream, a, b, first, stop)
+            for (regime, a, b), first, stop in zip(stream.phases, firsts, stops)]
 
 
 def request_body(stream: RequestStream, i: int, top_k: int) -> dict:
@@ -175,6 +271,7 @@ class ReplayStats:
         self._lock = threading.Lock()
         self.total = _Tally()
         self.by_regime: dict[str, _Tally] = {}
+        self.by_phase: dict[str, _Tally] = {}
         self.failures: Counter = Counter()
         self.served_by: Counter = Counter()
         self.retried = 0
@@ -182,23 +279,29 @@ class ReplayStats:
         self.dispatch_lag_ms: list[float] = []
         self.in_flight = 0
         self.regime: str | None = None
+        self.phase: str | None = None
         self.cycle = 0
         self._recent: deque = deque()  # (done_s, latency_ms or None when failed)
 
-    def on_sent(self, regime: str, lag_ms: float) -> None:
+    def on_sent(self, regime: str, lag_ms: float, phase: str | None = None) -> None:
+        """A request of ``regime`` left ``lag_ms`` after its time; ``phase``: its phase's name
+        (default: the regime's)."""
+        phase = phase or regime
         with self._lock:
             self.total.sent += 1
             self.by_regime.setdefault(regime, _Tally()).sent += 1
+            self.by_phase.setdefault(phase, _Tally()).sent += 1
             self.dispatch_lag_ms.append(lag_ms)
             self.in_flight += 1
             self.regime = regime
+            self.phase = phase
 
     def on_done(self, regime: str, latency_ms: float | None, failure: str | None, served_by: str | None,
-                retried: bool) -> None:
+                retried: bool, phase: str | None = None) -> None:
         now = self.clock()
         with self._lock:
             self.in_flight -= 1
-            for t in (self.total, self.by_regime[regime]):
+            for t in (self.total, self.by_regime[regime], self.by_phase[phase or regime]):
                 if failure is None:
                     t.served += 1
                     t.latencies_ms.append(latency_ms)
@@ -221,7 +324,8 @@ class ReplayStats:
             served = [lat for lat in recent if lat is not None]
             return {"requests_sent": self.total.sent, "requests_served": self.total.served,
                     "requests_failed": self.total.failed, "requests_retried": self.retried,
-                    "in_flight": self.in_flight, "regime": self.regime, "cycle": self.cycle,
+                    "in_flight": self.in_flight, "regime": self.regime, "phase": self.phase,
+                    "cycle": self.cycle,
                     "recent_p99_ms": _pct(served, 99),
                     "recent_slo_attainment": (round(sum(lat <= self.slo_ms for lat in served) / len(recent), 4)
                                               if recent else None)}
@@ -243,6 +347,7 @@ class ReplayStats:
                 "slo_attainment": round(t.within_slo / t.sent, 4) if t.sent else None,
                 "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
                 "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
+                "phases": {k: v.to_dict() for k, v in self.by_phase.items()},
                 "served_by": dict(self.served_by),
             }
 
@@ -310,12 +415,12 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
     tasks: set[asyncio.Task] = set()
     counter = 0
 
-    async def one(regime: str, body: dict, scheduled_s: float, first: int) -> None:
+    async def one(phase: Phase, body: dict, scheduled_s: float, first: int) -> None:
         failure, answer, client_retried = await _send(client, targets, first, body, config, stats)
         latency_ms = (clock() - scheduled_s) * 1e3
         served_by = _served_by(answer, answer["_target"]) if answer else None
-        stats.on_done(regime, latency_ms if failure is None else None, failure, served_by,
-                      client_retried or (answer is not None and _was_retried(answer)))
+        stats.on_done(phase.regime, latency_ms if failure is None else None, failure, served_by,
+                      client_retried or (answer is not None and _was_retried(answer)), phase=phase.name)
         if on_done is not None:
             on_done()
 
@@ -327,7 +432,7 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
             start = clock()
             for phase in plan:
                 arrivals = phase.stream.arrival_s
-                for i in range(len(phase.stream)):
+                for i in phase.indices:
                     if stop is not None and stop.is_set():
                         break
                     due = start + phase.offset_s + float(arrivals[i])
@@ -335,8 +440,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
                     if delay > 0:
                         await asyncio.sleep(delay)
                     body = request_body(phase.stream, i, config.top_k)
-                    stats.on_sent(phase.regime, max(0.0, clock() - due) * 1e3)
-                    task = asyncio.create_task(one(phase.regime, body, due, counter))
+                    stats.on_sent(phase.regime, max(0.0, clock() - due) * 1e3, phase=phase.name)
+                    task = asyncio.create_task(one(phase, body, due, counter))
                     counter += 1
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -358,7 +463,7 @@ def replay(targets: Sequence[str], trace: Trace, config: ReplayConfig, *, progre
     """Run one pass of the schedule and return the JSON report."""
     from tqdm import tqdm
 
-    plan_total = sum(len(p.stream) for p in build_plan(trace, config))
+    plan_total = sum(p.num_requests for p in build_plan(trace, config))
     stats = ReplayStats(config.slo_ms)
     t0 = time.monotonic()
     with tqdm(total=plan_total, desc="racer replay", unit="req", file=sys.stderr,
@@ -367,13 +472,14 @@ def replay(targets: Sequence[str], trace: Trace, config: ReplayConfig, *, progre
             bar.update(1)
             if bar.n % 50 == 0:
                 s = stats.snapshot()
-                bar.set_postfix(regime=s["regime"], failed=s["requests_failed"], p99_ms=s["recent_p99_ms"],
+                bar.set_postfix(phase=s["phase"], failed=s["requests_failed"], p99_ms=s["recent_p99_ms"],
                                 refresh=False)
 
         asyncio.run(run_replay(targets, trace, config, stats, on_done=tick))
     wall = time.monotonic() - t0
-    out = {"targets": list(targets), "trace": trace.name, "config": {**asdict(config),
-                                                                      "schedule": list(config.schedule)},
+    out = {"targets": list(targets), "trace": trace.name,
+           "config": {**asdict(config), "schedule": list(config.schedule),
+                      "phase_s": list(config.phase_s) if config.phase_s is not None else None},
            **stats.report(), "wall_s": round(wall, 3)}
     out["offered_rps"] = round(out["requests_sent"] / config.duration_s, 2)
     out["served_rps"] = round(out["requests_served"] / wall, 2) if wall > 0 else None
