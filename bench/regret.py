@@ -21,9 +21,13 @@ run in parallel: a local process pool (``--jobs``, default one per core) or a Ra
 counts settings.
 
 ``--quick``: short streams (sample settings: 8 nodes, 800 req/s, 4 s per regime, a 4+4+4+4 s
-schedule, histories x4; paper-scale: one node at scale 1/384, 5 s per regime, a 5+5+4+5 s
+schedule, histories x4; paper-scale: one node at scale 1/384, 20 s per regime, a 20+20+16+20 s
 schedule), shares 0.2 / 0.5 / 0.8. Default: 16 nodes, 2,000 req/s, 10 s per regime, a
-10+10+5+10 s schedule, paper-scale on two nodes at scale 1/192, shares 0.1 .. 0.9.
+10+10+5+10 s schedule, paper-scale on two nodes at scale 1/192, 20 s per regime, a 20+20+10+20 s
+schedule, shares 0.1 .. 0.9. ``--paper-regime-s S`` sets the paper-scale regime length (the
+schedule's phases in proportion; default 20): an adaptive allocator starts at 0.5 and the guards
+move the split at most 0.1 per 1-s interval, so a regime much shorter than that transient
+measures the start-up, not the allocator (docs/simulator.md, "Regret").
 """
 
 from __future__ import annotations
@@ -59,19 +63,32 @@ def grid(seeds=(0, 1, 2), traces=("taobao", "amazon"), paper_traces=("taobao",),
     return out
 
 
-def table_config(st: Setting, quick: bool, smart: tuple[str, ...], policy: str | None = None):
-    """The `TableConfig` of one setting (racer router only, no other routers)."""
+# A paper-scale regime lasts PAPER_REGIME_S seconds (1-s control intervals). An adaptive allocator
+# starts at emb_share 0.5 and the guards move the split at most 0.1 per interval KV-ward (0.05
+# EMB-ward): crossing the guard range takes 9-18 intervals. A regime of 5 s is mostly that
+# start-up transient (the 5-s KV-ward burst: +15% over the oracle on the fastest path the step
+# limit allows, measured; docs/simulator.md, "Regret"), so a regime lasts about twice the KV-ward
+# transient. The schedule keeps its proportions (burst phase 0.8x a regime with --quick, 0.5x without).
+PAPER_REGIME_S = 20.0
+_SCHEDULE_BURST = {True: 0.8, False: 0.5}
+
+
+def table_config(st: Setting, quick: bool, smart: tuple[str, ...], policy: str | None = None,
+                 paper_regime_s: float | None = None):
+    """The `TableConfig` of one setting (racer router only, no other routers). ``paper_regime_s``
+    sets the paper-scale settings' regime length (default `PAPER_REGIME_S`); their schedule's
+    phases scale with it."""
     from simulator.table import TableConfig
 
     common = dict(trace=st.trace, seed=st.seed, routers=("racer",), other_router_allocators=(),
                   extra_allocators=smart, policy=policy, jobs=1)
     if st.setting == "paper-scale":
+        d = PAPER_REGIME_S if paper_regime_s is None else float(paper_regime_s)
+        sched = f"steady:{d:g},trend:{d:g},burst:{_SCHEDULE_BURST[quick] * d:g},steady:{d:g}"
         if quick:
-            cfg = TableConfig.paper(quick=True, num_nodes=1, paper_scale=1 / 384, duration_s=5.0, **common)
-            sched = "steady:5,trend:5,burst:4,steady:5"
+            cfg = TableConfig.paper(quick=True, num_nodes=1, paper_scale=1 / 384, duration_s=d, **common)
         else:
-            cfg = TableConfig.paper(quick=False, num_nodes=2, duration_s=10.0, **common)
-            sched = "steady:10,trend:10,burst:5,steady:10"
+            cfg = TableConfig.paper(quick=False, num_nodes=2, duration_s=d, **common)
     else:
         if quick:
             cfg = TableConfig.quick(num_nodes=8, rate_rps=800.0, duration_s=4.0, num_users=4_000, **common)
@@ -116,16 +133,19 @@ def regret(results: list[dict]) -> dict:
 
 def run_grid(settings: list[Setting], quick: bool, out: str | None, executor: str = "process", jobs: int = 0,
              address: str | None = None, smart=("racer", "ppo"), policy: str | None = None,
-             progress: bool = True, make_config=None) -> dict:
+             progress: bool = True, make_config=None, paper_regime_s: float | None = None) -> dict:
     """Run ``settings`` (each a `run_table` with ``make_config(setting, quick, smart, policy)``,
-    `table_config` by default) on the executor; the figures of `regret` and each setting's P99s."""
+    `table_config` with ``paper_regime_s`` by default) on the executor; the figures of `regret`
+    and each setting's P99s."""
     from tqdm import tqdm
 
     from simulator.cli import usable_smart_allocators
 
     t0 = time.perf_counter()
     smart = usable_smart_allocators(tuple(smart), policy) if smart else ()
-    make_config = make_config or table_config
+    if make_config is None:
+        def make_config(st, q, sm, pol):
+            return table_config(st, q, sm, pol, paper_regime_s)
     work = [(st.name, make_config(st, quick, smart, policy), out) for st in settings]
     bar = tqdm(total=len(work), desc="regret", unit="setting", disable=not progress)
     results = []
@@ -168,6 +188,7 @@ def run_grid(settings: list[Setting], quick: bool, out: str | None, executor: st
     results.sort(key=lambda r: r["setting"])
     return {"allocators": regret(results), "settings": len(results), "smart_allocators": list(smart),
             "per_setting": results, "quick": quick, "executor": executor,
+            "paper_regime_s": PAPER_REGIME_S if paper_regime_s is None else paper_regime_s,
             "runs": {k: sum(r["runs"][k] for r in results) for k in ("total", "computed", "reused")},
             "wall_s": round(time.perf_counter() - t0, 1)}
 
@@ -197,8 +218,13 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=0, help="parallel settings (default: one per core)")
     p.add_argument("--no-smart", action="store_true", help="leave out the SmartAllocator rows")
     p.add_argument("--policy", default=None, help="policy artifact of the SmartAllocator rows")
+    p.add_argument("--paper-regime-s", type=float, default=None,
+                   help="length of a paper-scale regime, s (default 20); the paper-scale schedule's phases "
+                        "scale with it")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.paper_regime_s is not None and not (args.paper_regime_s > 0 and args.paper_regime_s < 1e5):
+        p.error(f"--paper-regime-s: want a positive number of seconds, got {args.paper_regime_s:g}")
     regimes = tuple(x.strip() for x in args.regimes.split(",") if x.strip())
     bad = [r for r in regimes if r not in REGIMES]
     if bad or not regimes:
@@ -210,7 +236,8 @@ def main(argv=None) -> int:
         p.error("the grid is empty")
     out = args.out or ("bench_regret_quick" if args.quick else "bench_regret")
     res = run_grid(settings, args.quick, out, args.executor, args.jobs, args.address,
-                   () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress)
+                   () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,
+                   paper_regime_s=args.paper_regime_s)
     if args.json:
         print(json.dumps(res))
     else:

@@ -83,3 +83,21 @@ def test_regret_arithmetic():
                   {"p99_ms": {"oracle": 20.0, "static:0.50": 20.0, "racer": 23.0}}])
     assert res["static:0.50"] == {"max_regret_pct": 10.0, "mean_regret_pct": 5.0, "settings": 2}
     assert res["racer"] == {"max_regret_pct": 15.0, "mean_regret_pct": 7.5, "settings": 2}
+
+
+def test_paper_scale_regime_length_and_its_schedule():
+    from bench.regret import PAPER_REGIME_S, Setting, main, table_config
+
+    st = Setting("taobao", "paper-scale", "schedule", 0)
+    assert PAPER_REGIME_S == 20.0
+    assert table_config(st, True, ()).schedule == "steady:20,trend:20,burst:16,steady:20"
+    assert table_config(st, False, ()).schedule == "steady:20,trend:20,burst:10,steady:20"
+    short = table_config(st, True, (), paper_regime_s=5)
+    assert short.schedule == "steady:5,trend:5,burst:4,steady:5"  # the grid's regimes before session 7
+    burst = table_config(Setting("taobao", "paper-scale", "burst", 1), True, (), paper_regime_s=5)
+    assert burst.duration_s == 5.0 and burst.regimes == ("burst",) and burst.num_nodes == 1
+    # the sample settings do not follow it
+    assert table_config(Setting("taobao", "sample", "burst", 0), True, (), paper_regime_s=5).duration_s == 4.0
+    with pytest.raises(SystemExit) as e:
+        main(["--paper-regime-s", "0"])
+    assert e.value.code == 2
