@@ -220,8 +220,8 @@ class Policy(Base):
     __tablename__ = "policies"
     version: Mapped[str] = mapped_column(String(256), primary_key=True)
     digest: Mapped[str] = mapped_column(String(64))
-    artifact: Mapped[bytes] = mapped_column(LargeBinary)
-    manifest: Mapped[dict[str, Any]]
+    artifact: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # loaded when read: /summary's
+    manifest: Mapped[dict[str, Any]]                                      # active_policy needs the version only
     evaluation: Mapped[dict[str, Any]]
     status: Mapped[str] = mapped_column(String(16), default="registered")
     uploaded_by: Mapped[str] = mapped_column(String(128))
