@@ -143,6 +143,20 @@ def test_noise_does_not_walk_the_split_and_a_regime_change_still_moves_it_at_onc
     assert gated.update(reading(-0.2), -1.0, 1.0) == "kv_ward" and gated.last_step == pytest.approx(-0.1)
 
 
+def test_a_strong_gradient_is_taken_whole_while_a_burst_swings_it():
+    """The paper-scale KV-ward burst's readings as the split falls: +0.001, -0.17, -0.56, -0.34.
+    Their successive differences are the burst, not noise; a mean beyond ``strong_gradient`` (0.1)
+    is taken whole, so the offset falls every interval; gated throughout, the fourth is refused."""
+    seq = (0.001, -0.17, -0.56, -0.34)
+    t = OperatingPointTuner(TunerConfig())
+    acts = [t.update(reading(g, load=0.99), -1.0, 1.0) for g in seq]
+    assert acts[1:] == ["kv_ward"] * 3 and t.offset == pytest.approx(-0.3 + min(0.1, 0.001 * 0.99 ** 2 / 0.05))
+    always = OperatingPointTuner(TunerConfig(strong_gradient=1.0))
+    assert [always.update(reading(g, load=0.99), -1.0, 1.0) for g in seq][-1] == "uncertain"
+    with pytest.raises(ValueError, match=r"strong_gradient must be in \(0, 1\]"):
+        TunerConfig(strong_gradient=0.0)
+
+
 # ------------------------------------------------------------------------------------- in the allocator
 
 
