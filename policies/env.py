@@ -40,7 +40,10 @@ so the last window runs under the held split and its figures go only to ``info["
 Settings. `EnvConfig.like_table` takes the paper table's setting (`simulator.table.TableConfig`)
 to a smaller cluster at the same per-node load; that is what `policies.train_ppo` trains on, so a
 retrained policy follows the table's calibration. `EnvConfig`'s own defaults are a lighter
-setting for tests and quick experiments. Cost: the simulator serves roughly 2-15k requests per
+setting for tests and quick experiments. `EnvConfig.settings` lists several settings (`EnvSetting`:
+a sample calibration, e.g. `bench.oracle_gap`'s grid from `calibration_settings`, or the
+paper-scale setting, built by the paper table's own functions) and ``reset`` draws one per
+episode (``options["setting"]`` fixes it; ``info`` names it), so one policy trains across them. Cost: the simulator serves roughly 2-15k requests per
 wall second on one core (fewer with long histories), so a 20-s episode of 4 nodes at the table's
 per-node load takes a few seconds. Nothing reads the clock.
 """

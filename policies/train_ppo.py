@@ -31,7 +31,13 @@ the evaluation.
 Evaluation (after training): the mean action (what the ONNX artifact runs) on held-out episodes,
 one per (trace, regime), each starting at emb_share 0.5 as the paper table's runs do, beside the
 static splits ``eval_static_shares`` on the same streams: mean reward, P99, SLO attainment and the
-mean emb_share per regime.
+mean emb_share per regime. With ``settings`` (``--settings calibration+paper-scale``: one setting
+drawn per episode, `policies.env.parse_settings`) the held-out episodes are one per (setting,
+regime), at the setting's own rate, and ``by_setting`` gives the figures per setting.
+
+Warm start from a policy artifact (``init_policy``, ``--init-policy policies/default``): the
+actor starts from the artifact's weights (`load_policy_weights`, checked against its golden
+outputs) instead of a fresh initialisation.
 """
 
 from __future__ import annotations
