@@ -249,12 +249,14 @@ def _pool(cfg: TableConfig):
 _CODE_PACKAGES = ("simulator", "node_agent", "control_plane", "policies", "workloads")
 
 
-def _files_digest(paths) -> str:
+def _files_digest(paths, root: Path | None = None) -> str:
+    """A digest of the files' names and contents; relative names are read under ``root`` (not the
+    current directory: a table may be run from anywhere)."""
     h = hashlib.sha256()
     for f in paths:
         h.update(str(f).encode())
         h.update(b"\0")
-        h.update(Path(f).read_bytes())
+        h.update((Path(root) / f if root is not None else Path(f)).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -302,7 +304,8 @@ class RunCache:
         self.dir = Path(out_dir) / "runs"
         self.resume = resume
         self.reused = self.saved = self.unreadable = 0
-        code = _files_digest(sorted(f.relative_to(root) for pkg in _CODE_PACKAGES for f in (root / pkg).rglob("*.py")))
+        code = _files_digest(sorted(f.relative_to(root) for pkg in _CODE_PACKAGES for f in (root / pkg).rglob("*.py")),
+                             root)
         self._base = {"code": code, "libraries": _library_versions(), "trace": cfg.trace,
                       "trace_content": _trace_digest(_trace(cfg)),
                       "stream": [cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed,

@@ -185,7 +185,7 @@ def test_quick_table_has_every_row_and_key(tmp_path):
     assert "oracle_mean_share_spread" in res["findings"]
 
 
-def test_table_saves_each_run_and_resumes_from_them(tmp_path, capsys):
+def test_table_saves_each_run_and_resumes_from_them(tmp_path, capsys, monkeypatch):
     trace_file = tmp_path / "seq.txt"
     tr = synthetic_trace(num_users=100, num_items=1_500, mean_seq_len=20, seed=5)
     trace_file.write_text("".join(f"{u} {int(i)}\n" for u in range(tr.num_users) for i in tr.history(u)))
@@ -201,6 +201,10 @@ def test_table_saves_each_run_and_resumes_from_them(tmp_path, capsys):
     again = run_table(dataclasses.replace(cfg, jobs=1), out, progress=False)
     assert again["runs"]["reused"] == total and again["runs"]["computed"] == 0
     assert again["rows"] == first["rows"] and again["oracle"] == first["oracle"]
+    # from another working directory: the same keys (the code digest reads the repository's files)
+    monkeypatch.chdir(tmp_path)
+    elsewhere = run_table(dataclasses.replace(cfg, jobs=1), out, progress=False)
+    assert elsewhere["runs"]["reused"] == total and elsewhere["rows"] == first["rows"]
 
     # another router: only its runs are computed
     more = run_table(dataclasses.replace(cfg, routers=("racer", "least_load", "round_robin"), jobs=1), out,
