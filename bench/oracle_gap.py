@@ -31,6 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
+# The calibration grid (the defaults below); `policies.env.calibration_settings` trains on the same
+# points (a test checks they agree)
+KV_KIB = (6.0, 24.0, 96.0)
+CACHE_FRACTIONS = (0.25, 1.0, 4.0)
+NODES, RATE_RPS, USERS, HISTORY_SCALE = 8, 1_000.0, 5_000, 10.0
+
+
 def _job(args) -> dict:
     import torch
 
@@ -77,14 +84,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--traces", default="taobao,amazon")
     ap.add_argument("--regimes", default="steady")
-    ap.add_argument("--kv-kib", type=_floats, default=(6.0, 24.0, 96.0), help="KV bytes per token, KiB")
-    ap.add_argument("--cache-fractions", type=_floats, default=(0.25, 1.0, 4.0))
+    ap.add_argument("--kv-kib", type=_floats, default=KV_KIB, help="KV bytes per token, KiB")
+    ap.add_argument("--cache-fractions", type=_floats, default=CACHE_FRACTIONS)
     ap.add_argument("--shares", type=_floats, default=TableConfig().shares)
-    ap.add_argument("--nodes", type=int, default=8)
-    ap.add_argument("--rate", type=float, default=1_000.0)
+    ap.add_argument("--nodes", type=int, default=NODES)
+    ap.add_argument("--rate", type=float, default=RATE_RPS)
     ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--users", type=int, default=5_000)
-    ap.add_argument("--history-scale", type=float, default=10.0)
+    ap.add_argument("--users", type=int, default=USERS)
+    ap.add_argument("--history-scale", type=float, default=HISTORY_SCALE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=0, help="worker processes (0: one per core)")
     ap.add_argument("--out", default=None,

@@ -40,7 +40,10 @@ so the last window runs under the held split and its figures go only to ``info["
 Settings. `EnvConfig.like_table` takes the paper table's setting (`simulator.table.TableConfig`)
 to a smaller cluster at the same per-node load; that is what `policies.train_ppo` trains on, so a
 retrained policy follows the table's calibration. `EnvConfig`'s own defaults are a lighter
-setting for tests and quick experiments. Cost: the simulator serves roughly 2-15k requests per
+setting for tests and quick experiments. `EnvConfig.settings` lists several settings (`EnvSetting`:
+a sample calibration, e.g. `bench.oracle_gap`'s grid from `calibration_settings`, or the
+paper-scale setting, built by the paper table's own functions) and ``reset`` draws one per
+episode (``options["setting"]`` fixes it; ``info`` names it), so one policy trains across them. Cost: the simulator serves roughly 2-15k requests per
 wall second on one core (fewer with long histories), so a 20-s episode of 4 nodes at the table's
 per-node load takes a few seconds. Nothing reads the clock.
 """
@@ -48,7 +51,7 @@ per-node load takes a few seconds. Nothing reads the clock.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -153,6 +156,138 @@ def apply_guards(targets: np.ndarray, prev: np.ndarray, guard: GuardConfig, *, s
                                      np.asarray(prev, dtype=np.float64).reshape(-1))])
 
 
+SETTING_KINDS = ("sample", "paper-scale")
+PAPER_SCALE_DEFAULT = 1 / 384  # the scale model of `bench.regret --quick` and `TableConfig.paper(quick=True)`
+PAPER_TRACE_SEED = 1_000  # the paper-scale setting's trace seed: not one of the table's / regret's seeds 0-2
+# `bench.oracle_gap`'s calibration grid (its defaults: 8 nodes, 1,000 req/s, 5,000 users, histories
+# x10; KV bytes per token 6 / 24 / 96 KiB; cache fractions 0.25 / 1 / 4), per node; a test checks
+# these against that module's defaults
+CALIBRATION_KV_KIB = (6.0, 24.0, 96.0)
+CALIBRATION_CACHE_FRACTIONS = (0.25, 1.0, 4.0)
+CALIBRATION_RATE_RPS_PER_NODE = 1_000.0 / 8
+CALIBRATION_USERS_PER_NODE = 5_000 // 8
+CALIBRATION_HISTORY_SCALE = 10.0
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    """One setting an episode can be drawn in: a cluster calibration and a workload size.
+
+    ``setting="sample"``: the sample traces as `EnvConfig` runs them; every field left ``None``
+    takes the `EnvConfig`'s own value: ``cache_fraction`` (arena = this x the trace's embedding
+    table), ``history_scale``, ``rate_rps_per_node`` and ``users_per_node`` (x ``num_nodes``: the
+    cluster's rate, the centre of the drawn range, and its users), ``kv_kib`` (the profile's K/V
+    bytes per token in KiB, the model's size, as `bench.oracle_gap --kv-kib` varies it; None: the
+    profile's own).
+
+    ``setting="paper-scale"``: `simulator.profiles.PaperScale` at ``paper_scale``, built exactly as
+    the paper table builds it (`simulator.table.TableConfig.paper` on the environment's nodes;
+    the trace by `simulator.table.setting_trace`, the arena, byte sizes and profile by
+    `simulator.table.sim_config`): users and rate per node from `PaperScale`, histories as built
+    (``history_scale`` 1); the five sample fields must stay None. The trace is built once per
+    setting from ``trace_seed`` (default 1,000, so the paper table's and `bench.regret`'s traces,
+    seeds 0-2, are held out); each episode's stream seed draws the requests.
+
+    ``traces``: the traces this setting draws from (None: `EnvConfig.traces`).
+    """
+
+    setting: str = "sample"
+    cache_fraction: float | None = None
+    history_scale: float | None = None
+    rate_rps_per_node: float | None = None
+    users_per_node: int | None = None
+    kv_kib: float | None = None
+    paper_scale: float = PAPER_SCALE_DEFAULT
+    trace_seed: int = PAPER_TRACE_SEED
+    traces: tuple[str, ...] | None = None
+
+    _SAMPLE_FIELDS = ("cache_fraction", "history_scale", "rate_rps_per_node", "users_per_node", "kv_kib")
+
+    @property
+    def name(self) -> str:
+        """A short label: ``sample`` with the fields it sets (``sample[cf=0.25,kv=6KiB]``) or
+        ``paper-scale/384``."""
+        if self.setting == "paper-scale":
+            return f"paper-scale/{1 / self.paper_scale:g}"
+        short = {"cache_fraction": "cf", "history_scale": "hs", "rate_rps_per_node": "rps/node",
+                 "users_per_node": "users/node", "kv_kib": "kv"}
+        parts = [f"{short[k]}={getattr(self, k):g}" + ("KiB" if k == "kv_kib" else "")
+                 for k in self._SAMPLE_FIELDS if getattr(self, k) is not None]
+        return "sample" + (f"[{','.join(parts)}]" if parts else "")
+
+    def problems(self, profile: str = "a100-hstu") -> list[str]:
+        """What is wrong with this setting (empty: nothing), each naming the field."""
+        p = []
+        label = f"setting {self.name!r}" if self.setting in SETTING_KINDS else f"setting {self.setting!r}"
+        if self.setting not in SETTING_KINDS:
+            return [f"{label}: setting must be one of {SETTING_KINDS}"]
+        if self.traces is not None and (not self.traces or any(t not in TRACE_NAMES for t in self.traces)):
+            p.append(f"{label}: traces must be None or a non-empty subset of {TRACE_NAMES}, got {self.traces!r}")
+        if self.setting == "paper-scale":
+            given = [k for k in self._SAMPLE_FIELDS if getattr(self, k) is not None]
+            if given:
+                p.append(f"{label}: {', '.join(given)} must be None (paper-scale takes its users, rate, histories "
+                         f"and arena from simulator.profiles.PaperScale)")
+            if self.traces is not None and "synthetic" in self.traces:
+                p.append(f"{label}: traces must be taobao or amazon (paper-scale is built from a sample's sequences)")
+            if not (isinstance(self.trace_seed, int) and self.trace_seed >= 0):
+                p.append(f"{label}: trace_seed must be an integer >= 0, got {self.trace_seed!r}")
+            try:
+                from simulator.profiles import PaperScale, get_profile
+
+                PaperScale(scale=float(self.paper_scale)).validate(get_profile(profile))
+            except (ValueError, TypeError, ZeroDivisionError) as e:
+                p.append(f"{label}: paper_scale: {e}")
+            return p
+        for k in ("cache_fraction", "history_scale", "rate_rps_per_node", "kv_kib"):
+            v = getattr(self, k)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v > 0):
+                p.append(f"{label}: {k} must be None or a positive number, got {v!r}")
+        if self.users_per_node is not None and not (isinstance(self.users_per_node, int) and self.users_per_node >= 1):
+            p.append(f"{label}: users_per_node must be None or an integer >= 1, got {self.users_per_node!r}")
+        if self.kv_kib is not None and not p:
+            b = self.kv_kib * 1024
+            if b != int(b) or int(b) % 8:
+                p.append(f"{label}: kv_kib must be a whole number of bytes, a multiple of 8, got {self.kv_kib!r}")
+        return p
+
+
+def calibration_settings() -> tuple[EnvSetting, ...]:
+    """`bench.oracle_gap`'s calibration grid as settings: K/V bytes per token x cache fraction at
+    its per-node load (125 req/s, 625 users per node, histories x10)."""
+    return tuple(EnvSetting(cache_fraction=cf, history_scale=CALIBRATION_HISTORY_SCALE,
+                            rate_rps_per_node=CALIBRATION_RATE_RPS_PER_NODE,
+                            users_per_node=CALIBRATION_USERS_PER_NODE, kv_kib=kv)
+                 for kv in CALIBRATION_KV_KIB for cf in CALIBRATION_CACHE_FRACTIONS)
+
+
+def parse_settings(text: str) -> tuple[EnvSetting, ...]:
+    """Settings from a ``+``-separated spec: ``table`` (the `EnvConfig`'s own setting, as with no
+    settings), ``calibration`` (`calibration_settings`, 9), ``paper-scale`` (Taobao at scale
+    1/384) or ``paper-scale/N`` (scale 1/N). E.g. ``calibration+paper-scale``."""
+    out: list[EnvSetting] = []
+    parts = [x.strip() for x in str(text).split("+")]
+    if not parts or any(not x for x in parts):
+        raise ValueError(f"settings: want names joined by '+' (table, calibration, paper-scale[/N]), got {text!r}")
+    for x in parts:
+        if x == "table":
+            out.append(EnvSetting())
+        elif x == "calibration":
+            out.extend(calibration_settings())
+        elif x == "paper-scale" or x.startswith("paper-scale/"):
+            denom = x.partition("/")[2]
+            try:
+                scale = 1 / float(denom) if denom else PAPER_SCALE_DEFAULT
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"settings: {x!r}: want paper-scale/N with N a number such as 192 or 384") from None
+            out.append(EnvSetting(setting="paper-scale", paper_scale=scale, traces=("taobao",)))
+        else:
+            raise ValueError(f"settings: unknown setting {x!r}; use table, calibration, paper-scale or paper-scale/N "
+                             f"joined by '+'")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     """What an episode looks like (see the module docstring for how each episode is drawn).
@@ -164,6 +299,12 @@ class EnvConfig:
     tests), ``regimes``, ``rate_rps`` (cluster-wide) with ``rate_spread``, ``duration_s``,
     ``num_users``, ``history_scale``. Start: ``initial_share_range``. ``guard``: the runtime's
     guards; ``reward``: `RewardConfig`.
+
+    ``settings``: the settings an episode is drawn from (`EnvSetting`; uniformly, one per episode;
+    ``reset(options={"setting": k})`` fixes one by index or name). Empty (the default): one
+    setting, the fields above, and the episodes are drawn exactly as before settings existed (no
+    extra draw). ``num_nodes``, ``slo_ms``, ``control_interval_s``, ``profile``, ``duration_s``,
+    ``rate_spread``, the regimes, guards and reward are shared by every setting.
     """
 
     traces: tuple[str, ...] = ("taobao", "amazon")
@@ -182,6 +323,27 @@ class EnvConfig:
     step_limit: bool = False
     guard: GuardConfig = field(default_factory=GuardConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    settings: tuple[EnvSetting, ...] = ()
+
+    def setting_list(self) -> tuple[EnvSetting, ...]:
+        """The settings episodes are drawn from: ``settings``, or the one implicit setting."""
+        return tuple(self.settings) or (EnvSetting(),)
+
+    def setting_traces(self, setting: EnvSetting) -> tuple[str, ...]:
+        return tuple(setting.traces) if setting.traces is not None else tuple(self.traces)
+
+    def setting_index(self, key) -> int:
+        """A setting by index or `EnvSetting.name` (``reset``'s ``setting`` option)."""
+        settings = self.setting_list()
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if 0 <= int(key) < len(settings):
+                return int(key)
+            raise ValueError(f"setting {key} out of range: this environment has {len(settings)} setting(s), "
+                             f"0..{len(settings) - 1}")
+        names = [x.name for x in settings]
+        if isinstance(key, str) and names.count(key) == 1:
+            return names.index(key)
+        raise ValueError(f"unknown setting {key!r}: use an index 0..{len(settings) - 1} or one of {names}")
 
     def validate(self) -> "EnvConfig":
         from workloads.regimes import REGIMES
@@ -206,6 +368,18 @@ class EnvConfig:
             p.append(f"initial_share_range must satisfy 0 <= lo <= hi <= 1, got {self.initial_share_range!r}")
         if self.duration_s < 3 * self.control_interval_s:
             p.append("duration_s must cover at least 3 control intervals (one step)")
+        if not isinstance(self.settings, tuple) or any(not isinstance(x, EnvSetting) for x in self.settings):
+            p.append(f"settings must be a tuple of EnvSetting, got {self.settings!r}")
+        else:
+            for x in self.settings:
+                p.extend(x.problems(self.profile))
+                if x.setting == "paper-scale" and x.traces is None and "synthetic" in self.traces:
+                    p.append(f"setting {x.name!r}: traces must be taobao or amazon (paper-scale is built from a "
+                             f"sample's sequences); set its traces")
+            names = [x.name for x in self.settings]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                p.append(f"settings must differ, got {dup} more than once")
         if p:
             raise ValueError("invalid EnvConfig: " + "; ".join(p))
         self.reward.validate()
@@ -232,6 +406,8 @@ class EnvConfig:
         d = asdict(self)
         d["traces"], d["regimes"] = list(self.traces), list(self.regimes)
         d["initial_share_range"] = list(self.initial_share_range)
+        d["settings"] = [{"name": x.name, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(x).items()}}
+                         for x in self.settings]
         return d
 
 
@@ -270,12 +446,58 @@ class AllocatorEnv:
             self._traces[name] = load_env_trace(name)
         return self._traces[name]
 
-    def _sim_config(self, seed: int):
+    def _sim_config(self, seed: int, setting: EnvSetting | None = None, trace_name: str = "taobao"):
         from simulator.cluster import SimConfig
 
         c = self.config
-        return SimConfig(num_nodes=c.num_nodes, profile=self._profile, cache_fraction=c.cache_fraction,
+        st = setting or EnvSetting()
+        if st.setting == "paper-scale":
+            from simulator.table import sim_config
+
+            scfg = sim_config(self.table_config(st, trace_name, seed))
+            if scfg.control_interval_s != c.control_interval_s:
+                scfg = replace(scfg, control_interval_s=c.control_interval_s)
+            return scfg
+        profile = self._profile
+        if st.kv_kib is not None:  # the model's size, as `bench.oracle_gap --kv-kib` sets it
+            profile = replace(profile, kv_bytes_per_token=int(st.kv_kib * 1024)).validate()
+        cf = st.cache_fraction if st.cache_fraction is not None else c.cache_fraction
+        return SimConfig(num_nodes=c.num_nodes, profile=profile, cache_fraction=cf,
                          slo_ms=c.slo_ms, control_interval_s=c.control_interval_s, seed=seed)
+
+    def table_config(self, setting: EnvSetting, trace_name: str, seed: int, rate_rps: float | None = None):
+        """The paper table's `TableConfig` of a paper-scale ``setting`` on this environment's
+        nodes (`TableConfig.paper`, with the environment's profile, SLO and episode length;
+        ``seed`` and ``rate_rps`` as given, default the setting's rate): `simulator.table.sim_config`
+        of it is an episode's `SimConfig` (with ``seed`` = the stream seed), and
+        `simulator.table.setting_trace` of it with ``seed = setting.trace_seed`` its trace."""
+        from simulator.table import TableConfig
+
+        c = self.config
+        kw = {} if rate_rps is None else {"rate_rps": float(rate_rps)}
+        return TableConfig.paper(num_nodes=c.num_nodes, paper_scale=setting.paper_scale, trace=trace_name,
+                                 seed=int(seed), profile=c.profile, slo_ms=c.slo_ms, duration_s=c.duration_s, **kw)
+
+    def setting_load(self, setting: EnvSetting) -> tuple[float, int, float]:
+        """``(rate_rps, num_users, history_scale)`` of a setting on this cluster: ``rate_rps`` is
+        the centre of the drawn range."""
+        c = self.config
+        if setting.setting == "paper-scale":
+            from simulator.profiles import PaperScale
+
+            ps = PaperScale(scale=setting.paper_scale)
+            return ps.rate_rps_per_node * c.num_nodes, ps.users_per_node * c.num_nodes, 1.0
+        rate = c.rate_rps if setting.rate_rps_per_node is None else setting.rate_rps_per_node * c.num_nodes
+        users = c.num_users if setting.users_per_node is None else setting.users_per_node * c.num_nodes
+        hs = c.history_scale if setting.history_scale is None else setting.history_scale
+        return float(rate), int(users), float(hs)
+
+    def _setting_trace(self, setting: EnvSetting, trace_name: str):
+        if setting.setting == "paper-scale":
+            from simulator.table import setting_trace
+
+            return setting_trace(self.table_config(setting, trace_name, setting.trace_seed))
+        return self._trace(trace_name)
 
     def _num_windows(self, sim_cfg, duration_s: float) -> int:
         """Control windows of a run, counted as `run_cluster` counts them (it yields after each but
@@ -307,8 +529,14 @@ class AllocatorEnv:
 
     def draw_episode(self, seed: int | None = None, options: dict | None = None):
         """Draw an episode as `reset` does (same generator, same draws) without starting it:
-        ``(stream, SimConfig, {"trace", "regime", "stream_seed", "rate_rps", "initial_share"})``.
-        The imitation warm start (`policies.imitation`) replays the oracle on such episodes."""
+        ``(stream, SimConfig, {"trace", "regime", "stream_seed", "rate_rps", "initial_share",
+        "setting", "setting_name"})`` (``setting``: the index in `EnvConfig.setting_list`). The
+        imitation warm start (`policies.imitation`) replays the oracle on such episodes.
+
+        With several settings the setting is drawn first (one more draw; none with the default
+        single setting, so its episodes are those drawn before settings existed), then the trace
+        from that setting's traces (fixed by ``options["setting"]`` if given) and the rate around
+        that setting's rate."""
         from workloads import generate
 
         if seed is not None:
@@ -316,14 +544,23 @@ class AllocatorEnv:
         c = self.config
         o = dict(options or {})
         rng = self._rng
+        settings = c.setting_list()
         # draw everything first (a fixed number of draws per episode), then apply the options
-        trace_name = c.traces[int(rng.integers(len(c.traces)))]
+        k = int(rng.integers(len(settings))) if c.settings else 0
+        if "setting" in o:
+            k = c.setting_index(o.pop("setting"))
+        setting = settings[k]
+        traces = c.setting_traces(setting)
+        center_rate, num_users, history_scale = self.setting_load(setting)
+        trace_name = traces[int(rng.integers(len(traces)))]
         regime = c.regimes[int(rng.integers(len(c.regimes)))]
         stream_seed = int(rng.integers(2**31 - 1))
-        lo_r, hi_r = c.rate_rps / (1 + c.rate_spread), c.rate_rps * (1 + c.rate_spread)
+        lo_r, hi_r = center_rate / (1 + c.rate_spread), center_rate * (1 + c.rate_spread)
         rate = float(math.exp(rng.uniform(math.log(lo_r), math.log(hi_r))))
         share = float(rng.uniform(*c.initial_share_range))
         trace_name = o.pop("trace", trace_name)
+        if setting.setting == "paper-scale" and trace_name not in ("taobao", "amazon"):
+            raise ValueError(f"setting {setting.name!r} needs the taobao or amazon trace, got {trace_name!r}")
         regime = o.pop("regime", regime)
         stream_seed = int(o.pop("stream_seed", stream_seed))
         rate = float(o.pop("rate_rps", rate))
@@ -332,11 +569,11 @@ class AllocatorEnv:
             raise ValueError(f"unknown reset options {sorted(o)}")
         if not c.guard.min_emb_share <= share <= c.guard.max_emb_share:
             raise ValueError(f"initial_share {share} outside the guard bounds")
-        stream = generate(self._trace(trace_name), regime=regime, rate_rps=rate, duration_s=c.duration_s,
-                          num_users=c.num_users, history_scale=c.history_scale, seed=stream_seed)
+        stream = generate(self._setting_trace(setting, trace_name), regime=regime, rate_rps=rate,
+                          duration_s=c.duration_s, num_users=num_users, history_scale=history_scale, seed=stream_seed)
         meta = {"trace": trace_name, "regime": regime, "stream_seed": stream_seed, "rate_rps": rate,
-                "initial_share": share}
-        return stream, self._sim_config(stream_seed), meta
+                "initial_share": share, "setting": k, "setting_name": setting.name}
+        return stream, self._sim_config(stream_seed, setting, trace_name), meta
 
     def _observe(self, stats: list[WindowStats]) -> np.ndarray:
         obs = np.empty(self.observation_shape, dtype=np.float32)
@@ -377,7 +614,8 @@ class AllocatorEnv:
         ep["share_sum"] += float(targets.mean())
         truncated = self._steps_left <= 0
         info = {"now_s": now_s, "stats": stats, "targets": targets, "reward_terms": terms,
-                "regime": ep["regime"], "trace": ep["trace"]}
+                "regime": ep["regime"], "trace": ep["trace"], "setting": ep["setting"],
+                "setting_name": ep["setting_name"]}
         if truncated:
             info["episode"] = self._finish()
         return self._obs.copy(), rewards, False, truncated, info

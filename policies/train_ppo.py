@@ -31,7 +31,13 @@ the evaluation.
 Evaluation (after training): the mean action (what the ONNX artifact runs) on held-out episodes,
 one per (trace, regime), each starting at emb_share 0.5 as the paper table's runs do, beside the
 static splits ``eval_static_shares`` on the same streams: mean reward, P99, SLO attainment and the
-mean emb_share per regime.
+mean emb_share per regime. With ``settings`` (``--settings calibration+paper-scale``: one setting
+drawn per episode, `policies.env.parse_settings`) the held-out episodes are one per (setting,
+regime), at the setting's own rate, and ``by_setting`` gives the figures per setting.
+
+Warm start from a policy artifact (``init_policy``, ``--init-policy policies/default``): the
+actor starts from the artifact's weights (`load_policy_weights`, checked against its golden
+outputs) instead of a fresh initialisation.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import torch
 from torch import nn
 
 from .actor import Actor, ActorConfig, make_initial_actor, save_checkpoint
-from .env import AllocatorEnv, EnvConfig
+from .env import AllocatorEnv, EnvConfig, parse_settings
 from node_agent.features import NUM_FEATURES
 
 
@@ -73,6 +79,11 @@ class Args:
     cache_fraction: float | None = None
     slo_ms: float | None = None
     profile: str | None = None
+    # settings drawn per episode (`policies.env.parse_settings`: "calibration+paper-scale", ...;
+    # None: the one setting above)
+    settings: str | None = None
+    # warm start: a policy artifact directory whose actor weights PPO starts from (None: a fresh actor)
+    init_policy: str | None = None
     # PPO
     num_steps: int = 36  # env steps per rollout (two 18-step episodes of 20 s)
     learning_rate: float = 1e-3
@@ -128,6 +139,11 @@ class Args:
             p.append("bc_shares must be a non-empty list of values in [0, 1]")
         if self.num_steps * self.num_nodes < self.num_minibatches:
             p.append("num_steps * num_nodes must be at least num_minibatches")
+        if self.settings is not None:
+            try:
+                parse_settings(self.settings)
+            except ValueError as e:
+                p.append(str(e))
         if p:
             raise ValueError("invalid PPO Args: " + "; ".join(p))
         return self
@@ -136,6 +152,8 @@ class Args:
         """`EnvConfig.like_table` with every field given here (not None) replacing the table's."""
         kw = {k: getattr(self, k) for k in ("rate_rps", "num_users", "history_scale", "cache_fraction", "slo_ms",
                                              "profile") if getattr(self, k) is not None}
+        if self.settings is not None:
+            kw["settings"] = parse_settings(self.settings)
         return EnvConfig.like_table(num_nodes=self.num_nodes, traces=tuple(self.traces), regimes=tuple(self.regimes),
                                     rate_spread=self.rate_spread, duration_s=self.duration_s, **kw).validate()
 
@@ -263,7 +281,14 @@ def evaluate(actor: Actor, env_cfg: EnvConfig, *, seed: int, static_shares: tupl
 
     env = AllocatorEnv(env_cfg)
     rng = np.random.default_rng(seed)
-    cases = [(t, r, int(rng.integers(2**31 - 1))) for t in env_cfg.traces for r in env_cfg.regimes]
+    if env_cfg.settings:  # one episode per (setting, regime), the trace drawn from the setting's
+        cases = []
+        for k, st in enumerate(env_cfg.settings):
+            traces = env_cfg.setting_traces(st)
+            for r in env_cfg.regimes:
+                cases.append((traces[int(rng.integers(len(traces)))], r, int(rng.integers(2**31 - 1)), k))
+    else:
+        cases = [(t, r, int(rng.integers(2**31 - 1)), None) for t in env_cfg.traces for r in env_cfg.regimes]
     runs = ["policy"] + [f"static:{s:.2f}" for s in static_shares]
     bar = tqdm(total=len(cases) * len(runs), desc="evaluate", unit="episode", disable=not progress, leave=False)
 
@@ -272,8 +297,10 @@ def evaluate(actor: Actor, env_cfg: EnvConfig, *, seed: int, static_shares: tupl
             return actor(torch.from_numpy(obs)).squeeze(-1).double().numpy()
 
     out: dict = {"episodes": []}
-    for trace, regime, stream_seed in cases:
+    for trace, regime, stream_seed, k in cases:
         opts = {"trace": trace, "regime": regime, "stream_seed": stream_seed, "rate_rps": env_cfg.rate_rps}
+        if k is not None:  # the setting's own rate (the centre of its drawn range)
+            opts.update(setting=k, rate_rps=env.setting_load(env_cfg.settings[k])[0])
         for name in runs:
             if name == "policy":
                 ep = run_episode(env, mean_action, {**opts, "initial_share": 0.5})
@@ -282,8 +309,8 @@ def evaluate(actor: Actor, env_cfg: EnvConfig, *, seed: int, static_shares: tupl
                 ep = run_episode(env, lambda obs, s=s: np.full(len(obs), s), {**opts, "initial_share": s})
             bar.update(1)
             out["episodes"].append({"allocator": name, **{k: ep[k] for k in (
-                "trace", "regime", "stream_seed", "rate_rps", "mean_reward", "p99_ms", "p50_ms", "slo_attainment",
-                "mean_share", "emb_hit_rate", "kv_hit_rate")}})
+                "trace", "regime", "stream_seed", "rate_rps", "setting_name", "mean_reward", "p99_ms", "p50_ms",
+                "slo_attainment", "mean_share", "emb_hit_rate", "kv_hit_rate")}})
     bar.close()
     env.close()
     by_regime = {}
@@ -299,7 +326,54 @@ def evaluate(actor: Actor, env_cfg: EnvConfig, *, seed: int, static_shares: tupl
     pol = [e for e in out["episodes"] if e["allocator"] == "policy"]
     out["policy_mean_reward"] = round(float(np.mean([e["mean_reward"] for e in pol])), 5)
     out["policy_mean_share_by_regime"] = {r: by_regime[r]["policy"]["mean_share"] for r in env_cfg.regimes}
+    if env_cfg.settings:  # per setting: the policy's P99 over the best evaluated static split's (mean over regimes)
+        by_setting = {}
+        for st in env_cfg.settings:
+            eps = [e for e in out["episodes"] if e["setting_name"] == st.name]
+            row = {name: {k: round(float(np.mean([e[k] for e in eps if e["allocator"] == name])), 5)
+                          for k in ("mean_reward", "p99_ms", "mean_share")} for name in runs}
+            by_setting[st.name] = row
+        out["by_setting"] = by_setting
     return out
+
+
+def load_policy_weights(actor: Actor, artifact_dir) -> dict:
+    """Start ``actor`` from a policy artifact (`racer policy export`): its ONNX initialisers are
+    the actor's own parameters (``body.*``, ``head.*``; the exploration ``log_std`` keeps its
+    initial value). The artifact is verified first (`policies.export.verify_artifact`: manifest,
+    checksum, checker, parity), then the loaded actor's shares are checked against onnxruntime's
+    on the artifact's golden inputs (the outputs stored with them). Returns the policy id and that check's max difference."""
+    import onnx
+    from onnx import numpy_helper
+
+    from .export import verify_artifact
+
+    d = Path(artifact_dir)
+    manifest = verify_artifact(d)
+    cfg = manifest.get("actor_config", {})
+    if tuple(cfg.get("hidden_sizes", ())) != tuple(actor.config.hidden_sizes) or cfg.get("activation") != actor.config.activation:
+        raise ValueError(f"{d}: its actor ({cfg.get('hidden_sizes')}, {cfg.get('activation')}) is not this run's "
+                         f"({list(actor.config.hidden_sizes)}, {actor.config.activation}); set --hidden-sizes to match")
+    weights = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in onnx.load(str(d / manifest["onnx_file"])).graph.initializer}
+    state = actor.state_dict()
+    want = {k for k in state if k != "log_std"}
+    if set(weights) != want:
+        raise ValueError(f"{d}: initialisers {sorted(weights)} are not the actor's parameters {sorted(want)}")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(state[k].shape):
+            raise ValueError(f"{d}: {k} has shape {tuple(v.shape)}, the actor's is {tuple(state[k].shape)}")
+        state[k] = v.to(state[k].dtype)
+    actor.load_state_dict(state)
+    from node_agent.artifact import read_golden
+
+    X, golden_y = read_golden(d, manifest)  # the artifact's inputs and its ONNX outputs on them
+    X, ort_y = X.astype(np.float32), golden_y.reshape(-1).astype(np.float64)
+    with torch.no_grad():
+        torch_y = actor(torch.from_numpy(X)).reshape(-1).double().numpy()
+    diff = float(np.max(np.abs(torch_y - ort_y)))
+    if diff > 1e-5:
+        raise ValueError(f"{d}: the loaded actor differs from the artifact by {diff:.2e} on its golden inputs")
+    return {"policy_id": manifest["policy_id"], "artifact": str(d), "golden_max_abs_diff": diff}
 
 
 # --------------------------------------------------------------------------------------------- outputs
@@ -403,6 +477,7 @@ def train(args: Args, env=None) -> dict:
     actor = make_initial_actor(args.seed, ActorConfig(hidden_sizes=tuple(args.hidden_sizes),
                                                       init_log_std=args.init_log_std)).train()
     critic = Critic(tuple(args.hidden_sizes), torch.Generator().manual_seed(args.seed + 1))
+    warm_start = load_policy_weights(actor, args.init_policy) if args.init_policy else None
     imitation = None
     bc_X = bc_y = None
     if args.bc_episodes or args.bc_data:
@@ -471,7 +546,8 @@ def train(args: Args, env=None) -> dict:
                 done_eps.append(ep)
                 episodes.append({k: ep[k] for k in ("global_step", "trace", "regime", "stream_seed", "rate_rps",
                                                     "initial_share", "mean_reward", "mean_target_share", "p99_ms",
-                                                    "slo_attainment", "mean_share")})
+                                                    "slo_attainment", "mean_share")}
+                                | {"setting_name": ep.get("setting_name", "sample")})
                 next_np, _ = env.reset()
                 next_obs = torch.from_numpy(next_np)
             obs = next_obs
@@ -538,6 +614,8 @@ def train(args: Args, env=None) -> dict:
                           progress=args.progress)
     if imitation is not None:
         evaluation["imitation"] = {k: v for k, v in imitation.items() if k != "oracle_episodes"}
+    if warm_start is not None:
+        evaluation["warm_start"] = warm_start
     evaluation.update({"train_wall_s": round(train_wall_s, 1), "num_updates": num_updates,
                        "num_episodes": len(episodes), "transitions": global_step * n,
                        "train_reward_by_regime": training_progress(episodes)})
@@ -581,6 +659,12 @@ _FLAGS = {  # Args field -> (flag, type, help)
                                                   "(default: the paper table's)"),
     "slo_ms": ("--slo-ms", float, "latency SLO (default: the paper table's)"),
     "profile": ("--profile", str, "cost profile name or racer node profile JSON (default: the paper table's)"),
+    "settings": ("--settings", str, "settings drawn per episode, joined by '+': table (the setting above), "
+                                    "calibration (bench.oracle_gap's 9 calibrations), paper-scale[/N] (Taobao at "
+                                    "scale 1/N, default 384); e.g. calibration+paper-scale (default: the table's "
+                                    "setting only)"),
+    "init_policy": ("--init-policy", str, "start the actor from this policy artifact's weights (e.g. "
+                                          "policies/default; default: a fresh actor)"),
     "num_steps": ("--num-steps", int, "env steps per rollout"),
     "learning_rate": ("--learning-rate", float, "Adam step size (annealed to 0)"),
     "gamma": ("--gamma", float, "discount"),

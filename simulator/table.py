@@ -113,7 +113,11 @@ class _Job:
 _STREAMS: dict = {}
 
 
-def _trace(cfg: TableConfig):
+def setting_trace(cfg: TableConfig):
+    """The trace a table of ``cfg`` replays: the sample as loaded (``setting="sample"``), or the
+    paper-scale trace built from it (`workloads.scale.paper_scale_trace` with `PaperScale`'s rows
+    and history tail, ``cfg.num_users`` users, seeded by ``cfg.seed``). Cached per process. The
+    training environment builds its paper-scale episodes with it (`policies.env.EnvSetting`)."""
     from workloads import load_trace
 
     key = ("trace", cfg.trace, cfg.path)
@@ -135,6 +139,9 @@ def _trace(cfg: TableConfig):
                                            history_tail=ps.history_tail,
                                            max_history_len=RegimeConfig().max_history_len, seed=cfg.seed)
     return _STREAMS[pkey]
+
+
+_trace = setting_trace
 
 
 def _stream(cfg: TableConfig, regime: str):
