@@ -343,6 +343,22 @@ def _aligned(t: float | None, step_s: float) -> bool:
     return abs(k - round(k)) < 1e-9
 
 
+def _history_split(session: Session, step_s: float, start_s: float | None, end_s: float | None):
+    """How a bucketed read of ``[start_s, end_s)`` splits at `history_boundary`: ``(stored,
+    raw_from, read_raw)``: ``stored`` is ``(level, upto)`` when the stored buckets serve
+    ``[start_s, upto)`` (None: they serve nothing), the raw reports serve ``[raw_from, end_s)``,
+    and ``read_raw`` says whether that raw part is non-empty."""
+    stored, raw_from = None, start_s
+    plan = history_boundary(session, step_s, start_s, end_s)
+    if plan is not None:
+        level, boundary = plan
+        upto = boundary if end_s is None else min(boundary, end_s)
+        if start_s is None or upto > start_s:
+            stored = (level, upto)
+        raw_from = boundary if start_s is None else max(start_s, boundary)
+    return stored, raw_from, end_s is None or raw_from is None or raw_from < end_s
+
+
 def history_boundary(session: Session, step_s: float, start_s: float | None, end_s: float | None
                      ) -> tuple[float, float] | None:
     """(stored step, boundary): buckets before ``boundary`` (a multiple of ``step_s``) are read
@@ -482,16 +498,12 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
             out.append(d)
         return out
     out: list[dict] = []
-    raw_from = start_s
-    plan = history_boundary(session, step_s, start_s, end_s)
-    if plan is not None:
-        level, boundary = plan
-        upto = boundary if end_s is None else min(boundary, end_s)
-        if start_s is None or upto > start_s:
-            out += _stored_buckets(session, node_id=node_id, start_s=start_s, end_s=upto, step_s=step_s,
-                                   level=level, limit=limit)
-        raw_from = boundary if start_s is None else max(start_s, boundary)
-    if end_s is None or raw_from is None or raw_from < end_s:
+    stored, raw_from, read_raw = _history_split(session, step_s, start_s, end_s)
+    if stored is not None:
+        level, upto = stored
+        out += _stored_buckets(session, node_id=node_id, start_s=start_s, end_s=upto, step_s=step_s,
+                               level=level, limit=limit)
+    if read_raw:
         out += _raw_buckets(session, node_id=node_id, start_s=raw_from, end_s=end_s, step_s=step_s, limit=limit)
     have = {(d["node_id"], d["ts_s"]) for d in out}
     rconds = [NodeReportRollup.step_s == step_s]
@@ -526,26 +538,22 @@ def cluster_history(session: Session, *, start_s: float | None, end_s: float | N
     reports in the bucket. From the pre-aggregated buckets up to their watermark, then the raw
     reports (as `report_history`); buckets already rolled up by retention are left out."""
     out: list[dict] = []
-    raw_from = start_s
-    plan = history_boundary(session, step_s, start_s, end_s)
-    if plan is not None:
-        level, boundary = plan
-        upto = boundary if end_s is None else min(boundary, end_s)
-        if start_s is None or upto > start_s:
-            B = NodeReportBucket.__table__
-            bucket = (func.floor(B.c.bucket_s / step_s) * step_s).label("bucket")
-            conds = [B.c.step_s == level, B.c.bucket_s < upto]
-            if start_s is not None:
-                conds.append(B.c.bucket_s >= start_s)
-            figs = {c.name: c for c in figures_of_sums(lambda n: B.c[n])}
-            per_node = (select(B.c.node_id, bucket, func.sum(B.c.num_reports).label("n"),
-                               *[figs[k].element.label("avg_" + k) for k in CLUSTER_SUMS],
-                               *[func.sum(B.c["sum_" + k]).label("sum_" + k) for k in REPORT_FIGURES],
-                               *[func.sum(B.c["cnt_" + k]).label("cnt_" + k) for k in REPORT_FIGURES])
-                        .where(*conds).group_by(B.c.node_id, bucket).subquery())
-            out += [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
-        raw_from = boundary if start_s is None else max(start_s, boundary)
-    if end_s is None or raw_from is None or raw_from < end_s:
+    stored, raw_from, read_raw = _history_split(session, step_s, start_s, end_s)
+    if stored is not None:
+        level, upto = stored
+        B = NodeReportBucket.__table__
+        bucket = (func.floor(B.c.bucket_s / step_s) * step_s).label("bucket")
+        conds = [B.c.step_s == level, B.c.bucket_s < upto]
+        if start_s is not None:
+            conds.append(B.c.bucket_s >= start_s)
+        figs = {c.name: c for c in figures_of_sums(lambda n: B.c[n])}
+        per_node = (select(B.c.node_id, bucket, func.sum(B.c.num_reports).label("n"),
+                           *[figs[k].element.label("avg_" + k) for k in CLUSTER_SUMS],
+                           *[func.sum(B.c["sum_" + k]).label("sum_" + k) for k in REPORT_FIGURES],
+                           *[func.sum(B.c["cnt_" + k]).label("cnt_" + k) for k in REPORT_FIGURES])
+                    .where(*conds).group_by(B.c.node_id, bucket).subquery())
+        out += [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
+    if read_raw:
         conds = _report_conds(None, raw_from, end_s)
         bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
         per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
