@@ -31,11 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-# The calibration grid (the defaults below); `policies.env.calibration_settings` trains on the same
-# points (a test checks they agree)
-KV_KIB = (6.0, 24.0, 96.0)
-CACHE_FRACTIONS = (0.25, 1.0, 4.0)
-NODES, RATE_RPS, USERS, HISTORY_SCALE = 8, 1_000.0, 5_000, 10.0
+# The calibration grid (the defaults below), defined once in policies.env, whose
+# `calibration_settings` trains on the same points
+from policies.env import CALIBRATION_CACHE_FRACTIONS as CACHE_FRACTIONS
+from policies.env import CALIBRATION_HISTORY_SCALE as HISTORY_SCALE
+from policies.env import CALIBRATION_KV_KIB as KV_KIB
+from policies.env import CALIBRATION_NODES as NODES
+from policies.env import CALIBRATION_RATE_RPS as RATE_RPS
+from policies.env import CALIBRATION_USERS as USERS
 
 
 def _job(args) -> dict:

@@ -159,13 +159,14 @@ def apply_guards(targets: np.ndarray, prev: np.ndarray, guard: GuardConfig, *, s
 SETTING_KINDS = ("sample", "paper-scale")
 PAPER_SCALE_DEFAULT = 1 / 384  # the scale model of `bench.regret --quick` and `TableConfig.paper(quick=True)`
 PAPER_TRACE_SEED = 1_000  # the paper-scale setting's trace seed: not one of the table's / regret's seeds 0-2
-# `bench.oracle_gap`'s calibration grid (its defaults: 8 nodes, 1,000 req/s, 5,000 users, histories
-# x10; KV bytes per token 6 / 24 / 96 KiB; cache fractions 0.25 / 1 / 4), per node; a test checks
-# these against that module's defaults
+# The calibration grid, defined here once: `bench.oracle_gap`'s defaults (8 nodes, 1,000 req/s,
+# 5,000 users, histories x10; KV bytes per token 6 / 24 / 96 KiB; cache fractions 0.25 / 1 / 4)
+# and `calibration_settings` (the same load per node)
 CALIBRATION_KV_KIB = (6.0, 24.0, 96.0)
 CALIBRATION_CACHE_FRACTIONS = (0.25, 1.0, 4.0)
-CALIBRATION_RATE_RPS_PER_NODE = 1_000.0 / 8
-CALIBRATION_USERS_PER_NODE = 5_000 // 8
+CALIBRATION_NODES, CALIBRATION_RATE_RPS, CALIBRATION_USERS = 8, 1_000.0, 5_000
+CALIBRATION_RATE_RPS_PER_NODE = CALIBRATION_RATE_RPS / CALIBRATION_NODES
+CALIBRATION_USERS_PER_NODE = CALIBRATION_USERS // CALIBRATION_NODES
 CALIBRATION_HISTORY_SCALE = 10.0
 
 
