@@ -333,8 +333,43 @@ class Supervisor:
             # whatever the process started and left in its group goes with it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pg, signal.SIGKILL)
+            _wait_group_gone(pg, 5.0)
             codes[p.spec.name] = p.popen.returncode
         return codes
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until process group ``pgid`` has no live member left (SIGKILL is delivered
+    asynchronously: on a loaded machine a killed child can still be running a moment after
+    ``killpg`` returns). Zombies count as gone (their parent, possibly a container's init that
+    never reaps, owns them). True when the group is gone; False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a non-zombie process is in group ``pgid`` (Linux /proc; elsewhere ``killpg(pgid, 0)``)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _tail(path: Path, n: int = 15) -> str:
