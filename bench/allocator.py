@@ -70,7 +70,8 @@ def scripted_stats(num: int, seed: int = 0) -> list:
             kv_hit_rate=kv_hit, kv_recompute_us_per_token=0.5, emb_transfer_us_per_row=2.0, emb_share=0.5,
             load=min(1.0, rate / 5000), p99_ms=max(0.0, p99), slo_ms=30.0, refill_bytes=float(rng.uniform(0, 1e8)),
             arena_bytes=8e9, emb_marginal_us=max(0.0, float(rng.normal(40, 8))),
-            kv_marginal_us=max(0.0, float(rng.normal(115 if burst else 35, 10)))))
+            kv_marginal_us=max(0.0, float(rng.normal(115 if burst else 35, 10))), table_bytes=4e11,
+            kv_bytes_per_token=96.0 * 1024))
     return out
 
 

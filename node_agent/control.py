@@ -156,7 +156,8 @@ class WindowAccumulator:
             kv_recompute_us_per_token=kv_cost, emb_transfer_us_per_row=emb_cost,
             emb_share=manager.emb_share, load=min(1.0, busy / interval), p99_ms=p99_ms, slo_ms=float(slo_ms),
             refill_bytes=float(self.refill_bytes), arena_bytes=float(mcfg.num_pages * mcfg.page_bytes),
-            emb_marginal_us=emb_marginal, kv_marginal_us=kv_marginal)
+            emb_marginal_us=emb_marginal, kv_marginal_us=kv_marginal,
+            table_bytes=float(mcfg.num_items * mcfg.row_bytes), kv_bytes_per_token=mcfg.page_bytes / mcfg.kv.page_tokens)
         self.start_s = float(now_s)
         self.arrivals = 0
         self.refill_bytes = 0

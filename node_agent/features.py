@@ -22,6 +22,23 @@ a feature, means a new `SCHEMA_VERSION`, and a policy trained on another version
   ``[-LOG_FEATURE_MAX, LOG_FEATURE_MAX]`` since both terms are clipped; both are 0 when ``prev``
   is None (first interval).
 
+Schema 3 appends six features **normalised by the node's cost profile and arena size**, so that the
+same number means the same thing on any model, node or arena (one policy for every setting; the
+first 16 are schema 2's, unchanged, so a schema-2 policy is the schema-3 policy that ignores the
+six: `SCHEMA_PREFIX`):
+
+- arena size: ``table_over_arena_log`` (the embedding table's bytes over the arena's, log-scaled:
+  how much of the table the arena could ever hold) and ``arena_users_log`` (how many median
+  users' K/V fit in the arena, log-scaled); both 0 when the producer does not know the table's or
+  a token's bytes (``table_bytes`` / ``kv_bytes_per_token`` left 0);
+- cost profile: with ``busy_us = load * interval_s * 1e6 / num_requests`` (the node's device time
+  per completed request), the expected miss time per request of each cache (`miss_costs_us`) and
+  the marginal utility of 10% more arena for each cache (its ghost list, `marginal_utility_us`),
+  each over ``busy_us``: shares of a request's device time, clipped to ``[0, 1]``, 0 when the node
+  completed nothing or was never busy. Priced at the node's own profiled costs and counted per
+  10% of its own arena, they carry no unit: a policy reads "KV misses take 60% of the device
+  time, and 10% more KV pool would save 8% of it" the same way on an A100 and on a CPU.
+
 The table in docs/allocator.md lists the features in order, generated from `FEATURE_SPECS`.
 """
 
@@ -32,7 +49,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: load is the busy fraction, p99/percentiles over completed requests, one producer (node_agent.control)
+SCHEMA_VERSION = 3  # 3: + six features normalised by cost profile and arena; 2: load is the busy fraction,
+# p99/percentiles over completed requests, one producer (node_agent.control)
+SCHEMA_PREFIX = {2: 16}  # an older schema whose features are this schema's first N, unchanged
 
 # normalisation references (part of the schema)
 RATE_REF_RPS = 100_000.0
@@ -41,11 +60,15 @@ EMB_LOOKUPS_REF = 16_384.0
 COST_REF_US = 100.0
 LOG_FEATURE_MAX = 2.0
 P99_OVER_SLO_MAX = 4.0
+TABLE_OVER_ARENA_REF = 1_000.0
+ARENA_USERS_REF = 10_000.0
 
 _LOG_RATE_REF = math.log1p(RATE_REF_RPS)
 _LOG_HISTORY_REF = math.log1p(HISTORY_LEN_REF)
 _LOG_LOOKUPS_REF = math.log1p(EMB_LOOKUPS_REF)
 _LOG_COST_REF = math.log1p(COST_REF_US)
+_LOG_TABLE_REF = math.log1p(TABLE_OVER_ARENA_REF)
+_LOG_USERS_REF = math.log1p(ARENA_USERS_REF)
 
 
 class FeatureError(ValueError):
@@ -91,7 +114,11 @@ class WindowStats:
     - ``emb_marginal_us`` / ``kv_marginal_us`` (optional, default 0; not policy features): the
       marginal utility of memory for the EMB slab / the KV pool: busy time per request that 10%
       more of the arena would have saved, read from the caches' ghost lists
-      (`node_agent.memory.MemoryConfig.ghost_probes`) with `marginal_utility_us` (>= 0).
+      (`node_agent.memory.MemoryConfig.ghost_probes`) with `marginal_utility_us` (>= 0); 0 when
+      the ghost lists are off;
+    - ``table_bytes`` (optional, default 0: unknown): the embedding table's bytes (rows x row
+      bytes); ``kv_bytes_per_token`` (optional, default 0: unknown): K and V bytes of one history
+      token (all layers); both >= 0, read from the node's `MemoryConfig`.
     """
 
     interval_s: float
@@ -113,6 +140,8 @@ class WindowStats:
     arena_bytes: float
     emb_marginal_us: float = 0.0
     kv_marginal_us: float = 0.0
+    table_bytes: float = 0.0
+    kv_bytes_per_token: float = 0.0
 
     def problems(self) -> list[str]:
         """Every violated constraint, as readable lines (empty when the snapshot is valid)."""
@@ -135,7 +164,8 @@ class WindowStats:
             check(name, lambda v: v > 0, "> 0")
         for name in ("num_requests", "arrival_rate_rps", "history_len_p50", "history_len_p99",
                      "emb_lookups_per_request", "kv_recompute_us_per_token", "emb_transfer_us_per_row",
-                     "p99_ms", "refill_bytes", "emb_marginal_us", "kv_marginal_us"):
+                     "p99_ms", "refill_bytes", "emb_marginal_us", "kv_marginal_us", "table_bytes",
+                     "kv_bytes_per_token"):
             check(name, lambda v: v >= 0, ">= 0")
         for name in ("hot_user_ratio", "emb_hit_rate", "kv_hit_rate", "emb_share", "load"):
             check(name, lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -181,6 +211,16 @@ FEATURE_SPECS: tuple[FeatureSpec, ...] = (
     FeatureSpec("hot_user_ratio_delta", "hot_user_ratio - prev.hot_user_ratio (0 without prev)", -1.0, 1.0),
     FeatureSpec("arrival_rate_log_delta", "arrival_rate_log - prev's arrival_rate_log (both in [0, 2]; 0 without prev)",
                 -LOG_FEATURE_MAX, LOG_FEATURE_MAX),
+    # schema 3: normalised by the node's cost profile and arena size
+    FeatureSpec("table_over_arena_log", "log1p(table_bytes / arena_bytes) / log1p(1e3), clipped (0: unknown)", 0.0,
+                LOG_FEATURE_MAX),
+    FeatureSpec("arena_users_log", "log1p(arena_bytes / (history_len_p50 * kv_bytes_per_token)) / log1p(1e4), clipped "
+                "(0: unknown or no history)", 0.0, LOG_FEATURE_MAX),
+    FeatureSpec("kv_miss_time_frac", "kv_miss_us / busy_us (busy_us = load * interval_s * 1e6 / num_requests), "
+                "clipped to [0, 1]; 0 without requests or busy time", 0.0, 1.0),
+    FeatureSpec("emb_miss_time_frac", "emb_miss_us / busy_us, clipped to [0, 1]", 0.0, 1.0),
+    FeatureSpec("kv_marginal_frac", "kv_marginal_us / busy_us, clipped to [0, 1] (0: ghost lists off)", 0.0, 1.0),
+    FeatureSpec("emb_marginal_frac", "emb_marginal_us / busy_us, clipped to [0, 1] (0: ghost lists off)", 0.0, 1.0),
 )
 FEATURE_NAMES: tuple[str, ...] = tuple(s.name for s in FEATURE_SPECS)
 NUM_FEATURES = len(FEATURE_NAMES)
@@ -263,12 +303,13 @@ def _check(s: WindowStats) -> None:
                  + s.history_len_p99 + s.emb_lookups_per_request + s.emb_hit_rate + s.kv_hit_rate
                  + s.kv_recompute_us_per_token + s.emb_transfer_us_per_row + s.emb_share + s.load + s.p99_ms
                  + s.slo_ms + s.refill_bytes + s.arena_bytes + s.emb_marginal_us
-                 + s.kv_marginal_us)
+                 + s.kv_marginal_us + s.table_bytes + s.kv_bytes_per_token)
         ok = (math.isfinite(total) and s.interval_s > 0 and s.slo_ms > 0 and s.arena_bytes > 0
               and s.num_requests >= 0 and s.arrival_rate_rps >= 0 and 0 <= s.history_len_p50 <= s.history_len_p99
               and s.emb_lookups_per_request >= 0 and s.kv_recompute_us_per_token >= 0
               and s.emb_transfer_us_per_row >= 0 and s.p99_ms >= 0 and s.refill_bytes >= 0
-              and s.emb_marginal_us >= 0 and s.kv_marginal_us >= 0
+              and s.emb_marginal_us >= 0 and s.kv_marginal_us >= 0 and s.table_bytes >= 0
+              and s.kv_bytes_per_token >= 0
               and 0 <= s.hot_user_ratio <= 1 and 0 <= s.emb_hit_rate <= 1 and 0 <= s.kv_hit_rate <= 1
               and 0 <= s.emb_share <= 1 and 0 <= s.load <= 1 and s.num_requests == int(s.num_requests))
     except (TypeError, ValueError, OverflowError):
@@ -311,7 +352,17 @@ def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.
     miss_total = kv_miss + emb_miss
     kv_share = kv_miss / miss_total if miss_total > 0 else 0.5
     p99_over_slo = stats.p99_ms / stats.slo_ms
-    refill = stats.refill_bytes / stats.arena_bytes
+    arena = stats.arena_bytes
+    refill = stats.refill_bytes / arena
+    table_log = _log_norm(stats.table_bytes / arena, _LOG_TABLE_REF)
+    user_kv = stats.history_len_p50 * stats.kv_bytes_per_token
+    users_log = _log_norm(arena / user_kv, _LOG_USERS_REF) if user_kv > 0 else 0.0
+    busy_us = stats.load * stats.interval_s * 1e6 / stats.num_requests if stats.num_requests else 0.0
+    if busy_us > 0:
+        fr = (kv_miss / busy_us, emb_miss / busy_us, stats.kv_marginal_us / busy_us, stats.emb_marginal_us / busy_us)
+        kv_miss_fr, emb_miss_fr, kv_marg_fr, emb_marg_fr = (v if v < 1.0 else 1.0 for v in fr)
+    else:
+        kv_miss_fr = emb_miss_fr = kv_marg_fr = emb_marg_fr = 0.0
     values = (
         rate_log,
         stats.hot_user_ratio,
@@ -329,6 +380,12 @@ def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.
         refill if refill < 1.0 else 1.0,
         d_hot,
         d_rate,  # both operands lie in [0, LOG_FEATURE_MAX], so the difference is within range
+        table_log,
+        users_log,
+        kv_miss_fr,
+        emb_miss_fr,
+        kv_marg_fr,
+        emb_marg_fr,
     )
     if out is None:
         return np.array(values, dtype=np.float32)

@@ -2,6 +2,7 @@
 
     racer policy export --checkpoint CKPT --out DIR [--num-golden 64] [--seed 0] [--tolerance 1e-5] [--force] [--json]
     racer policy verify DIR [--json]
+    racer policy widen SRC --out DIR [--force] [--json]
     racer policy train [--total-steps N] [--out DIR] [--seed S] [--trace taobao,amazon] [...] [--json]
 
 Errors a user can fix (missing checkpoint, refused export, bad artifact) raise ValueError /
@@ -48,6 +49,44 @@ def cmd_policy_verify(args) -> int:
     return 0
 
 
+def cmd_policy_widen(args) -> int:
+    """An artifact of an older feature schema whose features are this schema's first N (schema 2)
+    re-exported for this schema: the same policy, zero weights on the features it never saw."""
+    import json as _json
+    from pathlib import Path
+
+    from .actor import ActorConfig, make_initial_actor
+    from .export import export_actor
+    from .train_ppo import load_policy_weights
+
+    src = Path(args.src)
+    try:
+        old = _json.loads((src / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{src}: not a policy artifact ({e})") from None
+    cfg = old.get("actor_config", {}) if isinstance(old, dict) else {}
+    actor = make_initial_actor(0, ActorConfig(hidden_sizes=tuple(cfg.get("hidden_sizes", (64, 64))),
+                                              activation=cfg.get("activation", "tanh")))
+    loaded = load_policy_weights(actor, src)
+    if "widened_from" not in loaded:
+        raise ValueError(f"{src}: already of feature schema {old.get('feature_schema_version')}; nothing to widen")
+    training = {**(old.get("training_config") or {}), "widened_from": {**loaded["widened_from"],
+                                                                       "policy_id": loaded["policy_id"]}}
+    try:
+        manifest = export_actor(actor, args.out, training_config=training, evaluation=old.get("evaluation") or {},
+                                overwrite=args.force, source=f"widened from {src} ({loaded['policy_id']})")
+    except FileExistsError as e:
+        raise ValueError(str(e)) from None
+    summary = {"artifact": str(args.out), "policy_id": manifest["policy_id"], "widened_from": loaded["policy_id"],
+               "feature_schema_version": manifest["feature_schema_version"],
+               "golden_max_abs_diff": loaded["golden_max_abs_diff"]}
+    print(json.dumps(summary) if args.json else
+          f"widened policy {loaded['policy_id']} (schema {loaded['widened_from']['feature_schema_version']}) to "
+          f"{manifest['policy_id']} (schema {manifest['feature_schema_version']}) at {args.out}; its shares on the old "
+          f"golden inputs differ by {loaded['golden_max_abs_diff']:.1e}")
+    return 0
+
+
 def cmd_policy_train(args) -> int:
     from .train_ppo import cmd_train
 
@@ -80,6 +119,16 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("artifact", help="artifact directory")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.set_defaults(func=cmd_policy_verify)
+
+    w = sub.add_parser("widen", help="re-export an older feature schema's artifact for this schema",
+                       description="An artifact of feature schema 2 (whose 16 features are schema 3's first 16) "
+                                   "as a schema-3 artifact: the same policy, zero weights on the new features; "
+                                   "checked against its own golden outputs.")
+    w.add_argument("src", help="the older artifact directory")
+    w.add_argument("--out", required=True, help="artifact directory to create")
+    w.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    w.add_argument("--json", action="store_true", help="print one JSON object")
+    w.set_defaults(func=cmd_policy_widen)
 
     t = sub.add_parser("train", help="train the base policy with PPO on the cluster simulator",
                        description="PPO (policies/train_ppo.py) on policies/env.py: one step is one control "

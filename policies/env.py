@@ -45,7 +45,9 @@ a sample calibration, e.g. `bench.oracle_gap`'s grid from `calibration_settings`
 paper-scale setting, built by the paper table's own functions) and ``reset`` draws one per
 episode (``options["setting"]`` fixes it; ``info`` names it), so one policy trains across them. Cost: the simulator serves roughly 2-15k requests per
 wall second on one core (fewer with long histories), so a 20-s episode of 4 nodes at the table's
-per-node load takes a few seconds. Nothing reads the clock.
+per-node load takes a few seconds. Every episode runs with the caches' ghost lists on
+(`DEFAULT_GHOST_PROBES`, as the node agent runs by default): feature schema 3 reads the marginal
+utilities they measure. Nothing reads the clock.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import numpy as np
 from node_agent.allocator import GuardConfig, guard_stage
 
 from node_agent.features import NUM_FEATURES, P99_OVER_SLO_MAX, WindowStats, build_features, miss_costs_us
+from node_agent.memory import DEFAULT_GHOST_PROBES
 
 TRACE_NAMES = ("taobao", "amazon", "synthetic")
 P99_FLOOR = 0.1  # p99 / slo below this counts as this in the reward's log
@@ -458,13 +461,14 @@ class AllocatorEnv:
             scfg = sim_config(self.table_config(st, trace_name, seed))
             if scfg.control_interval_s != c.control_interval_s:
                 scfg = replace(scfg, control_interval_s=c.control_interval_s)
-            return scfg
+            return replace(scfg, ghost_probes=DEFAULT_GHOST_PROBES)
         profile = self._profile
         if st.kv_kib is not None:  # the model's size, as `bench.oracle_gap --kv-kib` sets it
             profile = replace(profile, kv_bytes_per_token=int(st.kv_kib * 1024)).validate()
         cf = st.cache_fraction if st.cache_fraction is not None else c.cache_fraction
         return SimConfig(num_nodes=c.num_nodes, profile=profile, cache_fraction=cf,
-                         slo_ms=c.slo_ms, control_interval_s=c.control_interval_s, seed=seed)
+                         slo_ms=c.slo_ms, control_interval_s=c.control_interval_s, seed=seed,
+                         ghost_probes=DEFAULT_GHOST_PROBES)
 
     def table_config(self, setting: EnvSetting, trace_name: str, seed: int, rate_rps: float | None = None):
         """The paper table's `TableConfig` of a paper-scale ``setting`` on this environment's

@@ -48,7 +48,8 @@ class ExportError(ValueError):
 
 
 def random_window_stats(rng: np.random.Generator) -> WindowStats:
-    """A plausible interval: rates 10..50k rps, histories 10..20k tokens, costs 0.01..20 us."""
+    """A plausible interval: rates 10..50k rps, histories 10..20k tokens, costs 0.01..20 us, tables
+    0.1 GB..5 TB, ghost lists off on a fifth of the draws."""
     p50 = float(np.exp(rng.uniform(np.log(10), np.log(8_000))))
     interval_s = float(rng.choice([0.5, 1.0, 2.0]))
     rate = float(np.exp(rng.uniform(np.log(10), np.log(50_000))))
@@ -70,6 +71,10 @@ def random_window_stats(rng: np.random.Generator) -> WindowStats:
         slo_ms=float(rng.choice([20.0, 30.0, 50.0])),
         refill_bytes=float(rng.uniform(0, 2e9)) * float(rng.random() < 0.5),
         arena_bytes=float(rng.choice([8e9, 40e9, 80e9])),
+        emb_marginal_us=float(np.exp(rng.uniform(np.log(0.1), np.log(1e4)))) * float(rng.random() < 0.8),
+        kv_marginal_us=float(np.exp(rng.uniform(np.log(0.1), np.log(1e4)))) * float(rng.random() < 0.8),
+        table_bytes=float(np.exp(rng.uniform(np.log(1e8), np.log(5e12)))),
+        kv_bytes_per_token=float(rng.choice([0.0, 8.0 * 1024, 96.0 * 1024])),
     )
 
 

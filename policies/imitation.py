@@ -16,6 +16,17 @@ P99 is lowest. Its choices, paired with what each node observed before them, are
   deterministic share ``sigmoid(mlp(x))`` and the oracle's share, with a held-out split of whole
   episodes for the reported error.
 
+A second labelling needs no oracle forks and is the one a policy for *every setting* is cloned
+from (feature schema 3): **the hindsight best static split** (`collect_static_sweep_data`). Each
+episode is run once per share of a grid, every node held at that share; the episode's label is
+the share with the lowest cluster P99 (`best_static_label`: among the shares within 5% of it,
+those with the least device time per request, the quieter measure where P99s differ by less than
+their noise; a flat optimum gives its middle rather than the noise's pick), and every
+state of every run, whatever share it was observed at, is labelled with it: the policy learns to
+name a setting's operating point from any split it starts at, which the residual layer's tuner
+then refines online. The grid covers the guard range, so the label is never a share the runtime
+could not hold.
+
 `policies.train_ppo` runs this before PPO when ``bc_episodes > 0`` and keeps a clone term in the
 PPO loss (``bc_coef``), so PPO refines the cloned policy against the reward instead of forgetting
 it (DQfD-style demonstrations; Hester et al., AAAI 2018). The oracle is greedy over one window
@@ -80,6 +91,106 @@ def collect_oracle_data(env_cfg: EnvConfig, episodes: int, shares, *, seed: int,
         eps.append({**meta, "schedule": sched, "mean_share": round(float(np.mean(sched)), 4),
                     "p99_ms": s["p99_ms"], "slo_attainment": s["slo_attainment"]})
         bar.update(1)
+    bar.close()
+    return {"X": np.concatenate(xs), "y": np.concatenate(ys), "episode": np.concatenate(ep_of), "episodes": eps,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def best_static_label(p99_by_share: dict, busy_by_share: dict | None = None, tolerance: float = 0.05,
+                      busy_tolerance: float = 0.01) -> float:
+    """The hindsight best static split of one episode. The shares whose cluster P99 is within
+    ``tolerance`` (relative) of the lowest are admissible; among them, the label is the mean of
+    those whose device time per request (``busy_by_share``, `busy_us_per_request`) is within
+    ``busy_tolerance`` of the admissible minimum (without ``busy_by_share``: the mean of the
+    admissible shares). P99 is what the table judges, but across splits whose P99s differ by less
+    than its noise (a node far from saturation, or one so saturated that its backlog decides the
+    P99) the device time per request is the quieter measure of the same thing: it is what the
+    backlog grows with, and what the operating-point tuner climbs."""
+    if not p99_by_share:
+        raise ValueError("no runs to label from")
+    best = min(p99_by_share.values())
+    near = [s for s, v in p99_by_share.items() if v <= best * (1 + tolerance)]
+    if busy_by_share:
+        b = min(busy_by_share[s] for s in near)
+        near = [s for s in near if busy_by_share[s] <= b * (1 + busy_tolerance)]
+    return float(np.mean(near))
+
+
+def busy_us_per_request(windows: list) -> float:
+    """Device time per completed request over a run's windows (every node): ``sum(load *
+    interval_s) / sum(num_requests)``, µs (inf when nothing completed)."""
+    busy = sum(st.load * st.interval_s for stats in windows for st in stats)
+    n = sum(st.num_requests for stats in windows for st in stats)
+    return busy * 1e6 / n if n else math.inf
+
+
+def static_run(stream, sim_cfg, share: float) -> tuple[dict, list]:
+    """Run ``stream`` with every node held at ``share``: ``(summary, [per-window [WindowStats per node]])``."""
+    from simulator.cluster import run_cluster
+
+    run = run_cluster(stream, sim_cfg, "racer", initial_share=share, name=f"static:{share:g}")
+    windows = []
+    out = next(run)
+    try:
+        while True:
+            windows.append(out[1])
+            out = run.send([share] * len(out[1]))
+    except StopIteration as stop:
+        return stop.value.summary(), windows
+
+
+def sweep_samples(windows_by_share: dict, label: float) -> tuple[np.ndarray, np.ndarray]:
+    """Features of every node's every window of every run (``windows_by_share[share]``: the
+    per-window lists of `static_run`), each with its node's previous window as ``prev``, all
+    labelled ``label``."""
+    xs = []
+    for windows in windows_by_share.values():
+        if not windows:
+            continue
+        n = len(windows[0])
+        X = np.empty((len(windows) * n, NUM_FEATURES), dtype=np.float32)
+        prev = [None] * n
+        for i, stats in enumerate(windows):
+            for j, st in enumerate(stats):
+                build_features(st, prev[j], out=X[i * n + j])
+                prev[j] = st
+        xs.append(X)
+    X = np.concatenate(xs) if xs else np.empty((0, NUM_FEATURES), dtype=np.float32)
+    return X, np.full(len(X), label, dtype=np.float32)
+
+
+def collect_static_sweep_data(env_cfg: EnvConfig, episodes: int, shares, *, seed: int, progress: bool = True) -> dict:
+    """Run ``episodes`` episodes drawn as the PPO environment draws them (from ``seed``; with
+    `EnvConfig.settings`, across settings) once per share of ``shares``; label each with
+    `best_static_label` and keep every state (`sweep_samples`). Returns the same dict as
+    `collect_oracle_data` (each episode's entry adds ``p99_by_share`` and ``label``)."""
+    from tqdm import tqdm
+
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    g = env_cfg.guard
+    if not shares or any(not g.min_emb_share <= s <= g.max_emb_share for s in shares):
+        raise ValueError(f"shares must be a non-empty list within the guard bounds [{g.min_emb_share}, "
+                         f"{g.max_emb_share}], got {list(shares)!r}")
+    env = AllocatorEnv(env_cfg)
+    xs, ys, ep_of, eps = [], [], [], []
+    t0 = time.perf_counter()
+    bar = tqdm(total=episodes * len(shares), desc="static sweeps", unit="run", disable=not progress)
+    for e in range(episodes):
+        stream, sim_cfg, meta = env.draw_episode(seed=seed if e == 0 else None)
+        p99, windows = {}, {}
+        for s in shares:
+            summary, windows[float(s)] = static_run(stream, sim_cfg, float(s))
+            p99[float(s)] = float(summary["p99_ms"])
+            bar.update(1)
+        busy = {s: busy_us_per_request(w) for s, w in windows.items()}
+        label = best_static_label(p99, busy)
+        X, y = sweep_samples(windows, label)
+        xs.append(X)
+        ys.append(y)
+        ep_of.append(np.full(len(y), e, dtype=np.int64))
+        eps.append({**meta, "p99_by_share": {f"{s:g}": round(v, 3) for s, v in p99.items()},
+                    "busy_us_by_share": {f"{s:g}": round(v, 1) for s, v in busy.items()}, "label": label})
     bar.close()
     return {"X": np.concatenate(xs), "y": np.concatenate(ys), "episode": np.concatenate(ep_of), "episodes": eps,
             "wall_s": round(time.perf_counter() - t0, 1)}
@@ -176,10 +287,12 @@ def load_oracle_data(paths) -> dict:
 
 
 def main(argv=None) -> int:
-    """``python -m policies.imitation --episodes N --out FILE.npz [--nodes 32] [--seed S]``: replay
-    the oracle on episodes of the paper table's setting (`EnvConfig.like_table`) and save the
-    samples, for `racer policy train --bc-data FILE[,FILE...]` (collections with different seeds
-    can run in parallel and be passed together)."""
+    """``python -m policies.imitation --episodes N --out FILE.npz [--labels oracle|best-static]
+    [--settings calibration+paper-scale] [--nodes 4] [--seed S]``: label episodes of the paper
+    table's setting (`EnvConfig.like_table`; with ``--settings``, drawn across settings) with the
+    replay oracle's choices or the hindsight best static split and save the samples, for `racer
+    policy train --bc-data FILE[,FILE...]` (collections with different seeds can run in parallel
+    and be passed together)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m policies.imitation", description=main.__doc__.split("\n")[0])
@@ -192,14 +305,31 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=20_000)
     ap.add_argument("--trace", default="taobao,amazon", help="comma-separated traces episodes draw from")
     ap.add_argument("--regimes", default="steady,trend,burst", help="comma-separated regimes episodes draw from")
+    ap.add_argument("--labels", choices=("oracle", "best-static"), default="oracle",
+                    help="oracle: the replay oracle's share per window; best-static: the episode's hindsight best "
+                         "static split over --shares, every run's states labelled with it")
+    ap.add_argument("--settings", default=None,
+                    help="settings drawn per episode (policies.env.parse_settings), e.g. calibration+paper-scale")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = EnvConfig.like_table(num_nodes=a.nodes, duration_s=a.duration, rate_spread=a.rate_spread,
-                               traces=tuple(x for x in a.trace.split(",") if x),
-                               regimes=tuple(x for x in a.regimes.split(",") if x)).validate()
-    shares = tuple(float(x) for x in a.shares.split(",") if x.strip())
-    data = collect_oracle_data(cfg, a.episodes, shares, seed=a.seed, progress=not a.no_progress)
+    from .env import parse_settings
+
+    try:
+        kw = {"settings": parse_settings(a.settings)} if a.settings else {}
+        cfg = EnvConfig.like_table(num_nodes=a.nodes, duration_s=a.duration, rate_spread=a.rate_spread,
+                                   traces=tuple(x for x in a.trace.split(",") if x),
+                                   regimes=tuple(x for x in a.regimes.split(",") if x), **kw).validate()
+        shares = tuple(float(x) for x in a.shares.split(",") if x.strip())
+    except ValueError as e:
+        ap.error(str(e))
+    g = cfg.guard
+    if a.labels == "best-static" and (not shares or any(not g.min_emb_share <= x <= g.max_emb_share for x in shares)):
+        ap.error(f"--shares must lie within the guard bounds [{g.min_emb_share}, {g.max_emb_share}], got {a.shares!r}")
+    if a.labels == "best-static":
+        data = collect_static_sweep_data(cfg, a.episodes, shares, seed=a.seed, progress=not a.no_progress)
+    else:
+        data = collect_oracle_data(cfg, a.episodes, shares, seed=a.seed, progress=not a.no_progress)
     save_oracle_data(data, a.out)
     print(f"{len(data['y'])} samples from {a.episodes} episodes in {data['wall_s']} s -> {a.out}")
     return 0

@@ -12,7 +12,8 @@ writes the same ``.npz`` files as `policies.imitation` (``X``, ``y``, ``episode`
   the teacher choosing every node's split, and keep the states it visits (on-policy for the
   teacher; no oracle forks, so an episode costs a plain simulation).
 
-The teacher is read with onnxruntime directly, without the runtime's schema check (that check is
+A teacher with fewer inputs than this schema (schema 1 or 2: 16 features; schema 3 appends six)
+reads the first ones. The teacher is read with onnxruntime directly, without the runtime's schema check (that check is
 for serving; here the schema gap is the point, and the output records the teacher's id and
 schema in ``episodes``)."""
 from __future__ import annotations
@@ -31,14 +32,15 @@ def _teacher(artifact_dir):
 
     d = Path(artifact_dir)
     manifest = json.loads((d / "manifest.json").read_text())
-    if manifest.get("actor_config", {}).get("num_features") != NUM_FEATURES:
-        raise ValueError(f"{d}: teacher takes {manifest.get('actor_config', {}).get('num_features')} features, "
-                         f"this schema has {NUM_FEATURES}")
+    k = manifest.get("actor_config", {}).get("num_features")
+    if not (isinstance(k, int) and 1 <= k <= NUM_FEATURES):
+        raise ValueError(f"{d}: teacher takes {k} features, this schema has {NUM_FEATURES}")
     sess = ort.InferenceSession(str(d / manifest["onnx_file"]), providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
 
     def share(X: np.ndarray) -> np.ndarray:
-        return sess.run(None, {name: np.ascontiguousarray(X, dtype=np.float32)})[0].reshape(-1).astype(np.float32)
+        # a teacher of an older schema reads the features it knows: later schemas append theirs
+        return sess.run(None, {name: np.ascontiguousarray(X[:, :k], dtype=np.float32)})[0].reshape(-1).astype(np.float32)
 
     label = f"teacher {manifest['policy_id']} (feature schema {manifest['feature_schema_version']})"
     return share, label

@@ -342,38 +342,105 @@ def load_policy_weights(actor: Actor, artifact_dir) -> dict:
     the actor's own parameters (``body.*``, ``head.*``; the exploration ``log_std`` keeps its
     initial value). The artifact is verified first (`policies.export.verify_artifact`: manifest,
     checksum, checker, parity), then the loaded actor's shares are checked against onnxruntime's
-    on the artifact's golden inputs (the outputs stored with them). Returns the policy id and that check's max difference."""
+    on the artifact's golden inputs (the outputs stored with them). Returns the policy id and that
+    check's max difference.
+
+    An artifact of an older feature schema whose features are this schema's first ``N``
+    (`node_agent.features.SCHEMA_PREFIX`: schema 2's 16) is **widened**: its first layer gets
+    zero weights for the features it never saw, so the actor is that policy exactly (it ignores
+    the new features until training moves those weights). Checked the same way, on the golden
+    inputs with the new features filled with uniform draws of their range (``widened_from``)."""
     import onnx
     from onnx import numpy_helper
+
+    from node_agent.artifact import read_golden
+    from node_agent.features import FEATURE_HIGH, FEATURE_LOW, SCHEMA_PREFIX
 
     from .export import verify_artifact
 
     d = Path(artifact_dir)
-    manifest = verify_artifact(d)
+    old_schema = _artifact_schema(d)
+    if old_schema is not None and old_schema in SCHEMA_PREFIX:
+        manifest, data, golden = _older_artifact(d, old_schema)
+    else:
+        manifest = verify_artifact(d)
+        data = (d / manifest["onnx_file"]).read_bytes()
+        golden = None
     cfg = manifest.get("actor_config", {})
     if tuple(cfg.get("hidden_sizes", ())) != tuple(actor.config.hidden_sizes) or cfg.get("activation") != actor.config.activation:
         raise ValueError(f"{d}: its actor ({cfg.get('hidden_sizes')}, {cfg.get('activation')}) is not this run's "
                          f"({list(actor.config.hidden_sizes)}, {actor.config.activation}); set --hidden-sizes to match")
-    weights = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in onnx.load(str(d / manifest["onnx_file"])).graph.initializer}
+    weights = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in onnx.load_from_string(data).graph.initializer}
     state = actor.state_dict()
     want = {k for k in state if k != "log_std"}
     if set(weights) != want:
         raise ValueError(f"{d}: initialisers {sorted(weights)} are not the actor's parameters {sorted(want)}")
+    first = "body.0.weight"
+    if golden is not None:  # widen: zero weights for the features the older schema lacks
+        w = weights[first]
+        if w.shape[1] != SCHEMA_PREFIX[old_schema]:
+            raise ValueError(f"{d}: {first} takes {w.shape[1]} features, schema {old_schema} has {SCHEMA_PREFIX[old_schema]}")
+        weights[first] = torch.cat([w, torch.zeros(w.shape[0], state[first].shape[1] - w.shape[1], dtype=w.dtype)], 1)
     for k, v in weights.items():
         if tuple(v.shape) != tuple(state[k].shape):
             raise ValueError(f"{d}: {k} has shape {tuple(v.shape)}, the actor's is {tuple(state[k].shape)}")
         state[k] = v.to(state[k].dtype)
     actor.load_state_dict(state)
-    from node_agent.artifact import read_golden
-
-    X, golden_y = read_golden(d, manifest)  # the artifact's inputs and its ONNX outputs on them
+    if golden is None:
+        X, golden_y = read_golden(d, manifest)  # the artifact's inputs and its ONNX outputs on them
+    else:
+        X, golden_y = golden
+        n = X.shape[1]
+        rng = np.random.default_rng(0)
+        extra = FEATURE_LOW[n:] + (FEATURE_HIGH[n:] - FEATURE_LOW[n:]) * rng.random((len(X), len(FEATURE_LOW) - n))
+        X = np.concatenate([X, extra], 1)
     X, ort_y = X.astype(np.float32), golden_y.reshape(-1).astype(np.float64)
     with torch.no_grad():
         torch_y = actor(torch.from_numpy(X)).reshape(-1).double().numpy()
     diff = float(np.max(np.abs(torch_y - ort_y)))
     if diff > 1e-5:
         raise ValueError(f"{d}: the loaded actor differs from the artifact by {diff:.2e} on its golden inputs")
-    return {"policy_id": manifest["policy_id"], "artifact": str(d), "golden_max_abs_diff": diff}
+    out = {"policy_id": manifest["policy_id"], "artifact": str(d), "golden_max_abs_diff": diff}
+    if old_schema is not None and old_schema in SCHEMA_PREFIX:
+        out["widened_from"] = {"feature_schema_version": old_schema, "num_features": SCHEMA_PREFIX[old_schema]}
+    return out
+
+
+def _artifact_schema(d: Path):
+    """The feature schema an artifact's manifest names (None when unreadable: `verify_artifact`
+    then says why)."""
+    import json
+
+    try:
+        return json.loads((d / "manifest.json").read_text()).get("feature_schema_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _older_artifact(d: Path, schema: int):
+    """Manifest, ONNX bytes and golden ``(inputs, outputs)`` of an artifact of an older schema whose
+    features are this schema's first ``SCHEMA_PREFIX[schema]``: the files' sha256 against the
+    manifest, the feature names against ours, and onnxruntime's outputs on the golden inputs."""
+    import json
+
+    from node_agent.artifact import ArtifactError, read_onnx_bytes, sha256_file
+    from node_agent.features import FEATURE_NAMES, SCHEMA_PREFIX
+
+    from .export import _ort_cpu_outputs
+
+    manifest = json.loads((d / "manifest.json").read_text())
+    n = SCHEMA_PREFIX[schema]
+    if list(manifest.get("feature_names", [])) != list(FEATURE_NAMES[:n]):
+        raise ValueError(f"{d}: schema {schema}'s feature names are not this schema's first {n}")
+    data = read_onnx_bytes(d, manifest)
+    golden = d / manifest["golden_file"]
+    if sha256_file(golden) != manifest["golden_sha256"]:
+        raise ArtifactError(f"{golden}: sha256 does not match the manifest's")
+    with np.load(golden, allow_pickle=False) as z:
+        X, y = z["inputs"].astype(np.float32), z["outputs"].astype(np.float32)
+    if X.shape[1:] != (n,) or float(np.max(np.abs(_ort_cpu_outputs(data, X) - y))) > 1e-5:
+        raise ArtifactError(f"{d}: its ONNX model does not reproduce its golden outputs on {n} features")
+    return manifest, data, (X, y)
 
 
 # --------------------------------------------------------------------------------------------- outputs

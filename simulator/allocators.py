@@ -122,10 +122,12 @@ GHOST_SUFFIX = "@ghost"  # a SmartAllocator spec whose residual adapter reads th
 
 
 TUNED_SPECS = ("racer", "ppo+residual")  # SmartAllocator rows whose residual layer runs the operating-point tuner
+POLICY_SPECS = ("racer", "ppo", "ppo+residual", "ppo+recovery")  # the SmartAllocator rows (simulator.smart)
 
 
 def needs_ghost_lists(spec: str) -> bool:
-    """True for the allocator specs that need the simulator's ghost lists on: ``...@ghost`` (the
-    adapter on the ghost signal) and the rows whose residual layer runs the operating-point tuner
-    (`TUNED_SPECS`, which reads the caches' marginal utilities)."""
-    return spec.endswith(GHOST_SUFFIX) or spec in TUNED_SPECS
+    """True for the allocator specs that need the simulator's ghost lists on: every SmartAllocator
+    row (`POLICY_SPECS`, with or without ``@ghost``): its base policy reads the caches' marginal
+    utilities among its features (feature schema 3), the operating-point tuner of the residual
+    layer reads them too, and the node agent runs with the lists on by default."""
+    return spec.endswith(GHOST_SUFFIX) or spec in POLICY_SPECS

@@ -8,8 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from node_agent.features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, FEATURE_SPECS, NUM_FEATURES, SCHEMA_VERSION,
-                               FeatureError, WindowStats, build_features, miss_costs_us)
+from node_agent.features import (FEATURE_HIGH, FEATURE_LOW, FEATURE_NAMES, FEATURE_SPECS, NUM_FEATURES, SCHEMA_PREFIX,
+                               SCHEMA_VERSION, FeatureError, WindowStats, build_features, miss_costs_us)
 
 
 def stats(**kw) -> WindowStats:
@@ -23,12 +23,15 @@ def stats(**kw) -> WindowStats:
 
 
 def test_schema_names_are_ordered_unique_and_versioned():
-    assert SCHEMA_VERSION == 2
-    assert NUM_FEATURES == 16 == len(set(FEATURE_NAMES))
+    assert SCHEMA_VERSION == 3
+    assert NUM_FEATURES == 22 == len(set(FEATURE_NAMES))
     assert FEATURE_NAMES == (
         "arrival_rate_log", "hot_user_ratio", "history_len_p50_log", "history_len_p99_log", "emb_lookups_log",
         "emb_hit_rate", "kv_hit_rate", "kv_recompute_cost_log", "emb_transfer_cost_log", "kv_miss_cost_share",
-        "emb_share", "load", "p99_over_slo", "refill_fraction", "hot_user_ratio_delta", "arrival_rate_log_delta")
+        "emb_share", "load", "p99_over_slo", "refill_fraction", "hot_user_ratio_delta", "arrival_rate_log_delta",
+        "table_over_arena_log", "arena_users_log", "kv_miss_time_frac", "emb_miss_time_frac", "kv_marginal_frac",
+        "emb_marginal_frac")
+    assert SCHEMA_PREFIX == {2: 16}  # schema 2's features are schema 3's first 16, unchanged
     assert [s.name for s in FEATURE_SPECS] == list(FEATURE_NAMES)
     assert (FEATURE_LOW < FEATURE_HIGH).all()
 
@@ -53,6 +56,13 @@ def test_exact_values_on_hand_made_stats_without_prev():
         "refill_fraction": 0.25,              # 2e9 / 8e9
         "hot_user_ratio_delta": 0.0,          # no prev
         "arrival_rate_log_delta": 0.0,
+        "table_over_arena_log": 0.0,          # table and token bytes unknown (left 0)
+        "arena_users_log": 0.0,
+        # busy_us = 0.3 * 1 s / 1000 requests = 300 us; kv_miss_us = 0.5 * 127.0 * 100 = 6350 us
+        "kv_miss_time_frac": 1.0,             # clipped
+        "emb_miss_time_frac": 0.0,            # no embedding lookups
+        "kv_marginal_frac": 0.0,              # ghost lists off
+        "emb_marginal_frac": 0.0,
     }
     np.testing.assert_allclose(f, np.array([expected[n] for n in FEATURE_NAMES], np.float32), rtol=0, atol=1e-7)
 
@@ -71,13 +81,41 @@ def test_deltas_against_prev_and_miss_cost_share():
     assert f0["kv_miss_cost_share"] == 0.5
 
 
+def test_schema3_features_are_normalised_by_cost_profile_and_arena():
+    # arena 8e9 B; table 8e12 B; median user 100 tokens x 8e5 B = 8e7 B -> 100 users fit
+    st = stats(table_bytes=8e9 * 1e3, kv_bytes_per_token=8e5, history_len_p50=100.0, history_len_p99=400.0,
+               kv_hit_rate=0.5, kv_recompute_us_per_token=0.2, emb_hit_rate=0.75, emb_lookups_per_request=40.0,
+               emb_transfer_us_per_row=1.0, load=0.5, num_requests=10_000, emb_marginal_us=5.0, kv_marginal_us=20.0)
+    f = dict(zip(FEATURE_NAMES, build_features(st)))
+    assert f["table_over_arena_log"] == pytest.approx(1.0, abs=1e-6)  # log1p(1e3) / log1p(1e3)
+    assert f["arena_users_log"] == pytest.approx(math.log1p(100) / math.log1p(1e4), abs=1e-6)
+    # busy_us = 0.5 * 1e6 / 1e4 = 50 us; miss times 10 us each (see the test above); marginals 20 and 5 us
+    assert f["kv_miss_time_frac"] == pytest.approx(0.2, abs=1e-7)
+    assert f["emb_miss_time_frac"] == pytest.approx(0.2, abs=1e-7)
+    assert f["kv_marginal_frac"] == pytest.approx(0.4, abs=1e-7)
+    assert f["emb_marginal_frac"] == pytest.approx(0.1, abs=1e-7)
+    # the same node on a model twice as fast and an arena twice as large reads the same shares of its time
+    g = dict(zip(FEATURE_NAMES, build_features(replace(
+        st, kv_recompute_us_per_token=0.1, emb_transfer_us_per_row=0.5, load=0.25, emb_marginal_us=2.5,
+        kv_marginal_us=10.0, arena_bytes=16e9, table_bytes=16e9 * 1e3, kv_bytes_per_token=16e5))))
+    for k in ("table_over_arena_log", "arena_users_log", "kv_miss_time_frac", "emb_miss_time_frac",
+              "kv_marginal_frac", "emb_marginal_frac"):
+        assert g[k] == pytest.approx(f[k], abs=1e-6), k
+    # no request completed, or never busy: no evidence, 0
+    idle = dict(zip(FEATURE_NAMES, build_features(replace(st, num_requests=0))))
+    assert idle["kv_miss_time_frac"] == idle["kv_marginal_frac"] == 0.0
+    assert dict(zip(FEATURE_NAMES, build_features(replace(st, load=0.0))))["emb_miss_time_frac"] == 0.0
+
+
 def test_clipping_keeps_every_feature_in_its_box():
     big = stats(arrival_rate_rps=1e30, history_len_p50=1e30, history_len_p99=1e31, emb_lookups_per_request=1e30,
-                kv_recompute_us_per_token=1e30, emb_transfer_us_per_row=1e30, p99_ms=1e9, refill_bytes=1e15)
+                kv_recompute_us_per_token=1e30, emb_transfer_us_per_row=1e30, p99_ms=1e9, refill_bytes=1e15,
+                table_bytes=1e30, kv_bytes_per_token=1e-30, emb_marginal_us=1e30, kv_marginal_us=1e30)
     f = build_features(big, prev=stats(arrival_rate_rps=0.0, hot_user_ratio=1.0))
     d = dict(zip(FEATURE_NAMES, f))
     assert d["arrival_rate_log"] == 2.0 and d["history_len_p99_log"] == 2.0 and d["p99_over_slo"] == 4.0
     assert d["refill_fraction"] == 1.0 and d["arrival_rate_log_delta"] == 2.0
+    assert d["table_over_arena_log"] == 2.0 and d["kv_marginal_frac"] == d["emb_miss_time_frac"] == 1.0
     assert d["hot_user_ratio_delta"] == pytest.approx(-0.75)
     assert (f >= FEATURE_LOW).all() and (f <= FEATURE_HIGH).all()
 
@@ -96,6 +134,8 @@ def test_writes_in_place_into_the_callers_buffer():
     ("emb_share", -0.1, "emb_share must be in [0, 1]"),
     ("slo_ms", 0.0, "slo_ms must be > 0"),
     ("refill_bytes", -1.0, "refill_bytes must be >= 0"),
+    ("table_bytes", -1.0, "table_bytes must be >= 0"),
+    ("kv_bytes_per_token", float("nan"), "kv_bytes_per_token must be finite"),
     ("history_len_p50", 20000.0, "history_len_p50 must be <= history_len_p99"),
     ("load", "high", "load must be a number"),
     ("num_requests", 2.5, "num_requests must be a whole number"),

@@ -7,6 +7,9 @@ import math
 from collections import Counter
 from dataclasses import replace
 
+from node_agent.features import NUM_FEATURES
+from node_agent.memory import DEFAULT_GHOST_PROBES
+
 import numpy as np
 import pytest
 
@@ -76,7 +79,7 @@ def test_options_fix_the_setting_and_info_names_it():
     env = AllocatorEnv(EnvConfig(**TINY, settings=THREE))
     obs, info = env.reset(seed=0, options={"setting": 2, "regime": "steady"})
     assert (info["setting"], info["setting_name"]) == (2, "sample[cf=4,hs=2,rps/node=50,users/node=100]")
-    assert obs.shape == (2, 16)
+    assert obs.shape == (2, NUM_FEATURES)
     _, _, _, trunc, step = env.step(np.array([0.5, 0.5]))
     assert step["setting_name"] == info["setting_name"]
     while not trunc:
@@ -158,7 +161,7 @@ def test_a_paper_scale_episode_is_the_paper_tables_setting():
                                                              "stream_seed": 17})
     table = TableConfig.paper(quick=True, num_nodes=1, paper_scale=1 / 384, trace="taobao", seed=17, duration_s=3.0)
     assert (meta["setting"], meta["setting_name"], meta["trace"]) == (1, "paper-scale/384", "taobao")
-    assert scfg == sim_config(table)
+    assert scfg == replace(sim_config(table), ghost_probes=DEFAULT_GHOST_PROBES)  # training reads the ghost lists
     assert scfg.cache_bytes == sim_config(table).cache_bytes and scfg.profile.name.endswith("@paper-scale/384")
     assert meta["rate_rps"] == pytest.approx(table.rate_rps) and stream.config.num_users == table.num_users
     assert stream.config.history_scale == 1.0

@@ -89,3 +89,37 @@ def test_oracle_data_files_round_trip_and_bad_files_are_refused(data, tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="not an oracle data file"):
         load_oracle_data([tmp_path / "bad.npz"])
+
+
+def test_best_static_label_uses_p99_then_device_time():
+    from policies.imitation import best_static_label
+
+    # one clear P99 winner
+    assert best_static_label({0.1: 50.0, 0.5: 30.0, 0.9: 80.0}) == 0.5
+    # within 5% of the best P99 the device time per request decides; a flat pair is averaged
+    p99 = {0.1: 30.0, 0.5: 30.5, 0.9: 31.0, 0.3: 40.0}
+    assert best_static_label(p99, {0.1: 900.0, 0.5: 800.0, 0.9: 805.0, 0.3: 100.0}) == pytest.approx(0.7)
+    assert best_static_label(p99) == pytest.approx(0.5)  # no device times: the admissible shares' mean
+    with pytest.raises(ValueError, match="no runs"):
+        best_static_label({})
+
+
+def test_static_sweep_labels_every_state_of_every_run_with_the_episodes_best_split():
+    from policies.imitation import busy_us_per_request, collect_static_sweep_data, main
+
+    cfg = EnvConfig(regimes=("steady",), **TINY)
+    data = collect_static_sweep_data(cfg, 2, (0.2, 0.8), seed=4, progress=False)
+    # 5 windows: the simulator reports 4 of them, on 2 nodes, for each of the 2 shares, per episode
+    assert data["X"].shape == (2 * 2 * 4 * 2, NUM_FEATURES) and np.all(np.isfinite(data["X"]))
+    for e, ep in enumerate(data["episodes"]):
+        p99 = {float(k): v for k, v in ep["p99_by_share"].items()}
+        assert set(p99) == {0.2, 0.8} and ep["label"] in (0.2, 0.5, 0.8)
+        assert np.all(data["y"][data["episode"] == e] == np.float32(ep["label"]))
+        # states seen at both shares: the emb_share feature says which run each came from
+        assert set(np.round(data["X"][data["episode"] == e, 10].astype(float), 3).tolist()) == {0.2, 0.8}
+        assert all(v > 0 for v in ep["busy_us_by_share"].values())
+    assert busy_us_per_request([]) == float("inf")
+    with pytest.raises(ValueError, match="guard bounds"):
+        collect_static_sweep_data(cfg, 1, (0.0, 0.5), seed=4, progress=False)
+    with pytest.raises(SystemExit):  # the command line says so before running anything
+        main(["--episodes", "1", "--out", "x.npz", "--labels", "best-static", "--shares", "0,1"])

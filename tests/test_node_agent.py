@@ -274,7 +274,7 @@ def test_oversize_body_gets_413_before_parsing():
 
 def test_agent_refuses_a_policy_of_the_old_schema_and_runs_on_without_it(tmp_path, caplog):
     """The schema-1 policy shipped before the control core (tests/data/policy_schema1) is refused
-    by this runtime (schema 2) with a message naming both versions; the agent still serves and
+    by this runtime (schema 3) with a message naming both versions; the agent still serves and
     its control steps hold the split."""
     import argparse
     import logging
@@ -297,7 +297,7 @@ def test_agent_refuses_a_policy_of_the_old_schema_and_runs_on_without_it(tmp_pat
     with caplog.at_level(logging.WARNING, logger="racer.node_agent"):
         agent = build_agent(args, announce=said.append)
     msg = agent.allocator.last_load_error
-    assert agent.allocator.policy is None and "feature schema version 1 does not match this runtime's 2" in msg
+    assert agent.allocator.policy is None and "feature schema version 1 does not match this runtime's 3" in msg
     assert any("policy refused, running without it" in m and "version 1" in m for m in said)
     assert any("version 1" in r.getMessage() for r in caplog.records)
     r = agent.engine.serve(RecRequest(1000, [1, 2, 3], [4], top_k=2), now_s=0.1)  # it serves

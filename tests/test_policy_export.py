@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -229,3 +230,32 @@ def test_cli_export_and_verify(tmp_path, capsys):
         args.func(args)
     with pytest.raises(SystemExit):
         _parser().parse_args(["policy", "export", "--checkpoint", str(ckpt), "--out", "x", "--tolerance", "0"])
+
+
+def test_a_schema2_policy_widens_to_schema3_exactly(tmp_path, capsys):
+    """`racer policy widen` (and `--init-policy`) take a schema-2 artifact (16 features, schema 3's
+    first 16) to schema 3: zero weights on the six new features, the same shares whatever they hold."""
+    from policies.cli import cmd_policy_widen
+    from policies.train_ppo import load_policy_weights
+
+    old = Path(__file__).parent / "data" / "policy_schema2"
+    actor = make_initial_actor(9)
+    loaded = load_policy_weights(actor, old)
+    assert loaded["widened_from"] == {"feature_schema_version": 2, "num_features": 16}
+    assert loaded["golden_max_abs_diff"] <= 1e-6
+    assert float(actor.body[0].weight.detach()[:, 16:].abs().max()) == 0.0
+    out = tmp_path / "w"
+    assert cmd_policy_widen(argparse.Namespace(src=str(old), out=str(out), force=False, json=True)) == 0
+    summary = json.loads(capsys.readouterr().out)
+    manifest = verify_artifact(out)
+    assert manifest["feature_schema_version"] == SCHEMA_VERSION == 3 and summary["widened_from"] == loaded["policy_id"]
+    assert manifest["training_config"]["widened_from"]["policy_id"] == loaded["policy_id"]
+    g = golden_inputs(16, seed=3)
+    new = ort.InferenceSession(str(out / "policy.onnx"), providers=["CPUExecutionProvider"])
+    was = ort.InferenceSession(str(old / "policy.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(new.run(None, {"features": g})[0], was.run(None, {"features": g[:, :16]})[0], atol=1e-6)
+    # an artifact already of this schema has nothing to widen; a schema-1 one is not a prefix
+    with pytest.raises(ValueError, match="nothing to widen"):
+        cmd_policy_widen(argparse.Namespace(src=str(out), out=str(tmp_path / "again"), force=False, json=True))
+    with pytest.raises(ValueError, match="feature schema version 1"):
+        load_policy_weights(make_initial_actor(9), Path(__file__).parent / "data" / "policy_schema1")

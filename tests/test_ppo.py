@@ -155,7 +155,7 @@ def test_guards_match_the_runtime(tmp_path):
     g = GuardConfig(min_emb_share=0.45, max_emb_share=0.6, max_step_up=0.04, max_step_down=0.08)
     rng = np.random.default_rng(0)
     actions = set()
-    for bias in (-0.6, 0.6):  # one policy proposing mostly below the bounds, one mostly above
+    for bias in (-1.2, 0.8):  # one policy proposing mostly below the bounds, one mostly above
         actor = make_initial_actor(5, head_gain=4.0)
         with torch.no_grad():
             actor.head.bias.fill_(bias)
@@ -252,7 +252,7 @@ def test_env_reset_and_step_shapes_and_episode_length():
     obs, info = env.reset(seed=3)
     assert obs.shape == (2, NUM_FEATURES) and obs.dtype == np.float32
     assert info["regime"] in ("steady", "trend", "burst") and info["now_s"] == pytest.approx(1.0)
-    assert np.all(obs[:, 14:] == 0)  # no previous interval on the first observation: the deltas are 0
+    assert np.all(obs[:, 14:16] == 0)  # no previous interval on the first observation: the deltas are 0
     steps = 0
     while True:
         obs, reward, term, trunc, info = env.step(np.array([0.9, 0.1]))

@@ -49,11 +49,12 @@ def test_spec_configs():
     on = {s: (smart_config(s).residual.enabled, smart_config(s).recovery.enabled) for s in SPECS}
     assert on == {"racer": (True, True), "ppo": (False, False), "ppo+residual": (True, False),
                   "ppo+recovery": (False, True)}
-    # the residual layer is the adapter and the operating-point tuner; those rows read the ghost lists
+    # the residual layer is the adapter and the operating-point tuner; every policy row reads the ghost
+    # lists (its base policy's schema-3 features include the marginal utilities)
     assert {s: smart_config(s).tuner.enabled for s in SPECS} == {"racer": True, "ppo": False, "ppo+residual": True,
                                                                  "ppo+recovery": False}
     assert [s for s in SPECS + ("ppo@ghost", "static:0.5", "oracle") if needs_ghost_lists(s)] == \
-        ["racer", "ppo+residual", "ppo@ghost"]
+        ["racer", "ppo", "ppo+residual", "ppo+recovery", "ppo@ghost"]
     base = AllocatorConfig(guard=GuardConfig(max_step_up=0.02))
     assert smart_config("ppo", base).guard.max_step_up == 0.02  # the other settings come from the base config
     with pytest.raises(ValueError, match="unknown SmartAllocator spec"):
