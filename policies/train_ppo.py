@@ -114,13 +114,17 @@ class Args:
     # evaluation
     eval_seed: int = 10_000
     eval_static_shares: tuple[float, ...] = (0.5, 0.9)
+    evaluate: bool = True  # False: no held-out evaluation (judge the export with `python -m bench.regret --policy`)
 
     def validate(self) -> "Args":
         p = []
         for k in ("total_steps", "num_steps", "update_epochs", "num_minibatches", "torch_threads"):
             v = getattr(self, k)
+            if k == "total_steps" and v == 0 and (self.bc_episodes or self.bc_data):
+                continue  # imitation only: clone, no PPO update
             if not (isinstance(v, int) and v >= 1):
-                p.append(f"{k} must be an integer >= 1, got {v!r}")
+                p.append(f"{k} must be an integer >= 1 (0 only with --bc-data or --bc-episodes: clone without "
+                         f"PPO), got {v!r}" if k == "total_steps" else f"{k} must be an integer >= 1, got {v!r}")
         for k in ("learning_rate", "clip_coef", "reward_scale"):
             if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
                 p.append(f"{k} must be > 0, got {getattr(self, k)!r}")
@@ -563,7 +567,7 @@ def train(args: Args, env=None) -> dict:
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5)
 
     T = args.num_steps
-    num_updates = max(1, args.total_steps // T)
+    num_updates = max(1, args.total_steps // T) if args.total_steps else 0  # 0: imitation only
     batch = T * n
     minibatch = batch // args.num_minibatches
     obs_buf = torch.zeros((T, n, NUM_FEATURES))
@@ -577,8 +581,9 @@ def train(args: Args, env=None) -> dict:
     end_buf = torch.zeros(T)
 
     wall0 = time.perf_counter()
-    obs_np, _ = env.reset(seed=args.seed)
-    obs = torch.from_numpy(obs_np)
+    if num_updates:
+        obs_np, _ = env.reset(seed=args.seed)
+        obs = torch.from_numpy(obs_np)
     global_step = 0
     rows: list[dict] = []
     episodes: list[dict] = []
@@ -677,8 +682,12 @@ def train(args: Args, env=None) -> dict:
     train_wall_s = time.perf_counter() - wall0
 
     actor.eval()
-    evaluation = evaluate(actor, env_cfg, seed=args.eval_seed, static_shares=tuple(args.eval_static_shares),
-                          progress=args.progress)
+    if args.evaluate:
+        evaluation = evaluate(actor, env_cfg, seed=args.eval_seed, static_shares=tuple(args.eval_static_shares),
+                              progress=args.progress)
+    else:
+        evaluation = {"by_regime": {}, "skipped": "--no-eval: judge the exported policy with python -m bench.regret "
+                                                  "--policy DIR"}
     if imitation is not None:
         evaluation["imitation"] = {k: v for k, v in imitation.items() if k != "oracle_episodes"}
     if warm_start is not None:
@@ -686,7 +695,7 @@ def train(args: Args, env=None) -> dict:
     evaluation.update({"train_wall_s": round(train_wall_s, 1), "num_updates": num_updates,
                        "num_episodes": len(episodes), "transitions": global_step * n,
                        "train_reward_by_regime": training_progress(episodes)})
-    curve = write_curve(rows, episodes, out)
+    curve = write_curve(rows, episodes, out, plot=bool(rows))  # nothing to plot when only cloning
     (out / "evaluation.json").write_text(json.dumps(evaluation, indent=1))
     training_config = {"algorithm": "ppo", "args": args.to_dict(), "env": env_cfg.to_dict()}
     # the checkpoint carries the per-regime summary, not every episode (it ends up in the manifest)
@@ -744,6 +753,7 @@ _FLAGS = {  # Args field -> (flag, type, help)
     "bc_data": ("--bc-data", _list(str), "comma-separated .npz files of `python -m policies.imitation` to clone "
                                         "instead of collecting (--bc-episodes is then ignored)"),
     "bc_epochs": ("--bc-epochs", int, "behaviour-cloning passes over the oracle's samples"),
+    "bc_lr": ("--bc-lr", float, "behaviour cloning's Adam learning rate"),
     "bc_coef": ("--bc-coef", float, "weight of the clone loss kept in PPO's minibatches"),
     "eval_seed": ("--eval-seed", int, "seed of the held-out evaluation streams"),
     "eval_static_shares": ("--eval-static-shares", _list(float), "static splits evaluated beside the policy"),
@@ -756,6 +766,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         d = getattr(defaults, name)
         shown = ",".join(map(str, d)) if isinstance(d, tuple) else d
         p.add_argument(flag, dest=name, type=typ, default=d, help=text if d is None else f"{text} (default {shown})")
+    p.add_argument("--no-eval", dest="evaluate", action="store_false",
+                   help="skip the held-out evaluation (with many settings it simulates every setting x regime; "
+                        "judge the exported policy with `python -m bench.regret --policy DIR` instead)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -774,12 +787,20 @@ def cmd_train(ns: argparse.Namespace) -> int:
         ev = summary["evaluation"]
         print(f"trained in {ev['train_wall_s']} s ({ev['num_updates']} updates, {ev['num_episodes']} episodes, "
               f"{ev['transitions']} transitions); checkpoint {summary['checkpoint']}")
-        print(f"curve {summary['curve']['png']}; training episodes, first fifth -> last fifth:")
+        if "imitation" in ev:
+            im = ev["imitation"]
+            print(f"cloned {im['samples']} samples of {im['episodes']} episodes: mean |share - label| "
+                  f"{im['before']['train_mae']} -> {im['after']['train_mae']} (train), {im['before']['heldout_mae']} -> "
+                  f"{im['after']['heldout_mae']} ({im['heldout_episodes']} held-out episodes; one constant share: "
+                  f"{im['constant_heldout_mae']})")
+        if "png" in summary["curve"]:
+            print(f"curve {summary['curve']['png']}; training episodes, first fifth -> last fifth:")
         for regime, p in ev["train_reward_by_regime"].items():
             print(f"  {regime:<7} reward {p['reward_first_fifth']:.4f} -> {p['reward_last_fifth']:.4f}, "
                   f"sampled share {p['share_first_fifth']:.3f} -> {p['share_last_fifth']:.3f} "
                   f"({p['episodes']} episodes)")
-        print("evaluation (held-out streams, mean action from emb_share 0.5):")
+        print("evaluation (held-out streams, mean action from emb_share 0.5):" if ev["by_regime"] else
+              f"evaluation skipped ({ev.get('skipped', 'none')})")
         for regime, row in ev["by_regime"].items():
             print(f"  {regime:<7} " + "  ".join(f"{k}: reward {v['mean_reward']:.4f} p99 {v['p99_ms']:.2f} ms "
                                                   f"slo {v['slo_attainment']:.4f} share {v['mean_share']:.3f}"

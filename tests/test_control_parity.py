@@ -217,6 +217,8 @@ def test_pending_batches_count_when_they_end_and_busy_time_by_overlap():
     assert s1.load == pytest.approx(0.4 + 0.2) and s1.p99_ms == pytest.approx(500.0)
     assert (s1.emb_lookups_per_request, s1.emb_hit_rate, s1.kv_hit_rate) == (20.0, 0.5, 0.4)
     assert s1.kv_recompute_us_per_token == 3.0 and s1.emb_share == mm.emb_share  # p50 10: nearest profiled 8
+    # schema 3's sizes from the manager's config: 100 rows x 4 float32; K and V of 1 layer x 1 head x dim 2
+    assert (s1.table_bytes, s1.kv_bytes_per_token) == (100 * 4 * 4, 2 * 1 * 1 * 2 * 4)
     s2 = acc.close_window(2.0, mm, _costs(), 30.0)
     assert (s2.num_requests, s2.arrival_rate_rps) == (2, 0.0)
     assert s2.load == pytest.approx(0.4) and s2.kv_hit_rate == pytest.approx(30 / 50)

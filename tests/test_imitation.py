@@ -74,6 +74,29 @@ def test_training_with_the_warm_start_records_it(tmp_path):
         Args(**TINY, bc_episodes=-1).validate()
 
 
+def test_imitation_only_clones_from_a_warm_start_without_ppo_or_evaluation(data, tmp_path):
+    """``--total-steps 0 --no-eval --init-policy OLD --bc-data FILE``: the widened schema-2 policy
+    cloned onto the labels, no PPO update, no evaluation episode."""
+    from pathlib import Path
+
+    from policies.actor import load_checkpoint
+    from policies.imitation import save_oracle_data
+
+    save_oracle_data(data, tmp_path / "d.npz")
+    out = tmp_path / "only"
+    old = Path(__file__).parent / "data" / "policy_schema2"
+    summary = train(Args(**TINY, regimes=("steady",), out=str(out), total_steps=0, evaluate=False, progress=False,
+                         init_policy=str(old), bc_data=(str(tmp_path / "d.npz"),), bc_epochs=30, bc_lr=1e-2))
+    ev = summary["evaluation"]
+    assert ev["num_updates"] == 0 and ev["num_episodes"] == 0 and ev["by_regime"] == {} and "skipped" in ev
+    assert ev["warm_start"]["widened_from"]["feature_schema_version"] == 2
+    assert ev["imitation"]["after"]["train_mae"] < ev["imitation"]["before"]["train_mae"]
+    assert json.loads((out / "curve.json").read_text())["updates"] == []
+    assert load_checkpoint(out / "actor.pt").actor.config.num_features == NUM_FEATURES
+    with pytest.raises(ValueError, match="0 only with --bc-data"):
+        Args(**TINY, total_steps=0).validate()
+
+
 def test_oracle_data_files_round_trip_and_bad_files_are_refused(data, tmp_path):
     from policies.imitation import load_oracle_data, save_oracle_data
 
