@@ -64,8 +64,10 @@ def io_spec(num_features: int = NUM_FEATURES) -> tuple[list[dict], list[dict]]:
     return inputs, outputs
 
 
-def check_manifest(manifest: object) -> list[str]:
-    """Every reason ``manifest`` (a parsed manifest.json) is unacceptable to this code base."""
+def check_manifest(manifest: object, schema: int = SCHEMA_VERSION, feature_names=FEATURE_NAMES) -> list[str]:
+    """Every reason ``manifest`` (a parsed manifest.json) is unacceptable to this code base.
+    ``schema`` / ``feature_names``: the feature schema expected (default: this runtime's; an older
+    schema's when an artifact is read to be widened, `policies.train_ppo.load_policy_weights`)."""
     if not isinstance(manifest, dict):
         return [f"manifest must be a JSON object, got {type(manifest).__name__}"]
     problems = [f"manifest lacks {k!r}" for k in REQUIRED_KEYS if k not in manifest]
@@ -75,13 +77,13 @@ def check_manifest(manifest: object) -> list[str]:
         problems.append(f"format is {manifest['format']!r}, expected {MANIFEST_FORMAT!r}")
     if manifest["format_version"] != MANIFEST_VERSION:
         problems.append(f"format_version is {manifest['format_version']!r}, expected {MANIFEST_VERSION}")
-    if manifest["feature_schema_version"] != SCHEMA_VERSION:
+    if manifest["feature_schema_version"] != schema:
         problems.append(f"feature schema version {manifest['feature_schema_version']!r} does not match this "
-                        f"runtime's {SCHEMA_VERSION}")
-    elif manifest["feature_names"] != list(FEATURE_NAMES):
-        problems.append(f"feature_names {manifest['feature_names']!r} differ from schema {SCHEMA_VERSION}'s "
-                        f"{list(FEATURE_NAMES)!r}")
-    inputs, outputs = io_spec()
+                        f"runtime's {schema}")
+    elif manifest["feature_names"] != list(feature_names):
+        problems.append(f"feature_names {manifest['feature_names']!r} differ from schema {schema}'s "
+                        f"{list(feature_names)!r}")
+    inputs, outputs = io_spec(len(feature_names))
     if manifest["inputs"] != inputs:
         problems.append(f"inputs {manifest['inputs']!r}, expected {inputs!r}")
     if manifest["outputs"] != outputs:

@@ -350,7 +350,12 @@ def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.
     kv_miss = (1.0 - stats.kv_hit_rate) * stats.history_len_p50 * stats.kv_recompute_us_per_token
     emb_miss = (1.0 - stats.emb_hit_rate) * stats.emb_lookups_per_request * stats.emb_transfer_us_per_row
     miss_total = kv_miss + emb_miss
-    kv_share = kv_miss / miss_total if miss_total > 0 else 0.5
+    if 0 < miss_total < math.inf:
+        kv_share = kv_miss / miss_total
+    elif miss_total > 0:  # a product of finite fields overflowed: the infinite side takes the share
+        kv_share = 0.5 if kv_miss == emb_miss else (1.0 if kv_miss > emb_miss else 0.0)
+    else:
+        kv_share = 0.5
     p99_over_slo = stats.p99_ms / stats.slo_ms
     arena = stats.arena_bytes
     refill = stats.refill_bytes / arena

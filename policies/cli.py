@@ -65,8 +65,10 @@ def cmd_policy_widen(args) -> int:
     except (OSError, ValueError) as e:
         raise ValueError(f"{src}: not a policy artifact ({e})") from None
     cfg = old.get("actor_config", {}) if isinstance(old, dict) else {}
-    actor = make_initial_actor(0, ActorConfig(hidden_sizes=tuple(cfg.get("hidden_sizes", (64, 64))),
-                                              activation=cfg.get("activation", "tanh")))
+    hidden = cfg.get("hidden_sizes", (64, 64)) if isinstance(cfg, dict) else None
+    if not (isinstance(hidden, (list, tuple)) and hidden and all(isinstance(h, int) and h >= 1 for h in hidden)):
+        raise ValueError(f"{src}: actor_config.hidden_sizes must be a list of positive integers, got {hidden!r}")
+    actor = make_initial_actor(0, ActorConfig(hidden_sizes=tuple(hidden), activation=cfg.get("activation", "tanh")))
     loaded = load_policy_weights(actor, src)
     if "widened_from" not in loaded:
         raise ValueError(f"{src}: already of feature schema {old.get('feature_schema_version')}; nothing to widen")

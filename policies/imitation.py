@@ -102,7 +102,8 @@ def best_static_label(p99_by_share: dict, busy_by_share: dict | None = None, tol
     ``tolerance`` (relative) of the lowest are admissible; among them, the label is the mean of
     those whose device time per request (``busy_by_share``, `busy_us_per_request`) is within
     ``busy_tolerance`` of the admissible minimum (without ``busy_by_share``: the mean of the
-    admissible shares). P99 is what the table judges, but across splits whose P99s differ by less
+    admissible shares). A mean is taken only over neighbours on the grid; shares apart (0.1 and 0.9
+    with 0.5 worse between them) give the one with the lower P99. P99 is what the table judges, but across splits whose P99s differ by less
     than its noise (a node far from saturation, or one so saturated that its backlog decides the
     P99) the device time per request is the quieter measure of the same thing: it is what the
     backlog grows with, and what the operating-point tuner climbs."""
@@ -113,6 +114,10 @@ def best_static_label(p99_by_share: dict, busy_by_share: dict | None = None, tol
     if busy_by_share:
         b = min(busy_by_share[s] for s in near)
         near = [s for s in near if busy_by_share[s] <= b * (1 + busy_tolerance)]
+    grid = sorted(p99_by_share)
+    pos = sorted(grid.index(s) for s in near)
+    if pos[-1] - pos[0] != len(pos) - 1:  # not neighbours on the grid: their mean could be a worse split
+        return float(min(near, key=lambda s: p99_by_share[s]))
     return float(np.mean(near))
 
 

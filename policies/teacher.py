@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from node_agent.features import NUM_FEATURES
+from node_agent.features import FEATURE_NAMES, NUM_FEATURES
 
 
 def _teacher(artifact_dir):
@@ -35,6 +35,8 @@ def _teacher(artifact_dir):
     k = manifest.get("actor_config", {}).get("num_features")
     if not (isinstance(k, int) and 1 <= k <= NUM_FEATURES):
         raise ValueError(f"{d}: teacher takes {k} features, this schema has {NUM_FEATURES}")
+    if list(manifest.get("feature_names", [])) != list(FEATURE_NAMES[:k]):
+        raise ValueError(f"{d}: the teacher's feature names are not this schema's first {k}")
     sess = ort.InferenceSession(str(d / manifest["onnx_file"]), providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
 

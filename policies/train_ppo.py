@@ -416,9 +416,10 @@ def _artifact_schema(d: Path):
     import json
 
     try:
-        return json.loads((d / "manifest.json").read_text()).get("feature_schema_version")
+        v = json.loads((d / "manifest.json").read_text()).get("feature_schema_version")
     except (OSError, ValueError, AttributeError):
         return None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _older_artifact(d: Path, schema: int):
@@ -427,15 +428,21 @@ def _older_artifact(d: Path, schema: int):
     manifest, the feature names against ours, and onnxruntime's outputs on the golden inputs."""
     import json
 
-    from node_agent.artifact import ArtifactError, read_onnx_bytes, sha256_file
+    from node_agent.artifact import ArtifactError, check_manifest, read_onnx_bytes, sha256_file
     from node_agent.features import FEATURE_NAMES, SCHEMA_PREFIX
 
     from .export import _ort_cpu_outputs
 
     manifest = json.loads((d / "manifest.json").read_text())
     n = SCHEMA_PREFIX[schema]
-    if list(manifest.get("feature_names", [])) != list(FEATURE_NAMES[:n]):
-        raise ValueError(f"{d}: schema {schema}'s feature names are not this schema's first {n}")
+    # the runtime's checks, against the older schema: its names must be this schema's first n
+    problems = check_manifest(manifest, schema=schema, feature_names=FEATURE_NAMES[:n])
+    cfg = manifest.get("actor_config") if isinstance(manifest, dict) else None
+    if not (isinstance(cfg, dict) and isinstance(cfg.get("hidden_sizes"), list)
+            and all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in cfg["hidden_sizes"])):
+        problems.append(f"actor_config.hidden_sizes must be a list of positive integers, got {cfg!r}")
+    if problems:
+        raise ArtifactError(f"{d / 'manifest.json'}: " + "; ".join(problems))
     data = read_onnx_bytes(d, manifest)
     golden = d / manifest["golden_file"]
     if sha256_file(golden) != manifest["golden_sha256"]:

@@ -333,7 +333,8 @@ class Supervisor:
             # whatever the process started and left in its group goes with it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pg, signal.SIGKILL)
-            _wait_group_gone(pg, 5.0)
+            if not _wait_group_gone(pg, 5.0):
+                self.report(f"{p.spec.name}: a process of its group was still alive 5 s after SIGKILL")
             codes[p.spec.name] = p.popen.returncode
         return codes
 

@@ -120,6 +120,18 @@ def test_clipping_keeps_every_feature_in_its_box():
     assert (f >= FEATURE_LOW).all() and (f <= FEATURE_HIGH).all()
 
 
+def test_miss_costs_that_overflow_keep_every_feature_in_its_box():
+    # each field finite, their product not: the share goes to the infinite side, never NaN
+    f = dict(zip(FEATURE_NAMES, build_features(stats(history_len_p50=1e200, history_len_p99=1e200,
+                                                       kv_recompute_us_per_token=1e200, kv_hit_rate=0.0))))
+    assert f["kv_miss_cost_share"] == 1.0 and f["kv_miss_time_frac"] == 1.0
+    both = build_features(stats(history_len_p50=1e200, history_len_p99=1e200, kv_recompute_us_per_token=1e200,
+                                kv_hit_rate=0.0, emb_lookups_per_request=1e200, emb_transfer_us_per_row=1e200,
+                                emb_hit_rate=0.0))
+    assert dict(zip(FEATURE_NAMES, both))["kv_miss_cost_share"] == 0.5
+    assert np.all(np.isfinite(both)) and (both >= FEATURE_LOW).all() and (both <= FEATURE_HIGH).all()
+
+
 def test_writes_in_place_into_the_callers_buffer():
     buf = np.full((1, NUM_FEATURES), -9.0, np.float32)
     out = build_features(stats(), out=buf[0])

@@ -122,7 +122,12 @@ def test_best_static_label_uses_p99_then_device_time():
     # within 5% of the best P99 the device time per request decides; a flat pair is averaged
     p99 = {0.1: 30.0, 0.5: 30.5, 0.9: 31.0, 0.3: 40.0}
     assert best_static_label(p99, {0.1: 900.0, 0.5: 800.0, 0.9: 805.0, 0.3: 100.0}) == pytest.approx(0.7)
-    assert best_static_label(p99) == pytest.approx(0.5)  # no device times: the admissible shares' mean
+    # no device times: the admissible shares' mean when they are neighbours on the grid ...
+    assert best_static_label({0.1: 30.0, 0.5: 30.5, 0.9: 31.0, 0.3: 30.2}) == pytest.approx(0.45)
+    # ... and the lowest P99 when they are not (0.3 lies between 0.1 and 0.5, 33% worse)
+    assert best_static_label(p99) == 0.1
+    # shares that are not neighbours on the grid are not averaged (0.5 between them is 33% worse)
+    assert best_static_label({0.1: 30.0, 0.5: 40.0, 0.9: 30.5}) == 0.1
     with pytest.raises(ValueError, match="no runs"):
         best_static_label({})
 

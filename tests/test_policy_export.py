@@ -259,3 +259,24 @@ def test_a_schema2_policy_widens_to_schema3_exactly(tmp_path, capsys):
         cmd_policy_widen(argparse.Namespace(src=str(out), out=str(tmp_path / "again"), force=False, json=True))
     with pytest.raises(ValueError, match="feature schema version 1"):
         load_policy_weights(make_initial_actor(9), Path(__file__).parent / "data" / "policy_schema1")
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m.update(format="other"), "format is 'other'"),
+    (lambda m: m.pop("golden_file"), "lacks 'golden_file'"),
+    (lambda m: m.update(onnx_file="../policy.onnx"), "plain file name"),
+    (lambda m: m["actor_config"].update(hidden_sizes=5), "hidden_sizes"),
+    (lambda m: m["feature_names"].reverse(), "differ from schema 2's"),
+])
+def test_a_bad_schema2_artifact_is_refused_with_a_reason_not_widened(tmp_path, edit, words):
+    import shutil
+
+    from policies.train_ppo import load_policy_weights
+
+    bad = tmp_path / "bad"
+    shutil.copytree(Path(__file__).parent / "data" / "policy_schema2", bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    edit(m)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=words.replace("(", r"\(").replace("'", "'")):
+        load_policy_weights(make_initial_actor(9), bad)

@@ -10,7 +10,7 @@ from policies.actor import make_initial_actor
 from policies.export import export_actor
 from simulator import SimConfig, simulate
 from simulator.smart import DEFAULT_ARTIFACT, SMART_SPECS, SmartAllocatorSim, make_smart_allocator, smart_config
-from simulator.allocators import needs_ghost_lists
+from simulator.allocators import POLICY_SPECS, needs_ghost_lists
 from simulator.table import _make_allocator
 from workloads import generate, synthetic_trace
 
@@ -45,7 +45,7 @@ SIM = SimConfig(num_nodes=4, cache_fraction=0.5)
 
 
 def test_spec_configs():
-    assert set(SMART_SPECS) == set(SPECS)
+    assert set(SMART_SPECS) == set(SPECS) == set(POLICY_SPECS)  # the table's ghost-list rule knows every row
     on = {s: (smart_config(s).residual.enabled, smart_config(s).recovery.enabled) for s in SPECS}
     assert on == {"racer": (True, True), "ppo": (False, False), "ppo+residual": (True, False),
                   "ppo+recovery": (False, True)}

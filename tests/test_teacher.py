@@ -40,3 +40,18 @@ def test_rollout_states_are_labelled_with_the_teachers_shares(tmp_path):
     assert main(["--teacher", str(SCHEMA1), "--states", str(f), "--out", str(out)]) == 0
     again = relabel(out, SCHEMA1)
     assert np.array_equal(again["X"], data["X"]) and np.allclose(again["y"], data["y"], atol=1e-6)
+
+
+def test_a_teacher_whose_features_are_not_a_prefix_of_this_schema_is_refused(tmp_path):
+    import json
+    import shutil
+
+    import pytest
+
+    bad = tmp_path / "t"
+    shutil.copytree(SCHEMA1, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["feature_names"] = list(reversed(m["feature_names"]))
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="not this schema's first 16"):
+        relabel(tmp_path / "none.npz", bad)
