@@ -143,8 +143,9 @@ def read_onnx_bytes(artifact_dir: str | Path, manifest: dict) -> bytes:
     return data
 
 
-def read_golden(artifact_dir: str | Path, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
-    """The golden ``(inputs [N, F], outputs [N, 1])`` after checking sha256, shapes and dtypes."""
+def read_golden(artifact_dir: str | Path, manifest: dict, num_features: int = NUM_FEATURES) -> tuple[np.ndarray, np.ndarray]:
+    """The golden ``(inputs [N, F], outputs [N, 1])`` after checking sha256, shapes and dtypes
+    (``F = num_features``: this schema's, or an older schema's for an artifact read to be widened)."""
     path = Path(artifact_dir) / manifest["golden_file"]
     try:
         digest = sha256_file(path)
@@ -158,9 +159,9 @@ def read_golden(artifact_dir: str | Path, manifest: dict) -> tuple[np.ndarray, n
     except (OSError, KeyError, ValueError) as e:
         raise ArtifactError(f"{path}: unreadable golden set: {e}") from None
     n = manifest["num_golden"]
-    if inputs.dtype != np.float32 or inputs.shape != (n, NUM_FEATURES):
+    if inputs.dtype != np.float32 or inputs.shape != (n, num_features):
         raise ArtifactError(f"{path}: golden inputs are {inputs.dtype} {inputs.shape}, expected float32 "
-                            f"({n}, {NUM_FEATURES})")
+                            f"({n}, {num_features})")
     if outputs.dtype != np.float32 or outputs.shape != (n, 1):
         raise ArtifactError(f"{path}: golden outputs are {outputs.dtype} {outputs.shape}, expected float32 ({n}, 1)")
     return inputs, outputs

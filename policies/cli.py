@@ -52,26 +52,25 @@ def cmd_policy_verify(args) -> int:
 def cmd_policy_widen(args) -> int:
     """An artifact of an older feature schema whose features are this schema's first N (schema 2)
     re-exported for this schema: the same policy, zero weights on the features it never saw."""
-    import json as _json
     from pathlib import Path
 
+    from node_agent.features import SCHEMA_PREFIX, SCHEMA_VERSION
+
     from .actor import ActorConfig, make_initial_actor
-    from .export import export_actor
-    from .train_ppo import load_policy_weights
+    from .export import export_actor, verify_artifact
+    from .train_ppo import artifact_schema, load_policy_weights, read_older_artifact
 
     src = Path(args.src)
-    try:
-        old = _json.loads((src / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{src}: not a policy artifact ({e})") from None
-    cfg = old.get("actor_config", {}) if isinstance(old, dict) else {}
-    hidden = cfg.get("hidden_sizes", (64, 64)) if isinstance(cfg, dict) else None
-    if not (isinstance(hidden, (list, tuple)) and hidden and all(isinstance(h, int) and h >= 1 for h in hidden)):
-        raise ValueError(f"{src}: actor_config.hidden_sizes must be a list of positive integers, got {hidden!r}")
-    actor = make_initial_actor(0, ActorConfig(hidden_sizes=tuple(hidden), activation=cfg.get("activation", "tanh")))
+    schema = artifact_schema(src)
+    if schema == SCHEMA_VERSION:
+        raise ValueError(f"{src}: already of feature schema {schema}; nothing to widen")
+    if schema not in SCHEMA_PREFIX:
+        verify_artifact(src)  # raises, saying why (unreadable, or a schema whose features are not a prefix of ours)
+    old, _, _ = read_older_artifact(src, schema)
+    cfg = old["actor_config"]
+    actor = make_initial_actor(0, ActorConfig(hidden_sizes=tuple(cfg["hidden_sizes"]),
+                                              activation=cfg.get("activation", "tanh")))
     loaded = load_policy_weights(actor, src)
-    if "widened_from" not in loaded:
-        raise ValueError(f"{src}: already of feature schema {old.get('feature_schema_version')}; nothing to widen")
     training = {**(old.get("training_config") or {}), "widened_from": {**loaded["widened_from"],
                                                                        "policy_id": loaded["policy_id"]}}
     try:

@@ -51,18 +51,25 @@ def oracle_samples(observed: list, schedule: list[float], lo: float = 0.0, hi: f
     share ``schedule[i + 1]`` the oracle chose after it."""
     if len(schedule) != len(observed) + 1:
         raise ValueError(f"need one more share than observations, got {len(schedule)} and {len(observed)}")
-    if not observed:
-        return np.empty((0, NUM_FEATURES), dtype=np.float32), np.empty(0, dtype=np.float32)
-    n = len(observed[0])
-    X = np.empty((len(observed) * n, NUM_FEATURES), dtype=np.float32)
-    y = np.empty(len(observed) * n, dtype=np.float32)
+    X = window_features(observed)
+    n = len(observed[0]) if observed else 0
+    y = np.repeat(np.clip(np.asarray(schedule[1:], dtype=np.float32), np.float32(lo), np.float32(hi)), n)
+    return X, y
+
+
+def window_features(windows: list) -> np.ndarray:
+    """Features of every node's every window (``windows[i]``: the per-node `WindowStats` of window
+    ``i``), window-major, each with its node's previous window as ``prev``."""
+    if not windows:
+        return np.empty((0, NUM_FEATURES), dtype=np.float32)
+    n = len(windows[0])
+    X = np.empty((len(windows) * n, NUM_FEATURES), dtype=np.float32)
     prev = [None] * n
-    for i, stats in enumerate(observed):
+    for i, stats in enumerate(windows):
         for j, st in enumerate(stats):
             build_features(st, prev[j], out=X[i * n + j])
             prev[j] = st
-        y[i * n:(i + 1) * n] = min(hi, max(lo, schedule[i + 1]))
-    return X, y
+    return X
 
 
 def collect_oracle_data(env_cfg: EnvConfig, episodes: int, shares, *, seed: int, progress: bool = True) -> dict:
@@ -148,20 +155,17 @@ def sweep_samples(windows_by_share: dict, label: float) -> tuple[np.ndarray, np.
     """Features of every node's every window of every run (``windows_by_share[share]``: the
     per-window lists of `static_run`), each with its node's previous window as ``prev``, all
     labelled ``label``."""
-    xs = []
-    for windows in windows_by_share.values():
-        if not windows:
-            continue
-        n = len(windows[0])
-        X = np.empty((len(windows) * n, NUM_FEATURES), dtype=np.float32)
-        prev = [None] * n
-        for i, stats in enumerate(windows):
-            for j, st in enumerate(stats):
-                build_features(st, prev[j], out=X[i * n + j])
-                prev[j] = st
-        xs.append(X)
-    X = np.concatenate(xs) if xs else np.empty((0, NUM_FEATURES), dtype=np.float32)
+    X = np.concatenate([window_features(w) for w in windows_by_share.values()] or [window_features([])])
     return X, np.full(len(X), label, dtype=np.float32)
+
+
+def sweep_shares_problem(shares, guard) -> str | None:
+    """Why ``shares`` cannot be a static sweep's grid (None: it can): it must be non-empty and
+    within the runtime's guard bounds, so that no label is a split the runtime could not hold."""
+    if not shares or any(not guard.min_emb_share <= s <= guard.max_emb_share for s in shares):
+        return (f"shares must be a non-empty list within the guard bounds [{guard.min_emb_share}, "
+                f"{guard.max_emb_share}], got {list(shares)!r}")
+    return None
 
 
 def collect_static_sweep_data(env_cfg: EnvConfig, episodes: int, shares, *, seed: int, progress: bool = True) -> dict:
@@ -173,10 +177,9 @@ def collect_static_sweep_data(env_cfg: EnvConfig, episodes: int, shares, *, seed
 
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
-    g = env_cfg.guard
-    if not shares or any(not g.min_emb_share <= s <= g.max_emb_share for s in shares):
-        raise ValueError(f"shares must be a non-empty list within the guard bounds [{g.min_emb_share}, "
-                         f"{g.max_emb_share}], got {list(shares)!r}")
+    problem = sweep_shares_problem(shares, env_cfg.guard)
+    if problem:
+        raise ValueError(problem)
     env = AllocatorEnv(env_cfg)
     xs, ys, ep_of, eps = [], [], [], []
     t0 = time.perf_counter()
@@ -328,10 +331,10 @@ def main(argv=None) -> int:
         shares = tuple(float(x) for x in a.shares.split(",") if x.strip())
     except ValueError as e:
         ap.error(str(e))
-    g = cfg.guard
-    if a.labels == "best-static" and (not shares or any(not g.min_emb_share <= x <= g.max_emb_share for x in shares)):
-        ap.error(f"--shares must lie within the guard bounds [{g.min_emb_share}, {g.max_emb_share}], got {a.shares!r}")
     if a.labels == "best-static":
+        problem = sweep_shares_problem(shares, cfg.guard)
+        if problem:
+            ap.error(f"--{problem}")
         data = collect_static_sweep_data(cfg, a.episodes, shares, seed=a.seed, progress=not a.no_progress)
     else:
         data = collect_oracle_data(cfg, a.episodes, shares, seed=a.seed, progress=not a.no_progress)

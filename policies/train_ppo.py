@@ -330,7 +330,7 @@ def evaluate(actor: Actor, env_cfg: EnvConfig, *, seed: int, static_shares: tupl
     pol = [e for e in out["episodes"] if e["allocator"] == "policy"]
     out["policy_mean_reward"] = round(float(np.mean([e["mean_reward"] for e in pol])), 5)
     out["policy_mean_share_by_regime"] = {r: by_regime[r]["policy"]["mean_share"] for r in env_cfg.regimes}
-    if env_cfg.settings:  # per setting: the policy's P99 over the best evaluated static split's (mean over regimes)
+    if env_cfg.settings:  # per setting and run (policy, each static split): reward, P99 and share, mean over regimes
         by_setting = {}
         for st in env_cfg.settings:
             eps = [e for e in out["episodes"] if e["setting_name"] == st.name]
@@ -363,9 +363,9 @@ def load_policy_weights(actor: Actor, artifact_dir) -> dict:
     from .export import verify_artifact
 
     d = Path(artifact_dir)
-    old_schema = _artifact_schema(d)
-    if old_schema is not None and old_schema in SCHEMA_PREFIX:
-        manifest, data, golden = _older_artifact(d, old_schema)
+    old_schema = artifact_schema(d)
+    if old_schema in SCHEMA_PREFIX:
+        manifest, data, golden = read_older_artifact(d, old_schema)
     else:
         manifest = verify_artifact(d)
         data = (d / manifest["onnx_file"]).read_bytes()
@@ -405,12 +405,12 @@ def load_policy_weights(actor: Actor, artifact_dir) -> dict:
     if diff > 1e-5:
         raise ValueError(f"{d}: the loaded actor differs from the artifact by {diff:.2e} on its golden inputs")
     out = {"policy_id": manifest["policy_id"], "artifact": str(d), "golden_max_abs_diff": diff}
-    if old_schema is not None and old_schema in SCHEMA_PREFIX:
+    if golden is not None:
         out["widened_from"] = {"feature_schema_version": old_schema, "num_features": SCHEMA_PREFIX[old_schema]}
     return out
 
 
-def _artifact_schema(d: Path):
+def artifact_schema(d: Path):
     """The feature schema an artifact's manifest names (None when unreadable: `verify_artifact`
     then says why)."""
     import json
@@ -422,20 +422,20 @@ def _artifact_schema(d: Path):
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _older_artifact(d: Path, schema: int):
+def read_older_artifact(d: Path, schema: int):
     """Manifest, ONNX bytes and golden ``(inputs, outputs)`` of an artifact of an older schema whose
-    features are this schema's first ``SCHEMA_PREFIX[schema]``: the files' sha256 against the
-    manifest, the feature names against ours, and onnxruntime's outputs on the golden inputs."""
+    features are this schema's first ``SCHEMA_PREFIX[schema]``: the runtime's manifest checks
+    against that schema (its names must be this schema's first ones), the files' sha256, and
+    onnxruntime's outputs on the golden inputs."""
     import json
 
-    from node_agent.artifact import ArtifactError, check_manifest, read_onnx_bytes, sha256_file
+    from node_agent.artifact import ArtifactError, check_manifest, read_golden, read_onnx_bytes
     from node_agent.features import FEATURE_NAMES, SCHEMA_PREFIX
 
     from .export import _ort_cpu_outputs
 
     manifest = json.loads((d / "manifest.json").read_text())
     n = SCHEMA_PREFIX[schema]
-    # the runtime's checks, against the older schema: its names must be this schema's first n
     problems = check_manifest(manifest, schema=schema, feature_names=FEATURE_NAMES[:n])
     cfg = manifest.get("actor_config") if isinstance(manifest, dict) else None
     if not (isinstance(cfg, dict) and isinstance(cfg.get("hidden_sizes"), list)
@@ -444,12 +444,8 @@ def _older_artifact(d: Path, schema: int):
     if problems:
         raise ArtifactError(f"{d / 'manifest.json'}: " + "; ".join(problems))
     data = read_onnx_bytes(d, manifest)
-    golden = d / manifest["golden_file"]
-    if sha256_file(golden) != manifest["golden_sha256"]:
-        raise ArtifactError(f"{golden}: sha256 does not match the manifest's")
-    with np.load(golden, allow_pickle=False) as z:
-        X, y = z["inputs"].astype(np.float32), z["outputs"].astype(np.float32)
-    if X.shape[1:] != (n,) or float(np.max(np.abs(_ort_cpu_outputs(data, X) - y))) > 1e-5:
+    X, y = read_golden(d, manifest, n)
+    if float(np.max(np.abs(_ort_cpu_outputs(data, X) - y))) > 1e-5:
         raise ArtifactError(f"{d}: its ONNX model does not reproduce its golden outputs on {n} features")
     return manifest, data, (X, y)
 

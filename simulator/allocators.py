@@ -121,7 +121,6 @@ def make_allocator(spec: str, **kwargs) -> Allocator:
 GHOST_SUFFIX = "@ghost"  # a SmartAllocator spec whose residual adapter reads the caches' ghost lists
 
 
-TUNED_SPECS = ("racer", "ppo+residual")  # SmartAllocator rows whose residual layer runs the operating-point tuner
 POLICY_SPECS = ("racer", "ppo", "ppo+residual", "ppo+recovery")  # the SmartAllocator rows (simulator.smart)
 
 

@@ -141,8 +141,6 @@ def setting_trace(cfg: TableConfig):
     return _STREAMS[pkey]
 
 
-_trace = setting_trace
-
 
 def _stream(cfg: TableConfig, regime: str):
     from workloads import generate
@@ -151,7 +149,7 @@ def _stream(cfg: TableConfig, regime: str):
     key = (cfg.trace, cfg.path, regime, cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed,
            cfg.setting, cfg.paper_scale, cfg.schedule)
     if key not in _STREAMS:
-        trace = _trace(cfg)
+        trace = setting_trace(cfg)
         kw = dict(rate_rps=cfg.rate_rps, num_users=cfg.num_users, history_scale=cfg.history_scale, seed=cfg.seed)
         if regime == "schedule":
             if not cfg.schedule:
@@ -307,7 +305,7 @@ class RunCache:
         code = _files_digest(sorted(f.relative_to(root) for pkg in _CODE_PACKAGES for f in (root / pkg).rglob("*.py")),
                              root)
         self._base = {"code": code, "libraries": _library_versions(), "trace": cfg.trace,
-                      "trace_content": _trace_digest(_trace(cfg)),
+                      "trace_content": _trace_digest(setting_trace(cfg)),
                       "stream": [cfg.rate_rps, cfg.duration_s, cfg.num_users, cfg.history_scale, cfg.seed,
                                  cfg.setting, cfg.paper_scale, cfg.schedule],
                       "sim": asdict(sim_config(cfg))}  # `_canon` makes it JSON
