@@ -16,9 +16,11 @@ import pytest
 from simulator import simulate
 from simulator.smart import DEFAULT_ARTIFACT, make_smart_allocator
 from simulator.table import GHOST_PROBES, TableConfig, _stream, sim_config
+from tests.conftest import needs_samples
 
 pytestmark = [pytest.mark.skipif(not (DEFAULT_ARTIFACT / "manifest.json").is_file(),
                                  reason="no shipped policy in policies/default"),
+              needs_samples,  # the paper-scale trace is built from the Taobao sample in ../shared/data
               pytest.mark.slow]  # builds the paper-scale trace: ~15 s on an idle core, 40 s on the shared machine
 
 SCHEMA2 = Path(__file__).parent / "data" / "policy_schema2"
