@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -101,6 +102,129 @@ def table_config(st: Setting, quick: bool, smart: tuple[str, ...], policy: str |
     return replace(cfg, regimes=(st.regime,))
 
 
+# ------------------------------------------------------------------------------ the held-out grid
+
+
+@dataclass(frozen=True)
+class HoldoutSetting:
+    """One held-out cell: a trace no policy was trained or tuned on (made in code from a spec, or a
+    file the user names), a cluster, a load and a regime. ``known`` is the side the best split
+    lies on by construction (``"kv"``: at most 0.3, ``"emb"``: at least 0.7) or None."""
+
+    family: str
+    trace: str  # a `workloads.loaders.LOADERS` kind ("synthetic": path is a spec)
+    path: str
+    num_nodes: int
+    users_per_node: int
+    rate_rps_per_node: float
+    history_scale: float
+    cache_fraction: float
+    load: str  # "light" or "busy": the per-node rate's name
+    regime: str
+    seed: int = 0
+    known: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"holdout-{self.family}-{self.load}-{self.regime}-s{self.seed}"
+
+
+# Per-node request rates of the held-out grid, stated before any run: "light" is the sample
+# settings' per-node rate (SLO attainment 100%, load under 0.2: the tail is service time),
+# "busy" about 5x that (load ~0.4-0.9 on the settings below: queueing starts to count).
+HOLDOUT_RATES = {"light": 60.0, "busy": 300.0}
+HOLDOUT_SEED_BASE = 7_000  # synthetic traces' seeds: disjoint from every seed a training or tuning run used
+
+
+def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] = (), num_random: int | None = None,
+                 loads: tuple[str, ...] = ("light", "busy")) -> list[HoldoutSetting]:
+    """The held-out grid (`python -m bench.regret --holdout`): traces made in code that no policy
+    saw, settings drawn over what decides the trade-off, at a light and a busy load.
+
+    - ``kv-heavy`` (by construction): few users per node (30), each returning within seconds,
+      with long histories (mean 150 items, x4) over a small, skewed catalogue (30k items, Zipf
+      1.3): the KV pool decides, the best split is KV-heavy;
+    - ``emb-heavy`` (by construction): every request a new user (20k users, more than the
+      requests) with histories of 40 items (x4) over a flatter catalogue (60k items, Zipf 1.0) and
+      an arena of 0.6 of the table: K/V is never reused, the EMB slab decides;
+    - ``random-i``: a trace and cluster drawn from seed ``HOLDOUT_SEED_BASE + i``: users per node
+      log-uniform in [20, 2000], items log-uniform in [5k, 150k], mean history 10-150 items,
+      Zipf 0.8-1.3, history scale 1-5, arena 0.3-2x the table (log-uniform);
+    - ``extra_traces``: ``(kind, path)`` files the user holds out (e.g. a public sequence dataset
+      never used in training), at 150 users per node, histories x4, the arena the table's size.
+
+    Regimes: the two constructed families run ``steady``, ``trend`` and ``burst``; the others
+    ``steady`` and ``trend``. ``--quick``: 4 nodes, 20 s per run, 4 random settings; otherwise
+    8 nodes, 30 s, 8 random settings."""
+    import numpy as np
+
+    nodes = 4 if quick else 8
+    n_rand = (4 if quick else 8) if num_random is None else num_random
+    out: list[HoldoutSetting] = []
+
+    def add(family, trace, path, upn, hs, cf, regimes, known=None):
+        for load in loads:
+            for rg in regimes:
+                out.append(HoldoutSetting(family, trace, path, nodes, upn, HOLDOUT_RATES[load], hs, cf, load, rg,
+                                          known=known))
+
+    add("kv-heavy", "synthetic", f"users={30 * nodes},items=30000,len=150,zipf=1.3,seed={HOLDOUT_SEED_BASE}", 30,
+        4.0, 1.0, ("steady", "trend", "burst"), "kv")
+    add("emb-heavy", "synthetic", f"users=20000,items=60000,len=40,zipf=1.0,seed={HOLDOUT_SEED_BASE + 1}",
+        20_000 // nodes, 4.0, 0.6, ("steady", "trend", "burst"), "emb")
+    for i in range(n_rand):
+        rng = np.random.default_rng(HOLDOUT_SEED_BASE + 100 + i)
+        upn = int(round(math.exp(rng.uniform(math.log(20), math.log(2000)))))
+        items = int(round(math.exp(rng.uniform(math.log(5_000), math.log(150_000)))))
+        length = round(float(rng.uniform(10, 150)), 1)
+        zipf = round(float(rng.uniform(0.8, 1.3)), 3)
+        hs = round(float(rng.uniform(1.0, 5.0)), 2)
+        cf = round(math.exp(float(rng.uniform(math.log(0.3), math.log(2.0)))), 3)
+        spec = f"users={upn * nodes},items={items},len={length:g},zipf={zipf:g},seed={HOLDOUT_SEED_BASE + 200 + i}"
+        add(f"random-{i}", "synthetic", spec, upn, hs, cf, ("steady", "trend"))
+    for j, (kind, path) in enumerate(extra_traces):
+        add(f"file-{j}", kind, path, 150, 4.0, 1.0, ("steady", "trend"))
+    return out
+
+
+def holdout_config(st: HoldoutSetting, quick: bool, smart: tuple[str, ...], policy: str | None = None):
+    """The `TableConfig` of one held-out setting (racer router only, shares 0.2 / 0.5 / 0.8)."""
+    from simulator.table import TableConfig
+
+    return TableConfig(trace=st.trace, path=st.path, regimes=(st.regime,), num_nodes=st.num_nodes,
+                       rate_rps=st.rate_rps_per_node * st.num_nodes, duration_s=20.0 if quick else 30.0,
+                       num_users=st.users_per_node * st.num_nodes, history_scale=st.history_scale,
+                       cache_fraction=st.cache_fraction, shares=(0.2, 0.5, 0.8), routers=("racer",),
+                       other_router_allocators=(), extra_allocators=smart, policy=policy, seed=st.seed, jobs=1)
+
+
+def holdout_findings(res: dict, settings: list[HoldoutSetting]) -> dict:
+    """What the held-out grid must show: per setting each allocator's regret, racer's worst, the
+    static splits' worst, and for the constructed families whether the oracle and racer land on
+    the known side."""
+    by_name = {st.name: st for st in settings}
+    statics = sorted(a for a in res["allocators"] if a.startswith("static:"))
+    rows = []
+    for r in res["per_setting"]:
+        o = r["p99_ms"].get("oracle")
+        st = by_name.get(r["setting"])
+        row = {"setting": r["setting"], "oracle_p99_ms": o,
+               "regret_pct": {a: round(100.0 * (v / o - 1.0), 2) for a, v in r["p99_ms"].items()
+                              if a != "oracle" and v is not None and o},
+               "mean_share": r.get("mean_share", {}), "slo_attainment": r.get("slo_attainment", {}).get("oracle")}
+        if st is not None and st.known is not None:
+            row["known"] = st.known
+        rows.append(row)
+    racer = res["allocators"].get("racer")
+    worst_static = min((res["allocators"][a]["max_regret_pct"] for a in statics), default=None)
+    return {"per_setting": rows,
+            "racer_max_regret_pct": racer["max_regret_pct"] if racer else None,
+            "racer_mean_regret_pct": racer["mean_regret_pct"] if racer else None,
+            "static_max_regret_pct": {a: res["allocators"][a]["max_regret_pct"] for a in statics},
+            "racer_below_every_static_max": (racer is not None and worst_static is not None
+                                             and racer["max_regret_pct"] < worst_static)}
+
+
 def run_setting(args) -> dict:
     """Run one setting's table (``(name, TableConfig, out_dir)``); return its P99 per allocator
     (the ``all`` rows)."""
@@ -108,12 +232,15 @@ def run_setting(args) -> dict:
     from simulator.table import run_table
 
     res = run_table(cfg, Path(out) / name if out else None, progress=False, resume=True)
-    p99 = {}
+    p99, share, slo = {}, {}, {}
     for r in res["rows"]:
         if r.get("phase", "all") != "all" or r["router"] != "racer" or r["allocator"] == "best_static":
             continue
         p99[r["allocator"]] = r["p99_ms"]
-    return {"setting": name, "p99_ms": p99, "runs": res["runs"], "wall_s": res["wall_s"]}
+        share[r["allocator"]] = r["mean_share"]
+        slo[r["allocator"]] = r["slo_attainment"]
+    return {"setting": name, "p99_ms": p99, "mean_share": share, "slo_attainment": slo, "runs": res["runs"],
+            "wall_s": res["wall_s"]}
 
 
 def regret(results: list[dict]) -> dict:
@@ -221,6 +348,11 @@ def main(argv=None) -> int:
     p.add_argument("--paper-regime-s", type=float, default=None,
                    help="length of a paper-scale regime, s (default 20); the paper-scale schedule's phases "
                         "scale with it")
+    p.add_argument("--holdout", action="store_true",
+                   help="the held-out grid instead: traces made in code that no policy was trained or tuned on, "
+                        "at a light and a busy load (see holdout_grid)")
+    p.add_argument("--holdout-trace", action="append", default=[], metavar="KIND:PATH",
+                   help="with --holdout, a trace file you hold out too (repeatable), e.g. sequences:/data/beauty.txt")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.paper_regime_s is not None and not (args.paper_regime_s > 0 and args.paper_regime_s < 1e5):
@@ -229,6 +361,21 @@ def main(argv=None) -> int:
     bad = [r for r in regimes if r not in REGIMES]
     if bad or not regimes:
         p.error(f"--regimes: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(REGIMES)}")
+    if args.holdout:
+        extra = []
+        for spec in args.holdout_trace:
+            kind, sep, path = spec.partition(":")
+            if not sep or not path:
+                p.error(f"--holdout-trace: want KIND:PATH, got {spec!r}")
+            extra.append((kind, path))
+        hsettings = holdout_grid(args.quick, tuple(extra))
+        out = args.out or ("bench_regret_holdout_quick" if args.quick else "bench_regret_holdout")
+        res = run_grid(hsettings, args.quick, out, args.executor, args.jobs, args.address,
+                       () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,
+                       make_config=holdout_config)
+        res["holdout"] = holdout_findings(res, hsettings)
+        _print(res, args.json)
+        return 0
     traces = tuple(x for x in args.traces.split(",") if x)
     paper = tuple(x for x in args.paper_traces.split(",") if x)
     settings = grid(args.seeds, traces, paper, regimes)
@@ -238,14 +385,26 @@ def main(argv=None) -> int:
     res = run_grid(settings, args.quick, out, args.executor, args.jobs, args.address,
                    () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,
                    paper_regime_s=args.paper_regime_s)
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print(f"{'allocator':>14} {'max_regret_pct':>15} {'mean_regret_pct':>16} {'settings':>9}")
-        for name, v in res["allocators"].items():
-            print(f"{name:>14} {v['max_regret_pct']:>15.2f} {v['mean_regret_pct']:>16.2f} {v['settings']:>9}")
-        print(f"{res['settings']} settings in {res['wall_s']} s; runs {res['runs']}", file=sys.stderr)
+    _print(res, args.json)
     return 0
+
+
+def _print(res: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(res))
+        return
+    h = res.get("holdout")
+    if h:
+        names = [a for a in res["allocators"]]
+        print(f"{'setting':>40} {'oracle share':>12} " + " ".join(f"{a:>12}" for a in names))
+        for r in h["per_setting"]:
+            print(f"{r['setting']:>40} {r['mean_share'].get('oracle', float('nan')):>12.2f} "
+                  + " ".join(f"{r['regret_pct'].get(a, float('nan')):>+11.2f}%" for a in names))
+        print()
+    print(f"{'allocator':>14} {'max_regret_pct':>15} {'mean_regret_pct':>16} {'settings':>9}")
+    for name, v in res["allocators"].items():
+        print(f"{name:>14} {v['max_regret_pct']:>15.2f} {v['mean_regret_pct']:>16.2f} {v['settings']:>9}")
+    print(f"{res['settings']} settings in {res['wall_s']} s; runs {res['runs']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,15 @@ class GuardConfig:
 GUARD_ACTIONS = ("step_up", "step_down", "max", "min")
 
 
+def _guard_words(action: str, g: "GuardConfig", prev: float) -> str:
+    if action == "step_up":
+        return f"step limited to +{g.max_step_up:g} from {prev:.4f}"
+    if action == "step_down":
+        return f"step limited to -{g.max_step_down:g} from {prev:.4f}"
+    return f"clamped to max_emb_share {g.max_emb_share:g}" if action == "max" else \
+        f"clamped to min_emb_share {g.min_emb_share:g}"
+
+
 def guard_stage(proposed: float, prev: float, guard: GuardConfig, *, step_limit: bool = True) -> tuple[float, str | None]:
     """The guard stage, the one used by the runtime (`SmartAllocator.decide`) and by training
     (`policies.env.apply_guards`): the step limit from ``prev`` (``max_step_up`` /
@@ -174,29 +183,35 @@ class TunerConfig:
     """The operating-point tuner, the residual layer's second part (see `OperatingPointTuner`).
 
     - ``enabled``: False turns it off (offset 0, no learning);
-    - ``gain``: emb_share moved per unit of the pressure-weighted gradient, in (0, 10];
+    - ``gain``: emb_share moved per unit of the latency gradient (the share of a request's
+      latency that 10% of the arena moved would save), in (0, 10]; at the default 3 a gradient of
+      1/30 (3.3% of the latency) is a full ``max_rate`` step;
     - ``max_rate``: most the offset moves in one interval, in (0, 0.5];
     - ``deadband``: a step smaller than this is not taken, in [0, 0.1);
-    - ``headroom_floor``: floor of ``1 - load`` in the queueing pressure ``load / (1 - load)``
-      (caps the pressure at ``1 / headroom_floor``), in (0, 1);
+    - ``headroom_floor``: floor of ``1 - load`` in the latency sensitivity ``1 / (1 - load)``
+      (caps it at ``1 / headroom_floor``), in (0, 1);
     - ``smoothing``: weight of a new interval's gradient reading in the running (EWMA) estimate,
       in (0, 1] (1: the interval's own reading);
     - ``confidence``: ``z``, how many standard errors of the estimate a step first subtracts
       (a soft threshold: an estimate within ``z`` standard errors of 0 moves nothing), in
       [0, 10]; 0 turns the noise gate off;
     - ``noise_window``: readings whose successive differences give the robust noise estimate
-      (their median), an integer in [4, 64]; with fewer than 4 readings there is no noise estimate
-      and the estimate is taken at face value;
-    - ``strong_gradient``: an estimate at least this large is taken whole, without the gate, in
-      (0, 1] (1: always gated): 10% of the arena saving 10% of a request's device time is 6x the
-      largest reading noise measured (sd 0.016, 32-node Taobao trend at saturation) and above every
-      raw reading there (max 0.066), while a burst's readings move by more than that from one
-      interval to the next as the split moves (-0.17, -0.56, -0.34 on the paper-scale burst) and
-      would otherwise count as noise.
+      (their median) and over which the sign test counts, an integer in [4, 64]; with fewer than
+      4 readings there is no noise estimate and only a strong estimate moves (with ``confidence``
+      0, any);
+    - ``strong_gradient``: an estimate (or this interval's reading, the estimate of the same sign)
+      at least this large is taken whole, without the gate, in (0, 1] (1: always gated): a regime
+      change moves the readings by more than their noise from one interval to the next, which the
+      gate would otherwise read as noise;
+    - ``sign_confidence``: the sign test's ``z``: when the gate finds the estimate within the noise
+      but the window's nonzero readings agree in sign by at least ``sign_confidence * sqrt(n)``
+      (n of them, at least 4), the median reading is taken: lumpy readings (a KV ghost hit is a
+      whole user's history) whose direction is clear although their size scatters; in [0, 10],
+      0 turns the sign test off.
     """
 
     enabled: bool = True
-    gain: float = 1.0
+    gain: float = 3.0
     max_rate: float = 0.1
     deadband: float = 0.005
     headroom_floor: float = 0.05
@@ -204,6 +219,7 @@ class TunerConfig:
     confidence: float = 4.0
     noise_window: int = 9
     strong_gradient: float = 0.1
+    sign_confidence: float = 2.5
 
     def __post_init__(self) -> None:
         problems = [] if isinstance(self.enabled, bool) else [f"enabled must be a bool, got {self.enabled!r}"]
@@ -215,6 +231,7 @@ class TunerConfig:
             "smoothing": (lambda v: 0 < v <= 1, "(0, 1]"),
             "confidence": (lambda v: 0 <= v <= 10, "[0, 10]"),
             "strong_gradient": (lambda v: 0 < v <= 1, "(0, 1]"),
+            "sign_confidence": (lambda v: 0 <= v <= 10, "[0, 10]"),
         }
         for name, (ok, words) in rules.items():
             v = getattr(self, name)
@@ -634,15 +651,17 @@ class OperatingPointTuner:
       ``noise_window`` readings (for Gaussian noise the median absolute successive difference is
       0.954 of its standard deviation; unlike a variance, the median ignores the jump of a regime
       change, so a burst's first readings are not taken for noise). An estimate within the noise
-      moves nothing (``uncertain``); until 4 readings exist there is no noise estimate and the
-      mean is taken at face value, and a mean of at least ``strong_gradient`` is taken whole (a
-      burst's readings swing as the split moves, which the gate would read as noise);
-    - ``pressure = load^2 / max(1 - load, headroom_floor)``: the device time that moves is
-      ``gradient * load`` of the node's time, and in a queue the wait grows as
-      ``load / (1 - load)``: a node with headroom gains nothing in latency from saving a little
-      device time (the offset hardly moves: the base policy's split stands), a saturated one
-      gains its backlog's growth (the offset moves at ``max_rate``);
-    - ``step = clip(gain * estimate * pressure, -max_rate, max_rate)``, not taken when
+      moves nothing (``uncertain``); until 4 readings exist there is no noise estimate and only a
+      mean of at least ``strong_gradient`` moves; such a mean is taken whole at any time (a
+      burst's readings swing as the split moves, which the gate would read as noise); when the
+      gate gives 0 but the window's nonzero readings agree in sign beyond ``sign_confidence *
+      sqrt(n)`` (the sign test), their median is the estimate: at light load readings are lumpy
+      (a KV ghost hit is a whole user's history) and scatter as much as they are large;
+    - ``sensitivity = 1 / max(1 - load, headroom_floor)``: how a relative change of the service
+      time moves the latency (M/M/1: ``T = S / (1 - rho)``, so ``(dT/T) / (dS/S) = 1 / (1 - rho)``):
+      about 1 at light load, where the latency is the service time (a KV miss that recomputes a
+      history is the tail), 10 at load 0.9;
+    - ``step = clip(gain * estimate * sensitivity, -max_rate, max_rate)``, not taken when
       ``|step| < deadband``; a step never carries ``base + correction + offset`` past a guard
       bound (``bound``; a base output beyond a bound is left to the guard stage).
 
@@ -669,6 +688,7 @@ class OperatingPointTuner:
         self.last_reset_reason: str | None = None
         self.mean_gradient = 0.0
         self.gradient_se = 0.0
+        self.sign_test = False  # the last step's estimate came from the sign test
         self._readings: list[float] = []
 
     def update(self, stats: WindowStats, lo: float, hi: float) -> str:
@@ -701,11 +721,18 @@ class OperatingPointTuner:
                 self.gradient_se = med / 0.954 * math.sqrt(a / (2.0 - a))
             else:
                 self.gradient_se = 0.0
-            if mean >= c.strong_gradient or mean <= -c.strong_gradient:
-                est = mean
+            self.sign_test = False
+            sg = c.strong_gradient
+            if mean >= sg or mean <= -sg or (g >= sg and mean > 0.0) or (g <= -sg and mean < 0.0):
+                est = mean  # a strong reading or mean: a regime change, not noise
+            elif len(r) < 4 and c.confidence > 0.0:  # no noise estimate yet: only a strong reading moves
+                est = 0.0
             else:
                 cut = c.confidence * self.gradient_se
                 est = mean - cut if mean > cut else (mean + cut if mean < -cut else 0.0)
+                if est == 0.0 and c.sign_confidence > 0.0:
+                    est = self._sign_estimate(r, c.sign_confidence)
+                    self.sign_test = est != 0.0
             headroom = 1.0 - rho
             if headroom < c.headroom_floor:
                 headroom = c.headroom_floor
@@ -716,7 +743,7 @@ class OperatingPointTuner:
                 action = "uncertain"
                 off = self.offset
             else:
-                step = c.gain * est * rho * rho / headroom
+                step = c.gain * est / headroom
                 m = c.max_rate
                 step = m if step > m else (-m if step < -m else step)
                 if -c.deadband < step < c.deadband:
@@ -739,6 +766,20 @@ class OperatingPointTuner:
         self.offset = off
         self.last_action = action
         return action
+
+    @staticmethod
+    def _sign_estimate(readings: list[float], z: float) -> float:
+        """The median reading when the nonzero readings agree in sign beyond ``z * sqrt(n)`` (the
+        normal approximation of the sign test, at least 4 of them), else 0."""
+        pos = sum(1 for v in readings if v > 0.0)
+        neg = sum(1 for v in readings if v < 0.0)
+        n = pos + neg
+        if n < 4 or abs(pos - neg) < z * math.sqrt(n):
+            return 0.0
+        v = sorted(readings)
+        k = len(v)
+        med = v[k // 2] if k % 2 else 0.5 * (v[k // 2 - 1] + v[k // 2])
+        return med if (med > 0.0) == (pos > neg) and med != 0.0 else 0.0
 
     def take_back(self, amount: float) -> None:
         """Remove ``amount`` of the last step (the part the guards' step limit refused)."""
@@ -945,7 +986,7 @@ class AllocatorDecision:
     now_s: float
     emb_share: float
     source: str
-    reason: str
+    reason_renderers: list  # functions of the inner reason, innermost first (see `reason`)
     prev_emb_share: float
     proposed_emb_share: float
     base_emb_share: float
@@ -966,10 +1007,23 @@ class AllocatorDecision:
     tuner_step: float = 0.0
     tuner_gradient: float = 0.0
     tuner_action: str | None = None
+    _reason: str | None = None
+
+    @property
+    def reason(self) -> str:
+        """Why, in words, rendered from the structured fields on first read (formatting a dozen
+        numbers on every decision would cost more than the decision's arithmetic)."""
+        if self._reason is None:
+            r = ""
+            for f in self.reason_renderers:
+                r = f(r)
+            self._reason = r
+        return self._reason
 
     def to_dict(self) -> dict:
         """JSON-able (NaN base becomes None; features as name -> value)."""
-        d = {k: getattr(self, k) for k in self.__slots__ if k != "features"}
+        d = {k: getattr(self, k) for k in self.__slots__ if k not in ("features", "reason_renderers", "_reason")}
+        d["reason"] = self.reason
         if math.isnan(d["base_emb_share"]):
             d["base_emb_share"] = None
         d["features"] = {n: float(v) for n, v in zip(FEATURE_NAMES, self.features)}
@@ -1088,6 +1142,7 @@ class SmartAllocator:
         offset = tuner_step = tuner_gradient = 0.0
         tuner_action = None
         note_list: list[str] = []
+        render: list = []  # the reason, rendered only when read (`AllocatorDecision.reason`): each wraps the last
         try:
             build_features(stats, self._prev_stats, out=row)
             valid = True
@@ -1117,26 +1172,31 @@ class SmartAllocator:
                             tuner_step, tuner_gradient = tuner.last_step, tuner.last_gradient
                         offset = tuner.offset
                     proposed = base + residual + offset
+                    pid = policy.policy_id
                     if offset != 0.0 or tuner_step != 0.0:
                         source = "residual"
-                        reason = f"base policy {policy.policy_id} {base:.4f} + residual {residual:+.4f} + " \
-                                 f"operating point {offset:+.4f} ({tuner_action} {tuner_step:+.4f}, busy-time " \
-                                 f"gradient {tuner_gradient:+.4f}, estimate {tuner.mean_gradient:+.4f} +- " \
-                                 f"{tuner.gradient_se:.4f}, at load {stats.load:.2f})"
+                        render.append(lambda r, pid=pid, b=base, res=residual, o=offset, a=tuner_action, st=tuner_step,
+                                   gr=tuner_gradient, m=tuner.mean_gradient, se=tuner.gradient_se, ld=stats.load,
+                                   sign=tuner.sign_test:
+                                   f"base policy {pid} {b:.4f} + residual {res:+.4f} + operating point {o:+.4f} "
+                                   f"({a} {st:+.4f}, busy-time gradient {gr:+.4f}, estimate {m:+.4f} +- {se:.4f}"
+                                   f"{' (sign test)' if sign else ''}, at load {ld:.2f})")
                     elif residual != 0.0:
                         source = "residual"
-                        reason = f"base policy {policy.policy_id} {base:.4f} + residual {residual:+.4f}"
+                        render.append(lambda r, pid=pid, b=base, res=residual:
+                                   f"base policy {pid} {b:.4f} + residual {res:+.4f}")
                     else:
                         source = "base"
-                        reason = f"base policy {policy.policy_id} {base:.4f}"
+                        render.append(lambda r, pid=pid, b=base: f"base policy {pid} {b:.4f}")
                     learnable = True
                 else:
                     proposed, source = prev, "guard"
                     hold_reason = f"base policy {policy.policy_id} output {base!r} is not an emb_share"
-                    reason = f"holding: {hold_reason}"
+                    render.append(lambda r, h=hold_reason: f"holding: {h}")
             else:
                 hold_reason = "no base policy loaded"
-                proposed, source, reason = prev, "guard", f"holding: {hold_reason}"
+                proposed, source = prev, "guard"
+                render.append(lambda r, h=hold_reason: f"holding: {h}")
             if self.config.recovery.enabled:
                 event = self.recovery.update(stats.arrival_rate_rps, stats.hot_user_ratio, now_s, prev)
                 rec = self.recovery
@@ -1145,16 +1205,20 @@ class SmartAllocator:
                 if rec.phase == "burst":
                     learnable = False
                     recovery_cap = rec.cap
-                    detail = (f"burst {'entered at' if event == 'entered' else 'since'} t={rec.burst_started_s:g}s "
-                              f"(rate x{rec.rate_ratio:.2f}, hot-user ratio x{rec.hot_ratio:.2f} of baseline)")
                     if proposed > rec.cap:
-                        reason = f"{detail}: KV-ward cap {rec.cap:.4f} (entry {rec.entry_emb_share:.4f} - " \
-                                 f"{self.config.recovery.kv_shift:g}) under {source} proposal {proposed:.4f} " \
-                                 f"({reason})"
+                        render.append(lambda r, e=event, t0=rec.burst_started_s, rr=rec.rate_ratio, hr=rec.hot_ratio,
+                                   cap=rec.cap, en=rec.entry_emb_share, k=self.config.recovery.kv_shift, src=source,
+                                   p=proposed:
+                                   f"burst {'entered at' if e == 'entered' else 'since'} t={t0:g}s (rate x{rr:.2f}, "
+                                   f"hot-user ratio x{hr:.2f} of baseline): KV-ward cap {cap:.4f} (entry {en:.4f} - "
+                                   f"{k:g}) under {src} proposal {p:.4f} ({r})")
                         proposed = rec.cap
                     else:
-                        reason = f"{detail}: {source} proposal {proposed:.4f} already under the KV-ward cap " \
-                                 f"{rec.cap:.4f} ({reason})"
+                        render.append(lambda r, e=event, t0=rec.burst_started_s, rr=rec.rate_ratio, hr=rec.hot_ratio,
+                                   cap=rec.cap, src=source, p=proposed:
+                                   f"burst {'entered at' if e == 'entered' else 'since'} t={t0:g}s (rate x{rr:.2f}, "
+                                   f"hot-user ratio x{hr:.2f} of baseline): {src} proposal {p:.4f} already under the "
+                                   f"KV-ward cap {cap:.4f} ({r})")
                     source = "recovery"
                 elif event is not None:
                     if event == "ended":
@@ -1165,7 +1229,8 @@ class SmartAllocator:
                     notes = note if notes is None else f"{notes}; {note}"
                     note_list.append(note)
         else:
-            proposed, source, reason = prev, "guard", f"holding: {hold_reason}"
+            proposed, source = prev, "guard"
+            render.append(lambda r, h=hold_reason: f"holding: {h}")
 
         # override
         ov = self._override
@@ -1180,8 +1245,9 @@ class SmartAllocator:
                 override_active = True
                 learnable = False
                 until = "until cleared" if ov.expires_at_s is None else f"until t={ov.expires_at_s:g}s"
-                reason = f"operator override {ov.emb_share:.4f} ({ov.reason}) {until}; layers proposed " \
-                         f"{proposed:.4f} via {source} ({reason})"
+                render.append(lambda r, ov=ov, u=until, p=proposed, src=source:
+                           f"operator override {ov.emb_share:.4f} ({ov.reason}) {u}; layers proposed {p:.4f} via "
+                           f"{src} ({r})")
                 proposed, source = ov.emb_share, "override"
                 override_reason = ov.reason
 
@@ -1197,19 +1263,15 @@ class SmartAllocator:
             if back != 0.0:
                 self.tuner.take_back(back)
                 offset, tuner_step = self.tuner.offset, self.tuner.last_step
-                reason = f"{reason}; the step limit took back {back:+.4f} of the operating point's step"
+                render.append(lambda r, b=back: f"{r}; the step limit took back {b:+.4f} of the operating point's step")
         if guard_action is not None:
-            words = {"step_up": f"step limited to +{g.max_step_up:g} from {prev:.4f}",
-                     "step_down": f"step limited to -{g.max_step_down:g} from {prev:.4f}",
-                     "max": f"clamped to max_emb_share {g.max_emb_share:g}",
-                     "min": f"clamped to min_emb_share {g.min_emb_share:g}"}[guard_action]
-            reason = f"{words}; {source}: {reason}"
+            render.append(lambda r, a=guard_action, g=g, p=prev, src=source: f"{_guard_words(a, g, p)}; {src}: {r}")
             source = "guard"
         if notes is not None:
-            reason = f"{reason} [{notes}]"
+            render.append(lambda r, n=notes: f"{r} [{n}]")
 
         self._seq += 1
-        d = AllocatorDecision(self._seq, now_s, share, source, reason, prev, proposed, base, residual,
+        d = AllocatorDecision(self._seq, now_s, share, source, render, prev, proposed, base, residual,
                               self.recovery.phase == "burst", override_active,
                               policy.policy_id if policy is not None else None, row.copy(),
                               layer_source=layer_source, guard_action=guard_action, hold_reason=hold_reason,

@@ -34,33 +34,40 @@ def marginal_window(emb_us: float, kv_us: float, *, load: float, n: int = 100, *
 # ------------------------------------------------------------------------------------- the step
 
 
-def test_step_is_the_pressure_weighted_busy_time_gradient():
+def test_step_is_the_latency_weighted_busy_time_gradient():
     # each reading taken as it is (no smoothing, no noise gate): the step's own arithmetic
     t = OperatingPointTuner(TunerConfig(gain=1.0, max_rate=0.1, deadband=0.0, smoothing=1.0, confidence=0.0))
     # busy per request = 0.5 * 1 s / 100 = 5,000 us; gradient (10 - 110) / 5,000 = -0.02;
-    # pressure 0.5^2 / (1 - 0.5) = 0.5: step -0.01 (toward the KV pool)
+    # latency sensitivity 1 / (1 - 0.5) = 2: step -0.04 (toward the KV pool)
     assert t.update(marginal_window(10.0, 110.0, load=0.5), -1.0, 1.0) == "kv_ward"
-    assert t.last_gradient == pytest.approx(-0.02) and t.last_step == pytest.approx(-0.01)
-    assert t.offset == pytest.approx(-0.01)
-    # EMB-ward by the same rule: (210 - 10) / 5,000 * 0.5 = +0.02
+    assert t.last_gradient == pytest.approx(-0.02) and t.last_step == pytest.approx(-0.04)
+    assert t.offset == pytest.approx(-0.04)
+    # EMB-ward by the same rule: (210 - 10) / 5,000 * 2 = +0.08
     assert t.update(marginal_window(210.0, 10.0, load=0.5), -1.0, 1.0) == "emb_ward"
-    assert t.offset == pytest.approx(0.01)
+    assert t.offset == pytest.approx(0.04)
 
 
-def test_saturation_moves_at_max_rate_and_headroom_hardly_moves():
-    sat = OperatingPointTuner(TunerConfig(max_rate=0.1))
-    # load 0.99: 1 - load floored at 0.05 -> pressure 0.99^2 / 0.05 = 19.6; gradient -0.0202 -> clipped to -0.1
+def test_saturation_and_light_load_both_move_and_a_tiny_gradient_does_not():
+    # one reading each, taken at face value (confidence 0: no noise gate); the default gate waits for a
+    # noise estimate (4 readings) unless a reading is strong
+    assert OperatingPointTuner(TunerConfig()).update(marginal_window(10.0, 110.0, load=0.99), -1.0, 1.0) == "uncertain"
+    sat = OperatingPointTuner(TunerConfig(max_rate=0.1, confidence=0.0))
+    # load 0.99: 1 - load floored at 0.05 -> sensitivity 20; gradient -0.0202 -> clipped to -0.1
     sat.update(marginal_window(10.0, 110.0, load=0.99), -1.0, 1.0)
     assert sat.last_step == pytest.approx(-0.1)
-    idle = OperatingPointTuner(TunerConfig(max_rate=0.1, deadband=0.005))
-    # load 0.05 (busy 500 us per request): gradient -100 / 500 = -0.2, a step of 0.05^2 / 0.95 * -0.2 = -0.0005:
-    # in the deadband
-    assert idle.update(marginal_window(10.0, 110.0, load=0.05), -1.0, 1.0) == "deadband"
-    assert idle.offset == 0.0 and idle.last_gradient == pytest.approx(-0.2)
+    # load 0.05 (busy 500 us per request): gradient -100 / 500 = -0.2 of the service time, and at light
+    # load the latency is the service time: 3 x -0.2 / 0.95 clipped to a full step
+    light = OperatingPointTuner(TunerConfig(max_rate=0.1, deadband=0.005, confidence=0.0))
+    assert light.update(marginal_window(10.0, 110.0, load=0.05), -1.0, 1.0) == "kv_ward"
+    assert light.last_step == pytest.approx(-0.1) and light.last_gradient == pytest.approx(-0.2)
+    # a gradient of 0.1% of the service time: 3 x 0.001 / 0.95 = 0.0032, inside the deadband
+    tiny = OperatingPointTuner(TunerConfig(max_rate=0.1, deadband=0.005, confidence=0.0))
+    assert tiny.update(marginal_window(10.5, 10.0, load=0.05), -1.0, 1.0) == "deadband"
+    assert tiny.offset == 0.0
 
 
 def test_no_evidence_holds_and_bounds_clip_only_the_offsets_own_push():
-    t = OperatingPointTuner(TunerConfig(max_rate=0.1))
+    t = OperatingPointTuner(TunerConfig(max_rate=0.1, confidence=0.0))
     t.offset = -0.2
     assert t.update(marginal_window(0.0, 0.0, load=0.9), -1.0, 1.0) == "no_evidence"  # ghost lists off / cold
     assert t.update(marginal_window(5.0, 50.0, load=0.9, n=0), -1.0, 1.0) == "no_evidence"  # nothing served
@@ -150,7 +157,8 @@ def test_a_strong_gradient_is_taken_whole_while_a_burst_swings_it():
     seq = (0.001, -0.17, -0.56, -0.34)
     t = OperatingPointTuner(TunerConfig())
     acts = [t.update(reading(g, load=0.99), -1.0, 1.0) for g in seq]
-    assert acts[1:] == ["kv_ward"] * 3 and t.offset == pytest.approx(-0.3 + min(0.1, 0.001 * 0.99 ** 2 / 0.05))
+    # the first reading is weak and alone (no noise estimate yet): it waits; the second is strong
+    assert acts == ["uncertain"] + ["kv_ward"] * 3 and t.offset == pytest.approx(-0.3)
     always = OperatingPointTuner(TunerConfig(strong_gradient=1.0))
     assert [always.update(reading(g, load=0.99), -1.0, 1.0) for g in seq][-1] == "uncertain"
     with pytest.raises(ValueError, match=r"strong_gradient must be in \(0, 1\]"):
@@ -161,7 +169,7 @@ def test_a_strong_gradient_is_taken_whole_while_a_burst_swings_it():
 
 
 def test_decision_carries_the_tuner_and_anti_windup(policies):
-    alloc = SmartAllocator(cfg(max_step_up=0.05), policy_dir=policies["c60"])
+    alloc = SmartAllocator(cfg(TunerConfig(confidence=0.0), max_step_up=0.05), policy_dir=policies["c60"])
     # saturated, EMB-ward: the tuner asks +0.1, the step limit allows +0.05 from 0.6: the offset keeps +0.05
     d = alloc.decide(marginal_window(400.0, 0.0, load=0.99, emb_share=0.6), 0.0)
     assert d.source == "guard" and d.layer_source == "residual" and d.guard_action == "step_up"
@@ -228,10 +236,27 @@ def test_reaches_a_known_optimum_the_base_policy_misses(policies, s_star, policy
     assert abs(run_synthetic(off, s_star, n=110, windows=30)[-1] - base) <= 0.11  # the bounded adapter alone
 
 
-def test_a_node_with_headroom_keeps_the_base_split(policies):
-    """The same convex node at ~12% load: moving memory would save device time that no request
-    waits for; every step is in the deadband and the split stays at the base policy's."""
+def test_a_lightly_loaded_node_finds_the_optimum_too(policies):
+    """The same convex node at ~12% load: no request waits, so the latency is the service time,
+    and the 20,000 (s - s*)^2 µs it loses at the base's split is 1.4x the service time at the
+    optimum. The tuner moves as at saturation (the sensitivity 1 / (1 - load) is ~1.1, not ~0):
+    within 0.06 of s* = 0.2 in 8 intervals and there to stay."""
     alloc = SmartAllocator(cfg(), policy_dir=policies["c60"])
     path = run_synthetic(alloc, 0.2, n=10, windows=30)
-    assert all(abs(s - 0.6) < 1e-6 for s in path[2:]), path
-    assert alloc.last_decision.tuner_action == "deadband" and alloc.tuner.offset == 0.0
+    assert all(abs(s - 0.2) <= 0.06 for s in path[8:]), path
+
+
+def test_lumpy_readings_of_one_sign_pass_the_sign_test():
+    """At light load a node's ghost readings are lumpy (a KV ghost hit is a whole user's history):
+    -0.03, 0, -0.002, -0.05, -0.01, ... scatter as much as they are large, so the magnitude gate
+    finds them within the noise; all of one sign, the sign test takes their median."""
+    seq = (-0.03, -0.002, -0.05, -0.01, -0.04, -0.003, -0.045)
+    t = OperatingPointTuner(TunerConfig())
+    acts = [t.update(reading(g, load=0.1), -1.0, 1.0) for g in seq]
+    assert acts[:-1].count("kv_ward") == 0 and acts[-1] == "kv_ward" and t.sign_test
+    assert t.offset == pytest.approx(-0.1)  # the median -0.03 x 3 / 0.9: a full step
+    off = OperatingPointTuner(TunerConfig(sign_confidence=0.0))
+    acts = [off.update(reading(g, load=0.1), -1.0, 1.0) for g in seq]
+    assert acts[-1] == "uncertain"
+    with pytest.raises(ValueError, match=r"sign_confidence must be in \[0, 10\]"):
+        TunerConfig(sign_confidence=-1.0)

@@ -24,11 +24,14 @@ import pytest
 import torch
 
 from node_agent.agent import AgentConfig, NodeAgent, _Job
-from node_agent.allocator import AllocatorConfig, SmartAllocator
+from node_agent.allocator import AllocatorConfig, SmartAllocator, TunerConfig
 from node_agent.control import WindowAccumulator, apply_target, current_target, stats_differences
 from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig, RecRequest
 from node_agent.model import ModelConfig
 from simulator.cluster import feed_batches
+
+# the tuner takes every reading at face value (no noise gate), so that three windows give it a step to compare
+ALLOC_CONFIG = AllocatorConfig(initial_emb_share=0.5, device="cpu", tuner=TunerConfig(confidence=0.0))
 
 COSTS = {"kv_recompute_us_per_token": {"8": 3.0, "32": 6.0}, "emb_transfer_us_per_row": 0.4}
 DT = 0.003  # the test clock advances this much on every reading
@@ -59,7 +62,7 @@ class SimSide:
         from simulator.smart import SmartAllocatorSim
 
         self.acc = WindowAccumulator(start_s)
-        self.alloc = SmartAllocatorSim("racer", policy_dir, AllocatorConfig(initial_emb_share=0.5, device="cpu"))
+        self.alloc = SmartAllocatorSim("racer", policy_dir, ALLOC_CONFIG)
         self.alloc.reset(1, 0.5)
         self.batches: list[dict] = []
 
@@ -98,7 +101,7 @@ def run_parity(agent_cls, policy_dir, num_windows: int = 3, seed: int = 0):
             seen["end"] = t[0]
         return t[0]
 
-    alloc = SmartAllocator(AllocatorConfig(initial_emb_share=0.5, device="cpu"), policy_dir=policy_dir)
+    alloc = SmartAllocator(ALLOC_CONFIG, policy_dir=policy_dir)
     agent = agent_cls(eng, AgentConfig(slo_ms=30.0), allocator=alloc, miss_costs=COSTS, clock=clock)
     sim = SimSide(policy_dir, agent.started_s)
     rng = np.random.default_rng(seed)

@@ -245,11 +245,45 @@ def load_sequences(path: str | os.PathLike, *, num_shards: int = 64, max_rows: i
     return build_trace("sequences", str(p), users, items, times, num_shards=num_shards, num_skipped_lines=skipped)
 
 
+SYNTHETIC_KEYS = {"users": ("num_users", int), "items": ("num_items", int), "len": ("mean_seq_len", float),
+                  "zipf": ("zipf_a", float), "categories": ("num_categories", int), "seed": ("seed", int)}
+
+
+def parse_synthetic_spec(spec: str) -> dict:
+    """``users=200,items=5000,len=60,zipf=1.1,seed=0`` (any subset; `synthetic_trace`'s defaults
+    for the rest) -> `synthetic_trace` keyword arguments; a clear ValueError for anything else."""
+    out: dict = {}
+    for part in (x.strip() for x in str(spec).split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in SYNTHETIC_KEYS:
+            raise ValueError(f"synthetic trace spec {spec!r}: want key=value pairs with keys "
+                             f"{', '.join(SYNTHETIC_KEYS)}, got {part!r}")
+        name, cast = SYNTHETIC_KEYS[key.strip()]
+        try:
+            out[name] = cast(value)
+        except ValueError:
+            raise ValueError(f"synthetic trace spec {spec!r}: {key} wants a {cast.__name__}, got {value!r}") from None
+    return out
+
+
+def load_synthetic(spec: str, *, num_shards: int = 64, max_rows: int | None = None) -> Trace:
+    """A trace made in code from a spec string instead of a file (`parse_synthetic_spec`): the
+    held-out settings of `bench.regret --holdout` and any setting a user wants to construct."""
+    from .trace import synthetic_trace
+
+    kw = parse_synthetic_spec(str(spec))
+    t = synthetic_trace(num_shards=num_shards, **kw)
+    return t
+
+
 LOADERS: dict[str, Callable[..., Trace]] = {
     "taobao": load_taobao,
     "amazon": load_amazon,
     "movielens": load_movielens,
     "sequences": load_sequences,
+    "synthetic": load_synthetic,
 }
 
 # Where the project's machines keep the sample traces (../shared/data beside the checkout).
@@ -286,4 +320,6 @@ def load_trace(kind: str, path: str | os.PathLike | None = None, **kwargs) -> Tr
     """Load a trace of ``kind`` (one of `LOADERS`) from ``path`` (default: the sample file)."""
     if kind not in LOADERS:
         raise ValueError(f"unknown trace kind {kind!r}; choose one of {', '.join(LOADERS)}")
+    if kind == "synthetic":
+        return load_synthetic(path if path is not None else "", **kwargs)
     return LOADERS[kind](path if path is not None else default_path(kind), **kwargs)

@@ -237,7 +237,8 @@ def synthetic_trace(
     cats = rng.integers(0, num_categories, size=num_items).astype(np.int32)
     return Trace(
         name="synthetic",
-        source_path=f"synthetic(seed={seed})",
+        source_path=f"synthetic(users={num_users},items={num_items},len={mean_seq_len:g},zipf={zipf_a:g},"
+                    f"categories={num_categories},seed={seed})",
         offsets=offsets,
         items=items,
         timestamps_s=ts,
