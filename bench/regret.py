@@ -137,7 +137,7 @@ HOLDOUT_SEED_BASE = 7_000  # synthetic traces' seeds: disjoint from every seed a
 
 
 def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] = (), num_random: int | None = None,
-                 loads: tuple[str, ...] = ("light", "busy")) -> list[HoldoutSetting]:
+                 loads: tuple[str, ...] = ("light", "busy"), first_random: int = 0) -> list[HoldoutSetting]:
     """The held-out grid (`python -m bench.regret --holdout`): traces made in code that no policy
     saw, settings drawn over what decides the trade-off, at a light and a busy load.
 
@@ -155,7 +155,8 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
 
     Regimes: the two constructed families run ``steady``, ``trend`` and ``burst``; the others
     ``steady`` and ``trend``. ``--quick``: 4 nodes, 20 s per run, 4 random settings; otherwise
-    8 nodes, 30 s, 8 random settings."""
+    8 nodes, 30 s, 8 random settings. ``first_random`` (``--holdout-random-from``) starts the
+    random settings at another index: a fresh draw, for a check on settings nobody has looked at."""
     import numpy as np
 
     nodes = 4 if quick else 8
@@ -172,7 +173,7 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
         4.0, 1.0, ("steady", "trend", "burst"), "kv")
     add("emb-heavy", "synthetic", f"users=20000,items=60000,len=40,zipf=1.0,seed={HOLDOUT_SEED_BASE + 1}",
         20_000 // nodes, 4.0, 0.6, ("steady", "trend", "burst"), "emb")
-    for i in range(n_rand):
+    for i in range(first_random, first_random + n_rand):
         rng = np.random.default_rng(HOLDOUT_SEED_BASE + 100 + i)
         upn = int(round(math.exp(rng.uniform(math.log(20), math.log(2000)))))
         items = int(round(math.exp(rng.uniform(math.log(5_000), math.log(150_000)))))
@@ -353,6 +354,8 @@ def main(argv=None) -> int:
                         "at a light and a busy load (see holdout_grid)")
     p.add_argument("--holdout-trace", action="append", default=[], metavar="KIND:PATH",
                    help="with --holdout, a trace file you hold out too (repeatable), e.g. sequences:/data/beauty.txt")
+    p.add_argument("--holdout-random-from", type=int, default=0, metavar="I",
+                   help="with --holdout, draw the random settings from index I on (a fresh draw; default 0)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.paper_regime_s is not None and not (args.paper_regime_s > 0 and args.paper_regime_s < 1e5):
@@ -368,7 +371,9 @@ def main(argv=None) -> int:
             if not sep or not path:
                 p.error(f"--holdout-trace: want KIND:PATH, got {spec!r}")
             extra.append((kind, path))
-        hsettings = holdout_grid(args.quick, tuple(extra))
+        if args.holdout_random_from < 0:
+            p.error("--holdout-random-from must be >= 0")
+        hsettings = holdout_grid(args.quick, tuple(extra), first_random=args.holdout_random_from)
         out = args.out or ("bench_regret_holdout_quick" if args.quick else "bench_regret_holdout")
         res = run_grid(hsettings, args.quick, out, args.executor, args.jobs, args.address,
                        () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,

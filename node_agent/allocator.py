@@ -207,7 +207,11 @@ class TunerConfig:
       but the window's nonzero readings agree in sign by at least ``sign_confidence * sqrt(n)``
       (n of them, at least 4), the median reading is taken: lumpy readings (a KV ghost hit is a
       whole user's history) whose direction is clear although their size scatters; in [0, 10],
-      0 turns the sign test off.
+      0 turns the sign test off;
+    - ``sign_test_max_load``: the sign test runs only at or below this load, in [0, 1]: a lightly
+      loaded node completes few requests per interval (lumpy readings) and a wrong step costs it
+      little (its latency is its service time, and the next readings pull it back), while near
+      saturation readings are dense, the magnitude gate suffices, and every step is a full one.
     """
 
     enabled: bool = True
@@ -219,7 +223,8 @@ class TunerConfig:
     confidence: float = 4.0
     noise_window: int = 9
     strong_gradient: float = 0.1
-    sign_confidence: float = 2.5
+    sign_confidence: float = 2.0
+    sign_test_max_load: float = 0.5
 
     def __post_init__(self) -> None:
         problems = [] if isinstance(self.enabled, bool) else [f"enabled must be a bool, got {self.enabled!r}"]
@@ -232,6 +237,7 @@ class TunerConfig:
             "confidence": (lambda v: 0 <= v <= 10, "[0, 10]"),
             "strong_gradient": (lambda v: 0 < v <= 1, "(0, 1]"),
             "sign_confidence": (lambda v: 0 <= v <= 10, "[0, 10]"),
+            "sign_test_max_load": (lambda v: 0 <= v <= 1, "[0, 1]"),
         }
         for name, (ok, words) in rules.items():
             v = getattr(self, name)
@@ -606,7 +612,7 @@ class ResidualAdapter:
 # --------------------------------------------------------------------------------------------- tuner
 
 
-TUNER_ACTIONS = ("emb_ward", "kv_ward", "deadband", "uncertain", "bound", "no_evidence")
+TUNER_ACTIONS = ("emb_ward", "kv_ward", "deadband", "uncertain", "bound", "no_evidence", "hold")
 
 
 @dataclass(frozen=True)
@@ -655,8 +661,9 @@ class OperatingPointTuner:
       mean of at least ``strong_gradient`` moves; such a mean is taken whole at any time (a
       burst's readings swing as the split moves, which the gate would read as noise); when the
       gate gives 0 but the window's nonzero readings agree in sign beyond ``sign_confidence *
-      sqrt(n)`` (the sign test), their median is the estimate: at light load readings are lumpy
-      (a KV ghost hit is a whole user's history) and scatter as much as they are large;
+      sqrt(n)`` (the sign test, at loads up to ``sign_test_max_load``), their median is the
+      estimate: at light load readings are lumpy (a KV ghost hit is a whole user's history) and
+      scatter as much as they are large;
     - ``sensitivity = 1 / max(1 - load, headroom_floor)``: how a relative change of the service
       time moves the latency (M/M/1: ``T = S / (1 - rho)``, so ``(dT/T) / (dS/S) = 1 / (1 - rho)``):
       about 1 at light load, where the latency is the service time (a KV miss that recomputes a
@@ -664,6 +671,11 @@ class OperatingPointTuner:
     - ``step = clip(gain * estimate * sensitivity, -max_rate, max_rate)``, not taken when
       ``|step| < deadband``; a step never carries ``base + correction + offset`` past a guard
       bound (``bound``; a base output beyond a bound is left to the guard stage).
+
+    Start-up hold: until the estimate has its noise (4 readings), a base move against the sign of
+    every reading so far is held (``hold``: the offset cancels it, the split stays where it is):
+    the shipped base policy, on a trace unlike its training settings, would otherwise carry the
+    split the wrong way at the guards' full rate while the evidence against it accumulates.
 
     So the offset climbs the busy-time gradient until the two caches' marginal utilities meet (or
     their difference drowns in its noise) or a bound is reached, at most ``max_rate`` per
@@ -690,11 +702,16 @@ class OperatingPointTuner:
         self.gradient_se = 0.0
         self.sign_test = False  # the last step's estimate came from the sign test
         self._readings: list[float] = []
+        self._diffs: list[float] = []
+        self._num_pos = self._num_neg = 0
+        a = self.config.smoothing
+        self._se_factor = math.sqrt(a / (2.0 - a)) / 0.954
 
-    def update(self, stats: WindowStats, lo: float, hi: float) -> str:
+    def update(self, stats: WindowStats, lo: float, hi: float, hold_at: float | None = None) -> str:
         """One interval: move the offset by this interval's step, kept in ``[lo, hi]``; returns
         the action (one of `TUNER_ACTIONS`); ``last_gradient`` (the interval's reading),
-        ``mean_gradient`` / ``gradient_se`` (the estimate) and ``last_step`` hold the figures."""
+        ``mean_gradient`` / ``gradient_se`` (the estimate) and ``last_step`` hold the figures.
+        ``hold_at``: the offset that keeps the split in force (the start-up hold, class doc)."""
         c = self.config
         n = stats.num_requests
         em = stats.emb_marginal_us
@@ -709,16 +726,30 @@ class OperatingPointTuner:
             g = (em - km) * n / (rho * stats.interval_s * 1e6)
             a = c.smoothing
             r = self._readings
-            mean = g if not r else self.mean_gradient + a * (g - self.mean_gradient)
+            dd = self._diffs  # |r[i] - r[i-1]| of the readings in the window, kept beside them
+            if r:
+                mean = self.mean_gradient + a * (g - self.mean_gradient)
+                dd.append(g - r[-1] if g > r[-1] else r[-1] - g)
+            else:
+                mean = g
             r.append(g)
+            if g > 0.0:
+                self._num_pos += 1
+            elif g < 0.0:
+                self._num_neg += 1
             if len(r) > c.noise_window:
-                del r[0]
+                old = r.pop(0)
+                dd.pop(0)
+                if old > 0.0:
+                    self._num_pos -= 1
+                elif old < 0.0:
+                    self._num_neg -= 1
             self.mean_gradient = mean
             if len(r) >= 4:
-                diffs = sorted(abs(r[i] - r[i - 1]) for i in range(1, len(r)))
+                diffs = sorted(dd)
                 k = len(diffs)
                 med = diffs[k // 2] if k % 2 else 0.5 * (diffs[k // 2 - 1] + diffs[k // 2])
-                self.gradient_se = med / 0.954 * math.sqrt(a / (2.0 - a))
+                self.gradient_se = med * self._se_factor
             else:
                 self.gradient_se = 0.0
             self.sign_test = False
@@ -730,8 +761,8 @@ class OperatingPointTuner:
             else:
                 cut = c.confidence * self.gradient_se
                 est = mean - cut if mean > cut else (mean + cut if mean < -cut else 0.0)
-                if est == 0.0 and c.sign_confidence > 0.0:
-                    est = self._sign_estimate(r, c.sign_confidence)
+                if est == 0.0 and c.sign_confidence > 0.0 and rho <= c.sign_test_max_load:
+                    est = self._sign_estimate(r, self._num_pos, self._num_neg, c.sign_confidence)
                     self.sign_test = est != 0.0
             headroom = 1.0 - rho
             if headroom < c.headroom_floor:
@@ -754,6 +785,13 @@ class OperatingPointTuner:
                     self.last_step = step
                     action = "emb_ward" if step > 0 else "kv_ward"
                     off = self.offset + step
+        if hold_at is not None and action in ("uncertain", "deadband") and 0 < len(self._readings) < 4:
+            # start-up: no noise estimate yet, but every reading so far points one way; a base move
+            # the other way is held (the split stays) until the estimate can judge it
+            if self._num_neg == len(self._readings) and off > hold_at:
+                off, action = hold_at, "hold"
+            elif self._num_pos == len(self._readings) and off < hold_at:
+                off, action = hold_at, "hold"
         if hi < 0.0:  # the bounds clip the offset's own push only; a base output beyond them is the guard's
             hi = 0.0
         if lo > 0.0:
@@ -768,11 +806,10 @@ class OperatingPointTuner:
         return action
 
     @staticmethod
-    def _sign_estimate(readings: list[float], z: float) -> float:
-        """The median reading when the nonzero readings agree in sign beyond ``z * sqrt(n)`` (the
-        normal approximation of the sign test, at least 4 of them), else 0."""
-        pos = sum(1 for v in readings if v > 0.0)
-        neg = sum(1 for v in readings if v < 0.0)
+    def _sign_estimate(readings: list[float], pos: int, neg: int, z: float) -> float:
+        """The median reading when the ``pos`` positive and ``neg`` negative readings agree in sign
+        beyond ``z * sqrt(n)`` (the normal approximation of the sign test, n = pos + neg, at least 4
+        of them), else 0."""
         n = pos + neg
         if n < 4 or abs(pos - neg) < z * math.sqrt(n):
             return 0.0
@@ -790,6 +827,8 @@ class OperatingPointTuner:
         self.offset = self.last_gradient = self.last_step = 0.0
         self.mean_gradient = self.gradient_se = 0.0
         self._readings.clear()
+        self._diffs.clear()
+        self._num_pos = self._num_neg = 0
         self.last_action = None
         self.num_resets += 1
         self.last_reset_reason = reason
@@ -1168,7 +1207,8 @@ class SmartAllocator:
                         if ov is None or (ov.expires_at_s is not None and now_s >= ov.expires_at_s):
                             # the operator's split measures nothing about the layers: hold under it
                             tuner_action = tuner.update(stats, g.min_emb_share - base - residual,
-                                                        g.max_emb_share - base - residual)
+                                                        g.max_emb_share - base - residual,
+                                                        hold_at=prev - base - residual)
                             tuner_step, tuner_gradient = tuner.last_step, tuner.last_gradient
                         offset = tuner.offset
                     proposed = base + residual + offset

@@ -334,7 +334,11 @@ def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.
     Raises `FeatureError` for an invalid ``stats`` or ``prev``.
     """
     _check(stats)
-    rate_log = _log_norm(stats.arrival_rate_rps, _LOG_RATE_REF)
+    log1p = math.log1p
+    mx = LOG_FEATURE_MAX
+    rate_log = log1p(stats.arrival_rate_rps) / _LOG_RATE_REF
+    if rate_log > mx:
+        rate_log = mx
     if prev is None:
         d_hot = 0.0
         d_rate = 0.0
@@ -359,9 +363,14 @@ def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.
     p99_over_slo = stats.p99_ms / stats.slo_ms
     arena = stats.arena_bytes
     refill = stats.refill_bytes / arena
-    table_log = _log_norm(stats.table_bytes / arena, _LOG_TABLE_REF)
+    table_log = log1p(stats.table_bytes / arena) / _LOG_TABLE_REF
     user_kv = stats.history_len_p50 * stats.kv_bytes_per_token
-    users_log = _log_norm(arena / user_kv, _LOG_USERS_REF) if user_kv > 0 else 0.0
+    users_log = log1p(arena / user_kv) / _LOG_USERS_REF if user_kv > 0 else 0.0
+    h50 = log1p(stats.history_len_p50) / _LOG_HISTORY_REF
+    h99 = log1p(stats.history_len_p99) / _LOG_HISTORY_REF
+    lookups = log1p(stats.emb_lookups_per_request) / _LOG_LOOKUPS_REF
+    kv_cost = log1p(stats.kv_recompute_us_per_token) / _LOG_COST_REF
+    emb_cost = log1p(stats.emb_transfer_us_per_row) / _LOG_COST_REF
     busy_us = stats.load * stats.interval_s * 1e6 / stats.num_requests if stats.num_requests else 0.0
     if busy_us > 0:
         fr = (kv_miss / busy_us, emb_miss / busy_us, stats.kv_marginal_us / busy_us, stats.emb_marginal_us / busy_us)
@@ -371,13 +380,13 @@ def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.
     values = (
         rate_log,
         stats.hot_user_ratio,
-        _log_norm(stats.history_len_p50, _LOG_HISTORY_REF),
-        _log_norm(stats.history_len_p99, _LOG_HISTORY_REF),
-        _log_norm(stats.emb_lookups_per_request, _LOG_LOOKUPS_REF),
+        h50 if h50 < mx else mx,
+        h99 if h99 < mx else mx,
+        lookups if lookups < mx else mx,
         stats.emb_hit_rate,
         stats.kv_hit_rate,
-        _log_norm(stats.kv_recompute_us_per_token, _LOG_COST_REF),
-        _log_norm(stats.emb_transfer_us_per_row, _LOG_COST_REF),
+        kv_cost if kv_cost < mx else mx,
+        emb_cost if emb_cost < mx else mx,
         kv_share,
         stats.emb_share,
         stats.load,
@@ -385,8 +394,8 @@ def build_features(stats: WindowStats, prev: WindowStats | None = None, out: np.
         refill if refill < 1.0 else 1.0,
         d_hot,
         d_rate,  # both operands lie in [0, LOG_FEATURE_MAX], so the difference is within range
-        table_log,
-        users_log,
+        table_log if table_log < mx else mx,
+        users_log if users_log < mx else mx,
         kv_miss_fr,
         emb_miss_fr,
         kv_marg_fr,

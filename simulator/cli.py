@@ -86,10 +86,28 @@ def cmd_paper_table(args) -> int:
         kw["extra_allocators"] = ("racer",)
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.schedule is not None and not args.allocators:
+        kw["extra_allocators"] = kw["extra_allocators"] + ("oracle_lookahead",)
     cfg = replace(base, **kw)
+    load = None
+    if args.load is not None:
+        from .table import steady_capacity
+
+        if not 0 < args.load <= 2:
+            raise ValueError(f"--load must be in (0, 2], got {args.load:g}")
+        if args.rate is not None:
+            raise ValueError("give --rate or --load, not both")
+        load = steady_capacity(cfg, progress=not args.no_progress)
+        load["factor"] = args.load
+        cfg = replace(cfg, rate_rps=round(args.load * load["capacity_rps"], 3))
+        load["rate_rps"] = cfg.rate_rps
+        print(f"capacity at static 0.5 (P99 <= {cfg.slo_ms:g} ms): {load['capacity_rps_per_node']:g} req/s per node; "
+              f"--load {args.load:g}: {cfg.rate_rps:g} req/s on {cfg.num_nodes} node(s)", file=sys.stderr)
     if args.seeds is not None:
         return _paper_table_seeds(cfg, args)
     result = run_table(cfg, args.out, progress=not args.no_progress, resume=not args.fresh)
+    if load is not None:
+        result["load"] = load
     runs = result["runs"]
     if runs["reused"]:
         print(f"reused {runs['reused']} of {runs['total']} runs saved in {args.out}/runs by the same code and "
@@ -198,6 +216,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "extra row; "
                         "e.g. racer,ppo,ppo+residual,ppo+recovery; "
                         "add @ghost to run the residual adapter on the caches' marginal utilities, e.g. racer@ghost)")
+    p.add_argument("--load", type=float, default=None,
+                   help="run at this fraction of the cluster's steady capacity (the highest rate whose P99 meets "
+                        "the SLO at static 0.5, found by the simulator before any allocator runs), e.g. 0.75")
     p.add_argument("--seed", type=int, default=None, help="the streams' seed (default 0)")
     p.add_argument("--seeds", type=_seeds, default=None,
                    help="run the table once per seed (e.g. 0,1,2), each in OUT/seed<S>/, and report each row's "

@@ -761,3 +761,85 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     res.extra["oracle_bands"] = bands
     res.extra["oracle_observed"] = observed  # observed[i]: [WindowStats per node] before schedule[i + 1]
     return res, schedule
+
+
+def lookahead_segments(stream: RequestStream, cfg: SimConfig, num_segments: int = 4) -> list[tuple[int, int]]:
+    """The windows ``[w0, w1)`` of each phase of ``stream`` (a window belongs to the phase its start
+    lies in); a one-regime stream is cut into ``num_segments`` equal parts instead."""
+    dt = cfg.control_interval_s
+    n_w = int(math.ceil(math.ceil(stream.config.duration_s / (cfg.batch_window_ms / 1e3))
+                        / max(1, int(round(dt / (cfg.batch_window_ms / 1e3))))))
+    if len(stream.phases) >= 2:
+        starts = [int(math.ceil(a / dt - 1e-9)) for _, a, _ in stream.phases]
+    else:
+        starts = [int(round(i * n_w / num_segments)) for i in range(num_segments)]
+    starts = sorted({min(max(0, w), n_w) for w in starts} | {0})
+    bounds = [w for w in starts if w < n_w] + [n_w]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def oracle_lookahead(stream: RequestStream, cfg: SimConfig, shares, router: str = "racer", *,
+                     beam: int | None = None, num_segments: int = 4,
+                     name: str = "oracle_lookahead") -> tuple[SimResult, list[float]]:
+    """The best per-phase schedule over the grid, chosen jointly (beam search), not window by window.
+
+    The run is cut into segments: the phases of a schedule stream (`lookahead_segments`), or
+    ``num_segments`` equal parts of a one-regime stream. One share holds over each segment on every
+    node. Candidates are schedules of the segments so far; each is extended by every grid share for
+    the next segment (a fork of its run) and scored by the P99 of every request that arrived so far;
+    the ``beam`` best (default: as many as there are shares; ``beam >= len(shares) ** segments``
+    makes it exhaustive) go on. The greedy `oracle_replay` judges each 1-s window alone and cannot
+    see a split that pays only later (a KV pool warmed before a burst); this one judges whole
+    schedules on the whole run so far, so "what a dynamic split could be worth" is bounded by more
+    than one window's choice. Returns the best schedule's `SimResult` and its share per window."""
+    shares = sorted({float(s) for s in shares})
+    if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
+        raise ValueError("oracle shares must be a non-empty list of values in [0, 1]")
+    width = len(shares) if beam is None else int(beam)
+    if width < 1:
+        raise ValueError(f"beam must be >= 1, got {beam!r}")
+    segs = lookahead_segments(stream, cfg, num_segments)
+
+    def score(sim: ClusterSim, w_end: int) -> float:
+        n = sim._c.win_bounds[min(w_end, len(sim._c.win_bounds) - 1)]
+        lat = sim.latency[:n]
+        return float(np.percentile(lat, 99)) if len(lat) else 0.0
+
+    def run_segment(sim: ClusterSim, share: float, a: int, b: int, first: bool):
+        n = len(sim.nodes)
+        out = sim.start() if first else sim.advance([share] * n)
+        for _ in range(a + 1, b):
+            if out is None:
+                break
+            out = sim.advance([share] * n)
+        return out
+
+    a0, b0 = segs[0]
+    states = []  # (score, schedule of segment shares, sim, last output)
+    for s in shares:
+        sim = ClusterSim(stream, cfg, router, initial_share=s, name=name)
+        out = run_segment(sim, s, a0, b0, True)
+        states.append((score(sim, b0), [s], sim, out))
+    states = sorted(states, key=lambda x: x[0])[:width]
+    for a, b in segs[1:]:
+        nxt = []
+        for _, sched, sim, out in states:
+            if out is None:
+                nxt.append((score(sim, b), sched + [sched[-1]], sim, out))
+                continue
+            for i, s in enumerate(shares):
+                f = sim if i == len(shares) - 1 else sim.fork()
+                o = run_segment(f, s, a, b, False)
+                nxt.append((score(f, b), sched + [s], f, o))
+        states = sorted(nxt, key=lambda x: x[0])[:width]
+    _, best, sim, out = states[0]
+    while out is not None:  # windows past the last segment's end (none when the segments cover the run)
+        out = sim.advance([best[-1]] * len(sim.nodes))
+    per_window = []
+    for (a, b), s in zip(segs, best):
+        per_window += [s] * (b - a)
+    res = sim.result()
+    res.extra["oracle_schedule"] = per_window
+    res.extra["lookahead_segments"] = [list(x) for x in segs]
+    res.extra["lookahead_segment_shares"] = best
+    return res, per_window

@@ -39,7 +39,7 @@ import numpy as np
 from node_agent.memory import DEFAULT_GHOST_PROBES
 
 from .allocators import HeuristicAllocator, ScheduleAllocator, StaticAllocator, needs_ghost_lists
-from .cluster import SimConfig, SimResult, oracle_replay, simulate
+from .cluster import SimConfig, SimResult, oracle_lookahead, oracle_replay, simulate
 
 ROUTERS = ("racer", "kv_aware", "emb_aware", "least_load", "round_robin", "user_affinity")
 
@@ -176,7 +176,7 @@ GHOST_PROBES = DEFAULT_GHOST_PROBES  # the runs whose allocator reads the caches
 
 def _is_smart(spec: str) -> bool:
     """A SmartAllocator spec (read from a policy artifact), not one of the simulator's own."""
-    return not (spec.startswith("static:") or spec in ("heuristic", "oracle", "best_static"))
+    return not (spec.startswith("static:") or spec in ("heuristic", "oracle", "best_static", "oracle_lookahead"))
 
 
 def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = None):
@@ -184,6 +184,8 @@ def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = N
         return StaticAllocator(float(spec.split(":", 1)[1]))
     if spec == "heuristic":
         return HeuristicAllocator()
+    if spec == "oracle_lookahead" and schedule is None:  # run by `_run` itself; nothing to build
+        return None
     if not _is_smart(spec):  # "oracle" or "best_static": a schedule replayed
         return ScheduleAllocator(schedule, scfg.control_interval_s, name=spec)
     from .smart import make_smart_allocator  # the SmartAllocator layers (policies/)
@@ -203,6 +205,9 @@ def _run(args) -> tuple[tuple, dict, dict]:
     if job.allocator == "oracle" and job.schedule is None:  # the replay oracle
         res, sched = oracle_replay(stream, scfg, cfg.shares, job.router)
         bands = res.extra["oracle_bands"]
+    elif job.allocator == "oracle_lookahead" and job.schedule is None:  # the per-phase schedule, beam search
+        res, sched = oracle_lookahead(stream, scfg, cfg.shares, job.router)
+        bands = None
     else:
         alloc = _make_allocator(job.allocator, job.schedule, scfg, cfg.policy)
         res = simulate(stream, scfg, alloc, job.router)
@@ -324,7 +329,8 @@ class RunCache:
     def key(self, job: _Job) -> dict:
         return _canon(self._base | {"regime": job.regime, "allocator": job.allocator, "router": job.router,
                                     "schedule": job.schedule,
-                                    "shares": list(self._cfg.shares) if job.allocator == "oracle" else None,
+                                    "shares": list(self._cfg.shares)
+                                    if job.allocator in ("oracle", "oracle_lookahead") else None,
                                     "policy": self._policy_digest() if _is_smart(job.allocator) else None})
 
     def _file(self, key: dict) -> Path:
@@ -408,6 +414,61 @@ def _map(pool, cfg: TableConfig, jobs: list[_Job], bar, cache: RunCache | None =
     if failed is not None:
         raise failed
     return out
+
+
+def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float = 0.5, iters: int = 6,
+                    progress: bool = False) -> dict:
+    """The cluster's steady capacity, found before any allocator runs: the highest base rate of a
+    ``steady`` stream whose P99, at the static split ``share`` with the RACER router, stays within
+    the SLO (``cfg.slo_ms``). From ``cfg.rate_rps`` the rate doubles (or halves) until the SLO is
+    crossed, then ``iters`` bisections (relative precision 2^-iters of the bracket). Returns the
+    capacity per node and the probes ``[rate_rps, p99_ms]``, in the order run. This is the
+    provisioning rule the load sweep (``--load F``: per-node rate = F x this) starts from; it is
+    not tuned toward any allocator."""
+    from tqdm import tqdm
+
+    scfg = sim_config(cfg)
+    probes: list[list[float]] = []
+    bar = tqdm(total=None, desc="capacity", unit="probe", disable=not progress)
+
+    def p99_at(rate: float) -> float:
+        c = replace(cfg, rate_rps=float(rate), duration_s=float(duration_s), regimes=("steady",), schedule=None)
+        res = simulate(_stream(c, "steady"), scfg, StaticAllocator(share), "racer")
+        v = float(res.summary()["p99_ms"])
+        probes.append([round(float(rate), 3), round(v, 3)])
+        bar.update(1)
+        return v
+
+    slo = cfg.slo_ms
+    lo = hi = None
+    r = float(cfg.rate_rps)
+    for _ in range(12):
+        if p99_at(r) <= slo:
+            lo = r
+            if hi is not None:
+                break
+            r *= 2.0
+        else:
+            hi = r
+            if lo is not None:
+                break
+            r /= 2.0
+    if lo is None:
+        bar.close()
+        raise ValueError(f"no rate down to {r:g} req/s meets the {slo:g} ms SLO at static {share}: "
+                         f"probes {probes}")
+    if hi is None:
+        bar.close()
+        raise ValueError(f"every rate up to {r:g} req/s meets the {slo:g} ms SLO: probes {probes}")
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if p99_at(mid) <= slo:
+            lo = mid
+        else:
+            hi = mid
+    bar.close()
+    return {"capacity_rps": round(lo, 3), "capacity_rps_per_node": round(lo / cfg.num_nodes, 3),
+            "share": share, "router": "racer", "slo_ms": slo, "probe_duration_s": duration_s, "probes": probes}
 
 
 def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: bool = True,
@@ -692,12 +753,21 @@ def findings(result: dict) -> dict:
         if rg == "schedule" and best and oracle and oracle["p99_ms"]:  # one split for the whole schedule
             f["best_single_static_share"] = f["best_static_share"]
             f["best_single_static_over_oracle_pct"] = round(100 * (best["p99_ms"] / oracle["p99_ms"] - 1), 2)
+            look = get("oracle_lookahead")
+            if look and look["p99_ms"]:
+                f["best_single_static_over_lookahead_oracle_pct"] = round(100 * (best["p99_ms"] / look["p99_ms"] - 1),
+                                                                          2)
+                for name in ("racer", "ppo", "heuristic", "oracle"):
+                    r = get(name)
+                    if r and r["p99_ms"]:
+                        f[f"{name}_over_lookahead_oracle_pct"] = round(100 * (r["p99_ms"] / look["p99_ms"] - 1), 2)
             for name in ("racer", "ppo", "heuristic"):
                 r = get(name)
                 if r and r["p99_ms"]:
                     f[f"{name}_over_oracle_pct"] = round(100 * (r["p99_ms"] / oracle["p99_ms"] - 1), 2)
                     f[f"{name}_over_best_single_static_pct"] = round(100 * (r["p99_ms"] / best["p99_ms"] - 1), 2)
-            out.update({k: v for k, v in f.items() if k.startswith(("best_single", "racer_", "ppo_", "heuristic_"))})
+            out.update({k: v for k, v in f.items()
+                        if k.startswith(("best_single", "racer_", "ppo_", "heuristic_", "oracle_over"))})
         out[rg] = f
     out["oracle_mean_share_spread"] = round(max(means) - min(means), 4) if means else None
     return out

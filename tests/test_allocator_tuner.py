@@ -248,15 +248,24 @@ def test_a_lightly_loaded_node_finds_the_optimum_too(policies):
 
 def test_lumpy_readings_of_one_sign_pass_the_sign_test():
     """At light load a node's ghost readings are lumpy (a KV ghost hit is a whole user's history):
-    -0.03, 0, -0.002, -0.05, -0.01, ... scatter as much as they are large, so the magnitude gate
-    finds them within the noise; all of one sign, the sign test takes their median."""
-    seq = (-0.03, -0.002, -0.05, -0.01, -0.04, -0.003, -0.045)
+    -0.03, -0.002, -0.05, -0.01 scatter as much as they are large, so the magnitude gate finds
+    them within the noise; all of one sign, the sign test (4 of 4 at z = 2) takes their median.
+    Near saturation the sign test does not run: the same readings wait for the magnitude gate."""
+    seq = (-0.03, -0.002, -0.05, -0.01)
     t = OperatingPointTuner(TunerConfig())
     acts = [t.update(reading(g, load=0.1), -1.0, 1.0) for g in seq]
-    assert acts[:-1].count("kv_ward") == 0 and acts[-1] == "kv_ward" and t.sign_test
-    assert t.offset == pytest.approx(-0.1)  # the median -0.03 x 3 / 0.9: a full step
+    assert acts == ["uncertain"] * 3 + ["kv_ward"] and t.sign_test
+    # the median of the four, -0.02, x 3 / (1 - 0.1): -0.0667
+    assert t.offset == pytest.approx(3 * -0.02 / 0.9)
+    busy = OperatingPointTuner(TunerConfig())
+    assert [busy.update(reading(g, load=0.9), -1.0, 1.0) for g in seq][-1] == "uncertain"
     off = OperatingPointTuner(TunerConfig(sign_confidence=0.0))
-    acts = [off.update(reading(g, load=0.1), -1.0, 1.0) for g in seq]
-    assert acts[-1] == "uncertain"
+    assert [off.update(reading(g, load=0.1), -1.0, 1.0) for g in seq][-1] == "uncertain"
+    # mixed signs are no evidence
+    mixed = OperatingPointTuner(TunerConfig())
+    assert [mixed.update(reading(g, load=0.1), -1.0, 1.0) for g in (-0.03, 0.002, -0.05, 0.01, -0.02)][-1] \
+        == "uncertain"
     with pytest.raises(ValueError, match=r"sign_confidence must be in \[0, 10\]"):
         TunerConfig(sign_confidence=-1.0)
+    with pytest.raises(ValueError, match=r"sign_test_max_load must be in \[0, 1\]"):
+        TunerConfig(sign_test_max_load=1.5)

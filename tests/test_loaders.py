@@ -187,3 +187,22 @@ def test_real_amazon_sample():
     d = load_amazon(AMAZON_SAMPLE).describe()
     assert (d["num_users"], d["num_items"], d["num_interactions"]) == (794, 6626, 37341)
     assert d["num_categories"] == 43 and d["seq_len_max"] == 549 and d["seq_len_p50"] == 40
+
+
+def test_a_synthetic_trace_from_a_spec_string():
+    """`--trace synthetic --path SPEC`: the held-out grid's traces, made in code; the same spec is the
+    same trace, a different seed another, and a bad spec a clear error."""
+    t = load_trace("synthetic", "users=30,items=400,len=12,zipf=1.2,seed=5")
+    assert (t.num_users, len(t.item_keys)) == (30, 400)
+    assert t.source_path == "synthetic(users=30,items=400,len=12,zipf=1.2,categories=20,seed=5)"
+    again = load_trace("synthetic", "seed=5,zipf=1.2,len=12,items=400,users=30")
+    assert np.array_equal(t.items, again.items) and np.array_equal(t.offsets, again.offsets)
+    assert not np.array_equal(load_trace("synthetic", "users=30,items=400,len=12,zipf=1.2,seed=6").items[:50],
+                              t.items[:50])
+    assert load_trace("synthetic").num_users == 200  # the defaults
+    with pytest.raises(ValueError, match="want key=value pairs with keys users, items, len, zipf, categories, seed"):
+        load_trace("synthetic", "users=30,colour=blue")
+    with pytest.raises(ValueError, match="items wants a int, got 'many'"):
+        load_trace("synthetic", "items=many")
+    with pytest.raises(ValueError, match="must be positive"):
+        load_trace("synthetic", "users=0")
