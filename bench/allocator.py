@@ -142,11 +142,14 @@ def main(argv=None) -> dict:
 
         # component medians (each timed alone, same inputs)
         row = policy.input_row
-        comp = {"features": [], "onnxruntime": [], "residual": [], "tuner": []}
-        from node_agent.allocator import OperatingPointTuner
+        comp = {"features": [], "onnxruntime": [], "residual": [], "tuner": [], "recovery": [], "guard": []}
+        from node_agent.allocator import OperatingPointTuner, RecoveryController, guard_stage
 
-        tuner = OperatingPointTuner(alloc.config.tuner)  # a spare one: the allocator's state stays as it was
+        tuner = OperatingPointTuner(alloc.config.tuner)  # spare ones: the allocator's state stays as it was
+        recovery = RecoveryController(alloc.config.recovery)
+        guard = alloc.config.guard
         prev = None
+        t_s = 0.0
         for s in stats:
             t0 = perf()
             build_features(s, prev, out=row)
@@ -155,13 +158,20 @@ def main(argv=None) -> dict:
             t2 = perf()
             alloc.residual.predict(row)
             t3 = perf()
-            tuner.update(s, -0.5, 0.5)
+            tuner.update(s, -0.5, 0.5, hold_at=0.0)
             t4 = perf()
+            recovery.update(s.arrival_rate_rps, s.hot_user_ratio, t_s, 0.5)
+            t5 = perf()
+            guard_stage(0.7, 0.5, guard)
+            t6 = perf()
             comp["tuner"].append(t4 - t3)
             comp["features"].append(t1 - t0)
             comp["onnxruntime"].append(t2 - t1)
             comp["residual"].append(t3 - t2)
+            comp["recovery"].append(t5 - t4)
+            comp["guard"].append(t6 - t5)
             prev = s
+            t_s += 1.0
         empty = []
         for _ in range(len(stats)):
             t0 = perf()
@@ -180,6 +190,11 @@ def main(argv=None) -> dict:
             "round_p50_us": {"min": round(min(round_p50), 2), "median": round(statistics.median(round_p50), 2),
                              "max": round(max(round_p50), 2)},
             "components_us_p50": {k: round(_pct(v, 50), 2) for k, v in comp.items()},
+            # the decision against its floor, measured side by side (a ratio holds across machines):
+            # the ONNX Runtime call alone, and every layer's arithmetic timed alone
+            "decision_over_onnxruntime_p50": round(_pct(decide_ns, 50) / _pct(comp["onnxruntime"], 50), 2),
+            "components_over_onnxruntime_p50": round(sum(_pct(v, 50) for v in comp.values())
+                                                     / _pct(comp["onnxruntime"], 50), 2),
             "observe_us_p50": round(_pct(observe_ns, 50), 2),
             "timer_overhead_us_p50": round(_pct(empty, 50), 3),
             "num_decisions": len(decide_ns),
@@ -201,6 +216,8 @@ def main(argv=None) -> dict:
               f"(target p50 <= {TARGET_P50_US:g} us: {'met' if out['meets_target'] else 'NOT met'})")
         print(f"per-round p50: {out['round_p50_us']}")
         print(f"components p50 (us): {out['components_us_p50']}; observe p50 {out['observe_us_p50']} us")
+        print(f"decision / onnxruntime p50: {out['decision_over_onnxruntime_p50']}x; the components alone add up to "
+              f"{out['components_over_onnxruntime_p50']}x")
         print(f"decision sources: {out['decision_sources']}; policy {out['policy_id']} on {out['providers']}")
     return out
 

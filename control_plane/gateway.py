@@ -538,11 +538,18 @@ class Gateway:
                     "reason": f"version {version} < version in force {self.weights_version}"}
         st = self.router.state
         known = [n for n in profiles if n in st.index]
-        for n in known:
-            st.profiles[st.index[n]] = profiles[n]
-            self.weights_reasons[n] = str(nodes[n].get("reason", "control plane"))
-        if known:
-            st.set_profile(known[0], profiles[known[0]])  # re-derives the weights once
+        # the state is rebuilt from this version alone: a node it does not name goes back to the
+        # defaults instead of keeping what an older version said (a bad old profile never outlives it)
+        for n, i in st.index.items():
+            if n in profiles:
+                st.profiles[i] = profiles[n]
+                self.weights_reasons[n] = str(nodes[n].get("reason", "control plane"))[:512]
+            else:
+                st.profiles[i] = DEFAULT_PROFILE
+                self.weights_reasons[n] = f"not in weights version {version}: defaults"
+        if st.index:
+            first = next(iter(st.index))
+            st.set_profile(first, st.profiles[st.index[first]])  # re-derives the weights once
         self.weights_version = version
         self.weights_source = "control_plane"
         self.weights_computed_at_s = float(computed) if isinstance(computed, (int, float)) else time.time()

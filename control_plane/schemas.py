@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .weights import MAX_EMB_TRANSFER_US_PER_ROW, MAX_KV_RECOMPUTE_US_PER_TOKEN, MAX_QUEUE_CAPACITY, MAX_SERVICE_TIME_US
+
 ROLES = ("node", "operator", "viewer", "router")
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
 
@@ -48,11 +50,17 @@ class ErrorOut(BaseModel):
 
 
 # ---- nodes
+def _cost(limit: float):
+    """A cost in µs: a number (not a boolean or a string), finite, in [0, limit] (a physical range)."""
+    return Annotated[float, Field(ge=0, le=limit, allow_inf_nan=False, strict=True)]
+
+
 class CostProfileIn(In):
-    kv_recompute_us_per_token: NonNeg
-    emb_transfer_us_per_row: NonNeg
-    service_time_us: NonNeg
-    queue_capacity: Annotated[int, Field(ge=1)] = 64
+    """A node's cost profile, within physical ranges (`control_plane.weights.PROFILE_LIMITS`)."""
+    kv_recompute_us_per_token: _cost(MAX_KV_RECOMPUTE_US_PER_TOKEN)
+    emb_transfer_us_per_row: _cost(MAX_EMB_TRANSFER_US_PER_ROW)
+    service_time_us: _cost(MAX_SERVICE_TIME_US)
+    queue_capacity: Annotated[int, Field(ge=1, le=MAX_QUEUE_CAPACITY, strict=True)] = 64
 
 
 class RegisterIn(In):
@@ -100,8 +108,8 @@ class ReportIn(In):
     num_requests: Annotated[int, Field(ge=0, lt=2**31)] = 0
     queue_depth: NonNeg = 0.0
     refill_bytes: Annotated[int, Field(ge=0, lt=2**31)] = 0
-    kv_recompute_us_per_token: NonNeg | None = None
-    emb_transfer_us_per_row: NonNeg | None = None
+    kv_recompute_us_per_token: _cost(MAX_KV_RECOMPUTE_US_PER_TOKEN) | None = None
+    emb_transfer_us_per_row: _cost(MAX_EMB_TRANSFER_US_PER_ROW) | None = None
     policy_version: Version | None = None
     decision: DecisionIn | None = None
     bursts: Annotated[list[BurstIn], Field(max_length=100)] = Field(default_factory=list)

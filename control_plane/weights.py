@@ -31,6 +31,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
+# Physical ranges of a cost profile: a figure outside them is a broken profiler or a hostile
+# client, never a device. Generous on purpose (a CPU recomputes a token in ~100 µs, a GPU in ~2 µs;
+# a 16 KiB row crosses PCIe in ~1.4 µs), so that no real node is refused.
+MAX_KV_RECOMPUTE_US_PER_TOKEN = 1e5  # 0.1 s per history token
+MAX_EMB_TRANSFER_US_PER_ROW = 1e5  # 0.1 s per embedding row
+MAX_SERVICE_TIME_US = 6e7  # one minute per request
+MAX_QUEUE_CAPACITY = 1_000_000
+PROFILE_LIMITS = {"kv_recompute_us_per_token": MAX_KV_RECOMPUTE_US_PER_TOKEN,
+                  "emb_transfer_us_per_row": MAX_EMB_TRANSFER_US_PER_ROW, "service_time_us": MAX_SERVICE_TIME_US}
+
+
 @dataclass(frozen=True)
 class CostProfile:
     """One node's profiled costs.
@@ -41,7 +52,9 @@ class CostProfile:
       so ``q`` queued requests delay a newcomer by ``q * service_time_us``;
     - ``queue_capacity``: the queue depth at which the node counts as fully loaded (``l = 1``).
 
-    Costs may be zero (that term then carries no weight); they may not be negative or infinite.
+    Costs may be zero (that term then carries no weight); they may not be negative, infinite or
+    beyond their physical range (`PROFILE_LIMITS`, ``queue_capacity <= MAX_QUEUE_CAPACITY``), so
+    every weight derived from a profile is a finite number of microseconds.
     """
 
     kv_recompute_us_per_token: float
@@ -55,11 +68,11 @@ class CostProfile:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
                 problems.append(f"{name} must be a number, got {v!r}")
-            elif not (math.isfinite(v) and v >= 0):
-                problems.append(f"{name} must be a finite number >= 0, got {v!r}")
+            elif not (math.isfinite(v) and 0 <= v <= PROFILE_LIMITS[name]):
+                problems.append(f"{name} must be a finite number in [0, {PROFILE_LIMITS[name]:g}], got {v!r}")
         cap = self.queue_capacity
-        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
-            problems.append(f"queue_capacity must be an integer >= 1, got {cap!r}")
+        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or not 1 <= cap <= MAX_QUEUE_CAPACITY:
+            problems.append(f"queue_capacity must be an integer in [1, {MAX_QUEUE_CAPACITY}], got {cap!r}")
         if problems:
             raise ValueError("invalid cost profile: " + "; ".join(problems))
 

@@ -1,6 +1,8 @@
 """The allocator on traces no policy was trained or tuned on, where the best split is known by
 construction (`bench.regret.holdout_grid`): a lightly loaded cluster whose users return within
-seconds with long histories (KV-heavy), and one where every request is a new user (EMB-heavy).
+seconds with long histories (KV-heavy, at the grid's light load: load < 0.2), and one where every
+request is a new user (EMB-heavy, at the grid's busy load, SLO attainment still 100%: at the light
+load the split moves its P99 by under 1% and the greedy oracle's share is noise).
 `racer` starts at 0.5 like every adaptive allocator and must reach the replay oracle's share and
 its P99 within a stated number of control intervals, from the ghost lists alone; the shipped base
 policy's proposal on these traces is no help (it was fitted to other settings)."""
@@ -24,10 +26,14 @@ pytestmark = [pytest.mark.skipif(not (DEFAULT_ARTIFACT / "manifest.json").is_fil
 WITHIN_INTERVALS = 10
 
 
+LOAD = {"kv-heavy": "light", "emb-heavy": "busy"}
+
+
 def _setting(family: str):
     from bench.regret import holdout_config, holdout_grid
 
-    st = next(s for s in holdout_grid(quick=True, loads=("light",)) if s.family == family and s.regime == "steady")
+    st = next(s for s in holdout_grid(quick=True, loads=(LOAD[family],))
+              if s.family == family and s.regime == "steady")
     return st, holdout_config(st, True, ("racer",))
 
 

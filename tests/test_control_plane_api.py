@@ -77,6 +77,18 @@ def test_bad_reports_get_422_naming_the_field_and_nothing_is_stored(cp):
                                                             ("body", "cost_profile", "kv_recompute_us_per_token")}
     assert cp.admin.get("/reports", params={"node_id": "bad1"}).json() == []
     assert cp.admin.get("/nodes/x").status_code == 404
+    # a cost profile outside physical ranges (1e308 µs, a boolean) is refused, field by field
+    r = node.post("/nodes/register", json={"node_id": "absurd", "address": "http://127.0.0.1:1", "device": "cpu",
+                                           "cost_profile": {"kv_recompute_us_per_token": 1e308,
+                                                            "emb_transfer_us_per_row": 1e308,
+                                                            "service_time_us": False, "queue_capacity": 64}})
+    assert r.status_code == 422
+    assert {tuple(e["loc"]) for e in r.json()["detail"]} == {
+        ("body", "cost_profile", "kv_recompute_us_per_token"), ("body", "cost_profile", "emb_transfer_us_per_row"),
+        ("body", "cost_profile", "service_time_us")}
+    assert cp.admin.get("/nodes/absurd").status_code == 404
+    r = node.post("/nodes/bad1/reports", json={"reports": [report(5, ts_s=5.0, kv_recompute_us_per_token=1e300)]})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "reports", 0, "kv_recompute_us_per_token"]
 
 
 def _fill(path: str, params: list[dict]) -> str:

@@ -134,6 +134,38 @@ def test_weight_push_needs_the_token_and_valid_fields(cluster):
     assert r.status_code == 200 and r.json()["current"] is True and not r.json()["applied"]
 
 
+def test_an_absurd_profile_is_refused_and_a_version_never_carries_an_older_ones_values(cluster):
+    """A profile of 1e308 µs would give weights that are not JSON numbers and send every request to
+    one node: it is outside the physical ranges and refused (422, nothing applied), and a weights
+    version rebuilds every node's profile: a node it does not name is back on the defaults, not on
+    what an older version said."""
+    _, gw, _ = cluster
+    ids = [n["node_id"] for n in state(gw)["nodes"]]
+    url, auth = gw.url + "/v1/router/weights", {"Authorization": f"Bearer {TOKEN}"}
+    absurd = {"kv_recompute_us_per_token": 1e308, "emb_transfer_us_per_row": 1e308, "service_time_us": 1.5e308,
+              "queue_capacity": 64}
+    before = state(gw)["weights"]["version"]
+    r = httpx.post(url, json={"version": before + 1, "nodes": {ids[0]: absurd}}, headers=auth)
+    assert r.status_code == 422 and "kv_recompute_us_per_token must be a finite number in [0, 100000]" in \
+        r.json()["error"]
+    assert state(gw)["weights"]["version"] == before
+    odd = {"kv_recompute_us_per_token": 9e4, "emb_transfer_us_per_row": 1.0, "service_time_us": 5e7,
+           "queue_capacity": 64}  # within range, but far from the others
+    assert httpx.post(url, json={"version": before + 2, "nodes": {i: odd for i in ids}}, headers=auth).status_code \
+        == 200
+    assert state(gw)["weights"]["nodes"][ids[0]]["service_time_us"] == 5e7
+    normal = {"kv_recompute_us_per_token": 3.0, "emb_transfer_us_per_row": 7.0, "service_time_us": 4000.0,
+              "queue_capacity": 32}
+    r = httpx.post(url, json={"version": before + 3, "nodes": {i: normal for i in ids[1:]}}, headers=auth)
+    assert r.status_code == 200
+    s = httpx.get(gw.url + "/v1/router")
+    assert s.status_code == 200  # every figure a JSON number
+    w = s.json()["weights"]["nodes"]
+    assert w[ids[0]]["service_time_us"] == 2000.0 and w[ids[0]]["reason"] == f"not in weights version {before + 3}: " \
+        "defaults"
+    assert all(w[i]["service_time_us"] == 4000.0 for i in ids[1:])
+
+
 def test_gateway_forgets_a_user_the_node_evicted_within_one_report_interval(cluster, bodies):
     agents, gw, _ = cluster
     user = 7_000_001
