@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import tarfile
+import zlib
 import tempfile
 import time
 import uuid
@@ -97,24 +98,42 @@ def pack_artifact(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def unpack_artifact(data: bytes) -> dict[str, bytes]:
+# An artifact is three small files (a few KB to a few MB): bounds on what an upload may unpack to,
+# checked from the tar headers while streaming, before a member's bytes are decompressed.
+MAX_ARTIFACT_MEMBERS = 64
+MAX_ARTIFACT_UNPACKED_BYTES = 64 * 2**20
+
+
+def unpack_artifact(data: bytes, *, max_members: int = MAX_ARTIFACT_MEMBERS,
+                    max_bytes: int = MAX_ARTIFACT_UNPACKED_BYTES) -> dict[str, bytes]:
     """The artifact's three files from an uploaded tar (optionally gzip'd; a top directory is
-    allowed). Raises ValueError saying what is wrong."""
-    try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
-    except tarfile.TarError as e:
-        raise ValueError(f"body: not a tar archive of a policy artifact ({e})") from None
+    allowed). Raises ValueError saying what is wrong: not a tar, truncated, more than
+    ``max_members`` members, or members whose sizes add up to more than ``max_bytes`` (a
+    decompression bomb is refused from its headers, before its bytes are inflated)."""
     files: dict[str, bytes] = {}
-    with tar:
-        for m in tar.getmembers():
-            base = os.path.basename(m.name.rstrip("/"))
-            if base not in ARTIFACT_FILES:
-                continue
-            if not m.isreg():
-                raise ValueError(f"body: {m.name} is not a regular file")
-            if base in files:
-                raise ValueError(f"body: {base} appears twice")
-            files[base] = tar.extractfile(m).read()
+    total = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as tar:  # a stream: members in order, no seeking
+            for k, m in enumerate(tar, start=1):
+                if k > max_members:
+                    raise ValueError(f"body: more than {max_members} members (an artifact has {len(ARTIFACT_FILES)})")
+                total += max(0, int(m.size))
+                if total > max_bytes:
+                    raise ValueError(f"body: the archive unpacks to more than {max_bytes} bytes (an artifact is a few "
+                                     f"MB at most)")
+                base = os.path.basename(m.name.rstrip("/"))
+                if base not in ARTIFACT_FILES:
+                    continue
+                if not m.isreg():
+                    raise ValueError(f"body: {m.name} is not a regular file")
+                if base in files:
+                    raise ValueError(f"body: {base} appears twice")
+                f = tar.extractfile(m)
+                files[base] = f.read(m.size + 1) if f is not None else b""
+                if len(files[base]) != m.size:
+                    raise ValueError(f"body: {m.name} is truncated ({len(files[base])} of {m.size} bytes)")
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        raise ValueError(f"body: not a complete tar archive of a policy artifact ({type(e).__name__}: {e})") from None
     missing = [f for f in ARTIFACT_FILES if f not in files]
     if missing:
         raise ValueError(f"body: the artifact lacks {', '.join(missing)} (expected the files `racer policy export` "

@@ -5,6 +5,8 @@ processes are in tests/test_node_agent_control_plane*.py)."""
 from __future__ import annotations
 
 import http.server
+import io
+import tarfile
 import json
 import threading
 import time
@@ -274,6 +276,49 @@ def test_policy_upload_verify_download(cp):
 
     assert art.status_code == 200 and hashlib.sha256(art.content).hexdigest() == p["digest"]
     assert art.headers["x-racer-digest"] == p["digest"]
+
+
+def _gzip_bomb(size: int = 512 * 2**20) -> bytes:
+    """A tar.gz whose policy.onnx is ``size`` bytes of zeros (about 0.1% of that compressed)."""
+    import tarfile
+    import zlib
+
+    info = tarfile.TarInfo("policy.onnx")
+    info.size = size
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip framing
+    out = [z.compress(info.tobuf(format=tarfile.USTAR_FORMAT))]
+    chunk = bytes(2**20)
+    for _ in range(size // len(chunk)):
+        out.append(z.compress(chunk))
+    out.append(z.compress(bytes(1024)))  # the end-of-archive blocks
+    out.append(z.flush())
+    return b"".join(out)
+
+
+def test_policy_uploads_that_unpack_too_far_or_are_cut_get_422(cp):
+    """A decompression bomb is refused from its tar headers, before its bytes are inflated; a tar cut
+    short, one with too many members, or garbage after a gzip header: a 422 naming the body, never
+    a 500, and nothing stored."""
+    from control_plane.api import MAX_ARTIFACT_UNPACKED_BYTES, unpack_artifact
+
+    bomb = _gzip_bomb()
+    assert len(bomb) < 1_000_000
+    with pytest.raises(ValueError, match="unpacks to more than"):
+        unpack_artifact(bomb)
+    good = artifact_tar(DEFAULT_POLICY, policy_id="cut-1")
+    many = io.BytesIO()
+    with tarfile.open(fileobj=many, mode="w") as tar:
+        for i in range(70):
+            tar.addfile(tarfile.TarInfo(f"junk{i}"), io.BytesIO(b""))
+    cases = {"bomb": (bomb, "unpacks to more than"), "truncated": (good[: len(good) // 2], "not a complete tar"),
+             "members": (many.getvalue(), "more than 64 members"),
+             "gzip garbage": (b"\x1f\x8b\x08\x00" + bytes(range(200)), "not a complete tar")}
+    for name, (body, words) in cases.items():
+        r = cp.admin.post("/policies", content=body, headers={"Content-Type": "application/x-tar"})
+        assert r.status_code == 422, (name, r.status_code, r.text[:300])
+        assert r.json()["detail"][0]["loc"] == ["body"] and words in r.json()["detail"][0]["msg"], name
+    assert cp.admin.get("/policies/cut-1").status_code == 404
+    assert MAX_ARTIFACT_UNPACKED_BYTES == 64 * 2**20
 
 
 @pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity"])
