@@ -665,10 +665,11 @@ def cmd_up(args) -> int:
     t_start = time.monotonic()
     up_log = open(data_dir / "logs" / "up.log", "a")
 
-    def say(line: str, err: bool = False) -> None:
+    def say(line: str, err: bool = False, console: str | None = None) -> None:
+        """``line`` to the log and the console; ``console`` replaces it on the console only."""
         up_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
         up_log.flush()
-        print(f"racer up: {line}", file=sys.stderr if err or args.json else sys.stdout, flush=True)
+        print(f"racer up: {console or line}", file=sys.stderr if err or args.json else sys.stdout, flush=True)
 
     stop = threading.Event()
     received: list[int] = []
@@ -749,7 +750,11 @@ def cmd_up(args) -> int:
                 say(f"control plane {plan.control_plane_url}")
             if plan.dashboard_url:
                 say(f"dashboard     {plan.dashboard_url}")
-            say(f"operator token {operator_token}  (also in {data_dir / 'operator_token'})")
+            # the token itself only to a person at a terminal, never to the log or a captured stream
+            token_file = data_dir / "operator_token"
+            at_terminal = sys.stdout.isatty() and not args.json
+            say(f"operator token in {token_file} (mode 0600; sign in with it)",
+                console=f"operator token {operator_token}  (also in {token_file})" if at_terminal else None)
             first = f" (the first pass {first_phase_s:g} s each)" if first_phase_s != args.phase_s else ""
             say(f"replaying {args.trace} {' -> '.join(args.schedule)} in a loop, {args.phase_s:g} s each{first}, base "
                 f"rate {args.rate:g} req/s, to {', '.join(plan.targets)}"

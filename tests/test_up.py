@@ -267,10 +267,12 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert all(_gone(p["pid"]) for p in final.values())
     text = (tmp_path / "up.err").read_text()
     assert "node-1 (pid" in text and "killed by SIGKILL" in text and "node-1 restarted" in text
-    assert "operator token racer_" in text
+    token = (data / "operator_token").read_text()
+    # where the token is, never the token itself: not on a captured stream, not in the log
+    assert f"operator token in {data / 'operator_token'}" in text and token.strip() not in text
+    assert token.strip() not in (data / "logs" / "up.log").read_text()
     for name in rep["processes"]:
         assert (data / "logs" / f"{name}.log").stat().st_size > 0
-    token = (data / "operator_token").read_text()
     profile_mtime = (data / "node_profile.json").stat().st_mtime
 
     # a second racer up on the same folder: same tokens, the profile is not measured again
@@ -280,7 +282,7 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert p.returncode == 0, p.stderr[-3000:]
     rep2 = json.loads(p.stdout)
     assert rep2["requests_lost"] == 0 and rep2["requests_served"] > 0
-    assert (data / "operator_token").read_text() == token and token.strip() in p.stderr
+    assert (data / "operator_token").read_text() == token and token.strip() not in p.stderr + p.stdout
     assert (data / "node_profile.json").stat().st_mtime == profile_mtime
     assert "measuring this machine's miss costs" not in p.stderr
 
