@@ -31,7 +31,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from db import queries
-from node_agent.server import finite_validation_errors
+from node_agent.server import finite_validation_errors, json_safe
 from db.engine import make_engine, session_factory, upgrade
 from db.models import Node, Override, Policy, Rollout, Router
 
@@ -656,7 +656,7 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: st
         body = ReportBatchIn.model_validate_json(raw)
     except ValidationError as e:
         errs = [{**x, "loc": ["body", *x["loc"]]} for x in e.errors(include_url=False, include_context=False)]
-        return 422, _json({"detail": jsonable_encoder(errs)})
+        return 422, _json({"detail": jsonable_encoder(json_safe(errs))})
     if node_id not in state.known_nodes:
         import anyio.to_thread
 

@@ -139,6 +139,8 @@ def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
         d = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"body: malformed JSON: {e}") from None
+    except RecursionError:  # 100,000 nested brackets: not a request, and not a 500
+        raise BadRequest("body: JSON nested too deeply") from None
     if not isinstance(d, dict):
         raise BadRequest("body: must be a JSON object")
     user = d.get("user_id")
@@ -776,7 +778,9 @@ def create_app(gateway: Gateway) -> GatewayApp:
             payload = json.loads(await request.body())
             result = gateway.apply_weights(payload)
         except ValueError as e:
-            return JSONResponse(status_code=422, content={"error": str(e)})
+            return JSONResponse(status_code=422, content={"error": str(e)[:1000]})
+        except RecursionError:
+            return JSONResponse(status_code=422, content={"error": "body: JSON nested too deeply"})
         return JSONResponse(status_code=200 if result["applied"] or result.get("current") else 409, content=result)
 
     @app.get("/healthz")

@@ -26,6 +26,18 @@ ReportTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
 class In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode_text(cls, v):
+        """A string must be text that can be stored and echoed: JSON's ``\\ud800`` (a lone
+        surrogate) parses into one that cannot be encoded as UTF-8."""
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (a lone surrogate is not)") from None
+        return v
+
 
 class Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)

@@ -558,7 +558,7 @@ def create_app(agent: NodeAgent) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
-        errors = json_safe(jsonable_encoder(exc.errors()))  # the rejected input may be NaN or ±Infinity
+        errors = jsonable_encoder(json_safe(exc.errors()))  # the rejected input may be NaN, bytes, a surrogate
         with agent._lock:
             agent.metrics.record_rejected()
         return JSONResponse(status_code=422, content={"error": _one_line(errors, agent.engine.config.num_items),

@@ -65,15 +65,38 @@ def tune_runtime() -> dict:
             "switch_interval_s": sys.getswitchinterval()}
 
 
-def json_safe(value):
-    """``value`` with every non-finite float replaced by its JSON-text spelling ("NaN",
-    "Infinity", "-Infinity"), so a 422 that echoes a rejected input still encodes as JSON."""
+ECHO_MAX_CHARS = 200  # most of a rejected input a 422 echoes back
+
+
+def _safe_text(text: str) -> str:
+    """``text`` as UTF-8-encodable text (a lone surrogate becomes its ``\\udXXX`` spelling), cut to
+    `ECHO_MAX_CHARS`."""
+    if len(text) > ECHO_MAX_CHARS:
+        text = text[:ECHO_MAX_CHARS] + "..."
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def json_safe(value, _depth: int = 0):
+    """``value`` made safe to echo in a JSON error body: every non-finite float replaced by its
+    JSON-text spelling ("NaN", "Infinity", "-Infinity"), bytes decoded (invalid UTF-8 replaced),
+    lone surrogates escaped, long strings cut and deep nesting elided, so a 422 that echoes a
+    rejected input still encodes as JSON instead of becoming a 500."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (bytes, bytearray)):
+        return _safe_text(bytes(value[:4 * ECHO_MAX_CHARS]).decode("utf-8", "replace"))
+    if isinstance(value, str):
+        return _safe_text(value)
+    if _depth > 16 and isinstance(value, (dict, list, tuple)):
+        return "..."
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {_safe_text(str(k)): json_safe(v, _depth + 1) for k, v in list(value.items())[:64]}
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        return [json_safe(v, _depth + 1) for v in value[:64]]
     return value
 
 
@@ -90,7 +113,7 @@ def finite_validation_errors(app) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request, exc: RequestValidationError):
-        return JSONResponse(status_code=422, content={"detail": json_safe(jsonable_encoder(exc.errors()))})
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(json_safe(exc.errors()))})
 
 
 def set_nodelay(sock: socket.socket) -> None:

@@ -321,6 +321,24 @@ def test_policy_uploads_that_unpack_too_far_or_are_cut_get_422(cp):
     assert MAX_ARTIFACT_UNPACKED_BYTES == 64 * 2**20
 
 
+def test_bodies_that_are_not_utf8_or_carry_a_lone_surrogate_get_422_not_500(cp):
+    """The 422 echoes the refused input: bytes that are not UTF-8 and a lone surrogate (valid JSON
+    text, not encodable as UTF-8) must still make a JSON answer; nothing is stored."""
+    node = cp.client(cp.token("node"))
+    register(node, "utf1")
+    r = node.post("/nodes/utf1/reports", content=b"\xce\xe2", headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text[:300]
+    op = cp.client(cp.token("operator"))
+    for path, body, field in [("/tokens", b'{"name": "\\ud800", "role": "viewer"}', "name"),
+                              ("/overrides", b'{"emb_share": 0.5, "reason": "\\ud800", "node_id": "utf1"}', None)]:
+        r = op.post(path, content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500 and r.status_code != 401, (path, r.status_code, r.text[:300])
+        r.json()  # a JSON body
+        if field:
+            assert ["body", field] in [e["loc"] for e in r.json()["detail"]]
+    assert cp.admin.get("/reports", params={"node_id": "utf1"}).json() == []
+
+
 @pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_get_422_naming_the_field_not_500(cp, text):
     """JSON's NaN/Infinity spellings parse; the 422 that echoes them must still encode as JSON."""

@@ -440,3 +440,24 @@ def test_gateway_with_the_real_control_plane(cluster, tmp_path):
             gw.stop()
         cp.stop()
         db.drop()
+
+
+def test_hostile_bodies_get_a_4xx_from_the_agent_and_the_gateway_never_a_5xx(cluster):
+    """A lone surrogate in a field (the agent's 422 echoes the input: it must still encode), a body
+    that is not UTF-8, and JSON nested 100,000 deep: each a 4xx naming the problem, straight to the
+    agent and through the gateway, and no retry on another node."""
+    agents, gw, _ = cluster
+    surrogate = b'{"user_id": "\\ud800", "history": [1], "new_items": [2], "top_k": 1}'
+    for url in (agents[0].url, gw.url):
+        r = post(url, surrogate)
+        assert r.status_code in (400, 422), (url, r.status_code, r.text[:300])
+        assert "user_id" in r.text
+        r = post(url, b'{"user_id": 5, "history": [1], "new_items": [2], "top_k": 1, "x": "\xce\xe2"}')
+        assert 400 <= r.status_code < 500, (url, r.status_code, r.text[:300])
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = post(gw.url, deep)
+    assert r.status_code == 422 and "nested too deeply" in r.text
+    r = httpx.post(gw.url + "/v1/router/weights", content=deep, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 422 and "nested too deeply" in r.text
+    m = httpx.get(gw.url + "/metrics").text
+    assert not any(line.startswith("racer_gateway_retries_total{") for line in m.splitlines())
