@@ -354,6 +354,8 @@ def main(argv=None) -> int:
                         "at a light and a busy load (see holdout_grid)")
     p.add_argument("--holdout-trace", action="append", default=[], metavar="KIND:PATH",
                    help="with --holdout, a trace file you hold out too (repeatable), e.g. sequences:/data/beauty.txt")
+    p.add_argument("--holdout-families", default=None, metavar="F,...",
+                   help="with --holdout, only these families (kv-heavy, emb-heavy, random, file)")
     p.add_argument("--holdout-random-from", type=int, default=0, metavar="I",
                    help="with --holdout, draw the random settings from index I on (a fresh draw; default 0)")
     p.add_argument("--no-progress", action="store_true")
@@ -374,6 +376,15 @@ def main(argv=None) -> int:
         if args.holdout_random_from < 0:
             p.error("--holdout-random-from must be >= 0")
         hsettings = holdout_grid(args.quick, tuple(extra), first_random=args.holdout_random_from)
+        if args.holdout_families:
+            fams = tuple(f.strip() for f in args.holdout_families.split(",") if f.strip())
+            bad = [f for f in fams if f not in ("kv-heavy", "emb-heavy", "random", "file")]
+            if bad or not fams:
+                p.error(f"--holdout-families: unknown {', '.join(bad) or '(none)'}; choose from kv-heavy, emb-heavy, "
+                        "random, file")
+            hsettings = [st for st in hsettings if st.family.split("-")[0] in fams or st.family in fams]
+            if not hsettings:
+                p.error("--holdout-families: no setting left")
         out = args.out or ("bench_regret_holdout_quick" if args.quick else "bench_regret_holdout")
         res = run_grid(hsettings, args.quick, out, args.executor, args.jobs, args.address,
                        () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,

@@ -432,6 +432,10 @@ def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float 
     bar = tqdm(total=None, desc="capacity", unit="probe", disable=not progress)
 
     def p99_at(rate: float) -> float:
+        if rate * duration_s < 20:  # too few requests to say anything about a P99
+            bar.close()
+            raise ValueError(f"no rate down to {rate:g} req/s meets the {cfg.slo_ms:g} ms SLO at static {share}: "
+                             f"probes {probes}")
         c = replace(cfg, rate_rps=float(rate), duration_s=float(duration_s), regimes=("steady",), schedule=None)
         res = simulate(_stream(c, "steady"), scfg, StaticAllocator(share), "racer")
         v = float(res.summary()["p99_ms"])

@@ -3,7 +3,8 @@ construction (`bench.regret.holdout_grid`): a lightly loaded cluster whose users
 seconds with long histories (KV-heavy, at the grid's light load: load < 0.2), and one where every
 request is a new user (EMB-heavy, at the grid's busy load, SLO attainment still 100%: at the light
 load the split moves its P99 by under 1% and the greedy oracle's share is noise).
-`racer` starts at 0.5 like every adaptive allocator and must reach the replay oracle's share and
+`racer` starts at 0.5 like every adaptive allocator and must reach the replay oracle's share (the
+band of grid shares its replay cannot tell from the best, on a grid spanning the guard range) and
 its P99 within a stated number of control intervals, from the ghost lists alone; the shipped base
 policy's proposal on these traces is no help (it was fitted to other settings)."""
 
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.skipif(not (DEFAULT_ARTIFACT / "manifest.json").is_fil
 # the KV-ward step limit is 0.1 per interval, the EMB-ward one 0.05, and the sign test wants 4
 # readings (convergence bound: docs/allocator.md, "Operating-point tuner")
 WITHIN_INTERVALS = 10
+ORACLE_SHARES = (0.05, 0.2, 0.5, 0.8, 0.95)
 
 
 LOAD = {"kv-heavy": "light", "emb-heavy": "busy"}
@@ -45,7 +47,8 @@ def _runs(family: str):
     st, cfg = _setting(family)
     stream = _stream(cfg, "steady")
     scfg = replace(sim_config(cfg), ghost_probes=GHOST_PROBES)
-    oracle, schedule = oracle_replay(stream, scfg, cfg.shares, "racer")
+    # the oracle's grid spans the guard range (0.05-0.95), so its share can be where racer's is
+    oracle, schedule = oracle_replay(stream, scfg, ORACLE_SHARES, "racer")
     racer = simulate(stream, scfg, make_smart_allocator("racer"), "racer")
     ppo = simulate(stream, scfg, make_smart_allocator("ppo"), "racer")
     return st, oracle, np.array(schedule), racer, ppo
@@ -61,7 +64,11 @@ def test_racer_reaches_the_oracles_share_on_a_constructed_trace(family):
     assert oracle.summary()["slo_attainment"] >= 0.99
     shares = racer.shares.mean(axis=1)  # per control window, over the nodes
     assert shares[0] == pytest.approx(0.5, abs=0.11)
-    assert np.all(np.abs(shares[WITHIN_INTERVALS:] - target) <= 0.1), (shares.round(3), target)
+    # "the oracle's share" of a window: the grid shares its replay cannot tell from the best one
+    # (`oracle_bands`: within two standard errors of the best window P99), the chosen one included
+    bands = oracle.extra["oracle_bands"]
+    dist = [max(0.0, min(bands[w]) - s, s - max(bands[w])) for w, s in enumerate(shares)]
+    assert all(d <= 0.1 for d in dist[WITHIN_INTERVALS:]), (shares.round(3), bands[WITHIN_INTERVALS:])
     assert racer.summary()["p99_ms"] <= 1.05 * oracle.summary()["p99_ms"]
     # the base policy alone does not find it (what the residual layer's tuner adds)
     assert abs(float(ppo.shares[WITHIN_INTERVALS:].mean()) - target) > abs(float(shares[WITHIN_INTERVALS:].mean())
