@@ -612,6 +612,12 @@ class ResidualAdapter:
 # --------------------------------------------------------------------------------------------- tuner
 
 
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    k = len(v)
+    return v[k // 2] if k % 2 else 0.5 * (v[k // 2 - 1] + v[k // 2])
+
+
 TUNER_ACTIONS = ("emb_ward", "kv_ward", "deadband", "uncertain", "bound", "no_evidence", "hold")
 
 
@@ -746,10 +752,7 @@ class OperatingPointTuner:
                     self._num_neg -= 1
             self.mean_gradient = mean
             if len(r) >= 4:
-                diffs = sorted(dd)
-                k = len(diffs)
-                med = diffs[k // 2] if k % 2 else 0.5 * (diffs[k // 2 - 1] + diffs[k // 2])
-                self.gradient_se = med * self._se_factor
+                self.gradient_se = _median(dd) * self._se_factor
             else:
                 self.gradient_se = 0.0
             self.sign_test = False
@@ -813,9 +816,7 @@ class OperatingPointTuner:
         n = pos + neg
         if n < 4 or abs(pos - neg) < z * math.sqrt(n):
             return 0.0
-        v = sorted(readings)
-        k = len(v)
-        med = v[k // 2] if k % 2 else 0.5 * (v[k // 2 - 1] + v[k // 2])
+        med = _median(readings)
         return med if (med > 0.0) == (pos > neg) and med != 0.0 else 0.0
 
     def take_back(self, amount: float) -> None:

@@ -346,12 +346,12 @@ class ClusterSim:
 
         self.slice_s = slice_s = cfg.batch_window_ms / 1e3
         self.duration = stream.config.duration_s
-        self.num_slices = num_slices = int(math.ceil(self.duration / slice_s))
+        self.num_slices = num_slices = _num_slices(self.duration, cfg)
         c.bounds = np.searchsorted(c.arrival, np.arange(num_slices + 1) * slice_s)
         c.bounds[-1] = n_req
-        self.slices_per_window = max(1, int(round(cfg.control_interval_s / slice_s)))
+        self.slices_per_window = _slices_per_window(cfg)
         self.slices_per_report = max(1, int(round(cfg.report_interval_s / slice_s)))
-        self.num_windows = num_windows = int(math.ceil(num_slices / self.slices_per_window))
+        self.num_windows = num_windows = num_windows_of(num_slices, self.slices_per_window)
         # requests [win_bounds[w], win_bounds[w + 1]) arrived in control window w (the last takes the rest)
         c.win_bounds = np.searchsorted(c.arrival, np.arange(num_windows + 1) * cfg.control_interval_s)
         c.win_bounds[-1] = n_req
@@ -763,12 +763,28 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     return res, schedule
 
 
+def _num_slices(duration_s: float, cfg: SimConfig) -> int:
+    return int(math.ceil(duration_s / (cfg.batch_window_ms / 1e3)))
+
+
+def _slices_per_window(cfg: SimConfig) -> int:
+    return max(1, int(round(cfg.control_interval_s / (cfg.batch_window_ms / 1e3))))
+
+
+def num_windows_of(num_slices: int, slices_per_window: int) -> int:
+    return int(math.ceil(num_slices / slices_per_window))
+
+
+def num_windows(duration_s: float, cfg: SimConfig) -> int:
+    """The control windows of a run of ``duration_s`` (as `ClusterSim` counts them)."""
+    return num_windows_of(_num_slices(duration_s, cfg), _slices_per_window(cfg))
+
+
 def lookahead_segments(stream: RequestStream, cfg: SimConfig, num_segments: int = 4) -> list[tuple[int, int]]:
     """The windows ``[w0, w1)`` of each phase of ``stream`` (a window belongs to the phase its start
     lies in); a one-regime stream is cut into ``num_segments`` equal parts instead."""
     dt = cfg.control_interval_s
-    n_w = int(math.ceil(math.ceil(stream.config.duration_s / (cfg.batch_window_ms / 1e3))
-                        / max(1, int(round(dt / (cfg.batch_window_ms / 1e3))))))
+    n_w = num_windows(stream.config.duration_s, cfg)
     if len(stream.phases) >= 2:
         starts = [int(math.ceil(a / dt - 1e-9)) for _, a, _ in stream.phases]
     else:

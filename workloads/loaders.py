@@ -273,9 +273,7 @@ def load_synthetic(spec: str, *, num_shards: int = 64, max_rows: int | None = No
     held-out settings of `bench.regret --holdout` and any setting a user wants to construct."""
     from .trace import synthetic_trace
 
-    kw = parse_synthetic_spec(str(spec))
-    t = synthetic_trace(num_shards=num_shards, **kw)
-    return t
+    return synthetic_trace(num_shards=num_shards, **parse_synthetic_spec(str(spec)))
 
 
 LOADERS: dict[str, Callable[..., Trace]] = {
