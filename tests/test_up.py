@@ -194,7 +194,7 @@ def _gateway_live(gw_url: str, node_url: str) -> bool | None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_data(tmp_path):
     """4 node agents under replay; node-1 is killed with SIGKILL: every request is served (after a
     retry) or failed with a counted reason, none lost; the gateway (when this build has one) takes
@@ -207,14 +207,21 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     err = open(tmp_path / "up.err", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
-        def load_running():
-            s = _state(data)
-            if s is None or proc.poll() is not None:
-                return None
-            up = (data / "logs" / "up.log")
-            return s if up.exists() and "replaying" in up.read_text() else None
+        up_log = data / "logs" / "up.log"
 
-        state = _wait(load_running, 240, "racer up to start its processes and the load")
+        def tails() -> str:
+            return "".join(f"\n--- end of {f}:\n" + (f.read_text()[-3000:] if f.exists() else "(none)")
+                           for f in (up_log, tmp_path / "up.err"))
+
+        def load_running():
+            assert proc.poll() is None, f"racer up exited ({proc.returncode}) while starting" + tails()
+            s = _state(data)
+            return s if s is not None and up_log.exists() and "replaying" in up_log.read_text() else None
+
+        try:  # a shared CI box can be slow: a generous bound, and what racer up said if it is passed
+            state = _wait(load_running, 420, "racer up to start its processes and the load")
+        except AssertionError as e:
+            raise AssertionError(str(e) + tails()) from None
         # no token in any process's arguments (what `ps` shows): they go in the environment
         secrets_ = [(data / "operator_token").read_text().strip()]
         secrets_ += [p.read_text().strip() for p in data.glob("node_token.*")]
