@@ -681,7 +681,9 @@ class OperatingPointTuner:
     Start-up hold: until the estimate has its noise (4 readings), a base move against the sign of
     every reading so far is held (``hold``: the offset cancels it, the split stays where it is):
     the shipped base policy, on a trace unlike its training settings, would otherwise carry the
-    split the wrong way at the guards' full rate while the evidence against it accumulates.
+    split the wrong way at the guards' full rate while the evidence against it accumulates. The
+    hold is one interval's (``held``, released at the next update): once the estimate can judge,
+    a base move it finds uncertain goes ahead; the hold never becomes part of the offset.
 
     So the offset climbs the busy-time gradient until the two caches' marginal utilities meet (or
     their difference drowns in its noise) or a bound is reached, at most ``max_rate`` per
@@ -697,6 +699,7 @@ class OperatingPointTuner:
     def __init__(self, config: TunerConfig | None = None):
         self.config = config or TunerConfig()
         self.offset = 0.0
+        self.held = 0.0  # the part of the offset that is this interval's start-up hold (released next update)
         self.num_updates = 0
         self.num_holds = 0
         self.num_resets = 0
@@ -719,6 +722,9 @@ class OperatingPointTuner:
         ``mean_gradient`` / ``gradient_se`` (the estimate) and ``last_step`` hold the figures.
         ``hold_at``: the offset that keeps the split in force (the start-up hold, class doc)."""
         c = self.config
+        if self.held != 0.0:  # last interval's start-up hold is released: the offset is the tuner's own again
+            self.offset -= self.held
+            self.held = 0.0
         n = stats.num_requests
         em = stats.emb_marginal_us
         km = stats.kv_marginal_us
@@ -791,9 +797,9 @@ class OperatingPointTuner:
         if hold_at is not None and action in ("uncertain", "deadband") and 0 < len(self._readings) < 4:
             # start-up: no noise estimate yet, but every reading so far points one way; a base move
             # the other way is held (the split stays) until the estimate can judge it
-            if self._num_neg == len(self._readings) and off > hold_at:
-                off, action = hold_at, "hold"
-            elif self._num_pos == len(self._readings) and off < hold_at:
+            if (self._num_neg == len(self._readings) and off > hold_at) or \
+                    (self._num_pos == len(self._readings) and off < hold_at):
+                own = off
                 off, action = hold_at, "hold"
         if hi < 0.0:  # the bounds clip the offset's own push only; a base output beyond them is the guard's
             hi = 0.0
@@ -803,6 +809,8 @@ class OperatingPointTuner:
             off, action = (hi if hi > self.offset else self.offset), "bound"
         elif off < lo and off < self.offset:
             off, action = (lo if lo < self.offset else self.offset), "bound"
+        if action == "hold":
+            self.held = off - own
         self.last_step = off - self.offset
         self.offset = off
         self.last_action = action
@@ -825,7 +833,7 @@ class OperatingPointTuner:
         self.last_step -= amount
 
     def reset(self, reason: str = "reset") -> None:
-        self.offset = self.last_gradient = self.last_step = 0.0
+        self.offset = self.held = self.last_gradient = self.last_step = 0.0
         self.mean_gradient = self.gradient_se = 0.0
         self._readings.clear()
         self._diffs.clear()

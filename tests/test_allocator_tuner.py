@@ -66,6 +66,28 @@ def test_saturation_and_light_load_both_move_and_a_tiny_gradient_does_not():
     assert tiny.offset == 0.0
 
 
+def test_start_up_hold_lasts_one_interval_at_a_time_and_is_released_once_the_estimate_can_judge():
+    t = OperatingPointTuner(TunerConfig(max_rate=0.1))
+    # a weak KV-ward reading (0.002 of the service time; no noise estimate yet): the base has moved
+    # the split up by 0.3 (hold_at = -0.3 keeps the split in force): held
+    weak_kv = marginal_window(10.0, 20.0, load=0.1)  # (10 - 20) * 100 / (0.1 * 1e6) = -0.01
+    assert t.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "hold"
+    assert t.offset == pytest.approx(-0.3) and t.held == pytest.approx(-0.3)
+    # the next interval starts from the tuner's own offset (0): the hold is re-made, not accumulated
+    assert t.update(weak_kv, -1.0, 1.0, hold_at=-0.25) == "hold"
+    assert t.offset == pytest.approx(-0.25) and t.held == pytest.approx(-0.25)
+    # a reading of the other sign: not every reading points one way any more, nothing is held and
+    # the offset is the tuner's own again (the base's move goes ahead)
+    assert t.update(marginal_window(20.0, 10.0, load=0.1), -1.0, 1.0, hold_at=-0.25) == "uncertain"
+    assert t.offset == 0.0 and t.held == 0.0
+    # with 4 readings there is a noise estimate: no hold, whatever the readings say
+    u = OperatingPointTuner(TunerConfig(max_rate=0.1, sign_confidence=0.0))
+    for _ in range(3):
+        assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "hold"
+    assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) != "hold" and u.held == 0.0
+    assert u.offset > -0.3
+
+
 def test_no_evidence_holds_and_bounds_clip_only_the_offsets_own_push():
     t = OperatingPointTuner(TunerConfig(max_rate=0.1, confidence=0.0))
     t.offset = -0.2
