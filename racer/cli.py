@@ -225,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dashboard_parser(sub)
 
+    from bench.fleet import add_fleet_parser
     from simulator.cli import add_bench_parser
 
-    add_bench_parser(sub)
+    add_bench_parser(sub, more=(add_fleet_parser,))
 
     from control_plane.cli import add_control_plane_parser
 

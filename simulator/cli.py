@@ -167,11 +167,12 @@ def _seeds(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"want comma-separated integers, got {text!r}") from None
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``bench`` (with ``paper-table``) to racer's top-level subparsers."""
+def add_bench_parser(subparsers, more=()) -> argparse.ArgumentParser:
+    """Add ``bench`` (with ``paper-table``) to racer's top-level subparsers; each of ``more`` is
+    called with the bench's own subparsers to add a subcommand of its own (``racer bench fleet``)."""
     from workloads.loaders import LOADERS
 
-    b = subparsers.add_parser("bench", help="simulator experiments (the paper's table)",
+    b = subparsers.add_parser("bench", help="experiments: the paper's table (simulator), the fleet A/B (real processes)",
                               description="Cluster-simulator experiments.")
     sub = b.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     p = sub.add_parser("paper-table", help="every (allocator, router) pair on each regime of a trace",
@@ -229,4 +230,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="recompute every run (default: reuse the runs saved in OUT/runs by the same code and "
                         "settings, so an interrupted table resumes)")
     p.set_defaults(func=cmd_paper_table)
+    for add in more:
+        add(sub)
     return b

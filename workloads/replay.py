@@ -253,11 +253,31 @@ class _Tally:
     failed: int = 0
     within_slo: int = 0
     latencies_ms: list = field(default_factory=list)
+    kv_hit_tokens: int = 0  # history tokens whose K/V the serving node had cached (from the answers)
+    kv_tokens: int = 0  # history tokens, cached or recomputed
+    emb_hits: int = 0  # embedding rows found in the serving node's slab
+    emb_rows: int = 0  # embedding rows looked up
 
     def to_dict(self) -> dict:
         return {"requests_sent": self.sent, "requests_served": self.served, "requests_failed": self.failed,
                 "p50_ms": _pct(self.latencies_ms, 50), "p99_ms": _pct(self.latencies_ms, 99),
-                "slo_attainment": round(self.within_slo / self.sent, 4) if self.sent else None}
+                "slo_attainment": round(self.within_slo / self.sent, 4) if self.sent else None,
+                "kv_hit_rate": round(self.kv_hit_tokens / self.kv_tokens, 4) if self.kv_tokens else None,
+                "emb_hit_rate": round(self.emb_hits / self.emb_rows, 4) if self.emb_rows else None}
+
+
+def _cache_counts(answer: dict | None) -> tuple[int, int, int, int] | None:
+    """(KV hit tokens, history tokens, EMB hits, EMB rows) of a node agent's answer, or None when
+    the answer does not carry them as counts."""
+    if not isinstance(answer, dict):
+        return None
+    kv, emb = answer.get("kv"), answer.get("emb")
+    if not isinstance(kv, dict) or not isinstance(emb, dict):
+        return None
+    vals = (kv.get("hit_tokens"), kv.get("recomputed_tokens"), emb.get("hits"), emb.get("rows"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
+        return None
+    return vals[0], vals[0] + vals[1], vals[2], vals[3]
 
 
 class ReplayStats:
@@ -281,6 +301,7 @@ class ReplayStats:
         self.regime: str | None = None
         self.phase: str | None = None
         self.cycle = 0
+        self.started_s: float | None = None  # the clock when the first pass began sending
         self._recent: deque = deque()  # (done_s, latency_ms or None when failed)
 
     def on_sent(self, regime: str, lag_ms: float, phase: str | None = None) -> None:
@@ -297,8 +318,11 @@ class ReplayStats:
             self.phase = phase
 
     def on_done(self, regime: str, latency_ms: float | None, failure: str | None, served_by: str | None,
-                retried: bool, phase: str | None = None) -> None:
+                retried: bool, phase: str | None = None, answer: dict | None = None) -> None:
+        """A request's outcome; ``answer`` (a served request's JSON answer) adds its KV and EMB
+        counts to the hit rates."""
         now = self.clock()
+        counts = _cache_counts(answer) if failure is None else None
         with self._lock:
             self.in_flight -= 1
             for t in (self.total, self.by_regime[regime], self.by_phase[phase or regime]):
@@ -306,6 +330,11 @@ class ReplayStats:
                     t.served += 1
                     t.latencies_ms.append(latency_ms)
                     t.within_slo += latency_ms <= self.slo_ms
+                    if counts is not None:
+                        t.kv_hit_tokens += counts[0]
+                        t.kv_tokens += counts[1]
+                        t.emb_hits += counts[2]
+                        t.emb_rows += counts[3]
                 else:
                     t.failed += 1
             if failure is not None:
@@ -345,6 +374,8 @@ class ReplayStats:
                 "p99_ms": _pct(lat, 99),
                 "slo_ms": self.slo_ms,
                 "slo_attainment": round(t.within_slo / t.sent, 4) if t.sent else None,
+                "kv_hit_rate": round(t.kv_hit_tokens / t.kv_tokens, 4) if t.kv_tokens else None,
+                "emb_hit_rate": round(t.emb_hits / t.emb_rows, 4) if t.emb_rows else None,
                 "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
                 "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
                 "phases": {k: v.to_dict() for k, v in self.by_phase.items()},
@@ -420,7 +451,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
         latency_ms = (clock() - scheduled_s) * 1e3
         served_by = _served_by(answer, answer["_target"]) if answer else None
         stats.on_done(phase.regime, latency_ms if failure is None else None, failure, served_by,
-                      client_retried or (answer is not None and _was_retried(answer)), phase=phase.name)
+                      client_retried or (answer is not None and _was_retried(answer)), phase=phase.name,
+                      answer=answer)
         if on_done is not None:
             on_done()
 
@@ -430,6 +462,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
             plan = build_plan(trace, config, cycle)
             stats.cycle = cycle
             start = clock()
+            if cycle == 0:
+                stats.started_s = start
             for phase in plan:
                 arrivals = phase.stream.arrival_s
                 for i in phase.indices:

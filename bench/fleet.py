@@ -1,0 +1,708 @@
+"""The fleet A/B: the whole system on real node-agent processes against static splits.
+
+    racer bench fleet --quick --json                   # local agents, about 20 minutes on 2 cores
+    python -m bench.fleet --out fleet_ab               # the full run (resumable)
+    racer bench fleet --nodes http://a:8100,http://b:8100 --configs 0.5/least_load,0.5/racer
+
+**Configurations** (``--configs``, each ``SPLIT/ROUTER``): SPLIT a static ``emb_share`` (the agents
+run ``--emb-share S`` and no allocator) or ``racer`` (the SmartAllocator: ``--policy``, the shipped
+policy unless ``--policy DIR``, starting at 0.5); ROUTER one of the gateway's routers. The default
+set: static 0.2 / 0.5 / 0.8 with ``least_load`` and with ``round_robin``, static 0.5 with the
+``racer`` router, and the full RACER (``racer/racer``). The default configuration an operator
+would run without RACER is ``0.5/round_robin``.
+
+**One run**: every agent is restarted cold (empty caches), a gateway with the configuration's
+router is started in front of them, and the same seeded schedule stream (``--schedule``,
+``REGIME:SECONDS``: one stream in which users keep their identity, `workloads.replay`) is sent
+open loop through the gateway. Recorded per phase and overall: P50 / P99 (from each request's
+scheduled time), SLO attainment (failures count as misses), throughput, the KV and EMB hit rates
+summed from the answers, and the fleet's mean ``emb_share`` (each agent's ``/v1/metrics``
+sampled every 0.5 s).
+
+**Load from a capacity rule stated before any run** (`find_capacity`): the fleet's steady
+capacity is the highest rate whose steady-regime P99 stays within the SLO with no failure at
+static 0.5 + ``least_load`` (rates doubled from ``--capacity-start`` until one fails, then
+bisected); every configuration then runs at ``--loads`` (default 0.5, 0.75, 0.95) of it. The
+trend and burst phases go above the base rate, as they do in production. Nothing here is tuned
+toward a configuration.
+
+**Noise**: the machine is shared. Configurations run interleaved in ``--rounds`` rounds (default
+3), a new random order of every (configuration, load) pair each round; each figure is reported as
+the median and range over rounds, and the findings compare medians. Every run is saved under
+``--out`` (``runs/``), so an interrupted bench resumes; ``fleet_p99.png`` plots P99 per phase per
+configuration, one panel per load.
+
+**Sizing** (`Sizing`): the agents are sized so that the EMB/KV trade-off exists: the arena is
+``--arena-table`` (default 1.4%, the paper-scale setting's) of the embedding table's bytes, and a
+small K/V per token (1 layer, 1 head of 2 dims, float16: 8 bytes) against 512-byte embedding rows
+puts about 500 mean users' K/V in the arena, the paper-scale setting's figure; the output states
+both ratios and the users each node sees.
+
+``--nodes URL,...`` points the bench at a running fleet instead: it cannot restart those agents or
+set their split, so it compares the configurations' routers on the fleet as deployed (each
+configuration's split is reported as ``deployed``) with a gateway of its own per run.
+
+Findings (`findings`), per load: ``racer_over_best_static_pct`` (RACER's median P99 over the best
+static configuration's in hindsight at that load), ``racer_over_default_pct`` (over
+``0.5/round_robin``) and ``racer_router_over_least_load_pct`` (``0.5/racer`` over
+``0.5/least_load``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ROUTERS = ("round_robin", "least_load", "user_affinity", "kv_aware", "emb_aware", "racer")
+DEFAULT_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.2/round_robin", "0.5/round_robin",
+                   "0.8/round_robin", "0.5/racer", "racer/racer")
+QUICK_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.5/round_robin", "0.5/racer",
+                 "racer/racer")
+DEFAULT_KEY = "0.5/round_robin"  # what an operator runs without RACER
+RACER_KEY = "racer/racer"
+CAPACITY_KEY = "0.5/least_load"  # the capacity rule's configuration
+SCHEDULE = "steady:30,trend:30,burst:15,steady:30"
+QUICK_SCHEDULE = "steady:6,trend:6,burst:4,steady:6"
+
+
+# ------------------------------------------------------------------------------ configurations
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One configuration under test: ``split`` a static emb_share, or None for the allocator."""
+
+    split: float | None
+    router: str
+
+    @property
+    def key(self) -> str:
+        return f"{'racer' if self.split is None else format(self.split, 'g')}/{self.router}"
+
+    @property
+    def name(self) -> str:
+        return f"{'allocator' if self.split is None else f'static {self.split:g}'} + {self.router}"
+
+
+def parse_configs(text: str) -> list[FleetConfig]:
+    """``"0.2/least_load,racer/racer"`` -> configurations; a clear ValueError naming a bad part."""
+    out: list[FleetConfig] = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        split, sep, router = part.partition("/")
+        if not sep:
+            raise ValueError(f"--configs: {part!r} is not SPLIT/ROUTER (e.g. 0.5/least_load or racer/racer)")
+        if router not in ROUTERS:
+            raise ValueError(f"--configs: {part!r}: router must be one of {', '.join(ROUTERS)}")
+        if split == "racer":
+            cfg = FleetConfig(None, router)
+        else:
+            try:
+                s = float(split)
+            except ValueError:
+                raise ValueError(f"--configs: {part!r}: SPLIT must be an emb_share in [0, 1] or 'racer'") from None
+            if not (math.isfinite(s) and 0.0 <= s <= 1.0):
+                raise ValueError(f"--configs: {part!r}: SPLIT must be an emb_share in [0, 1] or 'racer'")
+            cfg = FleetConfig(s, router)
+        if cfg.key in {c.key for c in out}:
+            raise ValueError(f"--configs: {part!r} is given twice")
+        out.append(cfg)
+    if not out:
+        raise ValueError("--configs: name at least one configuration")
+    return out
+
+
+def parse_loads(text: str) -> list[float]:
+    try:
+        loads = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--loads: want comma-separated fractions of capacity, got {text!r}") from None
+    if not loads or not all(math.isfinite(x) and 0.0 < x <= 2.0 for x in loads):
+        raise ValueError(f"--loads: want fractions of capacity in (0, 2], got {text!r}")
+    return loads
+
+
+# ------------------------------------------------------------------------------------- sizing
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The agents' model and memory (`Sizing.describe` states the ratios they give).
+
+    K/V per token = 2 (K and V) x layers x heads x head_dim x the K/V type's bytes; an embedding
+    row is ``embedding_dim`` float32s; a page holds ``page_tokens`` tokens of K/V and must hold
+    whole rows. The arena is ``arena_table`` of the table's bytes, in whole pages."""
+
+    arena_table: float = 0.014
+    embedding_dim: int = 128
+    num_layers: int = 1
+    num_heads: int = 1
+    head_dim: int = 2
+    kv_dtype: str = "float16"
+    page_tokens: int = 64
+    max_history_len: int = 256
+    num_candidates: int = 64
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_heads * self.head_dim * (4 if self.kv_dtype == "float32" else 2)
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * self.embedding_dim
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_tokens * self.kv_bytes_per_token
+
+    def num_pages(self, num_items: int) -> int:
+        return max(16, int(round(self.arena_table * num_items * self.row_bytes / self.page_bytes)))
+
+    def model_args(self) -> list[str]:
+        return ["--embedding-dim", str(self.embedding_dim), "--num-layers", str(self.num_layers),
+                "--num-heads", str(self.num_heads), "--head-dim", str(self.head_dim),
+                "--page-tokens", str(self.page_tokens), "--kv-dtype", self.kv_dtype]
+
+    def agent_args(self, num_items: int) -> list[str]:
+        return [*self.model_args(), "--num-pages", str(self.num_pages(num_items)),
+                "--max-history-len", str(self.max_history_len), "--num-candidates", str(self.num_candidates),
+                "--max-candidates", str(max(256, self.num_candidates))]
+
+    def describe(self, num_items: int, mean_history_len: float, users_per_node: float) -> dict:
+        arena = self.num_pages(num_items) * self.page_bytes
+        table = num_items * self.row_bytes
+        user_kv = mean_history_len * self.kv_bytes_per_token
+        return {"arena_bytes": arena, "table_bytes": table, "arena_over_table": round(arena / table, 5),
+                "mean_user_kv_bytes": round(user_kv, 1),
+                "arena_over_mean_user_kv": round(arena / user_kv, 1) if user_kv else None,
+                "users_per_node": round(users_per_node, 1), "page_bytes": self.page_bytes,
+                "num_pages": self.num_pages(num_items), "kv_bytes_per_token": self.kv_bytes_per_token,
+                "row_bytes": self.row_bytes,
+                "paper_scale": {"arena_over_table": 0.014, "arena_over_mean_user_kv": 500}}
+
+
+# -------------------------------------------------------------------------------------- fleets
+
+
+def _measure_profile(workdir: Path, sizing: Sizing) -> Path:
+    """``racer node profile`` of the agents' model: their miss costs (the allocator's and the
+    router's weights)."""
+    out = workdir / "node_profile.json"
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "racer", "node", "profile", *sizing.model_args(),
+                        "--lengths", "64,128,256", "--repeats", "3", "--num-candidates", str(sizing.num_candidates),
+                        "--out", str(out), "--no-progress"], cwd=REPO, check=True, capture_output=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    return out
+
+
+class LocalFleet:
+    """``num_nodes`` node agents and one gateway started here, restarted cold for every run."""
+
+    external = False
+
+    def __init__(self, workdir: Path, num_nodes: int, trace_kind: str, path: str | None, num_items: int,
+                 sizing: Sizing, policy: str, slo_ms: float) -> None:
+        self.workdir, self.num_nodes, self.trace_kind, self.path = workdir, num_nodes, trace_kind, path
+        self.num_items, self.sizing, self.policy, self.slo_ms = num_items, sizing, policy, slo_ms
+        self.profile = _measure_profile(workdir, sizing)
+        self.agents: list = []  # bench.gateway.Proc
+        self.gateway = None
+
+    def start(self, cfg: FleetConfig) -> str:
+        """Cold agents with ``cfg``'s split and a gateway with its router; the gateway's URL."""
+        from bench.gateway import Proc, free_port
+
+        self.stop()
+        trace = ["--trace", self.trace_kind, *(["--path", self.path] if self.path else [])]
+        split = (["--emb-share", "0.5", "--policy", self.policy] if cfg.split is None
+                 else ["--emb-share", format(cfg.split, "g")])
+        for i in range(self.num_nodes):
+            args = ["node-agent", *trace, *self.sizing.agent_args(self.num_items), *split,
+                    "--profile", str(self.profile), "--slo-ms", format(self.slo_ms, "g"), "--seed", "1",
+                    "--control-interval-s", "1"]
+            self.agents.append(Proc(args, self.workdir / f"agent{i}.log", free_port()).start())
+        for a in self.agents:
+            a.wait_ready()
+        self.gateway = Proc(["gateway", "--nodes", ",".join(a.url for a in self.agents), "--router", cfg.router,
+                             *trace, "--report-interval-s", "0.2"], self.workdir / "gateway.log", free_port()).start()
+        self.gateway.wait_ready()
+        return self.gateway.url
+
+    @property
+    def node_urls(self) -> list[str]:
+        return [a.url for a in self.agents]
+
+    def stop(self) -> None:
+        for p in ([self.gateway] if self.gateway else []) + self.agents:
+            p.stop()
+        self.agents, self.gateway = [], None
+
+
+class ExternalFleet:
+    """Node agents someone else runs (``--nodes``): only the gateway is started here, per run."""
+
+    external = True
+
+    def __init__(self, workdir: Path, node_urls: list[str], trace_kind: str, path: str | None) -> None:
+        self.workdir, self._nodes, self.trace_kind, self.path = workdir, node_urls, trace_kind, path
+        self.gateway = None
+
+    def start(self, cfg: FleetConfig) -> str:
+        from bench.gateway import Proc, free_port
+
+        self.stop()
+        trace = ["--trace", self.trace_kind, *(["--path", self.path] if self.path else [])]
+        self.gateway = Proc(["gateway", "--nodes", ",".join(self._nodes), "--router", cfg.router, *trace,
+                             "--report-interval-s", "0.2"], self.workdir / "gateway.log", free_port()).start()
+        self.gateway.wait_ready()
+        return self.gateway.url
+
+    @property
+    def node_urls(self) -> list[str]:
+        return list(self._nodes)
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.gateway = None
+
+
+class ShareSampler(threading.Thread):
+    """Every ``every_s``: the agents' mean ``emb_share`` (``GET /v1/metrics``) at
+    ``time.monotonic()`` (the replay's clock)."""
+
+    def __init__(self, urls: list[str], every_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.urls, self.every_s = urls, every_s
+        self.samples: list[tuple[float, float]] = []  # (monotonic s, mean emb_share over the agents that answered)
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=1.0) as client:
+            while not self.halt.is_set():
+                shares = []
+                for u in self.urls:
+                    try:
+                        v = client.get(f"{u}/v1/metrics").json().get("emb_share")
+                    except (httpx.HTTPError, ValueError, AttributeError):
+                        continue
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        shares.append(float(v))
+                if shares:
+                    self.samples.append((time.monotonic(), float(np.mean(shares))))
+                self.halt.wait(self.every_s)
+
+    def mean(self, a: float = -math.inf, b: float = math.inf) -> float | None:
+        xs = [s for t, s in self.samples if a <= t < b]
+        return round(float(np.mean(xs)), 4) if xs else None
+
+
+# ----------------------------------------------------------------------------------------- runs
+
+
+def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizing: Sizing):
+    from workloads.replay import ReplayConfig, parse_phases
+
+    regimes, phase_s = parse_phases(schedule)
+    return ReplayConfig(schedule=regimes, phase_s=phase_s, rate_rps=float(rate_rps), duration_s=float(sum(phase_s)),
+                        seed=seed, slo_ms=slo_ms, timeout_s=10.0, num_candidates=sizing.num_candidates,
+                        max_history_len=sizing.max_history_len)
+
+
+def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, seed: int, slo_ms: float,
+             sizing: Sizing) -> dict:
+    """One run of ``cfg`` at ``rate_rps``: restart, replay the schedule through the gateway, stop."""
+    import asyncio
+
+    from workloads.replay import ReplayStats, build_plan, run_replay
+
+    rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing)
+    url = fleet.start(cfg)
+    try:
+        stats = ReplayStats(slo_ms)
+        sampler = ShareSampler(fleet.node_urls)
+        sampler.start()
+        try:
+            asyncio.run(run_replay([url], trace, rc, stats))
+        finally:
+            sampler.halt.set()
+            sampler.join(5)
+        rep = stats.report()
+        t0 = stats.started_s if stats.started_s is not None else 0.0
+        phases = {}
+        for ph in build_plan(trace, rc):
+            fig = dict(rep["phases"].get(ph.name, {}))
+            fig["mean_share"] = sampler.mean(t0 + ph.start_s, t0 + ph.end_s)
+            phases[ph.name] = fig
+    finally:
+        fleet.stop()
+    return {"config": cfg.key, "rate_rps": rate_rps, "seed": seed, "p50_ms": rep["latency_ms"]["p50"],
+            "p99_ms": rep["p99_ms"], "slo_attainment": rep["slo_attainment"],
+            "throughput_rps": round(rep["requests_served"] / rc.duration_s, 2),
+            "offered_rps": round(rep["requests_sent"] / rc.duration_s, 2),
+            "requests_sent": rep["requests_sent"], "requests_failed": rep["requests_failed"],
+            "failures": rep["failures"], "kv_hit_rate": rep["kv_hit_rate"], "emb_hit_rate": rep["emb_hit_rate"],
+            "mean_share": sampler.mean(), "served_by": rep["served_by"],
+            "dispatch_lag_ms_p99": rep["dispatch_lag_ms_p99"], "phases": phases}
+
+
+def _passes(run: dict, slo_ms: float) -> bool:
+    return run["requests_failed"] == 0 and run["p99_ms"] is not None and run["p99_ms"] <= slo_ms
+
+
+def find_capacity(run_at, slo_ms: float, start_rps: float, iters: int, progress=None) -> tuple[float, list[dict]]:
+    """The highest rate whose steady P99 is within ``slo_ms`` with no failure: ``run_at(rate)``
+    (a steady run at static 0.5 + least_load) at ``start_rps`` doubled until a rate fails (halved
+    until one passes when the first fails), then ``iters`` bisections between the last pass and
+    the first failure. Returns (capacity, the probes in order)."""
+    probes: list[dict] = []
+
+    def probe(rate: float) -> bool:
+        r = run_at(rate)
+        probes.append(r)
+        if progress is not None:
+            progress(r)
+        return _passes(r, slo_ms)
+
+    lo, hi = 0.0, None
+    rate = start_rps
+    if probe(rate):
+        lo = rate
+        while hi is None and rate < 1e5:
+            rate *= 2
+            if probe(rate):
+                lo = rate
+            else:
+                hi = rate
+    else:
+        hi = rate
+        while lo == 0.0 and rate > 0.5:
+            rate /= 2
+            if probe(rate):
+                lo = rate
+            else:
+                hi = rate
+    if lo == 0.0:
+        raise RuntimeError(f"the fleet meets the {slo_ms:g} ms SLO at no rate down to {rate:g} req/s: "
+                           f"{probes[-1]['p99_ms']} ms P99 at the lowest")
+    for _ in range(iters if hi is not None else 0):
+        mid = 0.5 * (lo + hi)
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+# ------------------------------------------------------------------------------------ judging
+
+
+def _stat(values) -> dict | None:
+    xs = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    if not xs:
+        return None
+    return {"median": round(float(np.median(xs)), 4), "min": round(min(xs), 4), "max": round(max(xs), 4), "n": len(xs)}
+
+
+FIGURES = ("p99_ms", "p50_ms", "slo_attainment", "throughput_rps", "kv_hit_rate", "emb_hit_rate", "mean_share")
+
+
+def aggregate(runs: list[dict], configs: list[FleetConfig], loads: list[float]) -> list[dict]:
+    """Per (load, configuration): each figure's median and range over the rounds, overall and per
+    phase."""
+    out = []
+    for load in loads:
+        for cfg in configs:
+            rs = [r for r in runs if r["config"] == cfg.key and r["load"] == load]
+            if not rs:
+                continue
+            row = {"config": cfg.key, "name": cfg.name, "load": load, "rate_rps": rs[0]["rate_rps"], "rounds": len(rs)}
+            for f in FIGURES:
+                row[f] = _stat(r.get(f) for r in rs)
+            row["requests_failed"] = _stat(r["requests_failed"] for r in rs)
+            row["phases"] = {ph: {f: _stat(r["phases"].get(ph, {}).get(f) for r in rs) for f in FIGURES}
+                             for ph in rs[0]["phases"]}
+            out.append(row)
+    return out
+
+
+def _median_p99(rows: list[dict], key: str, load: float) -> float | None:
+    for r in rows:
+        if r["config"] == key and r["load"] == load and r["p99_ms"] is not None:
+            return r["p99_ms"]["median"]
+    return None
+
+
+def _pct_over(a: float | None, b: float | None) -> float | None:
+    return round((a / b - 1.0) * 100.0, 2) if a is not None and b else None
+
+
+def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float]) -> dict:
+    """Per load (keyed as in ``loads``): RACER over the best static configuration in hindsight, over
+    the default (0.5 + round_robin), and the racer router over least_load at split 0.5."""
+    statics = [c.key for c in configs if c.split is not None]
+    out: dict = {"racer_over_best_static_pct": {}, "best_static": {}, "racer_over_default_pct": {},
+                 "racer_router_over_least_load_pct": {}}
+    for load in loads:
+        k = format(load, "g")
+        racer = _median_p99(rows, RACER_KEY, load)
+        best = min(((p, s) for s in statics if (p := _median_p99(rows, s, load)) is not None), default=None)
+        out["best_static"][k] = best[1] if best else None
+        out["racer_over_best_static_pct"][k] = _pct_over(racer, best[0] if best else None)
+        out["racer_over_default_pct"][k] = _pct_over(racer, _median_p99(rows, DEFAULT_KEY, load))
+        out["racer_router_over_least_load_pct"][k] = _pct_over(_median_p99(rows, "0.5/racer", load),
+                                                               _median_p99(rows, "0.5/least_load", load))
+    return out
+
+
+def write_plot(rows: list[dict], loads: list[float], path: Path) -> str | None:
+    """P99 per phase per configuration (median, range as error bars), one panel per load."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.5), squeeze=False, sharey=True)
+    for ax, load in zip(axes[0], loads):
+        rs = [r for r in rows if r["load"] == load]
+        if not rs:
+            continue
+        phases = list(rs[0]["phases"])
+        x = np.arange(len(phases))
+        w = 0.8 / max(1, len(rs))
+        for i, r in enumerate(rs):
+            med = [((r["phases"][p]["p99_ms"] or {}).get("median", np.nan)) for p in phases]
+            lo = [m - ((r["phases"][p]["p99_ms"] or {}).get("min", m)) for p, m in zip(phases, med)]
+            hi = [((r["phases"][p]["p99_ms"] or {}).get("max", m)) - m for p, m in zip(phases, med)]
+            ax.bar(x + i * w - 0.4 + w / 2, med, w, yerr=[lo, hi], capsize=2, label=r["name"])
+        ax.set_xticks(x)
+        ax.set_xticklabels(phases, rotation=20, fontsize=8)
+        ax.set_title(f"load {load:g} of capacity ({rs[0]['rate_rps']:g} req/s)")
+        ax.set_ylabel("P99 (ms), median of rounds")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def _save(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_fleet(args) -> dict:
+    from tqdm import tqdm
+
+    from workloads import load_trace
+    from workloads.replay import build_plan
+
+    configs = parse_configs(args.configs or ",".join(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS))
+    loads = parse_loads(args.loads)
+    schedule = args.schedule or (QUICK_SCHEDULE if args.quick else SCHEDULE)
+    rounds = args.rounds
+    sizing = Sizing(arena_table=args.arena_table)
+    trace = load_trace(args.trace, args.path)
+    out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="racer-bench-fleet-"))
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    work = out_dir / "work"
+    work.mkdir(exist_ok=True)
+    steady_s = float(args.capacity_s or (8.0 if args.quick else 20.0))
+    settings = {"trace": trace.name, "schedule": schedule, "configs": [c.key for c in configs], "loads": loads,
+                "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed, "sizing": asdict(sizing),
+                "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
+    prev = _load(out_dir / "settings.json")
+    if prev is not None and prev != settings:
+        raise SystemExit(f"{out_dir} holds a bench with other settings ({out_dir / 'settings.json'}); "
+                         f"give another --out or remove it")
+    _save(out_dir / "settings.json", settings)
+    if args.nodes:
+        fleet = ExternalFleet(work, [u.strip().rstrip("/") for u in args.nodes.split(",") if u.strip()],
+                              args.trace, args.path)
+        num_nodes = len(fleet.node_urls)
+    else:
+        fleet = LocalFleet(work, args.num_nodes, args.trace, args.path, trace.num_items, sizing, args.policy,
+                           args.slo_ms)
+        num_nodes = args.num_nodes
+    say = (lambda m: print(f"bench fleet: {m}", file=sys.stderr, flush=True)) if args.progress else (lambda m: None)
+    cap_cfg = next(c for c in parse_configs(CAPACITY_KEY))
+    try:
+        cap = _load(out_dir / "capacity.json")
+        if cap is None:
+            def run_at(rate):
+                return run_once(fleet, cap_cfg, trace, f"steady:{steady_s:g}", rate, args.seed, args.slo_ms, sizing)
+
+            say(f"capacity: steady {steady_s:g} s at static 0.5 + least_load, P99 within {args.slo_ms:g} ms")
+            capacity, probes = find_capacity(
+                run_at, args.slo_ms, args.capacity_start, args.capacity_iters,
+                progress=lambda r: say(f"  {r['rate_rps']:g} req/s: P99 {r['p99_ms']} ms, "
+                                       f"{r['requests_failed']} failed"))
+            cap = {"capacity_rps": round(capacity, 2), "probes": [
+                {k: p[k] for k in ("rate_rps", "p99_ms", "p50_ms", "slo_attainment", "requests_failed")}
+                for p in probes]}
+            _save(out_dir / "capacity.json", cap)
+        capacity = cap["capacity_rps"]
+        say(f"capacity {capacity:g} req/s; loads {', '.join(f'{x:g}' for x in loads)}")
+        pairs = [(c, load) for c in configs for load in loads]
+        runs = []
+        bar = tqdm(total=rounds * len(pairs), desc="bench fleet", unit="run", disable=not args.progress,
+                   file=sys.stderr)
+        with bar:
+            for rnd in range(rounds):
+                order = np.random.default_rng([args.seed, rnd]).permutation(len(pairs))
+                for j in order:
+                    cfg, load = pairs[int(j)]
+                    f = out_dir / "runs" / f"r{rnd}_{load:g}_{cfg.key.replace('/', '+')}.json"
+                    r = _load(f)
+                    if r is None:
+                        r = run_once(fleet, cfg, trace, schedule, round(load * capacity, 2), args.seed, args.slo_ms,
+                                     sizing)
+                        r.update(round=rnd, load=load)
+                        _save(f, r)
+                    runs.append(r)
+                    bar.set_postfix(config=cfg.key, load=load, p99=r["p99_ms"], refresh=False)
+                    bar.update(1)
+    finally:
+        fleet.stop()
+    rows = aggregate(runs, configs, loads)
+    plan = build_plan(trace, replay_config(schedule, capacity, args.seed, args.slo_ms, sizing))
+    stream = plan[0].stream  # one stream for the whole schedule
+    users = len(np.unique(stream.user))
+    hist = float(np.mean(stream.history_len)) if len(stream) else 0.0
+    result = {"capacity_rps": capacity, "capacity": cap,
+              "loads": {format(x, "g"): round(x * capacity, 2) for x in loads},
+              "configs": rows, "findings": findings(rows, configs, loads),
+              "num_nodes": num_nodes, "external_fleet": bool(args.nodes), "schedule": schedule, "rounds": rounds,
+              "trace": trace.name, "slo_ms": args.slo_ms,
+              "sizing": sizing.describe(trace.num_items, hist, users / max(1, num_nodes)),
+              "cpu_count": os.cpu_count(), "out": str(out_dir)}
+    png = write_plot(rows, loads, out_dir / "fleet_p99.png")
+    result["plot"] = png
+    _save(out_dir / "fleet.json", result)
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from workloads.loaders import LOADERS
+
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--quick", action="store_true",
+                   help=f"short phases ({QUICK_SCHEDULE}) and six configurations ({','.join(QUICK_CONFIGS)})")
+    p.add_argument("--out", default=None, help="directory for the runs, the JSON and the plot (a rerun resumes)")
+    p.add_argument("--nodes", default=None,
+                   help="URLs of a running fleet's node agents (comma-separated): compare routers on it as deployed "
+                        "(default: start --num-nodes local agents)")
+    p.add_argument("--num-nodes", type=int, default=4, help="local node agents (default 4)")
+    p.add_argument("--configs", default=None, help="SPLIT/ROUTER,... (SPLIT an emb_share or racer)")
+    p.add_argument("--loads", default="0.5,0.75,0.95", help="fractions of the steady capacity (default 0.5,0.75,0.95)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, a new order each (default 3)")
+    p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
+    p.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace (default taobao)")
+    p.add_argument("--path", default=None, help="trace file (default: the sample)")
+    p.add_argument("--slo-ms", type=float, default=30.0, help="latency SLO (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="the streams' seed (default 0)")
+    p.add_argument("--policy", default=str(REPO / "policies" / "default"),
+                   help="allocator policy of the racer configurations (default: the shipped one)")
+    p.add_argument("--arena-table", type=float, default=0.014,
+                   help="arena bytes as a fraction of the embedding table's (default 0.014)")
+    p.add_argument("--capacity-start", type=float, default=40.0, help="first rate of the capacity search (req/s)")
+    p.add_argument("--capacity-iters", type=int, default=3, help="bisections of the capacity search (default 3)")
+    p.add_argument("--capacity-s", type=float, default=None, help="seconds of each capacity probe (default 20, quick 8)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    try:
+        if args.configs:
+            parse_configs(args.configs)
+        parse_loads(args.loads)
+        if args.schedule:
+            from workloads.replay import parse_phases
+
+            if parse_phases(args.schedule)[1] is None:
+                raise ValueError("--schedule: give REGIME:SECONDS phases (one stream, users keep their identity)")
+    except ValueError as e:
+        p.error(str(e))
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if not args.nodes and args.num_nodes < 1:
+        p.error("--num-nodes must be at least 1")
+    if not (0.0 < args.arena_table < 1.0):
+        p.error("--arena-table must be in (0, 1)")
+    if not (args.slo_ms > 0 and math.isfinite(args.slo_ms)):
+        p.error("--slo-ms must be a positive number")
+    if not args.nodes and not Path(args.policy).is_dir():
+        p.error(f"--policy {args.policy}: not a policy directory")
+
+
+def add_fleet_parser(sub) -> argparse.ArgumentParser:
+    """``racer bench fleet`` (the same as ``python -m bench.fleet``)."""
+    p = sub.add_parser("fleet", help="A/B of the whole system on real node agents against static splits",
+                       description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=lambda args: (check_args(p, args), cmd_fleet(args))[1])
+    return p
+
+
+def cmd_fleet(args) -> int:
+    res = run_fleet(args)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(format_rows(res))
+    return 0
+
+
+def format_rows(res: dict) -> str:
+    lines = [f"capacity {res['capacity_rps']:g} req/s ({res['num_nodes']} nodes, static 0.5 + least_load, "
+             f"steady P99 within {res['slo_ms']:g} ms); {res['rounds']} rounds; medians [min-max]"]
+    for r in res["configs"]:
+        p = r["p99_ms"] or {}
+        lines.append(f"  load {r['load']:<5g} {r['name']:<28} P99 {p.get('median')} [{p.get('min')}-{p.get('max')}] ms"
+                     f"  SLO {(r['slo_attainment'] or {}).get('median')}  share {(r['mean_share'] or {}).get('median')}"
+                     f"  KV hit {(r['kv_hit_rate'] or {}).get('median')}  EMB hit {(r['emb_hit_rate'] or {}).get('median')}")
+    lines.append("findings: " + json.dumps(res["findings"]))
+    if res.get("plot"):
+        lines.append(f"plot: {res['plot']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return cmd_fleet(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The fleet A/B bench (bench/fleet.py): its configurations, the capacity rule's search, the
+judging over rounds, the replay's hit-rate tallies, and one small run on real node-agent
+processes behind a real gateway (resumed from its saved runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.fleet import (DEFAULT_CONFIGS, FleetConfig, Sizing, aggregate, find_capacity, findings, parse_configs,
+                         parse_loads)
+from workloads.replay import ReplayStats
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_configs_parse_and_bad_ones_are_named():
+    cfgs = parse_configs(",".join(DEFAULT_CONFIGS))
+    assert [c.key for c in cfgs] == list(DEFAULT_CONFIGS)
+    assert cfgs[-1] == FleetConfig(None, "racer") and cfgs[-1].name == "allocator + racer"
+    assert cfgs[0].name == "static 0.2 + least_load"
+    for bad, words in [("0.5", "SPLIT/ROUTER"), ("0.5/fastest", "router must be"), ("1.5/least_load", "emb_share"),
+                       ("nan/least_load", "emb_share"), ("half/racer", "emb_share"),
+                       ("0.5/racer,0.5/racer", "twice"), ("", "at least one")]:
+        with pytest.raises(ValueError, match=words):
+            parse_configs(bad)
+    assert parse_loads("0.5,0.75,0.95") == [0.5, 0.75, 0.95]
+    for bad in ("", "0", "x", "-1", "inf"):
+        with pytest.raises(ValueError):
+            parse_loads(bad)
+
+
+def test_sizing_states_the_paper_scale_ratios_on_the_taobao_sample_size():
+    s = Sizing()
+    assert s.page_bytes % s.row_bytes == 0  # pages of whole rows
+    d = s.describe(num_items=55_368, mean_history_len=100.0, users_per_node=200.0)
+    assert d["arena_over_table"] == pytest.approx(0.014, rel=0.01)
+    # 8 bytes of K/V per token: a 100-token user is 800 bytes, the arena holds about 500 of them
+    assert s.kv_bytes_per_token == 8 and 400 <= d["arena_over_mean_user_kv"] <= 600
+
+
+def _probe_fleet(capacity: float):
+    """A fleet whose steady P99 rises past 30 ms above ``capacity`` req/s."""
+    calls = []
+
+    def run_at(rate):
+        calls.append(rate)
+        return {"rate_rps": rate, "p99_ms": 10.0 + (40.0 if rate > capacity else 0.0), "p50_ms": 5.0,
+                "slo_attainment": 1.0, "requests_failed": 0}
+    return run_at, calls
+
+
+def test_capacity_search_doubles_then_bisects_and_halves_when_the_first_rate_fails():
+    run_at, calls = _probe_fleet(100.0)
+    cap, probes = find_capacity(run_at, 30.0, start_rps=40.0, iters=3)
+    # 40 ok, 80 ok, 160 fails; bisect 120 (fails), 100 (ok), 110 (fails)
+    assert calls == [40.0, 80.0, 160.0, 120.0, 100.0, 110.0] and cap == 100.0 and len(probes) == 6
+    run_at, calls = _probe_fleet(12.0)
+    cap, _ = find_capacity(run_at, 30.0, start_rps=40.0, iters=1)
+    assert calls == [40.0, 20.0, 10.0, 15.0] and cap == 10.0
+    # a failed request fails the rate even within the SLO
+    cap, _ = find_capacity(lambda r: {"rate_rps": r, "p99_ms": 5.0, "requests_failed": int(r > 50)}, 30.0, 40.0, 0)
+    assert cap == 40.0
+    with pytest.raises(RuntimeError, match="at no rate"):
+        find_capacity(lambda r: {"rate_rps": r, "p99_ms": 99.0, "requests_failed": 0}, 30.0, 4.0, 0)
+
+
+def _run(key, load, rnd, p99, share=0.5):
+    return {"config": key, "load": load, "round": rnd, "rate_rps": 100.0 * load, "p99_ms": p99, "p50_ms": p99 / 3,
+            "slo_attainment": 1.0, "throughput_rps": 100.0 * load, "kv_hit_rate": 0.5, "emb_hit_rate": 0.4,
+            "mean_share": share, "requests_failed": 0,
+            "phases": {"steady[0-6s]": {"p99_ms": p99, "mean_share": share}}}
+
+
+def test_judging_takes_medians_over_rounds_and_the_best_static_in_hindsight():
+    cfgs = parse_configs("0.2/least_load,0.5/least_load,0.5/round_robin,0.5/racer,racer/racer")
+    runs = []
+    for rnd, noise in enumerate((0.0, 5.0, -1.0)):
+        runs += [_run("0.2/least_load", 0.5, rnd, 20.0 + noise), _run("0.5/least_load", 0.5, rnd, 10.0 + noise),
+                 _run("0.5/round_robin", 0.5, rnd, 12.0 + noise), _run("0.5/racer", 0.5, rnd, 10.1 + noise),
+                 _run("racer/racer", 0.5, rnd, 10.5 + noise, share=0.4)]
+    rows = aggregate(runs, cfgs, [0.5])
+    r = next(x for x in rows if x["config"] == "racer/racer")
+    assert r["p99_ms"] == {"median": 10.5, "min": 9.5, "max": 15.5, "n": 3}
+    assert r["mean_share"]["median"] == 0.4 and r["phases"]["steady[0-6s]"]["p99_ms"]["median"] == 10.5
+    f = findings(rows, cfgs, [0.5])
+    assert f["best_static"]["0.5"] == "0.5/least_load"  # the 0.5/racer row is not a static configuration's router
+    assert f["racer_over_best_static_pct"]["0.5"] == pytest.approx(5.0)
+    assert f["racer_over_default_pct"]["0.5"] == pytest.approx((10.5 / 12.0 - 1) * 100, abs=0.01)
+    assert f["racer_router_over_least_load_pct"]["0.5"] == pytest.approx(1.0)
+
+
+def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
+    st = ReplayStats(30.0)
+    for phase, kv_hit, kv_miss, hits, rows in (("a", 30, 10, 5, 10), ("a", 0, 40, 0, 10), ("b", 10, 0, 9, 10)):
+        st.on_sent("steady", 0.0, phase=phase)
+        st.on_done("steady", 5.0, None, "n0", False, phase=phase,
+                   answer={"kv": {"hit_tokens": kv_hit, "recomputed_tokens": kv_miss}, "emb": {"hits": hits, "rows": rows}})
+    st.on_sent("steady", 0.0, phase="b")  # an answer without counts (or a failure) adds nothing
+    st.on_done("steady", 5.0, None, "n0", False, phase="b", answer={"kv": {"hit_tokens": True}})
+    rep = st.report()
+    assert rep["kv_hit_rate"] == round(40 / 90, 4) and rep["emb_hit_rate"] == round(14 / 30, 4)
+    assert rep["phases"]["a"]["kv_hit_rate"] == 0.375 and rep["phases"]["b"]["emb_hit_rate"] == 0.9
+
+
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for argv, words in [(["--configs", "0.5/nope"], "router must be"), (["--loads", "0,1"], "--loads"),
+                        (["--rounds", "0"], "--rounds"), (["--schedule", "steady,burst"], "REGIME:SECONDS"),
+                        (["--policy", str(tmp_path / "none")], "not a policy directory")]:
+        p = subprocess.run([sys.executable, "-m", "racer", "bench", "fleet", *argv], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and words in p.stderr, (argv, p.stderr[-500:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_path):
+    out = tmp_path / "fleet"
+    cmd = [sys.executable, "-m", "bench.fleet", "--num-nodes", "2", "--configs", "0.5/least_load,0.5/round_robin,"
+           "0.5/racer,racer/racer", "--loads", "0.5", "--rounds", "1", "--schedule", "steady:3,burst:2",
+           "--capacity-s", "3", "--capacity-start", "4", "--capacity-iters", "0", "--out", str(out), "--json",
+           "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["capacity_rps"] >= 4 and res["loads"] == {"0.5": round(0.5 * res["capacity_rps"], 2)}
+    assert {r["config"] for r in res["configs"]} == {"0.5/least_load", "0.5/round_robin", "0.5/racer", "racer/racer"}
+    for r in res["configs"]:
+        assert r["rounds"] == 1 and r["p99_ms"]["median"] > 0 and r["requests_failed"]["median"] == 0
+        assert 0.0 <= r["kv_hit_rate"]["median"] <= 1.0 and 0.0 <= r["emb_hit_rate"]["median"] <= 1.0
+        assert set(r["phases"]) == {"steady[0-3s]", "burst[3-5s]"}
+        if r["config"].startswith("0.5/"):  # a static split stays where it was set
+            assert r["mean_share"]["median"] == pytest.approx(0.5, abs=0.01)
+    f = res["findings"]
+    assert set(f["racer_over_best_static_pct"]) == {"0.5"} and f["best_static"]["0.5"] in ("0.5/least_load",
+                                                                                           "0.5/round_robin")
+    assert isinstance(f["racer_over_default_pct"]["0.5"], float)
+    assert isinstance(f["racer_router_over_least_load_pct"]["0.5"], float)
+    assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
+    assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 4
+    # a second run of the same bench takes every run from disk: the same figures, nothing restarted
+    q = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert json.loads(q.stdout)["configs"] == res["configs"]
+    # other settings on the same folder are refused, not mixed in
+    r = subprocess.run(cmd[:-2] + ["--rounds", "2", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "other settings" in r.stderr
