@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import math
 import queue
@@ -54,6 +53,7 @@ from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, 
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
 from .residency_feed import ResidencyFeed
+from .server import BodyLimit  # the shared body cap (node_agent.server; the gateway uses it too)
 from .server import json_safe  # noqa: F401 - re-exported for callers
 from .server import serve_forever  # noqa: F401 - re-exported: the one HTTP server (node_agent.server)
 
@@ -489,56 +489,6 @@ def _one_line(errors: list[dict], num_items: int | None = None) -> str:
         parts.append(f"{loc}: {e.get('msg', 'invalid')}")
     more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
     return "; ".join(parts) + more
-
-
-class BodyLimit:
-    """ASGI middleware: refuse an HTTP request body over ``max_bytes`` with 413 JSON, counting
-    the bytes actually received (a chunked body has no Content-Length), before the app parses
-    it. A declared Content-Length over the limit is refused without reading the body. The body
-    (at most ``max_bytes``) is read here and handed to the app unchanged."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def _refuse(self, send, what: str) -> None:
-        body = json.dumps({"error": f"request body of {what} exceeds {self.max_bytes} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                if value.isdigit() and int(value) > self.max_bytes:
-                    await self._refuse(send, f"{int(value)} bytes")
-                    return
-                break
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: let the app see it
-                replay = [message]
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(send, f"at least {size} bytes")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-                break
-
-        async def replayed():
-            return replay.pop(0) if replay else await receive()
-
-        await self.app(scope, replayed, send)
 
 
 def create_app(agent: NodeAgent) -> FastAPI:

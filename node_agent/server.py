@@ -30,6 +30,13 @@ modules exist), `serve_forever` runs `tune_runtime`:
 ``ready(host, port)`` is called with the bound port before serving starts; SIGINT and SIGTERM
 shut down gracefully (the app's lifespan runs its shutdown) and the call returns normally. It
 installs signal handlers, so it must run in the process's main thread.
+
+Request bodies are bounded here too, for all three servers: `read_body` reads a body while
+counting the bytes received (a chunked body has no Content-Length to trust) and stops at the
+cap; `BodyLimit` is the ASGI middleware made of it (the node agent and the gateway); the control
+plane checks the token first and then calls `read_body` with the route's cap. A refusal sent
+before the body was read closes the connection (`send_json` with ``close=True``), so the server
+never reads the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ import math
 import socket
 from collections.abc import Callable
 
-__all__ = ["finite_validation_errors", "json_safe", "listen_socket", "serve_forever", "set_nodelay", "tune_runtime"]
+__all__ = ["BodyLimit", "BodyTooLarge", "declared_body_bytes", "finite_validation_errors", "json_safe", "listen_socket",
+           "may_have_body", "read_body", "replay_body", "send_json", "serve_forever", "set_nodelay", "tune_runtime"]
 
 #: generation-0 threshold while serving (CPython's default is 700): a request allocates a few
 #: hundred container objects, so the default collected on almost every request.
@@ -114,6 +122,113 @@ def finite_validation_errors(app) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request, exc: RequestValidationError):
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(json_safe(exc.errors()))})
+
+
+class BodyTooLarge(Exception):
+    """A request body over ``max_bytes``: ``received`` bytes were counted (or announced by
+    Content-Length when ``declared``) when it was refused."""
+
+    def __init__(self, max_bytes: int, received: int, declared: bool = False) -> None:
+        what = f"{received} bytes" if declared else f"at least {received} bytes"
+        super().__init__(f"request body of {what} exceeds {max_bytes} bytes")
+        self.max_bytes, self.received, self.declared = max_bytes, received, declared
+
+
+def declared_body_bytes(scope) -> int | None:
+    """The request's Content-Length when it is a plain decimal number, else None (chunked, or
+    a value not to be trusted: the bytes are counted as they come)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def may_have_body(scope) -> bool:
+    """Whether the request announces a body (a Content-Length other than 0, or Transfer-Encoding)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.strip() not in (b"", b"0"):
+            return True
+        if name == b"transfer-encoding":
+            return True
+    return False
+
+
+async def read_body(receive, max_bytes: int, scope=None) -> bytes | None:
+    """The whole request body, read from ``receive`` while counting its bytes; raises
+    `BodyTooLarge` as soon as more than ``max_bytes`` have arrived (or, given ``scope``, when its
+    Content-Length announces more, before anything is read). None: the client went away."""
+    if scope is not None:
+        n = declared_body_bytes(scope)
+        if n is not None and n > max_bytes:
+            raise BodyTooLarge(max_bytes, n, declared=True)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(max_bytes, size)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay_body(body: bytes, receive):
+    """A ``receive`` that hands the app ``body`` (already read) in one message, then defers to
+    the original ``receive`` (which reports the client's disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def send_json(send, status: int, payload: dict, *, close: bool = False,
+                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Send a whole JSON answer. ``close``: ask the server to close the connection after it (the
+    request's body was not read, and must not be)."""
+    import json
+
+    body = json.dumps(payload).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    if close:
+        raw.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """ASGI middleware: refuse an HTTP request body over ``max_bytes`` with 413 JSON
+    (``{error_field: "request body of ... exceeds N bytes"}``) before the app parses it: a
+    declared Content-Length over the limit without reading the body, a chunked one as soon as
+    the bytes received pass it (`read_body`). The body (at most ``max_bytes``) is handed to the
+    app unchanged."""
+
+    def __init__(self, app, max_bytes: int, error_field: str = "error") -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.error_field = error_field
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, self.max_bytes, scope)
+        except BodyTooLarge as e:
+            await send_json(send, 413, {self.error_field: str(e)}, close=True)
+            return
+        if body is None:  # the client went away: nobody to answer
+            return
+        await self.app(scope, replay_body(body, receive), send)
 
 
 def set_nodelay(sock: socket.socket) -> None:
