@@ -31,7 +31,10 @@ class Base(DeclarativeBase):
 
 
 class Node(Base):
-    """A registered node agent; ``status`` is "up" or "down" (the liveness job sets "down")."""
+    """A registered node agent; ``status`` is "up", "down" (the liveness job sets it) or
+    "retired" (an operator retired it: out of the node list, its tokens revoked).
+    ``token_id`` is the token that registered it: another token may not register the same node
+    id while that one is valid (None: registered before tokens were bound to node ids)."""
 
     __tablename__ = "nodes"
     node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -46,6 +49,7 @@ class Node(Base):
     last_report_seq: Mapped[int | None] = mapped_column(Integer)
     emb_share: Mapped[float | None]
     policy_error: Mapped[str | None] = mapped_column(Text)
+    token_id: Mapped[int | None] = mapped_column(Integer)
 
 
 class NodeReport(Base):
@@ -296,12 +300,15 @@ class AuditEntry(Base):
 
 
 class Token(Base):
-    """A bearer token, stored as the sha256 of its text (tokens are 256-bit random strings)."""
+    """A bearer token, stored as the sha256 of its text (tokens are 256-bit random strings).
+    A token of role node is bound to one ``node_id`` (the only node it may act as); None on
+    every other role, and on node tokens made before the binding existed (refused on node routes)."""
 
     __tablename__ = "tokens"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
     role: Mapped[str] = mapped_column(String(16))
+    node_id: Mapped[str | None] = mapped_column(String(128), index=True)
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_at_s: Mapped[float]
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)

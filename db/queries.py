@@ -88,11 +88,29 @@ def token_by_secret(session: Session, secret: str) -> Token | None:
     return session.scalar(select(Token).where(Token.token_sha256 == sha256_text(secret), Token.revoked.is_(False)))
 
 
-def add_token(session: Session, *, name: str, role: str, secret: str, now_s: float) -> Token:
-    t = Token(name=name, role=role, token_sha256=sha256_text(secret), created_at_s=now_s, revoked=False)
+def add_token(session: Session, *, name: str, role: str, secret: str, now_s: float,
+              node_id: str | None = None) -> Token:
+    """A new token (``node_id``: the node a node token is bound to)."""
+    t = Token(name=name, role=role, token_sha256=sha256_text(secret), created_at_s=now_s, revoked=False,
+              node_id=node_id)
     session.add(t)
     session.flush()
     return t
+
+
+def token_valid(session: Session, token_id: int) -> bool:
+    """Whether token ``token_id`` exists and is not revoked."""
+    return bool(session.scalar(select(func.count()).select_from(Token).where(Token.id == token_id,
+                                                                            Token.revoked.is_(False))))
+
+
+def revoke_node_tokens(session: Session, node_id: str) -> list[int]:
+    """Revoke every valid token bound to ``node_id``; returns their ids."""
+    ids = list(session.scalars(select(Token.id).where(Token.node_id == node_id, Token.revoked.is_(False))
+                               .order_by(Token.id)).all())
+    if ids:
+        session.execute(update(Token).where(Token.id.in_(ids)).values(revoked=True))
+    return ids
 
 
 def count_tokens(session: Session, role: str | None = None) -> int:
@@ -104,8 +122,10 @@ def count_tokens(session: Session, role: str | None = None) -> int:
 
 # ---- nodes and reports
 def upsert_node(session: Session, *, node_id: str, address: str, device: str, cost_profile: dict,
-                policy_version: str | None, now_s: float, report_interval_s: float) -> tuple[Node, dict | None]:
-    """Register (or re-register) a node; returns the node and its previous registration (or None)."""
+                policy_version: str | None, now_s: float, report_interval_s: float,
+                token_id: int | None = None) -> tuple[Node, dict | None]:
+    """Register (or re-register) a node, by token ``token_id``; returns the node and its
+    previous registration (or None). Whether that token may is the caller's check."""
     node = session.get(Node, node_id)
     before = None
     if node is None:
@@ -113,16 +133,21 @@ def upsert_node(session: Session, *, node_id: str, address: str, device: str, co
         session.add(node)
     else:
         before = {"address": node.address, "device": node.device, "cost_profile": node.cost_profile,
-                  "policy_version": node.policy_version, "status": node.status}
+                  "policy_version": node.policy_version, "status": node.status, "token_id": node.token_id}
     node.address, node.device, node.cost_profile = address, device, cost_profile
     node.policy_version, node.status, node.last_seen_s = policy_version, "up", now_s
     node.report_interval_s = report_interval_s
+    node.token_id = token_id
     session.flush()
     return node, before
 
 
-def list_nodes(session: Session) -> list[Node]:
-    return list(session.scalars(select(Node).order_by(Node.node_id)).all())
+def list_nodes(session: Session, include_retired: bool = False) -> list[Node]:
+    """The registered nodes by id; retired ones only with ``include_retired``."""
+    q = select(Node).order_by(Node.node_id)
+    if not include_retired:
+        q = q.where(Node.status != "retired")
+    return list(session.scalars(q).all())
 
 
 def up_node_profiles(session: Session) -> list[tuple[str, dict]]:
@@ -230,7 +255,8 @@ def highest_report_seq(session: Session, node_id: str) -> int | None:
 
 
 def touch_nodes(session: Session, seen: dict[str, tuple[float, int, float, str | None]]) -> None:
-    """Mark nodes seen and up: node_id -> (last_seen_s, last_report_seq, emb_share, policy_version)."""
+    """Mark nodes seen and up: node_id -> (last_seen_s, last_report_seq, emb_share, policy_version).
+    A retired node stays retired (only a new registration brings it back)."""
     if not seen:
         return
     conn = session.connection().connection.driver_connection
@@ -239,11 +265,12 @@ def touch_nodes(session: Session, seen: dict[str, tuple[float, int, float, str |
         with conn.cursor() as cur:
             cur.execute("UPDATE nodes SET last_seen_s = v.seen, last_report_seq = v.seq, emb_share = v.share, "
                         "status = 'up' FROM unnest(%s::text[], %s::float8[], %s::int[], %s::float8[]) "
-                        "AS v(node_id, seen, seq, share) WHERE nodes.node_id = v.node_id",
+                        "AS v(node_id, seen, seq, share) WHERE nodes.node_id = v.node_id "
+                        "AND nodes.status <> 'retired'",
                         [ids, [seen[k][0] for k in ids], [seen[k][1] for k in ids], [seen[k][2] for k in ids]])
         return
     conn.executemany("UPDATE nodes SET last_seen_s = ?, last_report_seq = ?, emb_share = ?, status = 'up' "
-                     "WHERE node_id = ?", [(v[0], v[1], v[2], k) for k, v in seen.items()])
+                     "WHERE node_id = ? AND status <> 'retired'", [(v[0], v[1], v[2], k) for k, v in seen.items()])
 
 
 def mark_down(session: Session, *, now_s: float, missed_intervals: float) -> list[str]:

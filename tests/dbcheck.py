@@ -27,7 +27,7 @@ def check_database(url: str) -> list[str]:
                     bad.append(f"{what}: {[tuple(r) for r in rows[:5]]}")
 
             if "nodes" in tables:
-                q("select node_id, status from nodes where status not in ('up', 'down')", "node status")
+                q("select node_id, status from nodes where status not in ('up', 'down', 'retired')", "node status")
             if "node_reports" in tables:
                 q("select node_id, seq, count(*) from node_reports group by node_id, seq having count(*) > 1",
                   "report stored twice")
@@ -60,6 +60,9 @@ def check_database(url: str) -> list[str]:
             if "tokens" in tables:
                 q("select id, role from tokens where role not in ('node', 'operator', 'viewer', 'router') "
                   "or length(token_sha256) != 64", "token (role or hash)")
+                if "node_id" in {col["name"] for col in inspect(c).get_columns("tokens")}:
+                    q("select id, role from tokens where role != 'node' and node_id is not null",
+                      "a token of another role bound to a node id")
             if "audit_log" in tables:
                 q("select id from audit_log where actor is null or actor = '' or action is null or action = ''",
                   "audit entry without actor or action")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import inspect, select
+from sqlalchemy import inspect, select, text
 
 from db import queries
 from db.engine import current_revision, make_engine, normalize_url, upgrade
@@ -29,7 +29,7 @@ def _row(nid, seq, ts, **kw):
 def test_migrations_make_every_table_and_are_idempotent(db):
     engine, _ = db
     upgrade(engine)  # second run: nothing to do
-    assert current_revision(engine) == "0003"
+    assert current_revision(engine) == "0004"
     names = set(inspect(engine).get_table_names())
     for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
               "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
@@ -50,10 +50,23 @@ def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
         upgrade(engine, "0002")
         assert current_revision(engine) == "0002"
         assert "push_token" in {c["name"] for c in inspect(engine).get_columns("routers")}
-        upgrade(engine)
+        upgrade(engine, "0003")
         assert current_revision(engine) == "0003"
         assert "node_report_buckets" in set(inspect(engine).get_table_names())
         assert "ix_node_reports__received_s" in {i["name"] for i in inspect(engine).get_indexes("node_reports")}
+        with engine.begin() as c:  # a node token and a node of the older schema
+            c.execute(text("INSERT INTO tokens (name, role, token_sha256, created_at_s, revoked) "
+                           "VALUES ('old', 'node', :h, 1.0, false)"), {"h": "ab" * 32})
+            c.execute(text("INSERT INTO nodes (node_id, address, device, cost_profile, status, registered_at_s, "
+                           "last_seen_s, report_interval_s) VALUES ('n', 'http://x:1', 'cpu', '{}', 'up', 1, 1, 1)"))
+        upgrade(engine)
+        assert current_revision(engine) == "0004"
+        assert "node_id" in {c["name"] for c in inspect(engine).get_columns("tokens")}
+        assert "ix_tokens__node_id" in {i["name"] for i in inspect(engine).get_indexes("tokens")}
+        assert "token_id" in {c["name"] for c in inspect(engine).get_columns("nodes")}
+        with engine.connect() as c:  # kept, unbound (refused on the node routes until a bound one is made)
+            assert c.execute(text("SELECT role, node_id FROM tokens")).all() == [("node", None)]
+            assert c.execute(text("SELECT node_id, token_id FROM nodes")).all() == [("n", None)]
     finally:
         engine.dispose()
         d.drop()
