@@ -5,6 +5,9 @@ which never commit; inputs are pydantic models that forbid unknown fields, so a 
 a 4xx whose message names the field and nothing is stored. Every route declares the roles it
 accepts in its OpenAPI operation (``x-racer-roles``); docs/control_plane.md lists them all.
 Report ingestion goes through the group-commit writer (`control_plane.ingest`).
+
+Every request passes `control_plane.gate.RequestGate` first: the token is checked (role, and a
+node token's node id on the node routes) and the body capped before a route reads it.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from db.engine import make_engine, session_factory, upgrade
 from db.models import Node, Override, Policy, Rollout, Router
 
 from . import rollout_service
-from .auth import Principal, Require, TokenCache, ensure_admin_token, new_secret
+from .auth import (PRINCIPAL_STATE, Principal, Require, TokenCache, ensure_admin_token, new_secret,
+                   node_route_refusal, role_refusal)
 from .cp_metrics import ControlPlaneMetrics
+from .gate import RequestGate
 from .ingest import IngestWriter
 from .jobs import Scheduling
 from .rollout_service import Conflict, NotFound
@@ -50,7 +55,6 @@ from .settings import Settings
 log = logging.getLogger("racer.control_plane")
 
 API = "/api/v1"
-MAX_ARTIFACT_BYTES = 64 << 20
 ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
 
 NODE, OPERATOR, VIEWER, ROUTER = "node", "operator", "viewer", "router"
@@ -214,7 +218,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     async def _notfound(_req, e: NotFound):
         return JSONResponse({"detail": str(e)}, status_code=404)
 
-    r = APIRouter(prefix=API, responses=errors(401, 403, 422))  # every route: auth and input errors
+    r = APIRouter(prefix=API, responses=errors(401, 403, 413, 422))  # every route: auth, size and input errors
 
     def begin(request: Request):
         return request.app.state.factory.begin()
@@ -222,26 +226,46 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     # ---- identity
     @r.get("/whoami", response_model=WhoAmIOut, **roles(NODE, OPERATOR, VIEWER, ROUTER))
     def whoami(p: principal(NODE, OPERATOR, VIEWER, ROUTER)):
-        return WhoAmIOut(token_id=p.token_id, name=p.name, role=p.role)
+        return WhoAmIOut(token_id=p.token_id, name=p.name, role=p.role, node_id=p.node_id)
 
-    @r.post("/tokens", response_model=TokenOut, status_code=201, **roles(OPERATOR))
+    @r.post("/tokens", response_model=TokenOut, status_code=201, responses=errors(413), **roles(OPERATOR))
     def create_token(body: TokenIn, request: Request, p: principal(OPERATOR)):
         secret = new_secret()
-        with begin(request) as s:
-            t = queries.add_token(s, name=body.name, role=body.role, secret=secret, now_s=clock())
-            queries.audit(s, ts_s=clock(), actor=p.name, action="token.create", target=f"token:{t.id}",
-                          after={"name": body.name, "role": body.role}, reason="")
-            return TokenOut(id=t.id, name=t.name, role=t.role, token=secret)
-
-    # ---- nodes
-    @r.post("/nodes/register", response_model=RegisterOut, **roles(NODE))
-    def register(body: RegisterIn, request: Request, p: principal(NODE)):
         now = clock()
         with begin(request) as s:
+            replaced = queries.revoke_node_tokens(s, body.node_id) if body.replace else []
+            t = queries.add_token(s, name=body.name, role=body.role, secret=secret, now_s=now, node_id=body.node_id)
+            queries.audit(s, ts_s=now, actor=p.name, action="token.create", target=f"token:{t.id}",
+                          before={"revoked_token_ids": replaced} if replaced else None,
+                          after={"name": body.name, "role": body.role, "node_id": body.node_id}, reason="")
+            out = TokenOut(id=t.id, name=t.name, role=t.role, node_id=t.node_id, token=secret,
+                           replaced_token_ids=replaced)
+        if replaced:
+            request.app.state.tokens.forget_node(body.node_id)
+        return out
+
+    # ---- nodes
+    @r.post("/nodes/register", response_model=RegisterOut, responses=errors(413), **roles(NODE))
+    def register(body: RegisterIn, request: Request, p: principal(NODE)):
+        """Register (or re-register) the node the token is bound to. Another token may not take
+        over a node id while the token that registered it is valid: retire the node (which
+        revokes its tokens), or make its new token with ``replace``."""
+        why = node_route_refusal(p, body.node_id)
+        if why:
+            raise HTTPException(403, why)
+        now = clock()
+        with begin(request) as s:
+            old = s.get(Node, body.node_id)
+            if (old is not None and old.token_id is not None and old.token_id != p.token_id
+                    and queries.token_valid(s, old.token_id)):
+                raise HTTPException(403, f"node {body.node_id!r} is registered by another token (id {old.token_id}, "
+                                         f"still valid): this token (id {p.token_id}) may not register it again; "
+                                         f"retire the node (POST {API}/nodes/{body.node_id}/retire) or create this "
+                                         f"node's token with replace, which revokes the other")
             node, before = queries.upsert_node(s, node_id=body.node_id, address=body.address, device=body.device,
                                                cost_profile=body.cost_profile.model_dump(),
                                                policy_version=body.policy_version, now_s=now,
-                                               report_interval_s=settings.report_interval_s)
+                                               report_interval_s=settings.report_interval_s, token_id=p.token_id)
             if before is None or before["address"] != body.address or before["cost_profile"] != node.cost_profile:
                 queries.audit(s, ts_s=now, actor=p.name, action="node.register", target=f"node:{body.node_id}",
                               before=before, after=body.model_dump(), reason="")
@@ -249,18 +273,18 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         request.app.state.known_nodes.add(body.node_id)
         return RegisterOut(node_id=body.node_id, report_interval_s=settings.report_interval_s, last_report_seq=last_seq)
 
-    ingest_roles = {"openapi_extra": {"x-racer-roles": [NODE]}}  # auth inside ingest_batch (shared with the fast path)
+    ingest_roles = {"openapi_extra": {"x-racer-roles": [NODE]}}  # checked by the gate (no dependency)
     ingest_roles["openapi_extra"]["requestBody"] = {
         "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReportBatchIn"}}}}
 
-    @r.post("/nodes/{node_id}/reports", response_model=ReportBatchOut, responses=errors(404, 503),
+    @r.post("/nodes/{node_id}/reports", response_model=ReportBatchOut, responses=errors(404, 413, 503),
             **ingest_roles)
     async def reports(node_id: NodeId, request: Request):
         """Store a batch of reports (idempotent on (node_id, seq)). The body is parsed by pydantic-core
         straight from the bytes (the hot path: one request per node per interval; `IngestFastPath`
-        serves the same function without FastAPI's routing when the app runs under `asgi_app`)."""
+        serves the same function without FastAPI's routing and dependency machinery)."""
         status, body = await ingest_batch(request.app.state, node_id, await request.body(), clock,
-                                          authorization=request.headers.get("authorization") or "")
+                                          request.scope.get("state", {}).get(PRINCIPAL_STATE))
         return Response(body, status_code=status, media_type="application/json")
 
     @r.get("/nodes/{node_id}/directives", response_model=DirectivesOut, responses=errors(404), **roles(NODE))
@@ -283,7 +307,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                     version=pol.version, digest=pol.digest, rollout_id=rollout_id,
                     download_url=f"{API}/policies/{pol.version}/artifact"))
 
-    @r.post("/nodes/{node_id}/policy", response_model=NodeOut, responses=errors(404, 409), **roles(NODE))
+    @r.post("/nodes/{node_id}/policy", response_model=NodeOut, responses=errors(404, 409, 413), **roles(NODE))
     def policy_loaded(node_id: NodeId, body: PolicyLoadedIn, request: Request):
         now = clock()
         with begin(request) as s:
@@ -293,9 +317,36 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
             return NodeOut.model_validate(node)
 
     @r.get("/nodes", response_model=list[NodeOut], **roles(OPERATOR, VIEWER, ROUTER))
-    def nodes(request: Request):
+    def nodes(request: Request, include_retired: Annotated[bool, Query(
+            description="also the retired nodes (the gateway's list never has them)")] = False):
         with request.app.state.factory() as s:
-            return [NodeOut.model_validate(n) for n in queries.list_nodes(s)]
+            return [NodeOut.model_validate(n) for n in queries.list_nodes(s, include_retired=include_retired)]
+
+    @r.post("/nodes/{node_id}/retire", response_model=NodeOut, responses=errors(404, 409, 413), **roles(OPERATOR))
+    def retire_node(node_id: NodeId, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+        """Drain and retire a node: it leaves the node list (gateways stop sending it requests at
+        their next read of the list; those in flight finish) and the router weights, every token
+        bound to it is revoked (its reports, directives and registration are refused from then
+        on), its per-node overrides are cleared. Audited as ``node.retire``. Its history stays.
+        A new token bound to its id brings it back by registering."""
+        now = clock()
+        with begin(request) as s:
+            node = _get_or_404(s, Node, node_id)
+            if node.status == "retired":
+                raise HTTPException(409, f"node {node_id!r} is already retired")
+            before = {"status": node.status, "address": node.address, "token_id": node.token_id}
+            revoked = queries.revoke_node_tokens(s, node_id)
+            cleared = [o for o in queries.active_overrides(s, node_id) if o.node_id == node_id]
+            for o in cleared:
+                o.state, o.ended_at_s = "cleared", now
+            node.status = "retired"
+            queries.audit(s, ts_s=now, actor=p.name, action="node.retire", target=f"node:{node_id}", before=before,
+                          after={"status": "retired", "revoked_token_ids": revoked,
+                                 "cleared_override_ids": [o.id for o in cleared]}, reason=body.reason)
+            out = NodeOut.model_validate(node)
+        request.app.state.tokens.forget_node(node_id)
+        request.app.state.known_nodes.discard(node_id)
+        return out
 
     @r.get("/nodes/{node_id}", response_model=NodeOut, responses=errors(404), **roles(OPERATOR, VIEWER))
     def node(node_id: NodeId, request: Request):
@@ -500,11 +551,9 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     async def upload_policy(request: Request, p: principal(OPERATOR)):
         import anyio.to_thread
 
-        data = await request.body()
+        data = await request.body()  # at most max_policy_body_bytes (the gate refuses more with 413)
         if not data:
             raise invalid(["body"], "body: empty; send a tar of the artifact's files")
-        if len(data) > MAX_ARTIFACT_BYTES:
-            raise HTTPException(413, f"body: artifact larger than {MAX_ARTIFACT_BYTES} bytes")
         try:
             files = unpack_artifact(data)
             manifest = await anyio.to_thread.run_sync(verify_files, files)
@@ -600,6 +649,10 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         _event_route(ev)
 
     app.include_router(r)
+    # added last, so outermost: the gate checks the token and caps the body before the ingestion
+    # fast path or any route reads it
+    app.add_middleware(IngestFastPath, state=app.state)
+    app.add_middleware(RequestGate, routes=r.routes, state=app.state, settings=settings)
 
     def openapi():
         if app.openapi_schema is None:
@@ -636,22 +689,16 @@ def _json(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: str) -> tuple[int, bytes]:
-    """Authenticate (node role), validate, store one report batch; (HTTP status, JSON body)."""
+async def ingest_batch(state, node_id: str, raw: bytes, clock, principal: Principal | None) -> tuple[int, bytes]:
+    """Validate and store one report batch of ``node_id`` sent by ``principal`` (the token
+    `control_plane.gate` checked before the body was read; checked again here: role node, bound
+    to ``node_id``); (HTTP status, JSON body)."""
     t0 = time.perf_counter()
-    scheme, _, secret = authorization.partition(" ")
-    secret = secret.strip()
-    if scheme.lower() != "bearer" or not secret:
+    if principal is None:
         return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"})
-    p = state.tokens.cached(secret)
-    if p is None:
-        import anyio.to_thread
-
-        p = await anyio.to_thread.run_sync(state.tokens.lookup, secret)
-    if p is None:
-        return 401, _json({"detail": "unknown or revoked token"})
-    if not p.has(NODE):
-        return 403, _json({"detail": f"role {p.role!r} may not do this (needs node)"})
+    why = role_refusal(principal, (NODE,)) or node_route_refusal(principal, node_id)
+    if why:
+        return 403, _json({"detail": why})
     try:
         body = ReportBatchIn.model_validate_json(raw)
     except ValidationError as e:
@@ -704,25 +751,20 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, authorization: st
 
 
 class IngestFastPath:
-    """ASGI wrapper: ``POST /api/v1/nodes/{node_id}/reports`` goes straight to `ingest_batch`
-    (same auth, validation and storage as the FastAPI route, without its routing and dependency
-    machinery); everything else goes to the FastAPI app."""
+    """ASGI middleware inside `RequestGate`: ``POST /api/v1/nodes/{node_id}/reports`` goes
+    straight to `ingest_batch` (the gate has checked the token and read the body, capped),
+    without FastAPI's routing and dependency machinery; everything else goes on to the routes."""
 
-    def __init__(self, app: FastAPI):
+    def __init__(self, app, state) -> None:
         self.app = app
-        self.state = app.state
+        self.state = state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST":
             m = INGEST_PATH.match(scope["path"])
             if m is not None:
-                auth = None
-                for k, v in scope["headers"]:
-                    if k == b"authorization":
-                        auth = v.decode("latin-1")
-                        break
                 chunks = []
-                while True:
+                while True:  # one message: the gate hands the body on whole
                     msg = await receive()
                     if msg["type"] == "http.disconnect":
                         return
@@ -730,7 +772,7 @@ class IngestFastPath:
                     if not msg.get("more_body"):
                         break
                 status, body = await ingest_batch(self.state, m.group(1), b"".join(chunks), self.state.clock,
-                                                  authorization=auth or "")
+                                                  scope.get("state", {}).get(PRINCIPAL_STATE))
                 headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 if status == 401:
                     headers.append((b"www-authenticate", b"Bearer"))
@@ -740,6 +782,6 @@ class IngestFastPath:
         await self.app(scope, receive, send)
 
 
-def asgi_app(settings: Settings | None = None, *, clock=time.time) -> IngestFastPath:
-    """The app to serve: `create_app` behind the ingestion fast path."""
-    return IngestFastPath(create_app(settings, clock=clock))
+def asgi_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
+    """The app to serve (`create_app`: the gate and the ingestion fast path are in its middleware)."""
+    return create_app(settings, clock=clock)

@@ -6,7 +6,14 @@ slow hash buys nothing for random secrets). ``operator`` may do everything a ``v
 ``router`` is what a gateway needs and nothing more (list the nodes, read the weights, register
 itself for weight pushes), so a gateway never holds an operator's power. A
 missing or unknown token gets 401, a known token of the wrong role 403. Lookups are cached for
-``ttl_s`` seconds (a revoked token stops working within that time).
+``ttl_s`` seconds (a revoked token stops working within that time on other replicas; the replica
+that revokes a node's tokens forgets them at once).
+
+A node token is bound to one node id (``Token.node_id``): on the node routes (``/api/v1/nodes/...``:
+register, reports, directives, policy confirmations) it acts as that node only
+(`node_route_refusal`); a node token bound to no id (made before the binding existed) is refused
+there with a 403 that says how to make a bound one. The checks run in `control_plane.gate`
+before any body is read.
 """
 
 from __future__ import annotations
@@ -28,9 +35,24 @@ class Principal:
     token_id: int | None
     name: str
     role: str
+    node_id: str | None = None  # the node a node token is bound to
 
     def has(self, role: str) -> bool:
         return role in ROLE_IMPLIES.get(self.role, set())
+
+
+def node_route_refusal(p: Principal, node_id: str | None) -> str | None:
+    """Why ``p`` may not call a node route for ``node_id`` (None: the route names no node yet, as
+    registration, whose body names it), or None when it may. Only node tokens are checked (the
+    routes' roles decide who else may call them)."""
+    if p.role != "node":
+        return None
+    if p.node_id is None:
+        return (f"node token {p.name!r} is bound to no node id, so it may not act as a node; create a bound one: "
+                f"racer token create --role node --node-id ID (or POST /api/v1/tokens with node_id)")
+    if node_id is not None and node_id != p.node_id:
+        return f"this node token is bound to node {p.node_id!r}; it may not act as node {node_id!r}"
+    return None
 
 
 def new_secret() -> str:
@@ -58,7 +80,7 @@ class TokenCache:
             return hit[1]
         with self.factory() as s:
             t = queries.token_by_secret(s, secret)
-            p = None if t is None else Principal(t.id, t.name, t.role)
+            p = None if t is None else Principal(t.id, t.name, t.role, t.node_id)
         if p is not None:
             with self._lock:
                 if len(self._cache) > 10_000:
@@ -66,36 +88,69 @@ class TokenCache:
                 self._cache[secret] = (now, p)
         return p
 
+    def forget_node(self, node_id: str) -> None:
+        """Drop the cached tokens bound to ``node_id`` (their revocation takes effect here at once)."""
+        with self._lock:
+            for secret in [k for k, (_t, p) in self._cache.items() if p.node_id == node_id]:
+                del self._cache[secret]
 
-def bearer(request: Request) -> str | None:
-    h = request.headers.get("authorization")
-    if not h:
+    async def principal(self, secret: str) -> Principal | None:
+        """`lookup` for the event loop: a fresh cache hit without I/O, else the lookup in a thread."""
+        p = self.cached(secret)
+        if p is None:
+            import anyio.to_thread
+
+            p = await anyio.to_thread.run_sync(self.lookup, secret)
+        return p
+
+
+def bearer_secret(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
+    if not authorization:
         return None
-    scheme, _, value = h.partition(" ")
+    scheme, _, value = authorization.partition(" ")
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
+def bearer(request: Request) -> str | None:
+    return bearer_secret(request.headers.get("authorization"))
+
+
+MISSING_TOKEN = "missing bearer token (Authorization: Bearer <token>)"
+UNKNOWN_TOKEN = "unknown or revoked token"
+
+
+def role_refusal(p: Principal, roles) -> str | None:
+    """Why ``p`` may not call a route that accepts ``roles``, or None."""
+    if any(p.has(r) for r in roles):
+        return None
+    return f"role {p.role!r} may not do this (needs {' or '.join(roles)})"
+
+
+#: where `control_plane.gate` leaves the principal it checked (``request.state``)
+PRINCIPAL_STATE = "racer_principal"
+
+
 class Require:
-    """FastAPI dependency: a token with one of ``roles`` (operator implies viewer)."""
+    """FastAPI dependency: a token with one of ``roles`` (operator implies viewer). Under
+    `control_plane.gate` the token was checked before the body was read; this takes the
+    principal the gate found (and checks it again when a route is called without the gate)."""
 
     def __init__(self, *roles: str):
         self.roles = roles
 
     async def __call__(self, request: Request) -> Principal:
-        secret = bearer(request)
-        if secret is None:
-            raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)",
-                                headers={"WWW-Authenticate": "Bearer"})
-        tokens = request.app.state.tokens
-        p = tokens.cached(secret)
+        p = request.scope.get("state", {}).get(PRINCIPAL_STATE)
         if p is None:
-            import anyio.to_thread
-
-            p = await anyio.to_thread.run_sync(tokens.lookup, secret)
-        if p is None:
-            raise HTTPException(401, "unknown or revoked token", headers={"WWW-Authenticate": "Bearer"})
-        if not any(p.has(r) for r in self.roles):
-            raise HTTPException(403, f"role {p.role!r} may not do this (needs {' or '.join(self.roles)})")
+            secret = bearer(request)
+            if secret is None:
+                raise HTTPException(401, MISSING_TOKEN, headers={"WWW-Authenticate": "Bearer"})
+            p = await request.app.state.tokens.principal(secret)
+            if p is None:
+                raise HTTPException(401, UNKNOWN_TOKEN, headers={"WWW-Authenticate": "Bearer"})
+        why = role_refusal(p, self.roles)
+        if why:
+            raise HTTPException(403, why)
         return p
 
 

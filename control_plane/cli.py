@@ -18,23 +18,53 @@ def cmd_control_plane(args) -> int:
 
 
 def cmd_token_create(args) -> int:
+    """Create a token (a node token per ``--node-id``, bound to it) and print each secret once:
+    one line per token, in the order given (``--json``: one JSON object per line)."""
+    import sys
+
     from db import queries
     from db.engine import make_engine, session_factory, upgrade
 
     from .auth import new_secret
 
+    node_ids = list(args.node_id or [])
+    if args.role == "node" and not node_ids:
+        print("racer token create: error: --role node needs --node-id ID (a node token is bound to the one node id "
+              "it acts as)", file=sys.stderr)
+        return 2
+    if args.role != "node" and (node_ids or args.replace):
+        print("racer token create: error: --node-id and --replace apply to --role node only", file=sys.stderr)
+        return 2
+    bad = [n for n in node_ids if not _valid_node_id(n)]
+    if bad or len(set(node_ids)) != len(node_ids):
+        print(f"racer token create: error: node ids must be distinct, 1-128 letters, digits or _ . : - "
+              f"(got {', '.join(map(repr, bad or node_ids))})", file=sys.stderr)
+        return 2
     engine = make_engine(args.db)
     upgrade(engine)
-    secret = new_secret()
     now = time.time()
+    outs = []
     with session_factory(engine).begin() as s:
-        t = queries.add_token(s, name=args.name or args.role, role=args.role, secret=secret, now_s=now)
-        queries.audit(s, ts_s=now, actor="cli", action="token.create", target=f"token:{t.id}",
-                      after={"name": t.name, "role": t.role}, reason="racer token create")
-        out = {"id": t.id, "name": t.name, "role": t.role, "token": secret}
+        for node_id in node_ids or [None]:
+            secret = new_secret()
+            replaced = queries.revoke_node_tokens(s, node_id) if args.replace and node_id else []
+            name = args.name or (f"{args.role}-{node_id}" if node_id else args.role)
+            t = queries.add_token(s, name=name, role=args.role, secret=secret, now_s=now, node_id=node_id)
+            queries.audit(s, ts_s=now, actor="cli", action="token.create", target=f"token:{t.id}",
+                          before={"revoked_token_ids": replaced} if replaced else None,
+                          after={"name": t.name, "role": t.role, "node_id": node_id}, reason="racer token create")
+            outs.append({"id": t.id, "name": t.name, "role": t.role, "node_id": node_id, "token": secret,
+                         "replaced_token_ids": replaced})
     engine.dispose()
-    print(json.dumps(out) if args.json else secret)
+    for out in outs:
+        print(json.dumps(out) if args.json else out["token"])
     return 0
+
+
+def _valid_node_id(text: str) -> bool:
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9_.:\-]{1,128}", text) is not None
 
 
 def add_control_plane_parser(sub) -> None:
@@ -50,7 +80,13 @@ def add_control_plane_parser(sub) -> None:
     c = tsub.add_parser("create", help="create a token and print its secret once",
                         description="Create a bearer token in the control plane's database.")
     c.add_argument("--role", required=True, choices=("node", "operator", "viewer", "router"))
-    c.add_argument("--name", default=None, help="a name for the audit log (default: the role)")
+    c.add_argument("--node-id", action="append", metavar="ID",
+                   help="with --role node (required there): the node id the token is bound to, the only node it may "
+                        "act as; repeat it for one token per id (one secret per line, in this order)")
+    c.add_argument("--replace", action="store_true",
+                   help="with --role node: revoke the other tokens bound to each id (a lost or leaked token; the "
+                        "node may then register with the new one)")
+    c.add_argument("--name", default=None, help="a name for the audit log (default: the role, and the node id)")
     c.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or the SQLite file)")
     c.add_argument("--json", action="store_true", help="print {id, name, role, token}")
     c.set_defaults(func=cmd_token_create)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .weights import MAX_EMB_TRANSFER_US_PER_ROW, MAX_KV_RECOMPUTE_US_PER_TOKEN, MAX_QUEUE_CAPACITY, MAX_SERVICE_TIME_US
 
@@ -177,7 +177,7 @@ class NodeOut(Out):
     node_id: str
     address: str
     device: str
-    status: str
+    status: str  # "up", "down" or "retired"
     last_seen_s: float
     registered_at_s: float
     report_interval_s: float
@@ -377,18 +377,34 @@ class WhoAmIOut(Out):
     token_id: int | None
     name: str
     role: str
+    node_id: str | None = None  # the node a node token is bound to
 
 
 class TokenIn(In):
+    """A new token. A node token is bound to one ``node_id`` (required for role node, refused
+    for the others); ``replace`` revokes the other valid tokens bound to that id (a node whose
+    token was lost: the node id is registered by a token that must stop working)."""
     role: Literal["node", "operator", "viewer", "router"]
     name: Annotated[str, Field(min_length=1, max_length=128)]
+    node_id: NodeId | None = None
+    replace: bool = False
+
+    @model_validator(mode="after")
+    def _bound_to_a_node(self):
+        if self.role == "node" and self.node_id is None:
+            raise ValueError("node_id: a node token is bound to one node id; give the node_id it acts as")
+        if self.role != "node" and (self.node_id is not None or self.replace):
+            raise ValueError(f"node_id/replace: only node tokens are bound to a node id (role is {self.role!r})")
+        return self
 
 
 class TokenOut(Out):
     id: int
     name: str
     role: str
+    node_id: str | None = None
     token: str | None = None  # the secret, shown once on creation
+    replaced_token_ids: list[int] = Field(default_factory=list)  # revoked by ``replace``
 
 
 class SummaryOut(Out):

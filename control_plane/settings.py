@@ -29,7 +29,11 @@ class Settings:
     - ``leader_poll_s``: how often a standby replica tries to become the scheduler leader;
     - ``ingest_max_rows``: most report rows one group commit writes;
     - ``push_timeout_s``: timeout of one weight push to a router;
-    - ``admin_token``: the first operator token (``RACER_ADMIN_TOKEN``; else generated and printed once).
+    - ``admin_token``: the first operator token (``RACER_ADMIN_TOKEN``; else generated and printed once);
+    - ``max_body_bytes``: most bytes of a request body (registration, tokens, overrides, rollouts,
+      confirmations, any other route); ``max_report_body_bytes``: of a report batch;
+      ``max_policy_body_bytes``: of a policy upload. A larger body gets 413, counted on the bytes
+      received (chunked bodies too), after the token is checked (`control_plane.gate`).
     """
 
     database_url: str | None = None
@@ -56,6 +60,9 @@ class Settings:
     ingest_max_rows: int = 5000
     push_timeout_s: float = 2.0
     admin_token: str | None = None
+    max_body_bytes: int = 2**20
+    max_report_body_bytes: int = 16 * 2**20
+    max_policy_body_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         problems = []
@@ -68,6 +75,10 @@ class Settings:
             problems.append(f"weights_rel_change must be in [0, 1), got {self.weights_rel_change}")
         if not 1 <= self.port <= 65535 and self.port != 0:
             problems.append(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_body_bytes", "max_report_body_bytes", "max_policy_body_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1024:
+                problems.append(f"{name} must be an integer >= 1024, got {v!r}")
         if self.liveness_missed_intervals <= 0:
             problems.append(f"liveness_missed_intervals must be > 0, got {self.liveness_missed_intervals}")
         if problems:

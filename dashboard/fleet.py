@@ -45,23 +45,26 @@ def node_id(i: int) -> str:
     return f"gpu-{i:02d}"
 
 
-def create_token(http: httpx.Client, admin_token: str, role: str, name: str) -> str:
-    r = http.post(f"{API}/tokens", json={"role": role, "name": name},
-                  headers={"Authorization": f"Bearer {admin_token}"})
+def create_token(http: httpx.Client, admin_token: str, role: str, name: str, node_id: str | None = None) -> str:
+    body = {"role": role, "name": name}
+    if node_id is not None:
+        body["node_id"] = node_id
+    r = http.post(f"{API}/tokens", json=body, headers={"Authorization": f"Bearer {admin_token}"})
     r.raise_for_status()
     return r.json()["token"]
 
 
 class Fleet:
-    """``num_nodes`` synthetic nodes registered with one node token."""
+    """``num_nodes`` synthetic nodes, each registered with its own node token (bound to its id)."""
 
     def __init__(self, base_url: str, admin_token: str, config: FleetConfig | None = None, *,
                  start_s: float, end_s: float):
         self.config = config or FleetConfig()
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=30.0)
-        self.token = create_token(self.http, admin_token, "node", "synthetic-fleet")
         self.start_s, self.end_s = float(start_s), float(end_s)
         self.seq = {node_id(i): 0 for i in range(self.config.num_nodes)}
+        self.tokens = {nid: create_token(self.http, admin_token, "node", f"synthetic-{nid}", node_id=nid)
+                       for nid in self.seq}
         self.share = {node_id(i): 0.35 + 0.3 * (i % 7) / 6 for i in range(self.config.num_nodes)}
         self.policy = {nid: self.config.policy_version for nid in self.seq}
         self.override: dict[str, dict | None] = {nid: None for nid in self.seq}
@@ -69,12 +72,12 @@ class Fleet:
         self._thread: threading.Thread | None = None
         self.num_posted = 0
 
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"}
+    def headers(self, nid: str) -> dict:
+        return {"Authorization": f"Bearer {self.tokens[nid]}"}
 
     def register(self) -> None:
         for i, nid in enumerate(self.seq):
-            r = self.http.post(f"{API}/nodes/register", headers=self.headers(), json={
+            r = self.http.post(f"{API}/nodes/register", headers=self.headers(nid), json={
                 "node_id": nid, "address": f"http://127.0.0.1:{20000 + i}", "device": "cuda:0 (synthetic)",
                 "cost_profile": {"kv_recompute_us_per_token": 2.0 + 0.1 * (i % 5),
                                  "emb_transfer_us_per_row": 0.8 + 0.05 * (i % 3),
@@ -148,18 +151,18 @@ class Fleet:
 
     def follow(self, nid: str) -> None:
         """Pull this node's directives and apply them (override; policy: confirm it as loaded)."""
-        r = self.http.get(f"{API}/nodes/{nid}/directives", headers=self.headers())
+        r = self.http.get(f"{API}/nodes/{nid}/directives", headers=self.headers(nid))
         r.raise_for_status()
         d = r.json()
         self.override[nid] = d.get("override")
         pol = d.get("policy")
         if pol and pol.get("version") != self.policy.get(nid):
-            self.http.post(f"{API}/nodes/{nid}/policy", headers=self.headers(),
+            self.http.post(f"{API}/nodes/{nid}/policy", headers=self.headers(nid),
                            json={"policy_version": pol["version"], "status": "loaded"}).raise_for_status()
             self.policy[nid] = pol["version"]
 
     def post(self, nid: str, reports: list[dict]) -> None:
-        r = self.http.post(f"{API}/nodes/{nid}/reports", headers=self.headers(), json={"reports": reports})
+        r = self.http.post(f"{API}/nodes/{nid}/reports", headers=self.headers(nid), json={"reports": reports})
         r.raise_for_status()
         self.num_posted += len(reports)
 

@@ -124,10 +124,18 @@ class ControlPlane:
         h = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.Client(base_url=self.base + "/api/v1", headers=h, timeout=30)
 
-    def token(self, role: str, name: str | None = None) -> str:
-        r = self.admin.post("/tokens", json={"role": role, "name": name or role})
+    def token(self, role: str, name: str | None = None, node_id: str | None = None) -> str:
+        """A new token of ``role`` (a node token is bound to ``node_id``)."""
+        body = {"role": role, "name": name or role}
+        if node_id is not None:
+            body["node_id"] = node_id
+        r = self.admin.post("/tokens", json=body)
         assert r.status_code == 201, r.text
         return r.json()["token"]
+
+    def node(self, node_id: str) -> httpx.Client:
+        """A client with a new node token bound to ``node_id`` (a node token acts as its own node only)."""
+        return self.client(self.token("node", f"node-{node_id}", node_id=node_id))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -87,3 +88,62 @@ def skip_or_fail(reason: str) -> None:
     if os.environ.get("RACER_CI_STRICT") == "1":
         pytest.fail(f"RACER_CI_STRICT: {reason}")
     pytest.skip(reason)
+
+
+def send_streaming(url: str, method: str, path: str, *, headers: dict | None = None, total_bytes: int,
+                   chunk_bytes: int = 64 * 1024, chunked: bool = True, declare_only: bool = False) -> dict:
+    """Send a request whose body is ``total_bytes`` (spaces inside a JSON object) over a raw socket,
+    watching for the answer before each piece: a server that answers without reading the body is
+    seen as soon as it answers. ``chunked``: Transfer-Encoding: chunked (no Content-Length);
+    else a Content-Length of ``total_bytes``; ``declare_only``: that header and no body at all.
+    Returns {"status", "body", "sent_bytes"} (status None: no answer)."""
+    import select
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=30)
+    head = [f"{method} {path} HTTP/1.1", f"Host: {u.hostname}:{u.port}", "Content-Type: application/json"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {total_bytes}")
+    sent = 0
+    try:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        piece = b'{"pad": "' + b" " * max(0, chunk_bytes - 9)
+        sock.settimeout(5)
+        while not declare_only and sent < total_bytes:
+            if select.select([sock], [], [], 0)[0]:
+                break  # an answer (or a close) before the body was all sent
+            data = piece[: total_bytes - sent]
+            try:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+                break
+            sent += len(data)
+        else:
+            if chunked and not declare_only:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"0\r\n\r\n")
+        sock.settimeout(30)
+        raw = b""
+        try:
+            while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < _content_length(raw):
+                got = sock.recv(65536)
+                if not got:
+                    break
+                raw += got
+        except (ConnectionResetError, socket.timeout):
+            pass
+    finally:
+        sock.close()
+    if not raw.startswith(b"HTTP/1.1 "):
+        return {"status": None, "body": raw[:500].decode(errors="replace"), "sent_bytes": sent}
+    return {"status": int(raw.split(b" ", 2)[1]), "body": raw.split(b"\r\n\r\n", 1)[-1].decode(errors="replace"),
+            "sent_bytes": sent}
+
+
+def _content_length(raw: bytes) -> int:
+    for line in raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return int(value.strip())
+    return 0

@@ -38,7 +38,7 @@ def cp_any(request, tmp_path):
 
 
 def test_replayed_batch_is_stored_once(cp_any):
-    node = cp_any.client(cp_any.token("node"))
+    node = cp_any.node("r1")
     register(node, "r1")
     batch = {"reports": [report(i, ts_s=1000.0 + i, decision={"source": "base", "emb_share": 0.5, "reason": "x"})
                          for i in range(5)]}
@@ -59,7 +59,7 @@ def test_replayed_batch_is_stored_once(cp_any):
 
 
 def test_bad_reports_get_422_naming_the_field_and_nothing_is_stored(cp):
-    node = cp.client(cp.token("node"))
+    node = cp.node("bad1")
     register(node, "bad1")
     good, bad = report(0, ts_s=1.0), report(1, ts_s=2.0, emb_share=1.5)
     r = node.post("/nodes/bad1/reports", json={"reports": [good, bad]})
@@ -69,9 +69,9 @@ def test_bad_reports_get_422_naming_the_field_and_nothing_is_stored(cp):
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "reports", 0, "surprise"]
     r = node.post("/nodes/bad1/reports", content=b'{"reports": [{"seq": 0, "ts_s": NaN}]}')
     assert r.status_code == 422
-    r = node.post("/nodes/nobody/reports", json={"reports": [good]})
+    r = cp.node("nobody").post("/nodes/nobody/reports", json={"reports": [good]})
     assert r.status_code == 404 and "nobody" in r.json()["detail"]
-    r = node.post("/nodes/register", json={"node_id": "x", "address": "ftp://x", "device": "cpu",
+    r = cp.node("x").post("/nodes/register", json={"node_id": "x", "address": "ftp://x", "device": "cpu",
                                            "cost_profile": {"kv_recompute_us_per_token": -1,
                                                             "emb_transfer_us_per_row": 1, "service_time_us": 1}})
     assert r.status_code == 422
@@ -80,7 +80,7 @@ def test_bad_reports_get_422_naming_the_field_and_nothing_is_stored(cp):
     assert cp.admin.get("/reports", params={"node_id": "bad1"}).json() == []
     assert cp.admin.get("/nodes/x").status_code == 404
     # a cost profile outside physical ranges (1e308 µs, a boolean) is refused, field by field
-    r = node.post("/nodes/register", json={"node_id": "absurd", "address": "http://127.0.0.1:1", "device": "cpu",
+    r = cp.node("absurd").post("/nodes/register", json={"node_id": "absurd", "address": "http://127.0.0.1:1", "device": "cpu",
                                            "cost_profile": {"kv_recompute_us_per_token": 1e308,
                                                             "emb_transfer_us_per_row": 1e308,
                                                             "service_time_us": False, "queue_capacity": 64}})
@@ -103,7 +103,8 @@ def _fill(path: str, params: list[dict]) -> str:
 
 def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
     spec = httpx.get(cp.base + "/openapi.json").json()
-    tokens = {role: cp.token(role) for role in ("node", "operator", "viewer", "router")}
+    tokens = {role: cp.token(role, node_id="n1" if role == "node" else None)
+              for role in ("node", "operator", "viewer", "router")}
     checked = []
     for path, ops in spec["paths"].items():
         for method, op in ops.items():
@@ -137,9 +138,9 @@ def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
 
 
 def test_override_lifecycle_with_expiry_and_audit(cp):
-    node = cp.client(cp.token("node"))
+    node, node2 = cp.node("o1"), cp.node("o2")
     register(node, "o1")
-    register(node, "o2")
+    register(node2, "o2")
     r = cp.admin.post("/overrides", json={"node_id": "o1", "emb_share": 0.99, "reason": "too high"})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "emb_share"]
     assert "guard bounds" in r.json()["detail"][0]["msg"]
@@ -153,13 +154,13 @@ def test_override_lifecycle_with_expiry_and_audit(cp):
     o = o.json()
     d1 = node.get("/nodes/o1/directives").json()["override"]
     assert (d1["override_id"], d1["emb_share"], d1["scope"]) == (o["id"], 0.3, "node")
-    assert node.get("/nodes/o2/directives").json()["override"]["emb_share"] == 0.6
+    assert node2.get("/nodes/o2/directives").json()["override"]["emb_share"] == 0.6
     wait_for(lambda: cp.admin.get("/overrides", params={"state": "expired"}).json(), timeout_s=15)
     assert node.get("/nodes/o1/directives").json()["override"]["emb_share"] == 0.6  # back to the cluster's
     r = cp.admin.post(f"/overrides/{c['id']}/clear", json={"reason": "done"})
     assert r.status_code == 200 and r.json()["state"] == "cleared"
     assert cp.admin.post(f"/overrides/{c['id']}/clear", json={"reason": "again"}).status_code == 409
-    assert node.get("/nodes/o2/directives").json()["override"] is None
+    assert node2.get("/nodes/o2/directives").json()["override"] is None
     audit = cp.admin.get("/audit", params={"target": "override:"}).json()["items"]
     seen = {(a["action"], a["target"]) for a in audit}
     assert {("override.create", f"override:{c['id']}"), ("override.create", f"override:{o['id']}"),
@@ -197,14 +198,14 @@ def test_router_weights_pushed_on_change_only_and_pullable(cp):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     _Recorder.received = []
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    node_token = cp.token("node")
-    node = cp.client(node_token)
+    nodes = {nid: cp.node(nid) for nid in ("w1", "w2")}
+    node = nodes["w1"]
     seqs, seq_lock, stop = iter(range(10**6)), threading.Lock(), threading.Event()
 
     def send(nid, **kw):  # one report; seqs increase per node whichever thread sends
         with seq_lock:
             seq = next(seqs)
-            r = node.post(f"/nodes/{nid}/reports", json={"reports": [report(seq, **kw)]})
+            r = nodes[nid].post(f"/nodes/{nid}/reports", json={"reports": [report(seq, **kw)]})
         assert r.status_code == 200, r.text
 
     def keep_alive():  # well inside the liveness limit (5 report intervals), whatever the load
@@ -215,7 +216,7 @@ def test_router_weights_pushed_on_change_only_and_pullable(cp):
     alive = threading.Thread(target=keep_alive, daemon=True)
     try:
         for nid, kv in (("w1", 2.0), ("w2", 4.0)):
-            register(node, nid, kv_recompute_us_per_token=kv)
+            register(nodes[nid], nid, kv_recompute_us_per_token=kv)
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         r = node.post("/routers", json={"url": url, "push_token": "gw-push-secret"})
         assert r.status_code == 200 and r.json()["has_push_token"] and "push_token" not in r.json()
@@ -270,7 +271,7 @@ def test_policy_upload_verify_download(cp):
     assert cp.admin.post("/policies", content=good).status_code == 200  # same files: idempotent
     other = artifact_tar(DEFAULT_POLICY)  # the default's own policy_id, different manifest bytes from up-a
     assert cp.admin.post("/policies", content=other).status_code == 201
-    node = cp.client(cp.token("node"))
+    node = cp.node("art1")
     art = node.get("/policies/up-a/artifact")
     import hashlib
 
@@ -324,7 +325,7 @@ def test_policy_uploads_that_unpack_too_far_or_are_cut_get_422(cp):
 def test_bodies_that_are_not_utf8_or_carry_a_lone_surrogate_get_422_not_500(cp):
     """The 422 echoes the refused input: bytes that are not UTF-8 and a lone surrogate (valid JSON
     text, not encodable as UTF-8) must still make a JSON answer; nothing is stored."""
-    node = cp.client(cp.token("node"))
+    node = cp.node("utf1")
     register(node, "utf1")
     r = node.post("/nodes/utf1/reports", content=b"\xce\xe2", headers={"content-type": "application/json"})
     assert r.status_code == 422, r.text[:300]

@@ -22,13 +22,13 @@ def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ro")
     d = Database("sqlite", tmp)
     cp = ControlPlane(d.url, tmp / "cp.log", env={"RACER_LIVENESS_MISSED_INTERVALS": "600"})
-    node = cp.client(cp.token("node"))
+    node = {n: cp.node(n) for n in NODES}  # each node its own token (bound to its id)
     for v in ("ro-a", "ro-b", "ro-c", "ro-d", "ro-e"):
         r = cp.admin.post("/policies", content=artifact_tar(DEFAULT_POLICY, policy_id=v))
         assert r.status_code == 201, r.text
     assert cp.admin.post("/policies/ro-a/activate", json={"reason": "baseline"}).status_code == 200
     for n in NODES:
-        register(node, n, policy_version="ro-a")
+        register(node[n], n, policy_version="ro-a")
     yield cp, node
     cp.stop()
 
@@ -44,17 +44,17 @@ def _start(cp, node, version, **cfg):
     baseline = [x["node_id"] for x in ro["nodes"] if x["role"] == "baseline"]
     assert len(canary) == 2 and len(baseline) == 2
     for n in canary:
-        d = node.get(f"/nodes/{n}/directives").json()["policy"]
+        d = node[n].get(f"/nodes/{n}/directives").json()["policy"]
         assert (d["version"], d["rollout_id"]) == (version, ro["id"])
     for n in baseline:
-        assert node.get(f"/nodes/{n}/directives").json()["policy"]["version"] == cp.admin.get(
+        assert node[n].get(f"/nodes/{n}/directives").json()["policy"]["version"] == cp.admin.get(
             "/summary").json()["active_policy"]
     return ro, canary, baseline
 
 
 def _confirm(node, nodes, version, status="loaded", error=None):
     for n in nodes:
-        r = node.post(f"/nodes/{n}/policy", json={"policy_version": version, "status": status, "error": error})
+        r = node[n].post(f"/nodes/{n}/policy", json={"policy_version": version, "status": status, "error": error})
         assert r.status_code == 200, r.text
 
 
@@ -73,7 +73,7 @@ def _send(node, n, version, p99s, slos, num_requests=100):
         _seq[n] = s + 1
         reps.append(report(s, ts_s=time.time(), p99_ms=p99, slo_attainment=slo, policy_version=version,
                            num_requests=num_requests))
-    r = node.post(f"/nodes/{n}/reports", json={"reports": reps})
+    r = node[n].post(f"/nodes/{n}/reports", json={"reports": reps})
     assert r.status_code == 200, r.text
 
 
@@ -93,7 +93,7 @@ def test_worse_policy_is_rolled_back_and_baseline_keeps_the_active_version(env):
     assert [s["to_state"] for s in done["steps"]] == ["pending", "baking", "rolled_back"]
     assert done["steps"][-1]["actor"] == "judge" and "canary worse" in done["steps"][-1]["reason"]
     for n in NODES:  # everyone (canary included) is told to run the active version again
-        assert node.get(f"/nodes/{n}/directives").json()["policy"]["version"] == "ro-a"
+        assert node[n].get(f"/nodes/{n}/directives").json()["policy"]["version"] == "ro-a"
     pols = {p["version"]: p["status"] for p in cp.admin.get("/policies").json()}
     assert pols["ro-a"] == "active" and pols["ro-b"] == "rolled_back"
     audit = cp.admin.get("/audit", params={"target": f"rollout:{ro['id']}"}).json()["items"]
@@ -117,7 +117,7 @@ def test_same_policy_is_never_failed(env):
         cp.admin.post(f"/rollouts/{ro['id']}/promote", json={"reason": "same policy"}).raise_for_status()
     assert cp.admin.get("/summary").json()["active_policy"] == "ro-c"
     for n in NODES:
-        assert node.get(f"/nodes/{n}/directives").json()["policy"]["version"] == "ro-c"
+        assert node[n].get(f"/nodes/{n}/directives").json()["policy"]["version"] == "ro-c"
 
 
 def test_no_traffic_is_inconclusive_and_operators_act_by_hand(env):

@@ -128,7 +128,7 @@ def stack(tmp_path_factory):
     try:
         s.start_cp()
         s.viewer = s.api("POST", "/tokens", json={"role": "viewer", "name": "watcher"})["token"]
-        node_token = s.api("POST", "/tokens", json={"role": "node", "name": "agent"})["token"]
+        node_token = s.api("POST", "/tokens", json={"role": "node", "name": "agent", "node_id": AGENT_ID})["token"]
         # policies: the shipped one (made active) and a candidate under another policy_id
         s.active_policy = _upload(s, policy_tar())
         s.api("POST", f"/policies/{s.active_policy}/activate", json={"reason": "test baseline"})

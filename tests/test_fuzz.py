@@ -133,8 +133,8 @@ def test_control_plane_api_fuzz_with_valid_tokens_keeps_the_database_valid(tmp_p
 
     url = f"sqlite:///{tmp_path / 'cp.db'}"
     app = create_cp_app(Settings(database_url=url, scheduler=False, admin_token=ADMIN))
-    with TestClient(app) as c:  # a node token, and one registered node for the routes that name one
-        r = c.post("/api/v1/tokens", json={"role": "node", "name": "fuzz-node"},
+    with TestClient(app) as c:  # a node token (bound to node-0), and node-0 registered for the routes that name one
+        r = c.post("/api/v1/tokens", json={"role": "node", "name": "fuzz-node", "node_id": "node-0"},
                    headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 201, r.text
         node_token = r.json()["token"]

@@ -406,7 +406,8 @@ def test_node_list_and_weights_from_a_control_plane(cluster, tmp_path):
 def test_gateway_with_the_real_control_plane(cluster, tmp_path):
     """The control plane process (control_plane.main, SQLite): nodes registered there are the
     gateway's nodes; the gateway registers for pushes with its own push token and receives the
-    weights the control plane's job computes and pushes."""
+    weights the control plane's job computes and pushes. A node an operator retires leaves the
+    gateway's rotation at its next read of the node list; every request goes to the others."""
     from tests.cp_util import ControlPlane, Database, wait_for
 
     agents, _, _ = cluster
@@ -414,8 +415,8 @@ def test_gateway_with_the_real_control_plane(cluster, tmp_path):
     cp = ControlPlane(db.url, tmp_path / "cp.log")
     gw = None
     try:
-        node = cp.client(cp.token("node"))
         for i, a in enumerate(agents[:2]):
+            node = cp.node(f"node-{i}")  # each node its own token, bound to its id
             r = node.post("/nodes/register", json={
                 "node_id": f"node-{i}", "address": a.url, "device": "cpu", "policy_version": None,
                 "cost_profile": {"kv_recompute_us_per_token": 4.0, "emb_transfer_us_per_row": 2.0,
@@ -435,6 +436,13 @@ def test_gateway_with_the_real_control_plane(cluster, tmp_path):
         assert s["weights"]["nodes"]["node-0"]["queue_capacity"] == 48
         d = post(gw.url, {"user_id": 11, "history": [1, 2, 3], "new_items": [4], "top_k": 2}).json()
         assert d["served_by"] in ("node-0", "node-1")
+        # retire node-1: out of the gateway's node list (read every 5 s), nothing more is sent to it
+        r = cp.admin.post("/nodes/node-1/retire", json={"reason": "test: drain"})
+        assert r.status_code == 200 and r.json()["status"] == "retired", r.text
+        wait_for(lambda: [n["node_id"] for n in state(gw)["nodes"]] == ["node-0"], 30)
+        served = {post(gw.url, {"user_id": u, "history": [1, 2, 3], "new_items": [4], "top_k": 2}).json()["served_by"]
+                  for u in range(20)}
+        assert served == {"node-0"}
     finally:
         if gw is not None:
             gw.stop()
@@ -459,3 +467,4 @@ def test_hostile_bodies_get_a_4xx_from_the_agent_and_the_gateway_never_a_5xx(clu
     assert r.status_code == 422 and "nested too deeply" in r.text
     r = httpx.post(gw.url + "/v1/router/weights", content=deep, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 422 and "nested too deeply" in r.text
+

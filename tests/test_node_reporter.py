@@ -129,7 +129,7 @@ def cluster(tmp_path_factory):
     agent_proc = None
     try:
         with cp.api() as api:
-            r = api.post("/tokens", json={"role": "node", "name": "node-n0"})
+            r = api.post("/tokens", json={"role": "node", "name": "node-n0", "node_id": "n0"})
             assert r.status_code == 201, r.text
             node_token = r.json()["token"]
         csv = write_taobao_csv(tmp / "UserBehavior_small.csv")
@@ -324,7 +324,7 @@ def test_a_node_that_lost_its_state_continues_numbering_above_the_stored_reports
 
     cp = cluster["cp"]
     with cp.api() as api:
-        token = api.post("/tokens", json={"role": "node", "name": "node-lost"}).json()["token"]
+        token = api.post("/tokens", json={"role": "node", "name": "node-lost", "node_id": "n-lost"}).json()["token"]
 
     policy = export_constant_policy(tmp_path / "p06", 0.6)
 

@@ -1,0 +1,211 @@
+"""The control plane's trust boundaries over real HTTP (a control-plane process on SQLite, and on
+PostgreSQL when one is reachable): a node token acts as its own node only, a node id belongs to
+the token that registered it, an operator drains and retires a node, and a request's token is
+checked before its body is read, every body capped (413, chunked bodies included)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from racer.up import rss_bytes
+
+from .cp_util import ControlPlane, Database, backends, register, report
+from .procs import send_streaming
+
+# small caps, so that the 413 tests send little
+CAPS = {"RACER_MAX_BODY_BYTES": "16384", "RACER_MAX_REPORT_BODY_BYTES": "262144",
+        "RACER_MAX_POLICY_BODY_BYTES": "131072"}
+API = "/api/v1"
+PROFILE = {"kv_recompute_us_per_token": 2.0, "emb_transfer_us_per_row": 1.0, "service_time_us": 500.0,
+           "queue_capacity": 64}
+
+
+@pytest.fixture(scope="module", params=backends())
+def cp(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trust")
+    d = Database(request.param, tmp)
+    c = ControlPlane(d.url, tmp / "cp.log", env=CAPS)
+    c.db_url = d.url
+    yield c
+    c.stop()
+    d.drop()
+
+
+def _spec(cp) -> dict:
+    return httpx.get(cp.base + "/openapi.json").json()
+
+
+def _node_routes(cp) -> list[tuple[str, str]]:
+    """(method, path) of every route a node calls as itself: under /api/v1/nodes/, role node."""
+    return sorted((m.upper(), p) for p, ops in _spec(cp)["paths"].items() for m, op in ops.items()
+                  if p.startswith(f"{API}/nodes/") and "node" in op.get("x-racer-roles", []))
+
+
+def _body(path: str, node_id: str):
+    """A valid body for each node route, acting as ``node_id``."""
+    return {f"{API}/nodes/register": {"node_id": node_id, "address": "http://127.0.0.1:9", "device": "cpu",
+                                      "cost_profile": PROFILE},
+            f"{API}/nodes/{{node_id}}/reports": {"reports": [report(7, ts_s=1000.0)]},
+            f"{API}/nodes/{{node_id}}/policy": {"policy_version": "forged", "status": "loaded"},
+            f"{API}/nodes/{{node_id}}/directives": None}[path]
+
+
+def _call(token: str | None, method: str, path: str, node_id: str, cp) -> httpx.Response:
+    h = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.request(method, cp.base + path.replace("{node_id}", node_id), headers=h,
+                         json=_body(path, node_id), timeout=30)
+
+
+def _unbound_node_token(cp) -> str:
+    """A node token bound to no node id, as databases made before the binding hold."""
+    from control_plane.auth import new_secret
+    from db import queries
+    from db.engine import make_engine, session_factory
+
+    engine = make_engine(cp.db_url)
+    secret = new_secret()
+    with session_factory(engine).begin() as s:
+        queries.add_token(s, name="old-node-token", role="node", secret=secret, now_s=0.0)
+    engine.dispose()
+    return secret
+
+
+def test_every_node_route_with_another_nodes_token_is_403(cp):
+    """Table-driven over the API's own list of node routes: a token bound to another node, and a
+    node token bound to none, are refused (403) on each; nothing of the victim changes; the
+    victim's own token is served."""
+    routes = _node_routes(cp)
+    assert routes == [("GET", f"{API}/nodes/{{node_id}}/directives"), ("POST", f"{API}/nodes/register"),
+                      ("POST", f"{API}/nodes/{{node_id}}/policy"), ("POST", f"{API}/nodes/{{node_id}}/reports")]
+    victim = cp.token("node", node_id="victim")
+    assert register(cp.client(victim), "victim")["node_id"] == "victim"
+    before = cp.admin.get("/nodes/victim").json()
+    attacker, unbound = cp.token("node", node_id="attacker"), _unbound_node_token(cp)
+    for method, path in routes:
+        r = _call(attacker, method, path, "victim", cp)
+        assert r.status_code == 403, (method, path, r.status_code, r.text)
+        assert "bound to node 'attacker'" in r.json()["detail"] and "'victim'" in r.json()["detail"], r.text
+        r = _call(unbound, method, path, "victim", cp)
+        assert r.status_code == 403, (method, path, r.status_code, r.text)
+        assert "racer token create --role node --node-id" in r.json()["detail"], r.text
+    after = cp.admin.get("/nodes/victim").json()
+    assert after == before  # same address, no report stored as it, no forged confirmation
+    assert cp.admin.get("/reports", params={"node_id": "victim"}).json() == []
+    # the unbound token is refused on the node routes even for an id no one has registered
+    assert _call(unbound, "POST", f"{API}/nodes/register", "fresh", cp).status_code == 403
+    for method, path in routes:  # the victim's own token may
+        assert _call(victim, method, path, "victim", cp).status_code == 200, (method, path)
+    who = cp.client(victim).get("/whoami").json()
+    assert (who["role"], who["node_id"]) == ("node", "victim")
+
+
+def test_a_node_token_needs_a_node_id_and_only_node_tokens_take_one(cp):
+    for body in ({"role": "node", "name": "x"}, {"role": "viewer", "name": "x", "node_id": "n"},
+                 {"role": "operator", "name": "x", "node_id": "n", "replace": True}):
+        r = cp.admin.post("/tokens", json=body)
+        assert r.status_code == 422 and "node_id" in r.text, (body, r.text)
+    r = cp.admin.post("/tokens", json={"role": "node", "name": "x", "node_id": "bad id!"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "node_id"]
+
+
+def test_re_registration_from_a_different_token_is_403_until_the_first_is_replaced(cp):
+    first = cp.client(cp.token("node", node_id="owned"))
+    register(first, "owned")
+    second = cp.client(cp.token("node", node_id="owned"))  # bound to the same id, but not the registrar
+    r = second.post("/nodes/register", json={"node_id": "owned", "address": "http://127.0.0.1:19199", "device": "cpu",
+                                             "cost_profile": PROFILE})
+    assert r.status_code == 403 and "registered by another token" in r.json()["detail"], r.text
+    assert cp.admin.get("/nodes/owned").json()["address"] == "http://127.0.0.1:9"  # not re-pointed
+    register(first, "owned")  # the registrar may, as often as it likes
+    # a token made with replace revokes the others bound to the id: it may register, the first is gone
+    r = cp.admin.post("/tokens", json={"role": "node", "name": "owned-new", "node_id": "owned", "replace": True})
+    assert r.status_code == 201 and len(r.json()["replaced_token_ids"]) == 2, r.text
+    third = cp.client(r.json()["token"])
+    assert register(third, "owned")["node_id"] == "owned"
+    assert first.get("/nodes/owned/directives").status_code == 401
+    assert second.get("/nodes/owned/directives").status_code == 401
+
+
+def test_retire_is_operator_only_drops_the_node_from_the_list_and_refuses_its_token(cp):
+    tok = cp.token("node", node_id="old1")
+    node = cp.client(tok)
+    register(node, "old1")
+    assert node.post("/nodes/old1/reports", json={"reports": [report(0, ts_s=1000.0)]}).status_code == 200
+    ov = cp.admin.post("/overrides", json={"node_id": "old1", "emb_share": 0.4, "reason": "pin"}).json()
+    url = cp.base + f"{API}/nodes/old1/retire"
+    for token, want in [(None, 401), ("racer_not-a-token", 401), (tok, 403), (cp.token("viewer"), 403),
+                        (cp.token("router"), 403)]:
+        h = {"Authorization": f"Bearer {token}"} if token else {}
+        assert httpx.post(url, json={"reason": "x"}, headers=h).status_code == want, token
+    assert cp.admin.post("/nodes/old1/retire", json={}).status_code == 422  # a reason is required
+    r = cp.admin.post("/nodes/old1/retire", json={"reason": "decommissioned"})
+    assert r.status_code == 200 and r.json()["status"] == "retired", r.text
+    # out of the list the gateway reads (a router token's view), still readable by id
+    assert "old1" not in [n["node_id"] for n in cp.client(cp.token("router")).get("/nodes").json()]
+    assert "old1" in [n["node_id"] for n in cp.admin.get("/nodes", params={"include_retired": "true"}).json()]
+    assert cp.admin.get("/nodes/old1").json()["status"] == "retired"
+    # its token is refused on every node route, at once
+    for method, path in _node_routes(cp):
+        assert _call(tok, method, path, "old1", cp).status_code == 401, (method, path)
+    assert [o["state"] for o in cp.admin.get("/overrides").json() if o["id"] == ov["id"]] == ["cleared"]
+    entry = cp.admin.get("/audit", params={"action": "node.retire"}).json()["items"][0]
+    assert (entry["actor"], entry["target"], entry["reason"]) == ("admin", "node:old1", "decommissioned")
+    assert entry["after"]["status"] == "retired" and entry["after"]["revoked_token_ids"]
+    assert cp.admin.post("/nodes/old1/retire", json={"reason": "again"}).status_code == 409
+    assert cp.admin.post("/nodes/nobody/retire", json={"reason": "x"}).status_code == 404
+    # a new token for its id brings it back
+    register(cp.node("old1"), "old1")
+    assert cp.admin.get("/nodes/old1").json()["status"] == "up"
+
+
+@pytest.mark.parametrize("path,token_role", [(f"{API}/nodes/x/reports", None), (f"{API}/tokens", None),
+                                             (f"{API}/tokens", "viewer"), (f"{API}/policies", None)])
+def test_a_refused_token_gets_its_answer_before_a_300_mb_chunked_body_is_read(cp, path, token_role):
+    """401 (no token) or 403 (a viewer on an operator route) while the client is still sending:
+    the server answered after far less than the body, and its memory did not grow by it."""
+    headers = {"Authorization": f"Bearer {cp.token(token_role)}"} if token_role else {}
+    rss0 = rss_bytes(cp.proc.pid)
+    out = send_streaming(cp.base, "POST", path, headers=headers, total_bytes=300 * 2**20, chunk_bytes=256 * 1024)
+    assert out["status"] == (403 if token_role else 401), out
+    assert out["sent_bytes"] < 32 * 2**20, out["sent_bytes"]  # answered long before the 300 MB were sent
+    assert rss_bytes(cp.proc.pid) - rss0 < 32 * 2**20
+    assert httpx.get(cp.base + "/healthz").status_code == 200
+
+
+def _mutating_routes(cp) -> list[tuple[str, str, list[str]]]:
+    return [(m.upper(), p, op["x-racer-roles"]) for p, ops in _spec(cp)["paths"].items() for m, op in ops.items()
+            if m in ("post", "put", "patch")]
+
+
+def test_every_body_is_capped_with_413_declared_or_chunked(cp):
+    """Every route that takes a body, with a token it accepts: a Content-Length over its cap gets
+    413 before a byte is sent, a chunked body 413 once the bytes received pass the cap."""
+    caps = {f"{API}/nodes/{{node_id}}/reports": 262144, f"{API}/policies": 131072}
+    node_tok = cp.token("node", node_id="capped")
+    register(cp.client(node_tok), "capped")
+    routes = _mutating_routes(cp)
+    assert len(routes) >= 15, routes
+    for method, path, allowed in routes:
+        token = node_tok if "node" in allowed else cp.ADMIN
+        url_path = path.replace("{node_id}", "capped").replace("{override_id}", "1").replace(
+            "{rollout_id}", "1").replace("{version}", "v1")
+        cap = caps.get(path, 16384)
+        h = {"Authorization": f"Bearer {token}"}
+        out = send_streaming(cp.base, method, url_path, headers=h, total_bytes=cap + 1, chunked=False,
+                             declare_only=True)
+        assert out["status"] == 413 and f"{cap + 1} bytes exceeds {cap} bytes" in out["body"], (path, out)
+        out = send_streaming(cp.base, method, url_path, headers=h, total_bytes=cap + 8 * 2**20, chunk_bytes=8192)
+        assert out["status"] == 413 and f"exceeds {cap} bytes" in out["body"], (path, out)
+        # the server stopped reading at the cap: it counted one read from the socket past it, at most
+        read = int(re.search(r"at least (\d+) bytes", out["body"]).group(1))
+        assert cap < read <= cap + 2**20, (path, read)
+    # a report batch under its cap (but over the general one) is stored
+    batch = {"reports": [report(i, ts_s=2000.0 + i, decision={"source": "base", "emb_share": 0.5, "reason": "r" * 150})
+                         for i in range(100)]}
+    node = cp.client(node_tok)
+    r = node.post("/nodes/capped/reports", json=batch)
+    assert 16384 < len(r.request.content) < 262144 and r.status_code == 200 and r.json()["stored"] == 100, r.text
+    assert httpx.get(cp.base + "/healthz").status_code == 200
