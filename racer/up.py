@@ -23,9 +23,11 @@ Files in the data folder (written whole: temp file, fsync, rename; a write that 
 nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
 ``RACER_ADMIN_TOKEN``), ``node_profile.json`` (the
 miss costs every agent reads instead of measuring them again), ``racer.db`` (SQLite), ``logs/``,
-``node_token.<db hash>`` (the agents' token, one per database: made with ``racer token create``
-before the control plane starts, checked with ``/api/v1/whoami`` once it answers and remade through
-``POST /api/v1/tokens`` if that database does not know it), ``agents/node-K/`` (each agent's
+``node_token.<db hash>.node-K`` (mode 0600: agent node-K's own token, bound to node id node-K, one
+per agent and database: made with ``racer token create --role node --node-id node-K`` before the
+control plane starts, checked with ``/api/v1/whoami`` once it answers and remade through
+``POST /api/v1/tokens`` if that database does not know it; each agent gets its token in its
+environment, ``RACER_NODE_TOKEN``), ``agents/node-K/`` (each agent's
 report spool and downloaded policies), ``processes.json`` (each process's pid, URL,
 restarts and log), ``up.lock``.
 """
@@ -416,8 +418,10 @@ class Plan:
 
 
 def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator_token: str,
-                   node_env: dict[str, str], profile: Path | None, db_url: str) -> Plan:
-    """The process specs of ``racer up`` for the pieces this build has."""
+                   node_envs: dict[str, dict[str, str]], profile: Path | None, db_url: str) -> Plan:
+    """The process specs of ``racer up`` for the pieces this build has. Agent ``node-K`` (its
+    process name and its node id) runs with the environment ``node_envs["node-K"]`` (created
+    here, empty): its own token goes there once it is known."""
     host = "127.0.0.1"
     specs: list[ProcessSpec] = []
     missing = []
@@ -450,11 +454,11 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
             argv += ["--policy", str(args.policy)]
         if profile is not None:
             argv += ["--profile", str(profile)]
-        env = node_env  # shared: RACER_NODE_TOKEN is set there once the control plane has made it
+        env = node_envs.setdefault(f"node-{k}", {})  # its own RACER_NODE_TOKEN goes there once known
         if cp_url and "--control-plane" in agent_opts:
             argv += ["--control-plane", cp_url]  # the token goes in the environment: never in argv or a log
             if "--node-id" in agent_opts:
-                argv += ["--node-id", f"node-{k}"]
+                argv += ["--node-id", f"node-{k}"]  # the id its token is bound to
             if "--state-dir" in agent_opts:
                 argv += ["--state-dir", str(data_dir / "agents" / f"node-{k}")]
         specs.append(ProcessSpec(f"node-{k}", argv, env, [f"{url}/healthz"], url=url))
@@ -501,41 +505,56 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
     return Plan(specs, targets, dash_url, cp_url, missing, node_urls)
 
 
-def _token_path(data_dir: Path, db_url: str) -> Path:
+def _token_path(data_dir: Path, db_url: str, node_id: str) -> Path:
     import hashlib
 
-    return data_dir / f"node_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}"
+    return data_dir / f"node_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}.{node_id}"
 
 
-def start_token_create(data_dir: Path, db_url: str, log: Callable[[str], None]) -> subprocess.Popen | None:
-    """On a database racer up has not used yet: make the agents' node token before the control
-    plane starts (``racer token create``, which also creates the schema), so the agents can start
-    with the control plane instead of after it. The URL goes in the environment, not argv."""
-    path = _token_path(data_dir, db_url)
-    if path.exists() and path.read_text().strip():
+def _kept_token(data_dir: Path, db_url: str, node_id: str) -> str | None:
+    path = _token_path(data_dir, db_url, node_id)
+    text = path.read_text().strip() if path.exists() else ""
+    return text or None
+
+
+def start_token_create(data_dir: Path, db_url: str, node_ids: Sequence[str],
+                       log: Callable[[str], None]) -> subprocess.Popen | None:
+    """For the agents that have no token kept for this database: make one each, bound to its node
+    id, before the control plane starts (one ``racer token create --role node --node-id ID ...``,
+    which also creates the schema; ``--replace`` revokes a token of that id made elsewhere), so the
+    agents can start with the control plane instead of after it. The URL goes in the environment,
+    not argv. None: every agent has its token."""
+    missing = [n for n in node_ids if _kept_token(data_dir, db_url, n) is None]
+    if not missing:
         return None
-    log("creating the node agents' token (racer token create --role node)")
+    log(f"creating a token for each of {', '.join(missing)} (racer token create --role node --node-id ...)")
     err = open(data_dir / "logs" / "token-create.log", "ab")
+    ids = [arg for n in missing for arg in ("--node-id", n)]
     try:
-        return subprocess.Popen(_racer("token", "create", "--role", "node", "--name", "racer-up-nodes"), cwd=REPO,
+        return subprocess.Popen(_racer("token", "create", "--role", "node", *ids, "--replace", "--json"), cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                                 env={**os.environ, "RACER_DATABASE_URL": db_url, "PYTHONUNBUFFERED": "1"})
     finally:
         err.close()
 
 
-def finish_token_create(data_dir: Path, db_url: str, proc: subprocess.Popen | None) -> str | None:
-    """The node token: the one just created, else the one kept from an earlier run (None: none)."""
-    path = _token_path(data_dir, db_url)
+def finish_token_create(data_dir: Path, db_url: str, node_ids: Sequence[str],
+                        proc: subprocess.Popen | None) -> dict[str, str]:
+    """Each agent's token (node id -> secret): those just created (kept in the data folder) and
+    those kept from an earlier run; an agent with neither is not in the answer."""
     if proc is not None:
         out, _ = proc.communicate()
-        secret = out.strip().splitlines()[-1].strip() if out.strip() else ""
-        if proc.returncode != 0 or not secret:
+        try:
+            rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+            made = {str(r["node_id"]): str(r["token"]) for r in rows}
+        except (ValueError, KeyError, TypeError):
+            made = {}
+        if proc.returncode != 0 or not made:
             raise UpError(f"racer token create failed for {_safe_url(db_url)}; see "
                           f"{data_dir / 'logs' / 'token-create.log'}:\n" + _tail(data_dir / "logs" / "token-create.log", 8))
-        write_atomic(path, secret + "\n", mode=0o600)
-        return secret
-    return path.read_text().strip() if path.exists() else None
+        for node_id, secret in made.items():
+            write_atomic(_token_path(data_dir, db_url, node_id), secret + "\n", mode=0o600)
+    return {n: t for n in node_ids if (t := _kept_token(data_dir, db_url, n)) is not None}
 
 
 def gateway_routes_to(gw_url: str, node_urls: Sequence[str]) -> bool:
@@ -551,27 +570,35 @@ def gateway_routes_to(gw_url: str, node_urls: Sequence[str]) -> bool:
     return set(node_urls) <= live
 
 
-def ensure_node_token(data_dir: Path, db_url: str, cp_url: str, operator_token: str,
-                      log: Callable[[str], None]) -> str:
-    """A token of role node for the agents: the one kept for this database in
-    ``DATA/node_token.<db hash>`` if the control plane still knows it (GET /api/v1/whoami), else a
-    new one (POST /api/v1/tokens with the operator token), kept there for the next run."""
+def ensure_node_tokens(data_dir: Path, db_url: str, cp_url: str, operator_token: str, node_ids: Sequence[str],
+                       log: Callable[[str], None]) -> dict[str, str]:
+    """Each agent's token (node id -> secret): the one kept for this database in
+    ``DATA/node_token.<db hash>.<node id>`` if the control plane knows it as a node token bound to
+    that id (GET /api/v1/whoami), else a new one (POST /api/v1/tokens with the operator token and
+    ``replace``), kept there for the next run."""
     import httpx
 
-    path = _token_path(data_dir, db_url)
     api = f"{cp_url}/api/v1"
-    if path.exists() and (secret := path.read_text().strip()):
-        r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {secret}"}, timeout=10.0)
-        if r.status_code == 200 and r.json().get("role") == "node":
-            return secret
-    log("creating the node agents' token (role node)")
-    r = httpx.post(f"{api}/tokens", json={"role": "node", "name": "racer-up-nodes"},
-                   headers={"Authorization": f"Bearer {operator_token}"}, timeout=10.0)
-    if r.status_code != 201:
-        raise UpError(f"the control plane refused to create a node token: {r.status_code} {r.text[:300]}")
-    secret = r.json()["token"]
-    write_atomic(path, secret + "\n", mode=0o600)
-    return secret
+    out: dict[str, str] = {}
+    made = []
+    for node_id in node_ids:
+        secret = _kept_token(data_dir, db_url, node_id)
+        if secret:
+            r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {secret}"}, timeout=10.0)
+            if r.status_code == 200 and r.json().get("role") == "node" and r.json().get("node_id") == node_id:
+                out[node_id] = secret
+                continue
+        r = httpx.post(f"{api}/tokens", json={"role": "node", "name": f"racer-up-{node_id}", "node_id": node_id,
+                                              "replace": True},
+                       headers={"Authorization": f"Bearer {operator_token}"}, timeout=10.0)
+        if r.status_code != 201:
+            raise UpError(f"the control plane refused to create a token for {node_id}: {r.status_code} {r.text[:300]}")
+        out[node_id] = r.json()["token"]
+        write_atomic(_token_path(data_dir, db_url, node_id), out[node_id] + "\n", mode=0o600)
+        made.append(node_id)
+    if made:
+        log(f"created a token (role node) for each of {', '.join(made)}")
+    return out
 
 
 def _safe_url(url: str) -> str:
@@ -692,55 +719,59 @@ def cmd_up(args) -> int:
         profile = data_dir / "node_profile.json" if args.policy else None
         commands = available_commands()
         db_url = args.db or f"sqlite:///{data_dir / 'racer.db'}"
-        # the node token is known once the control plane answers; the specs read it then
-        node_env: dict[str, str] = {}
-        plan = plan_processes(args, data_dir, commands, operator_token, node_env, profile, db_url)
+        # each agent's token is known once made (or the control plane answers); its spec reads it then
+        node_envs: dict[str, dict[str, str]] = {}
+        plan = plan_processes(args, data_dir, commands, operator_token, node_envs, profile, db_url)
         if plan.missing:
             say("this build has no " + ", ".join(f"racer {m}" for m in plan.missing) +
                 ("; the load goes straight to the node agents" if "gateway" in plan.missing else ""))
         sup = Supervisor(plan.specs, data_dir / "logs", report=lambda line: say(line, err=True),
                          state_file=data_dir / "processes.json", secrets=[operator_token], cancel=stop)
         say(f"data folder {data_dir} (logs in {data_dir / 'logs'})")
-        # the cost profile (once per data folder) and the node token (once per database) first,
-        # side by side; then every process at once: agents spool their reports until the control
-        # plane answers, the gateway and the dashboard retry it
+        # the cost profile (once per data folder) and the agents' tokens (once per agent and
+        # database) first, side by side; then every process at once: agents spool their reports
+        # until the control plane answers, the gateway and the dashboard retry it
         others = [s.name for s in plan.specs if not s.name.startswith("node-")]
-        nodes = [s.name for s in plan.specs if s.name.startswith("node-")]
+        nodes = [s.name for s in plan.specs if s.name.startswith("node-")]  # also their node ids
         reporting = bool(plan.control_plane_url) and "--control-plane" in commands.get("node-agent", set())
-        tokening = start_token_create(data_dir, db_url, say) if reporting and "token" in commands else None
+        tokening = start_token_create(data_dir, db_url, nodes, say) if reporting and "token" in commands else None
+
+        def give(tokens: dict[str, str]) -> list[str]:
+            """Each agent its own token (its environment); the agents whose token changed."""
+            changed = []
+            for name, token in tokens.items():
+                if node_envs[name].get("RACER_NODE_TOKEN") != token:
+                    node_envs[name]["RACER_NODE_TOKEN"] = token
+                    sup.secrets.append(token)
+                    changed.append(name)
+            return changed
+
         if args.policy:
             finish_profile(data_dir, profiling)
         profiling = None
         if reporting:
-            token = finish_token_create(data_dir, db_url, tokening)
+            give(finish_token_create(data_dir, db_url, nodes, tokening))
             tokening = None
-            if token:
-                node_env["RACER_NODE_TOKEN"] = token
-                sup.secrets.append(token)
         say("starting " + ", ".join(others + nodes))
-        if reporting and "RACER_NODE_TOKEN" not in node_env:  # no token yet: make one through the API
-            sup.start(others, wait=False)
+        untokened = [n for n in nodes if "RACER_NODE_TOKEN" not in node_envs[n]] if reporting else []
+        if untokened:  # no token yet: make them through the API once the control plane answers
+            sup.start(others + [n for n in nodes if n not in untokened], wait=False)
             sup.wait_ready(sup["control-plane"])
             if not stop.is_set():
-                node_env["RACER_NODE_TOKEN"] = ensure_node_token(data_dir, db_url, plan.control_plane_url,
-                                                                 operator_token, say)
-                sup.secrets.append(node_env["RACER_NODE_TOKEN"])
-            sup.start(nodes, wait=False)
+                give(ensure_node_tokens(data_dir, db_url, plan.control_plane_url, operator_token, untokened, say))
+            sup.start(untokened, wait=False)
         else:
             sup.start(others + nodes, wait=False)
         if reporting and not stop.is_set():
             sup.wait_ready(sup["control-plane"])
             # a token kept from an earlier run that this database does not know: a new one, and
-            # the agents restarted with it
-            token = ensure_node_token(data_dir, db_url, plan.control_plane_url, operator_token, say)
-            if not stop.is_set() and token != node_env.get("RACER_NODE_TOKEN"):
-                node_env["RACER_NODE_TOKEN"] = token
-                sup.secrets.append(token)
-                for name in nodes:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(sup[name].popen.pid, signal.SIGTERM)
-                    sup[name].popen.wait(args.stop_timeout_s)
-                    sup._spawn(sup[name])
+            # that agent restarted with it
+            changed = give(ensure_node_tokens(data_dir, db_url, plan.control_plane_url, operator_token, nodes, say))
+            for name in changed if not stop.is_set() else ():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(sup[name].popen.pid, signal.SIGTERM)
+                sup[name].popen.wait(args.stop_timeout_s)
+                sup._spawn(sup[name])
         for name in others + nodes:
             if stop.is_set():
                 break

@@ -231,6 +231,15 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
             except OSError:  # gone (restarting): nothing to read
                 continue
             assert argv and not any(t in argv for t in secrets_), f"{name} has a token in its arguments"
+        # each agent its own token, bound to its node id, in its own environment
+        node_tokens = {f.name.rsplit(".", 1)[1]: f.read_text().strip() for f in data.glob("node_token.*")}
+        assert sorted(node_tokens) == [f"node-{k}" for k in range(4)] and len(set(node_tokens.values())) == 4
+        for name, token in node_tokens.items():
+            try:
+                environ = Path(f"/proc/{state[name]['pid']}/environ").read_bytes().split(b"\0")
+            except OSError:  # gone (restarting): nothing to read
+                continue
+            assert f"RACER_NODE_TOKEN={token}".encode() in environ, f"{name} does not run with its own token"
         victim = state["node-1"]
         node_url, old_pid = victim["url"], victim["pid"]
         gw_url = state.get("gateway", {}).get("url")
@@ -290,6 +299,8 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     rep2 = json.loads(p.stdout)
     assert rep2["requests_lost"] == 0 and rep2["requests_served"] > 0
     assert (data / "operator_token").read_text() == token and token.strip() not in p.stderr + p.stdout
+    # and the agents' tokens: the same ones
+    assert {f.name.rsplit(".", 1)[1]: f.read_text().strip() for f in data.glob("node_token.*")} == node_tokens
     assert (data / "node_profile.json").stat().st_mtime == profile_mtime
     assert "measuring this machine's miss costs" not in p.stderr
 
