@@ -18,8 +18,10 @@ completes it (queue depth - 1), and every ``report_interval_s`` the gateway pull
 queue depth, service time) and applies it as a `NodeReport`. Health checks (``GET /healthz``
 every ``health_interval_s``) take a node out after ``health_failures`` failures in a row and put
 it back after ``health_successes`` successes. A request that meets a connection error, a timeout
-or a 5xx is retried once on the next-best node; 4xx answers pass through unchanged. See
-docs/gateway.md.
+or a 5xx is retried once on the next-best node; 4xx answers pass through unchanged. A request
+body over ``max_body_bytes`` (default 4 MiB, the node agent's own default) gets the gateway's
+own 413 before it is parsed or forwarded (bytes counted as they arrive, so chunked bodies too;
+`node_agent.server.read_body`). See docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from node_agent.server import finite_validation_errors
+from node_agent.server import BodyLimit, BodyTooLarge, finite_validation_errors, read_body, send_json
 
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
 from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
@@ -73,7 +75,9 @@ class GatewayConfig:
       re-read;
     - ``queue_capacity``: the queue depth at which a node counts as full (``l = 1``) when the
       weights come from the nodes; ``num_shards``: embedding shards (must match the nodes');
-    - ``max_connections``: pooled connections to all nodes together.
+    - ``max_connections``: pooled connections to all nodes together;
+    - ``max_body_bytes``: most bytes of a request body (a recommendation or a weights push); a
+      larger one gets 413 and is never forwarded.
     """
 
     router: str = "racer"
@@ -89,6 +93,7 @@ class GatewayConfig:
     queue_capacity: int = 64
     num_shards: int = 64
     max_connections: int = 512
+    max_body_bytes: int = 4 * 2**20
 
     def __post_init__(self) -> None:
         problems = []
@@ -99,7 +104,8 @@ class GatewayConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 problems.append(f"{name} must be a positive number, got {v!r}")
-        for name in ("health_failures", "health_successes", "queue_capacity", "num_shards", "max_connections"):
+        for name in ("health_failures", "health_successes", "queue_capacity", "num_shards", "max_connections",
+                     "max_body_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name} must be an integer >= 1, got {v!r}")
@@ -702,24 +708,26 @@ def _dumps(obj) -> bytes:
 # ------------------------------------------------------------------------------------ the app ---
 class GatewayApp:
     """The ASGI app: ``POST /v1/recommend`` handled directly (no framework layers on the request
-    path: it reads the body, calls `Gateway.recommend`, sends the answer), everything else
-    (including the lifespan) by the FastAPI app ``fastapi``."""
+    path: it reads the body, at most ``max_body_bytes``, calls `Gateway.recommend`, sends the
+    answer), everything else (including the lifespan) by the FastAPI app ``fastapi``, behind
+    the same body cap (`BodyLimit`)."""
 
     def __init__(self, gateway: Gateway, fastapi_app: FastAPI) -> None:
         self.gateway = gateway
-        self.fastapi = fastapi_app
+        self.max_body_bytes = gateway.config.max_body_bytes
+        self.fastapi = BodyLimit(fastapi_app, self.max_body_bytes, error_field="error")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/recommend" and scope["method"] == "POST":
-            chunks = []
-            more = True
-            while more:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-                chunks.append(msg.get("body", b""))
-                more = msg.get("more_body", False)
-            status, content, headers = await self.gateway.recommend(b"".join(chunks))
+            try:
+                body = await read_body(receive, self.max_body_bytes, scope)
+            except BodyTooLarge as e:
+                self.gateway.metrics.requests.labels("none", "too_large", "none").inc()
+                await send_json(send, 413, {"error": f"gateway: {e} (its --max-body-bytes)"}, close=True)
+                return
+            if body is None:  # the client went away
+                return
+            status, content, headers = await self.gateway.recommend(body)
             raw = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
             raw += [(k.encode(), v.encode()) for k, v in headers.items()]
             await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -753,6 +761,7 @@ def create_app(gateway: Gateway) -> GatewayApp:
     finite_validation_errors(app)  # a rejected NaN/Infinity gets its 422, not a 500
 
     @app.post("/v1/recommend", responses=_errors({
+        413: "request body over --max-body-bytes (not forwarded)",
         422: "invalid request body (the field is named in `error`)", 502: "the node failed twice",
         503: "no live node", 504: "the node did not answer in time"}))
     async def recommend(request: Request):
@@ -765,6 +774,7 @@ def create_app(gateway: Gateway) -> GatewayApp:
 
     @app.post("/v1/router/weights", responses={
         **_errors({401: "missing or wrong bearer token", 403: "weight pushes are disabled on this gateway",
+                   413: "body over --max-body-bytes",
                    422: "invalid weights document (the field is named in `error`)"}),
         409: {"description": "not applied: the version is older than the gateway's", "content": {
             "application/json": {"schema": {"type": "object", "properties": {"applied": {"type": "boolean"}}}}}}})
@@ -822,7 +832,8 @@ def cmd_gateway(args) -> int:
     cfg = GatewayConfig(router=args.router, report_interval_s=args.report_interval_s,
                         health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
                         health_failures=args.health_failures, health_successes=args.health_successes,
-                        request_timeout_s=args.request_timeout_s, num_shards=args.num_shards)
+                        request_timeout_s=args.request_timeout_s, num_shards=args.num_shards,
+                        max_body_bytes=args.max_body_bytes)
     nodes = _node_list(args.nodes) if args.nodes else []
     item_shard = None
     if args.trace:
@@ -877,6 +888,9 @@ def add_gateway_parser(subparsers) -> None:
     g.add_argument("--health-failures", type=int, default=3, help="failures in a row that take a node out (3)")
     g.add_argument("--health-successes", type=int, default=2, help="successes in a row that bring it back (2)")
     g.add_argument("--request-timeout-s", type=float, default=10.0, help="one forward attempt's limit (default 10)")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                   help="most bytes of a request body; a larger one gets 413 and is not forwarded (default 4 MiB, "
+                        "the node agent's default)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
     g.set_defaults(func=cmd_gateway)

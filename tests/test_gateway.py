@@ -468,3 +468,27 @@ def test_hostile_bodies_get_a_4xx_from_the_agent_and_the_gateway_never_a_5xx(clu
     r = httpx.post(gw.url + "/v1/router/weights", content=deep, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 422 and "nested too deeply" in r.text
 
+
+def test_a_body_over_the_gateways_cap_gets_its_own_413_and_is_never_forwarded(cluster):
+    """--max-body-bytes (default 4 MiB, the agent's own default): a larger body, announced by
+    Content-Length or chunked, gets the gateway's 413 (no node named: none was asked), as do
+    weight pushes; the gateway counts the bytes it reads and stops at the cap."""
+    from tests.procs import send_streaming
+
+    agents, gw, _ = cluster
+    cap = 4 * 2**20
+    served_before = sum(httpx.get(a.url + "/healthz").json()["num_served"] for a in agents)
+    for chunked in (False, True):
+        out = send_streaming(gw.url, "POST", "/v1/recommend", total_bytes=cap + 2**20, chunked=chunked)
+        assert out["status"] == 413, out
+        assert f"exceeds {cap} bytes" in out["body"] and out["body"].startswith('{"error": "gateway:'), out
+        if chunked:
+            read = int(out["body"].split("at least ", 1)[1].split(" ", 1)[0])
+            assert cap < read <= cap + 2**20, read
+    out = send_streaming(gw.url, "POST", "/v1/router/weights", headers={"Authorization": f"Bearer {TOKEN}"},
+                         total_bytes=cap + 1, chunked=False, declare_only=True)
+    assert out["status"] == 413 and f"exceeds {cap} bytes" in out["body"], out
+    assert sum(httpx.get(a.url + "/healthz").json()["num_served"] for a in agents) == served_before
+    r = post(gw.url, {"user_id": 12, "history": [1, 2, 3], "new_items": [4], "top_k": 2})
+    assert r.status_code == 200, r.text
+    assert "served_by" in r.json()
