@@ -233,6 +233,17 @@ def build_tabs(viewer: bool) -> dcc.Tabs:
                                  _time_col("expires", "expires (UTC)")], height=220, selectable=True, row_id="id"),
         dbc.Button("Clear selected override…", id="btn-ov-clear", disabled=viewer, color="secondary",
                    className="my-2"),
+        dbc.Card(dbc.CardBody([
+            html.H6("Drain and retire a node"),
+            html.Div("The node leaves the gateways' node list (requests in flight finish), its tokens are revoked "
+                     "and its overrides cleared; its history stays. A new token for its id brings it back.",
+                     className="small text-muted mb-2"),
+            dbc.Row([dbc.Col([dbc.Label("node"), dcc.Dropdown(id="retire-node", placeholder="node")], lg=3),
+                     dbc.Col([dbc.Label("reason"), dbc.Input(id="retire-reason", placeholder="why (required)")], lg=5),
+                     dbc.Col(dbc.Button("Retire node…", id="btn-node-retire", disabled=viewer, color="danger",
+                                        className="mt-4"), lg=2)]),
+            html.Div(id="retire-error", className="text-danger small mt-2"),
+        ]), className="my-3"),
         html.H6("Audit log", className="mt-3"),
         _grid("grid-audit", [_time_col("time", "time (UTC)"), _col("actor"), _col("action"), _col("target"),
                              _col("before", minWidth=160), _col("after", minWidth=160), _col("reason", flex=2)],
@@ -958,6 +969,26 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                     "")
         return None, False, no_update, no_update
 
+    @app.callback(Output("retire-node", "options"), Input("ov-node", "options"), prevent_initial_call=True)
+    def retire_options(options):
+        return options  # the node list the override form shows
+
+    @app.callback(Output("pending", "data", allow_duplicate=True), Output("confirm-modal", "is_open", allow_duplicate=True),
+                  Output("confirm-body", "children", allow_duplicate=True), Output("retire-error", "children"),
+                  Input("btn-node-retire", "n_clicks"), State("retire-node", "value"), State("retire-reason", "value"),
+                  State("sid", "data"), prevent_initial_call=True)
+    def ask_retire(n, node, reason, sid):
+        s = sessions.get(sid)
+        if not n:
+            return no_update, no_update, no_update, no_update
+        if s is None or s.role != "operator":
+            return None, False, no_update, "an operator token is needed"
+        if not node or not (reason or "").strip():
+            return None, False, no_update, "choose a node and give a reason"
+        return ({"kind": "retire", "node_id": node, "reason": reason.strip()}, True,
+                f"Retire node {node}? It leaves the node list (the gateways stop sending it requests), its "
+                f"tokens are revoked and its overrides cleared. Reason: {reason.strip()}", "")
+
     @app.callback(Output("confirm-modal", "is_open", allow_duplicate=True), Output("pending", "data", allow_duplicate=True),
                   Output("action-result", "is_open"), Output("action-result", "children"),
                   Output("action-result", "color"), Output("acted", "data"),
@@ -980,6 +1011,9 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             elif kind == "clear":
                 client.clear_override(tok, pending["id"], "cleared from the dashboard")
                 msg = f"override #{pending['id']} cleared"
+            elif kind == "retire":
+                n = client.retire_node(tok, pending["node_id"], pending["reason"])
+                msg = f"node {n['node_id']} retired"
             elif kind == "rollout":
                 r = client.start_rollout(tok, **pending["payload"])
                 msg = f"rollout #{r['id']} of {r['policy_version']} started ({r['state']})"

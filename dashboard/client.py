@@ -162,6 +162,12 @@ class ControlPlaneClient:
     def start_rollout(self, token: str, **body) -> dict:
         return self.post("/rollouts", token, body)
 
+    def retire_node(self, token: str, node_id: str, reason: str) -> dict:
+        """Drain and retire ``node_id`` (out of the node list, its tokens revoked; operator)."""
+        from urllib.parse import quote
+
+        return self.post(f"/nodes/{quote(str(node_id), safe='')}/retire", token, {"reason": reason})
+
     def rollout_action(self, token: str, rollout_id: int, action: str, reason: str) -> dict:
         if action not in ("promote", "pause", "resume", "rollback"):
             raise ValueError(f"unknown rollout action {action!r}")

@@ -342,6 +342,7 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
     click_tab(viewer, "Override")
     assert viewer.locator("#viewer-note").is_visible()
     assert viewer.is_disabled("#btn-ov-submit") and viewer.is_disabled("#btn-ov-clear")
+    assert viewer.is_disabled("#btn-node-retire")
     click_tab(viewer, "Policies")
     for b in ("#btn-ro-start", "#btn-ro-promote", "#btn-ro-pause", "#btn-ro-resume", "#btn-ro-rollback"):
         assert viewer.is_disabled(b), b
@@ -385,6 +386,34 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
     actions = [a["action"] for a in stack.api("GET", "/audit", params={"limit": 50})["items"]]
     assert any("rollout" in a for a in actions)
     page.screenshot(path=str(stack.shots / "policies.png"), full_page=True)
+    page.close()
+
+
+def test_operator_retires_a_node_from_the_dashboard(stack, browser):
+    """A spare node (its own token) is retired from the Override tab: after the confirmation it is
+    out of the node list, its token is refused and the audit log has the action with its reason."""
+    spare = "spare-1"
+    token = stack.api("POST", "/tokens", json={"role": "node", "name": spare, "node_id": spare})["token"]
+    stack.api("POST", "/nodes/register", token=token, json={
+        "node_id": spare, "address": "http://127.0.0.1:9", "device": "cpu", "cost_profile": {
+            "kv_recompute_us_per_token": 2.0, "emb_transfer_us_per_row": 1.0, "service_time_us": 900.0,
+            "queue_capacity": 64}})
+    page = open_page(browser, stack, stack.admin)
+    click_tab(page, "Override")
+    page.wait_for_selector("#retire-node")
+    choose(page, "retire-node", spare)
+    page.fill("#retire-reason", "browser test: decommission")
+    page.click("#btn-node-retire")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    assert f"Retire node {spare}" in page.inner_text("#confirm-body")
+    page.click("#btn-confirm")
+    assert "retired" in wait_text(page, "action-result", f"node {spare}")
+    assert spare not in [n["node_id"] for n in stack.api("GET", "/nodes")]
+    r = httpx.get(f"{stack.cp_url}/api/v1/nodes/{spare}/directives", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 401
+    wait_text(page, "grid-audit", "browser test: decommission")
+    entry = stack.api("GET", "/audit", params={"action": "node.retire"})["items"][0]
+    assert entry["target"] == f"node:{spare}" and entry["reason"] == "browser test: decommission"
     page.close()
 
 
