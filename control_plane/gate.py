@@ -11,7 +11,8 @@ of the routes; for each HTTP request it:
 2. checks the bearer token: 401 when it is missing, unknown or revoked; 403 when its role may
    not call the route, or when a node token calls a node route (``/api/v1/nodes/...``) for
    another node id or is bound to none (`control_plane.auth.node_route_refusal`). These answers
-   carry ``Connection: close`` when a body was announced: the body is never read;
+   carry ``Connection: close`` when a body was announced: the body is never read (503 when the
+   token cannot be looked up: the database is unreachable);
 3. caps the body (`body_caps`): a Content-Length over the cap gets 413 before reading, a chunked
    body 413 as soon as the bytes received pass it (`node_agent.server.read_body`, the same
    reader the node agent and the gateway use);
@@ -98,7 +99,12 @@ class RequestGate:
                     await send_json(send, 401, {"detail": MISSING_TOKEN}, close=close,
                                     headers=((b"www-authenticate", b"Bearer"),))
                     return
-                p = await self.state.tokens.principal(secret)
+                try:
+                    p = await self.state.tokens.principal(secret)
+                except Exception as e:  # noqa: BLE001 - the database is unreachable: the client retries
+                    await send_json(send, 503, {"detail": f"database unavailable, retry later: {type(e).__name__}: "
+                                                          f"{str(e)[:300]}"}, close=close)
+                    return
                 if p is None:
                     await send_json(send, 401, {"detail": UNKNOWN_TOKEN}, close=close,
                                     headers=((b"www-authenticate", b"Bearer"),))
