@@ -678,12 +678,14 @@ class OperatingPointTuner:
       ``|step| < deadband``; a step never carries ``base + correction + offset`` past a guard
       bound (``bound``; a base output beyond a bound is left to the guard stage).
 
-    Start-up hold: until the estimate has its noise (4 readings), a base move against the sign of
-    every reading so far is held (``hold``: the offset cancels it, the split stays where it is):
+    Start-up hold: while every reading so far (at most ``noise_window`` of them) has one sign, a
+    base move against it is held (``hold``: the offset cancels it, the split stays where it is):
     the shipped base policy, on a trace unlike its training settings, would otherwise carry the
-    split the wrong way at the guards' full rate while the evidence against it accumulates. The
-    hold is one interval's (``held``, released at the next update): once the estimate can judge,
-    a base move it finds uncertain goes ahead; the hold never becomes part of the offset.
+    split the wrong way at the guards' full rate while the evidence against it accumulates. A hold
+    is one interval's (``held``, released at the next update, which may hold again): once a
+    reading of the other sign comes, the base move goes ahead; once the estimate confirms the
+    readings (a step their way), the hold becomes part of the offset and the step is taken from
+    there.
 
     So the offset climbs the busy-time gradient until the two caches' marginal utilities meet (or
     their difference drowns in its noise) or a bound is reached, at most ``max_rate`` per
@@ -713,6 +715,7 @@ class OperatingPointTuner:
         self._readings: list[float] = []
         self._diffs: list[float] = []
         self._num_pos = self._num_neg = 0
+        self._num_readings = 0  # since the last reset (the start-up hold's horizon)
         a = self.config.smoothing
         self._se_factor = math.sqrt(a / (2.0 - a)) / 0.954
 
@@ -722,7 +725,7 @@ class OperatingPointTuner:
         ``mean_gradient`` / ``gradient_se`` (the estimate) and ``last_step`` hold the figures.
         ``hold_at``: the offset that keeps the split in force (the start-up hold, class doc)."""
         c = self.config
-        if self.held != 0.0:  # last interval's start-up hold is released: the offset is the tuner's own again
+        if self.held != 0.0:  # last interval's start-up hold is released (this interval may hold again)
             self.offset -= self.held
             self.held = 0.0
         n = stats.num_requests
@@ -745,6 +748,7 @@ class OperatingPointTuner:
             else:
                 mean = g
             r.append(g)
+            self._num_readings += 1
             if g > 0.0:
                 self._num_pos += 1
             elif g < 0.0:
@@ -794,13 +798,18 @@ class OperatingPointTuner:
                     self.last_step = step
                     action = "emb_ward" if step > 0 else "kv_ward"
                     off = self.offset + step
-        if hold_at is not None and action in ("uncertain", "deadband") and 0 < len(self._readings) < 4:
-            # start-up: no noise estimate yet, but every reading so far points one way; a base move
-            # the other way is held (the split stays) until the estimate can judge it
-            if (self._num_neg == len(self._readings) and off > hold_at) or \
-                    (self._num_pos == len(self._readings) and off < hold_at):
-                own = off
-                off, action = hold_at, "hold"
+        nr = len(self._readings)
+        absorbed = 0.0
+        if hold_at is not None and 0 < self._num_readings <= c.noise_window:
+            # start-up: every reading so far points one way and the base moves the other way
+            neg, pos = self._num_neg == nr, self._num_pos == nr
+            if (neg and off > hold_at) or (pos and off < hold_at):
+                if (action == "kv_ward" and neg) or (action == "emb_ward" and pos):
+                    absorbed = hold_at - self.offset  # confirmed: the hold becomes the offset's own,
+                    off = hold_at + self.last_step  # and the step is taken from there
+                else:  # not yet judged: held for this interval (the split stays)
+                    own = off
+                    off, action = hold_at, "hold"
         if hi < 0.0:  # the bounds clip the offset's own push only; a base output beyond them is the guard's
             hi = 0.0
         if lo > 0.0:
@@ -811,7 +820,7 @@ class OperatingPointTuner:
             off, action = (lo if lo < self.offset else self.offset), "bound"
         if action == "hold":
             self.held = off - own
-        self.last_step = off - self.offset
+        self.last_step = off - self.offset - absorbed - self.held  # the tuner's own step (no hold in it)
         self.offset = off
         self.last_action = action
         return action
@@ -837,7 +846,7 @@ class OperatingPointTuner:
         self.mean_gradient = self.gradient_se = 0.0
         self._readings.clear()
         self._diffs.clear()
-        self._num_pos = self._num_neg = 0
+        self._num_pos = self._num_neg = self._num_readings = 0
         self.last_action = None
         self.num_resets += 1
         self.last_reset_reason = reason

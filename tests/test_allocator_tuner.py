@@ -66,7 +66,7 @@ def test_saturation_and_light_load_both_move_and_a_tiny_gradient_does_not():
     assert tiny.offset == 0.0
 
 
-def test_start_up_hold_lasts_one_interval_at_a_time_and_is_released_once_the_estimate_can_judge():
+def test_start_up_hold_is_one_intervals_released_by_a_reading_of_the_other_sign_kept_once_confirmed():
     t = OperatingPointTuner(TunerConfig(max_rate=0.1))
     # a weak KV-ward reading (0.002 of the service time; no noise estimate yet): the base has moved
     # the split up by 0.3 (hold_at = -0.3 keeps the split in force): held
@@ -80,12 +80,22 @@ def test_start_up_hold_lasts_one_interval_at_a_time_and_is_released_once_the_est
     # the offset is the tuner's own again (the base's move goes ahead)
     assert t.update(marginal_window(20.0, 10.0, load=0.1), -1.0, 1.0, hold_at=-0.25) == "uncertain"
     assert t.offset == 0.0 and t.held == 0.0
-    # with 4 readings there is a noise estimate: no hold, whatever the readings say
+    # 4 agreeing readings give a noise estimate (here 0: identical readings) and the estimate confirms
+    # them: the hold becomes the offset's own and the KV-ward step is taken from there
     u = OperatingPointTuner(TunerConfig(max_rate=0.1, sign_confidence=0.0))
     for _ in range(3):
         assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "hold"
-    assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) != "hold" and u.held == 0.0
-    assert u.offset > -0.3
+    assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "kv_ward" and u.held == 0.0
+    step = 3.0 * -0.01 / 0.9
+    assert u.last_step == pytest.approx(step) and u.offset == pytest.approx(-0.3 + step)
+    # kept: the next interval starts from it (nothing to release)
+    assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3 + step) == "kv_ward"
+    assert u.offset == pytest.approx(-0.3 + 2 * step)
+    # past noise_window readings no hold is made, even when every reading agrees
+    w = OperatingPointTuner(TunerConfig(max_rate=0.1, noise_window=4, confidence=10.0, sign_confidence=0.0))
+    noisy = [marginal_window(10.0, 20.0 + 10 * (i % 2), load=0.1) for i in range(5)]
+    assert [w.update(x, -1.0, 1.0, hold_at=-0.3) for x in noisy] == ["hold"] * 4 + ["uncertain"]
+    assert w.held == 0.0 and w.offset == 0.0
 
 
 def test_no_evidence_holds_and_bounds_clip_only_the_offsets_own_push():
