@@ -74,7 +74,8 @@ DEFAULT_KEY = "0.5/round_robin"  # what an operator runs without RACER
 RACER_KEY = "racer/racer"
 CAPACITY_KEY = "0.5/least_load"  # the capacity rule's configuration
 SCHEDULE = "steady:30,trend:30,burst:15,steady:30"
-QUICK_SCHEDULE = "steady:6,trend:6,burst:4,steady:6"
+SLO_MS = 100.0
+QUICK_SCHEDULE = "steady:4,trend:4,burst:3,steady:4"
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -153,8 +154,8 @@ class Sizing:
     head_dim: int = 2
     kv_dtype: str = "float16"
     page_tokens: int = 64
-    max_history_len: int = 256
-    num_candidates: int = 64
+    max_history_len: int = 128
+    num_candidates: int = 32
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -316,23 +317,25 @@ class ShareSampler(threading.Thread):
 # ----------------------------------------------------------------------------------------- runs
 
 
-def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizing: Sizing):
+def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizing: Sizing,
+                  num_users: int | None = None):
     from workloads.replay import ReplayConfig, parse_phases
 
     regimes, phase_s = parse_phases(schedule)
     return ReplayConfig(schedule=regimes, phase_s=phase_s, rate_rps=float(rate_rps), duration_s=float(sum(phase_s)),
-                        seed=seed, slo_ms=slo_ms, timeout_s=10.0, num_candidates=sizing.num_candidates,
-                        max_history_len=sizing.max_history_len)
+                        seed=seed, num_users=num_users, slo_ms=slo_ms, timeout_s=10.0,
+                        num_candidates=sizing.num_candidates, max_history_len=sizing.max_history_len,
+                        max_new_items=min(32, sizing.max_history_len // 4))
 
 
 def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, seed: int, slo_ms: float,
-             sizing: Sizing) -> dict:
+             sizing: Sizing, num_users: int | None = None) -> dict:
     """One run of ``cfg`` at ``rate_rps``: restart, replay the schedule through the gateway, stop."""
     import asyncio
 
     from workloads.replay import ReplayStats, build_plan, run_replay
 
-    rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing)
+    rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing, num_users)
     url = fleet.start(cfg)
     try:
         stats = ReplayStats(slo_ms)
@@ -628,13 +631,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
     p.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace (default taobao)")
     p.add_argument("--path", default=None, help="trace file (default: the sample)")
-    p.add_argument("--slo-ms", type=float, default=30.0, help="latency SLO (default 30)")
+    p.add_argument("--slo-ms", type=float, default=SLO_MS,
+                   help=f"latency SLO of the capacity rule and the attainment figures (default {SLO_MS:g}: on a CPU "
+                        f"the small model's light-load P99 is 40-50 ms, docs/fleet.md)")
     p.add_argument("--seed", type=int, default=0, help="the streams' seed (default 0)")
     p.add_argument("--policy", default=str(REPO / "policies" / "default"),
                    help="allocator policy of the racer configurations (default: the shipped one)")
     p.add_argument("--arena-table", type=float, default=0.014,
                    help="arena bytes as a fraction of the embedding table's (default 0.014)")
-    p.add_argument("--capacity-start", type=float, default=40.0, help="first rate of the capacity search (req/s)")
+    p.add_argument("--capacity-start", type=float, default=20.0, help="first rate of the capacity search (req/s)")
     p.add_argument("--capacity-iters", type=int, default=3, help="bisections of the capacity search (default 3)")
     p.add_argument("--capacity-s", type=float, default=None, help="seconds of each capacity probe (default 20, quick 8)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -4,7 +4,7 @@
     python -m bench.ingest --json --db postgresql      [--pg-url postgresql://postgres@127.0.0.1/]
 
 Starts ``python -m control_plane.main`` on a fresh database (a temporary SQLite file, or a fresh
-PostgreSQL database ``racer_bench_ingest`` on the server of ``--pg-url``), creates a node token,
+PostgreSQL database ``racer_bench_ingest`` on the server of ``--pg-url``), creates one node token per simulated node (bound to its id),
 registers ``--nodes`` nodes, then each simulated node sends one report per second (a batch of
 one; phases spread over the second) as an HTTP/1.1 request on its own keep-alive connection (an
 asyncio client writing raw requests, so the client costs little CPU next to the server). After
@@ -135,13 +135,15 @@ async def node_loop(node_id: str, port: int, token: str, t_start: float, t_end: 
         writer.close()
 
 
-async def drive(port: int, token: str, node_ids: list[str], warmup_s: float, duration_s: float, seed: int):
+async def drive(port: int, tokens: dict[str, str], node_ids: list[str], warmup_s: float, duration_s: float,
+                seed: int):
+    """Every node reports with its own token (a node token is bound to one node id)."""
     rng = random.Random(seed)
     t_start = time.time() + 1.0
     t_end = t_start + warmup_s + duration_s
     results: list = []
     errors: list = []
-    await asyncio.gather(*(node_loop(n, port, token, t_start, t_end, rng.random(), results, errors)
+    await asyncio.gather(*(node_loop(n, port, tokens[n], t_start, t_end, rng.random(), results, errors)
                            for n in node_ids))
     return t_start, results, errors
 
@@ -161,12 +163,14 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
     try:
         base = f"http://127.0.0.1:{port}/api/v1"
         with httpx.Client(timeout=30) as c:
-            tok = c.post(f"{base}/tokens", json={"role": "node", "name": "bench"},
-                         headers={"Authorization": f"Bearer {admin}"}).json()["token"]
-            h = {"Authorization": f"Bearer {tok}"}
             ids = [f"bench-{i:05d}" for i in range(nodes)]
+            tokens = {}
             for nid in ids:
-                r = c.post(f"{base}/nodes/register", headers=h, json={
+                r = c.post(f"{base}/tokens", json={"role": "node", "name": f"bench {nid}", "node_id": nid},
+                           headers={"Authorization": f"Bearer {admin}"})
+                r.raise_for_status()
+                tokens[nid] = r.json()["token"]
+                r = c.post(f"{base}/nodes/register", headers={"Authorization": f"Bearer {tokens[nid]}"}, json={
                     "node_id": nid, "address": "http://127.0.0.1:1", "device": "cpu",
                     "cost_profile": {"kv_recompute_us_per_token": 2.5, "emb_transfer_us_per_row": 0.8,
                                      "service_time_us": 1000.0, "queue_capacity": 64}})
@@ -174,7 +178,7 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
         cpu0, me0 = _cpu_s(proc.pid), _cpu_s(os.getpid())
         w0 = time.time()
         tune_runtime()  # the client's own collections would otherwise show up as server latency
-        t_start, results, errors = asyncio.run(drive(port, tok, ids, warmup_s, duration_s, seed))
+        t_start, results, errors = asyncio.run(drive(port, tokens, ids, warmup_s, duration_s, seed))
         cpu1, me1, w1 = _cpu_s(proc.pid), _cpu_s(os.getpid()), time.time()
         m0, m1 = t_start + warmup_s, t_start + warmup_s + duration_s
         meas = [(t, dt, st) for t, dt, st in results if m0 <= t < m1]
