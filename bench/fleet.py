@@ -499,7 +499,8 @@ def write_plot(rows: list[dict], loads: list[float], path: Path) -> str | None:
         ax.set_xticks(x)
         ax.set_xticklabels(phases, rotation=20, fontsize=8)
         ax.set_title(f"load {load:g} of capacity ({rs[0]['rate_rps']:g} req/s)")
-        ax.set_ylabel("P99 (ms), median of rounds")
+        ax.set_yscale("log")  # a burst's backlog (seconds) beside the steady phases' tens of ms
+        ax.set_ylabel("P99 (ms, log scale), median of rounds")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
