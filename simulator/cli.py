@@ -101,7 +101,10 @@ def cmd_paper_table(args) -> int:
         load["factor"] = args.load
         cfg = replace(cfg, rate_rps=round(args.load * load["capacity_rps"], 3))
         load["rate_rps"] = cfg.rate_rps
-        print(f"capacity at static 0.5 (P99 <= {cfg.slo_ms:g} ms): {load['capacity_rps_per_node']:g} req/s per node; "
+        why = (f"P99 <= the {cfg.slo_ms:g} ms SLO" if load["rule"] == "slo" else
+               f"the SLO is met at no rate (light-load P99 {load['light_load_p99_ms']:g} ms): P99 <= "
+               f"{load['limit_ms']:g} ms, twice that")
+        print(f"capacity at static 0.5 ({why}): {load['capacity_rps_per_node']:g} req/s per node; "
               f"--load {args.load:g}: {cfg.rate_rps:g} req/s on {cfg.num_nodes} node(s)", file=sys.stderr)
     if args.seeds is not None:
         return _paper_table_seeds(cfg, args)

@@ -416,13 +416,19 @@ def _map(pool, cfg: TableConfig, jobs: list[_Job], bar, cache: RunCache | None =
     return out
 
 
+KNEE = 2.0  # the knee rule's bound: P99 within this many times the light-load P99
+
+
 def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float = 0.5, iters: int = 6,
                     progress: bool = False) -> dict:
     """The cluster's steady capacity, found before any allocator runs: the highest base rate of a
     ``steady`` stream whose P99, at the static split ``share`` with the RACER router, stays within
-    the SLO (``cfg.slo_ms``). From ``cfg.rate_rps`` the rate doubles (or halves) until the SLO is
-    crossed, then ``iters`` bisections (relative precision 2^-iters of the bracket). Returns the
-    capacity per node and the probes ``[rate_rps, p99_ms]``, in the order run. This is the
+    a limit. The limit is the SLO (``cfg.slo_ms``, ``rule`` "slo"); where no rate meets it (the
+    service time alone puts the tail above the SLO: the light-load P99 is a floor), it is `KNEE`
+    times the P99 at the lowest rate probed (``rule`` "knee": where queueing has doubled the tail).
+    From ``cfg.rate_rps`` the rate doubles (or halves) until the limit is crossed, then ``iters``
+    bisections (relative precision 2^-iters of the bracket). Returns the capacity per node, the
+    rule, the limit and the probes ``[rate_rps, p99_ms]``, in the order run. This is the
     provisioning rule the load sweep (``--load F``: per-node rate = F x this) starts from; it is
     not tuned toward any allocator."""
     from tqdm import tqdm
@@ -431,11 +437,9 @@ def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float 
     probes: list[list[float]] = []
     bar = tqdm(total=None, desc="capacity", unit="probe", disable=not progress)
 
-    def p99_at(rate: float) -> float:
+    def p99_at(rate: float) -> float | None:
         if rate * duration_s < 20:  # too few requests to say anything about a P99
-            bar.close()
-            raise ValueError(f"no rate down to {rate:g} req/s meets the {cfg.slo_ms:g} ms SLO at static {share}: "
-                             f"probes {probes}")
+            return None
         c = replace(cfg, rate_rps=float(rate), duration_s=float(duration_s), regimes=("steady",), schedule=None)
         res = simulate(_stream(c, "steady"), scfg, StaticAllocator(share), "racer")
         v = float(res.summary()["p99_ms"])
@@ -443,36 +447,56 @@ def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float 
         bar.update(1)
         return v
 
-    slo = cfg.slo_ms
-    lo = hi = None
-    r = float(cfg.rate_rps)
-    for _ in range(12):
-        if p99_at(r) <= slo:
-            lo = r
-            if hi is not None:
-                break
-            r *= 2.0
-        else:
-            hi = r
-            if lo is not None:
-                break
-            r /= 2.0
-    if lo is None:
+    def bracket(limit: float, start: float):
+        lo = hi = None
+        r = start
+        for _ in range(12):
+            v = next((p for q, p in probes if q == round(r, 3)), None)
+            if v is None:
+                v = p99_at(r)
+            if v is None:
+                return lo, hi, r
+            if v <= limit:
+                lo = r
+                if hi is not None:
+                    break
+                r *= 2.0
+            else:
+                hi = r
+                if lo is not None:
+                    break
+                r /= 2.0
+        return lo, hi, r
+
+    try:
+        rule, limit = "slo", float(cfg.slo_ms)
+        lo, hi, r = bracket(limit, float(cfg.rate_rps))
+        if lo is None:
+            if not probes:
+                raise ValueError(f"no rate down to {r:g} req/s gives {cfg.slo_ms:g} ms or any P99: too few requests")
+            light = min(probes, key=lambda p: p[0])
+            rule, limit = "knee", KNEE * light[1]
+            lo, hi, r = bracket(limit, light[0])
+            if lo is None:
+                raise ValueError(f"no rate down to {r:g} req/s keeps P99 within {KNEE:g}x the light-load P99 at "
+                                 f"static {share}: probes {probes}")
+        if hi is None:
+            raise ValueError(f"every rate up to {r:g} req/s keeps P99 within {limit:g} ms: probes {probes}")
+        for _ in range(iters):
+            mid = 0.5 * (lo + hi)
+            v = p99_at(mid)
+            if v is not None and v <= limit:
+                lo = mid
+            else:
+                hi = mid
+    finally:
         bar.close()
-        raise ValueError(f"no rate down to {r:g} req/s meets the {slo:g} ms SLO at static {share}: "
-                         f"probes {probes}")
-    if hi is None:
-        bar.close()
-        raise ValueError(f"every rate up to {r:g} req/s meets the {slo:g} ms SLO: probes {probes}")
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        if p99_at(mid) <= slo:
-            lo = mid
-        else:
-            hi = mid
-    bar.close()
-    return {"capacity_rps": round(lo, 3), "capacity_rps_per_node": round(lo / cfg.num_nodes, 3),
-            "share": share, "router": "racer", "slo_ms": slo, "probe_duration_s": duration_s, "probes": probes}
+    out = {"capacity_rps": round(lo, 3), "capacity_rps_per_node": round(lo / cfg.num_nodes, 3),
+           "share": share, "router": "racer", "slo_ms": float(cfg.slo_ms), "rule": rule, "limit_ms": round(limit, 3),
+           "probe_duration_s": duration_s, "probes": probes}
+    if rule == "knee":
+        out["light_load_p99_ms"] = min(probes, key=lambda p: p[0])[1]
+    return out
 
 
 def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: bool = True,

@@ -52,5 +52,13 @@ def test_capacity_is_the_highest_rate_that_meets_the_slo():
     failed = [r for r, p99 in probes if p99 > 20.0]
     assert passed and failed and cap["capacity_rps"] == max(passed) and max(passed) < min(failed)
     assert cap["capacity_rps_per_node"] == cap["capacity_rps"]  # one node
-    with pytest.raises(ValueError, match="no rate down to .* meets the 1e-06 ms SLO"):
-        steady_capacity(replace(cfg, slo_ms=1e-6), duration_s=2.0, iters=1)
+    assert cap["rule"] == "slo" and cap["limit_ms"] == 20.0
+    # an SLO the service time alone misses at every rate: the knee rule (P99 within 2x the
+    # light-load P99, the P99 at the lowest rate probed)
+    knee = steady_capacity(replace(cfg, slo_ms=1e-6), duration_s=3.0, iters=3)
+    light_rate, light_p99 = min(knee["probes"])
+    assert knee["rule"] == "knee" and knee["light_load_p99_ms"] == light_p99
+    assert knee["limit_ms"] == pytest.approx(2 * light_p99, abs=1e-3)
+    ok = [r for r, p99 in knee["probes"] if p99 <= knee["limit_ms"]]
+    bad = [r for r, p99 in knee["probes"] if p99 > knee["limit_ms"]]
+    assert bad and knee["capacity_rps"] == max(ok) and max(ok) < min(bad)
