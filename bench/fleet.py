@@ -457,7 +457,8 @@ def _pct_over(a: float | None, b: float | None) -> float | None:
 
 
 def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float]) -> dict:
-    """Per load (keyed as in ``loads``): RACER over the best static configuration in hindsight, over
+    """Per load (keyed as in ``loads``): RACER over the best static configuration in hindsight (any
+    configuration whose split is static, whatever its router), over
     the default (0.5 + round_robin), and the racer router over least_load at split 0.5."""
     statics = [c.key for c in configs if c.split is not None]
     out: dict = {"racer_over_best_static_pct": {}, "best_static": {}, "racer_over_default_pct": {},

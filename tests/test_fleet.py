@@ -125,7 +125,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     cmd = [sys.executable, "-m", "bench.fleet", "--num-nodes", "2", "--configs", "0.5/least_load,0.5/round_robin,"
            "0.5/racer,racer/racer", "--loads", "0.5", "--rounds", "1", "--schedule", "steady:3,burst:2",
            "--capacity-s", "3", "--capacity-start", "4", "--capacity-iters", "0", "--out", str(out), "--json",
-           "--no-progress"]
+           "--no-progress", "--slo-ms", "2000"]  # the mechanics, not the figure: a bound any loaded machine meets
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=800)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -139,8 +139,9 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
         if r["config"].startswith("0.5/"):  # a static split stays where it was set
             assert r["mean_share"]["median"] == pytest.approx(0.5, abs=0.01)
     f = res["findings"]
-    assert set(f["racer_over_best_static_pct"]) == {"0.5"} and f["best_static"]["0.5"] in ("0.5/least_load",
-                                                                                           "0.5/round_robin")
+    # the best static configuration: any configuration whose split is static, whatever its router
+    assert set(f["racer_over_best_static_pct"]) == {"0.5"} and f["best_static"]["0.5"] in (
+        "0.5/least_load", "0.5/round_robin", "0.5/racer")
     assert isinstance(f["racer_over_default_pct"]["0.5"], float)
     assert isinstance(f["racer_router_over_least_load_pct"]["0.5"], float)
     assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
@@ -150,6 +151,6 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert q.returncode == 0, q.stderr[-3000:]
     assert json.loads(q.stdout)["configs"] == res["configs"]
     # other settings on the same folder are refused, not mixed in
-    r = subprocess.run(cmd[:-2] + ["--rounds", "2", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+    r = subprocess.run(cmd + ["--rounds", "2"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "other settings" in r.stderr
