@@ -65,7 +65,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-ROUTERS = ("round_robin", "least_load", "user_affinity", "kv_aware", "emb_aware", "racer")
+from control_plane.router import POLICIES as ROUTERS  # the gateway's routers
 DEFAULT_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.2/round_robin", "0.5/round_robin",
                    "0.8/round_robin", "0.5/racer", "racer/racer")
 QUICK_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.5/round_robin", "0.5/racer",
