@@ -64,8 +64,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
 from control_plane.router import POLICIES as ROUTERS  # the gateway's routers
+
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.2/round_robin", "0.5/round_robin",
                    "0.8/round_robin", "0.5/racer", "racer/racer")
 QUICK_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.5/round_robin", "0.5/racer",
