@@ -1,247 +1,142 @@
-"""The ``racer`` command line.
+"""The ``racer`` command line: a table of subcommands, each imported only when it runs.
 
-Every subcommand has ``--help``. Errors a user can fix (a missing file, a bad line, a bad option)
-print one line on stderr and exit with status 2; nothing prints a traceback for them.
+``racer --help`` lists every subcommand from `COMMANDS` alone: it imports no subcommand's module
+(no torch, fastapi, dash or numpy), so it answers at once. ``racer NAME ...`` (and ``racer NAME
+--help``) imports NAME's module and nothing of the others.
+
+Adding a subcommand
+-------------------
+1. Write a registrar in your own module, ``add_x_parser(subparsers)``: it calls
+   ``subparsers.add_parser("x", description=...)``, adds the options, nested subcommands if any,
+   and ``set_defaults(func=cmd_x)``; ``cmd_x(args) -> int`` is the exit status. Keep the module's
+   top-level imports light (import torch, fastapi and the like inside ``cmd_x``), so that
+   ``racer x --help`` stays fast too.
+2. Add one line to `COMMANDS` below: ``"x": Command("package.module:add_x_parser", "one-line help")``.
+   The help in the table is what ``racer --help`` shows (a ``help=`` passed by the registrar is
+   replaced by it). One registrar may add several top-level names (``node`` and ``node-agent``):
+   give each name its own line, pointing at the same registrar; when one of them runs, only that
+   name's parser is built.
+3. A nested subcommand (``racer policy push``) needs no line here: the ``policy`` registrar adds
+   ``push`` to its own subparsers.
+
+Errors a user can fix (a missing file, a bad line, a bad option) print one line on stderr and exit
+with status 2 (`racer.errors.UsageError`, ValueError, FileNotFoundError, ...); nothing prints a
+traceback for them. Every subcommand has ``--help``; tests/test_cli.py walks them all
+(``build_parser()`` with no argument builds every one).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from . import __version__
-from .up import UpError
+from .errors import UsageError
 
 
-class UsageError(Exception):
-    """An error caused by the command's input; printed without a traceback."""
+@dataclass(frozen=True)
+class Command:
+    """One top-level subcommand: ``registrar`` is ``"module:function"``, the function that adds its
+    parser to racer's subparsers (imported only when this subcommand runs); ``help`` is its line
+    in ``racer --help``."""
+
+    registrar: str
+    help: str
+
+    def load(self):
+        module, _, function = self.registrar.partition(":")
+        return getattr(importlib.import_module(module), function)
 
 
-def _add_trace_args(p: argparse.ArgumentParser) -> None:
-    from workloads.loaders import LOADERS
-
-    p.add_argument("--trace", required=True, choices=sorted(LOADERS), help="trace format")
-    p.add_argument("--path", default=None,
-                   help="trace file (default: the sample under $RACER_DATA_DIR or ../shared/data)")
-    p.add_argument("--item-path", default=None, help="amazon only: RecBole item file for categories")
-    p.add_argument("--num-shards", type=int, default=64, help="embedding shards for the item -> shard map (default 64)")
-    p.add_argument("--max-rows", type=int, default=None, help="read at most this many interactions")
-
-
-def _add_regime_args(p: argparse.ArgumentParser, regime_required: bool) -> None:
-    from workloads.regimes import REGIMES
-
-    p.add_argument("--regime", choices=REGIMES, required=regime_required, help="workload regime")
-    p.add_argument("--rate", type=float, default=1_000.0, help="base request rate, req/s (default 1000)")
-    p.add_argument("--duration", type=float, default=120.0, help="run length, s (default 120)")
-    p.add_argument("--users", type=int, default=None, help="number of users (default: the trace's; more are resampled)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--history-scale", type=float, default=1.0, help="stretch trace histories by this factor (default 1)")
-
-
-def _load(args):
-    from workloads.loaders import load_trace
-
-    kwargs = {"num_shards": args.num_shards, "max_rows": args.max_rows}
-    if args.item_path:
-        if args.trace != "amazon":
-            raise UsageError("--item-path applies to --trace amazon only")
-        kwargs["item_path"] = args.item_path
-    if args.num_shards < 1:
-        raise UsageError(f"--num-shards must be >= 1, got {args.num_shards}")
-    return load_trace(args.trace, args.path, **kwargs)
+COMMANDS: dict[str, Command] = {
+    "workload": Command("racer.workload:add_workload_parser",
+                        "load traces, describe them, generate and plot request streams"),
+    "replay": Command("racer.workload:add_replay_parser",
+                      "open-loop load generator: replay a trace through regimes against a gateway"),
+    "policy": Command("policies.cli:add_policy_parser", "train, export and verify SmartAllocator policies"),
+    "node": Command("node_agent.cli:add_node_parser", "node-level tools: measure the device's cost profile"),
+    "node-agent": Command("node_agent.cli:add_node_parser", "serve recommendations on this node over HTTP"),
+    "gateway": Command("control_plane.gateway:add_gateway_parser",
+                       "route recommendation requests to node agents (EMB-KV-aware)"),
+    "up": Command("racer.up:add_up_parser",
+                  "run the whole system here: control plane, node agents, gateway, dashboard, trace replay"),
+    "dashboard": Command("dashboard.cli:add_dashboard_parser",
+                         "the operator dashboard (Dash), a client of the control-plane API"),
+    "bench": Command("racer.cli:add_bench_parser",
+                     "experiments: the paper's table (simulator), the fleet A/B (real processes)"),
+    "control-plane": Command("control_plane.cli:add_control_plane_parser",
+                             "run the control plane (API, SQL history, jobs)"),
+    "token": Command("control_plane.cli:add_control_plane_parser", "manage control-plane bearer tokens"),
+}
 
 
-def _stream(trace, args):
-    from workloads.regimes import generate
+def add_bench_parser(subparsers) -> None:
+    """``racer bench``: the simulator's experiments and the fleet A/B."""
+    from bench.fleet import add_fleet_parser
+    from simulator.cli import add_bench_parser as add_simulator_bench_parser
 
-    return generate(trace, regime=args.regime, rate_rps=args.rate, duration_s=args.duration,
-                    num_users=args.users, seed=args.seed, history_scale=args.history_scale)
-
-
-def _round_figures(value, digits: int = 4):
-    """Floats rounded to ``digits`` decimals (lengths are rounded to one decimal at the source),
-    so no figure prints as 0.13333333333333333 or 197.83999999999924."""
-    if isinstance(value, float):
-        return round(value, digits)
-    if isinstance(value, dict):
-        return {k: _round_figures(v, digits) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_round_figures(v, digits) for v in value]
-    return value
+    add_simulator_bench_parser(subparsers, more=(add_fleet_parser,))
 
 
-def cmd_workload_describe(args) -> int:
-    trace = _load(args)
-    out = trace.describe()
-    if args.regime:
-        stream = _stream(trace, args)
-        out["stream"] = stream.summary()
-    out = _round_figures(out)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            if isinstance(v, dict):
-                print(f"{k}:")
-                for k2, v2 in v.items():
-                    print(f"  {k2:<24} {v2}")
-            else:
-                print(f"{k:<24} {v}")
-    return 0
+class _OneName:
+    """Stands for racer's subparsers while one registrar runs: ``add_parser(name)`` builds the real
+    parser (with the table's help line); any other name the registrar adds goes to a throwaway
+    parser, not built into this run."""
+
+    def __init__(self, subparsers, name: str, help: str) -> None:
+        self.subparsers, self.name, self.help = subparsers, name, help
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        if name != self.name:
+            return argparse.ArgumentParser(prog=f"racer {name}", add_help=False)
+        kwargs["help"] = self.help
+        return self.subparsers.add_parser(name, **kwargs)
 
 
-def cmd_workload_plot(args) -> int:
-    from workloads.plot import write_stream_plots
-
-    trace = _load(args)
-    stream = _stream(trace, args)
-    paths = write_stream_plots(stream, args.out, window_s=args.window)
-    summary = {"files": paths, "num_requests": len(stream), "bursts_s": stream.bursts}
-    print(json.dumps(summary) if args.json else "\n".join(f"wrote {p}" for p in paths.values()))
-    return 0
-
-
-def cmd_replay(args) -> int:
-    from workloads.replay import ReplayConfig, parse_phases, replay
-
-    if (args.regime is None) == (args.schedule is None):
-        raise UsageError("give one of --regime R or --schedule steady,trend,burst (or steady:60,trend:60,...)")
-    schedule, phase_s = ((args.regime,), None) if args.regime else parse_phases(args.schedule)
-    duration_s = 60.0 if args.duration is None else args.duration
-    if phase_s is not None:
-        total_s = sum(phase_s)
-        if args.duration is not None and abs(args.duration - total_s) > 1e-9 * max(1.0, total_s):
-            raise UsageError(f"--duration {args.duration:g} differs from the schedule's {total_s:g} s "
-                             f"({args.schedule}): with REGIME:SECONDS phases the run lasts their sum; "
-                             f"leave --duration out")
-        duration_s = total_s
-    targets = [t.strip() for t in args.gateway.split(",") if t.strip()]
-    for t in targets:
-        if not t.startswith(("http://", "https://")):
-            raise UsageError(f"--gateway: {t!r} is not an http:// or https:// URL")
-    if not targets:
-        raise UsageError("--gateway: give the gateway's URL (or node agents' URLs, comma-separated)")
-    config = ReplayConfig(schedule=schedule, phase_s=phase_s, rate_rps=args.rate, duration_s=duration_s, seed=args.seed,
-                          num_users=args.users, max_history_len=args.max_history_len,
-                          num_candidates=args.num_candidates, top_k=args.top_k, slo_ms=args.slo_ms,
-                          timeout_s=args.timeout_s, retries=args.retries)
-    trace = _load(args)
-    out = replay(targets, trace, config, progress=not args.no_progress)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        lat = out["latency_ms"]
-        print(f"sent {out['requests_sent']}  served {out['requests_served']}  failed {out['requests_failed']} "
-              f"{out['failures'] or ''}  retried {out['requests_retried']}  lost {out['requests_lost']}")
-        print(f"latency ms  p50 {lat['p50']}  p90 {lat['p90']}  p99 {lat['p99']}  max {lat['max']}")
-        print(f"SLO {args.slo_ms:g} ms attainment {out['slo_attainment']}  offered {out['offered_rps']} req/s  "
-              f"served {out['served_rps']} req/s")
-        for phase, r in out["phases"].items():
-            print(f"  {phase:<22} sent {r['requests_sent']:>6}  p99 {r['p99_ms']} ms  SLO {r['slo_attainment']}")
-        if len(out["regimes"]) < len(out["phases"]):  # a regime played in several phases: its whole too
-            for regime, r in out["regimes"].items():
-                print(f"  {regime:<22} sent {r['requests_sent']:>6}  p99 {r['p99_ms']} ms  SLO {r['slo_attainment']}")
-    return 0 if out["requests_lost"] == 0 else 1
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """racer's parser with the named subcommands built in full (None: every one); the others are
+    listed by name and help line only, without importing their modules."""
+    wanted = set(COMMANDS) if commands is None else set(commands)
     parser = argparse.ArgumentParser(prog="racer", description=(
-        "RACER: runtime EMB/KV memory splitting for generative-recommender serving."))
+        "RACER: runtime EMB/KV memory splitting for generative-recommender serving."),
+        epilog="`racer COMMAND --help` describes a command's options.")
     parser.add_argument("--version", action="version", version=f"racer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    from workloads.regimes import REGIMES
-
-    wl = sub.add_parser("workload", help="load traces, describe them, generate and plot request streams",
-                        description="Real-trace workloads and the steady / trend / burst regimes.")
-    wl_sub = wl.add_subparsers(dest="workload_command", metavar="SUBCOMMAND", required=True)
-
-    d = wl_sub.add_parser("describe", help="statistics of a trace (and of a generated stream with --regime)",
-                          description="Print a trace's statistics; with --regime, also the generated stream's.")
-    _add_trace_args(d)
-    _add_regime_args(d, regime_required=False)
-    d.add_argument("--json", action="store_true", help="print one JSON object")
-    d.set_defaults(func=cmd_workload_describe)
-
-    pl = wl_sub.add_parser("plot", help="plot request rate and hot-user ratio of a regime over time",
-                           description="Write an HTML and a PNG plot of a generated stream (bursts shaded).")
-    _add_trace_args(pl)
-    _add_regime_args(pl, regime_required=True)
-    pl.add_argument("--out", required=True, help="output directory")
-    pl.add_argument("--window", type=float, default=1.0, help="statistics window, s (default 1)")
-    pl.add_argument("--json", action="store_true", help="print the written paths as JSON")
-    pl.set_defaults(func=cmd_workload_plot)
-
-    rp = sub.add_parser("replay", help="open-loop load generator: replay a trace through regimes against a gateway",
-                        description="Send a trace's requests (steady / trend / burst streams) to a gateway, or to "
-                                    "node agents directly, at their scheduled times whether or not earlier ones "
-                                    "returned; report served, failed and retried requests, latency percentiles and "
-                                    "SLO attainment.")
-    _add_trace_args(rp)
-    rp.add_argument("--regime", choices=REGIMES, default=None, help="one regime for the whole run")
-    rp.add_argument("--schedule", default=None,
-                    help="regimes in order: steady,trend,burst (equal parts of --duration, each its own stream) or "
-                         "REGIME:SECONDS,... e.g. steady:60,trend:60,burst:30,steady:60 (one stream, users keep "
-                         "their identity and histories across phases; the run lasts the sum)")
-    rp.add_argument("--rate", type=float, default=20.0, help="base request rate, req/s (default 20)")
-    rp.add_argument("--duration", type=float, default=None,
-                    help="run length, s (default 60; with a REGIME:SECONDS schedule, the phases' sum)")
-    rp.add_argument("--gateway", required=True, help="gateway URL (or node agents' URLs, comma-separated: round "
-                                                     "robin)")
-    rp.add_argument("--users", type=int, default=None, help="number of users (default: the trace's)")
-    rp.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    rp.add_argument("--max-history-len", type=int, default=256,
-                    help="most history + new items per request; at most the agents' --max-history-len (default 256)")
-    rp.add_argument("--num-candidates", type=int, default=64, help="candidates to rank per request (default 64)")
-    rp.add_argument("--top-k", type=int, default=10, help="items returned per request (default 10)")
-    rp.add_argument("--slo-ms", type=float, default=30.0, help="latency SLO, ms (default 30)")
-    rp.add_argument("--timeout-s", type=float, default=10.0, help="a request fails after this long (default 10)")
-    rp.add_argument("--retries", type=int, default=0,
-                    help="client retries on the next target after a connection error, timeout or 5xx (default 0)")
-    rp.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    rp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    rp.set_defaults(func=cmd_replay)
-
-    from policies.cli import add_policy_parser
-
-    add_policy_parser(sub)
-
-    from node_agent.cli import add_node_parser
-
-    add_node_parser(sub)
-
-    from control_plane.gateway import add_gateway_parser
-
-    add_gateway_parser(sub)
-
-    from .up import add_up_parser
-
-    add_up_parser(sub)
-
-    from dashboard.cli import add_dashboard_parser
-
-    add_dashboard_parser(sub)
-
-    from bench.fleet import add_fleet_parser
-    from simulator.cli import add_bench_parser
-
-    add_bench_parser(sub, more=(add_fleet_parser,))
-
-    from control_plane.cli import add_control_plane_parser
-
-    add_control_plane_parser(sub)
+    for name, command in COMMANDS.items():
+        if name in wanted:
+            command.load()(_OneName(sub, name, command.help))
+        else:
+            sub.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
+def command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (racer's own options,
+    ``--help`` and ``--version``, take no value)."""
+    for word in argv:
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = command_in(argv)
+    try:
+        parser = build_parser([name] if name in COMMANDS else [])
+    except ModuleNotFoundError as e:  # an optional dependency of that subcommand is not installed
+        print(f"racer: error: racer {name} needs the Python package {e.name!r}, which is not installed "
+              f"(pip install -e . installs racer's dependencies)", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, UpError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except (UsageError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"racer: error: {e}", file=sys.stderr)
         return 2
 

@@ -15,9 +15,9 @@ last, closes its database itself. A second ``racer up`` on the same data folder 
 database, the tokens and the cost profile; two at once on one folder are refused (a lock file).
 
 The supervisor is generic: a list of `ProcessSpec` (argv, environment, readiness URL). The pieces
-are found in the ``racer`` command itself (`available_commands`): a build without ``racer gateway``
-replays straight to the node agents (round robin, one client retry); without ``racer
-control-plane`` or ``racer dashboard`` those are left out and the start-up message says so.
+are the subcommands in racer.cli's table (`available_commands`, nothing imported): a build without
+``racer gateway`` replays straight to the node agents (round robin, one client retry); without
+``racer control-plane`` or ``racer dashboard`` those are left out and the start-up message says so.
 
 Files in the data folder (written whole: temp file, fsync, rename; a write that fails leaves
 nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
@@ -52,6 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import UsageError
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY = REPO / "policies" / "default"
 
@@ -65,8 +67,8 @@ PROFILE_ARGS = ("--embedding-dim", "32", "--num-layers", "1", "--threads", "1", 
                 "--repeats", "3", "--num-candidates", "64")
 
 
-class UpError(Exception):
-    """A problem the user can fix (bad option, unwritable data folder, busy folder); one line."""
+class UpError(UsageError):
+    """A problem the user can fix (bad option, unwritable data folder, busy folder or port); one line."""
 
 
 # ------------------------------------------------------------------------------ data folder ---
@@ -392,15 +394,11 @@ def rss_bytes(pid: int) -> int | None:
 
 
 # ------------------------------------------------------------------------ what `racer up` runs ---
-def available_commands() -> dict[str, set[str]]:
-    """The ``racer`` subcommands of this build and their option strings."""
-    from .cli import build_parser
+def available_commands() -> frozenset[str]:
+    """The ``racer`` subcommands of this build (the names in racer.cli's table; nothing imported)."""
+    from .cli import COMMANDS
 
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return {name: {o for a in p._actions for o in a.option_strings} for name, p in action.choices.items()}
-    return {}
+    return frozenset(COMMANDS)
 
 
 def _racer(*args: str) -> list[str]:
@@ -417,30 +415,28 @@ class Plan:
     node_urls: list[str]
 
 
-def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator_token: str,
-                   node_envs: dict[str, dict[str, str]], profile: Path | None, db_url: str) -> Plan:
-    """The process specs of ``racer up`` for the pieces this build has. Agent ``node-K`` (its
-    process name and its node id) runs with the environment ``node_envs["node-K"]`` (created
-    here, empty): its own token goes there once it is known."""
+def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], operator_token: str,
+                   node_envs: dict[str, dict[str, str]], profile: Path | None, db_url: str,
+                   ports: dict[str, int] | None = None) -> Plan:
+    """The process specs of ``racer up`` for the pieces this build has (``commands``: racer's
+    subcommand names). Agent ``node-K`` (its process name and its node id) runs with the
+    environment ``node_envs["node-K"]`` (created here, empty): its own token goes there once it is
+    known. ``ports``: the ports already chosen (``control-plane``, ``gateway``, ``dashboard``)."""
     host = "127.0.0.1"
+    ports = dict(ports or {})
     specs: list[ProcessSpec] = []
     missing = []
     env_tokens = {"RACER_ADMIN_TOKEN": operator_token}
     cp_url = None
     if "control-plane" in commands:
-        opts = commands["control-plane"]
-        port = args.control_plane_port or free_port()
+        port = ports.get("control-plane") or args.control_plane_port or free_port()
         cp_url = f"http://{host}:{port}"
-        argv = _racer("control-plane", "--port", str(port))
         # the database URL (it may hold a password) and the token go in the environment, not argv
-        env = {**env_tokens, "RACER_DATABASE_URL": db_url}
-        if "--host" in opts:
-            argv += ["--host", host]
-        specs.append(ProcessSpec("control-plane", argv, env, [f"{cp_url}/healthz"], url=cp_url))
+        specs.append(ProcessSpec("control-plane", _racer("control-plane", "--port", str(port), "--host", host),
+                                 {**env_tokens, "RACER_DATABASE_URL": db_url}, [f"{cp_url}/healthz"], url=cp_url))
     else:
         missing.append("control-plane")
 
-    agent_opts = commands.get("node-agent", set())
     node_urls = []
     for k in range(args.nodes):
         port = free_port()
@@ -455,30 +451,27 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
         if profile is not None:
             argv += ["--profile", str(profile)]
         env = node_envs.setdefault(f"node-{k}", {})  # its own RACER_NODE_TOKEN goes there once known
-        if cp_url and "--control-plane" in agent_opts:
-            argv += ["--control-plane", cp_url]  # the token goes in the environment: never in argv or a log
-            if "--node-id" in agent_opts:
-                argv += ["--node-id", f"node-{k}"]  # the id its token is bound to
-            if "--state-dir" in agent_opts:
-                argv += ["--state-dir", str(data_dir / "agents" / f"node-{k}")]
+        if cp_url:
+            # the token goes in the environment: never in argv or a log; the node id is the one
+            # its token is bound to
+            argv += ["--control-plane", cp_url, "--node-id", f"node-{k}",
+                     "--state-dir", str(data_dir / "agents" / f"node-{k}")]
         specs.append(ProcessSpec(f"node-{k}", argv, env, [f"{url}/healthz"], url=url))
 
     targets = list(node_urls)
     if "gateway" in commands:
-        opts = commands["gateway"]
         gw_env: dict[str, str] = {}
-        port = args.gateway_port or free_port()
+        port = ports.get("gateway") or args.gateway_port or free_port()
         gw_url = f"http://{host}:{port}"
         argv = _racer("gateway", "--port", str(port), "--host", host)
-        if cp_url and "--control-plane" in opts:
-            argv += ["--control-plane", cp_url]  # the token in the environment (RACER_GATEWAY_TOKEN), not argv
+        if cp_url:
+            # the token in the environment (RACER_GATEWAY_TOKEN), not argv; it registers (its
+            # advertised URL) for the control plane's weight pushes
+            argv += ["--control-plane", cp_url, "--advertise-url", gw_url]
             gw_env = {"RACER_GATEWAY_TOKEN": operator_token}
-            if "--advertise-url" in opts:  # registers for the control plane's weight pushes
-                argv += ["--advertise-url", gw_url]
         else:
             argv += ["--nodes", ",".join(node_urls)]
-        if "--trace" in opts:
-            argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
+        argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
         specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
                                  ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
         targets = [gw_url]
@@ -487,18 +480,10 @@ def plan_processes(args, data_dir: Path, commands: dict[str, set[str]], operator
 
     dash_url = None
     if "dashboard" in commands and cp_url:
-        opts = commands["dashboard"]
-        port = args.dashboard_port if args.dashboard_port else free_port()
-        if not port_free(port):
-            raise UpError(f"--dashboard-port {port} is taken; pass another (0: a free one)")
+        port = ports.get("dashboard") or args.dashboard_port or free_port()
         dash_url = f"http://{host}:{port}"
-        argv = _racer("dashboard", "--control-plane", cp_url, "--port", str(port))
-        if "--host" in opts:
-            argv += ["--host", host]
-        if "--slo-ms" in opts:
-            argv += ["--slo-ms", f"{args.slo_ms:g}"]
-        if "--refresh-s" in opts:
-            argv += ["--refresh-s", "2"]
+        argv = _racer("dashboard", "--control-plane", cp_url, "--port", str(port), "--host", host,
+                      "--slo-ms", f"{args.slo_ms:g}", "--refresh-s", "2")
         specs.append(ProcessSpec("dashboard", argv, {}, [f"{dash_url}/"], url=dash_url))
     else:
         missing.append("dashboard")
@@ -733,7 +718,7 @@ def cmd_up(args) -> int:
         # until the control plane answers, the gateway and the dashboard retry it
         others = [s.name for s in plan.specs if not s.name.startswith("node-")]
         nodes = [s.name for s in plan.specs if s.name.startswith("node-")]  # also their node ids
-        reporting = bool(plan.control_plane_url) and "--control-plane" in commands.get("node-agent", set())
+        reporting = bool(plan.control_plane_url)
         tokening = start_token_create(data_dir, db_url, nodes, say) if reporting and "token" in commands else None
 
         def give(tokens: dict[str, str]) -> list[str]:

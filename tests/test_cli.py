@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from racer.cli import build_parser, main
+from racer.cli import COMMANDS, Command, build_parser, command_in, main
 
 from .conftest import TAOBAO_SAMPLE
 
@@ -24,6 +24,8 @@ def all_subcommand_paths(parser, prefix=()):
 def test_help_on_every_subcommand(capsys):
     paths = list(all_subcommand_paths(build_parser()))
     assert ("workload", "describe") in paths and ("workload", "plot") in paths
+    # every name in the table is built by its registrar (and nothing else is)
+    assert {p[0] for p in paths} == set(COMMANDS)
     for path in [()] + paths:
         with pytest.raises(SystemExit) as e:
             main(list(path) + ["--help"])
@@ -137,3 +139,47 @@ def test_every_command_line_words_range_errors_alike(argv, message, capsys):
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _modules_after(argv: list[str]) -> set[str]:
+    """The modules a fresh interpreter has imported after ``racer ARGV`` (which exits)."""
+    code = ("import json, sys\nfrom racer.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+            "    pass\nprint(json.dumps(sorted(sys.modules)), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    return set(json.loads(p.stderr.strip().splitlines()[-1]))
+
+
+HEAVY = {"torch", "fastapi", "dash", "uvicorn", "onnxruntime", "sqlalchemy", "plotly"}
+
+
+def test_racer_help_imports_no_subcommand_module():
+    """`racer --help` lists the table: none of torch, fastapi, dash (nor numpy, nor any
+    subcommand's module) is imported to print it."""
+    mods = _modules_after(["--help"])
+    assert "racer.cli" in mods
+    assert not mods & (HEAVY | {"numpy", "racer.up", "racer.workload", "policies", "node_agent", "control_plane"})
+
+
+def test_a_subcommand_help_imports_that_subcommand_only():
+    mods = _modules_after(["up", "--help"])
+    assert "racer.up" in mods and not mods & HEAVY
+    assert not mods & {"policies", "control_plane", "dashboard", "simulator", "node_agent.engine"}
+    mods = _modules_after(["workload", "describe", "--help"])
+    assert "racer.workload" in mods and not mods & (HEAVY | {"racer.up"})
+
+
+def test_the_command_is_the_first_word_that_is_not_an_option():
+    assert command_in(["--version"]) is None and command_in([]) is None
+    assert command_in(["-h", "up", "--nodes", "2"]) == "up"
+    assert command_in(["node", "profile", "--json"]) == "node"
+
+
+def test_a_subcommand_whose_module_is_missing_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(COMMANDS, "ghost", Command("no_such_racer_module:add_parser", "a command never installed"))
+    assert main(["ghost", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("racer: error: racer ghost needs the Python package 'no_such_racer_module'")
+    assert err.count("\n") == 1
+    with pytest.raises(SystemExit) as e:  # the other commands are listed without importing it
+        main(["--help"])
+    assert e.value.code == 0 and "a command never installed" in capsys.readouterr().out

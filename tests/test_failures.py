@@ -28,7 +28,7 @@ from .procs import skip_or_fail
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 _COMMANDS = available_commands()
-_SYSTEM = "control-plane" in _COMMANDS and "--control-plane" in _COMMANDS.get("node-agent", set())
+_SYSTEM = {"control-plane", "node-agent"} <= _COMMANDS
 
 
 def needs_system(test):
