@@ -76,13 +76,16 @@ class ControlPlaneClient:
 
     # ------------------------------------------------------------------------- plumbing ---
     def request(self, method: str, path: str, token: str | None, *, params: Mapping | None = None,
-                json: Any = None, timeout_s: float | None = None) -> Any:
+                json: Any = None, timeout_s: float | None = None, content: bytes | None = None,
+                content_type: str | None = None) -> Any:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if content_type:
+            headers["Content-Type"] = content_type
         clean = {k: v for k, v in (params or {}).items() if v is not None}
         t0 = time.perf_counter()
         try:
             resp = self._http.request(method, API + path, params=clean, json=json, headers=headers,
-                                      timeout=timeout_s or self.timeout_s)
+                                      content=content, timeout=timeout_s or self.timeout_s)
         except httpx.TimeoutException:
             raise Unavailable(f"control plane at {self.base_url} did not answer within "
                               f"{timeout_s or self.timeout_s:g} s") from None
@@ -148,6 +151,17 @@ class ControlPlaneClient:
     def rollout(self, token: str, rollout_id: int) -> dict:
         return self.get(f"/rollouts/{int(rollout_id)}", token)
 
+    def decision(self, token: str, decision: Mapping) -> dict | None:
+        """The stored decision of a grid row (``id``, ``node_id``, ``ts_s``), with its features."""
+        ts = float(decision["ts_s"])
+        page = self.decisions(token, node_id=decision["node_id"], start_s=ts - 0.001, end_s=ts + 0.001, limit=50)
+        return next((d for d in page["items"] if str(d["id"]) == str(decision["id"])), None)
+
+    def report_at(self, token: str, node_id: str, ts_s: float) -> dict | None:
+        """The node's raw report of the control interval at ``ts_s`` (the closest within a second)."""
+        rows = self.history(token, start_s=ts_s - 1.0, end_s=ts_s + 1.0, node_id=node_id, limit=50)
+        return min(rows, key=lambda r: abs(r["ts_s"] - ts_s), default=None)
+
     # -------------------------------------------------------------------------- actions ---
     def create_override(self, token: str, *, emb_share: float, reason: str, node_id: str | None = None,
                         ttl_s: float | None = None) -> dict:
@@ -158,6 +172,17 @@ class ControlPlaneClient:
 
     def clear_override(self, token: str, override_id: int, reason: str) -> dict:
         return self.post(f"/overrides/{int(override_id)}/clear", token, {"reason": reason})
+
+    def upload_policy(self, token: str, tar: bytes) -> dict:
+        """Register an artifact (a tar of its files); the control plane checks it with the node
+        agent's loader first and answers 422 saying why when it is refused."""
+        return self.request("POST", "/policies", token, content=tar, content_type="application/x-tar",
+                            timeout_s=max(30.0, self.timeout_s))
+
+    def activate_policy(self, token: str, version: str, reason: str) -> dict:
+        from urllib.parse import quote
+
+        return self.post(f"/policies/{quote(str(version), safe='')}/activate", token, {"reason": reason})
 
     def start_rollout(self, token: str, **body) -> dict:
         return self.post("/rollouts", token, body)

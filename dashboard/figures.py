@@ -105,6 +105,54 @@ def _clean(values: Iterable) -> list:
     return out
 
 
+GAP_FACTOR = 2.5  # a step between two points longer than this many buckets is a gap (no data)
+
+
+def gap_step_s(ts: Sequence[float], step_s: float | None = None) -> float | None:
+    """The series' bucket size: ``step_s`` when given, else the median spacing of ``ts``."""
+    if step_s:
+        return float(step_s)
+    diffs = sorted(b - a for a, b in zip(ts, ts[1:]) if b > a)
+    return diffs[len(diffs) // 2] if diffs else None
+
+
+def with_gaps(ts: Sequence[float], columns: Sequence[Sequence], step_s: float | None = None,
+              both_ends: bool = False) -> tuple[list[float], list[list]]:
+    """``ts`` and its value ``columns`` with a None point put wherever two neighbours are more than
+    `GAP_FACTOR` buckets apart: a line breaks there instead of joining the last value before an
+    outage to the first after it (drawing, say, 0 req/s or emb_share 0.5 across time nobody served).
+
+    The None point sits one bucket after the earlier neighbour; ``both_ends`` adds a second one
+    bucket before the later neighbour (a heatmap's cells reach half-way to their neighbours, so
+    the gap needs blank cells at both ends)."""
+    ts = [float(t) for t in ts]
+    cols = [(list(c) + [None] * len(ts))[:len(ts)] for c in columns]
+    step = gap_step_s(ts, step_s)
+    if step is None or len(ts) < 2:
+        return ts, cols
+    limit = GAP_FACTOR * step
+    out_t: list[float] = [ts[0]]
+    out_c: list[list] = [[c[0]] for c in cols]
+    for i in range(1, len(ts)):
+        prev, t = ts[i - 1], ts[i]
+        if t - prev > limit:
+            fill = [prev + step] + ([t - step] if both_ends and t - step > prev + step else [])
+            for x in fill:
+                out_t.append(x)
+                for oc in out_c:
+                    oc.append(None)
+        out_t.append(t)
+        for oc, c in zip(out_c, cols):
+            oc.append(c[i])
+    return out_t, out_c
+
+
+def _gapped(ts: Sequence[float], *columns: Sequence, step_s: float | None = None) -> tuple[list[int], list[list]]:
+    """`with_gaps` on cleaned columns, times as axis values."""
+    t, cols = with_gaps(list(ts), [_clean(c) for c in columns], step_s)
+    return to_xs(t), cols
+
+
 def merge_periods(bursts: Sequence[Mapping], now_s: float | None = None) -> list[tuple[float, float]]:
     """Union of the bursts' [start, end] periods (an open burst ends at ``now_s``, or its start).
 
@@ -187,16 +235,20 @@ def _add_bursts(fig: go.Figure, bursts: Sequence[Mapping] | None, now_s: float |
 
 
 def slo_attainment_figure(cluster: Mapping, target: float, bursts: Sequence[Mapping] | None = None,
-                          now_s: float | None = None) -> go.Figure:
-    """SLO attainment (fraction of requests within the SLO) over time against its target."""
+                          now_s: float | None = None, step_s: float | None = None) -> go.Figure:
+    """SLO attainment (fraction of requests within the SLO) over time against its target, on a
+    fixed 0-100% axis. ``step_s``: the buckets' size (gaps longer than `GAP_FACTOR` buckets are
+    left blank; the median spacing when not given), as for every time chart here."""
     fig = _base("SLO attainment vs target", "requests within SLO (%)")
-    y = [None if v is None else 100.0 * v for v in _clean(cluster.get("slo_attainment", []))]
-    fig.add_trace(go.Scatter(x=to_xs(cluster.get("t_s", [])), y=y, mode="lines", name="attainment",
-                               line=dict(color=EMB_COLOR, width=2)))
+    xs, (att,) = _gapped(cluster.get("t_s", []), cluster.get("slo_attainment", []), step_s=step_s)
+    y = [None if v is None else 100.0 * v for v in att]
+    fig.add_trace(go.Scatter(x=xs, y=y, mode="lines", name="attainment", line=dict(color=EMB_COLOR, width=2)))
     fig.add_annotation(xref="paper", x=1, y=100.0 * target, yref="y", text=f"target {100 * target:g}%",
                        showarrow=False, xanchor="right", yanchor="top", font=dict(color=SLO_LINE))
     _add_bursts(fig, bursts, now_s, [hline_shape(100.0 * target, "target")])
-    fig.update_yaxes(range=[max(0.0, min([v for v in y if v is not None] + [100 * target]) - 5), 100.5])
+    # the whole 0-100% scale: a range fitted to the first draw would drop later, lower values
+    # that live updates append (a KPI card at 11% and no line)
+    fig.update_yaxes(range=[0, 100.5])
     _legend_top(fig)
     return fig
 
@@ -205,7 +257,8 @@ LEGEND_MAX_NODES = 12
 
 
 def p99_figure(nodes: Mapping[str, Mapping], slo_ms: float, bursts: Sequence[Mapping] | None = None,
-               now_s: float | None = None, cluster: Mapping | None = None) -> go.Figure:
+               now_s: float | None = None, cluster: Mapping | None = None,
+               step_s: float | None = None) -> go.Figure:
     """P99 latency per node (one line each, in ``nodes`` order) with the SLO line.
 
     With ``cluster`` the cluster-wide P99 is the last trace (thicker). Trace order is what the
@@ -217,15 +270,16 @@ def p99_figure(nodes: Mapping[str, Mapping], slo_ms: float, bursts: Sequence[Map
     # measuring its labels was a fifth of the browser's first draw
     grouped = len(nodes) > LEGEND_MAX_NODES
     for node_id, s in nodes.items():
-        fig.add_trace(go.Scatter(x=to_xs(s.get("t_s", [])), y=_clean(s.get("p99_ms", [])), mode="lines",
+        xs, (ys,) = _gapped(s.get("t_s", []), s.get("p99_ms", []), step_s=step_s)
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines",
                                  name=str(node_id), line=dict(width=1), opacity=0.7, legendgroup="nodes",
                                  showlegend=not grouped))
     if grouped:  # the group's legend entry (after the node traces: extendData addresses those by index)
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"{len(nodes)} nodes (hover: node)",
                                  legendgroup="nodes", line=dict(width=1, color="#888888"), hoverinfo="skip"))
     if cluster is not None:
-        fig.add_trace(go.Scatter(x=to_xs(cluster.get("t_s", [])), y=_clean(cluster.get("p99_ms", [])),
-                                   mode="lines", name="cluster", line=dict(width=3, color="#111111")))
+        xs, (ys,) = _gapped(cluster.get("t_s", []), cluster.get("p99_ms", []), step_s=step_s)
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="cluster", line=dict(width=3, color="#111111")))
     fig.add_annotation(xref="paper", x=0, y=slo_ms, yref="y", text=f"SLO {slo_ms:g} ms", showarrow=False,
                        xanchor="left", yanchor="bottom", font=dict(color=SLO_LINE))
     _add_bursts(fig, bursts, now_s, [hline_shape(slo_ms, "slo")])
@@ -234,10 +288,10 @@ def p99_figure(nodes: Mapping[str, Mapping], slo_ms: float, bursts: Sequence[Map
 
 
 def throughput_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
-                      now_s: float | None = None) -> go.Figure:
+                      now_s: float | None = None, step_s: float | None = None) -> go.Figure:
     fig = _base("Throughput", "requests per second (req/s)")
-    fig.add_trace(go.Scatter(x=to_xs(cluster.get("t_s", [])), y=_clean(cluster.get("throughput_rps", [])),
-                               mode="lines", name="served", line=dict(color="#17becf", width=2)))
+    xs, (ys,) = _gapped(cluster.get("t_s", []), cluster.get("throughput_rps", []), step_s=step_s)
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="served", line=dict(color="#17becf", width=2)))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(rangemode="tozero")
     _legend_top(fig)
@@ -245,13 +299,14 @@ def throughput_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
 
 
 def hit_rate_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
-                    now_s: float | None = None) -> go.Figure:
+                    now_s: float | None = None, step_s: float | None = None) -> go.Figure:
     """EMB row hit rate and KV token hit rate (cluster) over time, in %."""
     fig = _base("Cache hit rates", "hit rate (%)")
-    xs = to_xs(cluster.get("t_s", []))
-    for key, name, color in (("emb_hit_rate", "EMB hit rate (rows)", EMB_COLOR),
-                             ("kv_hit_rate", "KV hit rate (tokens)", KV_COLOR)):
-        y = [None if v is None else 100.0 * v for v in _clean(cluster.get(key, []))]
+    xs, cols = _gapped(cluster.get("t_s", []), cluster.get("emb_hit_rate", []), cluster.get("kv_hit_rate", []),
+                       step_s=step_s)
+    for col, name, color in ((cols[0], "EMB hit rate (rows)", EMB_COLOR),
+                             (cols[1], "KV hit rate (tokens)", KV_COLOR)):
+        y = [None if v is None else 100.0 * v for v in col]
         fig.add_trace(go.Scatter(x=xs, y=y, mode="lines", name=name, line=dict(color=color, width=2)))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(range=[0, 100.5])
@@ -263,19 +318,22 @@ def hit_rate_figure(cluster: Mapping, bursts: Sequence[Mapping] | None = None,
 
 
 def emb_share_heatmap(nodes: Mapping[str, Mapping], bursts: Sequence[Mapping] | None = None,
-                      now_s: float | None = None) -> go.Figure:
+                      now_s: float | None = None, step_s: float | None = None) -> go.Figure:
     """Nodes x time heatmap of emb_share (the applied share of arena pages given to the EMB slab).
 
     The nodes' series are aligned on the union of their timestamps (a node without a value there
-    is blank). Rows are in ``nodes`` order, top to bottom.
+    is blank). Rows are in ``nodes`` order, top to bottom. Where no node reported for more than
+    `GAP_FACTOR` buckets, blank columns fill the gap (a cell otherwise reaches half-way to its
+    neighbour, painting the last value across the outage).
     """
     times = sorted({t for s in nodes.values() for t in s.get("t_s", [])})
+    times, _ = with_gaps(times, [], step_s, both_ends=True)
     col = {t: i for i, t in enumerate(times)}
     z = []
     for s in nodes.values():
         row: list = [None] * len(times)
         for t, v in zip(s.get("t_s", []), _clean(s.get("emb_share", []))):
-            row[col[t]] = v
+            row[col[float(t)]] = v
         z.append(row)
     fig = _base("emb_share per node (fraction of arena pages in the EMB slab)", "node")
     fig.add_trace(go.Heatmap(x=to_xs(times), y=[str(n) for n in nodes], z=z, zmin=0.0, zmax=1.0,
@@ -289,7 +347,8 @@ def emb_share_heatmap(nodes: Mapping[str, Mapping], bursts: Sequence[Mapping] | 
 
 
 def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping],
-                       bursts: Sequence[Mapping] | None = None, now_s: float | None = None) -> go.Figure:
+                       bursts: Sequence[Mapping] | None = None, now_s: float | None = None,
+                       step_s: float | None = None) -> go.Figure:
     """Target vs applied emb_share of the selected nodes, decisions marked by source colour.
 
     Per node: applied (solid) and target (dashed) lines. Decisions of those nodes are markers,
@@ -301,11 +360,12 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
     palette = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#31a354", "#756bb1"]
     for i, (node_id, s) in enumerate(nodes.items()):
         color = palette[i % len(palette)]
-        xs = to_xs(s.get("t_s", []))
-        fig.add_trace(go.Scatter(x=xs, y=_clean(s.get("emb_share", [])), mode="lines",
+        xs, (applied, target) = _gapped(s.get("t_s", []), s.get("emb_share", []), s.get("target_emb_share", []),
+                                        step_s=step_s)
+        fig.add_trace(go.Scatter(x=xs, y=applied, mode="lines",
                                    name=f"{node_id} applied", line=dict(color=color, width=2),
                                    legendgroup=str(node_id)))
-        fig.add_trace(go.Scatter(x=xs, y=_clean(s.get("target_emb_share", [])), mode="lines",
+        fig.add_trace(go.Scatter(x=xs, y=target, mode="lines",
                                    name=f"{node_id} target", line=dict(color=color, width=1.5, dash="dash"),
                                    legendgroup=str(node_id)))
     selected = {str(n) for n in nodes}
@@ -387,11 +447,14 @@ def split_bar_figure(nodes: Sequence[Mapping]) -> go.Figure:
 
 def router_weights_figure(history: Sequence[Mapping], field: str = "service_time_us",
                           now_s: float | None = None) -> go.Figure:
-    """Router weight inputs per node over time (step lines), hover gives each change's reason.
+    """Router weight inputs over time (step lines), hover gives each change's reason: what
+    differs between nodes. Nodes whose values are the same at every version share one line, named
+    after them ("node-1, node-2" or "all 4 nodes"); when every node has the same values a note
+    says so (four identical lines would hide each other).
 
     ``history``: ``[{"t_s", "version", "nodes": {node_id: {<field>: value, "reason": str}}}]``
-    (one entry per pushed weights version, oldest first). With ``now_s`` each node's line goes on
-    to now at its current value (a weight holds until the next version).
+    (one entry per pushed weights version, oldest first). With ``now_s`` each line goes on to now
+    at its current value (a weight holds until the next version).
     """
     unit = field.rsplit("_", 1)[-1] if field.endswith(("_us", "_ms", "_s")) else ""
     pretty = {"service_time_us": "service time", "kv_recompute_us_per_token": "KV recompute per token",
@@ -405,7 +468,17 @@ def router_weights_figure(history: Sequence[Mapping], field: str = "service_time
             s["x"].append(to_x(entry["t_s"]))
             s["y"].append(w.get(field))
             s["text"].append(f"v{entry.get('version')}: {_wrap(str(w.get('reason', '')), 60, 3)}")
+    groups: dict[tuple, list[str]] = {}
     for node_id, s in per_node.items():
+        groups.setdefault(tuple(zip(s["x"], _clean(s["y"]))), []).append(node_id)
+    for members in groups.values():
+        s = per_node[members[0]]
+        if len(members) == 1:
+            name = members[0]
+        elif len(members) == len(per_node):
+            name = f"all {len(members)} nodes"
+        else:
+            name = ", ".join(members[:3]) + (f" (+{len(members) - 3})" if len(members) > 3 else "")
         sizes = [6] * len(s["x"])
         if now_s is not None and s["x"] and to_x(now_s) > s["x"][-1]:
             s["x"].append(to_x(now_s))
@@ -413,8 +486,13 @@ def router_weights_figure(history: Sequence[Mapping], field: str = "service_time
             s["text"].append(s["text"][-1] + " (current)")
             sizes.append(0)
         fig.add_trace(go.Scatter(x=s["x"], y=_clean(s["y"]), text=s["text"], mode="lines+markers",
-                                   line=dict(shape="hv", width=1.5), marker=dict(size=sizes), name=node_id,
-                                   hovertemplate="%{y:.2f}<br>%{text}<extra>" + node_id + "</extra>"))
+                                   line=dict(shape="hv", width=1.5), marker=dict(size=sizes), name=name,
+                                   meta=members,
+                                   hovertemplate="%{y:.2f}<br>%{text}<extra>" + name + "</extra>"))
+    if len(groups) == 1 and len(per_node) > 1:
+        fig.add_annotation(text=f"the same on all {len(per_node)} nodes", xref="paper", yref="paper", x=0.01,
+                           y=0.98, showarrow=False, xanchor="left", yanchor="top",
+                           font=dict(size=12, color="#6c757d"), name="identical")
     fig.update_layout(hovermode="closest", legend=dict(font=dict(size=10)))
     ys = [v for s in per_node.values() for v in _clean(s["y"]) if v is not None and v > 0]
     if ys and max(ys) / min(ys) > 50:  # nodes of very different speeds: a log axis keeps all readable
@@ -468,18 +546,36 @@ def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
 # ------------------------------------------------------------------- live partial updates ---
 
 
+def _extension(ts: Sequence[float], columns: Sequence[Sequence], last_t_s: float | None,
+               step_s: float | None) -> tuple[list[int], list[list]]:
+    """New points of a live update with their gaps: inside them (`with_gaps`), and before the
+    first one when it comes more than `GAP_FACTOR` buckets after ``last_t_s``, the last point
+    already drawn (an outage between two ticks breaks the line too)."""
+    ts = [float(t) for t in ts]
+    cols = [_clean(c) for c in columns]
+    if last_t_s is not None and ts:
+        ts, cols = [float(last_t_s)] + ts, [[None] + c for c in cols]
+        t, cols = with_gaps(ts, cols, step_s)
+        t, cols = t[1:], [c[1:] for c in cols]
+    else:
+        t, cols = with_gaps(ts, cols, step_s)
+    return to_xs(t), cols
+
+
 def extend_nodes(nodes: Mapping[str, Mapping], order: Sequence[str], field: str,
-                 max_points: int) -> list | None:
+                 max_points: int, last_t_s: float | None = None, step_s: float | None = None) -> list | None:
     """``extendData`` for a figure with one trace per node in ``order`` (as `p99_figure` builds it):
     ``[{"x": [[...], ...], "y": [[...], ...]}, [trace indices], max_points]`` or None when empty.
+    ``last_t_s`` / ``step_s``: the last time drawn and the bucket size, for the gaps (`_extension`).
     """
     xs, ys, idx = [], [], []
     for i, node_id in enumerate(order):
         s = nodes.get(node_id)
         if not s or not s.get("t_s"):
             continue
-        xs.append(to_xs(s["t_s"]))
-        ys.append(_clean(s.get(field, [])))
+        x, (y,) = _extension(s["t_s"], [s.get(field, [])], last_t_s, step_s)
+        xs.append(x)
+        ys.append(y)
         idx.append(i)
     if not idx:
         return None
@@ -504,11 +600,12 @@ def fold_extend(patch, ext: list | None) -> None:
 
 
 def extend_cluster(cluster: Mapping, fields: Sequence[str], max_points: int,
-                   scale: float = 1.0) -> list | None:
-    """``extendData`` for traces 0..len(fields)-1 of a cluster figure, one field each."""
+                   scale: float = 1.0, last_t_s: float | None = None, step_s: float | None = None) -> list | None:
+    """``extendData`` for traces 0..len(fields)-1 of a cluster figure, one field each (gaps as in
+    `extend_nodes`)."""
     t = cluster.get("t_s") or []
     if not t:
         return None
-    x = to_xs(t)
-    ys = [[None if v is None else scale * v for v in _clean(cluster.get(f, []))] for f in fields]
+    x, cols = _extension(t, [cluster.get(f, []) for f in fields], last_t_s, step_s)
+    ys = [[None if v is None else scale * v for v in c] for c in cols]
     return [{"x": [x] * len(fields), "y": ys}, list(range(len(fields))), max_points]

@@ -211,3 +211,135 @@ def test_fold_extend_appends_the_points_to_the_patch():
     assert len(ext_ops) == 4
     F.fold_extend(p, None)
     assert len(p.to_plotly_json()["operations"]) == len(ops)
+
+
+# ------------------------------------------------------------- gaps, weights, details ---
+
+
+def test_an_outage_is_a_gap_on_every_time_chart_never_a_line_across_it():
+    t = [T0, T0 + 5, T0 + 10, T0 + 2600, T0 + 2605]  # 5 s buckets, 43 minutes with nothing
+    cl = {"t_s": t, "slo_attainment": [0.9] * 5, "p99_ms": [10.0] * 5, "throughput_rps": [0.0] * 5,
+          "emb_hit_rate": [0.5] * 5, "kv_hit_rate": [0.5] * 5}
+    ns = {"a": {"t_s": t, "p99_ms": [10.0] * 5, "emb_share": [0.5] * 5, "target_emb_share": [0.5] * 5}}
+    gap_x = F.to_x(T0 + 15)
+    for fig in (F.slo_attainment_figure(cl, 0.99, step_s=5), F.throughput_figure(cl, step_s=5),
+                F.hit_rate_figure(cl, step_s=5), F.p99_figure(ns, 30.0, cluster=cl, step_s=5),
+                F.share_lines_figure(ns, [], step_s=5)):
+        lines = [tr for tr in fig.data if tr.mode == "lines" and len(tr.x or []) > 1]
+        assert lines
+        for tr in lines:
+            assert list(tr.x)[3] == gap_x and list(tr.y)[3] is None, (fig.layout.title.text, tr.name)
+            assert len(tr.x) == 6
+    # the step is inferred (median spacing) when not given
+    assert list(F.throughput_figure(cl).data[0].y)[3] is None
+    # the heatmap gets blank columns at both ends of the gap (a cell reaches half-way to its neighbour)
+    h = F.emb_share_heatmap(ns, step_s=5).data[0]
+    assert list(h.x) == F.to_xs([T0, T0 + 5, T0 + 10, T0 + 15, T0 + 2595, T0 + 2600, T0 + 2605])
+    assert list(h.z[0]) == [0.5, 0.5, 0.5, None, None, 0.5, 0.5]
+    # live updates: a gap before the first new point when it comes long after the last one drawn
+    ext = F.extend_cluster({"t_s": [T0 + 2600, T0 + 2605], "throughput_rps": [1.0, 2.0]}, ["throughput_rps"], 100,
+                           last_t_s=T0 + 10, step_s=5)
+    assert ext[0]["x"][0] == F.to_xs([T0 + 15, T0 + 2600, T0 + 2605]) and ext[0]["y"][0] == [None, 1.0, 2.0]
+    ext = F.extend_nodes({"a": {"t_s": [T0 + 15], "p99_ms": [3.0]}}, ["a"], "p99_ms", 100, last_t_s=T0 + 10, step_s=5)
+    assert ext[0]["y"] == [[3.0]]
+
+
+def test_slo_axis_is_the_whole_percent_scale_whatever_the_first_values():
+    c = _cluster()
+    assert tuple(F.slo_attainment_figure(c, 0.99).layout.yaxis.range) == (0, 100.5)
+
+
+def test_router_weights_show_what_differs_between_nodes():
+    def hist(vals):
+        return [{"t_s": T0 + 60 * i, "version": i + 1,
+                 "nodes": {n: {"kv_recompute_us_per_token": v[i], "reason": "r"} for n, v in vals.items()}}
+                for i in range(2)]
+    same = F.router_weights_figure(hist({n: [80.0, 157.8] for n in ("a", "b", "c", "d")}), "kv_recompute_us_per_token")
+    assert [t.name for t in same.data] == ["all 4 nodes"] and list(same.data[0].meta) == ["a", "b", "c", "d"]
+    assert [a.text for a in same.layout.annotations] == ["the same on all 4 nodes"]
+    mixed = F.router_weights_figure(hist({"a": [1.0, 2.0], "b": [1.0, 2.0], "c": [5.0, 5.0]}),
+                                    "kv_recompute_us_per_token")
+    assert [t.name for t in mixed.data] == ["a, b", "c"] and not mixed.layout.annotations
+
+
+def test_rollout_actions_match_the_control_planes_state_machine():
+    from control_plane.rollout import _ALLOWED
+
+    from dashboard import details as D
+
+    assert {a: {s.value for s in states} for a, states in _ALLOWED.items() if a != "bake"} == \
+        {a: set(s) for a, s in D.ROLLOUT_ACTIONS.items()}
+    assert D.rollout_actions("rolled_back") == set() and D.rollout_actions("promoted") == set()
+    assert D.rollout_actions("baking") == {"promote", "rollback", "pause"}
+    assert D.rollout_actions("paused") == {"promote", "rollback", "resume"}
+    assert D.can_start_rollout(None) and D.can_start_rollout({"state": "rolled_back"})
+    assert not D.can_start_rollout({"state": "pending"})
+
+
+def test_registry_columns_and_the_active_policy_card_are_readable():
+    import json as _json
+    from pathlib import Path
+
+    from dashboard import details as D
+
+    m = _json.loads((Path(__file__).resolve().parents[1] / "policies" / "default" / "manifest.json").read_text())
+    text = D.validation_text(m)
+    assert text.startswith("accepted by the agent's loader") and "parity passed" in text and "{" not in text
+    assert D.flat_text({"a": {"b": 0.123456, "c": 0}, "d": "x"}) == "a.b 0.123 · d x"
+    nodes = [{"node_id": "n1", "policy_version": "v1"}, {"node_id": "n2", "policy_version": "v1"},
+             {"node_id": "n3", "policy_version": "v2"}, {"node_id": "n4", "policy_version": None}]
+    assert D.node_policies_text(nodes, None) == "v1 on 2 nodes · v2 on 1 node"
+    assert D.node_policies_text(nodes[:1], "v9") == "v1 on 1 node (registry: v9)"
+    assert D.node_policies_text([], "v9") == "v9 (no node reports it yet)" and D.node_policies_text([]) == "–"
+
+
+def test_node_local_times_in_reasons_get_a_utc_rendering():
+    from dashboard import details as D
+
+    entered = {"node_id": "n", "ts_s": T0 + 100.0, "reason": "burst entered at t=4578.5s (rate x3.00, ...): cap"}
+    assert D.clock_offset(entered) == pytest.approx(T0 + 100.0 - 4578.5)
+    since = {"node_id": "n", "ts_s": T0 + 130.0, "reason": "burst since t=4578.5s (rate x2.00): cap"}
+    assert D.clock_offset(since) is None
+    bursts = [{"node_id": "n", "start_s": T0 + 100.0, "end_s": None}]
+    assert D.clock_offset(since, bursts) == pytest.approx(T0 + 100.0 - 4578.5)
+    utc = F.x_to_text(F.to_x(T0 + 100.0))[11:]
+    assert D.reason_utc(since["reason"], T0 + 100.0 - 4578.5).startswith(f"burst since t=4578.5s ({utc} UTC)")
+    other = {"node_id": "n", "ts_s": T0 + 140.0, "reason": "override expired at t=4590s; base"}
+    texts = D.reasons_utc([entered, other])  # borrows the node's offset from the nearest decision
+    assert f"({utc} UTC)" in texts[0] and "t=4590s (" in texts[1]
+    assert D.reason_utc("no times here", 5.0) == "no times here"
+
+
+def test_decision_drill_down_lays_out_layers_features_miss_costs_and_context():
+    from dashboard import details as D
+
+    dec = {"id": 7, "node_id": "n", "seq": 3, "ts_s": T0, "source": "recovery", "emb_share": 0.3,
+           "prev_emb_share": 0.5, "policy_version": "v1", "reason": "burst entered at t=10s: cap " + "x" * 500,
+           "features": {"kv_miss_cost_share": 0.7, "arrival_rate_log": 1.2},
+           "layers": [{"layer": "base", "proposal": 0.5}, {"layer": "recovery", "proposal": 0.3, "cap": 0.3}],
+           "tuner_offset": 0.01}
+    rep = {"ts_s": T0, "kv_hit_rate": 0.4, "emb_hit_rate": 0.9, "p99_ms": 12.0, "queue_depth": 3.0,
+           "kv_recompute_us_per_token": 80.5, "emb_transfer_us_per_row": 2.0}
+    d = D.decision_detail(dec, rep)
+    assert d["reason"].endswith("x" * 500) and "UTC" in d["reason"]  # full text, node time in UTC
+    assert [name for name, _ in d["layers"]] == ["base", "recovery"] and ("cap", "0.3") in d["layers"][1][1]
+    assert ("kv_miss_cost_share", "0.7") in d["features"]
+    assert ("kv_recompute_us_per_token", "80.5") in d["miss_costs"] and ("kv_miss_cost_share", "0.7") in d["miss_costs"]
+    assert ("kv_hit_rate", "0.4") in d["context"] and ("queue_depth", "3") in d["context"]
+    assert ("tuner_offset", "0.01") in d["other"] and ("emb_share", "0.5 → 0.3") in d["summary"]
+    flat = D.decision_detail({k: v for k, v in dec.items() if k != "layers"})
+    assert flat["layers"] == [] and flat["context"] == []
+
+
+def test_an_upload_is_one_tar_or_the_artifacts_three_files_packed():
+    import io
+    import tarfile
+
+    from dashboard import details as D
+
+    assert D.upload_body([("p.tar.gz", b"raw")]) == b"raw"
+    body = D.upload_body([("golden.npz", b"g"), ("manifest.json", b"{}"), ("policy.onnx", b"o")])
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        assert sorted(tar.getnames()) == ["golden.npz", "manifest.json", "policy.onnx"]
+    with pytest.raises(ValueError, match="missing: golden.npz"):
+        D.upload_body([("manifest.json", b"{}"), ("policy.onnx", b"o")])
