@@ -20,7 +20,7 @@ whole history, and drives it in headless Chromium (Playwright, /usr/bin/chromium
   aggregated as it arrives); ``history_read_ms``: one ``GET /reports`` of the whole range at the
   dashboard's step, timed by the bench at the end.
 
-Targets (issue 17): first render <= 3,000 ms, callback p99 <= 500 ms, payload <= 50 KB.
+Targets: first render <= 3,000 ms, callback p99 <= 500 ms, payload <= 50 KB.
 The process helpers here (`start_control_plane`, `start_dashboard`, `launch_browser`,
 `sign_in`, `plot_state`) are also what the browser tests use.
 """

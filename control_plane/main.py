@@ -14,7 +14,7 @@ def serve(settings: Settings, *, log_level: str = "warning") -> None:
 
     app = asgi_app(settings)
     try:
-        from node_agent.server import serve_forever  # the shared TCP_NODELAY-correct helper (issue 13)
+        from node_agent.server import serve_forever  # the shared TCP_NODELAY-correct helper
     except ImportError:
         serve_forever = None
     if serve_forever is not None:

@@ -163,7 +163,7 @@ def get_profile(name_or_path: str) -> CostProfile:
     raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(PROFILES)} or a JSON file")
 
 
-# --- the paper-scale setting (issue 19), fixed before any of its results was seen -------------
+# --- the paper-scale setting, fixed before any of its results was seen --------------------------
 # Every full-scale figure below carries its source or derivation; `PaperScale.scaled(f)` gives the
 # per-node setting the simulator runs, shrunk by one factor `f` that keeps the ratios which decide
 # the EMB-KV trade-off (docs/simulator.md, "The paper-scale setting").

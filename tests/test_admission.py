@@ -1,4 +1,4 @@
-"""Admission (issue 13, defect 9): one huge KV miss cannot hold the device queue for everyone.
+"""Admission: one huge KV miss cannot hold the device queue for everyone.
 A real NodeAgent on a real (small) engine; the order is asserted, never wall-clock thresholds."""
 
 from __future__ import annotations

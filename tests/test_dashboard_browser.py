@@ -44,14 +44,14 @@ HISTORY_S = 1200.0
 
 
 def _agent_connects() -> bool:
-    """Whether this tree's `racer node-agent` can join a control plane (issue 15's node side)."""
+    """Whether this tree's `racer node-agent` can join a control plane."""
     out = subprocess.run([sys.executable, "-m", "racer", "node-agent", "--help"], cwd=REPO, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
     return "--control-plane" in out
 
 
 AGENT = _agent_connects()
-needs_agent = pytest.mark.skipif(not AGENT, reason="racer node-agent has no --control-plane yet (issue 15)")
+needs_agent = pytest.mark.skipif(not AGENT, reason="racer node-agent has no --control-plane")
 
 
 def policy_tar(policy_id: str | None = None) -> bytes:

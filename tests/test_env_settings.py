@@ -1,4 +1,4 @@
-"""The training environment's settings: one drawn per episode (issue 19, "one policy for every setting")."""
+"""The training environment's settings: one drawn per episode ("one policy for every setting")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HTTP-level defects of issue 13 against a real `racer node-agent` process: keep-alive latency
+"""HTTP-level checks against a real `racer node-agent` process: keep-alive latency
 (TCP_NODELAY, node_agent.server), non-finite numbers, chunked bodies over the limit, item ids
 out of range."""
 

@@ -1,4 +1,4 @@
-"""Issue 19: item drift, KV-ward and EMB-ward bursts, schedules, and the paper-scale trace."""
+"""Stream shifts: item drift, KV-ward and EMB-ward bursts, schedules, and the paper-scale trace."""
 
 import numpy as np
 import pytest

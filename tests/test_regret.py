@@ -1,4 +1,4 @@
-"""Issue 19: the schedule's rows in the paper table, and bench.regret on a small grid (process pool and a
+"""The schedule's rows in the paper table, and bench.regret on a small grid (process pool and a
 local Ray instance)."""
 
 import os
@@ -93,7 +93,7 @@ def test_paper_scale_regime_length_and_its_schedule():
     assert table_config(st, True, ()).schedule == "steady:20,trend:20,burst:16,steady:20"
     assert table_config(st, False, ()).schedule == "steady:20,trend:20,burst:10,steady:20"
     short = table_config(st, True, (), paper_regime_s=5)
-    assert short.schedule == "steady:5,trend:5,burst:4,steady:5"  # the grid's regimes before session 7
+    assert short.schedule == "steady:5,trend:5,burst:4,steady:5"  # the grid's former 5-s paper-scale regimes
     burst = table_config(Setting("taobao", "paper-scale", "burst", 1), True, (), paper_regime_s=5)
     assert burst.duration_s == 5.0 and burst.regimes == ("burst",) and burst.num_nodes == 1
     # the sample settings do not follow it

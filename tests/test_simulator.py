@@ -87,7 +87,7 @@ def test_sim_hits_equal_the_real_structures_fed_the_same_lookups(small):
     trace, stream, cfg = small
     record: list = []
     # a schedule that shrinks, then grows the EMB slab (boundary moves both ways, refill on the way up);
-    # the heuristic followed the stream, which since issue 19's bursts (users by activity) only shrinks it
+    # the heuristic followed the stream, which with bursts of users by activity only shrinks it
     res = simulate(stream, cfg, ScheduleAllocator([0.5, 0.2, 0.8, 0.8, 0.3, 0.6], cfg.control_interval_s),
                    "racer", record=record)
     batches = [r for r in record if r[0] == "batch"]

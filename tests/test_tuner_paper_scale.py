@@ -1,4 +1,4 @@
-"""The paper-scale setting's KV-ward burst in the simulator (issue 19, item 4): its best split is
+"""The paper-scale setting's KV-ward burst in the simulator: its best split is
 KV-heavy (~0.2). The operating-point tuner must find it from the ghost lists within the run when
 the base policy does not (the schema-2 policy, widened, holds ~0.55 there: `racer` must beat
 `ppo` with it), and the shipped base policy (schema 3, trained across settings) must name it by
