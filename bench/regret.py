@@ -27,7 +27,7 @@ schedule), shares 0.2 / 0.5 / 0.8. Default: 16 nodes, 2,000 req/s, 10 s per regi
 schedule, shares 0.1 .. 0.9. ``--paper-regime-s S`` sets the paper-scale regime length (the
 schedule's phases in proportion; default 20): an adaptive allocator starts at 0.5 and the guards
 move the split at most 0.1 per 1-s interval, so a regime much shorter than that transient
-measures the start-up, not the allocator (docs/simulator.md, "Regret").
+measures the start-up, not the allocator (docs/results.md, "5-s paper-scale regimes").
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def grid(seeds=(0, 1, 2), traces=("taobao", "amazon"), paper_traces=("taobao",),
 # starts at emb_share 0.5 and the guards move the split at most 0.1 per interval KV-ward (0.05
 # EMB-ward): crossing the guard range takes 9-18 intervals. A regime of 5 s is mostly that
 # start-up transient (the 5-s KV-ward burst: +15% over the oracle on the fastest path the step
-# limit allows, measured; docs/simulator.md, "Regret"), so a regime lasts about twice the KV-ward
+# limit allows, measured; docs/results.md), so a regime lasts about twice the KV-ward
 # transient. The schedule keeps its proportions (burst phase 0.8x a regime with --quick, 0.5x without).
 PAPER_REGIME_S = 20.0
 _SCHEDULE_BURST = {True: 0.8, False: 0.5}
