@@ -188,6 +188,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
         app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
         app.state.tokens = TokenCache(factory)
         app.state.known_nodes = set()
+        app.state.reports_dropped = {}  # node_id -> (seq, num_reports_dropped) of its latest report saying
         app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows)
         secret = ensure_admin_token(factory, admin_token=settings.admin_token, now_s=clock())
         if secret is not None:
@@ -320,7 +321,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def nodes(request: Request, include_retired: Annotated[bool, Query(
             description="also the retired nodes (the gateway's list never has them)")] = False):
         with request.app.state.factory() as s:
-            return [NodeOut.model_validate(n) for n in queries.list_nodes(s, include_retired=include_retired)]
+            return [node_out(request.app.state, n) for n in queries.list_nodes(s, include_retired=include_retired)]
 
     @r.post("/nodes/{node_id}/retire", response_model=NodeOut, responses=errors(404, 409, 413), **roles(OPERATOR))
     def retire_node(node_id: NodeId, body: ReasonIn, request: Request, p: principal(OPERATOR)):
@@ -352,7 +353,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     def node(node_id: NodeId, request: Request):
         with request.app.state.factory() as s:
             n = _get_or_404(s, Node, node_id)
-            return NodeOut.model_validate(n)
+            return node_out(request.app.state, n)
 
     # ---- history
     Range = dict(start_s=Query(None, description="from (Unix s, inclusive)"),
@@ -685,6 +686,15 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
 INGEST_PATH = re.compile(r"^/api/v1/nodes/([A-Za-z0-9_.:\-]{1,128})/reports$")
 
 
+def node_out(state, node: Node) -> NodeOut:
+    """A node as the API shows it: its row, and the drop count its latest report gave."""
+    out = NodeOut.model_validate(node)
+    dropped = state.reports_dropped.get(node.node_id)
+    if dropped is not None:
+        out.num_reports_dropped = dropped[1]
+    return out
+
+
 def _json(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -740,6 +750,12 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, principal: Princi
         return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"})
     except Exception as e:  # noqa: BLE001 - database unreachable or failing: the node keeps the batch and retries
         return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
+    said = [x for x in body.reports if x.num_reports_dropped is not None]
+    if said:
+        newest = max(said, key=lambda x: x.seq)
+        old = state.reports_dropped.get(node_id)
+        if old is None or newest.seq >= old[0]:
+            state.reports_dropped[node_id] = (newest.seq, newest.num_reports_dropped)
     m = state.metrics
     m.reports_received.inc(len(rows))
     m.reports_stored.inc(stored)

@@ -53,6 +53,9 @@ class ControlPlaneMetrics:
         self.node_decisions = Counter("racer_node_decisions", "Allocator decisions reported, by source",
                                       ["node_id", "source"], registry=r)
         self.node_bursts = Counter("racer_node_bursts", "Bursts reported (starts)", lbl, registry=r)
+        self.node_reports_dropped = Gauge("racer_node_reports_dropped",
+                                          "Reports the node dropped so far, as its latest report said", lbl,
+                                          registry=r)
 
         self._children: dict[str, tuple] = {}
 
@@ -87,3 +90,5 @@ class ControlPlaneMetrics:
             self.node_decisions.labels(node_id, rep.decision.source).inc()
         if rep.bursts:
             bursts.inc(len(rep.bursts))
+        if rep.num_reports_dropped is not None:
+            self.node_reports_dropped.labels(node_id).set(rep.num_reports_dropped)

@@ -125,6 +125,9 @@ class ReportIn(In):
     policy_version: Version | None = None
     decision: DecisionIn | None = None
     bursts: Annotated[list[BurstIn], Field(max_length=100)] = Field(default_factory=list)
+    # reports the node has dropped so far (its spool's bound, an unreadable file, a disk that
+    # refused them beyond the in-memory bound): a counter, kept by the node across restarts
+    num_reports_dropped: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
 
 
 class ReportBatchIn(In):
@@ -186,6 +189,9 @@ class NodeOut(Out):
     emb_share: float | None
     cost_profile: dict[str, Any]
     last_report_seq: int | None
+    # reports the node says it dropped (its latest report carrying the count, as seen by this
+    # control-plane process since it started; null: none seen yet)
+    num_reports_dropped: int | None = None
 
 
 # ---- history

@@ -203,7 +203,8 @@ def reporter_config(args, host: str, port: int):
         advertise = f"http://{'[' + h + ']' if ':' in h else h}:{port}"
     return ReporterConfig(control_plane_url=args.control_plane.rstrip("/"), token=token, node_id=node_id,
                           advertise_url=advertise, state_dir=args.state_dir or default_state_dir(node_id),
-                          max_buffered_reports=args.max_buffered_reports, service_time_us=args.service_time_us)
+                          max_buffered_reports=args.max_buffered_reports, service_time_us=args.service_time_us,
+                          max_memory_reports=args.max_memory_reports)
 
 
 def cmd_node_agent(args) -> int:
@@ -325,6 +326,9 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--max-buffered-reports", type=positive_int, default=10_000,
                    help="reports kept on disk while the control plane is unreachable; the oldest are dropped "
                         "beyond (default 10000)")
+    g.add_argument("--max-memory-reports", type=positive_int, default=2_000,
+                   help="reports kept in memory when the disk refuses them (full, read-only) until they are "
+                        "sent; the oldest are dropped beyond, and counted (default 2000)")
     g.add_argument("--service-time-us", type=positive_float, default=None,
                    help="service time per request sent in the cost profile (default: estimated from the miss costs)")
     _add_model_args(ag)

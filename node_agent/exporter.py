@@ -21,9 +21,10 @@ end in ``_ratio``, counters in ``_total``); every series carries no label but th
     racer_burst_active                         gauge    1 while a burst is in progress
     racer_override_active                      gauge    1 while an operator override is in force
     racer_control_steps_total                  counter  control steps run
-    racer_reports_buffered                     gauge    reports waiting in the on-disk spool
+    racer_reports_buffered                     gauge    reports waiting to be sent (on disk or in memory)
+    racer_reports_in_memory                    gauge    of those, reports the disk refused (full, read-only)
     racer_reports_sent_total                   counter  reports the control plane stored
-    racer_reports_dropped_total                counter  reports dropped (spool full, unreadable)
+    racer_reports_dropped_total                counter  reports dropped (a buffer's bound, unreadable)
     racer_control_plane_up                     gauge    1 while the control plane answers
     racer_node_info{node_id,device,policy_version}  gauge 1
 
@@ -92,9 +93,13 @@ class _AgentCollector:
                     1 if alloc is not None and alloc.override is not None else 0)
         rep = a.reporter.status() if a.reporter is not None else None
         if rep is not None:
-            yield gauge("racer_reports_buffered", "reports waiting in the on-disk spool", rep["num_buffered"])
+            yield gauge("racer_reports_buffered", "reports waiting to be sent (on disk or in memory)",
+                        rep["num_buffered"])
+            yield gauge("racer_reports_in_memory", "reports waiting in memory (the disk refused them)",
+                        rep["num_in_memory"])
             yield counter("racer_reports_sent", "reports the control plane stored", rep["num_sent"])
-            yield counter("racer_reports_dropped", "reports dropped (spool full or unreadable)", rep["num_dropped"])
+            yield counter("racer_reports_dropped", "reports dropped (a buffer's bound, or unreadable)",
+                          rep["num_dropped"])
             yield gauge("racer_control_plane_up", "1 while the control plane answers", 1 if rep["connected"] else 0)
         info = GaugeMetricFamily("racer_node_info", "this node", labels=["node_id", "device", "policy_version"])
         policy = (rep or {}).get("policy_version")

@@ -13,7 +13,10 @@ One `Reporter` per agent, on its own thread (the device worker never touches the
   (node id, seq), so a batch resent after a lost answer is harmless;
 - **buffer**: while the control plane is unreachable the spool grows up to
   ``max_buffered_reports``; beyond that the oldest report is deleted and counted
-  (``num_dropped``). The spool and the sequence counter survive a restart of the agent;
+  (``num_dropped``). The spool and the sequence counter survive a restart of the agent. A report
+  the disk refuses (full, read-only) is kept in memory, up to ``max_memory_reports``, and sent
+  like the others; ``num_dropped`` travels in every report (``num_reports_dropped``), so the
+  control plane and its dashboard show what a node lost;
 - **directives**: ``GET /api/v1/nodes/{id}/directives`` every ``directives_period_s``:
   the override in force goes to `SmartAllocator.set_override` (its expiry converted from the
   control plane's clock, by the ``now_s`` of the answer, to the agent's), and is cleared when the
@@ -54,6 +57,8 @@ log = logging.getLogger("racer.node_agent.reporter")
 API = "/api/v1"
 MAX_SEQ = 2**31 - 1
 MAX_REASON_CHARS = 2000
+#: most reports kept in memory when the disk refuses them (``ReporterConfig.max_memory_reports``)
+DEFAULT_MEMORY_REPORTS = 2_000
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ class ReporterConfig:
     - ``advertise_url``: the agent's own ``http://host:port`` that gateways send requests to;
     - ``state_dir``: where the sequence counter, the report spool and downloaded policies live;
     - ``max_buffered_reports``: spool bound; the oldest reports are dropped (and counted) beyond it;
+    - ``max_memory_reports``: most reports kept in memory while the disk refuses them (full,
+      read-only); the oldest of those are dropped (and counted) beyond it;
     - ``batch_size``: most reports per POST (the API takes up to 1000);
     - ``timeout_s``: per HTTP call; ``max_backoff_s``: longest wait between retries after an error;
     - ``directives_period_s``: how often directives are pulled (None: every control interval);
@@ -77,6 +84,7 @@ class ReporterConfig:
     advertise_url: str
     state_dir: str
     max_buffered_reports: int = 10_000
+    max_memory_reports: int = DEFAULT_MEMORY_REPORTS
     batch_size: int = 200
     timeout_s: float = 5.0
     max_backoff_s: float = 2.0
@@ -94,7 +102,7 @@ class ReporterConfig:
             problems.append("token must not be empty")
         if not self.node_id or len(self.node_id) > 128 or not all(c.isalnum() or c in "_.:-" for c in self.node_id):
             problems.append(f"node_id must be 1-128 letters, digits or _ . : -, got {self.node_id!r}")
-        for name in ("max_buffered_reports", "batch_size"):
+        for name in ("max_buffered_reports", "max_memory_reports", "batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
@@ -112,19 +120,35 @@ class ReporterConfig:
 
 
 class ReportSpool:
-    """The on-disk report buffer and sequence counter of one node (one directory).
+    """The report buffer and sequence counter of one node (one directory), on disk where it can be.
 
     ``state.json`` holds ``next_seq`` and ``num_dropped``; ``spool/<seq>.json`` one report each.
     `append` assigns the next sequence number, persists the counter first (a crash then leaves a
     gap, never a reused number), then writes the report (write to a temporary file, rename).
-    Beyond ``max_reports`` the oldest is deleted and counted. Used by the reporter thread only.
+
+    A report the disk refuses (full, read-only, gone) is kept in memory instead and sent like the
+    others: the spool is the on-disk files plus that in-memory part, in one sequence order. The
+    in-memory part holds at most ``max_memory_reports``; the whole spool at most ``max_reports``.
+    Beyond either bound the oldest report (of the part over its bound) is deleted and counted in
+    ``num_dropped``. ``num_unspooled`` counts the reports the disk refused (kept in memory);
+    ``disk_error`` is the last refusal, None once a write succeeds again. Without a writable
+    ``state.json`` the counter lives in memory; the control plane's ``last_report_seq`` at the
+    next registration keeps numbers from being reused after a restart. Used by the reporter
+    thread only.
     """
 
-    def __init__(self, directory: str | Path, max_reports: int) -> None:
+    def __init__(self, directory: str | Path, max_reports: int, max_memory_reports: int | None = None) -> None:
         self.dir = Path(directory)
         self.spool = self.dir / "spool"
-        self.spool.mkdir(parents=True, exist_ok=True)
         self.max_reports = max_reports
+        self.max_memory_reports = min(max_reports, max_memory_reports or DEFAULT_MEMORY_REPORTS)
+        self.disk_error: str | None = None
+        self.num_unspooled = 0
+        self._mem: dict[int, dict] = {}  # seq -> report the disk refused, in insertion (= seq) order
+        try:
+            self.spool.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._disk_failed("create the spool folder", e)
         state = {}
         sp = self.dir / "state.json"
         if sp.exists():
@@ -142,19 +166,37 @@ class ReportSpool:
         self._save_state()
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self._seqs) + len(self._mem)
+
+    @property
+    def num_in_memory(self) -> int:
+        return len(self._mem)
 
     def _path(self, seq: int) -> Path:
         return self.spool / f"{seq:010d}.json"
 
+    def _disk_failed(self, what: str, e: OSError) -> None:
+        msg = f"could not {what} in {self.dir}: {e}"
+        if self.disk_error is None:  # once per episode, not once per report
+            log.error("%s; reports are kept in memory (at most %d) and sent from there", msg,
+                      self.max_memory_reports)
+        self.disk_error = msg
+
     def _save_state(self) -> None:
         tmp = self.dir / "state.json.tmp"
-        tmp.write_text(json.dumps({"next_seq": self.next_seq, "num_dropped": self.num_dropped}))
-        os.replace(tmp, self.dir / "state.json")
+        try:
+            tmp.write_text(json.dumps({"next_seq": self.next_seq, "num_dropped": self.num_dropped}))
+            os.replace(tmp, self.dir / "state.json")
+        except OSError as e:
+            self._disk_failed("save state.json", e)
 
-    def _drop_oldest(self) -> None:
-        seq = self._seqs.popleft()
-        self._path(seq).unlink(missing_ok=True)
+    def _drop_oldest(self, memory_only: bool = False) -> None:
+        oldest_mem = next(iter(self._mem), None)
+        if memory_only or not self._seqs or (oldest_mem is not None and oldest_mem < self._seqs[0]):
+            del self._mem[oldest_mem]
+        else:
+            seq = self._seqs.popleft()
+            self._path(seq).unlink(missing_ok=True)
         self.num_dropped += 1
 
     def raise_next_seq(self, at_least: int) -> None:
@@ -168,20 +210,41 @@ class ReportSpool:
         if seq > MAX_SEQ:
             raise OverflowError("report sequence numbers exhausted")
         self.next_seq = seq + 1
-        while len(self._seqs) >= self.max_reports:
+        while len(self) >= self.max_reports:
             self._drop_oldest()
         self._save_state()
         body = dict(report, seq=seq)
         tmp = self.spool / f"{seq:010d}.tmp"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self._path(seq))
+        try:
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, self._path(seq))
+        except OSError as e:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._disk_failed(f"spool report {seq}", e)
+            self.num_unspooled += 1
+            while len(self._mem) >= self.max_memory_reports:
+                self._drop_oldest(memory_only=True)
+            self._mem[seq] = body
+            return seq
+        if self.disk_error is not None:
+            log.warning("the spool is writable again (%s)", self.dir)
+            self.disk_error = None
         self._seqs.append(seq)
         return seq
 
     def peek(self, n: int) -> list[dict]:
-        """The oldest ``n`` reports, in sequence order (unreadable files are dropped and counted)."""
+        """The oldest ``n`` reports, in sequence order, from disk or memory (unreadable files are
+        dropped and counted)."""
         out = []
-        for seq in list(self._seqs)[: n]:
+        disk = list(self._seqs)[: n]
+        seqs = sorted(disk + list(self._mem)[: n])[: n] if self._mem else disk
+        for seq in seqs:
+            if seq in self._mem:
+                out.append(self._mem[seq])
+                continue
             try:
                 out.append(json.loads(self._path(seq).read_text()))
             except (OSError, ValueError) as e:
@@ -194,7 +257,11 @@ class ReportSpool:
     def remove(self, seqs) -> None:
         gone = set(seqs)
         for s in gone:
-            self._path(s).unlink(missing_ok=True)
+            if self._mem.pop(s, None) is None:
+                try:
+                    self._path(s).unlink(missing_ok=True)
+                except OSError as e:
+                    log.error("could not delete spooled report %d: %s", s, e)
         self._seqs = deque(s for s in self._seqs if s not in gone)
 
 
@@ -268,7 +335,7 @@ class Reporter:
         self.config = config
         self.wall_clock = wall_clock
         self.wall_offset_s = wall_clock() - agent.clock()
-        self.spool = ReportSpool(Path(config.state_dir), config.max_buffered_reports)
+        self.spool = ReportSpool(Path(config.state_dir), config.max_buffered_reports, config.max_memory_reports)
         self._inbox: queue.SimpleQueue[dict] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -386,10 +453,12 @@ class Reporter:
                 r = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            # the node's drop count so far travels with each report (the control plane shows it)
+            r["num_reports_dropped"] = self.spool.num_dropped
             try:
-                self.spool.append(r)
-            except Exception as e:  # noqa: BLE001 (disk full...): the report is lost, counted
-                log.error("could not spool a report: %s", e)
+                self.spool.append(r)  # a disk that refuses it: kept in memory (see ReportSpool)
+            except Exception as e:  # noqa: BLE001 - sequence numbers exhausted: the report is lost, counted
+                log.error("could not buffer a report: %s", e)
                 self.spool.num_dropped += 1
 
     def _event(self, msg: str) -> None:
@@ -671,6 +740,8 @@ class Reporter:
                     "registered": s.registered, "connected": s.connected, "last_error": s.last_error,
                     "last_success_s": s.last_success_s, "next_seq": self.spool.next_seq,
                     "num_buffered": len(self.spool), "num_dropped": self.spool.num_dropped,
+                    "num_in_memory": self.spool.num_in_memory, "num_unspooled": self.spool.num_unspooled,
+                    "spool_error": self.spool.disk_error,
                     "num_sent": s.num_sent, "num_duplicates": s.num_duplicates, "num_rejected": s.num_rejected,
                     "num_send_errors": s.num_send_errors, "num_directive_pulls": s.num_directive_pulls,
                     "policy_version": s.policy_version, "policy_error": s.policy_error,

@@ -348,3 +348,85 @@ def test_a_node_that_lost_its_state_continues_numbering_above_the_stored_reports
     with cp.api() as api:
         rows = api.get("/reports", params={"node_id": "n-lost", "limit": 100}).json()
     assert sorted(r["seq"] for r in rows) == [0, 1, 2, 3, 4]
+
+
+def _full_tmpfs(path: Path) -> bool:
+    """A 256 KiB tmpfs at ``path``, filled up (False: cannot mount here, needs root/CAP_SYS_ADMIN)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        return False
+    fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return True
+
+
+def test_a_full_disk_loses_no_report_and_what_is_dropped_is_counted_and_shown(cluster, tmp_path):
+    """The agent's state folder on a full file system: with the control plane up every report
+    arrives (kept in memory, sent from there); during an outage the in-memory bound (4) drops the
+    oldest, and the count reaches the agent's /metrics, /v1/metrics and the control plane's node."""
+    from tests.procs import skip_or_fail
+
+    cp = cluster["cp"]
+    full = tmp_path / "full"
+    if not _full_tmpfs(full):
+        skip_or_fail("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+    proc = None
+    try:
+        with cp.api() as api:
+            token = api.post("/tokens", json={"role": "node", "name": "node-full", "node_id": "n-full"}).json()["token"]
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "racer", "node-agent", "--port", str(port), "--trace", "taobao", "--path",
+               str(cluster["tmp"] / "UserBehavior_small.csv"), "--seed", "1", "--num-pages", "256",
+               "--max-history-len", "256", "--control-interval-s", str(INTERVAL_S), "--control-plane", cp.url,
+               "--node-id", "n-full", "--state-dir", str(full / "state"), "--max-memory-reports", "4",
+               "--policy", str(export_constant_policy(tmp_path / "p05", 0.5))]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(tmp_path / "agent.out", "w"),
+                                stderr=open(tmp_path / "agent.err", "w"),
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "RACER_NODE_TOKEN": token})
+        wait_healthy(base, proc, timeout_s=120)
+
+        def seqs() -> list[int]:
+            with cp.api() as api:
+                return [r["seq"] for r in api.get("/reports", params={"node_id": "n-full", "limit": 10000}).json()]
+
+        with Traffic(base):
+            wait_for(lambda: len(seqs()) >= 6, 30, "six stored reports")
+            st = agent_status(base)["control_plane"]
+            assert st["num_unspooled"] >= 6 and st["num_dropped"] == 0, st
+            assert "No space left" in (st["spool_error"] or ""), st
+            got = seqs()
+            assert sorted(got) == list(range(max(got) + 1)), "a report lost on a full disk"
+            cp.stop()
+            time.sleep(8 * INTERVAL_S)
+            st = agent_status(base)["control_plane"]
+            assert st["num_in_memory"] == 4 and st["num_dropped"] >= 3, st
+            cp.start()
+            wait_for(lambda: agent_status(base)["control_plane"]["num_buffered"] == 0, 30, "the replay")
+            dropped = agent_status(base)["control_plane"]["num_dropped"]
+            with cp.api() as api:
+                node = wait_for(lambda: (lambda n: n if n.get("num_reports_dropped") == dropped else None)(
+                    api.get("/nodes/n-full").json()), 10, "the node's drop count at the control plane")
+                listed = {n["node_id"]: n for n in api.get("/nodes").json()}
+        assert node["num_reports_dropped"] == listed["n-full"]["num_reports_dropped"] == dropped >= 3
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        assert f"racer_reports_dropped_total {float(dropped)}" in text, text[-2000:]
+        got = seqs()
+        assert len(got) == len(set(got)) and max(got) + 1 - len(got) == dropped  # the gap is what was counted
+        print(f"full disk: {len(got)} reports stored (seq 0..{max(got)}), {dropped} dropped by the in-memory "
+              f"bound during the outage, all counted")
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        subprocess.run(["umount", "-l", str(full)], capture_output=True)

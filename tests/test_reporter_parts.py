@@ -83,6 +83,52 @@ def test_unreadable_spooled_report_is_dropped_and_counted(tmp_path):
     assert [r["seq"] for r in sp.peek(5)] == [1] and sp.num_dropped == 1
 
 
+def _break_the_disk(spool_dir: Path) -> None:
+    """Make every write under ``spool_dir`` fail, for root too: the spool folder becomes a file."""
+    import shutil
+
+    shutil.rmtree(spool_dir)
+    spool_dir.write_text("not a folder")
+
+
+def test_a_report_the_disk_refuses_is_kept_in_memory_and_sent_in_order(tmp_path):
+    sp = ReportSpool(tmp_path, max_reports=100, max_memory_reports=3)
+    assert [sp.append({"x": i}) for i in range(2)] == [0, 1]
+    _break_the_disk(tmp_path / "spool")
+    assert [sp.append({"x": i}) for i in range(2, 4)] == [2, 3]
+    assert len(sp) == 4 and sp.num_in_memory == 2 and sp.num_unspooled == 2 and sp.num_dropped == 0
+    assert sp.disk_error and "spool report 3" in sp.disk_error  # the last refusal
+    # disk and memory in one order; the disk's are unreadable now: dropped and counted
+    assert [r["seq"] for r in sp.peek(10)] == [2, 3] and sp.num_dropped == 2
+    sp.remove([2])
+    assert [r["x"] for r in sp.peek(10)] == [3] and len(sp) == 1
+
+
+def test_the_in_memory_part_is_bounded_dropping_the_oldest_and_counting(tmp_path):
+    sp = ReportSpool(tmp_path, max_reports=100, max_memory_reports=3)
+    _break_the_disk(tmp_path / "spool")
+    for i in range(7):
+        sp.append({"x": i})
+    assert [r["seq"] for r in sp.peek(10)] == [4, 5, 6] and sp.num_dropped == 4 and sp.num_unspooled == 7
+
+
+def test_the_disk_writable_again_is_used_again(tmp_path):
+    sp = ReportSpool(tmp_path, max_reports=100, max_memory_reports=10)
+    _break_the_disk(tmp_path / "spool")
+    sp.append({"x": 0})
+    (tmp_path / "spool").unlink()
+    (tmp_path / "spool").mkdir()
+    sp.append({"x": 1})
+    assert sp.disk_error is None and sp.num_in_memory == 1 and (tmp_path / "spool" / "0000000001.json").exists()
+    assert [r["seq"] for r in sp.peek(10)] == [0, 1]
+
+
+def test_a_spool_folder_that_cannot_be_created_still_takes_reports(tmp_path):
+    (tmp_path / "state").write_text("a file where the state folder should be")
+    sp = ReportSpool(tmp_path / "state", max_reports=10, max_memory_reports=5)
+    assert sp.disk_error is not None and sp.append({"x": 1}) == 0 and sp.num_in_memory == 1
+
+
 def _tar(files: dict[str, bytes], top: str | None = None) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as t:
