@@ -4,6 +4,7 @@
     racer policy verify DIR [--json]
     racer policy widen SRC --out DIR [--force] [--json]
     racer policy train [--total-steps N] [--out DIR] [--seed S] [--trace taobao,amazon] [...] [--json]
+    racer policy push DIR --control-plane URL --token T [--activate] [--reason WHY] [--json]
 
 Errors a user can fix (missing checkpoint, refused export, bad artifact) raise ValueError /
 FileNotFoundError / FileExistsError subclasses, which racer's ``main`` prints as one line with
@@ -88,6 +89,75 @@ def cmd_policy_widen(args) -> int:
     return 0
 
 
+PUSH_FILES = ("manifest.json", "policy.onnx", "golden.npz")
+
+
+def cmd_policy_push(args) -> int:
+    """Register an artifact with the control plane (``POST /api/v1/policies``, where the node
+    agent's loader checks it), and activate it with ``--activate``. Exit status 1 when the control
+    plane refuses it (its reason on stderr), 2 for a bad directory or option."""
+    import io
+    import os
+    import sys
+    import tarfile
+    from pathlib import Path
+    from urllib.parse import quote
+
+    import httpx
+
+    src = Path(args.artifact)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: not a directory (the one `racer policy export` wrote)")
+    missing = [f for f in PUSH_FILES if not (src / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{src}: lacks {', '.join(missing)} (an artifact has {', '.join(PUSH_FILES)})")
+    token = args.token or os.environ.get("RACER_TOKEN")
+    if not token:
+        raise ValueError("a token is needed: --token T or RACER_TOKEN (an operator token)")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in PUSH_FILES:
+            data = (src / name).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    base = args.control_plane.rstrip("/") + "/api/v1"
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def fail(what: str, r: httpx.Response) -> int:
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        if isinstance(detail, list):
+            detail = "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail)
+        print(f"racer policy push: {what} refused (HTTP {r.status_code}): {detail}", file=sys.stderr)
+        return 1
+
+    try:
+        r = httpx.post(f"{base}/policies", content=buf.getvalue(), timeout=args.timeout_s,
+                       headers={**headers, "Content-Type": "application/x-tar"})
+        if r.status_code >= 400:
+            return fail("upload", r)
+        pol = r.json()
+        out = {"version": pol["version"], "digest": pol["digest"], "status": pol["status"],
+               "created": r.status_code == 201}
+        if args.activate:
+            r = httpx.post(f"{base}/policies/{quote(pol['version'], safe='')}/activate", timeout=args.timeout_s,
+                           headers=headers, json={"reason": args.reason})
+            if r.status_code >= 400:
+                return fail("activation", r)
+            out["status"] = r.json()["status"]
+    except httpx.HTTPError as e:
+        raise ValueError(f"control plane at {args.control_plane} unreachable: {type(e).__name__}: {e}") from None
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"policy {out['version']} {'registered' if out['created'] else 'already registered'} "
+              f"(digest {out['digest'][:12]}), status {out['status']}")
+    return 0
+
+
 def cmd_policy_train(args) -> int:
     from .train_ppo import cmd_train
 
@@ -130,6 +200,20 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     w.add_argument("--json", action="store_true", help="print one JSON object")
     w.set_defaults(func=cmd_policy_widen)
+
+    pu = sub.add_parser("push", help="register an artifact with the control plane (and activate it)",
+                        description="Upload an artifact directory to the control plane's policy registry "
+                                    "(POST /api/v1/policies: the node agent's loader checks it there) and, with "
+                                    "--activate, make it the active policy. For scripts; the dashboard's Policies "
+                                    "tab does the same.")
+    pu.add_argument("artifact", help="artifact directory (manifest.json, policy.onnx, golden.npz)")
+    pu.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://127.0.0.1:8400")
+    pu.add_argument("--token", default=None, help="operator token (default: $RACER_TOKEN)")
+    pu.add_argument("--activate", action="store_true", help="activate it once registered")
+    pu.add_argument("--reason", default="pushed with racer policy push", help="the audit log's reason")
+    pu.add_argument("--timeout-s", type=positive_float, default=60.0, help="per request (default 60)")
+    pu.add_argument("--json", action="store_true", help="print one JSON object")
+    pu.set_defaults(func=cmd_policy_push)
 
     t = sub.add_parser("train", help="train the base policy with PPO on the cluster simulator",
                        description="PPO (policies/train_ppo.py) on policies/env.py: one step is one control "

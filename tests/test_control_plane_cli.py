@@ -53,3 +53,33 @@ def test_admin_token_is_printed_once_on_first_start(tmp_path, monkeypatch):
     finally:
         cp.stop()
     assert "shown once" not in (tmp_path / "second.log").read_text()
+
+
+def test_policy_push_registers_and_activates_an_artifact_and_reports_a_refusal(tmp_path):
+    """`racer policy push DIR --control-plane URL --token T [--activate]`: the artifact goes through
+    POST /policies (the agent's loader checks it) and is activated; a broken one exits 1 with the
+    control plane's reason; a directory without the files is a usage error (2)."""
+    import shutil
+
+    cp = ControlPlane(f"sqlite:///{tmp_path}/cp.db", tmp_path / "cp.log", scheduler=False)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("RACER_TOKEN", None)
+
+    def push(*args):
+        return subprocess.run([sys.executable, "-m", "racer", "policy", "push", *args, "--control-plane", cp.base],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    try:
+        out = push(str(REPO / "policies" / "default"), "--token", cp.ADMIN, "--activate", "--json")
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["status"] == "active" and got["created"]
+        assert cp.admin.get(f"/policies/{got['version']}").json()["status"] == "active"
+        broken = tmp_path / "broken"
+        shutil.copytree(REPO / "policies" / "default", broken)
+        (broken / "policy.onnx").write_bytes(b"not an onnx model")
+        out = push(str(broken), "--token", cp.ADMIN)
+        assert out.returncode == 1 and "refused" in out.stderr and "422" in out.stderr, out.stderr
+        out = push(str(tmp_path), "--token", cp.ADMIN)
+        assert out.returncode == 2 and "lacks" in out.stderr
+    finally:
+        cp.stop()
