@@ -185,7 +185,7 @@ def add_bench_parser(subparsers, more=()) -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True, choices=sorted(LOADERS), help="trace format")
     p.add_argument("--path", default=None, help="trace file (default: the sample under ../shared/data)")
     p.add_argument("--nodes", type=int, default=None,
-                   help="cluster size (default 32; paper-scale: 4, --quick 2, a slice of the 32-node cluster)")
+                   help="cluster size (default 32; paper-scale: 4, 1 with --quick, a slice of the 32-node cluster)")
     p.add_argument("--setting", choices=("sample", "paper-scale"), default="sample",
                    help="sample: the sample trace as it is; paper-scale: the paper-scale setting and its scale "
                         "model (docs/simulator.md)")
