@@ -649,6 +649,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     for ev in ("promote", "pause", "resume", "rollback"):
         _event_route(ev)
 
+    from .api_gateway_reports import router as gateway_reports  # what clients see (the gateways' reports)
+    r.include_router(gateway_reports)
     app.include_router(r)
     # added last, so outermost: the gate checks the token and caps the body before the ingestion
     # fast path or any route reads it

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import (JSON, Boolean, Column, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String,
-                        Table, Text, UniqueConstraint)
+from sqlalchemy import (JSON, BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, LargeBinary, MetaData,
+                        String, Table, Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -78,6 +78,47 @@ class NodeReport(Base):
     emb_transfer_us_per_row: Mapped[float | None]
     policy_version: Mapped[str | None] = mapped_column(String(256))
     decision_source: Mapped[str | None] = mapped_column(String(16))
+
+
+class Gateway(Base):
+    """A gateway that reports what its clients see. ``token_id`` is the token whose first report
+    claimed the id: another token may not report as this gateway while that one is valid."""
+
+    __tablename__ = "gateways"
+    gateway_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    token_id: Mapped[int | None] = mapped_column(Integer)
+    first_seen_s: Mapped[float]
+    last_seen_s: Mapped[float]
+    last_seq: Mapped[int | None] = mapped_column(BigInteger)
+    interval_s: Mapped[float]
+
+
+class GatewayReport(Base):
+    """One report interval of one gateway: the requests its clients sent, end to end (idempotent
+    on (gateway_id, seq)). Latency figures are null when no request was answered in the interval;
+    ``details`` holds the counts by outcome and status, per-node attempts and queueing before the
+    node, and the load phases the clients named."""
+
+    __tablename__ = "gateway_reports"
+    __table_args__ = (UniqueConstraint("gateway_id", "seq"), Index(None, "ts_s"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    gateway_id: Mapped[str] = mapped_column(ForeignKey("gateways.gateway_id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    ts_s: Mapped[float]
+    received_s: Mapped[float]
+    interval_s: Mapped[float]
+    num_requests: Mapped[int] = mapped_column(Integer)
+    num_ok: Mapped[int] = mapped_column(Integer)
+    num_failed: Mapped[int] = mapped_column(Integer)
+    num_retried: Mapped[int] = mapped_column(Integer)
+    num_503: Mapped[int] = mapped_column(Integer)
+    p50_ms: Mapped[float | None]
+    p99_ms: Mapped[float | None]
+    slo_ms: Mapped[float]
+    slo_attainment: Mapped[float | None]
+    num_live_nodes: Mapped[int | None] = mapped_column(Integer)
+    load_phase: Mapped[str | None] = mapped_column(String(64))
+    details: Mapped[dict[str, Any]]
 
 
 class NodeReportRollup(Base):

@@ -12,7 +12,8 @@ from sqlalchemy import and_, case, delete, func, literal, or_, select, true, upd
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from .models import (REPORT_FIGURES, REQUEST_WEIGHTED, AuditEntry, Burst, Decision, HistoryRollupState, JobRun,
+from .models import (REPORT_FIGURES, REQUEST_WEIGHTED, AuditEntry, Burst, Decision, Gateway, GatewayReport,
+                     HistoryRollupState, JobRun,
                      Node, NodeReport, NodeReportBucket, NodeReportRollup, Override, Policy, Router,
                      RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token, bucket_sum_columns)
 
@@ -808,3 +809,69 @@ def job_runs(session: Session, job: str | None, since_s: float | None, limit: in
     if since_s is not None:
         q = q.where(JobRun.started_s >= since_s)
     return list(session.scalars(q.order_by(JobRun.id.desc()).limit(limit)).all())
+
+
+# ---- gateways: what clients see
+def gateway(session: Session, gateway_id: str) -> Gateway | None:
+    return session.get(Gateway, gateway_id)
+
+
+def touch_gateway(session: Session, *, gateway_id: str, token_id: int | None, now_s: float, last_seq: int,
+                  interval_s: float) -> Gateway:
+    """Create or update the row of ``gateway_id`` (the caller has checked the token may report as it)."""
+    gw = session.get(Gateway, gateway_id)
+    if gw is None:
+        gw = Gateway(gateway_id=gateway_id, token_id=token_id, first_seen_s=now_s, last_seen_s=now_s,
+                     last_seq=last_seq, interval_s=interval_s)
+        session.add(gw)
+    else:
+        gw.last_seen_s = now_s
+        gw.last_seq = last_seq if gw.last_seq is None else max(gw.last_seq, last_seq)
+        gw.interval_s = interval_s
+        if gw.token_id is None:
+            gw.token_id = token_id
+    session.flush()
+    return gw
+
+
+_GATEWAY_REPORT_COLS = [c.name for c in GatewayReport.__table__.columns if c.name != "id"]
+
+
+def insert_gateway_reports(session: Session, rows: Sequence[dict]) -> set[tuple[str, int]]:
+    """Insert gateway report rows, skipping any (gateway_id, seq) already stored (ON CONFLICT DO
+    NOTHING on both dialects); returns the keys actually inserted."""
+    if not rows:
+        return set()
+    stmt = dialect_insert(session, GatewayReport).on_conflict_do_nothing(index_elements=["gateway_id", "seq"])
+    inserted = set()
+    conn = session.connection()
+    for r in rows:  # a few rows per request (one per interval a gateway buffered)
+        res = conn.execute(stmt, {c: r.get(c) for c in _GATEWAY_REPORT_COLS})
+        if res.rowcount == 1:
+            inserted.add((r["gateway_id"], r["seq"]))
+    return inserted
+
+
+def gateway_reports(session: Session, *, gateway_id: str | None, start_s: float | None, end_s: float | None,
+                    limit: int) -> list[GatewayReport]:
+    """Gateway reports with ``start_s <= ts_s < end_s``, oldest first (the newest ``limit``)."""
+    conds = []
+    if gateway_id is not None:
+        conds.append(GatewayReport.gateway_id == gateway_id)
+    if start_s is not None:
+        conds.append(GatewayReport.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(GatewayReport.ts_s < end_s)
+    rows = session.scalars(select(GatewayReport).where(*conds).order_by(GatewayReport.ts_s.desc(),
+                                                                         GatewayReport.id.desc()).limit(limit)).all()
+    return list(reversed(rows))
+
+
+def list_gateways(session: Session) -> list[tuple[Gateway, GatewayReport | None]]:
+    """Every gateway that ever reported, with its newest report (by seq)."""
+    out = []
+    for gw in session.scalars(select(Gateway).order_by(Gateway.gateway_id)).all():
+        last = session.scalar(select(GatewayReport).where(GatewayReport.gateway_id == gw.gateway_id)
+                              .order_by(GatewayReport.seq.desc()).limit(1))
+        out.append((gw, last))
+    return out

@@ -134,7 +134,8 @@ def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
         assert gw.get(path).status_code == 403, path
     assert [p for p, ops in spec["paths"].items() for m, op in ops.items()
             if "router" in op.get("x-racer-roles", [])] == ["/api/v1/whoami", "/api/v1/nodes", "/api/v1/routers",
-                                                             "/api/v1/router/weights"]
+                                                             "/api/v1/router/weights",
+                                                             "/api/v1/gateways/{gateway_id}/reports"]
 
 
 def test_override_lifecycle_with_expiry_and_audit(cp):
