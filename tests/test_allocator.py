@@ -308,7 +308,9 @@ def test_decision_record_is_complete_and_json_able(policies):
                         "base_emb_share", "residual", "recovery_active", "override_active", "policy_id", "features",
                         "layer_source", "guard_action", "hold_reason", "recovery_phase", "recovery_event",
                         "recovery_cap", "override_reason", "notes", "tuner_offset", "tuner_step", "tuner_gradient",
-                        "tuner_action"}
+                        "tuner_action", "layers"}
+    assert [t["layer"] for t in rec["layers"]] == ["base", "residual", "recovery", "guard"]
+    assert rec["layers"][-1]["proposal"] == rec["emb_share"] and rec["layers"][0]["proposal"] == rec["base_emb_share"]
     assert rec["tuner_action"] in (None, "emb_ward", "kv_ward", "deadband", "bound", "no_evidence")
     assert rec["layer_source"] in DECISION_SOURCES and rec["recovery_phase"] in ("warmup", "normal", "burst")
     assert rec["hold_reason"] is None and rec["override_reason"] is None

@@ -1,0 +1,232 @@
+"""`SmartAllocator`: the layers composed into one decision per control interval, with the state
+they keep between intervals (the adapter's weights, the tuner's offset, the burst detector, the
+operator's override)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from node_agent.allocator.base import OnnxPolicy, PolicyLoadError, base_layer
+from node_agent.allocator.config import DECISION_SOURCES, AllocatorConfig, _num
+from node_agent.allocator.decision import AllocatorDecision
+from node_agent.allocator.guards import guard_layer
+from node_agent.allocator.override import Override, override_layer
+from node_agent.allocator.recovery import RecoveryController, recovery_layer
+from node_agent.allocator.residual import ResidualAdapter, ResidualUpdate, residual_layer
+from node_agent.allocator.tuner import OperatingPointTuner
+from node_agent.features import NUM_FEATURES, FeatureError, WindowStats, build_features
+
+
+@dataclass(frozen=True)
+class PolicySwap:
+    previous_policy_id: str | None
+    policy_id: str
+    providers: list[str]
+    now_s: float | None
+
+
+class SmartAllocator:
+    """The node's EMB:KV split controller (see the module docstring for the layers).
+
+    Call order per control interval: ``observe(stats)`` (learn from the previous decision's
+    outcome), then ``decide(stats, now_s)``. ``load_policy`` swaps the base policy atomically: the
+    new one is fully checked before it replaces the old, and a refused one raises
+    `PolicyLoadError` while the old keeps running. ``set_override`` / ``clear_override`` are the
+    operator's controls; ``reset_residual`` zeroes the adapter. ``state()`` reports everything.
+    """
+
+    def __init__(self, config: AllocatorConfig | None = None, policy_dir: str | Path | None = None):
+        self.config = config or AllocatorConfig()
+        self.residual = ResidualAdapter(self.config.residual)
+        self.recovery = RecoveryController(self.config.recovery)
+        self.tuner = OperatingPointTuner(self.config.tuner)
+        self._policy: OnnxPolicy | None = None
+        self._scratch = np.zeros(NUM_FEATURES, dtype=np.float32)  # feature buffer when no policy is loaded
+        self._share: float | None = None
+        self._prev_stats: WindowStats | None = None
+        self._last_now_s: float | None = None
+        self._seq = 0
+        self._override: Override | None = None
+        self._pending: AllocatorDecision | None = None
+        self._pending_learnable = False
+        self.last_decision: AllocatorDecision | None = None
+        self.last_load_error: str | None = None
+        self.num_decisions = {s: 0 for s in DECISION_SOURCES}
+        self._lock = threading.Lock()  # serialises load_policy with itself (decide reads one reference)
+        if policy_dir is not None:
+            self.load_policy(policy_dir)
+
+    # ---- policy
+    @property
+    def policy(self) -> OnnxPolicy | None:
+        return self._policy
+
+    def load_policy(self, artifact_dir: str | Path, now_s: float | None = None) -> PolicySwap:
+        """Load, check and swap in a new base policy; on refusal raise `PolicyLoadError` and keep
+        the previous policy running."""
+        c = self.config
+        with self._lock:
+            try:
+                new = OnnxPolicy(artifact_dir, device=c.device, intra_op_num_threads=c.intra_op_num_threads,
+                                 golden_tolerance=c.golden_tolerance)
+            except PolicyLoadError as e:
+                self.last_load_error = str(e)
+                raise
+            old = self._policy
+            self._policy = new
+            self.last_load_error = None
+            if old is not None and self.config.residual.reset_on_policy_swap:
+                self.residual.reset(f"base policy swapped: {old.policy_id} -> {new.policy_id}")
+                self.tuner.reset(f"base policy swapped: {old.policy_id} -> {new.policy_id}")
+                self._pending = None  # the last decision's correction belongs to the old policy
+        return PolicySwap(previous_policy_id=old.policy_id if old else None, policy_id=new.policy_id,
+                          providers=new.providers, now_s=now_s)
+
+    # ---- operator
+    def set_override(self, emb_share: float, *, now_s: float, expires_at_s: float | None = None,
+                     reason: str = "operator override") -> Override:
+        g = self.config.guard
+        if not (_num(emb_share) and g.min_emb_share <= emb_share <= g.max_emb_share):
+            raise ValueError(f"override emb_share must be within the guard bounds [{g.min_emb_share}, "
+                             f"{g.max_emb_share}], got {emb_share!r}")
+        if not _num(now_s):
+            raise ValueError(f"now_s must be a finite number, got {now_s!r}")
+        if expires_at_s is not None and not (_num(expires_at_s) and expires_at_s > now_s):
+            raise ValueError(f"expires_at_s must be a finite time after now_s={now_s}, got {expires_at_s!r}")
+        self._override = Override(float(emb_share), float(now_s), expires_at_s, str(reason))
+        return self._override
+
+    def clear_override(self) -> Override | None:
+        old, self._override = self._override, None
+        return old
+
+    @property
+    def override(self) -> Override | None:
+        return self._override
+
+    def reset_residual(self, reason: str = "operator reset") -> None:
+        """Zero the residual layer: the adapter's weights and the operating-point tuner's offset."""
+        self.residual.reset(reason)
+        self.tuner.reset(reason)
+
+    # ---- the decision
+    def decide(self, stats: WindowStats, now_s: float) -> AllocatorDecision:
+        """One decision for the coming interval from ``stats`` of the interval that just ended:
+        the layers in order, each on the previous one's proposal, then the state they feed back
+        (the anti-windup, an expired override) and the record."""
+        if self._last_now_s is not None and not now_s >= self._last_now_s:
+            raise ValueError(f"now_s went backwards or is not a number: {now_s!r} after {self._last_now_s!r}")
+        self._last_now_s = now_s
+        c = self.config
+        policy = self._policy
+        row = policy.input_row if policy is not None else self._scratch
+        try:
+            build_features(stats, self._prev_stats, out=row)
+            hold = None
+            self._prev_stats = stats
+        except FeatureError as e:
+            row[:] = 0.0
+            hold = str(e)
+        prev = self._share
+        if prev is None:
+            prev = stats.emb_share if hold is None else c.initial_emb_share
+        ov = self._override
+        notes = ()
+
+        proposal, t = base_layer(policy, hold, prev)
+        layers = [t]
+        source = "base" if t.acted else "guard"
+        learnable = t.acted
+        res_t = None
+        if learnable:
+            proposal, res_t = residual_layer(self.residual, self.tuner, row, stats, proposal, prev, c.guard,
+                                             ov is None or ov.expired(now_s))
+            layers.append(res_t)
+            if res_t.acted:
+                source = "residual"
+        if hold is None and c.recovery.enabled:
+            proposal, t, note = recovery_layer(self.recovery, stats.arrival_rate_rps, stats.hot_user_ratio, now_s,
+                                               prev, proposal, source)
+            layers.append(t)
+            if t.acted:
+                source, learnable = "recovery", False
+            if note is not None:
+                notes += (note,)
+        if ov is not None:
+            proposal, t, note = override_layer(ov, now_s, proposal, source)
+            layers.append(t)
+            if t.acted:
+                source, learnable = "override", False
+            else:
+                self._override = None
+                notes += (note,)
+        layer_source = source
+        share, t = guard_layer(proposal, prev, c.guard, source, source != "override")
+        layers.append(t)
+        if t.acted:
+            source = "guard"
+            if layer_source == "residual":
+                back = self._anti_windup(proposal - share, t.values[0], res_t.values[3])
+                if back != 0.0:
+                    t.values = t.values[:-1] + (back,)
+
+        self._seq += 1
+        d = AllocatorDecision(self._seq, now_s, share, source, tuple(layers), prev, proposal, layer_source,
+                              self.recovery.phase, policy.policy_id if policy is not None else None, row.copy(), notes)
+        self._share = share
+        self._pending = d
+        self._pending_learnable = learnable and self.residual.config.enabled
+        self.num_decisions[source] += 1
+        self.last_decision = d
+        return d
+
+    def _anti_windup(self, refused: float, action: str, step: float) -> float:
+        """Take back the part of the tuner's ``step`` that the guards' step limit refused (the
+        offset never runs ahead of the split in force); returns the amount taken back (0: none)."""
+        if step == 0.0 or (action != "step_up" and action != "step_down") or (refused > 0) != (step > 0):
+            return 0.0
+        back = min(refused, step) if step > 0 else max(refused, step)
+        if back != 0.0:
+            self.tuner.take_back(back)
+        return back
+
+    def observe(self, outcome: WindowStats) -> ResidualUpdate:
+        """Train the residual adapter on the outcome (the stats of the interval that ran under the
+        last decision). Each decision is learnt from at most once; intervals run under an
+        override, a burst, or a hold (invalid stats, no/failed base) are skipped, as are empty
+        intervals (no requests: no latency evidence)."""
+        d, self._pending = self._pending, None
+        ra = self.residual
+        if not ra.config.enabled:
+            return ra.skip("residual adapter disabled")
+        if d is None:
+            return ra.skip("no decision to pair the outcome with")
+        if not self._pending_learnable:
+            return ra.skip(f"decision {d.seq} ran under {d.source}, not base + residual: its outcome does not "
+                           "measure the correction")
+        problems = outcome.problems()
+        if problems:
+            return ra.skip("invalid outcome: " + "; ".join(problems))
+        if outcome.num_requests == 0:
+            return ra.skip("no requests in the interval: no latency evidence")
+        return ra.update(d.features, d.residual, outcome)
+
+    # ---- reporting
+    def state(self) -> dict:
+        ov = self._override
+        return {
+            "emb_share": self._share,
+            "policy": self._policy.describe() if self._policy is not None else None,
+            "last_load_error": self.last_load_error,
+            "override": None if ov is None else {"emb_share": ov.emb_share, "set_at_s": ov.set_at_s,
+                                                 "expires_at_s": ov.expires_at_s, "reason": ov.reason},
+            "residual": self.residual.state().to_dict(),
+            "recovery": self.recovery.state().to_dict(),
+            "tuner": self.tuner.state().to_dict(),
+            "num_decisions": dict(self.num_decisions),
+            "last_decision": self.last_decision.to_dict() if self.last_decision is not None else None,
+        }
