@@ -1,11 +1,23 @@
 """``racer up``: the whole system on this machine from one command.
 
-A supervisor starts, in order, the control plane (SQLite in the data folder unless ``--db``), N node
-agents (CPU unless a GPU is seen, each its own process, the shipped policy), the gateway and the
+A supervisor starts the control plane (SQLite in the data folder unless ``--db``), N node agents
+(CPU unless a GPU is seen, each its own process, the shipped policy), the gateway and the
 dashboard; each process runs in its own process group with its log in ``DATA/logs/<name>.log``.
 It then replays the Taobao trace through steady -> trend -> burst in a loop (`workloads.replay`,
 open loop) against the gateway, and prints one status line: requests served, P99 and SLO
 attainment over the last 30 s, the current regime, the processes up.
+
+Start-up (`_Up`), in steps that never wait on one another: every port is chosen first (one asked
+for and taken is refused before anything is written); the agents' tokens and, once per data
+folder, the cost profile are made side by side; the control plane starts as soon as its schema and
+the tokens exist, the agents as soon as the profile does (they spool their reports until the
+control plane answers); once the control plane is healthy, its dependants start (the gateway and
+the dashboard), the dashboard's URL is printed the moment it answers, then the shipped policy is
+registered and activated and a derived candidate registered (`racer.policy_seed`); the load starts
+once the gateway routes to the agents. A status line says what is up and what is still starting.
+A dependant that exits or is slow while starting is restarted with a back-off and never stops the
+rest; only a control plane that exits three times before it ever answered ends the run (with the
+end of its log).
 
 A process that exits is reported on stderr (and in ``DATA/logs/up.log``) and restarted (with a
 back-off when it keeps dying). Ctrl-C or SIGTERM (or ``--duration``) stops the replay, waits for
@@ -28,8 +40,9 @@ per agent and database: made with ``racer token create --role node --node-id nod
 control plane starts, checked with ``/api/v1/whoami`` once it answers and remade through
 ``POST /api/v1/tokens`` if that database does not know it; each agent gets its token in its
 environment, ``RACER_NODE_TOKEN``), ``agents/node-K/`` (each agent's
-report spool and downloaded policies), ``processes.json`` (each process's pid, URL,
-restarts and log), ``up.lock``.
+report spool and downloaded policies), ``policies/candidate-<policy_id>/`` (the candidate derived
+from the shipped policy, reused), ``processes.json`` (each process's pid, URL, restarts and log),
+``up.lock``.
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
@@ -177,6 +190,7 @@ class _Proc:
     next_start_s: float = 0.0
     backoff_s: float = 1.0
     exits: list = field(default_factory=list)
+    ready_s: float | None = None  # when it last answered its ready URL (None: not since it started)
 
 
 def describe_exit(code: int) -> str:
@@ -233,6 +247,7 @@ class Supervisor:
         finally:
             log.close()
         p.started_s = self.clock()
+        p.ready_s = None
         self.write_state()
 
     def write_state(self) -> None:
@@ -279,6 +294,41 @@ class Supervisor:
         if not self.stopping and not self.cancel.is_set():
             raise UpError(f"{p.spec.name} was not ready within {p.spec.ready_timeout_s:g} s "
                           f"(log: {self.log_dir / (p.spec.name + '.log')})")
+
+    def check_ready(self, p: _Proc, timeout_s: float = 1.0) -> bool:
+        """One look, without waiting: is ``p`` running and answering 200 on a ready URL (and its
+        ``ready_check``)? Remembers when it first was (``p.ready_s``) since its last start."""
+        import httpx
+
+        if p.popen is None or p.popen.poll() is not None:
+            return False
+        if p.ready_s is not None:
+            return True
+        ok = not p.spec.ready_urls
+        for url in p.spec.ready_urls:
+            try:
+                if httpx.get(url, timeout=timeout_s).status_code == 200 and (
+                        p.spec.ready_check is None or p.spec.ready_check()):
+                    ok = True
+                    break
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                pass
+        if ok:
+            p.ready_s = self.clock()
+        return ok
+
+    def restart(self, p: _Proc, timeout_s: float = 20.0) -> None:
+        """Stop ``p`` (SIGTERM to its group, SIGKILL after ``timeout_s``) and start it again."""
+        if p.popen is not None and p.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, signal.SIGTERM)
+            try:
+                p.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait(10)
+        self._spawn(p)
 
     def poll(self, skip: _Proc | None = None) -> list[str]:
         """Restart every process that has exited (after its back-off); returns the events."""
@@ -655,10 +705,8 @@ class _Replayer(threading.Thread):
             self.error = e
 
 
-def cmd_up(args) -> int:
-    from workloads.loaders import load_trace
-    from workloads.replay import ReplayConfig, ReplayStats
-
+def _validate(args) -> None:
+    """Refuse bad options before anything is written or started."""
     if args.nodes < 1:
         raise UpError(f"--nodes must be >= 1, got {args.nodes}")
     if args.duration is not None and not args.duration > 0:
@@ -670,8 +718,364 @@ def cmd_up(args) -> int:
     if args.policy is not None and not (Path(args.policy) / "manifest.json").exists():
         raise UpError(f"--policy {args.policy}: no policy artifact there (manifest.json missing); "
                       f"racer policy export writes one")
+    for opt in ("dashboard_port", "control_plane_port", "gateway_port"):
+        v = getattr(args, opt)
+        if not 0 <= v <= 65535:
+            raise UpError(f"--{opt.replace('_', '-')} must be in [0, 65535], got {v}")
+
+
+def claim_ports(args) -> dict[str, int]:
+    """Every listening port of the control plane, the gateway and the dashboard, chosen before any
+    work: a port asked for that is taken is refused at once (nothing written, nothing started)."""
+    ports: dict[str, int] = {}
+    for name in ("dashboard", "control-plane", "gateway"):
+        opt = f"--{name}-port"
+        asked = getattr(args, f"{name.replace('-', '_')}_port")
+        if asked:
+            if asked in ports.values():
+                raise UpError(f"{opt} {asked}: another of racer up's processes has that port")
+            if not port_free(asked):
+                raise UpError(f"{opt} {asked} is taken (another racer up, or another program, listens there); "
+                              f"pass another ({opt} 0: a free one). Nothing was started or written.")
+            ports[name] = asked
+    for name in ("dashboard", "control-plane", "gateway"):
+        while name not in ports:
+            port = free_port()
+            if port not in ports.values():
+                ports[name] = port
+    return ports
+
+
+@dataclass
+class StartTimes:
+    """Seconds from ``racer up``'s start to each step (None: not reached)."""
+
+    control_plane_s: float | None = None
+    url_s: float | None = None
+    load_started_s: float | None = None
+    first_served_s: float | None = None
+
+
+class _Up:
+    """One ``racer up`` run: its data folder, processes, load and start-up steps.
+
+    Start-up is a sequence of steps checked every 0.25 s, none of which blocks the others: the
+    agents' tokens (and the cost profile, once per folder) -> the control plane and the node agents
+    (they spool their reports until it answers) -> once the control plane is healthy, its
+    dependants: the gateway and the dashboard, and the policies (`racer.policy_seed`) -> the
+    dashboard's URL as soon as it answers -> the load once the gateway routes to the agents. A
+    dependant that exits or is slow is restarted with a back-off and named in a status line; it
+    never stops the others. Only the control plane exiting before it ever answered (a bad
+    ``--db``, say) ends the run, with the end of its log."""
+
+    LOAD_GRACE_S = 20.0  # the load starts this long after the gateway answers even if not every agent is in
+
+    def __init__(self, args, data_dir: Path, ports: dict[str, int], say: Callable[..., None],
+                 stop: threading.Event) -> None:
+        from workloads.loaders import load_trace
+
+        self.args, self.data_dir, self.say, self.stop = args, data_dir, say, stop
+        self.t0 = time.monotonic()
+        self.times = StartTimes()
+        self.operator_token = read_or_create_secret(data_dir / "operator_token", "racer_")
+        self.trace = load_trace(args.trace, args.path)
+        self.db_url = args.db or f"sqlite:///{data_dir / 'racer.db'}"
+        commands = available_commands()
+        self.node_envs: dict[str, dict[str, str]] = {}
+        self.profiling = start_profile(data_dir, say) if args.policy else None
+        self.profile: Path | None = data_dir / "node_profile.json" if args.policy else None
+        self.plan = plan_processes(args, data_dir, commands, self.operator_token, self.node_envs, self.profile,
+                                   self.db_url, ports)
+        if self.plan.missing:
+            say("this build has no " + ", ".join(f"racer {m}" for m in self.plan.missing) +
+                ("; the load goes straight to the node agents" if "gateway" in self.plan.missing else ""))
+        self.sup = Supervisor(self.plan.specs, data_dir / "logs", report=lambda line: say(line, err=True),
+                              state_file=data_dir / "processes.json", secrets=[self.operator_token], cancel=stop)
+        self.nodes = [s.spec.name for s in self.sup.procs if s.spec.name.startswith("node-")]  # also node ids
+        self.reporting = bool(self.plan.control_plane_url)
+        self.tokening = (start_token_create(data_dir, self.db_url, self.nodes, say)
+                         if self.reporting and "token" in commands else None)
+        if self.reporting and self.tokening is None:  # every agent's token kept from an earlier run
+            self.give(finish_token_create(data_dir, self.db_url, self.nodes, None))
+        self.policies: dict = {}
+        self.replayer: _Replayer | None = None
+        self.stats = None
+        self._gateway_ready_s: float | None = None
+        self._seeder: threading.Thread | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def has(self, name: str) -> bool:
+        return any(p.spec.name == name for p in self.sup.procs)
+
+    def started(self, name: str) -> bool:
+        return self.has(name) and self.sup[name].popen is not None
+
+    def give(self, tokens: dict[str, str]) -> list[str]:
+        """Each agent its own token (its environment); the agents whose token changed."""
+        changed = []
+        for name, token in tokens.items():
+            if self.node_envs[name].get("RACER_NODE_TOKEN") != token:
+                self.node_envs[name]["RACER_NODE_TOKEN"] = token
+                self.sup.secrets.append(token)
+                changed.append(name)
+        return changed
+
+    # ---- start-up steps, each called every tick until done
+    def step_helpers(self) -> None:
+        """The token maker and the profile, once they finish: their results to the agents."""
+        if self.tokening is not None and self.tokening.poll() is not None:
+            proc, self.tokening = self.tokening, None
+            self.give(finish_token_create(self.data_dir, self.db_url, self.nodes, proc))
+        if self.profiling is not None and self.profiling.poll() is not None:
+            proc, self.profiling = self.profiling, None
+            try:
+                finish_profile(self.data_dir, proc)
+            except UpError as e:  # each agent measures its own miss costs instead
+                self.say(f"{e}; the agents measure their own miss costs", err=True)
+                for p in self.sup.procs:
+                    if "--profile" in p.spec.argv:
+                        k = p.spec.argv.index("--profile")
+                        del p.spec.argv[k:k + 2]
+                self.profile = None
+
+    def step_start(self) -> None:
+        """The control plane once the schema and tokens are made; the agents once their token and
+        the profile are known (an agent without a token waits for the control plane's API)."""
+        if self.tokening is not None:
+            return
+        if self.has("control-plane") and not self.started("control-plane"):
+            self.say("starting the control plane" + (f" ({self.db_url.split(':', 1)[0]})" if self.args.db else ""))
+            self.sup.start(["control-plane"], wait=False)
+        if not self.has("control-plane") and self.has("gateway") and not self.started("gateway"):
+            self.sup.start(["gateway"], wait=False)  # no control plane to wait for: the agents' URLs given
+        if self.profiling is not None:
+            return
+        ready = [n for n in self.nodes if not self.started(n)
+                 and (not self.reporting or "RACER_NODE_TOKEN" in self.node_envs[n])]
+        if ready:
+            self.say("starting " + ", ".join(ready))
+            self.sup.start(ready, wait=False)
+
+    def step_control_plane(self) -> None:
+        """Once the control plane answers: tokens checked (or made) through its API, the agents
+        whose token changed restarted, then its dependants started and the policies seeded."""
+        cp = self.sup["control-plane"]
+        if cp.popen is None or not self.sup.check_ready(cp):
+            if cp.popen is not None and cp.popen.poll() is not None and cp.restarts >= 2:
+                log = self.data_dir / "logs" / "control-plane.log"
+                raise UpError(f"the control plane {describe_exit(cp.popen.returncode)} while starting, three "
+                              f"times; the end of its log ({log}):\n{_tail(log)}")
+            return
+        self.times.control_plane_s = round(self.elapsed(), 1)
+        self.say(f"control plane {self.plan.control_plane_url} healthy ({self.times.control_plane_s:g} s)")
+        changed = self.give(ensure_node_tokens(self.data_dir, self.db_url, self.plan.control_plane_url,
+                                               self.operator_token, self.nodes, self.say))
+        for name in changed:
+            if self.started(name):  # a token kept from an earlier run that this database does not know
+                self.sup.restart(self.sup[name], self.args.stop_timeout_s)
+        dependants = [n for n in ("gateway", "dashboard") if self.has(n)]
+        if dependants:
+            self.say("starting " + ", ".join(dependants))
+            self.sup.start(dependants, wait=False)
+
+    def _seed(self) -> None:
+        from .policy_seed import seed_policies
+
+        try:
+            self.policies = seed_policies(self.plan.control_plane_url, self.operator_token, Path(self.args.policy),
+                                          self.data_dir, self.say)
+        except Exception as e:  # noqa: BLE001 - the system runs on without them; say why
+            self.policies = {"error": f"{type(e).__name__}: {e}"}
+            self.say(f"could not register the policies ({type(e).__name__}: {e}); the agents run "
+                     f"{self.args.policy} locally", err=True)
+
+    def step_url(self) -> None:
+        if not self.sup.check_ready(self.sup["dashboard"]):
+            return
+        self.times.url_s = round(self.elapsed(), 1)
+        self.say(f"dashboard     {self.plan.dashboard_url}  (up in {self.times.url_s:g} s)")
+        # the token itself only to a person at a terminal, never to the log or a captured stream
+        token_file = self.data_dir / "operator_token"
+        at_terminal = sys.stdout.isatty() and not self.args.json
+        self.say(f"operator token in {token_file} (mode 0600; sign in with it)",
+                 console=f"operator token {self.operator_token}  (also in {token_file})" if at_terminal else None)
+
+    def load_ready(self) -> bool:
+        """The gateway routes to every agent of this run (or to one of them, ``LOAD_GRACE_S`` after
+        it answered); without a gateway, every agent answers."""
+        if not self.has("gateway"):
+            return all(self.sup.check_ready(self.sup[n]) for n in self.nodes)
+        gw = self.sup["gateway"]
+        if gw.popen is None or gw.popen.poll() is not None:
+            return False
+        if self.sup.check_ready(gw):
+            return True
+        if self._gateway_ready_s is None:
+            if _get_ok(f"{gw.spec.url}/healthz"):
+                self._gateway_ready_s = time.monotonic()
+            return False
+        return (time.monotonic() - self._gateway_ready_s >= self.LOAD_GRACE_S
+                and _gateway_routes_to_any(gw.spec.url, self.plan.node_urls))
+
+    def start_load(self) -> None:
+        from workloads.replay import ReplayConfig, ReplayStats
+
+        args = self.args
+        first_phase_s = min(6.0, args.phase_s) if args.first_phase_s is None else args.first_phase_s
+        cfg = ReplayConfig(schedule=tuple(args.schedule), rate_rps=args.rate,
+                           duration_s=args.phase_s * len(args.schedule),
+                           first_cycle_s=first_phase_s * len(args.schedule), slo_ms=args.slo_ms, timeout_s=10.0,
+                           retries=1 if "gateway" in self.plan.missing and len(self.plan.targets) > 1 else 0,
+                           num_candidates=64, max_history_len=256)
+        self.stats = ReplayStats(args.slo_ms)
+        self.replayer = _Replayer(self.plan.targets, self.trace, cfg, self.stats)
+        self.replayer.start()
+        self.times.load_started_s = round(self.elapsed(), 1)
+        first = f" (the first pass {first_phase_s:g} s each)" if first_phase_s != args.phase_s else ""
+        self.say(f"replaying {args.trace} {' -> '.join(args.schedule)} in a loop, {args.phase_s:g} s each{first}, base "
+                 f"rate {args.rate:g} req/s, to {', '.join(self.plan.targets)}"
+                 + (f"; stopping after {args.duration:g} s" if args.duration else "; Ctrl-C stops everything"))
+
+    def startup_line(self) -> str:
+        """What is up and what is still coming, while starting."""
+        parts = []
+        for p in self.sup.procs:
+            if p.popen is None:
+                state = "waiting"
+            elif p.popen.poll() is not None:
+                state = "exited, restarting"
+            elif p.ready_s is not None:
+                state = "up"
+            else:
+                state = f"starting {self.sup.clock() - p.started_s:.0f} s"
+            if p.restarts:
+                state += f", restart {p.restarts}"
+            parts.append((p.spec.name, state))
+        nodes = [s for n, s in parts if n.startswith("node-")]
+        shown = [f"{n} {s}" for n, s in parts if not n.startswith("node-")]
+        shown.append(f"nodes {sum(s == 'up' for s in nodes)}/{len(nodes)} up")
+        helpers = [h for h, x in (("tokens", self.tokening), ("cost profile", self.profiling)) if x is not None]
+        return (f"[{self.elapsed():6.0f} s] starting: " + ", ".join(shown)
+                + (f"; making {' and '.join(helpers)}" if helpers else ""))
+
+    def tick(self) -> None:
+        """One start-up step (whatever is due) and the restarts of what exited."""
+        self.sup.poll(skip=self.sup["control-plane"] if self.has("control-plane")
+                      and self.times.control_plane_s is None and self.sup["control-plane"].restarts >= 2 else None)
+        self.step_helpers()
+        self.step_start()
+        if self.has("control-plane") and self.times.control_plane_s is None:
+            self.step_control_plane()
+        for n in self.nodes:
+            if self.started(n) and self.sup[n].ready_s is None:
+                self.sup.check_ready(self.sup[n], timeout_s=0.5)
+        if self.plan.dashboard_url and self.times.url_s is None and self.started("dashboard"):
+            self.step_url()
+        if self._seeder is None and self.args.policy and self.args.seed_policies \
+                and self.times.control_plane_s is not None and (self.times.url_s is not None or not self.plan.dashboard_url):
+            # after the dashboard's start, which it would slow down (the control plane checks each
+            # artifact with the agent's loader)
+            self._seeder = threading.Thread(target=self._seed, name="racer-up-policies", daemon=True)
+            self._seeder.start()
+        if self.replayer is None and (self.times.control_plane_s is not None or not self.has("control-plane")) \
+                and all(self.started(n) for n in self.nodes) and self.load_ready():
+            self.start_load()
+        if self.replayer is not None and self.times.first_served_s is None \
+                and self.stats.snapshot()["requests_served"] > 0:
+            self.times.first_served_s = round(self.elapsed(), 1)
+            self.say(f"first requests served ({self.times.first_served_s:g} s after start)")
+
+    def close(self) -> dict[str, int | None]:
+        for helper in (self.profiling, self.tokening):
+            if helper is not None and helper.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(helper.pid, signal.SIGKILL)
+                helper.wait()
+        if self.replayer is not None and self.replayer.is_alive():
+            self.replayer.stop_event.set()
+            self.replayer.join(self.replayer.config.timeout_s + 5.0)
+        return self.sup.stop(self.args.stop_timeout_s)
+
+
+def _get_ok(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _gateway_routes_to_any(gw_url: str, node_urls: Sequence[str]) -> bool:
+    import httpx
+
+    try:
+        nodes = httpx.get(f"{gw_url}/v1/router", timeout=2.0).json().get("nodes")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+    live = {str(n.get("address", "")).rstrip("/") for n in nodes or () if n.get("live")}
+    return bool(live & set(node_urls))
+
+
+def _sample_rss(up: _Up, rss: dict[str, dict], at_s: float) -> None:
+    for p in up.sup.procs + [None]:
+        if p is not None and p.popen is None:
+            continue
+        name, pid = ("racer-up", os.getpid()) if p is None else (p.spec.name, p.popen.pid)
+        r = rss_bytes(pid)
+        if r is None:
+            continue
+        e = rss.setdefault(name, {"pid": pid, "samples": []})
+        if e["pid"] != pid:  # restarted: a new process, a new series
+            e.update(pid=pid, samples=[])
+        e["samples"].append((round(at_s, 1), r))
+
+
+def _run(up: _Up, args, rss: dict[str, dict]) -> None:
+    """Start-up, then the load, until ``--duration`` of load or a signal."""
+    human = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the report alone
+    tty = human.isatty()
+    every_s = 2.0 if tty else args.status_every_s
+    next_status = time.monotonic() + every_s
+    next_rss = time.monotonic()
+    last_startup = ""
+    while not up.stop.is_set():
+        now = time.monotonic()
+        up.tick()
+        loading = up.replayer is not None
+        if loading and args.duration is not None and now - up.t0 - up.times.load_started_s >= args.duration:
+            break
+        if loading and up.replayer.error is not None:
+            raise UpError(f"the load generator stopped: {up.replayer.error!r}")
+        if loading and now >= next_rss:
+            _sample_rss(up, rss, now - up.t0 - up.times.load_started_s)
+            next_rss = now + args.rss_every_s
+        if now >= next_status:
+            if loading:
+                line = status_line(now - up.t0 - up.times.load_started_s, up.stats.snapshot(), up.sup.alive(), args.slo_ms)
+            else:
+                line = up.startup_line()
+                if not tty and line.split("] ", 1)[1] == last_startup:  # unchanged: not again in a log
+                    line = ""
+                else:
+                    last_startup = line.split("] ", 1)[1]
+            if line and tty:
+                print("\r" + line[:200].ljust(120), end="", file=human, flush=True)
+            elif line:
+                print(line, file=human, flush=True)
+            next_status = now + every_s
+        up.stop.wait(0.25)
+    if tty:
+        print(file=human)
+
+
+def cmd_up(args) -> int:
+    _validate(args)
     data_dir = Path(args.data_dir).resolve()
-    first_phase_s = min(6.0, args.phase_s) if args.first_phase_s is None else args.first_phase_s
+    ports = claim_ports(args)  # before the data folder: a taken port leaves nothing behind
+    made = not data_dir.exists()
     check_data_dir(data_dir)
     lock = DataLock(data_dir)
     t_start = time.monotonic()
@@ -691,158 +1095,47 @@ def cmd_up(args) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    sup: Supervisor | None = None
-    replayer: _Replayer | None = None
-    profiling: subprocess.Popen | None = None
-    tokening: subprocess.Popen | None = None
+    up: _Up | None = None
     report: dict = {}
     rss: dict[str, dict] = {}
+    codes: dict[str, int | None] = {}
     try:
-        operator_token = read_or_create_secret(data_dir / "operator_token", "racer_")
-        trace = load_trace(args.trace, args.path)
-        profiling = start_profile(data_dir, say) if args.policy else None
-        profile = data_dir / "node_profile.json" if args.policy else None
-        commands = available_commands()
-        db_url = args.db or f"sqlite:///{data_dir / 'racer.db'}"
-        # each agent's token is known once made (or the control plane answers); its spec reads it then
-        node_envs: dict[str, dict[str, str]] = {}
-        plan = plan_processes(args, data_dir, commands, operator_token, node_envs, profile, db_url)
-        if plan.missing:
-            say("this build has no " + ", ".join(f"racer {m}" for m in plan.missing) +
-                ("; the load goes straight to the node agents" if "gateway" in plan.missing else ""))
-        sup = Supervisor(plan.specs, data_dir / "logs", report=lambda line: say(line, err=True),
-                         state_file=data_dir / "processes.json", secrets=[operator_token], cancel=stop)
-        say(f"data folder {data_dir} (logs in {data_dir / 'logs'})")
-        # the cost profile (once per data folder) and the agents' tokens (once per agent and
-        # database) first, side by side; then every process at once: agents spool their reports
-        # until the control plane answers, the gateway and the dashboard retry it
-        others = [s.name for s in plan.specs if not s.name.startswith("node-")]
-        nodes = [s.name for s in plan.specs if s.name.startswith("node-")]  # also their node ids
-        reporting = bool(plan.control_plane_url)
-        tokening = start_token_create(data_dir, db_url, nodes, say) if reporting and "token" in commands else None
-
-        def give(tokens: dict[str, str]) -> list[str]:
-            """Each agent its own token (its environment); the agents whose token changed."""
-            changed = []
-            for name, token in tokens.items():
-                if node_envs[name].get("RACER_NODE_TOKEN") != token:
-                    node_envs[name]["RACER_NODE_TOKEN"] = token
-                    sup.secrets.append(token)
-                    changed.append(name)
-            return changed
-
-        if args.policy:
-            finish_profile(data_dir, profiling)
-        profiling = None
-        if reporting:
-            give(finish_token_create(data_dir, db_url, nodes, tokening))
-            tokening = None
-        say("starting " + ", ".join(others + nodes))
-        untokened = [n for n in nodes if "RACER_NODE_TOKEN" not in node_envs[n]] if reporting else []
-        if untokened:  # no token yet: make them through the API once the control plane answers
-            sup.start(others + [n for n in nodes if n not in untokened], wait=False)
-            sup.wait_ready(sup["control-plane"])
-            if not stop.is_set():
-                give(ensure_node_tokens(data_dir, db_url, plan.control_plane_url, operator_token, untokened, say))
-            sup.start(untokened, wait=False)
-        else:
-            sup.start(others + nodes, wait=False)
-        if reporting and not stop.is_set():
-            sup.wait_ready(sup["control-plane"])
-            # a token kept from an earlier run that this database does not know: a new one, and
-            # that agent restarted with it
-            changed = give(ensure_node_tokens(data_dir, db_url, plan.control_plane_url, operator_token, nodes, say))
-            for name in changed if not stop.is_set() else ():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(sup[name].popen.pid, signal.SIGTERM)
-                sup[name].popen.wait(args.stop_timeout_s)
-                sup._spawn(sup[name])
-        for name in others + nodes:
-            if stop.is_set():
-                break
-            sup.wait_ready(sup[name])
-        if not stop.is_set():
-            if plan.control_plane_url:
-                say(f"control plane {plan.control_plane_url}")
-            if plan.dashboard_url:
-                say(f"dashboard     {plan.dashboard_url}")
-            # the token itself only to a person at a terminal, never to the log or a captured stream
-            token_file = data_dir / "operator_token"
-            at_terminal = sys.stdout.isatty() and not args.json
-            say(f"operator token in {token_file} (mode 0600; sign in with it)",
-                console=f"operator token {operator_token}  (also in {token_file})" if at_terminal else None)
-            first = f" (the first pass {first_phase_s:g} s each)" if first_phase_s != args.phase_s else ""
-            say(f"replaying {args.trace} {' -> '.join(args.schedule)} in a loop, {args.phase_s:g} s each{first}, base "
-                f"rate {args.rate:g} req/s, to {', '.join(plan.targets)}"
-                + (f"; stopping after {args.duration:g} s" if args.duration else "; Ctrl-C stops everything"))
-        cfg = ReplayConfig(schedule=tuple(args.schedule), rate_rps=args.rate,
-                           duration_s=args.phase_s * len(args.schedule),
-                           first_cycle_s=first_phase_s * len(args.schedule), slo_ms=args.slo_ms, timeout_s=10.0,
-                           retries=1 if "gateway" in plan.missing and len(plan.targets) > 1 else 0,
-                           num_candidates=64, max_history_len=256)
-        stats = ReplayStats(args.slo_ms)
-        replayer = _Replayer(plan.targets, trace, cfg, stats)
-        if not stop.is_set():
-            replayer.start()
-        t_load = time.monotonic()
-        human = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the report alone
-        tty = human.isatty()
-        next_status = time.monotonic() + (2.0 if tty else args.status_every_s)
-        next_rss = time.monotonic()
-        while not stop.is_set():
-            now = time.monotonic()
-            if args.duration is not None and now - t_load >= args.duration:
-                break
-            sup.poll()
-            if replayer.error is not None:
-                raise UpError(f"the load generator stopped: {replayer.error!r}")
-            if now >= next_rss:
-                for p in sup.procs + [None]:
-                    name, pid = ("racer-up", os.getpid()) if p is None else (p.spec.name, p.popen.pid)
-                    r = rss_bytes(pid)
-                    if r is None:
-                        continue
-                    e = rss.setdefault(name, {"pid": pid, "samples": []})
-                    if e["pid"] != pid:  # restarted: a new process, a new series
-                        e.update(pid=pid, samples=[])
-                    e["samples"].append((round(now - t_load, 1), r))
-                next_rss = now + args.rss_every_s
-            if now >= next_status:
-                line = status_line(now - t_load, stats.snapshot(), sup.alive(), args.slo_ms)
-                if tty:
-                    print("\r" + line[:200].ljust(120), end="", file=human, flush=True)
-                else:
-                    print(line, file=human, flush=True)
-                next_status = now + (2.0 if tty else args.status_every_s)
-            stop.wait(0.25)
-        if tty:
-            print(file=human)
+        say(f"data folder {data_dir} ({'made by this run' if made else 'reused'}; logs in {data_dir / 'logs'})")
+        up = _Up(args, data_dir, ports, say, stop)
+        _run(up, args, rss)
         why = f"signal {signal.Signals(received[0]).name}" if received else "--duration reached"
         say(f"stopping ({why}): load generator first, then the processes")
         report = {"stopped_by": why}
+    except (UsageError, ValueError, OSError) as e:
+        if made:
+            raise UpError(f"{e}\n(this run made the data folder {data_dir}; its logs are in {data_dir / 'logs'})") \
+                from None
+        raise
     finally:
-        for helper in (profiling, tokening):
-            if helper is not None and helper.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(helper.pid, signal.SIGKILL)
-                helper.wait()
-        if replayer is not None and replayer.is_alive():
-            replayer.stop_event.set()
-            replayer.join(replayer.config.timeout_s + 5.0)
-        codes = sup.stop(args.stop_timeout_s) if sup is not None else {}
+        if up is not None:
+            codes = up.close()
         for s, h in old.items():
             signal.signal(s, h)
-        if sup is not None:
+        if up is not None:
             say("stopped: " + ", ".join(f"{k} {describe_exit(v) if v is not None else '?'}" for k, v in
                                         reversed(list(codes.items()))))
         lock.release()
         up_log.close()
+    return _final_report(up, args, report, codes, rss, t_start)
+
+
+def _final_report(up: _Up, args, report: dict, codes: dict, rss: dict, t_start: float) -> int:
+    from workloads.replay import ReplayStats
+
+    stats = up.stats or ReplayStats(args.slo_ms)
     rep = stats.report()
+    t_load = up.t0 + up.times.load_started_s if up.times.load_started_s is not None else time.monotonic()
     out = {**report, "elapsed_s": round(time.monotonic() - t_start, 1), "load_s": round(time.monotonic() - t_load, 1),
-           "dashboard_url": plan.dashboard_url, "control_plane_url": plan.control_plane_url,
-           "targets": plan.targets, "missing": plan.missing, **rep,
+           "startup": asdict(up.times), "policies": up.policies,
+           "dashboard_url": up.plan.dashboard_url, "control_plane_url": up.plan.control_plane_url,
+           "targets": up.plan.targets, "missing": up.plan.missing, **rep,
            "processes": {p.spec.name: {"restarts": p.restarts, "exits": p.exits, "exit_code": codes.get(p.spec.name)}
-                         for p in sup.procs},
+                         for p in up.sup.procs},
            "rss": {k: {"pid": v["pid"], "samples": v["samples"]} for k, v in rss.items()}}
     print(f"racer up: served {rep['requests_served']} of {rep['requests_sent']} (failed {rep['requests_failed']}, "
           f"lost {rep['requests_lost']}), P99 {rep['p99_ms']} ms, SLO attainment {rep['slo_attainment']}",
@@ -901,6 +1194,8 @@ def add_up_parser(subparsers) -> None:
     up.add_argument("--rss-every-s", type=float, default=5.0, help="RSS sampling period (default 5)")
     up.add_argument("--stop-timeout-s", type=float, default=20.0,
                     help="SIGKILL a process that has not stopped this long after SIGTERM (default 20)")
+    up.add_argument("--no-policies", dest="seed_policies", action="store_false",
+                    help="do not register the policy and a derived candidate in the control plane's registry")
     up.add_argument("--json", action="store_true", help="print a JSON report at the end")
     up.add_argument("--report", default=None, help="also write the JSON report to this file")
     up.set_defaults(func=cmd_up)
