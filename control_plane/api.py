@@ -741,7 +741,8 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, principal: Princi
             decisions.append(dict(node_id=node_id, seq=rep.seq, ts_s=rep.ts_s, source=rep.decision.source,
                                   emb_share=rep.decision.emb_share, prev_emb_share=rep.decision.prev_emb_share,
                                   reason=rep.decision.reason, policy_version=rep.policy_version,
-                                  features=rep.decision.features))
+                                  features=rep.decision.features,
+                                  layers=[t.model_dump() for t in rep.decision.layers] or None))
         for b in rep.bursts:
             bursts.append(dict(node_id=node_id, start_s=b.start_s, end_s=b.end_s, magnitude=b.magnitude))
     last = max(body.reports, key=lambda x: x.seq)

@@ -89,12 +89,28 @@ class RegisterOut(Out):
     last_report_seq: int | None = None  # highest seq stored for the node: a node that lost its state continues above it
 
 
+# one figure of an allocator layer's detail: a name, a flag, a finite number or nothing
+DetailValue = Annotated[str, Field(max_length=500)] | bool | Finite | None
+
+
+class LayerIn(In):
+    """One allocator layer's part in a decision (`node_agent.allocator.LayerTrace`): the layer,
+    the proposal it handed on (before the guards it may lie outside [0, 1]), whether it set the
+    decision's source, and its inputs and figures by name."""
+    layer: Literal["base", "residual", "recovery", "override", "guard"]
+    proposal: Annotated[float, Field(ge=-10, le=10, allow_inf_nan=False)] | None = None
+    acted: bool = False
+    detail: Annotated[dict[Annotated[str, Field(max_length=64)], DetailValue], Field(max_length=16)] = \
+        Field(default_factory=dict)
+
+
 class DecisionIn(In):
     source: Literal["base", "residual", "recovery", "override", "guard"]
     emb_share: Unit
     reason: Annotated[str, Field(max_length=2000)] = ""
     prev_emb_share: Unit | None = None
     features: dict[str, Finite] = Field(default_factory=dict)
+    layers: Annotated[list[LayerIn], Field(max_length=5)] = Field(default_factory=list)
 
 
 class BurstIn(In):
@@ -228,6 +244,7 @@ class DecisionOut(Out):
     reason: str
     policy_version: str | None
     features: dict[str, Any]
+    layers: list[dict[str, Any]] | None = None  # every allocator layer's trace (None: stored without them)
 
 
 class Page(Out):

@@ -201,6 +201,7 @@ class Decision(Base):
     reason: Mapped[str] = mapped_column(Text)
     policy_version: Mapped[str | None] = mapped_column(String(256))
     features: Mapped[dict[str, Any]]
+    layers: Mapped[list[Any] | None]  # each allocator layer's trace: layer, proposal, acted, detail
 
 
 class Burst(Base):

@@ -173,7 +173,7 @@ def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:
 _REPORT_COLS = [c.name for c in NodeReport.__table__.columns if c.name != "id"]
 _DECISION_COLS = [c.name for c in Decision.__table__.columns if c.name != "id"]
 _PG_TYPES = {"node_id": "text", "seq": "int", "num_requests": "int", "refill_bytes": "int", "policy_version": "text",
-             "decision_source": "text", "source": "text", "reason": "text", "features": "json"}
+             "decision_source": "text", "source": "text", "reason": "text", "features": "json", "layers": "json"}
 
 
 def _pg_unnest(cols: list[str], rows: Sequence[dict]) -> tuple[str, list]:
@@ -232,7 +232,8 @@ def insert_decisions(session: Session, rows: Sequence[dict]) -> None:
         return
     conn.executemany(f"INSERT INTO decisions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
                      f"ON CONFLICT (node_id, seq) DO NOTHING",
-                     [[json.dumps(r[c]) if c == "features" else r.get(c) for c in cols] for r in rows])
+                     [[(None if r.get(c) is None else json.dumps(r[c])) if c in ("features", "layers") else r.get(c)
+                       for c in cols] for r in rows])
 
 
 def upsert_bursts(session: Session, rows: Sequence[dict]) -> None:

@@ -300,6 +300,27 @@ def _unit(x) -> float | None:
     return None if x is None else min(1.0, max(0.0, x))
 
 
+def _detail_value(v):
+    """One figure of a layer's detail as the control plane accepts it (`control_plane.schemas.LayerIn`)."""
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        return v[:500]
+    return _finite_or_none(v)
+
+
+def _layers(layers) -> list[dict]:
+    """The decision's layer traces (`AllocatorDecision.to_dict()["layers"]`), bounded as the
+    control plane accepts them: at most 5 layers of 16 figures each, names of 64 characters."""
+    out = []
+    for t in (layers or [])[:5]:
+        p = _finite_or_none(t.get("proposal"))
+        out.append({"layer": t["layer"], "proposal": None if p is None else min(10.0, max(-10.0, p)),
+                    "acted": bool(t.get("acted")),
+                    "detail": {str(k)[:64]: _detail_value(v) for k, v in list((t.get("detail") or {}).items())[:16]}})
+    return out
+
+
 @dataclass
 class _AppliedOverride:
     key: tuple
@@ -421,7 +442,8 @@ class Reporter:
             feats = {k: float(v) for k, v in (d.get("features") or {}).items() if _finite_or_none(v) is not None}
             report["decision"] = {"source": d["source"], "emb_share": _unit(d["emb_share"]),
                                   "reason": str(d.get("reason", ""))[:MAX_REASON_CHARS],
-                                  "prev_emb_share": _unit(d.get("prev_emb_share")), "features": feats}
+                                  "prev_emb_share": _unit(d.get("prev_emb_share")), "features": feats,
+                                  "layers": _layers(d.get("layers"))}
         report["bursts"] = self._bursts(now_s)
         return report
 
