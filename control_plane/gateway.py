@@ -9,6 +9,7 @@
                              ``?user=U``: the node the gateway scores as U's K/V holder
     POST /v1/router/weights  the control plane's weight push (Bearer token)
     GET  /healthz            the gateway's own liveness and its live nodes
+    GET  /v1/clients         this gateway's client-side figures: the interval so far, reports pending
     GET  /metrics            Prometheus metrics
 
 Residency and load never go through the database: every routing decision updates the router's
@@ -21,17 +22,26 @@ it back after ``health_successes`` successes. A request that meets a connection 
 or a 5xx is retried once on the next-best node; 4xx answers pass through unchanged. A request
 body over ``max_body_bytes`` (default 4 MiB, the node agent's own default) gets the gateway's
 own 413 before it is parsed or forwarded (bytes counted as they arrive, so chunked bodies too;
-`node_agent.server.read_body`). See docs/gateway.md.
+`node_agent.server.read_body`).
+
+With ``--control-plane`` the gateway also reports what its clients see every
+``client_report_interval_s`` (`control_plane.client_view`: end-to-end P50/P99, SLO attainment,
+outcomes, retries, 503s, per-node queueing before the node, the load phase clients name in
+``x-racer-load-phase``) to ``POST /api/v1/gateways/{gateway_id}/reports``; reports the control
+plane did not take are kept (at most ``MAX_PENDING_CLIENT_REPORTS``) and sent again. See
+docs/gateway.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import socket
 import time
@@ -47,8 +57,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from node_agent.server import BodyLimit, BodyTooLarge, finite_validation_errors, read_body, send_json
+from node_agent.server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnly, finite_validation_errors,
+                               json_content_type, may_have_body, read_body, send_json, unsupported_media_type)
 
+from .client_view import PHASE_HEADER, ClientView, clean_phase, node_total_us
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
 from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from .weights import CostProfile
@@ -77,7 +89,9 @@ class GatewayConfig:
       weights come from the nodes; ``num_shards``: embedding shards (must match the nodes');
     - ``max_connections``: pooled connections to all nodes together;
     - ``max_body_bytes``: most bytes of a request body (a recommendation or a weights push); a
-      larger one gets 413 and is never forwarded.
+      larger one gets 413 and is never forwarded;
+    - ``slo_ms``: the latency a request must meet to count towards the clients' SLO attainment;
+      ``client_report_interval_s``: how often the client-side figures go to the control plane.
     """
 
     router: str = "racer"
@@ -94,13 +108,15 @@ class GatewayConfig:
     num_shards: int = 64
     max_connections: int = 512
     max_body_bytes: int = 4 * 2**20
+    slo_ms: float = 30.0
+    client_report_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         problems = []
         if self.router not in POLICIES:
             problems.append(f"router must be one of {', '.join(POLICIES)}, got {self.router!r}")
         for name in ("report_interval_s", "health_interval_s", "health_timeout_s", "request_timeout_s",
-                     "connect_timeout_s", "weights_interval_s", "registry_interval_s"):
+                     "connect_timeout_s", "weights_interval_s", "registry_interval_s", "slo_ms"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 problems.append(f"{name} must be a positive number, got {v!r}")
@@ -109,6 +125,9 @@ class GatewayConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name} must be an integer >= 1, got {v!r}")
+        v = self.client_report_interval_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.1 <= v <= 3600):
+            problems.append(f"client_report_interval_s must be a number in [0.1, 3600], got {v!r}")
         if problems:
             raise ValueError("invalid gateway config: " + "; ".join(problems))
 
@@ -174,6 +193,14 @@ def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
 
 
 _EMPTY = np.empty(0, dtype=np.int64)
+MAX_PENDING_CLIENT_REPORTS = 600  # reports kept while the control plane does not take them (oldest dropped)
+CLIENT_REPORT_BATCH = 60
+_GATEWAY_ID_BAD = re.compile(r"[^A-Za-z0-9_.:\-]")
+
+
+def gateway_id_from(text: str) -> str:
+    """An id the control plane accepts (``[A-Za-z0-9_.:-]``, at most 128 characters) made from ``text``."""
+    return (_GATEWAY_ID_BAD.sub("-", text.split("://", 1)[-1].rstrip("/")) or "gateway")[:128]
 
 
 class _Metrics:
@@ -206,7 +233,7 @@ class Gateway:
     def __init__(self, nodes: Sequence[tuple[str, str]], config: GatewayConfig | None = None, *,
                  item_shard: np.ndarray | None = None, control_plane: str | None = None,
                  token: str | None = None, advertise_url: str | None = None, push_token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, gateway_id: str | None = None) -> None:
         self.config = config or GatewayConfig()
         self.item_shard = None if item_shard is None else np.asarray(item_shard, dtype=np.int64)
         if self.item_shard is not None and len(self.item_shard) and int(self.item_shard.max()) >= self.config.num_shards:
@@ -220,6 +247,14 @@ class Gateway:
         self.registered = False
         self.clock = clock
         self.metrics = _Metrics()
+        # what clients see (reported to the control plane); the id defaults to the advertised
+        # address, else host:port once serving (`cmd_gateway`), else host-pid
+        self.gateway_id = gateway_id_from(gateway_id or self.advertise_url or "") if (
+            gateway_id or self.advertise_url) else None
+        self.client_view = ClientView(self.config.slo_ms)
+        self.client_reports: collections.deque = collections.deque(maxlen=MAX_PENDING_CLIENT_REPORTS)
+        self.client_report_error: str | None = None
+        self.client_reports_sent = 0
         self.weights_version = 0
         self.weights_source = "control_plane" if self.control_plane else "node_metrics"
         self.weights_computed_at_s: float | None = None
@@ -271,6 +306,8 @@ class Gateway:
         if self.control_plane:
             self._tasks.append(asyncio.create_task(self._loop(c.registry_interval_s, self._refresh_registry),
                                                    name="registry"))
+            self._tasks.append(asyncio.create_task(self._loop(c.client_report_interval_s, self.report_clients),
+                                                   name="client-reports"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -279,6 +316,9 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
+        if self.control_plane and self.client is not None:  # the last interval, cut short
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.report_clients(), 2.0)
         if self.client is not None:
             await self.client.aclose()
             self.client = None
@@ -299,6 +339,15 @@ class Gateway:
                 log.exception("gateway background round %s failed", getattr(fn, "__name__", fn))
 
     # ------------------------------------------------------------------------- request path ---
+    async def serve(self, body: bytes, phase: str | None = None, t0: float | None = None) -> tuple[int, bytes, dict]:
+        """`recommend`, counted in the client-side view from ``t0`` (the request's first byte;
+        default now); ``phase``: the load phase the client named."""
+        t0 = time.perf_counter() if t0 is None else t0
+        status, content, headers = await self.recommend(body)
+        self.client_view.record(status, time.perf_counter() - t0, retried=headers.get("x-racer-retried") == "1",
+                                phase=phase)
+        return status, content, headers
+
     async def recommend(self, body: bytes) -> tuple[int, bytes, dict]:
         """Route, forward, retry once; returns ``(status, body, extra headers)``."""
         t0 = time.perf_counter()
@@ -341,7 +390,7 @@ class Gateway:
                 return 502 if kind2 != "timeout" else 504, _dumps({
                     "error": f"nodes {self.links[first].node_id} and {self.links[alt].node_id} both failed "
                              f"({failed['error']}; {failed2['error']})", "failed": [failed, failed2],
-                    "retried": True}), {}
+                    "retried": True}), {"x-racer-retried": "1"}
         nid = self.links[served].node_id
         headers = {"x-racer-served-by": nid, "x-racer-retried": "1" if retried else "0"}
         if status >= 300:  # a 4xx: the node's answer, unchanged
@@ -369,6 +418,7 @@ class Gateway:
         """One attempt on node ``i``: ``(status, content, round trip s, failure kind or None)``."""
         link = self.links[i]
         link.inflight += 1
+        inflight = link.inflight
         t = time.perf_counter()
         try:
             pool = link.pool
@@ -387,7 +437,10 @@ class Gateway:
         finally:
             link.inflight -= 1
             self.router.complete(i)
-        return status, content, time.perf_counter() - t, kind
+        up_s = time.perf_counter() - t
+        self.client_view.attempt(link.node_id, up_s, failed=kind is not None, inflight=inflight,
+                                 node_total_us=node_total_us(content) if status == 200 else None)
+        return status, content, up_s, kind
 
     def _failure_note(self, i: int, kind: str, status: int, content: bytes, user: int) -> dict:
         link = self.links[i]
@@ -614,6 +667,54 @@ class Gateway:
             self.weights_computed_at_s = time.time()
             self.metrics.weights_version.set(self.weights_version)
 
+    # ------------------------------------------------------------------- client reports ---
+    async def report_clients(self) -> None:
+        """End the client-side interval and send every pending report to the control plane
+        (batches of `CLIENT_REPORT_BATCH`). A report the control plane refuses for good (403,
+        413, 422) is dropped and logged; on a connection error, 401, 409 or 5xx it is kept and
+        sent again next interval (idempotent there on gateway id and seq)."""
+        live = {l.node_id: l.live for l in self.links}
+        self.client_reports.append(self.client_view.close(num_live_nodes=sum(live.values()), num_nodes=len(live),
+                                                          live=live))
+        if not self.control_plane or self.client is None:
+            return
+        if self.gateway_id is None:
+            self.gateway_id = gateway_id_from(f"{socket.gethostname()}-{os.getpid()}")
+        url = f"{self.control_plane}/api/v1/gateways/{self.gateway_id}/reports"
+        while self.client_reports:
+            batch = [self.client_reports[k] for k in range(min(CLIENT_REPORT_BATCH, len(self.client_reports)))]
+            try:
+                r = await self.client.post(url, json={"reports": batch}, headers=self._headers(), timeout=5.0)
+            except httpx.HTTPError as e:
+                self._client_report_failed(f"{type(e).__name__}: {e}")
+                return
+            if r.status_code >= 500 or r.status_code in (401, 409, 429):
+                self._client_report_failed(f"{r.status_code}: {r.text[:200]}")
+                return
+            for _ in batch:
+                self.client_reports.popleft()
+            if r.status_code >= 400:
+                self._client_report_failed(f"{r.status_code}: {r.text[:300]} ({len(batch)} reports dropped)")
+                continue
+            self.client_reports_sent += len(batch)
+            self.client_report_error = None
+
+    def _client_report_failed(self, error: str) -> None:
+        if error != self.client_report_error:
+            log.warning(json.dumps({"event": "client_report_failed", "gateway_id": self.gateway_id, "error": error,
+                                    "pending": len(self.client_reports)}))
+        self.client_report_error = error
+
+    def describe_clients(self) -> dict:
+        """The client-side view: the interval so far (not yet reported) and the reporting state."""
+        v = self.client_view
+        return {"gateway_id": self.gateway_id, "slo_ms": v.slo_ms, "next_seq": v.seq,
+                "interval_so_far": {"num_requests": sum(v.outcomes.values()), "outcomes": dict(v.outcomes),
+                                    "num_retried": v.retried, "load_phase": v.last_phase},
+                "pending_reports": len(self.client_reports), "reports_sent": self.client_reports_sent,
+                "report_error": self.client_report_error,
+                "reporting_to": self.control_plane}
+
     # ------------------------------------------------------------------------- registry ---
     async def _refresh_registry(self, first: bool = False) -> None:
         last_err = None
@@ -715,25 +816,43 @@ class GatewayApp:
     def __init__(self, gateway: Gateway, fastapi_app: FastAPI) -> None:
         self.gateway = gateway
         self.max_body_bytes = gateway.config.max_body_bytes
-        self.fastapi = BodyLimit(fastapi_app, self.max_body_bytes, error_field="error")
+        # behind the cap: a JSON-only weights push, and 405 / OPTIONS naming every allowed method
+        self.fastapi = AllowedMethods(JsonOnly(BodyLimit(fastapi_app, self.max_body_bytes, error_field="error"),
+                                               {"/v1/router/weights"}), fastapi_app.router.routes)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/recommend" and scope["method"] == "POST":
+            t0 = time.perf_counter()
+            phase = None
+            for name, value in scope.get("headers", ()):
+                if name == _PHASE_HEADER_B:
+                    phase = clean_phase(value)
+                    break
+            if not json_content_type(scope):  # refused here, never forwarded for the node to refuse
+                self.gateway.metrics.requests.labels("none", "bad_request", "none").inc()
+                self.gateway.client_view.record(415, time.perf_counter() - t0, phase=phase)
+                await send_json(send, 415, {"error": f"gateway: {unsupported_media_type(scope)}"},
+                                close=may_have_body(scope))
+                return
             try:
                 body = await read_body(receive, self.max_body_bytes, scope)
             except BodyTooLarge as e:
                 self.gateway.metrics.requests.labels("none", "too_large", "none").inc()
+                self.gateway.client_view.record(413, time.perf_counter() - t0, phase=phase)
                 await send_json(send, 413, {"error": f"gateway: {e} (its --max-body-bytes)"}, close=True)
                 return
             if body is None:  # the client went away
                 return
-            status, content, headers = await self.gateway.recommend(body)
+            status, content, headers = await self.gateway.serve(body, phase, t0)
             raw = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
             raw += [(k.encode(), v.encode()) for k, v in headers.items()]
             await send({"type": "http.response.start", "status": status, "headers": raw})
             await send({"type": "http.response.body", "body": content})
             return
         await self.fastapi(scope, receive, send)
+
+
+_PHASE_HEADER_B = PHASE_HEADER.encode()
 
 
 class GatewayError(BaseModel):
@@ -762,10 +881,12 @@ def create_app(gateway: Gateway) -> GatewayApp:
 
     @app.post("/v1/recommend", responses=_errors({
         413: "request body over --max-body-bytes (not forwarded)",
+        415: "the body is not announced as JSON (not forwarded)",
         422: "invalid request body (the field is named in `error`)", 502: "the node failed twice",
         503: "no live node", 504: "the node did not answer in time"}))
     async def recommend(request: Request):
-        status, content, headers = await gateway.recommend(await request.body())
+        status, content, headers = await gateway.serve(await request.body(),
+                                                       clean_phase(request.headers.get(PHASE_HEADER)))
         return Response(content, status_code=status, headers=headers, media_type="application/json")
 
     @app.get("/v1/router")
@@ -792,6 +913,10 @@ def create_app(gateway: Gateway) -> GatewayApp:
         except RecursionError:
             return JSONResponse(status_code=422, content={"error": "body: JSON nested too deeply"})
         return JSONResponse(status_code=200 if result["applied"] or result.get("current") else 409, content=result)
+
+    @app.get("/v1/clients")
+    async def clients():
+        return gateway.describe_clients()
 
     @app.get("/healthz")
     async def healthz():
@@ -833,7 +958,8 @@ def cmd_gateway(args) -> int:
                         health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
                         health_failures=args.health_failures, health_successes=args.health_successes,
                         request_timeout_s=args.request_timeout_s, num_shards=args.num_shards,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, slo_ms=args.slo_ms,
+                        client_report_interval_s=args.client_report_interval_s)
     nodes = _node_list(args.nodes) if args.nodes else []
     item_shard = None
     if args.trace:
@@ -844,10 +970,12 @@ def cmd_gateway(args) -> int:
         raise ValueError("--advertise-url applies with --control-plane only")
     gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane,
                  token=args.token or os.environ.get("RACER_GATEWAY_TOKEN") or None,
-                 advertise_url=args.advertise_url, push_token=args.push_token)
+                 advertise_url=args.advertise_url, push_token=args.push_token, gateway_id=args.gateway_id)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     def ready(host: str, port: int) -> None:
+        if gw.gateway_id is None:
+            gw.gateway_id = gateway_id_from(f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}")
         print(f"racer gateway: serving on http://{host}:{port} (router {cfg.router}, "
               f"{len(nodes) if nodes else 'registry'} nodes)", flush=True)
 
@@ -891,6 +1019,13 @@ def add_gateway_parser(subparsers) -> None:
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
                    help="most bytes of a request body; a larger one gets 413 and is not forwarded (default 4 MiB, "
                         "the node agent's default)")
+    g.add_argument("--gateway-id", default=None,
+                   help="this gateway's id in its client-side reports to the control plane (default: the "
+                        "--advertise-url's host:port, else host:port)")
+    g.add_argument("--slo-ms", type=float, default=30.0,
+                   help="latency SLO for the clients' SLO attainment, ms (default 30, as racer replay)")
+    g.add_argument("--client-report-interval-s", type=float, default=1.0,
+                   help="how often what clients see goes to the control plane (default 1; with --control-plane)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
     g.set_defaults(func=cmd_gateway)

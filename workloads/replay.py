@@ -400,14 +400,21 @@ def _was_retried(answer: dict) -> bool:
     return isinstance(attempts, int) and not isinstance(attempts, bool) and attempts > 1
 
 
+#: the header that names the load's phase (``regime[start-end s]``) on every request; a gateway
+#: counts requests by it and reports the phase to the control plane, whose dashboard shows it
+PHASE_HEADER = "x-racer-load-phase"
+
+
 async def _send(client, targets: Sequence[str], first: int, body: dict, config: ReplayConfig,
-                stats: ReplayStats) -> tuple[str | None, dict | None, bool]:
-    """POST ``body``; returns (failure reason or None, answer, client retried)."""
+                stats: ReplayStats, phase: str | None = None) -> tuple[str | None, dict | None, bool]:
+    """POST ``body`` (``phase`` in the `PHASE_HEADER`); returns (failure reason or None, answer,
+    client retried)."""
     failure = None
+    headers = {PHASE_HEADER: phase} if phase else None
     for attempt in range(config.retries + 1):
         target = targets[(first + attempt) % len(targets)]
         try:
-            r = await client.post(f"{target}/v1/recommend", json=body)
+            r = await client.post(f"{target}/v1/recommend", json=body, headers=headers)
         except httpx.TimeoutException:
             failure = "timeout"
         except httpx.ConnectError:
@@ -447,7 +454,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
     counter = 0
 
     async def one(phase: Phase, body: dict, scheduled_s: float, first: int) -> None:
-        failure, answer, client_retried = await _send(client, targets, first, body, config, stats)
+        failure, answer, client_retried = await _send(client, targets, first, body, config, stats,
+                                                       phase.name)
         latency_ms = (clock() - scheduled_s) * 1e3
         served_by = _served_by(answer, answer["_target"]) if answer else None
         stats.on_done(phase.regime, latency_ms if failure is None else None, failure, served_by,
