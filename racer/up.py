@@ -988,6 +988,8 @@ class _Up:
             self.say(f"first requests served ({self.times.first_served_s:g} s after start)")
 
     def close(self) -> dict[str, int | None]:
+        if self._seeder is not None and self._seeder.is_alive():  # not mid-upload: let it finish first
+            self._seeder.join(30.0)
         for helper in (self.profiling, self.tokening):
             if helper is not None and helper.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

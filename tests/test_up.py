@@ -303,6 +303,11 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert {f.name.rsplit(".", 1)[1]: f.read_text().strip() for f in data.glob("node_token.*")} == node_tokens
     assert (data / "node_profile.json").stat().st_mtime == profile_mtime
     assert "measuring this machine's miss costs" not in p.stderr
+    # the shipped policy active and the derived candidate registered, the same ones on the second run
+    shipped = json.loads((REPO / "policies" / "default" / "manifest.json").read_text())["policy_id"]
+    assert rep["policies"]["active"] == shipped and rep["policies"]["candidate"] != shipped
+    assert rep2["policies"]["active"] == shipped and rep2["policies"]["candidate"] == rep["policies"]["candidate"]
+    assert "activated" not in rep2["policies"]  # already active: not activated again
 
 
 def test_soak_rss_growth_is_measured_after_warm_up():
@@ -314,3 +319,100 @@ def test_soak_rss_growth_is_measured_after_warm_up():
     # after warm-up: median(1000, 1000, 1010) = 1000; end: median(1050, 1040, 1060) = 1050
     assert g == {"rss_after_warmup_bytes": 1000, "rss_end_bytes": 1050, "rss_growth_pct": 5.0}
     assert rss_growth(samples[:5], warmup_s=20.0) is None  # too few samples after warm-up
+
+
+def test_a_taken_dashboard_port_is_refused_before_anything_is_made(tmp_path, capsys):
+    """A second racer up with another data folder while the first holds the dashboard's port:
+    one clear line, exit 2, and no data folder left behind."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        data = tmp_path / "second"
+        t0 = time.monotonic()
+        rc = racer_main(["up", "--data-dir", str(data), "--duration", "1", "--dashboard-port", str(port)])
+        took_s = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--dashboard-port {port} is taken" in err and "Nothing was started or written" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not data.exists()
+    assert took_s < 10  # refused before any work (no profile, no processes)
+
+
+def test_ports_are_chosen_first_and_distinct():
+    import argparse
+    import socket
+
+    from racer.up import claim_ports
+
+    args = argparse.Namespace(dashboard_port=0, control_plane_port=0, gateway_port=0)
+    ports = claim_ports(args)
+    assert sorted(ports) == ["control-plane", "dashboard", "gateway"] and len(set(ports.values())) == 3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    s.close()
+    args.control_plane_port = args.gateway_port = free
+    with pytest.raises(UpError, match="another of racer up's processes has that port"):
+        claim_ports(args)
+
+
+def test_the_derived_candidate_passes_the_agents_loader_and_differs(tmp_path):
+    """racer up's second policy: built from the shipped one without torch in about a second,
+    accepted by the agent's own loader, a different policy_id and different outputs; derived again
+    it is the same artifact (the registry sees the same digest)."""
+    import numpy as np
+
+    from node_agent.allocator.base import OnnxPolicy
+    from racer.policy_seed import artifact_tar, derive_candidate
+
+    shipped = REPO / "policies" / "default"
+    out = tmp_path / "candidate"
+    m = derive_candidate(shipped, out)
+    src = json.loads((shipped / "manifest.json").read_text())
+    assert m["policy_id"] != src["policy_id"] and m["derived_from"]["policy_id"] == src["policy_id"]
+    pol = OnnxPolicy(out, device="cpu")
+    assert pol.policy_id == m["policy_id"]
+    base = np.load(shipped / "golden.npz")["outputs"].ravel()
+    cand = np.load(out / "golden.npz")["outputs"].ravel()
+    assert np.all(cand < base + 1e-7) and np.mean(base - cand) > 0.05  # a smaller emb_share, everywhere
+    tar = artifact_tar(out)
+    import shutil
+
+    shutil.rmtree(out)
+    assert derive_candidate(shipped, out)["policy_id"] == m["policy_id"] and artifact_tar(out) == tar
+    assert derive_candidate(shipped, out)["policy_id"] == m["policy_id"]  # reused as it is
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_gateway_that_exits_while_starting_is_restarted_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """A dependant's slow or failed start never ends the run: the gateway exits twice before it
+    serves (as one that gave up on a slow control plane would); racer up restarts it with a
+    back-off, says so, and the load starts once it answers."""
+    import racer.up as up_module
+
+    real_plan = up_module.plan_processes
+    counter = tmp_path / "gateway-starts"
+
+    def plan_with_a_failing_gateway(*a, **kw):
+        plan = real_plan(*a, **kw)
+        gw = next(s for s in plan.specs if s.name == "gateway")
+        wrapper = ("import os, sys; f = sys.argv[1]; n = int(open(f).read()) if os.path.exists(f) else 0; "
+                   "open(f, 'w').write(str(n + 1)); "
+                   "sys.exit(3) if n < 2 else os.execv(sys.argv[2], sys.argv[2:])")
+        gw.argv = [sys.executable, "-c", wrapper, str(counter), *gw.argv]
+        return plan
+
+    monkeypatch.setattr(up_module, "plan_processes", plan_with_a_failing_gateway)
+    rc = racer_main(["up", "--nodes", "1", "--data-dir", str(tmp_path / "data"), "--duration", "3", "--rate", "5",
+                     "--dashboard-port", "0", "--no-policies", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    rep = json.loads(out.strip().splitlines()[-1])
+    assert rep["processes"]["gateway"]["restarts"] == 2 and int(counter.read_text()) == 3
+    assert [e["code"] for e in rep["processes"]["gateway"]["exits"]] == [3, 3]
+    assert "gateway restarted" in err and rep["requests_served"] > 0 and rep["requests_lost"] == 0
+    assert rep["startup"]["url_s"] is not None and rep["startup"]["first_served_s"] is not None
