@@ -320,6 +320,9 @@ def _check(s: WindowStats) -> None:
             raise FeatureError(problems)
 
 
+check_stats = _check  # raises FeatureError naming every bad field; the check `build_features` makes
+
+
 def _log_norm(x: float, log_ref: float) -> float:
     v = math.log1p(x) / log_ref
     return v if v < LOG_FEATURE_MAX else LOG_FEATURE_MAX

@@ -78,6 +78,7 @@ class ResidualAdapter:
         self.config = config or ResidualConfig()
         self._w = np.zeros(NUM_FEATURES + 1, dtype=np.float64)  # last entry: bias
         self._w32 = np.zeros(NUM_FEATURES, dtype=np.float32)
+        self._xa = np.ones(NUM_FEATURES + 1, dtype=np.float64)  # [features, 1]: the update's input buffer
         self._b = 0.0
         self.num_updates = 0
         self.num_skipped = 0
@@ -110,7 +111,8 @@ class ResidualAdapter:
 
     def update(self, x: np.ndarray, correction: float, outcome: WindowStats) -> ResidualUpdate:
         y, p, m = self.target(correction, outcome)
-        xa = np.append(x.astype(np.float64), 1.0)
+        xa = self._xa
+        xa[:-1] = x
         yhat = float(self._w @ xa)
         err = y - yhat
         c = self.config

@@ -18,7 +18,7 @@ from node_agent.allocator.override import Override, override_layer
 from node_agent.allocator.recovery import RecoveryController, recovery_layer
 from node_agent.allocator.residual import ResidualAdapter, ResidualUpdate, residual_layer
 from node_agent.allocator.tuner import OperatingPointTuner
-from node_agent.features import NUM_FEATURES, FeatureError, WindowStats, build_features
+from node_agent.features import NUM_FEATURES, FeatureError, WindowStats, build_features, check_stats
 
 
 @dataclass(frozen=True)
@@ -208,9 +208,10 @@ class SmartAllocator:
         if not self._pending_learnable:
             return ra.skip(f"decision {d.seq} ran under {d.source}, not base + residual: its outcome does not "
                            "measure the correction")
-        problems = outcome.problems()
-        if problems:
-            return ra.skip("invalid outcome: " + "; ".join(problems))
+        try:
+            check_stats(outcome)  # the check `decide` makes of its stats (fast; the problems named on failure)
+        except FeatureError as e:
+            return ra.skip("invalid outcome: " + "; ".join(e.problems))
         if outcome.num_requests == 0:
             return ra.skip("no requests in the interval: no latency evidence")
         return ra.update(d.features, d.residual, outcome)
