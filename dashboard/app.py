@@ -41,6 +41,8 @@ import dash_bootstrap_components as dbc
 from dash import Input, Output, Patch, State, ctx, dcc, html, no_update
 
 from . import client_cards
+from . import decisions_tab, policies_tab
+from . import details as D
 from . import figures as F
 from .history import HistoryCache
 from .client import ApiError, ControlPlaneClient, Unavailable, cluster_series, node_series
@@ -55,13 +57,11 @@ SLO_TARGET_DEFAULT = 0.99
 SPLIT_NODES_DEFAULT = 3
 DECISION_LIMIT = 500
 BUCKET_GRACE_S = 5.0  # a bucket is drawn 5 s after its end: reports (1 s interval) arrive late under load
-LIVE_ROLLOUT = ("pending", "baking", "paused")
 
 OVERVIEW_GRAPHS = ("g-slo", "g-p99", "g-thr", "g-hits")
 SPLIT_GRAPHS = ("g-heat", "g-lines", "g-split")
 ALL_GRAPHS = OVERVIEW_GRAPHS + SPLIT_GRAPHS + ("g-bursts-p99", "g-weights", "g-rollout")
-ACTION_BUTTONS = ("btn-ov-submit", "btn-ov-clear", "btn-ro-start", "btn-ro-promote", "btn-ro-pause",
-                  "btn-ro-resume", "btn-ro-rollback")
+ACTION_BUTTONS = ("btn-ov-submit", "btn-ov-clear")  # the policies tab's: dashboard.policies_tab
 
 
 def step_for(range_s: float) -> int:
@@ -159,7 +159,7 @@ def _range_options(range_s: int) -> list[dict]:
     return opts
 
 
-def build_tabs(viewer: bool) -> dcc.Tabs:
+def build_tabs(viewer: bool) -> html.Div:
     """The pages (tabs), sent to the browser on sign-in (`auth_ui`), not with the page: a page
     that has not signed in draws no chart or grid. ``viewer``: every action button disabled and
     the viewer's note shown."""
@@ -192,12 +192,9 @@ def build_tabs(viewer: bool) -> dcc.Tabs:
     ], className="pt-2")
 
     decisions = html.Div([
-        dbc.Row([dbc.Col(dbc.Input(id="dec-search", placeholder="search decisions (node, source, reason…)",
-                                   debounce=True), lg=6)], className="mb-2"),
-        _grid("grid-decisions", [_time_col("time", "time (UTC)"), _col("node_id", "node"), _col("source"),
-                                 _col("emb_share", "emb_share"), _col("prev_emb_share", "previous"),
-                                 _col("policy_version", "policy"), _col("reason", "reason", minWidth=420, flex=3)],
-              height=420, page_size=15, row_id="id"),
+        decisions_tab.search_box(),
+        _grid("grid-decisions", decisions_tab.grid_columns(_col, _time_col), height=460, page_size=15, row_id="rid"),
+        decisions_tab.drill_down_modal(), decisions_tab.store(),
         dbc.Row([dbc.Col([html.Span("router weight field: ", className="small me-2"),
                           dcc.Dropdown(id="weights-field", clearable=False, value="service_time_us",
                                        options=["service_time_us", "kv_recompute_us_per_token",
@@ -217,7 +214,9 @@ def build_tabs(viewer: bool) -> dcc.Tabs:
             dbc.Row([
                 dbc.Col([dbc.Label("scope"), dbc.RadioItems(id="ov-scope", value="node", inline=True, options=[
                     {"label": "one node", "value": "node"}, {"label": "cluster-wide", "value": "cluster"}])], lg=3),
-                dbc.Col([dbc.Label("node"), dcc.Dropdown(id="ov-node", placeholder="node")], lg=3),
+                dbc.Col([dbc.Label("node", html_for="ov-node"),
+                         dcc.Dropdown(id="ov-node", placeholder="node"),
+                         html.Div(id="ov-current", className="small text-muted mt-1")], lg=3),
                 dbc.Col([dbc.Label("emb_share (0-1)"), dbc.Input(id="ov-share", type="number", min=0, max=1,
                                                                   step=0.01, value=0.5)], lg=2),
                 dbc.Col([dbc.Label("expires after (min, empty = never)"),
@@ -233,8 +232,9 @@ def build_tabs(viewer: bool) -> dcc.Tabs:
         _grid("grid-overrides", [_col("id"), _col("scope"), _col("emb_share", "emb_share"), _col("reason", flex=2),
                                  _col("created_by", "by"), _time_col("created", "created (UTC)"),
                                  _time_col("expires", "expires (UTC)")], height=220, selectable=True, row_id="id"),
-        dbc.Button("Clear selected override…", id="btn-ov-clear", disabled=viewer, color="secondary",
-                   className="my-2"),
+        dbc.Row([dbc.Col(dbc.Input(id="ov-clear-reason", placeholder="why clear it (required)"), lg=6),
+                 dbc.Col(dbc.Button("Clear selected override…", id="btn-ov-clear", disabled=viewer,
+                                    color="secondary"), lg=3)], className="my-2"),
         dbc.Card(dbc.CardBody([
             html.H6("Drain and retire a node"),
             html.Div("The node leaves the gateways' node list (requests in flight finish), its tokens are revoked "
@@ -252,43 +252,16 @@ def build_tabs(viewer: bool) -> dcc.Tabs:
               height=360, page_size=10),
     ], className="pt-2")
 
-    policies = html.Div([
-        html.H6("Policy registry"),
-        _grid("grid-policies", [_col("version"), _col("status"), _col("digest"), _col("uploaded_by", "by"),
-                                _time_col("uploaded", "uploaded (UTC)"), _col("validation", minWidth=220, flex=2),
-                                _col("evaluation", minWidth=220, flex=2)], height=240, page_size=6),
-        dbc.Card(dbc.CardBody([
-            html.H6("Start a rollout"),
-            dbc.Row([
-                dbc.Col([dbc.Label("candidate policy"), dcc.Dropdown(id="ro-policy", placeholder="version")], lg=3),
-                dbc.Col([dbc.Label("canary fraction (0-1]"), dbc.Input(id="ro-fraction", type="number", value=0.25,
-                                                                       min=0.01, max=1, step=0.05)], lg=2),
-                dbc.Col([dbc.Label("bake time (s)"), dbc.Input(id="ro-bake", type="number", value=600, min=0)], lg=2),
-                dbc.Col([dbc.Label("min samples"), dbc.Input(id="ro-min", type="number", value=10, min=1)], lg=2),
-                dbc.Col([dbc.Label("reason"), dbc.Input(id="ro-reason", placeholder="why")], lg=3),
-            ]),
-            dbc.Button("Start rollout…", id="btn-ro-start", disabled=viewer, color="primary", className="mt-2"),
-        ]), className="my-3"),
-        html.H6("Current rollout"),
-        html.Div(id="ro-status", className="mb-2"),
-        dbc.ButtonGroup([dbc.Button("Promote…", id="btn-ro-promote", disabled=viewer, color="success"),
-                         dbc.Button("Pause…", id="btn-ro-pause", disabled=viewer, color="warning"),
-                         dbc.Button("Resume…", id="btn-ro-resume", disabled=viewer, color="info"),
-                         dbc.Button("Roll back…", id="btn-ro-rollback", disabled=viewer, color="danger")],
-                        className="mb-2"),
-        _graph("g-rollout", 500),
-        _grid("grid-ro-nodes", [_col("node_id", "node"), _col("role"), _col("status"), _col("error", flex=2)],
-              height=220, page_size=8),
-    ], className="pt-2")
+    policies = policies_tab.layout(viewer, _graph, _grid, _col, _time_col)
 
-    return dcc.Tabs(id="tabs", value="overview", children=[
+    return html.Div([dcc.Store(id="render-go"), dcc.Tabs(id="tabs", value="overview", children=[
         dcc.Tab(label="Overview", value="overview", children=overview),
         dcc.Tab(label="EMB-KV split", value="split", children=split),
         dcc.Tab(label="Bursts", value="bursts", children=bursts),
         dcc.Tab(label="Decisions & routing", value="decisions", children=decisions),
         dcc.Tab(label="Override", value="override", children=[viewer_note, override]),
         dcc.Tab(label="Policies", value="policies", children=policies),
-    ])
+    ])])
 
 
 def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
@@ -400,34 +373,6 @@ def kpi_values(summary: dict) -> list[str]:
             summary.get("active_policy") or "–", str(summary.get("num_active_overrides", 0))]
 
 
-def decision_rows(items: list[dict]) -> list[dict]:
-    return [{"id": str(d["id"]), "time": fmt_t(d["ts_s"]), "node_id": d["node_id"], "source": d["source"],
-             "emb_share": round(d["emb_share"], 4),
-             "prev_emb_share": None if d.get("prev_emb_share") is None else round(d["prev_emb_share"], 4),
-             "policy_version": d.get("policy_version"), "reason": d.get("reason", "")} for d in items]
-
-
-def rollout_windows(rows: list[dict], rollout: dict, step_s: float) -> list[dict]:
-    """Per bucket: canary vs baseline P99 (median over nodes) and SLO attainment (mean), from the
-    node reports since the rollout's bake started, grouped by the policy version each node ran."""
-    cand, base = rollout.get("policy_version"), rollout.get("baseline_version")
-    since = rollout.get("bake_started_s") or rollout.get("created_at_s") or 0.0
-    groups: dict[tuple[str, float], list[dict]] = {}
-    for r in rows:
-        if r["ts_s"] < since:
-            continue
-        g = "canary" if r.get("policy_version") == cand else "baseline" if r.get("policy_version") == base else None
-        if g:
-            groups.setdefault((g, math.floor(r["ts_s"] / step_s) * step_s), []).append(r)
-    out = []
-    for (g, t), rs in sorted(groups.items(), key=lambda kv: kv[0][1]):
-        p99 = sorted(r["p99_ms"] for r in rs if r.get("p99_ms") is not None)
-        att = [r["slo_attainment"] for r in rs if r.get("slo_attainment") is not None]
-        out.append({"t_s": t, "group": g, "p99_ms": p99[len(p99) // 2] if p99 else None,
-                    "slo_attainment": sum(att) / len(att) if att else None, "n": len(rs)})
-    return out
-
-
 # ------------------------------------------------------------------------------- the app ---
 
 
@@ -477,14 +422,9 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     def _slo_ms(_tok: str) -> float:
         return state["slo_ms"]  # the --slo-ms option (the control plane's API does not publish the SLO)
 
-    def rollout_fig(tok: str, ro: dict | None, now: float, range_s: float, step: float):
-        """Canary vs baseline per bucket, from the raw reports since the rollout's bake started."""
-        if not ro:
-            return F.rollout_figure([], state["slo_ms"], slo_target)
-        since = max(now - range_s, ro.get("bake_started_s") or ro.get("created_at_s") or 0.0)
-        until = ro.get("updated_at_s") if ro.get("state") not in LIVE_ROLLOUT else None
-        rows = client.history(tok, start_s=since, end_s=None if until is None else until + step, limit=100_000)
-        return F.rollout_figure(rollout_windows(rows, ro, step), state["slo_ms"], slo_target)
+    policies_tab.register(app, client, sessions, slo_ms=slo_ms, slo_target=slo_target, step_for=step_for,
+                          default_range_s=range_s)
+    decisions_tab.register(app, client, sessions, default_range_s=range_s)
 
     # ----------------------------------------------------------------------- sign in/out ---
     @app.callback(Output("sid", "data"), Output("login-error", "children"), Output("login-token", "value"),
@@ -532,10 +472,13 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     @app.callback(*graph_outputs, Output("view", "data"), Output("split-nodes", "options"),
                   Output("ov-node", "options"), Output("grid-bursts", "rowData"), Output("grid-decisions", "rowData"),
                   Output("grid-weights", "rowData"), Output("summary", "data"), Output("nodes-data", "data"),
-                  Input("tabs", "value"), Input("range", "value"), Input("sid", "data"), Input("split-nodes", "value"),
-                  Input("reload", "data"), Input("dec-search", "value"), Input("weights-field", "value"),
-                  Input("acted", "data"))
-    def render(tab, range_s, sid, split_sel, _reload, search, weights_field, _acted):
+                  Input("tabs", "value"), Input("split-nodes", "value"), Input("weights-field", "value"),
+                  Input("render-go", "data"), State("range", "value"), State("sid", "data"))
+    def render(tab, split_sel, weights_field, _go, range_s, sid):
+        # Every Input is a component of the tabs, which arrive on sign-in and trigger the first
+        # render; a new range, a reload or an action reach it through "render-go" (in the tabs
+        # too). An Input of the page itself (the session, the range) made Dash run this before
+        # the tabs existed: "A nonexistent object was used in an Input" in the console.
         s = sessions.get(sid)
         outs = {g: no_update for g in ALL_GRAPHS}
         extra = [no_update] * 7
@@ -601,19 +544,13 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 cl = cluster_series(rows)
                 outs["g-bursts-p99"] = F.p99_figure({}, slo, bursts, now, cluster=cl)
                 outs["g-bursts-p99"].update_layout(title_text="Cluster P99 (worst node) with burst periods")
-            elif tab == "decisions":
-                page = client.decisions(tok, start_s=start, q=search or None, limit=DECISION_LIMIT)
-                extra[3] = decision_rows(page["items"])
-                view["last_dec_id"] = max((d["id"] for d in page["items"]), default=0)
-                view["search"] = search or None
+            elif tab == "decisions":  # the decision grid: dashboard.decisions_tab
                 hist = [h for h in client.router_weights_history(tok) if h["computed_at_s"] >= start]
                 hist = [dict(h, t_s=h["computed_at_s"]) for h in hist]
                 outs["g-weights"] = F.router_weights_figure(sorted(hist, key=lambda h: h["t_s"]),
                                                             weights_field or "service_time_us", now)
                 extra[4] = [{"version": h["version"], "time": fmt_t(h["t_s"]), "reason": h.get("reason", "")}
                             for h in sorted(hist, key=lambda h: -h["version"])]
-            elif tab == "policies":
-                outs["g-rollout"] = rollout_fig(tok, _current_rollout(client, tok), now, range_s, step)
         except Unavailable as e:
             return *outs.values(), {"ok": False, "error": str(e), "rendered": False, "range_s": range_s,
                                     "tab": tab}, *extra
@@ -624,9 +561,17 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
 
     @app.callback(Output("kpi-nodes", "children"), Output("kpi-slo", "children"), Output("kpi-p99", "children"),
                   Output("kpi-thr", "children"), Output("kpi-policy", "children"), Output("kpi-overrides", "children"),
-                  Input("summary", "data"), prevent_initial_call=True)
-    def show_kpis(summary):
-        return kpi_values(summary or {})
+                  Input("summary", "data"), Input("nodes-data", "data"), prevent_initial_call=True)
+    def show_kpis(summary, nodes):
+        vals = kpi_values(summary or {})
+        if nodes is not None:  # what the nodes run, not only what the registry calls active
+            vals[4] = D.node_policies_text(nodes, (summary or {}).get("active_policy"))
+        return vals
+
+    app.clientside_callback(  # a new range, a reload or an action: render again (see render)
+        """function(range, reload, acted) { return Date.now(); }""",
+        Output("render-go", "data"), Input("range", "value"), Input("reload", "data"), Input("acted", "data"),
+        prevent_initial_call=True)
 
     # -------------------------------------------------------------------------- live tick ---
     tick_graph_outputs = [Output(g, "extendData") for g in ("g-slo", "g-p99", "g-thr", "g-hits", "g-lines")]
@@ -637,7 +582,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                   Output("banner", "is_open"), Output("banner", "children"), Output("banner", "color"),
                   Output("reload", "data"),
                   Output("summary", "data", allow_duplicate=True), Output("kpi-age", "children"),
-                  Output("grid-decisions", "rowTransaction"), Output("nodes-data", "data"),
+                  Output("nodes-data", "data"),
                   Output("grid-bursts", "rowData", allow_duplicate=True),
                   Output("tick-done", "data"),
                   Input("tick-go", "data"), State("view", "data"), State("sid", "data"), State("reload", "data"),
@@ -684,7 +629,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
         ext = [no_update] * n_ext
         patches = [no_update] * n_patch
         kpis = [no_update] * 2
-        tail = [no_update] * 3
+        tail = [no_update] * 2
         s = sessions.get(sid)
         if s is None or not view:
             return *ext, *patches, no_update, no_update, no_update, no_update, no_update, *kpis, *tail
@@ -749,7 +694,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 key = hashlib.sha1(json.dumps(node_rows, sort_keys=True).encode()).hexdigest()
                 if key != view.get("nodes_key"):
                     view["nodes_key"] = key
-                    tail[1] = node_rows
+                    tail[0] = node_rows
                 # the shading changes when a burst starts, ends or merges with another; while one
                 # is on, its band is extended to now when new points arrive (a complete bucket),
                 # not every tick: each shapes Patch redraws the chart in the browser
@@ -837,16 +782,10 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                             F.fold_extend(p, ext[4])
                             ext[4] = no_update
                         patches[5] = p
-            elif tab == "decisions":
-                page = client.decisions(tok, start_s=now - range_s, q=view.get("search"), limit=100)
-                new = [d for d in page["items"] if d["id"] > view.get("last_dec_id", 0)]
-                if new:
-                    view["last_dec_id"] = max(d["id"] for d in new)
-                    tail[0] = {"add": decision_rows(sorted(new, key=lambda d: -d["id"])), "addIndex": 0}
             elif tab == "bursts":
                 bursts = client.bursts(tok, start_s=now - range_s)
                 dec = client.decisions(tok, start_s=now - range_s, source="recovery", limit=DECISION_LIMIT)["items"]
-                tail[2] = burst_rows(bursts, dec, now)
+                tail[1] = burst_rows(bursts, dec, now)
         except (Unavailable, ApiError) as e:
             msg = e.message if isinstance(e, ApiError) else str(e)
             view["ok"] = False
@@ -856,55 +795,42 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             banner = (False, no_update, no_update)
         return (*ext, *patches, view, *banner, no_update, *kpis, *tail)
 
-    # ------------------------------------------------------- override & policies tables ---
-    @app.callback(Output("grid-overrides", "rowData"), Output("grid-audit", "rowData"),
-                  Output("grid-policies", "rowData"), Output("ro-policy", "options"), Output("ro-status", "children"),
-                  Output("grid-ro-nodes", "rowData"), Output("g-rollout", "figure", allow_duplicate=True),
-                  Output("tables-key", "data"),
-                  Input("tick-go", "data"), Input("tabs", "value"), Input("acted", "data"), Input("sid", "data"),
-                  State("view", "data"), State("tables-key", "data"), prevent_initial_call=True)
-    def action_tables(_n, tab, _acted, sid, view, keys):
-        """The override and policies pages' tables, rollout card and figure; each is sent only when
-        it changed since the last tick (a hash per output in the tables-key store)."""
+    # ---------------------------------------------------------------- override tables ---
+    @app.callback(Output("grid-overrides", "rowData"), Output("grid-audit", "rowData"), Output("tables-key", "data"),
+                  Input("tick-go", "data"), Input("tabs", "value"), Input("acted", "data"),
+                  State("sid", "data"), State("tables-key", "data"), prevent_initial_call=True)
+    def action_tables(_n, tab, _acted, sid, keys):
+        """The override page's tables (the policies page's: dashboard.policies_tab); each is sent
+        only when it changed since the last tick (a hash per output in the tables-key store)."""
         s = sessions.get(sid)
-        out = [no_update] * 7
-        if s is None or tab not in ("override", "policies"):
+        out = [no_update] * 2
+        if s is None or tab != "override":
             return *out, no_update
         keys = dict(keys or {}) if ctx.triggered_id == "tick-go" else {}
         tok = s.token
         try:
-            if tab == "override":
-                ovs = client.overrides(tok, state="active")
-                out[0] = [{"id": str(o["id"]), "scope": o.get("node_id") or "cluster", "emb_share": o["emb_share"],
-                           "reason": o["reason"], "created_by": o.get("created_by"), "created": fmt_t(o["created_at_s"]),
-                           "expires": fmt_t(o.get("expires_at_s")) or "never"}
-                          for o in ovs if o.get("state", "active") == "active"]
-                audit = client.audit(tok, limit=200)
-                out[1] = [{"id": a["id"], "time": fmt_t(a["ts_s"]), "actor": a["actor"], "action": a["action"],
-                           "target": a["target"], "before": _short(a.get("before")), "after": _short(a.get("after")),
-                           "reason": a.get("reason", "")} for a in audit["items"]]
-            else:
-                pols = client.policies(tok)
-                out[2] = [{"version": p["version"], "status": p["status"], "digest": p["digest"][:12],
-                           "uploaded_by": p.get("uploaded_by"), "uploaded": fmt_t(p.get("uploaded_at_s")),
-                           "validation": _short((p.get("manifest") or {}).get("validation") or p.get("manifest")),
-                           "evaluation": _short(p.get("evaluation"))} for p in pols]
-                out[3] = [{"label": f"{p['version']} ({p['status']})", "value": p["version"]} for p in pols]
-                ro = _current_rollout(client, tok)
-                out[4] = _rollout_card(ro)
-                out[5] = [dict(n) for n in (ro or {}).get("nodes", [])]
-                if ro and view and view.get("now_s") and (ctx.triggered_id != "tick-go" or ro["state"] in LIVE_ROLLOUT):
-                    out[6] = rollout_fig(tok, ro, time.time(), view.get("range_s") or 900, view.get("step_s") or 5)
+            ovs = client.overrides(tok, state="active")
+            out[0] = [{"id": str(o["id"]), "scope": o.get("node_id") or "cluster", "emb_share": o["emb_share"],
+                       "reason": o["reason"], "created_by": o.get("created_by"), "created": fmt_t(o["created_at_s"]),
+                       "expires": fmt_t(o.get("expires_at_s")) or "never"}
+                      for o in ovs if o.get("state", "active") == "active"]
+            audit = client.audit(tok, limit=200)
+            out[1] = [{"id": a["id"], "time": fmt_t(a["ts_s"]), "actor": a["actor"], "action": a["action"],
+                       "target": a["target"], "before": _short(a.get("before")), "after": _short(a.get("after")),
+                       "reason": a.get("reason", "")} for a in audit["items"]]
         except (Unavailable, ApiError):
             return *out, no_update
         for i, v in enumerate(out):
-            if v is no_update:
-                continue
             h = hashlib.sha1(json.dumps(v, sort_keys=True, default=_jsonable).encode()).hexdigest()[:16]
             if keys.get(str(i)) == h:
                 out[i] = no_update
             keys[str(i)] = h
         return *out, keys
+
+    @app.callback(Output("ov-current", "children"), Input("ov-node", "value"), Input("ov-scope", "value"),
+                  Input("nodes-data", "data"), prevent_initial_call=True)
+    def override_current(node, scope, nodes):
+        return current_share_text(nodes or [], node if scope == "node" else None)
 
     # ---------------------------------------------------------------- confirm and act ---
     @app.callback(Output("pending", "data"), Output("confirm-modal", "is_open"), Output("confirm-body", "children"),
@@ -912,12 +838,11 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                   *[Input(b, "n_clicks") for b in ACTION_BUTTONS], Input("btn-cancel", "n_clicks"),
                   State("ov-scope", "value"), State("ov-node", "value"), State("ov-share", "value"),
                   State("ov-ttl", "value"), State("ov-reason", "value"), State("grid-overrides", "selectedRows"),
-                  State("ro-policy", "value"), State("ro-fraction", "value"), State("ro-bake", "value"),
-                  State("ro-min", "value"), State("ro-reason", "value"), State("sid", "data"),
+                  State("ov-clear-reason", "value"), State("nodes-data", "data"), State("sid", "data"),
                   prevent_initial_call=True)
     def ask(*args):
-        (scope, node, share, ttl, reason, selected, ro_policy, ro_fraction, ro_bake, ro_min, ro_reason,
-         sid) = args[len(ACTION_BUTTONS) + 1:]
+        """The override form's confirmation (naming the node's current emb_share), or what is missing."""
+        scope, node, share, ttl, reason, selected, clear_reason, nodes, sid = args[len(ACTION_BUTTONS) + 1:]
         trig = ctx.triggered_id
         if trig == "btn-cancel" or not ctx.triggered or not ctx.triggered[0].get("value"):
             return None, False, no_update, no_update
@@ -941,35 +866,21 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             payload = {"emb_share": float(share), "reason": reason.strip(),
                        "node_id": node if scope == "node" else None,
                        "ttl_s": float(ttl) * 60 if ttl else None}
+            now_text = current_share_text(nodes or [], node if scope == "node" else None)
             return ({"kind": "override", "payload": payload}, True,
-                    f"Set emb_share to {float(share):.3f} on {target} {exp}? Reason: {reason.strip()}", "")
+                    f"Set emb_share to {float(share):.3f} on {target} {exp}? {now_text}. Reason: {reason.strip()}",
+                    "")
         if trig == "btn-ov-clear":
             if not selected:
                 return None, False, no_update, "select an active override in the table first"
+            if not (clear_reason or "").strip():
+                return None, False, no_update, "a reason for clearing is required"
             o = selected[0]
-            return ({"kind": "clear", "id": int(o["id"])}, True,
-                    f"Clear override #{o['id']} ({o['scope']}, emb_share {o['emb_share']})?", "")
-        if trig == "btn-ro-start":
-            if not ro_policy:
-                return None, False, no_update, no_update
-            payload = {"policy_version": ro_policy, "canary_fraction": float(ro_fraction or 0.25),
-                       "bake_time_s": float(ro_bake if ro_bake is not None else 600),
-                       "min_samples": int(ro_min or 10), "reason": (ro_reason or "").strip() or "rollout from dashboard"}
-            return ({"kind": "rollout", "payload": payload}, True,
-                    f"Start a rollout of policy {ro_policy} to {100 * payload['canary_fraction']:g}% of nodes "
-                    f"(bake {payload['bake_time_s']:g} s)?", "")
-        action = {"btn-ro-promote": "promote", "btn-ro-pause": "pause", "btn-ro-resume": "resume",
-                  "btn-ro-rollback": "rollback"}.get(trig)
-        if action:
-            try:
-                ro = _current_rollout(client, s.token)
-            except (Unavailable, ApiError):
-                ro = None
-            if not ro:
-                return None, False, no_update, no_update
-            return ({"kind": "rollout_action", "id": ro["id"], "action": action}, True,
-                    f"{action.capitalize()} rollout #{ro['id']} (policy {ro['policy_version']}, now {ro['state']})?",
-                    "")
+            scope_node = o["scope"] if o["scope"] != "cluster" else None
+            return ({"kind": "clear", "id": int(o["id"]), "reason": clear_reason.strip()}, True,
+                    f"Clear override #{o['id']} ({o['scope']}, emb_share {o['emb_share']})? "
+                    f"{current_share_text(nodes or [], scope_node)}; the allocator takes over again. "
+                    f"Reason: {clear_reason.strip()}", "")
         return None, False, no_update, no_update
 
     @app.callback(Output("retire-node", "options"), Input("ov-node", "options"), prevent_initial_call=True)
@@ -1012,11 +923,14 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                                            ttl_s=p["ttl_s"])
                 msg = f"override #{o['id']} set: emb_share {o['emb_share']} on {o.get('node_id') or 'the cluster'}"
             elif kind == "clear":
-                client.clear_override(tok, pending["id"], "cleared from the dashboard")
+                client.clear_override(tok, pending["id"], pending.get("reason") or "cleared from the dashboard")
                 msg = f"override #{pending['id']} cleared"
             elif kind == "retire":
                 n = client.retire_node(tok, pending["node_id"], pending["reason"])
                 msg = f"node {n['node_id']} retired"
+            elif kind == "activate":
+                p = client.activate_policy(tok, pending["version"], pending["reason"])
+                msg = f"policy {p['version']} is {p['status']}: every node loads it"
             elif kind == "rollout":
                 r = client.start_rollout(tok, **pending["payload"])
                 msg = f"rollout #{r['id']} of {r['policy_version']} started ({r['state']})"
@@ -1058,45 +972,18 @@ def _split_rows(nodes: list[dict]) -> list[dict]:
     return rows
 
 
-def _current_rollout(client: ControlPlaneClient, tok: str) -> dict | None:
-    ros = client.rollouts(tok)
-    if not ros:
-        return None
-    ros = sorted(ros, key=lambda r: r["id"], reverse=True)
-    return ros[0]
-
-
-def _fmt(v, nd: int = 4) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.{nd}g}"
-    return str(v)
-
-
-def _rollout_card(ro: dict | None):
-    """State badge, the judge's verdict and reason, and per metric: sample sizes (windows) of canary
-    and baseline, medians, means, change and the Mann-Whitney p-value."""
-    if not ro:
-        return html.Div("No rollout yet.", className="text-muted", id="ro-state")
-    v = ro.get("verdict") or {}
-    color = {"rolled_back": "danger", "promoted": "success", "paused": "warning"}.get(ro["state"], "info")
-    head = html.Div([html.Span(f"#{ro['id']} policy {ro['policy_version']} (baseline {ro.get('baseline_version') or '–'}) ",
-                               className="me-2"),
-                     dbc.Badge(ro["state"], id="ro-state", color=color),
-                     html.Span(f"  verdict: {v.get('verdict') or '–'}  ·  next action: {v.get('action') or '–'}",
-                               className="ms-3 small", id="ro-verdict")])
-    why = html.Div(v.get("reason") or ro.get("reason") or "", className="small text-muted")
-    rows = [html.Tr([html.Th(h) for h in ("metric", "verdict", "n canary", "n baseline", "median canary",
-                                          "median baseline", "change", "p-value")])]
-    for j in v.get("judgements") or []:
-        rows.append(html.Tr([html.Td(j.get("metric")), html.Td(j.get("verdict")), html.Td(_fmt(j.get("n_canary"))),
-                             html.Td(_fmt(j.get("n_baseline"))), html.Td(_fmt(j.get("median_canary"))),
-                             html.Td(_fmt(j.get("median_baseline"))), html.Td(_fmt(j.get("change"))),
-                             html.Td(_fmt(j.get("p_value")))]))
-    table = html.Table(rows, className="small", style={"borderCollapse": "collapse", "width": "100%"}) \
-        if len(rows) > 1 else html.Div("no judgement yet (collecting windows)", className="small text-muted")
-    return html.Div([head, why, table], className="card card-body")
+def current_share_text(nodes: list[dict], node_id: str | None) -> str:
+    """What the override dialogs show of the nodes' present emb_share (``nodes``: the node rows);
+    ``node_id`` None: the cluster's range."""
+    if node_id is not None:
+        n = next((n for n in nodes if n.get("node_id") == node_id), None)
+        if n is None or n.get("emb_share") is None:
+            return f"{node_id} has reported no emb_share yet"
+        return f"{node_id} is at emb_share {float(n['emb_share']):.3f} now"
+    vals = [float(n["emb_share"]) for n in nodes if n.get("emb_share") is not None]
+    if not vals:
+        return "no node has reported an emb_share yet"
+    return f"the {len(vals)} nodes are at emb_share {min(vals):.3f}-{max(vals):.3f} now"
 
 
 def run(control_plane_url: str, *, host: str = "127.0.0.1", port: int = 8050, refresh_s: float = 2.0,

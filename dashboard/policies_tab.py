@@ -1,0 +1,342 @@
+"""The Policies tab: the registry, uploading and activating an artifact, starting a rollout, and
+the current rollout's live state with only the valid actions enabled.
+
+- **Upload**: drop a ``.tar`` (or ``.tar.gz``) of an artifact, or its three files
+  (``manifest.json``, ``policy.onnx``, ``golden.npz``); the dashboard sends one tar to the
+  control plane's ``POST /api/v1/policies``, where the node agent's loader checks it (manifest,
+  checksums, onnx.checker, golden parity) before it is registered. A refusal shows the control
+  plane's reason.
+- **Activate**: select a registry row, give a reason, confirm: ``POST /policies/{v}/activate``
+  (every node loads it; refused while a rollout is open).
+- **Start a rollout**: a candidate must be chosen (a message says so otherwise); refused while
+  another rollout is open (the button is disabled then).
+- **Current rollout**: the state badge, the judge's verdict (only while the rollout is open),
+  the per-metric judgement, the nodes with their role, what they confirmed, and the policy each
+  one *runs now* (from the nodes' own reports, so it is fresh after a rollback). Promote / Pause /
+  Resume / Roll back are enabled only in the states the control plane accepts them in
+  (`dashboard.details.ROLLOUT_ACTIONS`); a finished rollout has every one disabled.
+
+The tab's data is fetched when the tab is opened, after any action, and on every live tick; each
+output is sent only when it changed (a hash per output in the ``pol-keys`` store).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import time
+
+import dash_bootstrap_components as dbc
+from dash import Input, Output, State, ctx, dcc, html, no_update
+
+from . import details as D
+from . import figures as F
+from .client import ApiError, ControlPlaneClient, Unavailable
+
+ROLLOUT_BUTTONS = {"btn-ro-promote": "promote", "btn-ro-pause": "pause", "btn-ro-resume": "resume",
+                   "btn-ro-rollback": "rollback"}
+MAX_UPLOAD_BYTES = 64 * 2**20
+
+
+def _t(t_s) -> str:
+    return "" if t_s is None else F.x_to_text(F.to_x(t_s))
+
+
+def layout(viewer: bool, graph, grid, col, time_col) -> html.Div:
+    """The tab's components; ``graph``/``grid``/``col``/``time_col`` are `dashboard.app`'s builders."""
+    return html.Div([
+        html.H6("Policy registry"),
+        html.Div("Select a row to activate it. Validation: how the node agent's loader checked the artifact.",
+                 className="small text-muted mb-1"),
+        grid("grid-policies", [col("version"), col("status"), col("digest"), col("uploaded_by", "by"),
+                               time_col("uploaded", "uploaded (UTC)"),
+                               col("validation", minWidth=320, flex=3, tooltipField="validation", wrapText=True,
+                                   autoHeight=True),
+                               col("evaluation", minWidth=220, flex=2, tooltipField="evaluation")],
+             height=260, page_size=6, selectable=True, row_id="version"),
+        dbc.Row([
+            dbc.Col([dbc.Label("reason for activating", html_for="pol-reason"),
+                     dbc.Input(id="pol-reason", placeholder="why (required)")], lg=6),
+            dbc.Col(dbc.Button("Activate selected policy…", id="btn-pol-activate", disabled=viewer, color="primary",
+                               className="mt-4"), lg=3),
+        ], className="mt-2"),
+        html.Div(id="pol-error", className="text-danger small mt-1", role="status"),
+        dcc.Upload(id="pol-upload", multiple=True, disabled=viewer, max_size=MAX_UPLOAD_BYTES,
+                   children=html.Div(["Upload a policy artifact: drop or ", html.A("choose", href="#"),
+                                      " a .tar of it, or its three files (manifest.json, policy.onnx, golden.npz)"]),
+                   style={"borderWidth": "1px", "borderStyle": "dashed", "borderRadius": "6px", "padding": "14px",
+                          "textAlign": "center", "cursor": "not-allowed" if viewer else "pointer"},
+                   className="my-2 small"),
+        html.Div(id="pol-upload-result", className="small mb-2", role="status"),
+        dbc.Card(dbc.CardBody([
+            html.H6("Start a rollout"),
+            dbc.Row([
+                dbc.Col([dbc.Label("candidate policy", html_for="ro-policy"),
+                         dcc.Dropdown(id="ro-policy", placeholder="version")], lg=3),
+                dbc.Col([dbc.Label("canary fraction (0-1]", html_for="ro-fraction"),
+                         dbc.Input(id="ro-fraction", type="number", value=0.25, min=0.01, max=1, step=0.05)], lg=2),
+                dbc.Col([dbc.Label("bake time (s)", html_for="ro-bake"),
+                         dbc.Input(id="ro-bake", type="number", value=600, min=0)], lg=2),
+                dbc.Col([dbc.Label("min samples", html_for="ro-min"),
+                         dbc.Input(id="ro-min", type="number", value=10, min=3)], lg=2),
+                dbc.Col([dbc.Label("reason", html_for="ro-reason"), dbc.Input(id="ro-reason", placeholder="why")], lg=3),
+            ]),
+            dbc.Button("Start rollout…", id="btn-ro-start", disabled=viewer, color="primary", className="mt-2"),
+            html.Div(id="ro-error", className="text-danger small mt-2", role="status"),
+        ]), className="my-3"),
+        html.H6("Current rollout"),
+        html.Div(id="ro-status", className="mb-2"),
+        dbc.ButtonGroup([dbc.Button("Promote…", id="btn-ro-promote", disabled=True, color="success"),
+                         dbc.Button("Pause…", id="btn-ro-pause", disabled=True, color="warning"),
+                         dbc.Button("Resume…", id="btn-ro-resume", disabled=True, color="info"),
+                         dbc.Button("Roll back…", id="btn-ro-rollback", disabled=True, color="danger")],
+                        className="mb-2"),
+        html.Div(id="ro-actions-note", className="small text-muted mb-2"),
+        graph("g-rollout", 500),
+        grid("grid-ro-nodes", [col("node_id", "node"), col("role"), col("status", "confirmed"),
+                               col("running", "runs now"), col("error", flex=2)], height=220, page_size=8),
+        dcc.Store(id="pol-keys", data={}),
+    ], className="pt-2")
+
+
+def rollout_windows(rows: list[dict], rollout: dict, step_s: float) -> list[dict]:
+    """Per bucket: canary vs baseline P99 (median over nodes) and SLO attainment (mean), from the
+    node reports since the rollout's bake started, grouped by the policy version each node ran."""
+    cand, base = rollout.get("policy_version"), rollout.get("baseline_version")
+    since = rollout.get("bake_started_s") or rollout.get("created_at_s") or 0.0
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in rows:
+        if r["ts_s"] < since:
+            continue
+        g = "canary" if r.get("policy_version") == cand else "baseline" if r.get("policy_version") == base else None
+        if g:
+            groups.setdefault((g, math.floor(r["ts_s"] / step_s) * step_s), []).append(r)
+    out = []
+    for (g, t), rs in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        p99 = sorted(r["p99_ms"] for r in rs if r.get("p99_ms") is not None)
+        att = [r["slo_attainment"] for r in rs if r.get("slo_attainment") is not None]
+        out.append({"t_s": t, "group": g, "p99_ms": p99[len(p99) // 2] if p99 else None,
+                    "slo_attainment": sum(att) / len(att) if att else None, "n": len(rs)})
+    return out
+
+
+def current_rollout(client: ControlPlaneClient, tok: str) -> dict | None:
+    ros = client.rollouts(tok)
+    return max(ros, key=lambda r: r["id"]) if ros else None
+
+
+def _fmt(v, nd: int = 4) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}g}"
+    return str(v)
+
+
+def rollout_card(ro: dict | None):
+    """State badge and, while the rollout is open, the judge's verdict and next action; once it
+    has ended, when and why. Per metric: sample sizes (windows) of canary and baseline, medians,
+    change and the Mann-Whitney p-value."""
+    if not ro:
+        return html.Div("No rollout yet.", className="text-muted", id="ro-state")
+    v = ro.get("verdict") or {}
+    color = {"rolled_back": "danger", "promoted": "success", "paused": "warning"}.get(ro["state"], "info")
+    if ro["state"] in D.OPEN_ROLLOUT_STATES:
+        info = f"  verdict: {v.get('verdict') or '–'}  ·  next action: {v.get('action') or '–'}"
+        if ro["state"] == "baking" and ro.get("bake_started_s") is not None:
+            bake = float((ro.get("config") or {}).get("bake_time_s") or 0)
+            info += f"  ·  baking since {_t(ro['bake_started_s'])} UTC ({bake:g} s to bake)"
+        why = v.get("reason") or ro.get("reason") or ""
+    else:
+        info = f"  ended {_t(ro.get('updated_at_s'))} UTC"
+        why = ro.get("reason") or ""
+    head = html.Div([html.Span(f"#{ro['id']} policy {ro['policy_version']} (baseline {ro.get('baseline_version') or '–'}) ",
+                               className="me-2"),
+                     dbc.Badge(ro["state"], id="ro-state", color=color),
+                     html.Span(info, className="ms-3 small", id="ro-verdict")])
+    rows = [html.Tr([html.Th(h) for h in ("metric", "verdict", "n canary", "n baseline", "median canary",
+                                          "median baseline", "change", "p-value")])]
+    for j in v.get("judgements") or []:
+        rows.append(html.Tr([html.Td(j.get("metric")), html.Td(j.get("verdict")), html.Td(_fmt(j.get("n_canary"))),
+                             html.Td(_fmt(j.get("n_baseline"))), html.Td(_fmt(j.get("median_canary"))),
+                             html.Td(_fmt(j.get("median_baseline"))), html.Td(_fmt(j.get("change"))),
+                             html.Td(_fmt(j.get("p_value")))]))
+    table = html.Table(rows, className="small", style={"borderCollapse": "collapse", "width": "100%"}) \
+        if len(rows) > 1 else html.Div("no judgement yet (collecting windows)", className="small text-muted")
+    return html.Div([head, html.Div(why, className="small text-muted"), table], className="card card-body")
+
+
+def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_target: float,
+             step_for, default_range_s: int = 900) -> None:
+    """The tab's callbacks. ``step_for``: range (s) -> bucket size (s), the dashboard's."""
+
+    def rollout_fig(tok: str, ro: dict | None, now: float, range_s: float):
+        if not ro:
+            return F.rollout_figure([], slo_ms, slo_target)
+        step = step_for(range_s)
+        since = max(now - range_s, ro.get("bake_started_s") or ro.get("created_at_s") or 0.0)
+        until = ro.get("updated_at_s") if ro.get("state") not in D.OPEN_ROLLOUT_STATES else None
+        rows = client.history(tok, start_s=since, end_s=None if until is None else until + step, limit=100_000)
+        return F.rollout_figure(rollout_windows(rows, ro, step), slo_ms, slo_target)
+
+    @app.callback(Output("grid-policies", "rowData"), Output("ro-policy", "options"), Output("ro-status", "children"),
+                  Output("grid-ro-nodes", "rowData"), Output("g-rollout", "figure", allow_duplicate=True),
+                  Output("btn-ro-start", "disabled"), Output("btn-pol-activate", "disabled"),
+                  *[Output(b, "disabled") for b in ROLLOUT_BUTTONS], Output("ro-actions-note", "children"),
+                  Output("pol-keys", "data"),
+                  Input("tabs", "value"), Input("tick-go", "data"), Input("acted", "data"),
+                  State("range", "value"), State("sid", "data"), State("pol-keys", "data"), prevent_initial_call=True)
+    def policies_tables(tab, _tick, _acted, range_s, sid, keys):
+        """Registry, candidates, rollout card and nodes, the progress chart and which buttons are
+        enabled; each output only when it changed since the last tick."""
+        s = sessions.get(sid)
+        n_out = 8 + len(ROLLOUT_BUTTONS)
+        out = [no_update] * n_out
+        if s is None or tab != "policies":
+            return *out, no_update
+        tok = s.token
+        ticking = ctx.triggered_id == "tick-go"
+        keys = dict(keys or {}) if ticking else {}
+        try:
+            pols = client.policies(tok)
+            ro = current_rollout(client, tok)
+            nodes = {n["node_id"]: n for n in client.nodes(tok)}
+        except (Unavailable, ApiError):
+            return *out, no_update
+        out[0] = [{"version": p["version"], "status": p["status"], "digest": p["digest"][:12],
+                   "uploaded_by": p.get("uploaded_by"), "uploaded": _t(p.get("uploaded_at_s")),
+                   "validation": D.validation_text(p.get("manifest")),
+                   "evaluation": D.flat_text(p.get("evaluation"))} for p in pols]
+        out[1] = [{"label": f"{p['version']} ({p['status']})", "value": p["version"]} for p in pols
+                  if p["status"] != "active"]
+        out[2] = rollout_card(ro)
+        out[3] = [{**dict(n), "running": (nodes.get(n["node_id"]) or {}).get("policy_version") or "–"}
+                  for n in (ro or {}).get("nodes", [])]
+        if not ticking or (ro and ro["state"] in D.OPEN_ROLLOUT_STATES):
+            try:
+                out[4] = rollout_fig(tok, ro, time.time(), range_s or default_range_s)
+            except (Unavailable, ApiError):
+                out[4] = no_update
+        operator = s.role == "operator"
+        open_ = not D.can_start_rollout(ro)
+        out[5] = not operator or open_
+        out[6] = not operator or open_
+        valid = D.rollout_actions(ro["state"]) if ro else set()
+        for i, action in enumerate(ROLLOUT_BUTTONS.values()):
+            out[7 + i] = not operator or action not in valid
+        if not operator:
+            note = "a viewer cannot act"
+        elif not ro:
+            note = "no rollout yet"
+        elif not valid:
+            note = f"rollout #{ro['id']} has ended ({ro['state']}): no action applies; start a new one above"
+        else:
+            note = f"valid now ({ro['state']}): " + ", ".join(a for a in ROLLOUT_BUTTONS.values() if a in valid)
+        if open_ and operator:
+            note += f" · starting or activating waits until rollout #{ro['id']} ends"
+        out[7 + len(ROLLOUT_BUTTONS)] = note
+        for i, v in enumerate(out):
+            if v is no_update:
+                continue
+            h = hashlib.sha1(json.dumps(v, sort_keys=True, default=_jsonable).encode()).hexdigest()[:16]
+            if keys.get(str(i)) == h:
+                out[i] = no_update
+            keys[str(i)] = h
+        return *out, keys
+
+    @app.callback(Output("pol-upload-result", "children"), Output("pol-upload-result", "className"),
+                  Output("acted", "data", allow_duplicate=True),
+                  Input("pol-upload", "contents"), State("pol-upload", "filename"), State("sid", "data"),
+                  State("acted", "data"), prevent_initial_call=True)
+    def upload(contents, filenames, sid, acted):
+        s = sessions.get(sid)
+        if not contents:
+            return no_update, no_update, no_update
+        if s is None or s.role != "operator":
+            return "an operator token is needed to upload", "small mb-2 text-danger", no_update
+        if isinstance(contents, str):
+            contents, filenames = [contents], [filenames]
+        try:
+            named = [(str(n), base64.b64decode(c.split(",", 1)[1])) for n, c in zip(filenames or [], contents)]
+            body = D.upload_body(named)
+            p = client.upload_policy(s.token, body)
+        except ValueError as e:
+            return str(e), "small mb-2 text-danger", no_update
+        except ApiError as e:
+            return f"refused by the control plane: {e.message}", "small mb-2 text-danger", no_update
+        except Unavailable as e:
+            return str(e), "small mb-2 text-danger", no_update
+        return (f"policy {p['version']} registered (status {p['status']}; {D.validation_text(p.get('manifest'))})",
+                "small mb-2 text-success", (acted or 0) + 1)
+
+    @app.callback(Output("pending", "data", allow_duplicate=True), Output("confirm-modal", "is_open", allow_duplicate=True),
+                  Output("confirm-body", "children", allow_duplicate=True), Output("ro-error", "children"),
+                  Output("pol-error", "children"),
+                  Input("btn-pol-activate", "n_clicks"), Input("btn-ro-start", "n_clicks"),
+                  *[Input(b, "n_clicks") for b in ROLLOUT_BUTTONS],
+                  State("grid-policies", "selectedRows"), State("pol-reason", "value"),
+                  State("ro-policy", "value"), State("ro-fraction", "value"), State("ro-bake", "value"),
+                  State("ro-min", "value"), State("ro-reason", "value"), State("sid", "data"),
+                  prevent_initial_call=True)
+    def ask_policy(*args):
+        """The confirmation of a policy or rollout action, or a message saying what is missing."""
+        selected, pol_reason, ro_policy, ro_fraction, ro_bake, ro_min, ro_reason, sid = args[2 + len(ROLLOUT_BUTTONS):]
+        trig = ctx.triggered_id
+        nothing = (no_update, no_update, no_update, no_update, no_update)
+        if not ctx.triggered or not ctx.triggered[0].get("value"):
+            return nothing
+        s = sessions.get(sid)
+        if s is None or s.role != "operator":
+            return None, False, no_update, "an operator token is needed", "an operator token is needed"
+        if trig == "btn-pol-activate":
+            if not selected:
+                return None, False, no_update, "", "select a policy in the registry first"
+            if not (pol_reason or "").strip():
+                return None, False, no_update, "", "a reason is required"
+            v = selected[0]["version"]
+            return ({"kind": "activate", "version": v, "reason": pol_reason.strip()}, True,
+                    f"Activate policy {v}? Every node loads it (the active one now is replaced). "
+                    f"Reason: {pol_reason.strip()}", "", "")
+        if trig == "btn-ro-start":
+            if not ro_policy:
+                return None, False, no_update, "choose a candidate policy first (upload one above if the list is empty)", ""
+            try:
+                fraction = float(ro_fraction if ro_fraction is not None else 0.25)
+                bake = float(ro_bake if ro_bake is not None else 600)
+                min_samples = int(ro_min if ro_min is not None else 10)
+            except (TypeError, ValueError):
+                return None, False, no_update, "fraction, bake time and min samples must be numbers", ""
+            problems = []
+            if not 0 < fraction <= 1:
+                problems.append("canary fraction must be in (0, 1]")
+            if bake < 0:
+                problems.append("bake time must be >= 0")
+            if min_samples < 3:
+                problems.append("min samples must be >= 3")
+            if problems:
+                return None, False, no_update, "; ".join(problems), ""
+            payload = {"policy_version": ro_policy, "canary_fraction": fraction, "bake_time_s": bake,
+                       "min_samples": min_samples, "reason": (ro_reason or "").strip() or "rollout from dashboard"}
+            return ({"kind": "rollout", "payload": payload}, True,
+                    f"Start a rollout of policy {ro_policy} to {100 * fraction:g}% of nodes (bake {bake:g} s)?", "", "")
+        action = ROLLOUT_BUTTONS.get(trig)
+        if action:
+            try:
+                ro = current_rollout(client, s.token)
+            except (Unavailable, ApiError) as e:
+                return None, False, no_update, str(e), ""
+            if not ro or action not in D.rollout_actions(ro["state"]):
+                state = ro["state"] if ro else "none"
+                return None, False, no_update, f"cannot {action}: the rollout is {state}", ""
+            return ({"kind": "rollout_action", "id": ro["id"], "action": action}, True,
+                    f"{action.capitalize()} rollout #{ro['id']} (policy {ro['policy_version']}, now {ro['state']})?",
+                    "", "")
+        return nothing
+
+
+def _jsonable(o):
+    if hasattr(o, "to_plotly_json"):
+        return o.to_plotly_json()
+    return str(o)
