@@ -186,7 +186,7 @@ def test_migration_0005_upgrades_and_downgrades(tmp_path):
             conn.commit()
         assert current_revision(engine) == "0004"
         assert not {"gateways", "gateway_reports"} & set(inspect(engine).get_table_names())
-        upgrade(engine)
+        upgrade(engine, "0005")
         assert current_revision(engine) == "0005"
     finally:
         engine.dispose()
