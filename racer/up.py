@@ -522,6 +522,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
         else:
             argv += ["--nodes", ",".join(node_urls)]
         argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
+        argv += ["--slo-ms", f"{args.slo_ms:g}"]  # the clients' SLO attainment it reports, as the replay's
         specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
                                  ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
         targets = [gw_url]
