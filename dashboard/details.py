@@ -102,7 +102,8 @@ def flat_text(d, max_items: int = 6) -> str:
 
 
 def node_policies_text(nodes: Sequence[Mapping], active: str | None = None) -> str:
-    """What the nodes run, for the "active policy" card: ``v1 on 4 nodes`` or ``v1 on 3 · v2 on 1``;
+    """What the nodes run, for the "active policy" card: ``v1 on all 4 nodes`` or ``v1 on 3 of 4
+    nodes · v2 on 1`` (the two most common, then how many more);
     the registry's active version is named when no node runs it (or nodes run none)."""
     up = [n for n in nodes if n.get("status", "up") != "retired"]
     counts: dict[str, int] = {}
@@ -113,7 +114,12 @@ def node_policies_text(nodes: Sequence[Mapping], active: str | None = None) -> s
     if not counts:
         return f"{active} (no node reports it yet)" if active else "–"
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    text = " · ".join(f"{v} on {k} node{'s' if k != 1 else ''}" for v, k in ranked)
+    total = sum(counts.values())
+    (top, k), rest = ranked[0], ranked[1:]
+    text = f"{top} on all {total} nodes" if not rest else f"{top} on {k} of {total} nodes"
+    text += "".join(f" · {v} on {n}" for v, n in rest[:1])
+    if len(rest) > 1:
+        text += f" · +{len(rest) - 1} more"
     if active and active not in counts:
         text += f" (registry: {active})"
     return text

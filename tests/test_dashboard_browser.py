@@ -162,8 +162,13 @@ def browser():
         b.close()
 
 
-def open_page(browser, stack: Stack, token: str):
+def open_page(browser, stack: Stack, token: str, console: list | None = None):
+    """A signed-in page; ``console``: a list that collects the page's console errors and uncaught
+    exceptions from before the sign-in on."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    if console is not None:
+        page.on("console", lambda m: console.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: console.append(f"page error: {e}"))
     sign_in(page, stack.dash_url, token)
     return page
 
@@ -316,15 +321,19 @@ def test_operator_override_reaches_the_node_and_the_audit_log_then_clears(stack,
     audit = wait_text(page, "grid-audit", "browser test: hold the split")
     assert "override" in audit
     page.screenshot(path=str(stack.shots / "override.png"), full_page=True)
-    # clear it
+    # clear it: a reason is asked for, and the dialog names the node's present emb_share
     page.locator("#grid-overrides .ag-row").first.click()
     page.click("#btn-ov-clear")
+    wait_text(page, "ov-error", "a reason for clearing is required")
+    page.fill("#ov-clear-reason", "browser test: hand it back")
+    page.click("#btn-ov-clear")
     page.wait_for_selector("#confirm-modal .modal-body", state="visible")
-    assert "Clear override" in page.inner_text("#confirm-body")
+    body = page.inner_text("#confirm-body")
+    assert "Clear override" in body and f"{AGENT_ID} is at emb_share" in body and "hand it back" in body, body
     page.click("#btn-confirm")
     wait_text(page, "action-result", "cleared")
     wait_text(page, "grid-overrides", "browser test: hold the split", absent=True)
-    wait_text(page, "grid-audit", "cleared from the dashboard")
+    wait_text(page, "grid-audit", "browser test: hand it back")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         m = httpx.get(f"http://127.0.0.1:{stack.agent_port}/v1/metrics", timeout=5).json()
@@ -387,6 +396,96 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
     assert any("rollout" in a for a in actions)
     page.screenshot(path=str(stack.shots / "policies.png"), full_page=True)
     page.close()
+
+
+ROLLOUT_BUTTONS = ("#btn-ro-promote", "#btn-ro-pause", "#btn-ro-resume", "#btn-ro-rollback")
+
+
+def wait_disabled(page, selectors, disabled: bool = True, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(page.is_disabled(sel) == disabled for sel in selectors):
+            return
+        page.wait_for_timeout(250)
+    raise AssertionError({sel: page.is_disabled(sel) for sel in selectors})
+
+
+def test_policy_from_upload_to_rolled_back_and_a_decision_drill_down_without_console_errors(stack, browser):
+    """The operator's policy path in the UI alone: upload an artifact's three files, activate it,
+    a rollout refused without a candidate (a message, not nothing), then started, rolled back:
+    the panel says rolled_back at once with every rollout action disabled; then one decision's
+    drill-down. Any console error (from before the sign-in on) fails the test."""
+    console: list[str] = []
+    page = open_page(browser, stack, stack.admin, console)
+    assert page.get_by_role("tab", name="Policies").count() == 1  # the tabs are tabs to a screen reader
+    click_tab(page, "Policies")
+    assert page.get_by_role("tab", name="Policies").get_attribute("aria-selected") == "true"
+    wait_text(page, "grid-policies", stack.candidate)
+    assert "accepted by the agent's loader" in grid_text(page, "grid-policies")  # not the raw manifest
+    version = "ui-" + secrets.token_hex(3)
+    manifest = json.loads((POLICY_DIR / "manifest.json").read_text())
+    manifest["policy_id"] = version
+    page.set_input_files("#pol-upload input[type=file]", files=[
+        {"name": "manifest.json", "mimeType": "application/json", "buffer": json.dumps(manifest).encode()},
+        {"name": "policy.onnx", "mimeType": "application/octet-stream",
+         "buffer": (POLICY_DIR / "policy.onnx").read_bytes()},
+        {"name": "golden.npz", "mimeType": "application/octet-stream",
+         "buffer": (POLICY_DIR / "golden.npz").read_bytes()}])
+    assert f"policy {version} registered" in wait_text(page, "pol-upload-result", "registered", timeout_s=60)
+    wait_text(page, "grid-policies", version)
+    # activate it
+    page.locator("#grid-policies .ag-row", has_text=version).first.click()
+    page.fill("#pol-reason", "browser test: the uploaded one")
+    page.click("#btn-pol-activate")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    assert f"Activate policy {version}" in page.inner_text("#confirm-body")
+    page.click("#btn-confirm")
+    wait_text(page, "action-result", f"policy {version} is active")
+    assert stack.api("GET", f"/policies/{version}")["status"] == "active"
+    if AGENT:  # the active-policy card says what the nodes run
+        wait_text(page, "kpi-policy", version, timeout_s=60)
+    # a rollout without a candidate says so
+    page.click("#btn-ro-start")
+    wait_text(page, "ro-error", "choose a candidate policy first")
+    assert not page.locator("#confirm-modal .modal-body").is_visible()
+    choose(page, "ro-policy", stack.candidate)
+    page.fill("#ro-fraction", "0.5")
+    page.fill("#ro-bake", "600")
+    page.fill("#ro-reason", "browser test: second rollout")
+    page.click("#btn-ro-start")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    page.click("#btn-confirm")
+    wait_text(page, "action-result", "started")
+    deadline = time.monotonic() + 30
+    while page.inner_text("#ro-state") not in ("pending", "baking") and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+    assert page.inner_text("#ro-state") in ("pending", "baking"), page.inner_text("#ro-status")
+    wait_disabled(page, ("#btn-ro-resume", "#btn-ro-start", "#btn-pol-activate"))  # not valid while it is open
+    wait_disabled(page, ("#btn-ro-promote", "#btn-ro-pause", "#btn-ro-rollback"), disabled=False)
+    page.click("#btn-ro-rollback")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    page.click("#btn-confirm")
+    wait_text(page, "action-result", "rolled_back")
+    wait_text(page, "ro-state", "rolled_back", timeout_s=10)  # at once, not at the next judge's pass
+    wait_disabled(page, ROLLOUT_BUTTONS, timeout_s=10)
+    wait_disabled(page, ("#btn-ro-start",), disabled=False, timeout_s=10)
+    assert "next action" not in page.inner_text("#ro-status")  # no stale verdict on an ended rollout
+    assert "has ended" in page.inner_text("#ro-actions-note")
+    if AGENT:  # the canary went back to the active policy: the nodes table says what it runs now
+        wait_text(page, "grid-ro-nodes", version, timeout_s=60)
+    page.screenshot(path=str(stack.shots / "policies-rolled-back.png"), full_page=True)
+    # one decision's drill-down
+    click_tab(page, "Decisions & routing")
+    wait_text(page, "grid-decisions", "base policy")
+    page.locator("#grid-decisions .ag-row [col-id=reason]").first.click()
+    page.wait_for_selector("#dec-modal .modal-body", state="visible")
+    body = page.inner_text("#dec-modal")
+    for section in ("Reason", "Decision", "Context at that moment", "Miss costs", "Features the policy saw"):
+        assert section in body, body[:2000]
+    assert "time (UTC)" in body and "kv_hit_rate" in body, body[:2000]
+    page.screenshot(path=str(stack.shots / "decision-drill-down.png"), full_page=True)
+    page.close()
+    assert not console, "\n".join(console)
 
 
 def test_operator_retires_a_node_from_the_dashboard(stack, browser):

@@ -288,8 +288,10 @@ def test_registry_columns_and_the_active_policy_card_are_readable():
     assert D.flat_text({"a": {"b": 0.123456, "c": 0}, "d": "x"}) == "a.b 0.123 · d x"
     nodes = [{"node_id": "n1", "policy_version": "v1"}, {"node_id": "n2", "policy_version": "v1"},
              {"node_id": "n3", "policy_version": "v2"}, {"node_id": "n4", "policy_version": None}]
-    assert D.node_policies_text(nodes, None) == "v1 on 2 nodes · v2 on 1 node"
-    assert D.node_policies_text(nodes[:1], "v9") == "v1 on 1 node (registry: v9)"
+    assert D.node_policies_text(nodes, None) == "v1 on 2 of 3 nodes · v2 on 1"
+    assert D.node_policies_text(nodes + [{"node_id": "n5", "policy_version": "v3"}], "v1") == \
+        "v1 on 2 of 4 nodes · v2 on 1 · +1 more"
+    assert D.node_policies_text(nodes[:2], "v9") == "v1 on all 2 nodes (registry: v9)"
     assert D.node_policies_text([], "v9") == "v9 (no node reports it yet)" and D.node_policies_text([]) == "–"
 
 
