@@ -843,12 +843,12 @@ def insert_gateway_reports(session: Session, rows: Sequence[dict]) -> set[tuple[
     NOTHING on both dialects); returns the keys actually inserted."""
     if not rows:
         return set()
-    stmt = dialect_insert(session, GatewayReport).on_conflict_do_nothing(index_elements=["gateway_id", "seq"])
+    stmt = (dialect_insert(session, GatewayReport).on_conflict_do_nothing(index_elements=["gateway_id", "seq"])
+            .returning(GatewayReport.__table__.c.seq))
     inserted = set()
     conn = session.connection()
     for r in rows:  # a few rows per request (one per interval a gateway buffered)
-        res = conn.execute(stmt, {c: r.get(c) for c in _GATEWAY_REPORT_COLS})
-        if res.rowcount == 1:
+        if conn.execute(stmt, {c: r.get(c) for c in _GATEWAY_REPORT_COLS}).first() is not None:
             inserted.add((r["gateway_id"], r["seq"]))
     return inserted
 

@@ -15,6 +15,8 @@ from sqlalchemy import inspect
 from control_plane.client_view import ClientView, clean_phase, node_total_us, outcome_of
 from dashboard.client_cards import client_state
 
+from .cp_util import Database, backends, migrated_db as db  # noqa: F401 - the fixture
+
 ADMIN = "racer_test_admin_client_view"
 
 
@@ -166,12 +168,14 @@ def test_hostile_gateway_reports_get_a_4xx_and_store_nothing(api, bad):
     assert c.get("/api/v1/gateways", headers={"Authorization": f"Bearer {ADMIN}"}).json() == []
 
 
-def test_migration_0005_upgrades_and_downgrades(tmp_path):
+@pytest.mark.parametrize("backend", backends())
+def test_migration_0005_upgrades_and_downgrades(backend, tmp_path):
     from alembic import command
 
     from db.engine import alembic_config, current_revision, make_engine, upgrade
 
-    engine = make_engine(f"sqlite:///{tmp_path / 'm.db'}")
+    d = Database(backend, tmp_path)
+    engine = make_engine(d.url)
     try:
         upgrade(engine, "0004")
         assert "gateway_reports" not in inspect(engine).get_table_names()
@@ -190,6 +194,26 @@ def test_migration_0005_upgrades_and_downgrades(tmp_path):
         assert current_revision(engine) == "0005"
     finally:
         engine.dispose()
+        d.drop()
+
+
+def test_gateway_reports_insert_once_on_each_backend(db):
+    from db import queries
+
+    _, factory = db
+    row = dict(gateway_id="g", seq=2**40, ts_s=1.0, received_s=1.0, interval_s=1.0, num_requests=3, num_ok=2,
+               num_failed=1, num_retried=0, num_503=1, p50_ms=1.0, p99_ms=2.0, slo_ms=30.0, slo_attainment=0.5,
+               num_live_nodes=1, load_phase="burst", details={"statuses": {"200": 2, "503": 1}})
+    with factory.begin() as s:
+        queries.touch_gateway(s, gateway_id="g", token_id=1, now_s=1.0, last_seq=2**40 + 1, interval_s=1.0)
+        assert queries.insert_gateway_reports(s, [row, dict(row, seq=2**40 + 1)]) == {("g", 2**40), ("g", 2**40 + 1)}
+    with factory.begin() as s:
+        assert queries.insert_gateway_reports(s, [dict(row, p99_ms=9.0), dict(row, seq=3)]) == {("g", 3)}
+    with factory() as s:
+        got = queries.gateway_reports(s, gateway_id="g", start_s=None, end_s=None, limit=10)
+        assert sorted((r.seq, r.p99_ms) for r in got) == [(3, 2.0), (2**40, 2.0), (2**40 + 1, 2.0)]
+        (gw, last), = queries.list_gateways(s)
+        assert gw.last_seq == 2**40 + 1 and last.seq == 2**40 + 1 and last.details["statuses"]["503"] == 1
 
 
 # ------------------------------------------------------------------------------- dashboard ---
