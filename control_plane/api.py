@@ -34,7 +34,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from db import queries
-from node_agent.server import finite_validation_errors, json_safe
+from node_agent.server import AllowedMethods, finite_validation_errors, json_safe
 from db.engine import make_engine, session_factory, upgrade
 from db.models import Node, Override, Policy, Rollout, Router
 
@@ -654,8 +654,9 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     app.include_router(r)
     # added last, so outermost: the gate checks the token and caps the body before the ingestion
     # fast path or any route reads it
+    app.add_middleware(AllowedMethods, routes=app.router.routes, error_field="detail")  # 405 / OPTIONS: full Allow
     app.add_middleware(IngestFastPath, state=app.state)
-    app.add_middleware(RequestGate, routes=r.routes, state=app.state, settings=settings)
+    app.add_middleware(RequestGate, openapi=lambda: app.openapi(), state=app.state, settings=settings)
 
     def openapi():
         if app.openapi_schema is None:

@@ -6,8 +6,11 @@ auth dependency alone lets a client with no token make the server buffer and par
 (and answers a malformed one 422 instead of 401). `RequestGate` is an ASGI middleware in front
 of the routes; for each HTTP request it:
 
-1. finds the route the request will reach (FastAPI's own matching) and the roles that route
-   declares (its ``x-racer-roles``);
+1. finds the operation the request will reach and the roles it declares (its ``x-racer-roles``),
+   from the app's OpenAPI document: each operation's path template as a pattern (a parameter is
+   one path segment, as the router matches it), in the document's order. The document, not the
+   router's objects: routes included from another router are nested objects that do not say
+   which route they hold, and an operation they hold would otherwise pass unchecked;
 2. checks the bearer token: 401 when it is missing, unknown or revoked; 403 when its role may
    not call the route, or when a node token calls a node route (``/api/v1/nodes/...``) for
    another node id or is bound to none (`control_plane.auth.node_route_refusal`). These answers
@@ -24,8 +27,7 @@ A path no route matches (404, 405) is passed on unauthenticated, its body capped
 
 from __future__ import annotations
 
-from fastapi.routing import APIRoute
-from starlette.routing import Match
+import re
 
 from node_agent.server import BodyTooLarge, may_have_body, read_body, replay_body, send_json
 
@@ -42,41 +44,66 @@ def body_caps(settings: Settings) -> dict[str, tuple[int, str]]:
             f"{API}/policies": (settings.max_policy_body_bytes, "max_policy_body_bytes")}
 
 
-class _RouteRule:
-    __slots__ = ("route", "roles", "cap", "cap_name", "node_route")
+_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
-    def __init__(self, route: APIRoute, roles: tuple[str, ...], cap: int, cap_name: str) -> None:
-        self.route, self.roles, self.cap, self.cap_name = route, roles, cap, cap_name
+
+def path_pattern(template: str) -> re.Pattern:
+    """``/api/v1/nodes/{node_id}/reports`` -> a pattern whose groups are the parameters (one path
+    segment each)."""
+    out, pos = [], 0
+    for m in _PARAM.finditer(template):
+        out.append(re.escape(template[pos:m.start()]))
+        out.append(f"(?P<{m.group(1)}>[^/]+)")
+        pos = m.end()
+    out.append(re.escape(template[pos:]))
+    return re.compile("^" + "".join(out) + "$")
+
+
+class _RouteRule:
+    __slots__ = ("method", "path", "pattern", "roles", "cap", "cap_name", "node_route")
+
+    def __init__(self, method: str, path: str, roles: tuple[str, ...], cap: int, cap_name: str) -> None:
+        self.method, self.path, self.pattern = method, path, path_pattern(path)
+        self.roles, self.cap, self.cap_name = roles, cap, cap_name
         # the routes a node calls as itself: a node token must be bound, to the id in the path
-        self.node_route = route.path.startswith(f"{API}/nodes/") and "node" in roles
+        self.node_route = path.startswith(f"{API}/nodes/") and "node" in roles
 
 
 class RequestGate:
-    """ASGI middleware (see the module docstring). ``routes``: the API's routes (matched in
-    order, as the router does); ``state``: the app's state (its ``tokens`` cache); ``settings``:
-    the body caps."""
+    """ASGI middleware (see the module docstring). ``openapi``: returns the app's OpenAPI
+    document (its operations are matched in order, as the router matches its routes);
+    ``state``: the app's state (its ``tokens`` cache); ``settings``: the body caps."""
 
-    def __init__(self, app, routes, state, settings: Settings) -> None:
+    def __init__(self, app, openapi, state, settings: Settings) -> None:
         self.app = app
-        self.routes = routes
+        self.openapi = openapi
         self.state = state
         self.settings = settings
-        self._rules: list[_RouteRule] | None = None
+        self._rules: dict[str, list[_RouteRule]] | None = None
 
-    def rules(self) -> list[_RouteRule]:
+    def rules(self) -> dict[str, list[_RouteRule]]:
+        """Method -> the API's operations taking it, in the document's order."""
         if self._rules is None:  # the routes exist once the app is built, before it serves
             caps = body_caps(self.settings)
             default = (self.settings.max_body_bytes, "max_body_bytes")
-            self._rules = [
-                _RouteRule(r, tuple((r.openapi_extra or {}).get("x-racer-roles") or ()), *caps.get(r.path, default))
-                for r in self.routes if isinstance(r, APIRoute) and r.path.startswith(API + "/")]
+            rules: dict[str, list[_RouteRule]] = {}
+            for path, item in self.openapi().get("paths", {}).items():
+                if not path.startswith(API + "/"):
+                    continue
+                for method, op in item.items():
+                    if not isinstance(op, dict):
+                        continue
+                    rules.setdefault(method.upper(), []).append(_RouteRule(
+                        method.upper(), path, tuple(op.get("x-racer-roles") or ()), *caps.get(path, default)))
+            self._rules = rules
         return self._rules
 
     def match(self, scope) -> tuple[_RouteRule, dict] | None:
-        for rule in self.rules():
-            m, child = rule.route.matches(scope)
-            if m == Match.FULL:
-                return rule, child.get("path_params", {})
+        path = scope["path"]
+        for rule in self.rules().get(scope["method"], ()):
+            m = rule.pattern.match(path)
+            if m is not None:
+                return rule, m.groupdict()
         return None
 
     async def __call__(self, scope, receive, send) -> None:

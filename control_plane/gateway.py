@@ -57,7 +57,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from node_agent.server import BodyLimit, BodyTooLarge, finite_validation_errors, read_body, send_json
+from node_agent.server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnly, finite_validation_errors,
+                               json_content_type, may_have_body, read_body, send_json, unsupported_media_type)
 
 from .client_view import PHASE_HEADER, ClientView, clean_phase, node_total_us
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
@@ -815,7 +816,9 @@ class GatewayApp:
     def __init__(self, gateway: Gateway, fastapi_app: FastAPI) -> None:
         self.gateway = gateway
         self.max_body_bytes = gateway.config.max_body_bytes
-        self.fastapi = BodyLimit(fastapi_app, self.max_body_bytes, error_field="error")
+        # behind the cap: a JSON-only weights push, and 405 / OPTIONS naming every allowed method
+        self.fastapi = AllowedMethods(JsonOnly(BodyLimit(fastapi_app, self.max_body_bytes, error_field="error"),
+                                               {"/v1/router/weights"}), fastapi_app.router.routes)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/recommend" and scope["method"] == "POST":
@@ -825,6 +828,12 @@ class GatewayApp:
                 if name == _PHASE_HEADER_B:
                     phase = clean_phase(value)
                     break
+            if not json_content_type(scope):  # refused here, never forwarded for the node to refuse
+                self.gateway.metrics.requests.labels("none", "bad_request", "none").inc()
+                self.gateway.client_view.record(415, time.perf_counter() - t0, phase=phase)
+                await send_json(send, 415, {"error": f"gateway: {unsupported_media_type(scope)}"},
+                                close=may_have_body(scope))
+                return
             try:
                 body = await read_body(receive, self.max_body_bytes, scope)
             except BodyTooLarge as e:
@@ -872,6 +881,7 @@ def create_app(gateway: Gateway) -> GatewayApp:
 
     @app.post("/v1/recommend", responses=_errors({
         413: "request body over --max-body-bytes (not forwarded)",
+        415: "the body is not announced as JSON (not forwarded)",
         422: "invalid request body (the field is named in `error`)", 502: "the node failed twice",
         503: "no live node", 504: "the node did not answer in time"}))
     async def recommend(request: Request):

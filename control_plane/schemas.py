@@ -24,7 +24,8 @@ ReportTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
 
 
 class In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a boolean is not a number (nor a number a string); an integer is still a float
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @field_validator("*", mode="after")
     @classmethod

@@ -53,13 +53,19 @@ from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, 
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
 from .residency_feed import ResidencyFeed
-from .server import BodyLimit  # the shared body cap (node_agent.server; the gateway uses it too)
+from .server import AllowedMethods, BodyLimit, JsonOnly  # shared with the gateway (node_agent.server)
 from .server import json_safe  # noqa: F401 - re-exported for callers
 from .server import serve_forever  # noqa: F401 - re-exported: the one HTTP server (node_agent.server)
 
 log = logging.getLogger("racer.node_agent")
 
 MAX_USER_ID = 2**63 - 1
+#: a timestamp (s) beyond this magnitude is refused: 1e11 s is the year 5138, and the model's time
+#: features stay finite
+MAX_ABS_TS_S = 1e11
+#: most candidates, or items returned, one request may ask for (the engine's ``max_candidates``
+#: bounds them further)
+MAX_REQUEST_ITEMS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -113,19 +119,20 @@ class RecommendBody(BaseModel):
     """``POST /v1/recommend``. Item ids are the trace's dense ids ``[0, num_items)``; the
     engine checks them, the lengths and the candidate count against its config."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # a boolean is not a number
 
     user_id: Annotated[StrictInt, Field(ge=0, le=MAX_USER_ID, description="user id, a non-negative integer")]
     history: list[StrictInt] = Field(default_factory=list, description="items before this request, oldest first")
     new_items: list[StrictInt] = Field(default_factory=list, description="items since the previous request")
-    timestamps: list[Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
+    timestamps: list[Annotated[float, Field(ge=-MAX_ABS_TS_S, le=MAX_ABS_TS_S, allow_inf_nan=False)]] | None = Field(
         None, description="seconds, one per history and new item (optional)")
-    now_ts: Annotated[float, Field(allow_inf_nan=False)] | None = Field(
+    now_ts: Annotated[float, Field(ge=-MAX_ABS_TS_S, le=MAX_ABS_TS_S, allow_inf_nan=False)] | None = Field(
         None, description="the ranking query's time (default: the last timestamp)")
     candidates: list[StrictInt] | None = Field(None, description="item ids to rank (else generated)")
-    num_candidates: Annotated[StrictInt, Field(ge=1)] | None = Field(
-        None, description="candidates to generate when `candidates` is absent")
-    top_k: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="items to return")
+    num_candidates: Annotated[StrictInt, Field(ge=1, le=MAX_REQUEST_ITEMS)] | None = Field(
+        None, description="candidates to generate when `candidates` is absent (at most the node's max_candidates)")
+    top_k: Annotated[StrictInt, Field(ge=1, le=MAX_REQUEST_ITEMS)] | None = Field(
+        None, description="items to return (at most the node's max_candidates)")
 
     def to_request(self, arrival_s: float) -> RecRequest:
         return RecRequest(user_id=self.user_id, history=self.history, new_items=self.new_items,
@@ -505,6 +512,8 @@ def create_app(agent: NodeAgent) -> FastAPI:
     app = FastAPI(title="RACER node agent", version="1", lifespan=lifespan)
 
     app.add_middleware(BodyLimit, max_bytes=agent.config.max_body_bytes)
+    app.add_middleware(JsonOnly, paths={"/v1/recommend"})  # 415 for a body that is not JSON
+    app.add_middleware(AllowedMethods, routes=app.router.routes)  # 405 / OPTIONS with the full Allow
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
@@ -514,11 +523,15 @@ def create_app(agent: NodeAgent) -> FastAPI:
         return JSONResponse(status_code=422, content={"error": _one_line(errors, agent.engine.config.num_items),
                                                        "detail": errors})
 
-    @app.post("/v1/recommend")
+    @app.post("/v1/recommend", responses={413: {"description": "body over max_body_bytes"},
+                                           415: {"description": "the body is not announced as JSON"}})
     async def recommend(body: RecommendBody):
         arrival = agent.clock()
         req = body.to_request(arrival)
         try:
+            most = agent.engine.config.max_candidates
+            if body.top_k is not None and body.top_k > most:
+                raise RequestError(f"top_k must be at most this node's max_candidates ({most}), got {body.top_k}")
             agent.engine.validate(req)
         except RequestError as e:
             with agent._lock:

@@ -37,6 +37,18 @@ cap; `BodyLimit` is the ASGI middleware made of it (the node agent and the gatew
 plane checks the token first and then calls `read_body` with the route's cap. A refusal sent
 before the body was read closes the connection (`send_json` with ``close=True``), so the server
 never reads the rest.
+
+Connections are bounded in time (`HttpTimeouts`, set in uvicorn's connection hook): a request's
+head must arrive within ``header_timeout_s`` of the connection (or of the end of the previous
+answer) however slowly its bytes trickle in; a body must not stall for more than
+``body_idle_timeout_s`` between two reads; an idle kept-alive connection is closed after
+``keep_alive_s`` (uvicorn's own timer). A half-open connection, or one opened and never used,
+is closed by the server instead of being held forever. While the app works on a request
+(its body all read) no timer runs: a slow answer is not cut.
+
+Methods: `AllowedMethods` answers a path whose routes do not take the request's method with 405
+and an ``Allow`` header naming every method they take, and ``OPTIONS`` with 204 and that header.
+`JsonOnly` refuses a body announced as something other than JSON with 415 before it is read.
 """
 
 from __future__ import annotations
@@ -44,8 +56,9 @@ from __future__ import annotations
 import math
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["BodyLimit", "BodyTooLarge", "declared_body_bytes", "finite_validation_errors", "json_safe", "listen_socket",
+__all__ = ["AllowedMethods", "BodyLimit", "BodyTooLarge", "HttpTimeouts", "JsonOnly", "json_content_type", "declared_body_bytes", "finite_validation_errors", "json_safe", "listen_socket",
            "may_have_body", "read_body", "replay_body", "send_json", "serve_forever", "set_nodelay", "tune_runtime"]
 
 #: generation-0 threshold while serving (CPython's default is 700): a request allocates a few
@@ -231,6 +244,92 @@ class BodyLimit:
         await self.app(scope, replay_body(body, receive), send)
 
 
+class AllowedMethods:
+    """ASGI middleware over an app's ``routes`` (Starlette/FastAPI routes, read at each request,
+    so routes added later count): when routes match the path but none takes the method, answer
+    ``OPTIONS`` with 204 and ``Allow`` (every method those routes take, and OPTIONS), any other
+    method with 405, that ``Allow`` header and a JSON body (``{error_field: ...}``). A path no
+    route matches, or a method one takes, goes on to the app."""
+
+    def __init__(self, app, routes, error_field: str = "error") -> None:
+        self.app = app
+        self.routes = routes
+        self.error_field = error_field
+
+    METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+    def _match(self, scope):
+        from starlette.routing import Match
+
+        best = Match.NONE
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return match
+            if match == Match.PARTIAL:
+                best = match
+        return best
+
+    def allowed(self, scope) -> set[str] | None:
+        """The methods the path's routes take, or None when one takes this method (or none matches).
+        Each method is tried against the routes (included routers answer only "partial" for
+        another method, without naming theirs)."""
+        from starlette.routing import Match
+
+        if self._match(scope) != Match.PARTIAL:
+            return None
+        return {m for m in self.METHODS if self._match({**scope, "method": m}) == Match.FULL} or None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            methods = self.allowed(scope)
+            if methods is not None:
+                allow = ", ".join(sorted(methods | {"OPTIONS"})).encode()
+                close = may_have_body(scope)  # the body is not read
+                if scope["method"] == "OPTIONS":
+                    raw = [(b"allow", allow), (b"content-length", b"0")] + ([(b"connection", b"close")] if close else [])
+                    await send({"type": "http.response.start", "status": 204, "headers": raw})
+                    await send({"type": "http.response.body", "body": b""})
+                    return
+                await send_json(send, 405, {self.error_field: f"method {scope['method']} not allowed on "
+                                                              f"{scope['path']}; allowed: {allow.decode()}"},
+                                close=close, headers=((b"allow", allow),))
+                return
+        await self.app(scope, receive, send)
+
+
+def json_content_type(scope) -> bool:
+    """Whether the request's body is announced as JSON: no Content-Type (read as JSON), or
+    ``application/json`` / ``application/<x>+json`` with any parameters."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            kind = value.split(b";", 1)[0].strip().lower()
+            return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+    return True
+
+
+class JsonOnly:
+    """ASGI middleware: a request to one of ``paths`` whose body is announced as anything but JSON
+    (`json_content_type`) gets 415 JSON (``{error_field: ...}``) before its body is read."""
+
+    def __init__(self, app, paths, error_field: str = "error") -> None:
+        self.app = app
+        self.paths = frozenset(paths)
+        self.error_field = error_field
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] in self.paths and not json_content_type(scope):
+            await send_json(send, 415, {self.error_field: unsupported_media_type(scope)},
+                            close=may_have_body(scope))
+            return
+        await self.app(scope, receive, send)
+
+
+def unsupported_media_type(scope) -> str:
+    kind = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"content-type"), "")
+    return f"Content-Type {kind[:100]!r} is not supported: send the body as application/json"
+
+
 def set_nodelay(sock: socket.socket) -> None:
     """Turn off Nagle's algorithm on a connected TCP socket (no-op for other sockets)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
@@ -248,10 +347,54 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _nodelay_protocol(base):
-    """uvicorn's HTTP protocol class with ``TCP_NODELAY`` set on each new connection."""
+@dataclass(frozen=True)
+class HttpTimeouts:
+    """How long a server waits on a client (see the module docstring), s. `from_env` reads
+    ``RACER_HTTP_HEADER_TIMEOUT_S``, ``RACER_HTTP_BODY_IDLE_TIMEOUT_S`` and
+    ``RACER_HTTP_KEEP_ALIVE_S`` over these defaults."""
 
-    class NoDelayProtocol(base):
+    header_timeout_s: float = 10.0
+    body_idle_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_idle_timeout_s", "keep_alive_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 3600):
+                raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {v!r}")
+
+    @classmethod
+    def from_env(cls, environ=None) -> "HttpTimeouts":
+        import os
+
+        env = os.environ if environ is None else environ
+        kw = {}
+        for name in ("header_timeout_s", "body_idle_timeout_s", "keep_alive_s"):
+            raw = env.get(f"RACER_HTTP_{name.upper()}")
+            if raw:
+                try:
+                    kw[name] = float(raw)
+                except ValueError:
+                    raise ValueError(f"RACER_HTTP_{name.upper()}: not a number: {raw!r}") from None
+        return cls(**kw)
+
+
+def _guarded_protocol(base, timeouts: HttpTimeouts):
+    """uvicorn's HTTP protocol class with ``TCP_NODELAY`` set on each new connection and the
+    `HttpTimeouts` request-head and body-idle timers (uvicorn arms the keep-alive one itself).
+
+    uvicorn's own keep-alive timer runs only after an answer, and data cancels it: a connection
+    that never sends a whole request head was held forever. One timer per connection here: armed
+    at the connection (head deadline), not moved by a trickle of head bytes, moved by each body
+    read while the body is incomplete (idle deadline), stopped once the body is in (the app's
+    turn). On expiry, a connection still waiting on its client is closed (the app, if it waits
+    on the body, sees a disconnect)."""
+
+    header_s, body_s = timeouts.header_timeout_s, timeouts.body_idle_timeout_s
+
+    class GuardedProtocol(base):
+        _racer_timer = None
+
         def connection_made(self, transport) -> None:  # noqa: D401 - asyncio hook
             sock = transport.get_extra_info("socket")
             if sock is not None:
@@ -260,18 +403,60 @@ def _nodelay_protocol(base):
                 except OSError:  # the peer may already be gone
                     pass
             super().connection_made(transport)
+            self._racer_arm(header_s)
 
-    NoDelayProtocol.__name__ = f"NoDelay{base.__name__}"
-    return NoDelayProtocol
+        def _racer_arm(self, delay_s: float) -> None:
+            if self._racer_timer is not None:
+                self._racer_timer.cancel()
+            self._racer_timer = self.loop.call_later(delay_s, self._racer_expired)
+
+        def _racer_between_requests(self) -> bool:
+            c = self.cycle
+            return c is None or c.response_complete
+
+        def _racer_expired(self) -> None:
+            self._racer_timer = None
+            c = self.cycle
+            waiting = self._racer_between_requests() or c.more_body
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if self._racer_between_requests():  # (part of) a head: its deadline stands
+                if self._racer_timer is None:
+                    self._racer_arm(header_s)
+            elif self.cycle.more_body:  # the body is coming: it may not stall
+                self._racer_arm(body_s)
+            elif self._racer_timer is not None:  # the request is in: the app's turn
+                self._racer_timer.cancel()
+                self._racer_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._racer_timer is not None:  # uvicorn's keep-alive timer takes over
+                self._racer_timer.cancel()
+                self._racer_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._racer_timer is not None:
+                self._racer_timer.cancel()
+                self._racer_timer = None
+            super().connection_lost(exc)
+
+    GuardedProtocol.__name__ = f"Guarded{base.__name__}"
+    return GuardedProtocol
 
 
 def serve_forever(app, host: str, port: int, *, log_level: str = "warning",
-                  ready: Callable[[str, int], None] | None = None) -> None:
+                  ready: Callable[[str, int], None] | None = None, timeouts: HttpTimeouts | None = None) -> None:
     """Bind ``host:port`` (0: a free port), report it through ``ready``, serve ``app`` (any
     ASGI app) until SIGINT/SIGTERM, then return normally after a graceful shutdown.
 
-    Every accepted connection has ``TCP_NODELAY`` set (see the module docstring). Call it from
-    the main thread.
+    Every accepted connection has ``TCP_NODELAY`` set and is bounded in time by ``timeouts``
+    (default: `HttpTimeouts.from_env`; see the module docstring). Call it from the main thread.
     """
     import signal
 
@@ -285,9 +470,11 @@ def serve_forever(app, host: str, port: int, *, log_level: str = "warning",
     # place that re-raise is a no-op and the process exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: None)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False)
+    timeouts = timeouts or HttpTimeouts.from_env()
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
+                            timeout_keep_alive=timeouts.keep_alive_s)
     config.load()  # resolves config.http_protocol_class (h11 or httptools)
-    config.http_protocol_class = _nodelay_protocol(config.http_protocol_class)
+    config.http_protocol_class = _guarded_protocol(config.http_protocol_class, timeouts)
     _gc_tuned_server_class()(config).run(sockets=[sock])
 
 

@@ -5,6 +5,7 @@ checked before its body is read, every body capped (413, chunked bodies included
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -209,3 +210,71 @@ def test_every_body_is_capped_with_413_declared_or_chunked(cp):
     r = node.post("/nodes/capped/reports", json=batch)
     assert 16384 < len(r.request.content) < 262144 and r.status_code == 200 and r.json()["stored"] == 100, r.text
     assert httpx.get(cp.base + "/healthz").status_code == 200
+
+
+def _malformed(path: str) -> str:
+    """``path`` with each path parameter given a value no route would accept, and a query string
+    no route would accept either."""
+    return re.sub(r"\{[^}]+\}", "%FF%FE-not-an-id", path) + "?limit=-5&start_s=not-a-number"
+
+
+def test_without_a_token_every_route_answers_401_whatever_the_body_path_or_query(cp):
+    """Table-driven over the API's own routes (every one that declares roles): no token, with a
+    malformed JSON body, a body that is not JSON, malformed path parameters and query: 401 on
+    each, never 422 (the token is checked first)."""
+    ops = [(m.upper(), p) for p, item in _spec(cp)["paths"].items() for m, op in item.items()
+           if op.get("x-racer-roles")]
+    assert len(ops) >= 30, ops
+    bodies = [(b'{"reports": [{"seq": tru', "application/json"), (b"\xce\xe2\x00", "application/json"),
+              (b"name=x", "text/plain"), (b"[" * 10_000, "application/json")]
+    refused = {}
+    for method, path in ops:
+        for url_path in (path.replace("{node_id}", "n1").replace("{override_id}", "1").replace(
+                "{rollout_id}", "1").replace("{version}", "v1"), _malformed(path)):
+            for content, kind in bodies if method != "GET" else [(None, None)]:
+                r = httpx.request(method, cp.base + url_path, content=content,
+                                  headers={"Content-Type": kind} if kind else {}, timeout=30)
+                if r.status_code != 401:
+                    refused[(method, url_path, kind)] = (r.status_code, r.text[:200])
+                else:
+                    assert r.headers.get("www-authenticate") == "Bearer"
+    assert not refused, refused
+
+
+BOOL_AS_NUMBER = [  # (role, method, path, body): a boolean where a number belongs
+    ("node", "POST", "/nodes/{n}/reports", {"reports": [report(0, ts_s=1000.0, bursts=[
+        {"start_s": 999.0, "magnitude": False}])]}),
+    ("node", "POST", "/nodes/{n}/reports", {"reports": [report(0, ts_s=1000.0, interval_s=True)]}),
+    ("node", "POST", "/nodes/{n}/reports", {"reports": [report(0, ts_s=1000.0, decision={
+        "source": "base", "emb_share": 0.5, "features": {"x": True}})]}),
+    ("node", "POST", "/nodes/{n}/reports", {"reports": [report(0, ts_s=True)]}),
+    ("node", "POST", "/nodes/register", {"node_id": "{n}", "address": "http://127.0.0.1:9", "device": "cpu",
+                                         "cost_profile": {**PROFILE, "service_time_us": False}}),
+    ("operator", "POST", "/overrides", {"node_id": "{n}", "emb_share": False, "reason": "x"}),
+    ("operator", "POST", "/overrides", {"node_id": "{n}", "emb_share": 0.5, "ttl_s": True, "reason": "x"}),
+    ("operator", "POST", "/rollouts", {"policy_version": "v1", "canary_fraction": True}),
+    ("operator", "POST", "/rollouts", {"policy_version": "v1", "min_samples": 10.0}),
+    ("operator", "POST", "/tokens", {"role": "node", "name": "x", "node_id": "{n}", "replace": 1}),
+]
+
+
+@pytest.mark.parametrize("role,method,path,body", BOOL_AS_NUMBER)
+def test_a_boolean_is_not_a_number_anywhere_in_the_api(cp, role, method, path, body):
+    nid = "strict-node"
+    tok = cp.token("node", node_id=nid)
+    if cp.admin.get(f"/nodes/{nid}").status_code == 404:
+        register(cp.client(tok), nid)
+    client = cp.client(tok) if role == "node" else cp.admin
+    raw = json.loads(json.dumps(body).replace("{n}", nid))
+    r = client.request(method, path.replace("{n}", nid), json=raw)
+    assert r.status_code == 422, (path, r.status_code, r.text[:300])
+    assert cp.admin.get("/reports", params={"node_id": nid}).json() == []  # nothing stored
+
+
+def test_options_names_every_method_of_the_path_and_a_wrong_method_gets_405_with_allow(cp):
+    for path, allow in [(f"{API}/policies", "GET, OPTIONS, POST"), (f"{API}/nodes/n1", "GET, OPTIONS"),
+                        (f"{API}/overrides", "GET, OPTIONS, POST"), ("/healthz", "GET, OPTIONS")]:
+        r = httpx.request("OPTIONS", cp.base + path)
+        assert r.status_code == 204 and r.headers["allow"] == allow, (path, r.status_code, r.headers)
+        r = httpx.request("PATCH", cp.base + path, json={})
+        assert r.status_code == 405 and r.headers["allow"] == allow and allow in r.json()["detail"], (path, r.text)
