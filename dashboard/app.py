@@ -614,11 +614,13 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             if (!rows) { return window.dash_clientside.no_update; }
             const h = (type, props) => ({type: type, namespace: "dash_html_components", props: props});
             const cols = [["node_id", "node"], ["status", "status"], ["device", "device"],
-                          ["emb_share", "emb_share"], ["policy_version", "policy"]];
+                          ["emb_share", "emb_share"], ["policy_version", "policy"],
+                          ["num_reports_dropped", "reports dropped"]];
             const head = h("Thead", {children: h("Tr", {children: cols.map(c => h("Th", {children: c[1]}))})});
             const body = h("Tbody", {children: rows.map(r => h("Tr", {children: cols.map(c => h("Td", {
                 children: r[c[0]] === null || r[c[0]] === undefined ? "\u2013" : String(r[c[0]]),
-                className: c[0] !== "status" ? undefined
+                className: c[0] === "num_reports_dropped" ? (r[c[0]] > 0 ? "text-danger fw-semibold" : undefined)
+                           : c[0] !== "status" ? undefined
                            : (r.status === "up" ? "text-success" : "text-danger fw-semibold")}))}))});
             return h("Table", {children: [head, body], id: "nodes-tbl",
                                className: "table table-sm table-striped table-hover small mb-0"});
@@ -957,7 +959,7 @@ def _jsonable(o):
 def _node_rows(nodes: list[dict]) -> list[dict]:
     return [{"node_id": n["node_id"], "status": n.get("status"), "device": n.get("device"),
              "emb_share": None if n.get("emb_share") is None else round(n["emb_share"], 2),
-             "policy_version": n.get("policy_version")}
+             "policy_version": n.get("policy_version"), "num_reports_dropped": n.get("num_reports_dropped")}
             for n in sorted(nodes, key=lambda n: n["node_id"])]
 
 
