@@ -400,9 +400,11 @@ def test_a_gateway_that_exits_while_starting_is_restarted_and_the_run_goes_on(tm
     def plan_with_a_failing_gateway(*a, **kw):
         plan = real_plan(*a, **kw)
         gw = next(s for s in plan.specs if s.name == "gateway")
-        wrapper = ("import os, sys; f = sys.argv[1]; n = int(open(f).read()) if os.path.exists(f) else 0; "
+        # the first two runs give up 2 s after they start (as a gateway that found no control plane
+        # did), the third is the real gateway
+        wrapper = ("import os, sys, time; f = sys.argv[1]; n = int(open(f).read()) if os.path.exists(f) else 0; "
                    "open(f, 'w').write(str(n + 1)); "
-                   "sys.exit(3) if n < 2 else os.execv(sys.argv[2], sys.argv[2:])")
+                   "(time.sleep(2), sys.exit(3)) if n < 2 else os.execv(sys.argv[2], sys.argv[2:])")
         gw.argv = [sys.executable, "-c", wrapper, str(counter), *gw.argv]
         return plan
 
