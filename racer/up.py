@@ -896,7 +896,7 @@ class _Up:
         if not self.sup.check_ready(self.sup["dashboard"]):
             return
         self.times.url_s = round(self.elapsed(), 1)
-        self.say(f"dashboard     {self.plan.dashboard_url}  (up in {self.times.url_s:g} s)")
+        self.say(f"dashboard     {self.plan.dashboard_url}")  # the URL last: tools read the line's last word
         # the token itself only to a person at a terminal, never to the log or a captured stream
         token_file = self.data_dir / "operator_token"
         at_terminal = sys.stdout.isatty() and not self.args.json
