@@ -764,11 +764,13 @@ class _Up:
     agents' tokens (and the cost profile, once per folder) -> the control plane and the node agents
     (they spool their reports until it answers) -> once the control plane is healthy, its
     dependants: the gateway and the dashboard, and the policies (`racer.policy_seed`) -> the
-    dashboard's URL as soon as it answers -> the load once the gateway routes to the agents. A
+    dashboard's URL as soon as it answers -> the load once the policies are in and the gateway
+    routes to the agents. A
     dependant that exits or is slow is restarted with a back-off and named in a status line; it
     never stops the others. Only the control plane exiting before it ever answered (a bad
     ``--db``, say) ends the run, with the end of its log."""
 
+    SEED_WAIT_S = 30.0  # the load waits at most this long after the control plane for the policies
     LOAD_GRACE_S = 20.0  # the load starts this long after the gateway answers even if not every agent is in
 
     def __init__(self, args, data_dir: Path, ports: dict[str, int], say: Callable[..., None],
@@ -892,6 +894,15 @@ class _Up:
             self.say(f"could not register the policies ({type(e).__name__}: {e}); the agents run "
                      f"{self.args.policy} locally", err=True)
 
+    def policies_settled(self) -> bool:
+        """The policy registration is done (or not asked for, or given up waiting on after
+        ``SEED_WAIT_S``): the load starts on a settled registry."""
+        if not (self.args.policy and self.args.seed_policies and self.plan.control_plane_url):
+            return True
+        if self._seeder is not None and not self._seeder.is_alive():
+            return True
+        return self.elapsed() - (self.times.control_plane_s or self.elapsed()) >= self.SEED_WAIT_S
+
     def step_url(self) -> None:
         if not self.sup.check_ready(self.sup["dashboard"]):
             return
@@ -974,14 +985,15 @@ class _Up:
                 self.sup.check_ready(self.sup[n], timeout_s=0.5)
         if self.plan.dashboard_url and self.times.url_s is None and self.started("dashboard"):
             self.step_url()
-        if self._seeder is None and self.args.policy and self.args.seed_policies \
-                and self.times.control_plane_s is not None and (self.times.url_s is not None or not self.plan.dashboard_url):
+        if self._seeder is None and self.args.policy and self.args.seed_policies and self.times.control_plane_s \
+                is not None and (self.times.url_s is not None or not self.plan.dashboard_url
+                                 or self.elapsed() - self.times.control_plane_s >= self.SEED_WAIT_S / 2):
             # after the dashboard's start, which it would slow down (the control plane checks each
             # artifact with the agent's loader)
             self._seeder = threading.Thread(target=self._seed, name="racer-up-policies", daemon=True)
             self._seeder.start()
         if self.replayer is None and (self.times.control_plane_s is not None or not self.has("control-plane")) \
-                and all(self.started(n) for n in self.nodes) and self.load_ready():
+                and all(self.started(n) for n in self.nodes) and self.policies_settled() and self.load_ready():
             self.start_load()
         if self.replayer is not None and self.times.first_served_s is None \
                 and self.stats.snapshot()["requests_served"] > 0:
