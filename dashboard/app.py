@@ -712,11 +712,12 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 if tab == "overview":
                     if rows:
                         cl = cluster_series(rows)
-                        ext[0] = F.extend_cluster(cl, ["slo_attainment"], max_points, scale=100.0) or no_update
-                        ext[1] = F.extend_nodes(ns, order, "p99_ms", max_points) or no_update
-                        ext[2] = F.extend_cluster(cl, ["throughput_rps"], max_points) or no_update
+                        gap = {"last_t_s": last, "step_s": step}  # an outage between ticks: a gap
+                        ext[0] = F.extend_cluster(cl, ["slo_attainment"], max_points, scale=100.0, **gap) or no_update
+                        ext[1] = F.extend_nodes(ns, order, "p99_ms", max_points, **gap) or no_update
+                        ext[2] = F.extend_cluster(cl, ["throughput_rps"], max_points, **gap) or no_update
                         ext[3] = F.extend_cluster(cl, ["emb_hit_rate", "kv_hit_rate"], max_points,
-                                                  scale=100.0) or no_update
+                                                  scale=100.0, **gap) or no_update
                     if shapes_changed:
                         for i, hl in ((0, [F.hline_shape(100 * slo_target, "target")]),
                                       (1, [F.hline_shape(slo, "slo")]), (2, []), (3, [])):
@@ -730,7 +731,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                     sel = view.get("split_sel") or []
                     if rows:
                         p = Patch()
-                        times = sorted({t for s_ in ns.values() for t in s_["t_s"]})
+                        times = F.gap_times(sorted({t for s_ in ns.values() for t in s_["t_s"]}), last, step)
                         view["heat_cols"] = view.get("heat_cols", 0) + len(times)
                         if view["heat_cols"] > max_points:
                             # the heatmap has no browser-side trimming: once a whole range has been
@@ -749,9 +750,10 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                             s_ = ns.get(node_id)
                             if not s_:
                                 continue
-                            x = F.to_xs(s_["t_s"])
+                            x, (applied, target) = F.gapped_extension(s_["t_s"], [s_["emb_share"],
+                                                                                  s_["target_emb_share"]], last, step)
                             xs += [x, x]
-                            ys += [s_["emb_share"], s_["target_emb_share"]]
+                            ys += [applied, target]
                             idx += [2 * i, 2 * i + 1]
                         since = view.get("dec_since_s") or (now - 2 * step - 5)
                         dec = [d for n in sel for d in client.decisions(tok, start_s=since, node_id=n,

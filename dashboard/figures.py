@@ -546,7 +546,7 @@ def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
 # ------------------------------------------------------------------- live partial updates ---
 
 
-def _extension(ts: Sequence[float], columns: Sequence[Sequence], last_t_s: float | None,
+def gapped_extension(ts: Sequence[float], columns: Sequence[Sequence], last_t_s: float | None,
                step_s: float | None) -> tuple[list[int], list[list]]:
     """New points of a live update with their gaps: inside them (`with_gaps`), and before the
     first one when it comes more than `GAP_FACTOR` buckets after ``last_t_s``, the last point
@@ -562,6 +562,15 @@ def _extension(ts: Sequence[float], columns: Sequence[Sequence], last_t_s: float
     return to_xs(t), cols
 
 
+def gap_times(ts: Sequence[float], last_t_s: float | None, step_s: float | None) -> list[float]:
+    """New heatmap columns' times with blank ones where they leave a gap (`with_gaps` with
+    ``both_ends``), also between ``last_t_s`` (the last column drawn) and the first new one."""
+    ts = [float(t) for t in ts]
+    if last_t_s is None or not ts:
+        return with_gaps(ts, [], step_s, both_ends=True)[0]
+    return with_gaps([float(last_t_s)] + ts, [], step_s, both_ends=True)[0][1:]
+
+
 def extend_nodes(nodes: Mapping[str, Mapping], order: Sequence[str], field: str,
                  max_points: int, last_t_s: float | None = None, step_s: float | None = None) -> list | None:
     """``extendData`` for a figure with one trace per node in ``order`` (as `p99_figure` builds it):
@@ -573,7 +582,7 @@ def extend_nodes(nodes: Mapping[str, Mapping], order: Sequence[str], field: str,
         s = nodes.get(node_id)
         if not s or not s.get("t_s"):
             continue
-        x, (y,) = _extension(s["t_s"], [s.get(field, [])], last_t_s, step_s)
+        x, (y,) = gapped_extension(s["t_s"], [s.get(field, [])], last_t_s, step_s)
         xs.append(x)
         ys.append(y)
         idx.append(i)
@@ -606,6 +615,6 @@ def extend_cluster(cluster: Mapping, fields: Sequence[str], max_points: int,
     t = cluster.get("t_s") or []
     if not t:
         return None
-    x, cols = _extension(t, [cluster.get(f, []) for f in fields], last_t_s, step_s)
+    x, cols = gapped_extension(t, [cluster.get(f, []) for f in fields], last_t_s, step_s)
     ys = [[None if v is None else scale * v for v in c] for c in cols]
     return [{"x": [x] * len(fields), "y": ys}, list(range(len(fields))), max_points]
