@@ -197,8 +197,14 @@ def gateway_report_history(request: Request,
                            gateway_id: Annotated[str | None, Query(max_length=128)] = None,
                            start_s: Annotated[float | None, Query(ge=0, le=1e11)] = None,
                            end_s: Annotated[float | None, Query(ge=0, le=1e11)] = None,
-                           limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000):
+                           limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+                           details: Annotated[bool, Query(description="false: without the per-outcome, "
+                                                                       "per-node and per-phase details")] = True):
     """Gateway reports with ``start_s <= ts_s < end_s``, oldest first (at most the newest ``limit``)."""
     with request.app.state.factory() as s:
-        return [_report_out(r) for r in queries.gateway_reports(s, gateway_id=gateway_id, start_s=start_s,
+        rows = [_report_out(r) for r in queries.gateway_reports(s, gateway_id=gateway_id, start_s=start_s,
                                                                 end_s=end_s, limit=limit)]
+    if not details:
+        for r in rows:
+            r.details = {}
+    return rows

@@ -7,16 +7,27 @@ beside what the nodes see of themselves (``/summary``).
   ``failing`` (requests, none served), ``stalled`` (no gateway report for more than one whole
   interval) or ``none`` (no gateway has ever reported). A figure with no data is None (drawn as
   a gap, "–"), never 0; a stalled gateway's old figures are not shown as current.
-- `section`: the cards and the banner (layout); `register`: the callback that fills them every
-  tick (one API read) and the nodes' own figures beside them from the summary store.
+- `clients_figure` (pure): the clients' P99 end to end (worst gateway per bucket) and failed
+  requests over the chosen range, at most `MAX_BUCKETS` buckets; a bucket with no report is a
+  gap, a bucket whose requests all failed has errors and no P99.
+- `section`: the banner, the cards and the chart (layout); `register`: the callback that fills
+  them every tick (``GET /gateways`` and the reports since the last tick) and the nodes' own
+  figures beside the cards from the summary store.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+
 import dash_bootstrap_components as dbc
-from dash import Input, Output, State, html, no_update
+import plotly.graph_objects as go
+from dash import Input, Output, Patch, State, dcc, html, no_update
 
 GAP = "–"
+MAX_BUCKETS = 180
+STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600)
 
 
 def client_state(gateways: list[dict]) -> dict:
@@ -64,6 +75,50 @@ def client_state(gateways: list[dict]) -> dict:
     if msgs:
         out["banner"] = (" ".join(msgs), "danger")
     return out
+
+
+def bucket_step(range_s: float) -> int:
+    """The bucket (s) that gives at most `MAX_BUCKETS` over ``range_s``."""
+    return next((s for s in STEPS if range_s / s <= MAX_BUCKETS), STEPS[-1])
+
+
+def clients_figure(rows: list[dict], now_s: float, range_s: float, slo_ms: float | None = None) -> go.Figure:
+    """P99 end to end (line, ms; the worst gateway's in each bucket) and failed requests (bars,
+    5xx answers per bucket) from gateway reports (``ts_s``, ``p99_ms``, ``num_failed``) over
+    ``[now_s - range_s, now_s]``. A bucket with no report: no point and no bar (a gap); with
+    reports but nothing served: a bar and no P99."""
+    step = bucket_step(range_s)
+    first = math.floor((now_s - range_s) / step) * step
+    n = int(math.ceil((now_s - first) / step))
+    p99: list[float | None] = [None] * n
+    failed: list[int | None] = [None] * n
+    for r in rows:
+        k = int((r["ts_s"] - first) // step)
+        if not 0 <= k < n:
+            continue
+        failed[k] = (failed[k] or 0) + int(r.get("num_failed") or 0)
+        if r.get("p99_ms") is not None:
+            p99[k] = r["p99_ms"] if p99[k] is None else max(p99[k], r["p99_ms"])
+    xs = [int(round((first + k * step) * 1000.0)) for k in range(n)]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=xs, y=p99, mode="lines+markers", name="P99 end to end (ms)", connectgaps=False,
+                             marker=dict(size=3), line=dict(color="#1f77b4", width=2)))
+    fig.add_trace(go.Bar(x=xs, y=failed, name=f"failed requests (5xx) per {step} s", yaxis="y2",
+                         marker=dict(color="rgba(214,39,40,0.55)")))
+    shapes = []
+    if slo_ms:
+        shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=slo_ms, y1=slo_ms, name="slo",
+                           line=dict(color="#d62728", dash="dash", width=1.5)))
+    fig.update_layout(template="plotly_white", height=260, margin=dict(l=60, r=60, t=40, b=40), shapes=shapes,
+                      title=dict(text="What clients see: P99 end to end and failed requests (all gateways)",
+                                 font=dict(size=14)),
+                      xaxis=dict(type="date", title_text="time (UTC)"),
+                      yaxis=dict(title_text="P99 (ms)", rangemode="tozero"),
+                      yaxis2=dict(title_text="failed", overlaying="y", side="right", rangemode="tozero",
+                                  showgrid=False),
+                      legend=dict(orientation="h", y=1.0, x=1, xanchor="right", yanchor="bottom"),
+                      uirevision="clients", bargap=0.1)
+    return fig
 
 
 def _pct(v) -> str:
@@ -116,6 +171,9 @@ def section() -> html.Div:
                   html.Span("(the gateways' last report interval; the nodes' own figures beside)",
                             className="small text-muted", id="cv-note")], className="mb-1"),
         dbc.Row([_card(cid, label) for cid, label in CARDS], className="g-2 mb-2", id="client-cards"),
+        dcc.Graph(id="g-clients", figure={"data": [], "layout": {"height": 260, "template": "plotly_white"}},
+                  config={"displaylogo": False, "responsive": True}, style={"minHeight": "260px"}),
+        dcc.Store(id="cv-drawn", data=None),  # the range the chart was drawn whole for (this page)
     ])
 
 
@@ -125,26 +183,83 @@ def register(app, client, sessions) -> None:
     from .client import ApiError, Unavailable
 
     ids = [cid for cid, _ in CARDS]
+    history = _History()
 
     @app.callback(*[Output(cid, "children") for cid in ids], Output("client-banner", "is_open"),
                   Output("client-banner", "children"), Output("cv-state", "className"),
-                  Input("tick-go", "data"), Input("sid", "data"), prevent_initial_call=True)
-    def client_cards(_n, sid):
+                  Output("g-clients", "figure"), Output("cv-drawn", "data"),
+                  Input("tick-go", "data"), Input("sid", "data"), State("range", "value"), State("cv-drawn", "data"),
+                  prevent_initial_call=True)
+    def client_cards(_n, sid, range_s, drawn):
         s = sessions.get(sid)
         if s is None:
-            return [no_update] * (len(ids) + 3)
+            return [no_update] * (len(ids) + 5)
+        now = time.time()
+        range_s = float(range_s or 900)
         try:
             gws = client.get("/gateways", s.token)
+            rows, changed = history.update(sid, range_s, now, lambda since: client.get(
+                "/gateway-reports", s.token, start_s=since, details="false", limit=20_000))
         except (ApiError, Unavailable):
-            return [no_update] * (len(ids) + 3)  # the control plane's own banner says why
+            return [no_update] * (len(ids) + 5)  # the control plane's own banner says why
         st = client_state(gws)
         vals = card_values(st)
         banner = st["banner"]
+        fig = no_update
+        if changed or drawn != range_s:  # the whole figure once per page and range, then its data only
+            full = clients_figure(rows, now, range_s, st.get("slo_ms"))
+            if changed == "new" or drawn != range_s:
+                fig = full
+            else:
+                fig = Patch()
+                for i in (0, 1):
+                    fig["data"][i]["x"] = list(full.data[i].x)
+                    fig["data"][i]["y"] = list(full.data[i].y)
+                fig["data"][1]["name"] = full.data[1].name
+                fig["layout"]["shapes"] = [sh.to_plotly_json() for sh in full.layout.shapes]
         return (*[vals[cid] for cid in ids], banner is not None, banner[0] if banner else no_update,
-                "fs-5 fw-semibold " + STATE_TEXT[st["state"]][1])
+                "fs-5 fw-semibold " + STATE_TEXT[st["state"]][1], fig, range_s)
 
     @app.callback(Output("nv-slo", "children"), Output("nv-p99", "children"), Input("summary", "data"),
                   prevent_initial_call=True)
     def node_beside(summary):
         summary = summary or {}
         return _pct(summary.get("mean_slo_attainment")), _ms(summary.get("mean_p99_ms"))
+
+
+class _History:
+    """Per signed-in session: the gateway reports of the chosen range (without details), read
+    once, then only those since the newest held; ``update`` says whether the chart must be drawn
+    again (new reports, a new range, or a bucket boundary passed)."""
+
+    def __init__(self, max_sessions: int = 200) -> None:
+        self._by_sid: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self.max_sessions = max_sessions
+
+    def update(self, sid: str, range_s: float, now_s: float, fetch) -> tuple[list[dict], bool | str]:
+        """(the range's rows, False / True / "new": nothing to draw / new data / draw it whole)."""
+        with self._lock:
+            h = self._by_sid.get(sid)
+        fresh = h is None or h["range_s"] != range_s
+        if fresh:
+            h = {"range_s": range_s, "rows": [], "keys": set(), "newest": None, "drawn_bucket": None}
+        since = h["newest"] if h["newest"] is not None else now_s - range_s
+        new = [r for r in fetch(since) if (r["gateway_id"], r["seq"]) not in h["keys"]]
+        for r in new:
+            h["keys"].add((r["gateway_id"], r["seq"]))
+            h["rows"].append({"gateway_id": r["gateway_id"], "seq": r["seq"], "ts_s": r["ts_s"],
+                              "p99_ms": r.get("p99_ms"), "num_failed": r.get("num_failed")})
+            h["newest"] = r["ts_s"] if h["newest"] is None else max(h["newest"], r["ts_s"])
+        cut = now_s - range_s
+        if h["rows"] and h["rows"][0]["ts_s"] < cut:
+            h["rows"] = [r for r in h["rows"] if r["ts_s"] >= cut]
+            h["keys"] = {(r["gateway_id"], r["seq"]) for r in h["rows"]}
+        bucket = math.floor(now_s / bucket_step(range_s))
+        changed = "new" if fresh else bool(new) or h["drawn_bucket"] != bucket
+        h["drawn_bucket"] = bucket
+        with self._lock:
+            if sid not in self._by_sid and len(self._by_sid) >= self.max_sessions:
+                self._by_sid.pop(next(iter(self._by_sid)))
+            self._by_sid[sid] = h
+        return list(h["rows"]), changed

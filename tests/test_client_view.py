@@ -237,3 +237,39 @@ def test_dashboard_reads_live_idle_failing_stalled_and_gaps():
     assert s["state"] == "failing" and "no request served" in s["banner"][0]
     s = client_state([_gw(3.5)])  # one whole interval without a report
     assert s["state"] == "stalled" and "no report" in s["banner"][0] and s["p99_ms"] is None
+
+
+def test_clients_chart_buckets_with_gaps_and_reads_only_what_is_new():
+    from dashboard.client_cards import _History, clients_figure
+
+    now = 10_000.0
+    rows = [{"ts_s": now - 100.0, "p99_ms": 12.0, "num_failed": 0}, {"ts_s": now - 99.0, "p99_ms": 30.0, "num_failed": 1},
+            {"ts_s": now - 20.0, "p99_ms": None, "num_failed": 7}]
+    fig = clients_figure(rows, now, 900.0, slo_ms=50.0)  # 5 s buckets
+    p99, failed = list(fig.data[0].y), list(fig.data[1].y)
+    assert len(p99) == len(failed) == 180
+    k = [i for i, v in enumerate(failed) if v is not None]
+    assert [(p99[i], failed[i]) for i in k] == [(30.0, 1), (None, 7)]  # the worst P99; nothing served: no P99
+    assert sum(v is None for v in p99) == 179  # no report: a gap, never 0
+    assert fig.layout.shapes[0].y0 == 50.0 and fig.data[0].x[1] - fig.data[0].x[0] == 5000
+    calls = []
+
+    def fetch(rows_):
+        def f(since):
+            calls.append(since)
+            return rows_
+        return f
+
+    h = _History()
+    r1 = {"gateway_id": "g", "seq": 1, "ts_s": now - 10, "p99_ms": 1.0, "num_failed": 0, "details": {}}
+    got, changed = h.update("sid", 900.0, now, fetch([r1]))
+    assert changed == "new" and len(got) == 1 and calls == [now - 900.0]
+    r2 = dict(r1, seq=2, ts_s=now - 5)
+    got, changed = h.update("sid", 900.0, now, fetch([r1, r2]))  # r1 again (inclusive start): kept once
+    assert changed is True and [r["seq"] for r in got] == [1, 2] and calls[-1] == now - 10
+    got, changed = h.update("sid", 900.0, now, fetch([r2]))
+    assert changed is False
+    got, changed = h.update("sid", 900.0, now + 6, fetch([]))  # a bucket boundary passed: redraw
+    assert changed is True
+    got, changed = h.update("sid", 300.0, now + 6, fetch([r2]))  # another range: read again, draw whole
+    assert changed == "new" and [r["seq"] for r in got] == [2]

@@ -133,10 +133,15 @@ def test_clients_view_leads_the_overview_and_shows_a_killed_agents_failures_and_
             def text(cid: str) -> str:
                 return page.inner_text(f"#{cid}") if page.query_selector(f"#{cid}") else ""
 
+            def chart(i: int) -> list:  # trace i of the clients' chart: the values drawn (None: a gap)
+                return page.evaluate("""(i) => { const el = document.querySelector('#g-clients .js-plotly-plot');
+                    return el && el.data && el.data[i] ? Array.from(el.data[i].y) : []; }""", i)
+
             # the clients' P99 and SLO attainment, with the nodes' own beside them, and the phase
             _until(lambda: "live" in text("cv-state") and "ms" in text("cv-p99") and "%" in text("cv-slo")
                    and "ms" in text("nv-p99") and "%" in text("nv-slo"), 60, "client-side and node figures")
             assert PHASE in text("cv-phase")
+            _until(lambda: any(v is not None and v > 0 for v in chart(0)), 30, "the clients' P99 in the chart")
             box_c, box_n = page.locator("#cv-p99").bounding_box(), page.locator("#nv-p99").bounding_box()
             assert box_c and box_n and abs(box_c["x"] - box_n["x"]) < 200  # in the same card
             assert not page.locator("#client-banner").is_visible()
@@ -151,6 +156,7 @@ def test_clients_view_leads_the_overview_and_shows_a_killed_agents_failures_and_
             assert "no request served" in banner and "503" in banner, banner
             assert int(text("cv-errors")) >= int(text("cv-503")) > 0
             assert text("cv-p99") == "–"  # nothing served: a gap, not 0 ms
+            _until(lambda: any(v is not None and v > 0 for v in chart(1)), 30, "failed requests in the chart")
             page.screenshot(path=str(tmp_path / "clients-failing.png"), full_page=True)
             rep = last_report()
             assert rep["num_ok"] == 0 and rep["num_503"] > 0 and rep["slo_attainment"] == 0.0
