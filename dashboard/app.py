@@ -523,10 +523,11 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             if tab == "overview":
                 cl = cluster_series(rows)
                 ns = node_series(rows)
-                outs["g-slo"] = F.slo_attainment_figure(cl, slo_target, bursts, now)
-                outs["g-p99"] = F.p99_figure({n: ns.get(n, {"t_s": []}) for n in order}, slo, bursts, now)
-                outs["g-thr"] = F.throughput_figure(cl, bursts, now)
-                outs["g-hits"] = F.hit_rate_figure(cl, bursts, now)
+                outs["g-slo"] = F.slo_attainment_figure(cl, slo_target, bursts, now, step_s=step)
+                outs["g-p99"] = F.p99_figure({n: ns.get(n, {"t_s": []}) for n in order}, slo, bursts, now,
+                                             step_s=step)
+                outs["g-thr"] = F.throughput_figure(cl, bursts, now, step_s=step)
+                outs["g-hits"] = F.hit_rate_figure(cl, bursts, now, step_s=step)
             elif tab == "split":
                 ns = node_series(rows)
                 sel = [n for n in (split_sel or []) if n in order] or order[:SPLIT_NODES_DEFAULT]
@@ -534,15 +535,18 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                 dec = [d for n in sel for d in client.decisions(tok, start_s=start, node_id=n, limit=1000)["items"]]
                 view["last_dec_id"] = max((d["id"] for d in dec), default=0)
                 view["dec_since_s"] = max((d["ts_s"] for d in dec), default=None)
-                outs["g-heat"] = F.emb_share_heatmap({n: ns.get(n, {"t_s": []}) for n in order}, bursts, now)
+                outs["g-heat"] = F.emb_share_heatmap({n: ns.get(n, {"t_s": []}) for n in order}, bursts, now,
+                                                     step_s=step)
                 outs["g-lines"] = F.share_lines_figure({n: ns.get(n, {"t_s": []}) for n in sel},
-                                                       [dict(d, t_s=d["ts_s"]) for d in dec], bursts, now)
+                                                       [dict(d, t_s=d["ts_s"], reason=r)  # node-local times in UTC too
+                                                        for d, r in zip(dec, D.reasons_utc(dec, bursts))],
+                                                       bursts, now, step_s=step)
                 outs["g-split"] = F.split_bar_figure(_split_rows(nodes))
             elif tab == "bursts":
                 dec = client.decisions(tok, start_s=start, source="recovery", limit=DECISION_LIMIT)["items"]
                 extra[2] = burst_rows(bursts, dec, now)
                 cl = cluster_series(rows)
-                outs["g-bursts-p99"] = F.p99_figure({}, slo, bursts, now, cluster=cl)
+                outs["g-bursts-p99"] = F.p99_figure({}, slo, bursts, now, cluster=cl, step_s=step)
                 outs["g-bursts-p99"].update_layout(title_text="Cluster P99 (worst node) with burst periods")
             elif tab == "decisions":  # the decision grid: dashboard.decisions_tab
                 hist = [h for h in client.router_weights_history(tok) if h["computed_at_s"] >= start]
