@@ -183,3 +183,27 @@ def test_a_subcommand_whose_module_is_missing_is_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:  # the other commands are listed without importing it
         main(["--help"])
     assert e.value.code == 0 and "a command never installed" in capsys.readouterr().out
+
+
+def test_no_import_cycle_among_racer_modules():
+    """Module-level imports inside racer/ (what runs at import time): racer.cli imports no
+    subcommand, so nothing that racer.cli registers can import it back into a cycle."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "racer"
+    graph: dict[str, set[str]] = {}
+    for f in root.glob("*.py"):
+        mod = f"racer.{f.stem}"
+        for node in ast.parse(f.read_text()).body:  # top level only: imports inside functions are lazy
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                graph.setdefault(mod, set()).update(f"racer.{n}" for n in names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("racer."):
+                graph.setdefault(mod, set()).add(node.module)
+    assert graph["racer.cli"] <= {"racer.errors", "racer.__version__"}
+
+    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
+        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in graph.get(a, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
