@@ -484,6 +484,22 @@ def test_policy_from_upload_to_rolled_back_and_a_decision_drill_down_without_con
         assert section in body, body[:2000]
     assert "time (UTC)" in body and "kv_hit_rate" in body, body[:2000]
     page.screenshot(path=str(stack.shots / "decision-drill-down.png"), full_page=True)
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#dec-modal .modal-body", state="hidden")
+    # a search holds while live decisions arrive (ticks add rows of the same search only)
+    page.fill("#dec-search", "gpu-01")
+    page.press("#dec-search", "Enter")
+    deadline = time.monotonic() + 30
+    nodes: set = set()
+    while time.monotonic() < deadline:
+        nodes = set(page.locator("#grid-decisions .ag-center-cols-container [col-id=node_id]").all_inner_texts())
+        if nodes == {"gpu-01"}:
+            break
+        page.wait_for_timeout(250)
+    assert nodes == {"gpu-01"}, nodes
+    page.wait_for_timeout(4000)  # several live ticks, the fleet deciding every 2 s
+    nodes = set(page.locator("#grid-decisions .ag-center-cols-container [col-id=node_id]").all_inner_texts())
+    assert nodes == {"gpu-01"}, nodes
     page.close()
     assert not console, "\n".join(console)
 
