@@ -23,7 +23,11 @@ log = logging.getLogger("racer.node_agent")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (HSTU; weights initialised from --seed)")
+    g = p.add_argument_group("model (HSTU; a trained checkpoint with --model, else weights initialised from --seed)")
+    g.add_argument("--model", default=None, metavar="DIR",
+                   help="a checkpoint directory (racer model train): its weights, item table and shape are used "
+                        "and --embedding-dim, --num-layers, --num-heads and --head-dim are ignored; it must have "
+                        "been trained on the trace served here (default: random weights from --seed)")
     g.add_argument("--embedding-dim", type=positive_int, default=64, help="item embedding / model width (default 64)")
     g.add_argument("--num-layers", type=positive_int, default=2, help="HSTU layers (default 2)")
     g.add_argument("--num-heads", type=positive_int, default=2, help="attention heads (default 2)")
@@ -55,6 +59,15 @@ def _model_config(args):
                        qk_dim=args.head_dim, v_dim=args.head_dim, seed=args.seed)
 
 
+def _checkpoint(args, trace=None):
+    """The checkpoint of ``--model`` (verified; with ``trace``, checked against its items), or None."""
+    if not getattr(args, "model", None):
+        return None
+    from .model.checkpoint import load_checkpoint
+
+    return load_checkpoint(args.model, item_keys=None if trace is None else list(trace.item_keys))
+
+
 def _link_config(args):
     from .engine import LinkEmulationConfig
 
@@ -83,7 +96,8 @@ def cmd_node_profile(args) -> int:
     from .profile import ProfileConfig, measure_profile, parse_lengths, profile_steps
 
     _set_threads(args)
-    cfg = ProfileConfig(model=_model_config(args), lengths=parse_lengths(args.lengths), repeats=args.repeats,
+    ckpt = _checkpoint(args)
+    cfg = ProfileConfig(model=ckpt.config if ckpt is not None else _model_config(args), lengths=parse_lengths(args.lengths), repeats=args.repeats,
                         emb_batch_rows=args.emb_batch_rows, num_candidates=args.num_candidates,
                         page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, link=_link_config(args),
                         device=args.device, seed=args.seed)
@@ -92,7 +106,7 @@ def cmd_node_profile(args) -> int:
         raise FileNotFoundError(f"--out: directory {out.parent} does not exist")
     with tqdm(total=profile_steps(cfg), desc="racer node profile", unit="run", delay=2.0, file=sys.stderr,
               disable=args.no_progress) as bar:
-        prof = measure_profile(cfg, progress=lambda: bar.update(1))
+        prof = measure_profile(cfg, progress=lambda: bar.update(1), checkpoint=ckpt)
     if out is not None:  # a file only when asked for: never a stray node_profile.json in the cwd
         out.write_text(json.dumps(prof, indent=2) + "\n")
     if args.json:
@@ -121,8 +135,9 @@ def build_agent(args, *, announce=None):
 
     _set_threads(args)
     trace = load_trace(args.trace, args.path, max_rows=args.max_rows)
+    ckpt = _checkpoint(args, trace)  # refused here (CheckpointError) before anything starts
     ecfg = EngineConfig(
-        model=_model_config(args), num_items=trace.num_items, item_seed=args.seed, num_pages=args.num_pages,
+        model=ckpt.config if ckpt is not None else _model_config(args), num_items=trace.num_items, item_seed=args.seed, num_pages=args.num_pages,
         page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, emb_share=args.emb_share,
         max_history_len=args.max_history_len, max_candidates=args.max_candidates,
         default_num_candidates=min(args.num_candidates, args.max_candidates, trace.num_items),
@@ -133,7 +148,7 @@ def build_agent(args, *, announce=None):
                        large_prefill_tokens=args.large_prefill_tokens,
                        max_prefill_tokens_per_batch=args.max_prefill_tokens_per_batch,
                        max_body_bytes=args.max_body_bytes)
-    engine = Engine(ecfg, item_popularity=trace.item_popularity())
+    engine = Engine(ecfg, item_popularity=trace.item_popularity(), checkpoint=ckpt)
     allocator = None
     costs = None
     if args.profile:
@@ -160,11 +175,12 @@ def build_agent(args, *, announce=None):
                 announce("no --profile given: measuring the node's miss costs for the allocator")
             prof = measure_profile(ProfileConfig(model=ecfg.model, lengths=(128, 512), repeats=3,
                                                  page_tokens=ecfg.page_tokens, kv_dtype=ecfg.kv_dtype,
-                                                 link=ecfg.link, device=args.device, seed=args.seed))
+                                                 link=ecfg.link, device=args.device, seed=args.seed),
+                                   checkpoint=ckpt)
             costs = {k: prof[k] for k in ("kv_recompute_us_per_token", "emb_transfer_us_per_row",
                                           "emb_hit_us_per_row")}
     info = {"trace": trace.name, "trace_path": trace.source_path, "num_users_in_trace": trace.num_users,
-            "policy": args.policy, "profile": args.profile}
+            "policy": args.policy, "profile": args.profile, "model": dict(engine.model_info)}
     from .residency_feed import ResidencyFeed
 
     feed = ResidencyFeed(trace.item_shard, trace.item_popularity(), num_shards=trace.num_shards)

@@ -42,6 +42,7 @@ import torch
 from .memory import DEFAULT_GHOST_PROBES, KVLayout, MemoryConfig, MemoryManager, RefillConfig
 from .memory.manager import BoundaryPlan, ManagerStep
 from .model import HSTUModel, KVState, ModelConfig
+from .model.checkpoint import Checkpoint, CheckpointError
 
 # PCIe 4.0 x16: 16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s per direction (PCI-SIG); pinned
 # host-to-device cudaMemcpy reaches about 25 GB/s of it. A copy's fixed cost (launch, DMA set-up,
@@ -459,6 +460,27 @@ class RecResponse:
 # ------------------------------------------------------------------------------------- engine ---
 
 
+def _check_serves(checkpoint: Checkpoint, config: EngineConfig) -> None:
+    """Refuse a checkpoint this engine cannot serve (`CheckpointError` naming what differs)."""
+    if checkpoint.config != config.model:
+        a, b = asdict(checkpoint.config), asdict(config.model)
+        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        raise CheckpointError(f"checkpoint {checkpoint.path}: its model config differs from the one this node "
+                              f"serves (checkpoint vs node: {diff})")
+    if checkpoint.num_items != config.num_items:
+        raise CheckpointError(f"checkpoint {checkpoint.path}: trained on {checkpoint.num_items} items, this node "
+                              f"serves {config.num_items}")
+
+
+def _model_info(checkpoint: Checkpoint | None, config: EngineConfig) -> dict:
+    """What the node says about its weights: a checkpoint's digest, or random weights from a seed."""
+    if checkpoint is None:
+        return {"kind": "random", "seed": config.model.seed, "digest": None}
+    return {"kind": "checkpoint", "digest": checkpoint.digest, "path": checkpoint.path,
+            "trace": checkpoint.manifest.get("trace", {}).get("name")}
+
+
+
 class Engine:
     """One device's model, arena and Memory Manager, serving `RecRequest` micro-batches.
 
@@ -468,15 +490,27 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, host_table: torch.Tensor | None = None,
                  item_popularity: np.ndarray | None = None, clock: Callable[[], float] = time.perf_counter,
-                 now_s: float | None = None) -> None:
+                 now_s: float | None = None, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
         self.clock = clock
         mc = config.model
+        if checkpoint is not None:  # a trained model: its weights, and its item table in the EMB cache
+            _check_serves(checkpoint, config)
+            if host_table is not None:
+                raise ValueError("engine: give a checkpoint or a host table, not both (the checkpoint holds the "
+                                 "item table)")
+            host_table = checkpoint.item_table.clone()
         if host_table is None:
             host_table = make_item_table(config.num_items, mc.embedding_dim, config.item_seed)
         self.mm = MemoryManager(config.memory_config(), host_table, now_s=clock() if now_s is None else now_s)
         self.device = self.mm.arena.device
-        self.model = HSTUModel(mc).to(self.device)
+        if checkpoint is not None:
+            self.model = HSTUModel(mc)
+            self.model.load_state_dict(checkpoint.model.state_dict())
+            self.model = self.model.to(self.device)
+        else:
+            self.model = HSTUModel(mc).to(self.device)
+        self.model_info = _model_info(checkpoint, config)
         self.link = config.link.resolve(self.device)
         self.candidates = CandidateGenerator(item_popularity, config.num_items, config.item_seed)
         self._seqs: dict[int, _UserSeq] = {}
@@ -713,6 +747,37 @@ class Engine:
                 del self._seqs[u]
             self._prune_at = 2 * len(self._seqs) + 1024
 
+    # ---------------------------------------------------------------------------- the model ---
+    def load_checkpoint(self, checkpoint: Checkpoint) -> dict:
+        """Serve another trained model from now on (between batches, on the engine's thread).
+
+        The checkpoint must fit what this engine holds: the same model config (the KV pages'
+        layout and the EMB rows' width) and the same item count. Otherwise `CheckpointError` is
+        raised and nothing changes: the engine keeps serving its current model. On success the
+        host item table is replaced, the cached EMB rows are rewritten from it, and every user's
+        K/V is dropped (they were computed by the old weights). Returns the new `model_info`."""
+        _check_serves(checkpoint, self.config)
+        model = HSTUModel(self.config.model)
+        model.load_state_dict(checkpoint.model.state_dict())
+        model = model.to(self.device)
+        emb = self.mm.emb
+        self._sync()
+        emb.poll_refill()
+        if emb.host_table is not None:
+            emb.host_table.copy_(checkpoint.item_table)
+            resident = torch.nonzero(emb.item_to_slot != emb.miss_slot).flatten()
+            if resident.numel():
+                slots = emb.item_to_slot.index_select(0, resident)
+                rows = emb.host_table.index_select(0, resident.cpu()).to(self.device)
+                self.mm.arena.all_rows().index_copy_(0, slots, rows)
+        for u in list(self.mm.kv.users_lru()):
+            self.mm.kv.evict(u)
+        self._seqs.clear()
+        self._sync()
+        self.model = model
+        self.model_info = _model_info(checkpoint, self.config)
+        return self.model_info
+
     # ------------------------------------------------------------------------ maintenance ---
     def maintenance(self, now_s: float) -> ManagerStep:
         """Between batches: one bounded boundary step and one throttled refill chunk."""
@@ -743,6 +808,7 @@ class Engine:
         return {
             "device": str(self.device),
             "model": asdict(c.model),
+            "model_source": dict(self.model_info),
             "num_items": c.num_items,
             "num_pages": c.num_pages,
             "page_bytes": self.mm.config.page_bytes,

@@ -88,10 +88,17 @@ def profile_steps(cfg: ProfileConfig) -> int:
 
 
 def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.perf_counter,
-                    progress: Callable[[], None] | None = None) -> dict:
-    """Measure the profile on ``cfg.device``; returns the JSON-able profile (see the module doc)."""
+                    progress: Callable[[], None] | None = None, checkpoint=None) -> dict:
+    """Measure the profile on ``cfg.device``; returns the JSON-able profile (see the module doc).
+
+    With ``checkpoint`` (a `node_agent.model.checkpoint.Checkpoint` whose config is
+    ``cfg.model``) the trained model is measured: its weights, and histories and candidates made
+    of its own item rows; else random weights from ``cfg.seed``. ``model_source`` says which."""
     tick = progress or (lambda: None)
     m = cfg.model
+    if checkpoint is not None and checkpoint.config != m:
+        raise ValueError(f"profile: the checkpoint's model config {asdict(checkpoint.config)} differs from the "
+                         f"profile's {asdict(m)}")
     mem = MemoryConfig(
         num_pages=max(64, 4 * (cfg.hit_history_len // cfg.page_tokens + 1)), num_items=1024, emb_dim=m.embedding_dim,
         kv=KVLayout(m.num_layers, m.num_heads, m.qk_dim, cfg.page_tokens, cfg.kv_dtype),
@@ -105,10 +112,16 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
     mem = MemoryConfig(num_pages=num_pages, num_items=num_items, emb_dim=m.embedding_dim, kv=mem.kv,
                        initial_emb_share=emb_pages / num_pages, device=cfg.device)
     host = make_item_table(num_items, m.embedding_dim, cfg.seed)
+    if checkpoint is not None:  # the trained rows, repeated to the sweep's size
+        t = checkpoint.item_table
+        host = t[torch.arange(num_items) % t.shape[0]].contiguous()
     mm = MemoryManager(mem, host)
     dev = mm.arena.device
     link = cfg.link.resolve(dev)
-    model = HSTUModel(m).to(dev)
+    model = HSTUModel(m)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint.model.state_dict())
+    model = model.to(dev)
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -117,7 +130,11 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def history(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = (torch.randn(n, m.embedding_dim, generator=gen) / m.embedding_dim ** 0.5).to(dev)
+        if checkpoint is not None:
+            t = checkpoint.item_table
+            rows = t[torch.randint(0, t.shape[0], (n,), generator=gen)].to(dev)
+        else:
+            rows = (torch.randn(n, m.embedding_dim, generator=gen) / m.embedding_dim ** 0.5).to(dev)
         ts = (torch.cumsum(torch.rand(n, generator=gen, dtype=torch.float64) * 600, 0) + 1.5e9).to(dev)
         return rows, ts
 
@@ -173,6 +190,8 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
                      "num_candidates": cfg.num_candidates, "page_tokens": cfg.page_tokens,
                      "kv_dtype": cfg.kv_dtype, "torch_threads": torch.get_num_threads()},
         "model": asdict(m),
+        "model_source": ({"kind": "random", "seed": m.seed, "digest": None} if checkpoint is None else
+                         {"kind": "checkpoint", "digest": checkpoint.digest, "path": checkpoint.path}),
     })
     _check_positive(out)
     return out

@@ -59,6 +59,8 @@ COMMANDS: dict[str, Command] = {
     "policy": Command("policies.cli:add_policy_parser", "train, export and verify SmartAllocator policies"),
     "node": Command("node_agent.cli:add_node_parser", "node-level tools: measure the device's cost profile"),
     "node-agent": Command("node_agent.cli:add_node_parser", "serve recommendations on this node over HTTP"),
+    "model": Command("node_agent.model.cli:add_model_parser",
+                     "train and evaluate the GR model node agents serve; inspect checkpoints"),
     "gateway": Command("control_plane.gateway:add_gateway_parser",
                        "route recommendation requests to node agents (EMB-KV-aware)"),
     "up": Command("racer.up:add_up_parser",

@@ -1,0 +1,223 @@
+"""The ``racer model`` subcommands; racer/cli.py registers them with `add_model_parser`.
+
+    racer model train --trace KIND [--path P] --out DIR [--epochs 60] [--embedding-dim 64] ...
+    racer model eval DIR --trace KIND [--path P] [--json]
+    racer model show DIR [--json]
+
+torch is imported inside the commands, so ``racer --help`` stays fast. Errors a user can fix raise
+ValueError / FileNotFoundError (racer's ``main`` prints them as one line, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+    return v
+
+
+def _unit(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s}")
+    return v
+
+
+def _load_trace(args):
+    from workloads.loaders import load_trace
+
+    kw = {}
+    if getattr(args, "max_rows", None):
+        kw["max_rows"] = args.max_rows
+    return load_trace(args.trace, args.path, **kw)
+
+
+def _set_threads(n: int | None) -> None:
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+def cmd_model_train(args) -> int:
+    from .hstu import ModelConfig
+    from .train import TrainConfig, train
+
+    _set_threads(args.threads)
+    trace = _load_trace(args)
+    cfg = TrainConfig(
+        model=ModelConfig(embedding_dim=args.embedding_dim, num_layers=args.num_layers, num_heads=args.num_heads,
+                          qk_dim=args.head_dim, v_dim=args.head_dim, seed=args.seed),
+        max_seq_len=args.max_seq_len, batch_size=args.batch_size, max_epochs=args.epochs, patience=args.patience,
+        lr=args.lr, weight_decay=args.weight_decay, dropout=args.dropout, num_negatives=args.num_negatives,
+        positions_per_seq=args.positions_per_seq, negatives=args.negatives, use_timestamps=args.use_timestamps,
+        item_features=not args.no_item_features, max_minutes=args.max_minutes, item_dtype=args.item_dtype, seed=args.seed, device=args.device)
+
+    def say(msg: str) -> None:
+        print(f"racer model train: {msg}", file=sys.stderr, flush=True)
+
+    say(f"{trace.name}: {trace.num_users} users, {trace.num_items} items, {trace.num_interactions} interactions")
+    res = train(trace, cfg, args.out, progress=not args.no_progress, resume=not args.restart, log=say)
+    m = res.manifest
+    out = {"out": res.out_dir, "digest": m["digest"], "best_epoch": res.best_epoch, "epochs_run": len(res.history),
+           "stopped": res.stopped, "seconds": res.seconds, "device": m["train"]["device_used"],
+           "test_sampled": m["test"]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        t = m["test"]
+        print(f"wrote {res.out_dir} (digest {m['digest'][:16]}..): best epoch {res.best_epoch} of "
+              f"{len(res.history)} ({res.stopped}), {res.seconds:.0f} s on {out['device']}\n"
+              f"  test HR@10 {t['hr@10_sampled']:.4f}  NDCG@10 {t['ndcg@10_sampled']:.4f} "
+              f"(100 sampled negatives; `racer model eval {res.out_dir} --trace {args.trace}` for all figures)")
+    return 0
+
+
+def cmd_model_eval(args) -> int:
+    from tqdm import tqdm
+
+    from .checkpoint import load_checkpoint
+    from .eval import evaluate
+    from .train import leave_one_out
+
+    _set_threads(args.threads)
+    trace = _load_trace(args)
+    ckpt = load_checkpoint(args.dir, item_keys=list(trace.item_keys))
+    train_info = ckpt.manifest.get("train", {})
+    max_seq_len = args.max_seq_len or int(train_info.get("max_seq_len", 50))
+    use_ts = bool(train_info.get("use_timestamps", False))
+    split = leave_one_out(trace)
+    n = int((split.test >= 0).sum()) if args.max_users is None else min(args.max_users, int((split.test >= 0).sum()))
+    with tqdm(total=n, desc="racer model eval", unit="user", disable=args.no_progress, file=sys.stderr,
+              delay=1.0) as bar:
+        res = evaluate(ckpt.model, ckpt.item_table, split, "test", max_seq_len=max_seq_len, full=not args.sampled_only,
+                       seed=args.seed, use_timestamps=use_ts, popularity=True, max_users=args.max_users,
+                       progress=lambda: bar.update(1))
+    res = {**res, "digest": ckpt.digest, "trace": trace.name, "split": "test (last item per user)",
+           "max_seq_len": max_seq_len, "num_items": trace.num_items}
+    if args.json:
+        print(json.dumps(res))
+    else:
+        p = res["popularity"]
+        print(f"{trace.name}, {res['num_users']} users, {trace.num_items} items, checkpoint {ckpt.digest[:16]}..")
+        print(f"{'':<18}{'model':>10}{'popularity':>12}")
+        for k in [k for k in ("hr@10_sampled", "ndcg@10_sampled", "hr@10_full", "ndcg@10_full") if k in res]:
+            print(f"{k:<18}{res[k]:>10.4f}{p[k]:>12.4f}")
+    return 0
+
+
+def cmd_model_show(args) -> int:
+    from .checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(args.dir)
+    m = ckpt.manifest
+    out = {"digest": m["digest"], "config": m["config"], "num_items": m["num_items"], "trace": m.get("trace"),
+           "train": m.get("train"), "test": m.get("test")}
+    print(json.dumps(out, indent=None if args.json else 1))
+    return 0
+
+
+def add_model_parser(subparsers) -> None:
+    """Add ``model`` (train, eval, show) to racer's top-level subparsers."""
+    from workloads.loaders import LOADERS
+
+    model = subparsers.add_parser("model", help="train and evaluate the GR model that node agents serve",
+                                  description="Train the HSTU-style model on a trace (next-item prediction, "
+                                              "leave-one-out split), evaluate it against a popularity baseline, "
+                                              "and inspect checkpoints. See docs/model.md.")
+    sub = model.add_subparsers(dest="model_command", metavar="SUBCOMMAND", required=True)
+
+    def trace_args(p):
+        p.add_argument("--trace", required=True, choices=sorted(LOADERS), help="trace format")
+        p.add_argument("--path", default=None,
+                       help="trace file (default: the sample under $RACER_DATA_DIR or ../shared/data)")
+        p.add_argument("--max-rows", type=_positive_int, default=None, help="read at most this many interactions")
+        p.add_argument("--threads", type=_positive_int, default=None,
+                       help="torch intra-op threads on the CPU (default: torch's choice)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    tr = sub.add_parser("train", help="train the model on a trace's sequences; write a checkpoint directory",
+                        description="Next-item training (SASRec/HSTU protocol: each user's last item is the test "
+                                    "target, the one before the validation target, the rest training), sampled "
+                                    "softmax, early stopping on validation NDCG@10. Resumes from DIR's "
+                                    "train_state.pt when it was written for the same trace and config.")
+    trace_args(tr)
+    tr.add_argument("--out", required=True, help="checkpoint directory (created; an earlier run there resumes)")
+    g = tr.add_argument_group("model")
+    g.add_argument("--embedding-dim", type=_positive_int, default=32, help="item embedding / model width (default 32)")
+    g.add_argument("--num-layers", type=_positive_int, default=2, help="HSTU layers (default 2)")
+    g.add_argument("--num-heads", type=_positive_int, default=2, help="attention heads (default 2)")
+    g.add_argument("--head-dim", type=_positive_int, default=16, help="per-head size of Q, K and V (default 16)")
+    g = tr.add_argument_group("training")
+    g.add_argument("--max-seq-len", type=_positive_int, default=50, help="training histories cut to their last N "
+                                                                       "items (default 50)")
+    g.add_argument("--epochs", type=_positive_int, default=60, help="most epochs (default 60)")
+    g.add_argument("--patience", type=_positive_int, default=5,
+                   help="stop after this many epochs without a better validation NDCG@10 (default 5)")
+    g.add_argument("--batch-size", type=_positive_int, default=32, help="sequences per step (default 32)")
+    g.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    g.add_argument("--weight-decay", type=_unit, default=0.0, help="AdamW weight decay (default 0)")
+    g.add_argument("--dropout", type=_unit, default=0.2, help="dropout on input tokens while training (default 0.2)")
+    g.add_argument("--negatives", choices=("uniform", "in-batch"), default="uniform",
+                   help="sampled-softmax negatives: uniform over items, or the batch's other targets "
+                        "(default uniform)")
+    g.add_argument("--num-negatives", type=_positive_int, default=32, help="negatives per step (default 32)")
+    g.add_argument("--positions-per-seq", type=_positive_int, default=8,
+                   help="target positions per sequence per epoch, drawn afresh (default 8)")
+    g.add_argument("--use-timestamps", action="store_true",
+                   help="train with the trace's times (the time bias); default off, as requests to nodes "
+                        "carry no timestamps by default")
+    g.add_argument("--no-item-features", action="store_true",
+                   help="train each item's row alone (default: its row plus its category's and its popularity "
+                        "bucket's, summed into the one row the checkpoint stores)")
+    g.add_argument("--max-minutes", type=_positive_float, default=None,
+                   help="stop after this long; the best epoch so far is kept")
+    g.add_argument("--item-dtype", choices=("float32", "float16"), default="float32",
+                   help="how the checkpoint stores the item table (float16 halves the file; default float32)")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda[:N]")
+    g.add_argument("--seed", type=int, default=0, help="seed of weights, batches and negatives (default 0)")
+    g.add_argument("--restart", action="store_true", help="ignore DIR's train_state.pt and start afresh")
+    tr.set_defaults(func=cmd_model_train)
+
+    ev = sub.add_parser("eval", help="HR@10 / NDCG@10 of a checkpoint on the held-out last items, beside "
+                                     "popularity",
+                        description="Rank each user's held-out last item through the serving path, against 100 "
+                                    "sampled negatives (SASRec's protocol) and against every item, beside a "
+                                    "popularity baseline on the same split and candidates.")
+    ev.add_argument("dir", help="checkpoint directory")
+    trace_args(ev)
+    ev.add_argument("--max-seq-len", type=_positive_int, default=None,
+                    help="history items per user (default: the checkpoint's training value)")
+    ev.add_argument("--max-users", type=_positive_int, default=None, help="evaluate the first N users only")
+    ev.add_argument("--sampled-only", action="store_true", help="skip the full-item-set ranking (faster)")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the sampled negatives (default 0)")
+    ev.set_defaults(func=cmd_model_eval)
+
+    sh = sub.add_parser("show", help="verify a checkpoint and print its manifest",
+                        description="Verify a checkpoint's files against its manifest and print it.")
+    sh.add_argument("dir", help="checkpoint directory")
+    sh.add_argument("--json", action="store_true", help="one line of JSON")
+    sh.set_defaults(func=cmd_model_show)
