@@ -114,7 +114,13 @@ def register(app, client: ControlPlaneClient, sessions, *, default_range_s: int 
         if not new:
             return no_update, no_update, no_update
         dv["last_id"] = new[0]["id"]
-        return no_update, {"add": decision_rows(new), "addIndex": 0}, dv
+        bursts = []
+        if any("t=" in (d.get("reason") or "") for d in new):  # node-local times: the bursts anchor them
+            try:
+                bursts = client.bursts(tok, start_s=now - range_s - 3600)
+            except (Unavailable, ApiError):
+                bursts = []
+        return no_update, {"add": decision_rows(new, bursts), "addIndex": 0}, dv
 
     @app.callback(Output("dec-modal", "is_open"), Output("dec-detail-title", "children"), Output("dec-detail", "children"),
                   Input("grid-decisions", "cellClicked"), State("sid", "data"), prevent_initial_call=True)

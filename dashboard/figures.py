@@ -379,7 +379,7 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
             name=f"decision: {source}", legendgroup="sources",
             marker=dict(color=SOURCE_COLORS.get(source, UNKNOWN_SOURCE_COLOR), size=7,
                         line=dict(width=0.5, color="white")),
-            text=[f"{r.get('node_id')} · {source}<br>{_wrap(str(r.get('reason', '')))}" for r in rows],
+            text=[f"{r.get('node_id')} · {source}<br>{_wrap(str(r.get('reason', '')), max_lines=12)}" for r in rows],
             hovertemplate="%{text}<br>emb_share %{y:.3f}<extra></extra>", meta=source))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(range=[0, 1])
