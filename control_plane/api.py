@@ -545,7 +545,9 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                          uploaded_at_s=p.uploaded_at_s, manifest=p.manifest, evaluation=p.evaluation,
                          size_bytes=len(p.artifact))
 
-    @r.post("/policies", response_model=PolicyOut, status_code=201, responses=errors(409, 413), **{
+    @r.post("/policies", response_model=PolicyOut, status_code=201, responses={
+        **errors(409, 413), 200: {"model": PolicyOut, "description": "the same files are registered already: "
+                                                                    "the stored policy"}}, **{
         **roles(OPERATOR), "openapi_extra": {"x-racer-roles": [OPERATOR], "requestBody": {
             "required": True, "description": "tar (or tar.gz) of the files `racer policy export` writes",
             "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}}})
