@@ -26,6 +26,7 @@ import plotly.graph_objects as go
 from dash import Input, Output, Patch, State, dcc, html, no_update
 
 GAP = "–"
+GONE_S = 600.0  # a gateway silent this long is taken as gone (replaced) while another one reports
 MAX_BUCKETS = 180
 STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600)
 
@@ -33,10 +34,16 @@ STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600)
 def client_state(gateways: list[dict]) -> dict:
     """The client-side figures over the gateways that are not stalled (their newest report each):
     counts summed, P99 the worst gateway's, P50 and SLO attainment weighted by requests; a
-    banner ``(text, color)`` when a gateway stalled or clients got no answer served."""
+    banner ``(text, color)`` when a gateway stalled or clients got no answer served. A gateway
+    silent for over `GONE_S` is taken as gone (no banner) while another one reports; when none
+    reports, the one heard from last is the stalled one."""
     fresh = [g for g in gateways if not g.get("stalled") and g.get("last_report")]
-    stalled = [g for g in gateways if g.get("stalled")]
-    out = {"state": "none", "num_gateways": len(gateways), "num_requests": None, "num_ok": None, "num_failed": None,
+    silent = [g for g in gateways if g.get("stalled")]
+    stalled = [g for g in silent if (g.get("age_s") or 0.0) <= GONE_S]
+    if silent and not stalled and not fresh:
+        stalled = [min(silent, key=lambda g: g.get("age_s") or 0.0)]
+    out = {"state": "none", "num_gateways": len(gateways), "num_gone": len(silent) - len(stalled),
+           "num_requests": None, "num_ok": None, "num_failed": None,
            "num_503": None, "num_retried": None, "throughput_rps": None, "p50_ms": None, "p99_ms": None,
            "slo_attainment": None, "slo_ms": None, "load_phase": None, "banner": None}
     msgs = []

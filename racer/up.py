@@ -522,7 +522,9 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
         else:
             argv += ["--nodes", ",".join(node_urls)]
         argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
-        argv += ["--slo-ms", f"{args.slo_ms:g}"]  # the clients' SLO attainment it reports, as the replay's
+        # the clients' SLO attainment it reports, as the replay's; one id from run to run (its port may
+        # change), so the dashboard does not take the last run's gateway for a stalled one
+        argv += ["--slo-ms", f"{args.slo_ms:g}", "--gateway-id", "racer-up-gateway"]
         specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
                                  ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
         targets = [gw_url]

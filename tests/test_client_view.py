@@ -237,6 +237,11 @@ def test_dashboard_reads_live_idle_failing_stalled_and_gaps():
     assert s["state"] == "failing" and "no request served" in s["banner"][0]
     s = client_state([_gw(3.5)])  # one whole interval without a report
     assert s["state"] == "stalled" and "no report" in s["banner"][0] and s["p99_ms"] is None
+    old = dict(_gw(4000.0), gateway_id="old")  # replaced long ago: no banner while another reports
+    s = client_state([old, _gw(0.5)])
+    assert s["state"] == "live" and s["banner"] is None and s["num_gone"] == 1
+    s = client_state([old])  # the only one: stalled, however long ago
+    assert s["state"] == "stalled" and "old" in s["banner"][0] and s["num_gone"] == 0
 
 
 def test_clients_chart_buckets_with_gaps_and_reads_only_what_is_new():
