@@ -672,7 +672,8 @@ class Gateway:
         """End the client-side interval and send every pending report to the control plane
         (batches of `CLIENT_REPORT_BATCH`). A report the control plane refuses for good (403,
         413, 422) is dropped and logged; on a connection error, 401, 409 or 5xx it is kept and
-        sent again next interval (idempotent there on gateway id and seq)."""
+        sent again next interval (idempotent there on gateway id and seq); a batch over the control
+        plane's body cap (413) is sent again in halves."""
         live = {l.node_id: l.live for l in self.links}
         self.client_reports.append(self.client_view.close(num_live_nodes=sum(live.values()), num_nodes=len(live),
                                                           live=live))
@@ -681,8 +682,9 @@ class Gateway:
         if self.gateway_id is None:
             self.gateway_id = gateway_id_from(f"{socket.gethostname()}-{os.getpid()}")
         url = f"{self.control_plane}/api/v1/gateways/{self.gateway_id}/reports"
+        size = CLIENT_REPORT_BATCH
         while self.client_reports:
-            batch = [self.client_reports[k] for k in range(min(CLIENT_REPORT_BATCH, len(self.client_reports)))]
+            batch = [self.client_reports[k] for k in range(min(size, len(self.client_reports)))]
             try:
                 r = await self.client.post(url, json={"reports": batch}, headers=self._headers(), timeout=5.0)
             except httpx.HTTPError as e:
@@ -691,6 +693,9 @@ class Gateway:
             if r.status_code >= 500 or r.status_code in (401, 409, 429):
                 self._client_report_failed(f"{r.status_code}: {r.text[:200]}")
                 return
+            if r.status_code == 413 and len(batch) > 1:  # over the control plane's body cap: smaller batches
+                size = max(1, len(batch) // 2)
+                continue
             for _ in batch:
                 self.client_reports.popleft()
             if r.status_code >= 400:

@@ -278,3 +278,39 @@ def test_clients_chart_buckets_with_gaps_and_reads_only_what_is_new():
     assert changed is True
     got, changed = h.update("sid", 300.0, now + 6, fetch([r2]))  # another range: read again, draw whole
     assert changed == "new" and [r["seq"] for r in got] == [2]
+
+
+def test_gateway_sends_its_reports_keeps_them_while_refused_and_halves_a_batch_over_the_cap():
+    import asyncio
+
+    import httpx
+
+    from control_plane.gateway import Gateway
+
+    seen: list[int] = []
+    mode = {"status": 503}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        n = len(json.loads(request.content)["reports"])
+        assert request.headers["authorization"] == "Bearer tok" and request.url.path == "/api/v1/gateways/gw-9/reports"
+        if mode["status"] == 200 and n > 2:
+            return httpx.Response(413, json={"detail": "body too large"})
+        seen.append(n)
+        return httpx.Response(mode["status"], json={"stored": n, "duplicates": 0})
+
+    async def run():
+        gw = Gateway([], control_plane="http://cp", token="tok", gateway_id="gw-9")
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        for _ in range(4):  # the control plane unavailable: every report kept
+            await gw.report_clients()
+        assert len(gw.client_reports) == 4 and gw.client_report_error.startswith("503")
+        mode["status"] = 200
+        await gw.report_clients()  # five pending, batches over 2 refused with 413: sent in halves
+        assert len(gw.client_reports) == 0 and gw.client_reports_sent == 5 and gw.client_report_error is None
+        mode["status"] = 422  # refused for good: dropped, not resent forever
+        await gw.report_clients()
+        assert len(gw.client_reports) == 0 and gw.client_report_error.startswith("422")
+        await gw.client.aclose()
+
+    asyncio.run(run())
+    assert seen[-4:-1] == [2, 2, 1] and sum(seen[4:-1]) == 5
