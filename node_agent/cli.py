@@ -239,6 +239,9 @@ def cmd_node_agent(args) -> int:
         announce(f"serving on http://{host}:{port} (device {eng.device}, link emulated: {eng.link.enabled}, "
                  f"{eng.config.num_items} items, emb_share {eng.mm.emb_share:.3f}, "
                  f"allocator: {'on' if agent.allocator is not None else 'off'})")
+        mi = eng.model_info
+        announce(f"model: checkpoint {mi['path']} (digest {mi['digest']})" if mi["kind"] == "checkpoint"
+                 else f"model: random weights from seed {mi['seed']} (no --model)")
         if args.control_plane:
             from .reporter import Reporter
 
