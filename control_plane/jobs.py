@@ -175,9 +175,12 @@ def job_node_liveness(factory, settings, metrics, now_s: float) -> dict:
 
 def job_retention(factory, settings, metrics, now_s: float) -> dict:
     with factory.begin() as s:
-        return queries.rollup_and_prune(s, now_s=now_s, step_s=settings.rollup_step_s,
-                                        raw_retention_s=settings.raw_retention_s,
-                                        rollup_retention_s=settings.rollup_retention_s)
+        out = queries.rollup_and_prune(s, now_s=now_s, step_s=settings.rollup_step_s,
+                                       raw_retention_s=settings.raw_retention_s,
+                                       rollup_retention_s=settings.rollup_retention_s)
+        # the gateways' reports (what clients saw) are kept as long as the nodes' raw reports
+        out["gateway_reports_deleted"] = queries.prune_gateway_reports(s, before_s=now_s - settings.raw_retention_s)
+        return out
 
 
 def job_history_rollup(factory, settings, metrics, now_s: float) -> dict:

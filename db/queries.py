@@ -868,6 +868,11 @@ def gateway_reports(session: Session, *, gateway_id: str | None, start_s: float 
     return list(reversed(rows))
 
 
+def prune_gateway_reports(session: Session, *, before_s: float) -> int:
+    """Delete gateway reports with ``ts_s < before_s``; how many."""
+    return int(session.execute(delete(GatewayReport).where(GatewayReport.ts_s < before_s)).rowcount or 0)
+
+
 def list_gateways(session: Session) -> list[tuple[Gateway, GatewayReport | None]]:
     """Every gateway that ever reported, with its newest report (by seq)."""
     out = []

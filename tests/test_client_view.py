@@ -214,6 +214,15 @@ def test_gateway_reports_insert_once_on_each_backend(db):
         assert sorted((r.seq, r.p99_ms) for r in got) == [(3, 2.0), (2**40, 2.0), (2**40 + 1, 2.0)]
         (gw, last), = queries.list_gateways(s)
         assert gw.last_seq == 2**40 + 1 and last.seq == 2**40 + 1 and last.details["statuses"]["503"] == 1
+    from control_plane.jobs import job_retention
+    from control_plane.settings import Settings
+
+    with factory.begin() as s:
+        queries.insert_gateway_reports(s, [dict(row, seq=9, ts_s=1000.0)])
+    out = job_retention(factory, Settings(raw_retention_s=500.0), None, now_s=1200.0)  # keeps ts_s >= 700
+    assert out["gateway_reports_deleted"] == 3
+    with factory() as s:
+        assert [r.seq for r in queries.gateway_reports(s, gateway_id=None, start_s=None, end_s=None, limit=10)] == [9]
 
 
 # ------------------------------------------------------------------------------- dashboard ---
