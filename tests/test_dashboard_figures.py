@@ -345,3 +345,13 @@ def test_an_upload_is_one_tar_or_the_artifacts_three_files_packed():
         assert sorted(tar.getnames()) == ["golden.npz", "manifest.json", "policy.onnx"]
     with pytest.raises(ValueError, match="missing: golden.npz"):
         D.upload_body([("manifest.json", b"{}"), ("policy.onnx", b"o")])
+
+
+def test_override_dialogs_name_the_present_emb_share():
+    from dashboard.app import current_share_text
+
+    nodes = [{"node_id": "a", "emb_share": 0.25}, {"node_id": "b", "emb_share": 0.5}, {"node_id": "c", "emb_share": None}]
+    assert current_share_text(nodes, "a") == "a is at emb_share 0.250 now"
+    assert current_share_text(nodes, "c") == "c has reported no emb_share yet"
+    assert current_share_text(nodes, None) == "the 2 nodes are at emb_share 0.250-0.500 now"
+    assert current_share_text([], None) == "no node has reported an emb_share yet"
