@@ -216,6 +216,7 @@ class ClientView:
 
 
 _TOTAL_US = b'"total_us":'
+_NUMBER = re.compile(rb" *([0-9.eE+\-]{1,32})")
 
 
 def node_total_us(content: bytes) -> float | None:
@@ -224,13 +225,11 @@ def node_total_us(content: bytes) -> float | None:
     i = content.rfind(_TOTAL_US)
     if i < 0:
         return None
-    j = i + len(_TOTAL_US)
-    k = j
-    end = min(len(content), j + 32)
-    while k < end and content[k] in b" 0123456789.eE+-":
-        k += 1
+    m = _NUMBER.match(content, i + len(_TOTAL_US))
+    if m is None:
+        return None
     try:
-        v = float(content[j:k])
+        v = float(m.group(1))
     except ValueError:
         return None
     return v if math.isfinite(v) and v >= 0 else None
