@@ -65,6 +65,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from node_agent.model.shipped import resolve_model  # no torch there
+
 from .errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -498,6 +500,9 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
             argv += ["--path", args.path]
         if args.policy:
             argv += ["--policy", str(args.policy)]
+        model = resolve_model(getattr(args, "model", None), args.trace, args.path)
+        if model is not None:
+            argv += ["--model", str(model)]
         if profile is not None:
             argv += ["--profile", str(profile)]
         env = node_envs.setdefault(f"node-{k}", {})  # its own RACER_NODE_TOKEN goes there once known
@@ -767,9 +772,8 @@ class _Up:
     (they spool their reports until it answers) -> once the control plane is healthy, its
     dependants: the gateway and the dashboard, and the policies (`racer.policy_seed`) -> the
     dashboard's URL as soon as it answers -> the load once the policies are in and the gateway
-    routes to the agents. A
-    dependant that exits or is slow is restarted with a back-off and named in a status line; it
-    never stops the others. Only the control plane exiting before it ever answered (a bad
+    routes to the agents. A dependant that exits or is slow is restarted with a back-off and named
+    in a status line; it never stops the others. Only the control plane exiting before it ever answered (a bad
     ``--db``, say) ends the run, with the end of its log."""
 
     SEED_WAIT_S = 30.0  # the load waits at most this long after the control plane for the policies
@@ -873,10 +877,19 @@ class _Up:
                 raise UpError(f"the control plane {describe_exit(cp.popen.returncode)} while starting, three "
                               f"times; the end of its log ({log}):\n{_tail(log)}")
             return
+        import httpx
+
+        try:
+            tokens = ensure_node_tokens(self.data_dir, self.db_url, self.plan.control_plane_url,
+                                        self.operator_token, self.nodes, self.say)
+        except httpx.HTTPError as e:  # it went away again: try on the next tick
+            self.say(f"control plane {self.plan.control_plane_url}: checking the agents' tokens failed "
+                     f"({type(e).__name__}); trying again", err=True)
+            cp.ready_s = None
+            return
         self.times.control_plane_s = round(self.elapsed(), 1)
         self.say(f"control plane {self.plan.control_plane_url} healthy ({self.times.control_plane_s:g} s)")
-        changed = self.give(ensure_node_tokens(self.data_dir, self.db_url, self.plan.control_plane_url,
-                                               self.operator_token, self.nodes, self.say))
+        changed = self.give(tokens)
         for name in changed:
             if self.started(name):  # a token kept from an earlier run that this database does not know
                 self.sup.restart(self.sup[name], self.args.stop_timeout_s)
@@ -1100,8 +1113,9 @@ def cmd_up(args) -> int:
 
     def say(line: str, err: bool = False, console: str | None = None) -> None:
         """``line`` to the log and the console; ``console`` replaces it on the console only."""
-        up_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
-        up_log.flush()
+        with contextlib.suppress(ValueError):  # closed: a late line from the policy thread
+            up_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+            up_log.flush()
         print(f"racer up: {console or line}", file=sys.stderr if err or args.json else sys.stdout, flush=True)
 
     stop = threading.Event()
@@ -1186,6 +1200,10 @@ def add_up_parser(subparsers) -> None:
                                                                                 "taobao, the bundled sample)")
     up.add_argument("--path", default=None, help="trace file (default: the sample under $RACER_DATA_DIR or "
                                                  "../shared/data)")
+    up.add_argument("--model", default="auto",
+                    help="checkpoint every node serves (racer model train): auto (default) is the one shipped for "
+                         "--trace's bundled sample (taobao's), used when --path is not given (random weights "
+                         "otherwise), none is random weights, else a checkpoint directory trained on the trace")
     up.add_argument("--db", default=None, help="database URL (default: sqlite in the data folder; e.g. "
                                                "postgresql+psycopg://user@host/racer)")
     up.add_argument("--policy", default=str(DEFAULT_POLICY),
