@@ -272,7 +272,8 @@ class Gateway:
         old = {l.node_id: l for l in self.links}
         profiles = [self.router.state.profiles[self.router.state.index[n]] if self.router and n in self.router.state.index
                     else DEFAULT_PROFILE for n in ids]
-        rcfg = RouterConfig(num_shards=self.config.num_shards, node_timeout_s=math.inf)
+        rcfg = RouterConfig(num_shards=self.config.num_shards, node_timeout_s=math.inf,
+                            seed=secrets.randbits(31))  # its own tie-breaks: gateways must not herd
         self.router = make_router(self.config.router, ids, profiles, rcfg, now_s=self.clock())
         self.links = [old.get(n) or NodeLink(n, a.rstrip("/")) for n, a in nodes]
         for link, (_, a) in zip(self.links, nodes):
