@@ -216,7 +216,8 @@ OVERVIEW_TIME_GRAPHS = ("g-slo", "g-p99", "g-thr", "g-hits")
 
 
 def test_overview_and_split_render_every_series_and_the_burst_shading(stack, browser):
-    page = open_page(browser, stack, stack.admin)
+    console: list[str] = []
+    page = open_page(browser, stack, stack.admin, console)
     nodes = sorted([f"gpu-{i:02d}" for i in range(NUM_FLEET)] + ([AGENT_ID] if AGENT else []))
     p99 = wait_plot(page, "g-p99", lambda st: sum(1 for t in st["traces"] if t["n"] > 0) >= len(nodes))
     assert [t["name"] for t in p99["traces"][:len(nodes)]] == nodes
@@ -283,11 +284,13 @@ def test_overview_and_split_render_every_series_and_the_burst_shading(stack, bro
     page.wait_for_timeout(1500)
     page.screenshot(path=str(stack.shots / "decisions.png"), full_page=True)
     page.close()
+    assert not console, "\n".join(console)
 
 
 @needs_agent
 def test_operator_override_reaches_the_node_and_the_audit_log_then_clears(stack, browser):
-    page = open_page(browser, stack, stack.admin)
+    console: list[str] = []
+    page = open_page(browser, stack, stack.admin, console)
     click_tab(page, "Override")
     page.wait_for_selector("#ov-node")
     choose(page, "ov-node", AGENT_ID)
@@ -343,6 +346,7 @@ def test_operator_override_reaches_the_node_and_the_audit_log_then_clears(stack,
         time.sleep(0.5)
     assert last.get("source") != "override", last
     page.close()
+    assert not console, "\n".join(console)
 
 
 def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(stack, browser):
