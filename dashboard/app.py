@@ -749,7 +749,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                         if shapes_changed:
                             p["layout"]["shapes"] = F.time_shapes(bursts, now, outline=True)
                         patches[4] = p
-                        xs, ys, idx = [], [], []
+                        xs, ys, texts, idx = [], [], [], []
                         for i, node_id in enumerate(sel):
                             s_ = ns.get(node_id)
                             if not s_:
@@ -758,6 +758,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                                                                                   s_["target_emb_share"]], last, step)
                             xs += [x, x]
                             ys += [applied, target]
+                            texts += [[""] * len(x)] * 2
                             idx += [2 * i, 2 * i + 1]
                         since = view.get("dec_since_s") or (now - 2 * step - 5)
                         dec = [d for n in sel for d in client.decisions(tok, start_s=since, node_id=n,
@@ -766,14 +767,16 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
                         new = [d for d in dec if d["id"] > view.get("last_dec_id", 0)]
                         view["last_dec_id"] = max([d["id"] for d in dec] + [view.get("last_dec_id", 0)])
                         base = 2 * len(sel)
+                        reasons = D.reasons_utc(new, bursts)
                         for j, src in enumerate(F.DECISION_SOURCES):
-                            ds = [d for d in new if d["source"] == src]
+                            ds = [dict(d, reason=r) for d, r in zip(new, reasons) if d["source"] == src]
                             if ds:
                                 xs.append(F.to_xs(d["ts_s"] for d in ds))
                                 ys.append([d["emb_share"] for d in ds])
+                                texts.append([F.decision_hover(d) for d in ds])  # the reason on hover
                                 idx.append(base + j)
                         if idx:
-                            ext[4] = [{"x": xs, "y": ys}, idx, max_points]
+                            ext[4] = [{"x": xs, "y": ys, "text": texts}, idx, max_points]
                     elif shapes_changed:
                         p = Patch()
                         p["layout"]["shapes"] = F.time_shapes(bursts, now, outline=True)

@@ -362,10 +362,11 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
         color = palette[i % len(palette)]
         xs, (applied, target) = _gapped(s.get("t_s", []), s.get("emb_share", []), s.get("target_emb_share", []),
                                         step_s=step_s)
-        fig.add_trace(go.Scatter(x=xs, y=applied, mode="lines",
+        blank = [""] * len(xs)  # a text per point, so live updates can extend every trace's text alike
+        fig.add_trace(go.Scatter(x=xs, y=applied, mode="lines", text=blank, hoverinfo="x+y+name",
                                    name=f"{node_id} applied", line=dict(color=color, width=2),
                                    legendgroup=str(node_id)))
-        fig.add_trace(go.Scatter(x=xs, y=target, mode="lines",
+        fig.add_trace(go.Scatter(x=xs, y=target, mode="lines", text=blank, hoverinfo="x+y+name",
                                    name=f"{node_id} target", line=dict(color=color, width=1.5, dash="dash"),
                                    legendgroup=str(node_id)))
     selected = {str(n) for n in nodes}
@@ -379,13 +380,18 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
             name=f"decision: {source}", legendgroup="sources",
             marker=dict(color=SOURCE_COLORS.get(source, UNKNOWN_SOURCE_COLOR), size=7,
                         line=dict(width=0.5, color="white")),
-            text=[f"{r.get('node_id')} · {source}<br>{_wrap(str(r.get('reason', '')), max_lines=12)}" for r in rows],
+            text=[decision_hover(r) for r in rows],
             hovertemplate="%{text}<br>emb_share %{y:.3f}<extra></extra>", meta=source))
     _add_bursts(fig, bursts, now_s)
     fig.update_yaxes(range=[0, 1])
     fig.update_layout(hovermode="closest", height=420,
                       legend=dict(orientation="v", x=1.01, xanchor="left", y=1, font=dict(size=11)))
     return fig
+
+
+def decision_hover(d: Mapping) -> str:
+    """A decision marker's hover text: node, source and the reason (wrapped, up to 12 lines)."""
+    return f"{d.get('node_id')} · {d.get('source')}<br>{_wrap(str(d.get('reason', '')), max_lines=12)}"
 
 
 def _wrap(text: str, width: int = 80, max_lines: int = 4) -> str:
