@@ -110,6 +110,15 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
                 return _points(st) >= 2 and "%" in kpi
             _wait(slo_live, t0, 240, "SLO attainment in the overview")
             mark("slo_attainment_shown_s")
+
+            # what clients see (the gateway's reports) leads, the nodes' own beside, the load's phase
+            def clients_live():
+                t = {c: page.inner_text(f"#{c}") if page.query_selector(f"#{c}") else ""
+                     for c in ("cv-state", "cv-p99", "cv-slo", "nv-p99", "nv-slo", "cv-phase")}
+                return ("live" in t["cv-state"] and "ms" in t["cv-p99"] and "%" in t["cv-slo"] and "ms" in t["nv-p99"]
+                        and "%" in t["nv-slo"] and "[" in t["cv-phase"])
+            _wait(clients_live, t0, 270, "the clients' P99, SLO and load phase beside the nodes'")
+            mark("client_view_shown_s")
             page.screenshot(path=str(shots / "overview.png"), full_page=True)
 
             # EMB/KV splits: the heatmap has a row per node and columns filling in
