@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -182,9 +183,35 @@ def apply_target(manager, emb_share: float, now_s: float):
     return manager.set_target(emb_share, now_s)
 
 
-def decide_step(allocator, stats: WindowStats, now_s: float):
+class NodeDecision(Protocol):
+    """One node's decision for the coming interval: the target ``emb_share``, the ``source`` that
+    set it and the ``reason`` in words; ``to_dict()`` is its JSON-able record."""
+
+    emb_share: float
+    source: str
+
+    @property
+    def reason(self) -> str: ...
+
+    def to_dict(self) -> dict: ...
+
+
+@runtime_checkable
+class NodeAllocator(Protocol):
+    """What the control core drives on one node, every control interval: ``observe(stats)`` (the
+    outcome of its previous decision), then ``decide(stats, now_s)`` -> a `NodeDecision`.
+    `node_agent.allocator.SmartAllocator` is one; the simulator's baselines (a static split, a
+    replayed schedule, the miss-time heuristic: `simulator.allocators`) are others, so every
+    allocator, RACER's and its comparisons alike, runs through `decide_step` / `control_step`."""
+
+    def observe(self, outcome: WindowStats) -> object: ...
+
+    def decide(self, stats: WindowStats, now_s: float) -> NodeDecision: ...
+
+
+def decide_step(allocator: NodeAllocator, stats: WindowStats, now_s: float) -> NodeDecision:
     """The allocator's half of a control step: ``observe(stats)`` (the outcome of its previous
-    decision), then ``decide(stats, now_s)``; returns the `AllocatorDecision`."""
+    decision), then ``decide(stats, now_s)``; returns the decision."""
     allocator.observe(stats)
     return allocator.decide(stats, now_s)
 
@@ -219,7 +246,7 @@ class ControlEffect:
                 "boundary_plan": self.plan_reason}
 
 
-def control_step(allocator, stats: WindowStats, manager, now_s: float) -> ControlEffect:
+def control_step(allocator: NodeAllocator | None, stats: WindowStats, manager, now_s: float) -> ControlEffect:
     """One control step on a closed window: `decide_step`, then `apply_target` (nothing but the
     window when ``allocator`` is None)."""
     if allocator is None:

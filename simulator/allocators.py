@@ -1,30 +1,119 @@
 """Allocators for the simulator: who picks each node's ``emb_share`` every control interval.
 
-One interface: ``decide(node, stats, now_s) -> float`` (the target ``emb_share`` for ``node``
-from that node's `node_agent.features.WindowStats` of the interval just ended), plus ``reset()``
-before a run. The simulator calls it once per node per control interval and hands the target to
-the node's Memory Manager, exactly as the node agent does with the SmartAllocator.
+Every node runs one `node_agent.control.NodeAllocator` (``observe(stats)``, then
+``decide(stats, now_s)`` -> a decision with ``emb_share``, ``source`` and ``reason``), driven by
+`node_agent.control.decide_step` exactly as the node agent drives its SmartAllocator; the
+simulator applies each target with the agent's `node_agent.control.apply_target` (the half-page
+rule). An `Allocator` is the cluster's set of them: ``reset(num_nodes, initial_share)`` makes one
+per node (`make_node`), ``decide(node, stats, now_s)`` runs that node's control step and returns
+its target; ``last_decisions`` and ``decisions_by_source`` keep what they decided.
 
-- ``static:<share>``: a fixed split;
-- ``schedule``: a per-window share list (the oracle's replay, see `simulator.table`);
+- ``static:<share>``: a fixed split (source ``static``);
+- ``schedule``: a per-window share list (the oracle's replay, see `simulator.table`; source
+  ``schedule``);
 - ``heuristic``: a hit-rate heuristic: compare the time lost to EMB misses with the time lost to KV
-  recompute in the last interval and move ``step`` toward the costlier side (within bounds);
-- ``smart`` (`SmartAllocatorAdapter`): RACER's SmartAllocator runtime (node_agent/allocator.py),
-  one instance per node.
+  recompute in the last interval and move ``step`` toward the costlier side (within bounds;
+  source ``heuristic``);
+- ``smart`` (`simulator.smart.SmartAllocatorSim`): RACER's SmartAllocator runtime
+  (`node_agent.allocator`), one per node, with its own sources (base ... guard).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
+from node_agent.control import NodeAllocator, decide_step
 from node_agent.features import WindowStats
+
+BASELINE_SOURCES = ("static", "schedule", "heuristic")
+
+
+@dataclass(frozen=True, slots=True)
+class BaselineDecision:
+    """A baseline's decision: the target, its source (`BASELINE_SOURCES`) and why."""
+
+    now_s: float
+    emb_share: float
+    source: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"now_s": self.now_s, "emb_share": self.emb_share, "source": self.source, "reason": self.reason}
+
+
+class _Baseline:
+    """A baseline node allocator learns nothing from outcomes: ``observe`` does nothing."""
+
+    def observe(self, outcome: WindowStats) -> None:
+        return None
+
+
+class StaticNode(_Baseline):
+    def __init__(self, share: float):
+        self.share = share
+        self._reason = f"static split {share:.4f}"
+
+    def decide(self, stats: WindowStats, now_s: float) -> BaselineDecision:
+        return BaselineDecision(now_s, self.share, "static", self._reason)
+
+
+class ScheduleNode(_Baseline):
+    def __init__(self, schedule: "ScheduleAllocator"):
+        self.schedule = schedule
+
+    def decide(self, stats: WindowStats, now_s: float) -> BaselineDecision:
+        sch = self.schedule
+        w = sch.window_at(now_s)
+        share = sch.shares[w]
+        return BaselineDecision(now_s, share, "schedule", f"{sch.name}: window {w}'s share {share:.4f}")
+
+
+class HeuristicNode(_Baseline):
+    """Move ``step`` toward the cache whose misses cost more time in the last interval."""
+
+    def __init__(self, share: float, step: float, deadband: float, lo: float, hi: float):
+        self.share, self.step, self.deadband, self.lo, self.hi = share, step, deadband, lo, hi
+
+    def decide(self, stats: WindowStats, now_s: float) -> BaselineDecision:
+        if stats.num_requests == 0:
+            return BaselineDecision(now_s, self.share, "heuristic", "no requests in the interval: split held")
+        emb = (1 - stats.emb_hit_rate) * stats.emb_lookups_per_request * stats.emb_transfer_us_per_row
+        kv = (1 - stats.kv_hit_rate) * stats.history_len_p50 * stats.kv_recompute_us_per_token
+        s = self.share
+        if emb > kv * (1 + self.deadband):
+            s += self.step
+            move = f"EMB-ward {self.step:+g}"
+        elif kv > emb * (1 + self.deadband):
+            s -= self.step
+            move = f"KV-ward {-self.step:+g}"
+        else:
+            move = f"held (within the {self.deadband:g} deadband)"
+        s = min(self.hi, max(self.lo, s))
+        self.share = s
+        return BaselineDecision(now_s, s, "heuristic", f"miss time per request: EMB {emb:.1f} us, KV {kv:.1f} us: "
+                                                       f"{move} to {s:.4f}")
 
 
 class Allocator:
+    """The cluster's allocators: one `NodeAllocator` per node (`make_node`), each driven by
+    `decide_step` as the node agent drives its own."""
+
     name = "allocator"
 
+    def __init__(self) -> None:
+        self.nodes: list[NodeAllocator] = []
+        self.last_decisions: list = []
+        self.decisions_by_source: Counter = Counter()
+
+    def make_node(self, node: int, initial_share: float) -> NodeAllocator:
+        raise NotImplementedError
+
     def reset(self, num_nodes: int, initial_share: float) -> None:
-        """Called once before a run."""
+        """Called once before a run: a fresh allocator per node."""
+        self.nodes = [self.make_node(i, initial_share) for i in range(num_nodes)]
+        self.last_decisions = [None] * num_nodes
+        self.decisions_by_source = Counter()
 
     def initial_share(self) -> float | None:
         """The split to start from (applied at once, as configured at start-up); None: the
@@ -32,22 +121,25 @@ class Allocator:
         return None
 
     def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
-        raise NotImplementedError
+        """Node ``node``'s control step on its closed window: its decision's target."""
+        d = decide_step(self.nodes[node], stats, now_s)
+        self.last_decisions[node] = d
+        self.decisions_by_source[d.source] += 1
+        return d.emb_share
 
 
-@dataclass
 class StaticAllocator(Allocator):
-    share: float
+    def __init__(self, share: float):
+        super().__init__()
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"static share must be in [0, 1], got {share}")
+        self.share = share
+        self.name = f"static:{share:.2f}"
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.share <= 1.0:
-            raise ValueError(f"static share must be in [0, 1], got {self.share}")
-        self.name = f"static:{self.share:.2f}"
+    def make_node(self, node: int, initial_share: float) -> StaticNode:
+        return StaticNode(self.share)
 
     def initial_share(self) -> float | None:
-        return self.share
-
-    def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
         return self.share
 
 
@@ -55,21 +147,25 @@ class ScheduleAllocator(Allocator):
     """Replays a share per control window (window ``w`` covers ``[w * interval, (w+1) * interval)``)."""
 
     def __init__(self, shares: list[float], interval_s: float, name: str = "oracle"):
+        super().__init__()
         if not shares:
             raise ValueError("a schedule needs at least one share")
         self.shares = [float(s) for s in shares]
         self.interval_s = interval_s
         self.name = name
 
+    def make_node(self, node: int, initial_share: float) -> ScheduleNode:
+        return ScheduleNode(self)
+
     def initial_share(self) -> float | None:
         return self.shares[0]
 
-    def share_at(self, now_s: float) -> float:
+    def window_at(self, now_s: float) -> int:
         w = int(now_s / self.interval_s + 1e-9)
-        return self.shares[min(max(w, 0), len(self.shares) - 1)]
+        return min(max(w, 0), len(self.shares) - 1)
 
-    def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
-        return self.share_at(now_s)
+    def share_at(self, now_s: float) -> float:
+        return self.shares[self.window_at(now_s)]
 
 
 class HeuristicAllocator(Allocator):
@@ -84,25 +180,11 @@ class HeuristicAllocator(Allocator):
     name = "heuristic"
 
     def __init__(self, step: float = 0.05, deadband: float = 0.1, lo: float = 0.05, hi: float = 0.95):
+        super().__init__()
         self.step, self.deadband, self.lo, self.hi = step, deadband, lo, hi
-        self._share: list[float] = []
 
-    def reset(self, num_nodes: int, initial_share: float) -> None:
-        self._share = [initial_share] * num_nodes
-
-    def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
-        if stats.num_requests == 0:
-            return self._share[node]
-        emb = (1 - stats.emb_hit_rate) * stats.emb_lookups_per_request * stats.emb_transfer_us_per_row
-        kv = (1 - stats.kv_hit_rate) * stats.history_len_p50 * stats.kv_recompute_us_per_token
-        s = self._share[node]
-        if emb > kv * (1 + self.deadband):
-            s += self.step
-        elif kv > emb * (1 + self.deadband):
-            s -= self.step
-        s = min(self.hi, max(self.lo, s))
-        self._share[node] = s
-        return s
+    def make_node(self, node: int, initial_share: float) -> HeuristicNode:
+        return HeuristicNode(initial_share, self.step, self.deadband, self.lo, self.hi)
 
 
 def make_allocator(spec: str, **kwargs) -> Allocator:

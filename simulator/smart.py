@@ -24,12 +24,10 @@ The allocator's ``name`` is the spec string, so the table's rows are labelled by
 
 from __future__ import annotations
 
-from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator, TunerConfig
-from node_agent.control import decide_step
-from node_agent.features import WindowStats
 
 from .allocators import GHOST_SUFFIX, Allocator
 
@@ -76,32 +74,22 @@ class SmartAllocatorSim(Allocator):
     runtimes (their ``state()`` says everything)."""
 
     def __init__(self, spec: str, artifact_dir: str | Path | None = None, config: AllocatorConfig | None = None):
+        super().__init__()
         self.config = smart_config(spec, config)
         self.name = spec
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else DEFAULT_ARTIFACT
         if not (self.artifact_dir / "manifest.json").is_file():
             raise FileNotFoundError(f"{self.artifact_dir}: no policy artifact (train one with `racer policy train`, "
                                     "then `racer policy export`)")
-        self.allocators: list[SmartAllocator] = []
-        self.decisions_by_source: Counter = Counter()
-        self.last_decisions: list = []
 
-    def reset(self, num_nodes: int, initial_share: float) -> None:
-        cfg = AllocatorConfig(guard=self.config.guard, residual=self.config.residual, recovery=self.config.recovery,
-                              tuner=self.config.tuner, initial_emb_share=initial_share, device=self.config.device,
-                              intra_op_num_threads=self.config.intra_op_num_threads,
-                              golden_tolerance=self.config.golden_tolerance)
-        self.allocators = [SmartAllocator(cfg, policy_dir=self.artifact_dir) for _ in range(num_nodes)]
-        self.last_decisions = [None] * num_nodes
-        self.decisions_by_source = Counter()
+    @property
+    def allocators(self) -> list[SmartAllocator]:
+        return self.nodes
 
-    def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
-        # the node agent's control step (node_agent.control): observe the outcome of the previous
-        # decision, then decide; the simulator applies the target with the same half-page rule
-        d = decide_step(self.allocators[node], stats, now_s)
-        self.last_decisions[node] = d
-        self.decisions_by_source[d.source] += 1
-        return d.emb_share
+    def make_node(self, node: int, initial_share: float) -> SmartAllocator:
+        # the node agent's runtime, unchanged; `Allocator.decide` runs its control step
+        # (node_agent.control.decide_step: observe the previous decision's outcome, then decide)
+        return SmartAllocator(replace(self.config, initial_emb_share=initial_share), policy_dir=self.artifact_dir)
 
 
 def make_smart_allocator(spec: str, artifact_dir: str | Path | None = None,

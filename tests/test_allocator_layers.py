@@ -108,3 +108,32 @@ def test_decision_carries_every_layer_and_its_reason_is_rendered_from_them(c60):
     first = seen[2][2]  # the first decision after the override: its expiry in brackets
     assert first.reason.startswith("step limited to +0.05 from 0.3000; residual: base policy ")
     assert first.reason.endswith(" [override 0.3000 expired at t=2s]")
+
+
+def test_every_allocator_is_a_node_allocator_driven_by_the_same_control_step(c60):
+    """The simulator's baselines and the SmartAllocator share one interface (`NodeAllocator`):
+    `decide_step` drives each node's allocator, and every decision says its source and why."""
+    from node_agent.control import NodeAllocator, decide_step
+    from simulator.allocators import HeuristicAllocator, ScheduleAllocator, StaticAllocator
+    from simulator.smart import make_smart_allocator
+
+    smart = make_smart_allocator("racer", c60)
+    allocs = [StaticAllocator(0.3), HeuristicAllocator(step=0.05), ScheduleAllocator([0.5, 0.2, 0.8], 1.0), smart]
+    for a in allocs:
+        a.reset(2, 0.5)
+        assert all(isinstance(n, NodeAllocator) for n in a.nodes)
+    assert isinstance(smart.nodes[0], SmartAllocator) and smart.allocators is smart.nodes
+    kv_costly = window(kv_hit_rate=0.1, history_len_p50=400.0, history_len_p99=800.0)  # KV misses cost more
+    got = {a.name: [a.decide(0, kv_costly, float(t)) for t in range(3)] for a in allocs}
+    assert got["static:0.30"] == [0.3, 0.3, 0.3]
+    assert got["heuristic"] == pytest.approx([0.45, 0.4, 0.35])
+    assert got["oracle"] == [0.5, 0.2, 0.8]
+    reasons = {a.name: a.last_decisions[0].reason for a in allocs}
+    assert reasons["static:0.30"] == "static split 0.3000"
+    assert reasons["heuristic"].startswith("miss time per request: EMB ") and "KV-ward -0.05 to 0.3500" in reasons["heuristic"]
+    assert reasons["oracle"] == "oracle: window 2's share 0.8000"
+    assert {a.name: dict(a.decisions_by_source) for a in allocs[:3]} == {
+        "static:0.30": {"static": 3}, "heuristic": {"heuristic": 3}, "oracle": {"schedule": 3}}
+    assert sum(smart.decisions_by_source.values()) == 3 and smart.last_decisions[1] is None
+    d = decide_step(StaticAllocator(0.7).make_node(0, 0.5), kv_costly, 9.0)
+    assert d.to_dict() == {"now_s": 9.0, "emb_share": 0.7, "source": "static", "reason": "static split 0.7000"}
