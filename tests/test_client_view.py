@@ -139,7 +139,7 @@ def test_gateway_reports_are_stored_once_bound_to_their_token_and_read_back(api)
     assert c.get("/api/v1/gateways", headers=gw).status_code == 403  # a gateway reports, it does not read
 
 
-@pytest.mark.parametrize("bad", [
+HOSTILE = [
     {"reports": []},
     {"reports": [_report(1, 1.0), _report(1, 2.0)]},
     {"reports": [_report(1, 1.0, p99_ms=float("inf"))]},
@@ -156,13 +156,16 @@ def test_gateway_reports_are_stored_once_bound_to_their_token_and_read_back(api)
     {"reports": [_report(1, 1.0, extra_field=1)]},
     {"reports": [_report(k, 1.0) for k in range(200)]},
     {"reports": "x"}, [], "null",
-])
-def test_hostile_gateway_reports_get_a_4xx_and_store_nothing(api, bad):
+]
+
+
+def test_hostile_gateway_reports_get_a_4xx_and_store_nothing(api):
     c, token, _, _ = api
     h = token("router")
-    r = c.post("/api/v1/gateways/gw-h/reports", content=json.dumps(bad),  # Infinity too
-               headers={**h, "content-type": "application/json"})
-    assert r.status_code == 422, r.text
+    for bad in HOSTILE:
+        r = c.post("/api/v1/gateways/gw-h/reports", content=json.dumps(bad),  # Infinity too
+                   headers={**h, "content-type": "application/json"})
+        assert r.status_code == 422, (bad, r.text)
     assert c.post("/api/v1/gateways/bad%20id/reports", json={"reports": [_report(1, 1.0)]},
                   headers=h).status_code == 422
     assert c.get("/api/v1/gateways", headers={"Authorization": f"Bearer {ADMIN}"}).json() == []
