@@ -1,6 +1,7 @@
 """Benchmark of the serving engine: request latency with a KV hit and with a KV miss.
 
     python -m bench.engine --json       # one JSON object on stdout
+    python -m bench.engine --model DIR  # a trained checkpoint beside random weights of its shape (ratios)
 
 For each history length L in 128, 512 and 2048, requests carry L history items, 8 new items and
 256 generated candidates (top 10), with timestamps, items drawn Zipf(1.1) from 262,144 items.
@@ -64,18 +65,20 @@ def bench_length(engine: Engine, L: int, reps: int, rng: np.random.Generator, ne
     miss_ms: list[float] = []
     hit_bd: list[dict] = []
     miss_bd: list[dict] = []
-    perm = rng.permutation(NUM_ITEMS)
+    num_items = engine.config.num_items
+    num_candidates = min(NUM_CANDIDATES, num_items)
+    perm = rng.permutation(num_items)
     for r in range(reps):
-        seq = perm[_zipf(rng, L + NEW_ITEMS, NUM_ITEMS)]
+        seq = perm[_zipf(rng, L + NEW_ITEMS, num_items)]
         ts = 1.5e9 + np.cumsum(rng.exponential(300.0, size=L + NEW_ITEMS))
         u_hit, u_miss = next_user[0], next_user[0] + 1
         next_user[0] += 2
-        engine.serve(RecRequest(u_hit, seq[:L], (), ts[:L], num_candidates=NUM_CANDIDATES))  # warm-up: cache L
+        engine.serve(RecRequest(u_hit, seq[:L], (), ts[:L], num_candidates=num_candidates))  # warm-up: cache L
         cases = [("hit", u_hit), ("miss", u_miss)]
         if r % 2:
             cases.reverse()
         for case, user in cases:
-            req = RecRequest(user, seq[:L], seq[L:], ts, num_candidates=NUM_CANDIDATES, top_k=10)
+            req = RecRequest(user, seq[:L], seq[L:], ts, num_candidates=num_candidates, top_k=10)
             t = time.perf_counter()
             resp = engine.serve(req)
             ms = (time.perf_counter() - t) * 1e3
@@ -182,6 +185,51 @@ def bench_http(n: int = 50, device: str = "auto") -> dict:
                 proc.wait()
 
 
+def _reps(args, L: int) -> int:
+    if args.reps:
+        return args.reps
+    if args.quick:
+        return 4 if L >= 2048 else 8
+    return 12 if L >= 2048 else 30
+
+
+def compare_models(args) -> int:
+    """``--model DIR``: the engine with the checkpoint and with random weights of the same shape
+    and item count, the two measured in turn at each length (same requests, same machine noise)."""
+    from node_agent.model.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(args.model)
+    cfg = EngineConfig(model=ckpt.config, num_items=ckpt.num_items, num_pages=2048, emb_share=0.5,
+                       max_history_len=4096, device=args.device)
+    engines = {"random": Engine(cfg), "trained": Engine(cfg, checkpoint=ckpt)}
+    for eng in engines.values():  # warm every code path once
+        bench_length(eng, 64, 2, np.random.default_rng(0), [0])
+    result: dict = {"device": str(engines["trained"].device), "link_emulated": engines["trained"].link.enabled,
+                    "torch_num_threads": torch.get_num_threads(), "checkpoint": ckpt.digest,
+                    "model": ckpt.manifest["config"], "num_items": ckpt.num_items, "new_items": NEW_ITEMS,
+                    "num_candidates": NUM_CANDIDATES, "lengths": {}}
+    users = {name: [1_000] for name in engines}
+    for L in LENGTHS:
+        row = {}
+        for name, eng in engines.items():  # the same requests (same seed) for both
+            row[name] = bench_length(eng, L, _reps(args, L), np.random.default_rng(L), users[name])
+        row["ratio_trained_over_random"] = {
+            case: {q: round(row["trained"][case][q] / row["random"][case][q], 3) for q in ("p50_ms", "p99_ms")}
+            for case in ("hit", "miss")}
+        result["lengths"][str(L)] = row
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"device {result['device']}, checkpoint {ckpt.digest[:16]}.. ({ckpt.num_items} items), "
+              f"{NEW_ITEMS} new items, {NUM_CANDIDATES} candidates; p50 ms")
+        for L, r in result["lengths"].items():
+            q = r["ratio_trained_over_random"]
+            print(f"  L={L:>5}  hit random {r['random']['hit']['p50_ms']:8.2f} trained {r['trained']['hit']['p50_ms']:8.2f}"
+                  f" ({q['hit']['p50_ms']:.2f}x)   miss random {r['random']['miss']['p50_ms']:8.2f} trained "
+                  f"{r['trained']['miss']['p50_ms']:8.2f} ({q['miss']['p50_ms']:.2f}x)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -192,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (8 / 4)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--no-http", action="store_true", help="skip the node-agent HTTP figures")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a checkpoint (racer model train): measure it and random weights of its shape and item "
+                         "count side by side, length by length, and print the ratios trained / random")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.model:
+        return compare_models(args)
     cfg = EngineConfig(model=ModelConfig(), num_items=NUM_ITEMS, num_pages=2048, emb_share=0.5,
                        max_history_len=4096, device=args.device)
     engine = Engine(cfg)
