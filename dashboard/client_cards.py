@@ -89,11 +89,30 @@ def bucket_step(range_s: float) -> int:
     return next((s for s in STEPS if range_s / s <= MAX_BUCKETS), STEPS[-1])
 
 
+MAX_BANDS = 60
+
+
+def load_bursts(rows: list[dict]) -> list[tuple[float, float]]:
+    """The spans (start_s, end_s) in which clients named a ``burst`` load phase: each report's
+    interval ``[ts_s - interval_s, ts_s]`` whose ``load_phase`` is ``burst[...]`` (or ``burst``),
+    overlapping or touching spans merged (0.1 s of slack); at most the newest `MAX_BANDS`."""
+    spans = sorted((r["ts_s"] - (r.get("interval_s") or 0.0), r["ts_s"]) for r in rows
+                   if (r.get("load_phase") or "").split("[", 1)[0] == "burst")
+    out: list[list[float]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1] + 0.1:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out[-MAX_BANDS:]]
+
+
 def clients_figure(rows: list[dict], now_s: float, range_s: float, slo_ms: float | None = None) -> go.Figure:
     """P99 end to end (line, ms; the worst gateway's in each bucket) and failed requests (bars,
     5xx answers per bucket) from gateway reports (``ts_s``, ``p99_ms``, ``num_failed``) over
     ``[now_s - range_s, now_s]``. A bucket with no report: no point and no bar (a gap); with
-    reports but nothing served: a bar and no P99."""
+    reports but nothing served: a bar and no P99. The load generator's burst phases (as clients
+    named them) are shaded purple (shapes named ``load_burst``)."""
     step = bucket_step(range_s)
     first = math.floor((now_s - range_s) / step) * step
     n = int(math.ceil((now_s - first) / step))
@@ -116,6 +135,13 @@ def clients_figure(rows: list[dict], now_s: float, range_s: float, slo_ms: float
     if slo_ms:
         shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=slo_ms, y1=slo_ms, name="slo",
                            line=dict(color="#d62728", dash="dash", width=1.5)))
+    for a, b in load_bursts(rows):
+        shapes.append(dict(type="rect", xref="x", yref="paper", x0=int(round(a * 1000.0)), x1=int(round(b * 1000.0)),
+                           y0=0, y1=1, name="load_burst", fillcolor="rgba(148,103,189,0.15)", line=dict(width=0),
+                           layer="below"))
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="load phase: burst", hoverinfo="skip",
+                             showlegend=any(sh["name"] == "load_burst" for sh in shapes),
+                             marker=dict(symbol="square", size=12, color="rgba(148,103,189,0.35)")))
     fig.update_layout(template="plotly_white", height=260, margin=dict(l=60, r=60, t=40, b=40), shapes=shapes,
                       title=dict(text="What clients see: P99 end to end and failed requests (all gateways)",
                                  font=dict(size=14)),
@@ -223,6 +249,7 @@ def register(app, client, sessions) -> None:
                     fig["data"][i]["x"] = list(full.data[i].x)
                     fig["data"][i]["y"] = list(full.data[i].y)
                 fig["data"][1]["name"] = full.data[1].name
+                fig["data"][2]["showlegend"] = full.data[2].showlegend
                 fig["layout"]["shapes"] = [sh.to_plotly_json() for sh in full.layout.shapes]
         return (*[vals[cid] for cid in ids], banner is not None, banner[0] if banner else no_update,
                 "fs-5 fw-semibold " + STATE_TEXT[st["state"]][1], fig, range_s)
@@ -256,7 +283,8 @@ class _History:
         for r in new:
             h["keys"].add((r["gateway_id"], r["seq"]))
             h["rows"].append({"gateway_id": r["gateway_id"], "seq": r["seq"], "ts_s": r["ts_s"],
-                              "p99_ms": r.get("p99_ms"), "num_failed": r.get("num_failed")})
+                              "interval_s": r.get("interval_s"), "p99_ms": r.get("p99_ms"),
+                              "num_failed": r.get("num_failed"), "load_phase": r.get("load_phase")})
             h["newest"] = r["ts_s"] if h["newest"] is None else max(h["newest"], r["ts_s"])
         cut = now_s - range_s
         if h["rows"] and h["rows"][0]["ts_s"] < cut:

@@ -269,6 +269,13 @@ def test_clients_chart_buckets_with_gaps_and_reads_only_what_is_new():
     assert [(p99[i], failed[i]) for i in k] == [(30.0, 1), (None, 7)]  # the worst P99; nothing served: no P99
     assert sum(v is None for v in p99) == 179  # no report: a gap, never 0
     assert fig.layout.shapes[0].y0 == 50.0 and fig.data[0].x[1] - fig.data[0].x[0] == 5000
+    assert fig.data[2].showlegend is False  # no burst named by the load: no band, no legend entry
+    # the load generator's burst phases (as clients named them) shaded, touching intervals merged
+    phased = [{"ts_s": now - 50.0 + k, "interval_s": 1.0, "load_phase": p} for k, p in enumerate(
+        ["steady[0-60s]", "burst[60-90s]", "burst[60-90s]", "burst[60-90s]", "trend[90-120s]", "burst", "burst"])]
+    bands = [sh for sh in clients_figure(phased, now, 900.0).layout.shapes if sh.name == "load_burst"]
+    assert [(sh.x0, sh.x1) for sh in bands] == [(int((now - 50.0) * 1000), int((now - 47.0) * 1000)),
+                                                (int((now - 46.0) * 1000), int((now - 44.0) * 1000))]
     calls = []
 
     def fetch(rows_):

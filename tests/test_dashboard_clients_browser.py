@@ -1,7 +1,8 @@
 """What clients see, end to end with real processes: a control plane, one `racer node-agent`
 reporting to it, a `racer gateway` (router token) reporting its clients' view, `racer dashboard`,
 and load through the gateway naming its phase. In headless Chromium the overview leads with the
-client-side P99 and SLO attainment beside the nodes' own and the load phase; the agent is killed
+client-side P99 and SLO attainment beside the nodes' own and the load phase (its bursts shaded on
+the clients' chart); the agent is killed
 (kill -9): the clients' failures (5xx, 503) and the "no request served" banner appear on the
 overview; the gateway stops: a stall of its reports raises the banner."""
 
@@ -30,7 +31,7 @@ if not Path(CHROMIUM).exists():
     pytest.skip(f"{CHROMIUM} missing (.ci/run installs Debian's chromium)", allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[1]
-PHASE = "steady[0-60s]"
+PHASE = "burst[0-60s]"
 
 
 def _spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -142,6 +143,9 @@ def test_clients_view_leads_the_overview_and_shows_a_killed_agents_failures_and_
                    and "ms" in text("nv-p99") and "%" in text("nv-slo"), 60, "client-side and node figures")
             assert PHASE in text("cv-phase")
             _until(lambda: any(v is not None and v > 0 for v in chart(0)), 30, "the clients' P99 in the chart")
+            _until(lambda: page.evaluate("""() => { const el = document.querySelector('#g-clients .js-plotly-plot');
+                return (el.layout.shapes || []).filter(s => s.name === 'load_burst').length; }"""), 30,
+                   "the load's burst phase shaded in the chart")
             box_c, box_n = page.locator("#cv-p99").bounding_box(), page.locator("#nv-p99").bounding_box()
             assert box_c and box_n and abs(box_c["x"] - box_n["x"]) < 200  # in the same card
             assert not page.locator("#client-banner").is_visible()
