@@ -166,3 +166,35 @@ def test_real_agent_serves_the_checkpoint_and_beats_random_weights(ckpt_setup, t
     finally:
         for proc, _ in procs:
             stop(proc)
+
+
+def test_bench_engine_compares_the_checkpoint_with_random_weights(ckpt_setup, capsys):
+    from bench.engine import main
+
+    _, out, _, ckpt = ckpt_setup
+    assert main(["--model", str(out), "--reps", "1", "--json", "--device", "cpu"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["checkpoint"] == ckpt.digest and set(res["lengths"]) == {"128", "512", "2048"}
+    row = res["lengths"]["128"]
+    assert set(row) == {"random", "trained", "ratio_trained_over_random"}
+    assert row["ratio_trained_over_random"]["hit"]["p50_ms"] > 0
+
+
+def test_racer_up_picks_the_shipped_checkpoint(tmp_path):
+    from node_agent.model.shipped import SHIPPED_DIR, resolve_model, shipped_checkpoint
+
+    assert resolve_model("none", "taobao", None) is None
+    assert resolve_model(str(tmp_path), "taobao", None) == tmp_path
+    assert resolve_model("auto", "taobao", "/some/other/file.csv") is None  # another file: random weights
+    assert resolve_model("auto", "movielens", None) is None  # nothing shipped for it
+    shipped = shipped_checkpoint("taobao")
+    assert shipped == SHIPPED_DIR / "taobao" and resolve_model("auto", "taobao", None) == shipped
+    assert sum(f.stat().st_size for f in shipped.iterdir()) < 5 * 2**20  # a few MB at most
+    try:
+        from workloads.loaders import load_trace
+
+        trace = load_trace("taobao")
+    except FileNotFoundError:
+        pytest.skip("the bundled taobao sample is not here (../shared/data)")
+    ckpt = load_checkpoint(shipped, item_keys=list(trace.item_keys))  # fits the sample it was trained on
+    assert ckpt.num_items == trace.num_items
