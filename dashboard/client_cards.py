@@ -154,6 +154,49 @@ def clients_figure(rows: list[dict], now_s: float, range_s: float, slo_ms: float
     return fig
 
 
+def node_rows(gateways: list[dict]) -> list[dict]:
+    """Per node, as the gateways that are not stalled saw it in their last interval: attempts,
+    failed attempts, the queueing before the node (P50: the mean over gateways, P99: the worst)
+    and whether any gateway has it in rotation. None where no gateway measured it."""
+    by: dict[str, dict] = {}
+    for g in gateways:
+        if g.get("stalled") or not g.get("last_report"):
+            continue
+        for n in (g["last_report"].get("details") or {}).get("nodes") or []:
+            d = by.setdefault(n["node_id"], {"node_id": n["node_id"], "num_attempts": 0, "num_failed": 0,
+                                             "p50": [], "pre_node_p99_ms": None, "live": None})
+            d["num_attempts"] += int(n.get("num_attempts") or 0)
+            d["num_failed"] += int(n.get("num_failed") or 0)
+            if n.get("pre_node_p50_ms") is not None:
+                d["p50"].append(n["pre_node_p50_ms"])
+            if n.get("pre_node_p99_ms") is not None:
+                d["pre_node_p99_ms"] = max(d["pre_node_p99_ms"] or 0.0, n["pre_node_p99_ms"])
+            if n.get("live") is not None:
+                d["live"] = bool(d["live"]) or bool(n["live"])
+    out = []
+    for nid in sorted(by):
+        d = by[nid]
+        p50 = d.pop("p50")
+        d["pre_node_p50_ms"] = sum(p50) / len(p50) if p50 else None
+        out.append(d)
+    return out
+
+
+def nodes_table(rows: list[dict]):
+    """The per-node rows as a small HTML table (an empty list: a line saying so)."""
+    if not rows:
+        return html.Div("no node seen by a gateway in its last interval", className="small text-muted")
+    head = html.Tr([html.Th(h) for h in ("node", "in rotation", "attempts", "failed",
+                                          "queueing before the node P50", "P99")])
+    body = [html.Tr([html.Td(r["node_id"]),
+                     html.Td(GAP if r["live"] is None else ("yes" if r["live"] else "no"),
+                             className="" if r["live"] is not False else "text-danger fw-semibold"),
+                     html.Td(str(r["num_attempts"])),
+                     html.Td(str(r["num_failed"]), className="text-danger fw-semibold" if r["num_failed"] else ""),
+                     html.Td(_ms(r["pre_node_p50_ms"])), html.Td(_ms(r["pre_node_p99_ms"]))]) for r in rows]
+    return html.Table([html.Thead(head), html.Tbody(body)], className="table table-sm small mb-2", id="cv-nodes-tbl")
+
+
 def _pct(v) -> str:
     return GAP if v is None else f"{100 * v:.1f}%"
 
@@ -204,6 +247,8 @@ def section() -> html.Div:
                   html.Span("(the gateways' last report interval; the nodes' own figures beside)",
                             className="small text-muted", id="cv-note")], className="mb-1"),
         dbc.Row([_card(cid, label) for cid, label in CARDS], className="g-2 mb-2", id="client-cards"),
+        html.Details([html.Summary("per node, as the gateways saw it (last interval)", className="small"),
+                      html.Div(id="cv-nodes")], open=True, className="mb-2"),
         dcc.Graph(id="g-clients", figure={"data": [], "layout": {"height": 260, "template": "plotly_white"}},
                   config={"displaylogo": False, "responsive": True}, style={"minHeight": "260px"}),
         dcc.Store(id="cv-drawn", data=None),  # the range the chart was drawn whole for (this page)
@@ -220,13 +265,13 @@ def register(app, client, sessions) -> None:
 
     @app.callback(*[Output(cid, "children") for cid in ids], Output("client-banner", "is_open"),
                   Output("client-banner", "children"), Output("cv-state", "className"),
-                  Output("g-clients", "figure"), Output("cv-drawn", "data"),
+                  Output("g-clients", "figure"), Output("cv-drawn", "data"), Output("cv-nodes", "children"),
                   Input("tick-go", "data"), Input("sid", "data"), State("range", "value"), State("cv-drawn", "data"),
                   prevent_initial_call=True)
     def client_cards(_n, sid, range_s, drawn):
         s = sessions.get(sid)
         if s is None:
-            return [no_update] * (len(ids) + 5)
+            return [no_update] * (len(ids) + 6)
         now = time.time()
         range_s = float(range_s or 900)
         try:
@@ -234,7 +279,7 @@ def register(app, client, sessions) -> None:
             rows, changed = history.update(sid, range_s, now, lambda since: client.get(
                 "/gateway-reports", s.token, start_s=since, details="false", limit=20_000))
         except (ApiError, Unavailable):
-            return [no_update] * (len(ids) + 5)  # the control plane's own banner says why
+            return [no_update] * (len(ids) + 6)  # the control plane's own banner says why
         st = client_state(gws)
         vals = card_values(st)
         banner = st["banner"]
@@ -252,7 +297,7 @@ def register(app, client, sessions) -> None:
                 fig["data"][2]["showlegend"] = full.data[2].showlegend
                 fig["layout"]["shapes"] = [sh.to_plotly_json() for sh in full.layout.shapes]
         return (*[vals[cid] for cid in ids], banner is not None, banner[0] if banner else no_update,
-                "fs-5 fw-semibold " + STATE_TEXT[st["state"]][1], fig, range_s)
+                "fs-5 fw-semibold " + STATE_TEXT[st["state"]][1], fig, range_s, nodes_table(node_rows(gws)))
 
     @app.callback(Output("nv-slo", "children"), Output("nv-p99", "children"), Input("summary", "data"),
                   prevent_initial_call=True)

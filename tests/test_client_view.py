@@ -333,3 +333,19 @@ def test_gateway_sends_its_reports_keeps_them_while_refused_and_halves_a_batch_o
 
     asyncio.run(run())
     assert seen[-4:-1] == [2, 2, 1] and sum(seen[4:-1]) == 5
+
+
+def test_per_node_rows_merge_the_fresh_gateways():
+    from dashboard.client_cards import node_rows
+
+    a = _gw(0.5, details={"nodes": [{"node_id": "n1", "num_attempts": 5, "num_failed": 1, "pre_node_p50_ms": 2.0,
+                                     "pre_node_p99_ms": 6.0, "live": True},
+                                    {"node_id": "n2", "num_attempts": 0, "num_failed": 0, "pre_node_p50_ms": None,
+                                     "pre_node_p99_ms": None, "live": False}]})
+    b = _gw(0.5, details={"nodes": [{"node_id": "n1", "num_attempts": 3, "num_failed": 0, "pre_node_p50_ms": 4.0,
+                                     "pre_node_p99_ms": 9.0, "live": True}]})
+    stale = _gw(9.0, details={"nodes": [{"node_id": "n9", "num_attempts": 1}]})
+    assert node_rows([a, b, stale]) == [
+        {"node_id": "n1", "num_attempts": 8, "num_failed": 1, "pre_node_p99_ms": 9.0, "live": True, "pre_node_p50_ms": 3.0},
+        {"node_id": "n2", "num_attempts": 0, "num_failed": 0, "pre_node_p99_ms": None, "live": False,
+         "pre_node_p50_ms": None}]

@@ -142,6 +142,8 @@ def test_clients_view_leads_the_overview_and_shows_a_killed_agents_failures_and_
             _until(lambda: "live" in text("cv-state") and "ms" in text("cv-p99") and "%" in text("cv-slo")
                    and "ms" in text("nv-p99") and "%" in text("nv-slo"), 60, "client-side and node figures")
             assert PHASE in text("cv-phase")
+            _until(lambda: "node-1" in text("cv-nodes") and "ms" in text("cv-nodes"), 30,
+                   "node-1's queueing before the node")
             _until(lambda: any(v is not None and v > 0 for v in chart(0)), 30, "the clients' P99 in the chart")
             _until(lambda: page.evaluate("""() => { const el = document.querySelector('#g-clients .js-plotly-plot');
                 return (el.layout.shapes || []).filter(s => s.name === 'load_burst').length; }"""), 30,
@@ -161,6 +163,8 @@ def test_clients_view_leads_the_overview_and_shows_a_killed_agents_failures_and_
             assert int(text("cv-errors")) >= int(text("cv-503")) > 0
             assert text("cv-p99") == "–"  # nothing served: a gap, not 0 ms
             _until(lambda: any(v is not None and v > 0 for v in chart(1)), 30, "failed requests in the chart")
+            row = page.inner_text("#cv-nodes-tbl tbody tr")
+            assert row.split("\t")[:2] == ["node-1", "no"], row  # out of the gateway's rotation
             page.screenshot(path=str(tmp_path / "clients-failing.png"), full_page=True)
             rep = last_report()
             assert rep["num_ok"] == 0 and rep["num_503"] > 0 and rep["slo_attainment"] == 0.0
