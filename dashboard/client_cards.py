@@ -76,7 +76,8 @@ def client_state(gateways: list[dict]) -> dict:
     elif n > 0:
         out["state"] = "failing"
         msgs.insert(0, f"Clients: no request served in the last interval ({n} answered with errors: "
-                       f"{out['num_503']} × 503 no live node, {out['num_failed'] - out['num_503']} other 5xx).")
+                       f"{out['num_503']} × 503 no live node, {out['num_failed'] - out['num_503']} other 5xx, "
+                       f"{n - out['num_failed']} × 4xx).")
     else:
         out["state"] = "idle"
     if msgs:
