@@ -46,8 +46,8 @@ answer) however slowly its bytes trickle in; a body must not stall for more than
 is closed by the server instead of being held forever. While the app works on a request
 (its body all read) no timer runs: a slow answer is not cut.
 
-Methods: `AllowedMethods` answers a path whose routes do not take the request's method with 405
-and an ``Allow`` header naming every method they take, and ``OPTIONS`` with 204 and that header.
+Methods: `AllowedMethods` makes the app's 405 (a path whose routes do not take the request's
+method) name every method they take in ``Allow``, and answers ``OPTIONS`` with 204 and that header.
 `JsonOnly` refuses a body announced as something other than JSON with 415 before it is read.
 """
 
@@ -245,11 +245,12 @@ class BodyLimit:
 
 
 class AllowedMethods:
-    """ASGI middleware over an app's ``routes`` (Starlette/FastAPI routes, read at each request,
-    so routes added later count): when routes match the path but none takes the method, answer
-    ``OPTIONS`` with 204 and ``Allow`` (every method those routes take, and OPTIONS), any other
-    method with 405, that ``Allow`` header and a JSON body (``{error_field: ...}``). A path no
-    route matches, or a method one takes, goes on to the app."""
+    """ASGI middleware over an app's ``routes`` (Starlette/FastAPI routes, read when needed, so
+    routes added later count): when the app answers 405 (routes match the path, none takes the
+    method), its answer is replaced: ``OPTIONS`` gets 204 and ``Allow`` (every method those
+    routes take, and OPTIONS), any other method 405 with that ``Allow`` header and a JSON body
+    (``{error_field: ...}``). Every other answer passes unchanged: a served request costs one
+    wrapped ``send``, no route matching."""
 
     def __init__(self, app, routes, error_field: str = "error") -> None:
         self.app = app
@@ -281,21 +282,34 @@ class AllowedMethods:
         return {m for m in self.METHODS if self._match({**scope, "method": m}) == Match.FULL} or None
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            methods = self.allowed(scope)
-            if methods is not None:
-                allow = ", ".join(sorted(methods | {"OPTIONS"})).encode()
-                close = may_have_body(scope)  # the body is not read
-                if scope["method"] == "OPTIONS":
-                    raw = [(b"allow", allow), (b"content-length", b"0")] + ([(b"connection", b"close")] if close else [])
-                    await send({"type": "http.response.start", "status": 204, "headers": raw})
-                    await send({"type": "http.response.body", "body": b""})
-                    return
-                await send_json(send, 405, {self.error_field: f"method {scope['method']} not allowed on "
-                                                              f"{scope['path']}; allowed: {allow.decode()}"},
-                                close=close, headers=((b"allow", allow),))
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        replaced = False
+
+        async def send_or_replace(message) -> None:
+            nonlocal replaced
+            if replaced:  # the app's own 405 body: dropped
                 return
-        await self.app(scope, receive, send)
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                methods = self.allowed(scope)
+                if methods is not None:
+                    replaced = True
+                    await self._answer(scope, methods, send)
+                    return
+            await send(message)
+
+        await self.app(scope, receive, send_or_replace)
+
+    async def _answer(self, scope, methods: set[str], send) -> None:
+        allow = ", ".join(sorted(methods | {"OPTIONS"})).encode()
+        if scope["method"] == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204,
+                        "headers": [(b"allow", allow), (b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send_json(send, 405, {self.error_field: f"method {scope['method']} not allowed on {scope['path']}; "
+                                                      f"allowed: {allow.decode()}"}, headers=((b"allow", allow),))
 
 
 def json_content_type(scope) -> bool:
