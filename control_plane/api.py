@@ -264,7 +264,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
                                          f"retire the node (POST {API}/nodes/{body.node_id}/retire) or create this "
                                          f"node's token with replace, which revokes the other")
             node, before = queries.upsert_node(s, node_id=body.node_id, address=body.address, device=body.device,
-                                               cost_profile=body.cost_profile.model_dump(),
+                                               cost_profile=body.cost_profile.model_dump(exclude_none=True),
                                                policy_version=body.policy_version, now_s=now,
                                                report_interval_s=settings.report_interval_s, token_id=p.token_id)
             if before is None or before["address"] != body.address or before["cost_profile"] != node.cost_profile:
@@ -760,8 +760,9 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, principal: Princi
     if said:
         newest = max(said, key=lambda x: x.seq)
         old = state.reports_dropped.get(node_id)
-        if old is None or newest.seq >= old[0]:
+        if old is None or newest.seq >= old[0]:  # a replayed older report does not lower it
             state.reports_dropped[node_id] = (newest.seq, newest.num_reports_dropped)
+            state.metrics.node_reports_dropped.labels(node_id).set(newest.num_reports_dropped)
     m = state.metrics
     m.reports_received.inc(len(rows))
     m.reports_stored.inc(stored)

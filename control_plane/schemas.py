@@ -74,6 +74,8 @@ class CostProfileIn(In):
     emb_transfer_us_per_row: _cost(MAX_EMB_TRANSFER_US_PER_ROW)
     service_time_us: _cost(MAX_SERVICE_TIME_US)
     queue_capacity: Annotated[int, Field(ge=1, le=MAX_QUEUE_CAPACITY, strict=True)] = 64
+    # the HBM arena's size (shown by the dashboard; the weights do not use it), at most 1 PiB
+    arena_bytes: Annotated[int, Field(ge=1, le=2**50, strict=True)] | None = None
 
 
 class RegisterIn(In):

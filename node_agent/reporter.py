@@ -269,7 +269,7 @@ class ReportSpool:
 
 
 def cost_profile(miss_costs: dict | None, *, queue_capacity: int, service_time_us: float | None = None,
-                 history_len: float = 512.0, num_candidates: int = 256) -> dict:
+                 history_len: float = 512.0, num_candidates: int = 256, arena_bytes: int | None = None) -> dict:
     """The cost profile sent at registration (control_plane.weights.CostProfile fields).
 
     ``kv_recompute_us_per_token`` is the profiled cost at the profiled history length nearest
@@ -283,8 +283,11 @@ def cost_profile(miss_costs: dict | None, *, queue_capacity: int, service_time_u
     kv = cost_at(costs.get("kv_recompute_us_per_token", 0.0), history_len)
     emb = float(costs.get("emb_transfer_us_per_row", 0.0))
     svc = service_time_us if service_time_us is not None else history_len * kv + num_candidates * emb
-    return {"kv_recompute_us_per_token": float(kv), "emb_transfer_us_per_row": emb,
-            "service_time_us": float(max(svc, 0.0)), "queue_capacity": int(queue_capacity)}
+    out = {"kv_recompute_us_per_token": float(kv), "emb_transfer_us_per_row": emb,
+           "service_time_us": float(max(svc, 0.0)), "queue_capacity": int(queue_capacity)}
+    if arena_bytes:  # the arena's size, for the operators (the weights do not use it)
+        out["arena_bytes"] = int(arena_bytes)
+    return out
 
 
 def _finite_or_none(x) -> float | None:
@@ -564,9 +567,11 @@ class Reporter:
     def registration_profile(self) -> dict:
         c = self.config
         ecfg = self.agent.engine.config
+        mm = getattr(self.agent.engine, "mm", None)
+        arena = ecfg.num_pages * mm.config.page_bytes if mm is not None and hasattr(ecfg, "num_pages") else None
         return cost_profile(self.agent.miss_costs, queue_capacity=c.queue_capacity or self.agent.config.max_queue,
                             service_time_us=c.service_time_us,
-                            num_candidates=getattr(ecfg, "default_num_candidates", 256))
+                            num_candidates=getattr(ecfg, "default_num_candidates", 256), arena_bytes=arena)
 
     def _send_spool(self) -> bool:
         while len(self.spool) and not self._stop.is_set():

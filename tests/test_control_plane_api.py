@@ -352,3 +352,20 @@ def test_non_finite_numbers_get_422_naming_the_field_not_500(cp, text):
         assert ["body", field] in [e["loc"] for e in r.json()["detail"]]
     stored = op.get("/overrides").json()
     assert not [o for o in (stored if isinstance(stored, list) else stored.get("items", [])) if o["reason"] == "x"]
+
+
+def test_a_node_may_register_its_arena_size(cp):
+    """``cost_profile.arena_bytes`` (optional, an integer in [1, 2^50]) is kept for the operators
+    (the dashboard's split bars in MiB); a profile without it stores no such key."""
+    node = cp.node("arena-1")
+    register(node, "arena-1", arena_bytes=256 * 2**20)
+    register(cp.node("arena-2"), "arena-2")
+    nodes = {n["node_id"]: n for n in cp.admin.get("/nodes").json()}
+    assert nodes["arena-1"]["cost_profile"]["arena_bytes"] == 256 * 2**20
+    assert "arena_bytes" not in nodes["arena-2"]["cost_profile"]
+    for bad in (0, 2**51, True, 1.5):
+        r = node.post("/nodes/register", json={"node_id": "arena-1", "address": "http://127.0.0.1:9", "device": "cpu",
+                                               "cost_profile": {"kv_recompute_us_per_token": 2.0,
+                                                                "emb_transfer_us_per_row": 1.0,
+                                                                "service_time_us": 500.0, "arena_bytes": bad}})
+        assert r.status_code == 422, (bad, r.text)

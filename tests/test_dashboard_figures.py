@@ -355,3 +355,13 @@ def test_override_dialogs_name_the_present_emb_share():
     assert current_share_text(nodes, "c") == "c has reported no emb_share yet"
     assert current_share_text(nodes, None) == "the 2 nodes are at emb_share 0.250-0.500 now"
     assert current_share_text([], None) == "no node has reported an emb_share yet"
+
+
+def test_split_bars_in_bytes_from_the_registered_arena_size():
+    from dashboard.app import _split_rows
+
+    rows = _split_rows([{"node_id": "b", "emb_share": 0.25, "cost_profile": {"arena_bytes": 8 * F.MIB}},
+                        {"node_id": "a", "emb_share": 0.5, "cost_profile": {"arena_bytes": 4 * F.MIB}}])
+    fig = F.split_bar_figure(rows)
+    assert list(fig.data[0].y) == ["a", "b"] and list(fig.data[0].x) == [2.0, 2.0] and list(fig.data[1].x) == [2.0, 6.0]
+    assert "MiB" in fig.layout.xaxis.title.text

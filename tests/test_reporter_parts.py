@@ -177,6 +177,7 @@ def test_registration_cost_profile_from_the_node_profile():
     assert p == {"kv_recompute_us_per_token": 3.0, "emb_transfer_us_per_row": 4.0,
                  "service_time_us": 512 * 3.0 + 256 * 4.0, "queue_capacity": 64}
     assert cost_profile(None, queue_capacity=8, service_time_us=100.0)["service_time_us"] == 100.0
+    assert cost_profile(None, queue_capacity=8, arena_bytes=2**20)["arena_bytes"] == 2**20  # for the operators
 
 
 @pytest.mark.parametrize("kw, field", [({"control_plane_url": "cp:80"}, "control_plane_url"),
