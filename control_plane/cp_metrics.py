@@ -54,7 +54,8 @@ class ControlPlaneMetrics:
                                       ["node_id", "source"], registry=r)
         self.node_bursts = Counter("racer_node_bursts", "Bursts reported (starts)", lbl, registry=r)
         self.node_reports_dropped = Gauge("racer_node_reports_dropped",
-                                          "Reports the node dropped so far, as its latest report said", lbl,
+                                          "Reports the node dropped so far, as its newest report (by seq) said",
+                                          lbl,
                                           registry=r)
 
         self._children: dict[str, tuple] = {}
@@ -90,5 +91,3 @@ class ControlPlaneMetrics:
             self.node_decisions.labels(node_id, rep.decision.source).inc()
         if rep.bursts:
             bursts.inc(len(rep.bursts))
-        if rep.num_reports_dropped is not None:
-            self.node_reports_dropped.labels(node_id).set(rep.num_reports_dropped)

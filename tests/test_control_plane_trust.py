@@ -278,3 +278,23 @@ def test_options_names_every_method_of_the_path_and_a_wrong_method_gets_405_with
         assert r.status_code == 204 and r.headers["allow"] == allow, (path, r.status_code, r.headers)
         r = httpx.request("PATCH", cp.base + path, json={})
         assert r.status_code == 405 and r.headers["allow"] == allow and allow in r.json()["detail"], (path, r.text)
+
+
+def test_a_nodes_drop_count_from_its_newest_report_is_shown_on_the_node_and_in_metrics(cp):
+    """The count a node sends in its reports (`num_reports_dropped`): the newest report's value is
+    on GET /nodes/{id}, in GET /nodes and in /metrics; an older report replayed later does not
+    lower it, a report without it leaves it; a node that never sent it shows null (a gap, not 0)."""
+    nid = "dropping"
+    node = cp.client(cp.token("node", node_id=nid))
+    register(node, nid)
+    assert cp.admin.get(f"/nodes/{nid}").json()["num_reports_dropped"] is None
+    for seq, dropped in ((5, 3), (2, 1)):
+        r = node.post(f"/nodes/{nid}/reports", json={"reports": [report(seq, ts_s=1000.0 + seq,
+                                                                        num_reports_dropped=dropped)]})
+        assert r.status_code == 200, r.text
+    assert node.post(f"/nodes/{nid}/reports", json={"reports": [report(6, ts_s=1006.0)]}).status_code == 200
+    assert cp.admin.get(f"/nodes/{nid}").json()["num_reports_dropped"] == 3
+    assert {n["node_id"]: n["num_reports_dropped"] for n in cp.admin.get("/nodes").json()}[nid] == 3
+    assert f'racer_node_reports_dropped{{node_id="{nid}"}} 3.0' in httpx.get(cp.base + "/metrics").text
+    r = node.post(f"/nodes/{nid}/reports", json={"reports": [report(7, ts_s=1007.0, num_reports_dropped=-1)]})
+    assert r.status_code == 422 and "num_reports_dropped" in r.text
