@@ -413,7 +413,11 @@ def train(trace, cfg: TrainConfig, out_dir: str | os.PathLike, *, progress: bool
     start_epoch = 0
     state_path = out / STATE_FILE
     if resume and state_path.exists():
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        try:
+            st = torch.load(state_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file: start afresh, say so
+            say(f"{state_path} does not load ({type(e).__name__}): starting afresh")
+            st = {}
         if st.get("key") == key:
             net.load_state_dict(st["net"])
             opt.load_state_dict(st["opt"])
@@ -424,7 +428,7 @@ def train(trace, cfg: TrainConfig, out_dir: str | os.PathLike, *, progress: bool
             start_epoch = st["epoch"] + 1
             say(f"resuming after epoch {st['epoch'] + 1} (best so far: epoch {best['epoch'] + 1}, "
                 f"validation NDCG@10 {best['ndcg']:.4f})")
-        else:
+        elif st:
             say(f"{state_path} belongs to another trace or config: starting afresh")
     t0 = clock()
     elapsed_before = history[-1]["elapsed_s"] if history else 0.0
