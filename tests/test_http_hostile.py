@@ -163,3 +163,23 @@ def test_a_text_plain_body_gets_415_at_the_gateway_and_is_never_forwarded(server
 def test_booleans_are_not_numbers_and_times_and_sizes_are_bounded(servers, which, field, value):
     r = httpx.post(servers[which] + "/v1/recommend", json={**BODY, field: value}, timeout=30)
     assert r.status_code == 422 and field in r.text, (field, value, r.status_code, r.text[:300])
+
+
+def test_timeouts_from_the_environment_are_checked():
+    from node_agent.server import HttpTimeouts
+
+    assert HttpTimeouts.from_env({}) == HttpTimeouts(10.0, 30.0, 5.0)
+    assert HttpTimeouts.from_env({"RACER_HTTP_HEADER_TIMEOUT_S": "2.5"}).header_timeout_s == 2.5
+    for env in ({"RACER_HTTP_HEADER_TIMEOUT_S": "soon"}, {"RACER_HTTP_BODY_IDLE_TIMEOUT_S": "0"},
+                {"RACER_HTTP_KEEP_ALIVE_S": "-1"}, {"RACER_HTTP_KEEP_ALIVE_S": "inf"}):
+        with pytest.raises(ValueError, match="RACER_HTTP_|_s must be"):
+            HttpTimeouts.from_env(env)
+
+
+@pytest.mark.parametrize("kind,ok", [(None, True), (b"application/json", True), (b"Application/JSON; charset=utf-8", True),
+                                     (b"application/problem+json", True), (b"text/plain", False),
+                                     (b"application/x-www-form-urlencoded", False), (b"application/jsonx", False)])
+def test_json_content_type(kind, ok):
+    from node_agent.server import json_content_type
+
+    assert json_content_type({"headers": [] if kind is None else [(b"content-type", kind)]}) is ok
