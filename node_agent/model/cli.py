@@ -105,6 +105,9 @@ def cmd_model_eval(args) -> int:
     _set_threads(args.threads)
     trace = _load_trace(args)
     ckpt = load_checkpoint(args.dir, item_keys=list(trace.item_keys))
+    from .train import resolve_device
+
+    model = ckpt.model.to(resolve_device(args.device))
     train_info = ckpt.manifest.get("train", {})
     max_seq_len = args.max_seq_len or int(train_info.get("max_seq_len", 50))
     use_ts = bool(train_info.get("use_timestamps", False))
@@ -112,7 +115,7 @@ def cmd_model_eval(args) -> int:
     n = int((split.test >= 0).sum()) if args.max_users is None else min(args.max_users, int((split.test >= 0).sum()))
     with tqdm(total=n, desc="racer model eval", unit="user", disable=args.no_progress, file=sys.stderr,
               delay=1.0) as bar:
-        res = evaluate(ckpt.model, ckpt.item_table, split, "test", max_seq_len=max_seq_len, full=not args.sampled_only,
+        res = evaluate(model, ckpt.item_table, split, "test", max_seq_len=max_seq_len, full=not args.sampled_only,
                        seed=args.seed, use_timestamps=use_ts, popularity=True, max_users=args.max_users,
                        progress=lambda: bar.update(1))
     res = {**res, "digest": ckpt.digest, "trace": trace.name, "split": "test (last item per user)",
@@ -214,6 +217,7 @@ def add_model_parser(subparsers) -> None:
     ev.add_argument("--max-users", type=_positive_int, default=None, help="evaluate the first N users only")
     ev.add_argument("--sampled-only", action="store_true", help="skip the full-item-set ranking (faster)")
     ev.add_argument("--seed", type=int, default=0, help="seed of the sampled negatives (default 0)")
+    ev.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda[:N]")
     ev.set_defaults(func=cmd_model_eval)
 
     sh = sub.add_parser("show", help="verify a checkpoint and print its manifest",

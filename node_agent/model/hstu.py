@@ -20,7 +20,8 @@ Ranking (`rank`): each of N candidates is one query token at position ``T`` (rig
 history) that attends to the history's K/V and to itself, never to other candidates (as in
 M-FALCON), through every layer; its score is ``<LayerNorm(h_final), e_candidate>``.
 
-Weights are initialised deterministically from ``seed``; nothing is downloaded.
+Weights are initialised deterministically from ``seed``, or loaded from a checkpoint trained by
+``racer model train`` (`node_agent.model.checkpoint`, docs/model.md); nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -457,7 +457,7 @@ def train(trace, cfg: TrainConfig, out_dir: str | os.PathLike, *, progress: bool
                 bar.update(1)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{tot / max(cnt, 1):.3f}",
                                 best_ndcg=f"{max(best['ndcg'], 0):.4f}")
-            val = evaluate(net.frozen_model(), net.table().detach().cpu(), split, "valid",
+            val = evaluate(net.frozen_model().to(dev), net.table().detach(), split, "valid",
                            max_seq_len=cfg.max_seq_len, full=False, seed=cfg.seed,
                            use_timestamps=cfg.use_timestamps)
             elapsed = elapsed_before + clock() - t0
