@@ -40,7 +40,7 @@ from .residency import EMPTY, MAX_USER, ArrayViews, HotShardTable, KvResidency, 
 from .weights import CostProfile, RouterWeights, derive_weights
 
 POLICIES = ("round_robin", "least_load", "user_affinity", "kv_aware", "emb_aware", "racer")
-SOURCES = ("score", "guard", "round_robin", "least_load", "user_affinity")
+SOURCES = ("score", "spill", "guard", "round_robin", "least_load", "user_affinity")
 _INF = math.inf
 _EPS_POOL = 1 << 16
 _EPS_STRIDE = 7919  # odd, so the window start visits every pool position
@@ -60,6 +60,68 @@ def _finite(name: str, v, *, minimum: float | None = None, problems: list[str]) 
 
 
 @dataclass(frozen=True)
+class LoadAwareConfig:
+    """How the scoring routers behave under load (docs/router.md, "Under load"); `validate` checks
+    ranges. ``q(n)`` is a node's requests in flight as the router counts them (its queue depth),
+    ``q_min`` the least among live nodes, ``mean`` their mean, ``Q`` their sum and ``N`` the live
+    nodes.
+
+    - ``credit_decay_requests`` ``D`` (> 0, ``inf`` switches it off; default 2): the locality
+      credit of a node (its KV and EMB terms, the time its caches save) is scaled by
+      ``max(0, 1 - (q(n) - q_min) / D)``, so a node ``D`` or more requests ahead of the least
+      loaded earns no credit and competes on its wait alone (Dynamo's KV router scores one cost,
+      prefill left after the cached overlap plus queued work, and lowers the overlap credit of a
+      worker already ahead). The chosen node is then never ``D`` or more requests ahead of
+      ``least_load``'s choice;
+    - ``cap_factor`` ``c`` (>= 1, ``inf`` off; default 1.25): consistent hashing with bounded
+      loads: no node takes a request that would put it above ``ceil(c (Q + 1) / N)`` in flight;
+      the best score under the cap wins (the least loaded node is always under it);
+    - ``hot_rel`` / ``hot_abs`` (>= 1 / >= 0; ``hot_rel = inf`` off; defaults 1.5 / 2): SGLang's
+      spill: when the chosen node is hot, ``q > hot_rel * mean`` and ``q > mean + hot_abs``, the
+      request goes to the least-waiting node instead (which then holds the user's K/V);
+    - ``near_equal_fraction`` (in [0, 1]; default 0): nodes whose score is within this fraction
+      of one service time (the fastest live node's ``service_time_us``) of the best are equal
+      for the choice, which is then uniform among them from the router's seeded stream. At 0
+      only exact ties are (the seeded ``eps``); each gateway seeds its router differently, so
+      gateways that see the same loads break ties differently and do not herd onto one node.
+      Positive values cost P99 in the simulator (the EMB term's small differences are what keep
+      shards hot), hence the default.
+
+    ``enabled=False`` gives the plain argmax of the expected time saved (the paper's rule).
+    """
+
+    enabled: bool = True
+    credit_decay_requests: float = 2.0
+    cap_factor: float = 1.25
+    hot_rel: float = 1.5
+    hot_abs: float = 2.0
+    near_equal_fraction: float = 0.0
+
+    def validate(self) -> "LoadAwareConfig":
+        problems: list[str] = []
+        if not isinstance(self.enabled, bool):
+            problems.append(f"load_aware.enabled must be a bool, got {self.enabled!r}")
+        for name, lo in (("credit_decay_requests", 0.0), ("cap_factor", 1.0), ("hot_rel", 1.0), ("hot_abs", 0.0),
+                         ("near_equal_fraction", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or math.isnan(v):
+                problems.append(f"load_aware.{name} must be a number, got {v!r}")
+            elif v < lo or (name == "credit_decay_requests" and v <= 0):
+                problems.append(f"load_aware.{name} must be {'>' if name == 'credit_decay_requests' else '>='} "
+                                f"{lo:g}, got {v!r}")
+            elif v == _INF and name in ("hot_abs", "near_equal_fraction"):
+                problems.append(f"load_aware.{name} must be finite, got {v!r}")
+        if isinstance(self.near_equal_fraction, (int, float)) and self.near_equal_fraction > 1:
+            problems.append(f"load_aware.near_equal_fraction must be <= 1, got {self.near_equal_fraction!r}")
+        if problems:
+            raise ValueError("invalid router config: " + "; ".join(problems))
+        return self
+
+
+LOAD_AWARE_OFF = LoadAwareConfig(enabled=False)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """The router's settings; `validate` checks ranges and returns the config.
 
@@ -72,7 +134,8 @@ class RouterConfig:
       most every ``expiry_check_interval_s`` (and whenever `Router.expire` is called);
     - ``guard_*``: the imbalance guard (queue depths, requests); SGLang's defaults are 64 and 1.5;
     - ``tie_break_us``: magnitude of the seeded tie-break ``eps``; ``seed`` seeds it;
-    - ``affinity_vnodes``: points per node on the consistent-hash ring of ``user_affinity``.
+    - ``affinity_vnodes``: points per node on the consistent-hash ring of ``user_affinity``;
+    - ``load_aware``: the scoring routers' rules under load (`LoadAwareConfig`).
     """
 
     num_shards: int = 64
@@ -86,6 +149,7 @@ class RouterConfig:
     tie_break_us: float = 1e-3
     affinity_vnodes: int = 64
     seed: int = 0
+    load_aware: LoadAwareConfig = LoadAwareConfig()
 
     def validate(self) -> "RouterConfig":
         problems: list[str] = []
@@ -108,6 +172,13 @@ class RouterConfig:
             problems.append(f"guard_enabled must be a bool, got {self.guard_enabled!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             problems.append(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.load_aware, LoadAwareConfig):
+            problems.append(f"load_aware must be a LoadAwareConfig, got {type(self.load_aware).__name__}")
+        else:
+            try:
+                self.load_aware.validate()
+            except ValueError as e:
+                problems.append(str(e).removeprefix("invalid router config: "))
         if problems:
             raise ValueError("invalid router config: " + "; ".join(problems))
         return self
@@ -301,6 +372,8 @@ class ClusterState(ArrayViews):
         self.ld_term = np.zeros(n, dtype=np.float64)
         self.q_for_max = np.zeros(n, dtype=np.float64)  # queue depth, -inf on silent nodes
         self.q_for_min = np.zeros(n, dtype=np.float64)  # queue depth, +inf on silent nodes
+        self.wait_term = np.zeros(n, dtype=np.float64)  # max_m w_ld(m) - q(n) s(n), uncapped; -inf silent
+        self.fill = np.zeros(n, dtype=np.float64)  # q(n) / queue_capacity(n), uncapped; +inf silent
         self.hot = HotShardTable(n, config.num_shards)
         self.kv = KvResidency(config.residency_capacity, config.residency_ways)
         self._bind_views()
@@ -308,7 +381,8 @@ class ClusterState(ArrayViews):
         self._refresh_all()
 
     _VIEWS = {"_queue_mv": "queue", "_alive_mv": "alive", "_load_mv": "load", "_ld_term_mv": "ld_term",
-              "_qmax_mv": "q_for_max", "_qmin_mv": "q_for_min"}  # see `ArrayViews`
+              "_qmax_mv": "q_for_max", "_qmin_mv": "q_for_min", "_wait_mv": "wait_term",
+              "_fill_mv": "fill"}  # see `ArrayViews`
 
     @property
     def num_nodes(self) -> int:
@@ -334,16 +408,20 @@ class ClusterState(ArrayViews):
     def _refresh(self, n: int) -> None:
         if self._alive_mv[n]:
             q = self._queue_mv[n]
-            l = q / self._cap[n]
+            f = l = q / self._cap[n]
             if l > 1.0:
                 l = 1.0
             self._load_mv[n] = l
+            self._fill_mv[n] = f
             self._ld_term_mv[n] = self._ld_ref - self._ld[n] * l
+            self._wait_mv[n] = self._ld_ref - self._ld[n] * f
             self._qmax_mv[n] = q
             self._qmin_mv[n] = q
         else:
             self._load_mv[n] = _INF
+            self._fill_mv[n] = _INF
             self._ld_term_mv[n] = -_INF
+            self._wait_mv[n] = -_INF
             self._qmax_mv[n] = -_INF
             self._qmin_mv[n] = _INF
 
@@ -353,6 +431,7 @@ class ClusterState(ArrayViews):
         self._ld = w.ld_us.tolist()
         self._ld_ref = w.ld_ref_us
         self._kv_rate = w.kv_us_per_token.tolist()
+        self._svc_min = float(w.service_time_us.min())
         for i in range(self.num_nodes):
             self._refresh(i)
 
@@ -493,10 +572,13 @@ class ClusterState(ArrayViews):
 class ScoreBreakdown:
     """The per-node terms of one scoring decision (arrays of length ``num_nodes``).
 
-    ``score = kv_term_us + emb_term_us + load_term_us + load_offset_us + eps_us``, where
-    ``kv_term_us = w_kv * h_kv``, ``emb_term_us = w_emb * h_emb`` and ``load_term_us = w_ld * (1 -
-    l)``. A term the policy ignores has weight 0 (``h_emb`` is NaN where it was not computed).
-    Silent nodes have ``l = inf`` and a score of ``-inf``.
+    ``score = kv_term_us + emb_term_us + credit_decay_us + load_term_us + load_offset_us + eps_us``,
+    where ``kv_term_us = w_kv * h_kv``, ``emb_term_us = w_emb * h_emb``, ``load_term_us = w_ld * (1 -
+    l)`` and ``credit_decay_us = -(1 - credit_factor) * (kv_term_us + emb_term_us)``: the locality
+    credit a node loses for being ahead of the least loaded (`LoadAwareConfig`; factor 1 and no
+    decay when the rule is off). ``under_cap``: whether the node was under the bounded-load cap
+    (all true when the cap did not bind). A term the policy ignores has weight 0 (``h_emb`` is NaN
+    where it was not computed). Silent nodes have ``l = inf`` and a score of ``-inf``.
     """
 
     node_ids: tuple[str, ...]
@@ -512,11 +594,14 @@ class ScoreBreakdown:
     load_offset_us: np.ndarray
     eps_us: np.ndarray
     score: np.ndarray
+    credit_factor: np.ndarray
+    credit_decay_us: np.ndarray
+    under_cap: np.ndarray
 
     def rows(self) -> list[dict]:
         """One plain dict per node (JSON-able; the dashboard's table)."""
-        cols = ("h_kv", "h_emb", "load", "w_kv", "w_emb", "w_ld", "kv_term_us", "emb_term_us",
-                "load_term_us", "load_offset_us", "eps_us", "score")
+        cols = ("h_kv", "h_emb", "load", "w_kv", "w_emb", "w_ld", "kv_term_us", "emb_term_us", "credit_factor",
+                "credit_decay_us", "load_term_us", "load_offset_us", "eps_us", "score", "under_cap")
         arrays = [getattr(self, c).tolist() for c in cols]
         return [{"node": nid, **{c: a[i] for c, a in zip(cols, arrays)}} for i, nid in enumerate(self.node_ids)]
 
@@ -525,8 +610,10 @@ class ScoreBreakdown:
 class RoutingDecision:
     """Where a request goes and why.
 
-    ``source`` is one of `SOURCES`: ``score`` (highest score), ``guard`` (the imbalance guard
-    fired and overrode the score with the least-loaded node) or the baseline's own rule.
+    ``source`` is one of `SOURCES`: ``score`` (highest score, under the load-aware rules),
+    ``spill`` (the scored choice was hot and the request went to the least-waiting node),
+    ``guard`` (the imbalance guard fired and overrode the score with the least-loaded node) or the
+    baseline's own rule. ``load_check`` (`LoadCheck`): what the load-aware rules saw and did.
     ``kv_holder``/``kv_cached_len``: the residency map's holder of the user's K/V at decision time
     (``-1``/``0`` if none). ``guard_check``: ``(max_load, min_load, abs_threshold,
     rel_threshold)`` when the guard was evaluated. `breakdown` and `reason` are computed on demand
@@ -544,6 +631,7 @@ class RoutingDecision:
     load: np.ndarray | None = None
     _detail: tuple | None = None  # (weights, node_ids, history_len, num_items, hot_rows, eps, use_kv, use_emb)
     _note: str = ""
+    load_check: LoadCheck | None = None
 
     @property
     def guard_fired(self) -> bool:
@@ -571,11 +659,18 @@ class RoutingDecision:
         load = self.load
         with np.errstate(invalid="ignore"):
             load_term = np.where(np.isfinite(load), w_ld * (1.0 - load), -_INF)
+        kv_term = w_kv * h_kv
+        lc = self.load_check
+        factor = np.ones(n) if lc is None or lc.credit_factor is None else lc.credit_factor.copy()
+        under = np.ones(n, dtype=bool)
+        if lc is not None and lc.capped:
+            under = lc.queue + 1.0 <= lc.cap
         return ScoreBreakdown(
             node_ids=node_ids, h_kv=h_kv, h_emb=h_emb, load=load.copy(), w_kv=w_kv, w_emb=w_emb, w_ld=w_ld,
-            kv_term_us=w_kv * h_kv, emb_term_us=emb_term,
+            kv_term_us=kv_term, emb_term_us=emb_term,
             load_term_us=load_term, load_offset_us=w.load_offset_us.copy(), eps_us=np.array(eps),
-            score=self.score.copy(),
+            score=self.score.copy(), credit_factor=factor, credit_decay_us=-(1.0 - factor) * (kv_term + emb_term),
+            under_cap=under,
         )
 
     @property
@@ -586,13 +681,35 @@ class RoutingDecision:
             mx, mn, a, r = self.guard_check
             return (f"guard: max_load {mx:g} - min_load {mn:g} > {a:g} and {mx:g} > {r:g} * {mn:g}; "
                     f"least-loaded node {nid} (l={self.load[self.node_index]:.3f})")
+        if self.source == "spill":
+            lc = self.load_check
+            la, h = lc.config, lc.spilled_from
+            return (f"spill: node {self._detail[1][h]} is hot ({lc.queue[h]:g} in flight > {la.hot_rel:g} x mean "
+                    f"{lc.mean:.2f} and > mean + {la.hot_abs:g}); least-waiting node {nid} "
+                    f"({lc.queue[self.node_index]:g} in flight)")
         if self.source == "score":
             b = self.breakdown()
             i = self.node_index
             holder = f"holder {b.node_ids[self.kv_holder]}" if self.kv_holder >= 0 else "no holder"
-            return (f"score: node {nid} saves {b.score[i]:.1f} us = kv {b.kv_term_us[i]:.1f} ({holder}) + "
-                    f"emb {b.emb_term_us[i]:.1f} (h_emb {b.h_emb[i]:.3f}) + load {b.load_term_us[i]:.1f} "
-                    f"(l {b.load[i]:.3f}) + offset {b.load_offset_us[i]:.1f}")
+            out = (f"score: node {nid} saves {b.score[i]:.1f} us = kv {b.kv_term_us[i]:.1f} ({holder}) + "
+                   f"emb {b.emb_term_us[i]:.1f} (h_emb {b.h_emb[i]:.3f}) + load {b.load_term_us[i]:.1f} "
+                   f"(l {b.load[i]:.3f}) + offset {b.load_offset_us[i]:.1f}")
+            lc = self.load_check
+            if lc is None:
+                return out
+            parts = []
+            for j in dict.fromkeys((i, self.kv_holder)):
+                if j >= 0 and b.credit_factor[j] < 1.0 and b.kv_term_us[j] + b.emb_term_us[j] > 0.0:
+                    who = "its" if j == i else f"holder {b.node_ids[j]}'s"
+                    parts.append(f"{who} credit x{b.credit_factor[j]:.2f} ({lc.queue[j] - lc.q_min:g} ahead of the "
+                                 f"least loaded: {b.credit_decay_us[j]:.1f} us)")
+            if lc.capped:
+                f = lc.first
+                parts.append(f"cap: {b.node_ids[f]} at {lc.queue[f]:g} in flight would pass ceil({lc.config.cap_factor:g}"
+                             f" x (Q + 1) / {lc.num_live}) = {lc.cap}; best under the cap")
+            if lc.num_near > 1:
+                parts.append(f"{lc.num_near} nodes within {lc.near_us:.1f} us of the best: seeded random choice")
+            return out + "".join("; " + p for p in parts)
         if self.source == "least_load":
             return f"least_load: node {nid} has the lowest load l={self.load[self.node_index]:.3f}"
         if self.source == "user_affinity":
@@ -622,40 +739,122 @@ def _normalised(request: RouteRequest) -> RouteRequest:
                         request.item_shards, _as_int("num_new_items", request.num_new_items))
 
 
+@dataclass(frozen=True, eq=False)
+class LoadCheck:
+    """What the load-aware rules (`LoadAwareConfig`) saw and did in one decision.
+
+    ``queue``: in flight per node (``inf`` on silent nodes); ``credit_factor``: the locality
+    credit's scale per node (``None`` when the decay is off); ``first``: the best score before the
+    cap; ``cap``: ``ceil(c (Q + 1) / N)`` (``None`` off) and ``capped`` whether it moved the choice;
+    ``num_near``/``near_us``: the nodes tied within ``near_us`` of the best (a seeded random one
+    of them was taken when more than one); ``spilled_from``: the hot node the spill moved the
+    request off (``-1`` when it did not fire).
+    """
+
+    config: LoadAwareConfig
+    queue: np.ndarray
+    q_min: float
+    mean: float
+    num_live: int
+    credit_factor: np.ndarray | None
+    first: int
+    cap: int | None
+    capped: bool
+    num_near: int
+    near_us: float
+    spilled_from: int = -1
+
+
 def _pick(state: ClusterState, user: int, history_len: int, emb_us, eps_us: np.ndarray, eps_load: np.ndarray,
-          use_kv: bool, guard: tuple[float, float] | None):
+          use_kv: bool, guard: tuple[float, float] | None, load_aware: LoadAwareConfig | None = None,
+          explain: bool = False):
     """The scoring rule, shared by `score_nodes` (one request) and `ScoringRouter.route_batch`
-    (the EMB term precomputed for the whole batch): load term + tie-break + the EMB term
-    (``emb_us``, per node, or None) + the KV term on the user's holder; argmax; then the imbalance
-    guard. Returns ``(best, source, holder, cached, guard_check, score)``."""
-    score = state.ld_term + eps_us
-    if emb_us is not None:
-        score += emb_us
+    (the EMB term precomputed for the whole batch). Score = load term + tie-break + locality
+    credit (the EMB term ``emb_us``, per node or None, + the KV term on the user's holder); with
+    ``load_aware`` (enabled) the credit decays with the node's lead over the least loaded, the
+    argmax is taken under the bounded-load cap, near-equal nodes are chosen among at random, and
+    a hot choice spills to the least-waiting node; then the imbalance guard. Returns ``(best,
+    source, holder, cached, guard_check, score, load_check)`` (``load_check`` only when
+    ``explain``)."""
     holder, cached = state.kv.lookup(user)
+    kv_us = 0.0
     if use_kv and holder >= 0 and history_len > 0:
-        score[holder] += (cached if cached < history_len else history_len) * state._kv_rate[holder]
-    best = int(score.argmax())
+        kv_us = (cached if cached < history_len else history_len) * state._kv_rate[holder]
     source = "score"
+    lc = None
+    q = state.q_for_min
+    q_min = float(q.min())
+    if load_aware is None or not load_aware.enabled or q_min == _INF:
+        score = state.ld_term + eps_us
+        if emb_us is not None:
+            score += emb_us
+        if kv_us:
+            score[holder] += kv_us
+        best = int(score.argmax())
+    else:
+        la = load_aware
+        credit = emb_us.copy() if emb_us is not None else np.zeros(state.num_nodes)
+        if kv_us:
+            credit[holder] += kv_us
+        factor = None
+        if la.credit_decay_requests != _INF:
+            factor = 1.0 - (q - q_min) / la.credit_decay_requests
+            np.clip(factor, 0.0, 1.0, out=factor)
+            credit *= factor
+        score = state.wait_term + eps_us  # the whole wait, also past queue_capacity
+        score += credit
+        best = first = int(score.argmax())
+        alive = state.alive
+        num_live = int(np.count_nonzero(alive))
+        q_sum = float(np.dot(state.queue, alive))
+        mean = q_sum / num_live
+        cap = None
+        eligible = None
+        if la.cap_factor != _INF:
+            cap = math.ceil(la.cap_factor * (q_sum + 1.0) / num_live - 1e-9)
+            if q[best] + 1.0 > cap:
+                eligible = q + 1.0 <= cap  # the least loaded node always is: q_min + 1 <= ceil((Q + 1) / N)
+                best = int(np.where(eligible, score, -_INF).argmax())
+        num_near = 1
+        near_us = la.near_equal_fraction * state._svc_min
+        if near_us > 0.0:
+            near = score >= score[best] - near_us
+            if eligible is not None:
+                near &= eligible
+            num_near = int(np.count_nonzero(near))
+            if num_near > 1:  # uniform among them: the largest of their seeded tie-breaks
+                best = int(np.where(near, eps_us, -_INF).argmax())
+        spilled_from = -1
+        if la.hot_rel != _INF:
+            qb = q[best]
+            if qb > la.hot_rel * mean and qb > mean + la.hot_abs:
+                spilled_from = best
+                best = int((state.fill + eps_load).argmin())
+                source = "spill"
+        if explain:
+            lc = LoadCheck(la, q.copy(), q_min, mean, num_live, factor, first, cap, eligible is not None, num_near,
+                           near_us, spilled_from)
     check = None
     if guard is not None:
         qmax = float(state.q_for_max.max())
-        qmin = float(state.q_for_min.min())
-        check = (qmax, qmin, guard[0], guard[1])
-        if qmax - qmin > guard[0] and qmax > guard[1] * qmin:
-            best = int((state.load + eps_load).argmin())
+        check = (qmax, q_min, guard[0], guard[1])
+        if qmax - q_min > guard[0] and qmax > guard[1] * q_min:
+            best = int((state.fill + eps_load).argmin())
             source = "guard"
     if not state._alive_mv[best]:
         raise NoLiveNodeError("no live node: every node is silent past node_timeout_s")
-    return best, source, holder, cached, check, score
+    return best, source, holder, cached, check, score, lc
 
 
 def score_nodes(state: ClusterState, request: RouteRequest, eps_us: np.ndarray, eps_load: np.ndarray, *,
                 use_kv: bool = True, use_emb: bool = True, guard: tuple[float, float] | None = None,
-                policy: str = "racer") -> RoutingDecision:
+                policy: str = "racer", load_aware: LoadAwareConfig | None = None) -> RoutingDecision:
     """Score every node for ``request`` and pick one: a pure function of ``state`` and the inputs.
 
     ``eps_us``/``eps_load``: the tie-breaks added to the scores and, for the guard's fallback, to
-    the loads (one value per node). ``guard``: ``(abs_threshold, rel_threshold)`` or ``None``.
+    the loads (one value per node); ``eps_us`` also picks among near-equal nodes. ``guard``:
+    ``(abs_threshold, rel_threshold)`` or ``None``. ``load_aware``: the rules under load
+    (`LoadAwareConfig`), or ``None`` for the plain argmax of the expected time saved.
     """
     if type(request.user) is not int or type(request.history_len) is not int:
         request = _normalised(request)
@@ -673,11 +872,11 @@ def score_nodes(state: ClusterState, request: RouteRequest, eps_us: np.ndarray, 
     if use_emb and num_items:
         hot_rows = np.dot(state.hot.hot, state.shard_counts(shards))
         emb_us = hot_rows * w.emb_us_per_row
-    best, source, holder, cached, check, score = _pick(state, user, history_len, emb_us, eps_us, eps_load, use_kv,
-                                                       guard)
+    best, source, holder, cached, check, score, lc = _pick(state, user, history_len, emb_us, eps_us, eps_load,
+                                                           use_kv, guard, load_aware, True)
     return RoutingDecision(best, state.node_ids[best], policy, source, holder, cached, check, score,
                            state.load.copy(), (w, state.node_ids, history_len, num_items, hot_rows, eps_us,
-                                               use_kv, use_emb))
+                                               use_kv, use_emb), load_check=lc)
 
 
 # --------------------------------------------------------------------------------------- routers
@@ -780,13 +979,15 @@ class RoundRobinRouter(Router):
 
 
 class LeastLoadRouter(Router):
-    """The live node with the lowest ``l(n) = queue_depth / queue_capacity`` (seeded ties)."""
+    """The live node with the lowest ``queue_depth / queue_capacity`` (seeded ties): join the
+    shortest queue. The ratio is not capped at 1 (as ``l(n)`` is), so past full queues the
+    policy still balances instead of choosing at random."""
 
     name = "least_load"
 
     def _decide(self, request: RouteRequest) -> RoutingDecision:
         pos = self._next_eps()
-        best = int((self.state.load + self._eps_load[pos:pos + self.state.num_nodes]).argmin())
+        best = int((self.state.fill + self._eps_load[pos:pos + self.state.num_nodes]).argmin())
         if not self.state._alive_mv[best]:
             raise NoLiveNodeError("no live node: every node is silent past node_timeout_s")
         return self._simple(request, best, "least_load")
@@ -847,13 +1048,15 @@ class ScoringRouter(Router):
     def __init__(self, state: ClusterState, config: RouterConfig) -> None:
         super().__init__(state, config)
         self._guard = (config.guard_abs_threshold, config.guard_rel_threshold) if config.guard_enabled else None
+        self._load_aware = config.load_aware if config.load_aware.enabled else None
 
     def _decide(self, request: RouteRequest) -> RoutingDecision:
         pos = self._eps_pos
         self._eps_pos = (pos + _EPS_STRIDE) & (_EPS_POOL - 1)
         end = pos + self.state.num_nodes
         return score_nodes(self.state, request, self._eps_us[pos:end], self._eps_load[pos:end],
-                           use_kv=self.use_kv, use_emb=self.use_emb, guard=self._guard, policy=self.name)
+                           use_kv=self.use_kv, use_emb=self.use_emb, guard=self._guard, policy=self.name,
+                           load_aware=self._load_aware)
 
     def route_batch(self, batch: RequestBatch, now_s: float) -> BatchRouting:
         """Vectorised pre-pass (shard counts of every request and their EMB savings on every
@@ -878,6 +1081,7 @@ class ScoringRouter(Router):
         news = batch.num_new_items.tolist()
         n = st.num_nodes
         guard = self._guard
+        la = self._load_aware
         use_kv = self.use_kv
         eps_us, eps_load = self._eps_us, self._eps_load
         dispatch = st.dispatch
@@ -885,8 +1089,8 @@ class ScoringRouter(Router):
             pos = self._eps_pos
             self._eps_pos = (pos + _EPS_STRIDE) & (_EPS_POOL - 1)
             user, hl = users[i], lens[i]
-            best, source, holder, _, _, _ = _pick(st, user, hl, None if emb is None else emb[i],
-                                                  eps_us[pos:pos + n], eps_load[pos:pos + n], use_kv, guard)
+            best, source, holder, _, _, _, _ = _pick(st, user, hl, None if emb is None else emb[i],
+                                                     eps_us[pos:pos + n], eps_load[pos:pos + n], use_kv, guard, la)
             fired[i] = source == "guard"
             dispatch(best, user, hl + news[i], now_s)
             out[i] = best

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from control_plane.router import NodeReport, RequestBatch, make_router
+from control_plane.router import LoadAwareConfig, NodeReport, RequestBatch, make_router
 from control_plane.weights import CostProfile as RouterProfile
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
 from node_agent.control import MissCosts, WindowAccumulator, apply_target
@@ -60,7 +60,9 @@ class SimConfig:
       share of the shard's popularity mass (what the node reports to the router);
     - ``ghost_probes``: the caches' ghost probes (`MemoryConfig.ghost_probes`); off by default
       here (they cost the simulator ~15% of its speed and change no decision of the caches);
-      on, every `WindowStats` carries the nodes' marginal utilities of memory.
+      on, every `WindowStats` carries the nodes' marginal utilities of memory;
+    - ``load_aware``: the scoring routers' rules under load (`control_plane.router.LoadAwareConfig`);
+      ``None`` keeps the router's defaults.
     """
 
     num_nodes: int = 32
@@ -78,6 +80,7 @@ class SimConfig:
     queue_capacity: int = 64
     ghost_probes: tuple[float, ...] = ()
     seed: int = 0
+    load_aware: LoadAwareConfig | None = None
 
     def validate(self) -> "SimConfig":
         p = []
@@ -322,8 +325,9 @@ class ClusterSim:
         self.nodes = [_Node(i, MemoryManager(mcfg)) for i in range(cfg.num_nodes)]
         self.rp = rp = router_profile(stream, cfg)
         self.costs = MissCosts(rp.kv_recompute_us_per_token, prof.emb_transfer_us_per_row)
+        extra = {} if cfg.load_aware is None else {"load_aware": cfg.load_aware}
         self.rt = make_router(router, [n.id for n in self.nodes], rp, num_shards=trace.num_shards, seed=cfg.seed,
-                              node_timeout_s=float("inf"))
+                              node_timeout_s=float("inf"), **extra)
         n_req = len(stream)
         # read-only inputs, shared by forks
         c = self._c = _Inputs()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from control_plane import CostProfile, NodeReport, RouteRequest, make_router
+from control_plane.router import LOAD_AWARE_OFF
 
 ABS, REL = 8.0, 1.5
 
@@ -13,7 +14,8 @@ ABS, REL = 8.0, 1.5
 def cluster(name="racer", **cfg):
     prof = CostProfile(kv_recompute_us_per_token=10.0, emb_transfer_us_per_row=1.0, service_time_us=1.0,
                        queue_capacity=100)
-    cfg = {"guard_abs_threshold": ABS, "guard_rel_threshold": REL, "num_shards": 4, "residency_capacity": 64, **cfg}
+    cfg = {"guard_abs_threshold": ABS, "guard_rel_threshold": REL, "num_shards": 4, "residency_capacity": 64,
+           "load_aware": LOAD_AWARE_OFF, **cfg}
     return make_router(name, ["n0", "n1", "n2"], prof, **cfg)
 
 

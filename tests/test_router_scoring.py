@@ -7,6 +7,7 @@ import pytest
 
 from control_plane import (CostProfile, NodeReport, RequestBatch, RouteRequest, expected_saving_us, make_router,
                            score_nodes)
+from control_plane.router import LOAD_AWARE_OFF
 
 KV_US, EMB_US, SVC_US, CAP = 2.0, 5.0, 100.0, 64
 
@@ -18,6 +19,7 @@ def profile(kv=KV_US, emb=EMB_US, svc=SVC_US, cap=CAP):
 
 def cluster(name="racer", n=2, prof=None, **cfg):
     cfg.setdefault("guard_enabled", False)
+    cfg.setdefault("load_aware", LOAD_AWARE_OFF)  # the plain expected-time rule (tests/test_router_load.py: under load)
     cfg.setdefault("num_shards", 8)
     cfg.setdefault("residency_capacity", 1024)
     return make_router(name, [f"n{i}" for i in range(n)], prof or profile(), **cfg)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from control_plane import CostProfile, NodeReport, RouteRequest, derive_weights, expected_saving_us, make_router
+from control_plane.router import LOAD_AWARE_OFF
 
 
 def profile(kv=2.0, emb=5.0, svc=100.0, cap=64):
@@ -36,7 +37,8 @@ def test_each_weight_grows_with_its_own_miss_cost_only(field, term):
 
 def _leaves_holder_at(prof) -> int:
     """Smallest queue depth on the K/V holder (other node empty) at which a 1000-token user leaves."""
-    r = make_router("racer", ["n0", "n1"], prof, guard_enabled=False, num_shards=4, residency_capacity=64)
+    r = make_router("racer", ["n0", "n1"], prof, guard_enabled=False, num_shards=4, residency_capacity=64,
+                    load_aware=LOAD_AWARE_OFF)  # the plain expected-time rule
     for q in range(0, 65):
         r.report(NodeReport("n0", 0.0, queue_depth=q))
         r.report(NodeReport("n1", 0.0, queue_depth=0))
