@@ -65,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from control_plane.router import POLICIES as ROUTERS  # the gateway's routers
+from simulator.capacity import bracket_and_bisect
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.2/round_robin", "0.5/round_robin",
@@ -384,34 +385,11 @@ def find_capacity(run_at, slo_ms: float, start_rps: float, iters: int, progress=
             progress(r)
         return _passes(r, slo_ms)
 
-    lo, hi = 0.0, None
-    rate = start_rps
-    if probe(rate):
-        lo = rate
-        while hi is None and rate < 1e5:
-            rate *= 2
-            if probe(rate):
-                lo = rate
-            else:
-                hi = rate
-    else:
-        hi = rate
-        while lo == 0.0 and rate > 0.5:
-            rate /= 2
-            if probe(rate):
-                lo = rate
-            else:
-                hi = rate
-    if lo == 0.0:
-        raise RuntimeError(f"the fleet meets the {slo_ms:g} ms SLO at no rate down to {rate:g} req/s: "
+    found = bracket_and_bisect(probe, start_rps, iters, max_rate=1e5, min_rate=0.5)
+    if found.lo is None:
+        raise RuntimeError(f"the fleet meets the {slo_ms:g} ms SLO at no rate down to {found.stop_rate:g} req/s: "
                            f"{probes[-1]['p99_ms']} ms P99 at the lowest")
-    for _ in range(iters if hi is not None else 0):
-        mid = 0.5 * (lo + hi)
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, probes
+    return found.lo, probes
 
 
 # ------------------------------------------------------------------------------------ judging

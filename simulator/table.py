@@ -39,6 +39,7 @@ import numpy as np
 from node_agent.memory import DEFAULT_GHOST_PROBES
 
 from .allocators import HeuristicAllocator, ScheduleAllocator, StaticAllocator, needs_ghost_lists
+from .capacity import bracket_and_bisect
 from .cluster import SimConfig, SimResult, oracle_lookahead, oracle_replay, simulate
 
 ROUTERS = ("racer", "kv_aware", "emb_aware", "least_load", "round_robin", "user_affinity")
@@ -420,15 +421,15 @@ KNEE = 2.0  # the knee rule's bound: P99 within this many times the light-load P
 
 
 def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float = 0.5, iters: int = 6,
-                    progress: bool = False) -> dict:
+                    progress: bool = False, router: str = "racer") -> dict:
     """The cluster's steady capacity, found before any allocator runs: the highest base rate of a
-    ``steady`` stream whose P99, at the static split ``share`` with the RACER router, stays within
+    ``steady`` stream whose P99, at the static split ``share`` with ``router`` (RACER's), stays within
     a limit. The limit is the SLO (``cfg.slo_ms``, ``rule`` "slo"); where no rate meets it (the
     service time alone puts the tail above the SLO: the light-load P99 is a floor), it is `KNEE`
     times the P99 at the lowest rate probed (``rule`` "knee": where queueing has doubled the tail).
     From ``cfg.rate_rps`` the rate doubles (or halves) until the limit is crossed, then ``iters``
-    bisections (relative precision 2^-iters of the bracket). Returns the capacity per node, the
-    rule, the limit and the probes ``[rate_rps, p99_ms]``, in the order run. This is the
+    bisections (relative precision 2^-iters of the bracket; `simulator.capacity.bracket_and_bisect`,
+    the fleet bench's search too). Returns the capacity per node, the rule, the limit and the probes ``[rate_rps, p99_ms]``, in the order run. This is the
     provisioning rule the load sweep (``--load F``: per-node rate = F x this) starts from; it is
     not tuned toward any allocator."""
     from tqdm import tqdm
@@ -441,58 +442,41 @@ def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float 
         if rate * duration_s < 20:  # too few requests to say anything about a P99
             return None
         c = replace(cfg, rate_rps=float(rate), duration_s=float(duration_s), regimes=("steady",), schedule=None)
-        res = simulate(_stream(c, "steady"), scfg, StaticAllocator(share), "racer")
+        res = simulate(_stream(c, "steady"), scfg, StaticAllocator(share), router)
         v = float(res.summary()["p99_ms"])
         probes.append([round(float(rate), 3), round(v, 3)])
         bar.update(1)
         return v
 
     def bracket(limit: float, start: float):
-        lo = hi = None
-        r = start
-        for _ in range(12):
-            v = next((p for q, p in probes if q == round(r, 3)), None)
+        def passes(r: float) -> bool | None:
+            v = next((p for q, p in probes if q == round(r, 3)), None)  # a rate probed before
             if v is None:
                 v = p99_at(r)
-            if v is None:
-                return lo, hi, r
-            if v <= limit:
-                lo = r
-                if hi is not None:
-                    break
-                r *= 2.0
-            else:
-                hi = r
-                if lo is not None:
-                    break
-                r /= 2.0
-        return lo, hi, r
+            return None if v is None else v <= limit
+
+        return bracket_and_bisect(passes, start, iters, max_bracket_probes=12)
 
     try:
         rule, limit = "slo", float(cfg.slo_ms)
-        lo, hi, r = bracket(limit, float(cfg.rate_rps))
-        if lo is None:
+        found = bracket(limit, float(cfg.rate_rps))
+        if found.lo is None:
             if not probes:
-                raise ValueError(f"no rate down to {r:g} req/s gives {cfg.slo_ms:g} ms or any P99: too few requests")
+                raise ValueError(f"no rate down to {found.stop_rate:g} req/s gives {cfg.slo_ms:g} ms or any P99: "
+                                 "too few requests")
             light = min(probes, key=lambda p: p[0])
             rule, limit = "knee", KNEE * light[1]
-            lo, hi, r = bracket(limit, light[0])
-            if lo is None:
-                raise ValueError(f"no rate down to {r:g} req/s keeps P99 within {KNEE:g}x the light-load P99 at "
-                                 f"static {share}: probes {probes}")
-        if hi is None:
-            raise ValueError(f"every rate up to {r:g} req/s keeps P99 within {limit:g} ms: probes {probes}")
-        for _ in range(iters):
-            mid = 0.5 * (lo + hi)
-            v = p99_at(mid)
-            if v is not None and v <= limit:
-                lo = mid
-            else:
-                hi = mid
+            found = bracket(limit, light[0])
+            if found.lo is None:
+                raise ValueError(f"no rate down to {found.stop_rate:g} req/s keeps P99 within {KNEE:g}x the light-load "
+                                 f"P99 at static {share}: probes {probes}")
+        if found.hi is None:
+            raise ValueError(f"every rate up to {found.stop_rate:g} req/s keeps P99 within {limit:g} ms: probes {probes}")
+        lo = found.lo
     finally:
         bar.close()
     out = {"capacity_rps": round(lo, 3), "capacity_rps_per_node": round(lo / cfg.num_nodes, 3),
-           "share": share, "router": "racer", "slo_ms": float(cfg.slo_ms), "rule": rule, "limit_ms": round(limit, 3),
+           "share": share, "router": router, "slo_ms": float(cfg.slo_ms), "rule": rule, "limit_ms": round(limit, 3),
            "probe_duration_s": duration_s, "probes": probes}
     if rule == "knee":
         out["light_load_p99_ms"] = min(probes, key=lambda p: p[0])[1]
