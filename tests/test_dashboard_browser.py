@@ -5,8 +5,9 @@ real `racer node-agent` process connected to the control plane.
 What an operator sees and clicks: the overview and split pages draw every node's series and the
 burst shading; an override goes from the form to the node (its decisions show source
 ``override``) and into the audit log, then is cleared; a rollout is started and rolled back; a
-viewer can do neither; the control plane stops (banner, stale data) and comes back (data
-resumes, no reload). Screenshots go to the test's temporary folder (``dashboard-shots/``).
+viewer can do neither; a policy goes from upload to activation to a rolled-back rollout in the UI
+alone, then one decision is drilled into, with no console error; the control plane stops
+(banner, stale data) and comes back (data resumes, no reload). Screenshots go to the test's temporary folder (``dashboard-shots/``).
 """
 
 from __future__ import annotations
