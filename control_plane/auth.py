@@ -88,6 +88,11 @@ class TokenCache:
                 self._cache[secret] = (now, p)
         return p
 
+    def clear(self) -> None:
+        """Forget every cached lookup (the next request of each token reads the database)."""
+        with self._lock:
+            self._cache.clear()
+
     def forget_node(self, node_id: str) -> None:
         """Drop the cached tokens bound to ``node_id`` (their revocation takes effect here at once)."""
         with self._lock:

@@ -1,4 +1,4 @@
-"""``racer control-plane`` and ``racer token create`` (added to the racer command line)."""
+"""``racer control-plane`` and ``racer token create | revoke | list`` (added to the racer command line)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,55 @@ def cmd_token_create(args) -> int:
     return 0
 
 
+def cmd_token_revoke(args) -> int:
+    """Revoke tokens by id (a leaked or retired gateway's, an operator's): they are refused from
+    then on (other control-plane replicas within their token cache's few seconds); audited."""
+    import sys
+
+    from db import queries
+    from db.engine import make_engine, session_factory, upgrade
+
+    engine = make_engine(args.db)
+    upgrade(engine)
+    now = time.time()
+    try:
+        with session_factory(engine).begin() as s:
+            found = queries.tokens_by_id(s, args.token_id)
+            missing = sorted(set(args.token_id) - {t.id for t in found})
+            if missing:
+                print(f"racer token revoke: error: no token with id {', '.join(map(str, missing))} (nothing revoked)",
+                      file=sys.stderr)
+                return 2
+            for t in found:
+                was = t.revoked
+                t.revoked = True
+                queries.audit(s, ts_s=now, actor="cli", action="token.revoke", target=f"token:{t.id}",
+                              before={"revoked": was}, after={"revoked": True},
+                              reason=args.reason or "racer token revoke")
+                print(f"token {t.id} ({t.role}, {t.name}): {'already revoked' if was else 'revoked'}")
+    finally:
+        engine.dispose()
+    return 0
+
+
+def cmd_token_list(args) -> int:
+    """Every token's id, role, name, bound node and state (never a secret: only digests are stored)."""
+    from db import queries
+    from db.engine import make_engine, session_factory, upgrade
+
+    engine = make_engine(args.db)
+    upgrade(engine)
+    with session_factory(engine)() as s:
+        rows = [{"id": t.id, "role": t.role, "name": t.name, "node_id": t.node_id, "revoked": t.revoked,
+                 "created_at_s": t.created_at_s} for t in queries.tokens_by_id(s, None)]
+    engine.dispose()
+    for r in rows:
+        print(json.dumps(r) if args.json else
+              f"{r['id']:>5}  {r['role']:<8} {'revoked' if r['revoked'] else 'valid':<8} {r['name']}"
+              + (f"  (node {r['node_id']})" if r["node_id"] else ""))
+    return 0
+
+
 def _valid_node_id(text: str) -> bool:
     import re
 
@@ -90,3 +139,15 @@ def add_control_plane_parser(sub) -> None:
     c.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or the SQLite file)")
     c.add_argument("--json", action="store_true", help="print {id, name, role, token}")
     c.set_defaults(func=cmd_token_create)
+    r = tsub.add_parser("revoke", help="revoke tokens by id (refused from then on; audited)",
+                        description="Revoke bearer tokens by id (see `racer token list`). A gateway id or a node "
+                                    "bound to a revoked token may then be claimed by another token.")
+    r.add_argument("token_id", type=int, nargs="+", metavar="ID")
+    r.add_argument("--reason", default=None, help="why, for the audit log")
+    r.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or the SQLite file)")
+    r.set_defaults(func=cmd_token_revoke)
+    ls = tsub.add_parser("list", help="list tokens (ids, roles, names, bound nodes; never secrets)",
+                         description="List the control plane's bearer tokens.")
+    ls.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or the SQLite file)")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls.set_defaults(func=cmd_token_list)

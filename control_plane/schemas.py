@@ -23,6 +23,24 @@ Version = Annotated[str, Field(min_length=1, max_length=256)]
 ReportTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
 
 
+def _check_text(v, depth: int = 0) -> None:
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (a lone surrogate is not)") from None
+        if "\x00" in v:
+            raise ValueError("must not contain NUL (\\u0000)")
+    elif depth < 4 and isinstance(v, dict):
+        for k, x in v.items():
+            _check_text(k, depth + 1)
+            _check_text(x, depth + 1)
+    elif depth < 4 and isinstance(v, list):
+        for x in v:
+            if isinstance(x, (str, dict, list)):
+                _check_text(x, depth + 1)
+
+
 class In(BaseModel):
     # strict: a boolean is not a number (nor a number a string); an integer is still a float
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -30,13 +48,10 @@ class In(BaseModel):
     @field_validator("*", mode="after")
     @classmethod
     def _unicode_text(cls, v):
-        """A string must be text that can be stored and echoed: JSON's ``\\ud800`` (a lone
-        surrogate) parses into one that cannot be encoded as UTF-8."""
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("must be valid Unicode text (a lone surrogate is not)") from None
+        """A string, also as a key or value of a mapping or list, must be text that can be stored
+        and echoed: JSON's ``\\ud800`` (a lone surrogate) parses into one that cannot be encoded as
+        UTF-8, and PostgreSQL's text refuses NUL (``\\u0000``)."""
+        _check_text(v)
         return v
 
 
@@ -76,6 +91,8 @@ class CostProfileIn(In):
     queue_capacity: Annotated[int, Field(ge=1, le=MAX_QUEUE_CAPACITY, strict=True)] = 64
     # the HBM arena's size (shown by the dashboard; the weights do not use it), at most 1 PiB
     arena_bytes: Annotated[int, Field(ge=1, le=2**50, strict=True)] | None = None
+    # the digest of the model checkpoint the node serves (racer node-agent --model; absent: random weights)
+    model_digest: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 
 
 class RegisterIn(In):
@@ -112,7 +129,8 @@ class DecisionIn(In):
     emb_share: Unit
     reason: Annotated[str, Field(max_length=2000)] = ""
     prev_emb_share: Unit | None = None
-    features: dict[str, Finite] = Field(default_factory=dict)
+    features: Annotated[dict[Annotated[str, Field(max_length=64)], Finite], Field(max_length=64)] = \
+        Field(default_factory=dict)
     layers: Annotated[list[LayerIn], Field(max_length=5)] = Field(default_factory=list)
 
 

@@ -201,7 +201,8 @@ class Decision(Base):
     reason: Mapped[str] = mapped_column(Text)
     policy_version: Mapped[str | None] = mapped_column(String(256))
     features: Mapped[dict[str, Any]]
-    layers: Mapped[list[Any] | None]  # each allocator layer's trace: layer, proposal, acted, detail
+    # each allocator layer's trace: layer, proposal, acted, detail (SQL NULL when none were sent)
+    layers: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True))
 
 
 class Burst(Base):

@@ -114,6 +114,14 @@ def revoke_node_tokens(session: Session, node_id: str) -> list[int]:
     return ids
 
 
+def tokens_by_id(session: Session, ids: Sequence[int] | None) -> list[Token]:
+    """The tokens with these ids (every token when ``ids`` is None), by id."""
+    q = select(Token).order_by(Token.id)
+    if ids is not None:
+        q = q.where(Token.id.in_(list(ids)))
+    return list(session.scalars(q).all())
+
+
 def count_tokens(session: Session, role: str | None = None) -> int:
     q = select(func.count()).select_from(Token)
     if role:
@@ -183,7 +191,7 @@ def _pg_unnest(cols: list[str], rows: Sequence[dict]) -> tuple[str, list]:
     for c in cols:
         vals = [r.get(c) for r in rows]
         if _PG_TYPES.get(c) == "json":
-            vals = [None if v is None else json.dumps(v) for v in vals]
+            vals = [None if v is None else json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in vals]
         arrays.append(vals)
     casts = ", ".join(f"%s::{_PG_TYPES.get(c, 'float8')}[]" for c in cols)
     return f"SELECT * FROM unnest({casts})", arrays
@@ -232,7 +240,8 @@ def insert_decisions(session: Session, rows: Sequence[dict]) -> None:
         return
     conn.executemany(f"INSERT INTO decisions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
                      f"ON CONFLICT (node_id, seq) DO NOTHING",
-                     [[(None if r.get(c) is None else json.dumps(r[c])) if c in ("features", "layers") else r.get(c)
+                     [[(None if r.get(c) is None else json.dumps(r[c], ensure_ascii=False, separators=(",", ":")))
+                       if c in ("features", "layers") else r.get(c)
                        for c in cols] for r in rows])
 
 
@@ -829,8 +838,7 @@ def touch_gateway(session: Session, *, gateway_id: str, token_id: int | None, no
         gw.last_seen_s = now_s
         gw.last_seq = last_seq if gw.last_seq is None else max(gw.last_seq, last_seq)
         gw.interval_s = interval_s
-        if gw.token_id is None:
-            gw.token_id = token_id
+        gw.token_id = token_id  # the caller allowed it: the same token, or the one before is no longer valid
     session.flush()
     return gw
 
