@@ -619,7 +619,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
             const h = (type, props) => ({type: type, namespace: "dash_html_components", props: props});
             const cols = [["node_id", "node"], ["status", "status"], ["device", "device"],
                           ["emb_share", "emb_share"], ["policy_version", "policy"],
-                          ["num_reports_dropped", "reports dropped"]];
+                          ["model", "model"], ["num_reports_dropped", "reports dropped"]];
             const head = h("Thead", {children: h("Tr", {children: cols.map(c => h("Th", {children: c[1]}))})});
             const body = h("Tbody", {children: rows.map(r => h("Tr", {children: cols.map(c => h("Td", {
                 children: r[c[0]] === null || r[c[0]] === undefined ? "\u2013" : String(r[c[0]]),
@@ -968,8 +968,15 @@ def _jsonable(o):
 def _node_rows(nodes: list[dict]) -> list[dict]:
     return [{"node_id": n["node_id"], "status": n.get("status"), "device": n.get("device"),
              "emb_share": None if n.get("emb_share") is None else round(n["emb_share"], 2),
-             "policy_version": n.get("policy_version"), "num_reports_dropped": n.get("num_reports_dropped")}
+             "policy_version": n.get("policy_version"), "num_reports_dropped": n.get("num_reports_dropped"),
+             "model": _model_label(n)}
             for n in sorted(nodes, key=lambda n: n["node_id"])]
+
+
+def _model_label(node: dict) -> str:
+    """The model a node serves: its checkpoint's digest (first 12 hex digits), or random weights."""
+    digest = (node.get("cost_profile") or {}).get("model_digest")
+    return str(digest)[:12] if digest else "random weights"
 
 
 def _split_rows(nodes: list[dict]) -> list[dict]:

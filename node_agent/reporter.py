@@ -569,9 +569,13 @@ class Reporter:
         ecfg = self.agent.engine.config
         mm = getattr(self.agent.engine, "mm", None)
         arena = ecfg.num_pages * mm.config.page_bytes if mm is not None and hasattr(ecfg, "num_pages") else None
-        return cost_profile(self.agent.miss_costs, queue_capacity=c.queue_capacity or self.agent.config.max_queue,
+        prof = cost_profile(self.agent.miss_costs, queue_capacity=c.queue_capacity or self.agent.config.max_queue,
                             service_time_us=c.service_time_us,
                             num_candidates=getattr(ecfg, "default_num_candidates", 256), arena_bytes=arena)
+        digest = (getattr(self.agent.engine, "model_info", None) or {}).get("digest")
+        if digest:  # the checkpoint this node serves, for the operators (random weights: none)
+            prof["model_digest"] = digest
+        return prof
 
     def _send_spool(self) -> bool:
         while len(self.spool) and not self._stop.is_set():

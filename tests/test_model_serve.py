@@ -198,3 +198,29 @@ def test_racer_up_picks_the_shipped_checkpoint(tmp_path):
         pytest.skip("the bundled taobao sample is not here (../shared/data)")
     ckpt = load_checkpoint(shipped, item_keys=list(trace.item_keys))  # fits the sample it was trained on
     assert ckpt.num_items == trace.num_items
+
+
+def test_the_node_registers_its_model_digest_and_the_dashboard_shows_it(ckpt_setup, tmp_path):
+    from pydantic import ValidationError
+
+    from control_plane.schemas import CostProfileIn
+    from dashboard.app import _node_rows
+    from node_agent.agent import AgentConfig, NodeAgent
+    from node_agent.reporter import Reporter, ReporterConfig
+
+    _, _, trace, ckpt = ckpt_setup
+    costs = {"kv_recompute_us_per_token": {"128": 2.0}, "emb_transfer_us_per_row": 1.0, "emb_hit_us_per_row": 0.1}
+    profiles = {}
+    for name, kw in (("trained", {"checkpoint": ckpt}), ("random", {})):
+        agent = NodeAgent(engine_for(ckpt, trace, **kw), AgentConfig(), miss_costs=costs)
+        rep = Reporter(agent, ReporterConfig(control_plane_url="http://127.0.0.1:9", token="tok", node_id="n0",
+                                             advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path / name)))
+        profiles[name] = rep.registration_profile()
+    assert profiles["trained"]["model_digest"] == ckpt.digest
+    assert "model_digest" not in profiles["random"]
+    assert CostProfileIn(**profiles["trained"]).model_digest == ckpt.digest  # the control plane takes it
+    with pytest.raises(ValidationError):
+        CostProfileIn(**{**profiles["trained"], "model_digest": "not a digest"})
+    rows = _node_rows([{"node_id": "n1", "cost_profile": profiles["random"]},
+                       {"node_id": "n0", "cost_profile": profiles["trained"]}])
+    assert [r["model"] for r in rows] == [ckpt.digest[:12], "random weights"]
