@@ -247,13 +247,17 @@ def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_ta
         return *out, keys
 
     @app.callback(Output("pol-upload-result", "children"), Output("pol-upload-result", "className"),
-                  Output("acted", "data", allow_duplicate=True),
+                  Output("acted", "data", allow_duplicate=True), Output("pol-upload", "contents"),
                   Input("pol-upload", "contents"), State("pol-upload", "filename"), State("sid", "data"),
                   State("acted", "data"), prevent_initial_call=True)
     def upload(contents, filenames, sid, acted):
-        s = sessions.get(sid)
+        """Send the chosen files; the upload's contents are cleared after (choosing the same files
+        again is then a new upload)."""
         if not contents:
-            return no_update, no_update, no_update
+            return no_update, no_update, no_update, no_update
+        return (*_upload(contents, filenames, sessions.get(sid), acted), None)
+
+    def _upload(contents, filenames, s, acted):
         if s is None or s.role != "operator":
             return "an operator token is needed to upload", "small mb-2 text-danger", no_update
         if isinstance(contents, str):

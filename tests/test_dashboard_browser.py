@@ -430,6 +430,13 @@ def test_policy_from_upload_to_rolled_back_and_a_decision_drill_down_without_con
     version = "ui-" + secrets.token_hex(3)
     manifest = json.loads((POLICY_DIR / "manifest.json").read_text())
     manifest["policy_id"] = version
+    # a broken artifact is refused by the agent's loader, and the page says why
+    page.set_input_files("#pol-upload input[type=file]", files=[
+        {"name": "manifest.json", "mimeType": "application/json", "buffer": json.dumps(manifest).encode()},
+        {"name": "policy.onnx", "mimeType": "application/octet-stream", "buffer": b"not an onnx model"},
+        {"name": "golden.npz", "mimeType": "application/octet-stream",
+         "buffer": (POLICY_DIR / "golden.npz").read_bytes()}])
+    assert "policy artifact refused" in wait_text(page, "pol-upload-result", "refused by the control plane", timeout_s=60)
     page.set_input_files("#pol-upload input[type=file]", files=[
         {"name": "manifest.json", "mimeType": "application/json", "buffer": json.dumps(manifest).encode()},
         {"name": "policy.onnx", "mimeType": "application/octet-stream",
