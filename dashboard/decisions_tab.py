@@ -41,8 +41,16 @@ def grid_columns(col, time_col) -> list[dict]:
 
 def search_box() -> dbc.Row:
     return dbc.Row([dbc.Col(dbc.Input(id="dec-search", placeholder="search decisions (node, source, reason…)",
-                                      debounce=True, type="search"), lg=6)],
+                                      debounce=True, type="search"), lg=6),
+                    dbc.Col(html.Div(id="dec-count", className="small text-muted mt-2", role="status"), lg=6)],
                    className="mb-2")
+
+
+def count_text(total: int, shown: int, search: str | None) -> str:
+    what = f"decisions matching “{search}”" if search else "decisions"
+    if total > shown:
+        return f"the newest {shown:,} of {total:,} {what} in the range"
+    return f"{total:,} {what} in the range"
 
 
 def drill_down_modal() -> dbc.Modal:
@@ -89,13 +97,13 @@ def detail_body(d: dict) -> list:
 
 def register(app, client: ControlPlaneClient, sessions, *, default_range_s: int = 900) -> None:
     @app.callback(Output("grid-decisions", "rowData", allow_duplicate=True), Output("grid-decisions", "rowTransaction"),
-                  Output("dec-view", "data"),
+                  Output("dec-view", "data"), Output("dec-count", "children"),
                   Input("tabs", "value"), Input("dec-search", "value"), Input("tick-go", "data"),
                   State("range", "value"), State("sid", "data"), State("dec-view", "data"), prevent_initial_call=True)
     def decisions_grid(tab, search, _tick, range_s, sid, dv):
         s = sessions.get(sid)
         if s is None or tab != "decisions":
-            return no_update, no_update, no_update
+            return no_update, no_update, no_update, no_update
         tok = s.token
         search = (search or "").strip() or None
         range_s = range_s or default_range_s
@@ -103,24 +111,30 @@ def register(app, client: ControlPlaneClient, sessions, *, default_range_s: int 
         dv = dict(dv or {})
         try:
             if ctx.triggered_id != "tick-go" or dv.get("search") != search or dv.get("range_s") != range_s:
-                items = client.decisions(tok, start_s=now - range_s, q=search, limit=DECISION_LIMIT)["items"]
+                page = client.decisions(tok, start_s=now - range_s, q=search, limit=DECISION_LIMIT)
+                items = page["items"]
                 bursts = client.bursts(tok, start_s=now - range_s - 3600)
-                dv = {"search": search, "range_s": range_s, "last_id": max((d["id"] for d in items), default=0)}
-                return decision_rows(items, bursts), no_update, dv
-            items = client.decisions(tok, start_s=now - range_s, q=search, limit=TICK_LIMIT)["items"]
+                dv = {"search": search, "range_s": range_s, "last_id": max((d["id"] for d in items), default=0),
+                      "shown": len(items)}
+                return (decision_rows(items, bursts), no_update, dv,
+                        count_text(int(page.get("total", len(items))), len(items), search))
+            page = client.decisions(tok, start_s=now - range_s, q=search, limit=TICK_LIMIT)
+            items = page["items"]
         except (Unavailable, ApiError):
-            return no_update, no_update, no_update
+            return no_update, no_update, no_update, no_update
         new = sorted((d for d in items if d["id"] > dv.get("last_id", 0)), key=lambda d: -d["id"])
         if not new:
-            return no_update, no_update, no_update
+            return no_update, no_update, no_update, no_update
         dv["last_id"] = new[0]["id"]
+        dv["shown"] = dv.get("shown", 0) + len(new)
         bursts = []
         if any("t=" in (d.get("reason") or "") for d in new):  # node-local times: the bursts anchor them
             try:
                 bursts = client.bursts(tok, start_s=now - range_s - 3600)
             except (Unavailable, ApiError):
                 bursts = []
-        return no_update, {"add": decision_rows(new, bursts), "addIndex": 0}, dv
+        return (no_update, {"add": decision_rows(new, bursts), "addIndex": 0}, dv,
+                count_text(int(page.get("total", 0)), dv["shown"], search))
 
     @app.callback(Output("dec-modal", "is_open"), Output("dec-detail-title", "children"), Output("dec-detail", "children"),
                   Input("grid-decisions", "cellClicked"), State("sid", "data"), prevent_initial_call=True)

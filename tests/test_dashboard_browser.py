@@ -509,6 +509,7 @@ def test_policy_from_upload_to_rolled_back_and_a_decision_drill_down_without_con
             break
         page.wait_for_timeout(250)
     assert nodes == {"gpu-01"}, nodes
+    assert "decisions matching “gpu-01”" in page.inner_text("#dec-count")
     page.wait_for_timeout(4000)  # several live ticks, the fleet deciding every 2 s
     nodes = set(page.locator("#grid-decisions .ag-center-cols-container [col-id=node_id]").all_inner_texts())
     assert nodes == {"gpu-01"}, nodes
