@@ -15,9 +15,9 @@ control plane answers); once the control plane is healthy, its dependants start 
 the dashboard), the dashboard's URL is printed the moment it answers, then the shipped policy is
 registered and activated and a derived candidate registered (`racer.policy_seed`); the load starts
 once the gateway routes to the agents. A status line says what is up and what is still starting.
-A dependant that exits or is slow while starting is restarted with a back-off and never stops the
-rest; only a control plane that exits three times before it ever answered ends the run (with the
-end of its log).
+A dependant that exits while starting is restarted with a back-off (one that is only slow is waited
+for, not restarted) and never stops the rest; only a control plane that exits three times before it
+ever answered ends the run (with the end of its log).
 
 A process that exits is reported on stderr (and in ``DATA/logs/up.log``) and restarted (with a
 back-off when it keeps dying). Ctrl-C or SIGTERM (or ``--duration``) stops the replay, waits for
@@ -39,7 +39,10 @@ miss costs every agent reads instead of measuring them again), ``racer.db`` (SQL
 per agent and database: made with ``racer token create --role node --node-id node-K`` before the
 control plane starts, checked with ``/api/v1/whoami`` once it answers and remade through
 ``POST /api/v1/tokens`` if that database does not know it; each agent gets its token in its
-environment, ``RACER_NODE_TOKEN``), ``agents/node-K/`` (each agent's
+environment, ``RACER_NODE_TOKEN``), ``router_token.<db hash>`` (mode 0600: the gateway's token, role
+``router``, made through ``POST /api/v1/tokens`` once the control plane answers and checked with
+``/api/v1/whoami`` on later runs; the gateway reports as ``racer-up-<hash of the data folder>``, one
+id per folder from run to run), ``agents/node-K/`` (each agent's
 report spool and downloaded policies), ``policies/candidate-<policy_id>/`` (the candidate derived
 from the shipped policy, reused), ``processes.json`` (each process's pid, URL, restarts and log),
 ``up.lock``.
@@ -473,15 +476,26 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
     """The process specs of ``racer up`` for the pieces this build has (``commands``: racer's
     subcommand names). Agent ``node-K`` (its process name and its node id) runs with the
     environment ``node_envs["node-K"]`` (created here, empty): its own token goes there once it is
-    known. ``ports``: the ports already chosen (``control-plane``, ``gateway``, ``dashboard``)."""
+    known. ``ports``: the ports already chosen (``control-plane``, ``gateway``, ``dashboard``); every
+    other port is drawn apart from them and from each other. The gateway reports as
+    `gateway_id_for` ``data_dir``."""
     host = "127.0.0.1"
     ports = dict(ports or {})
+    taken = set(ports.values()) | {getattr(args, f"{n}_port", 0) or 0
+                                   for n in ("control_plane", "gateway", "dashboard")}
+
+    def draw() -> int:
+        while (port := free_port()) in taken:
+            pass
+        taken.add(port)
+        return port
+
     specs: list[ProcessSpec] = []
     missing = []
     env_tokens = {"RACER_ADMIN_TOKEN": operator_token}
     cp_url = None
     if "control-plane" in commands:
-        port = ports.get("control-plane") or args.control_plane_port or free_port()
+        port = ports.get("control-plane") or args.control_plane_port or draw()
         cp_url = f"http://{host}:{port}"
         # the database URL (it may hold a password) and the token go in the environment, not argv
         specs.append(ProcessSpec("control-plane", _racer("control-plane", "--port", str(port), "--host", host),
@@ -491,7 +505,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
 
     node_urls = []
     for k in range(args.nodes):
-        port = free_port()
+        port = draw()
         url = f"http://{host}:{port}"
         node_urls.append(url)
         argv = _racer("node-agent", "--port", str(port), "--host", host, "--trace", args.trace, *CPU_AGENT_ARGS,
@@ -516,20 +530,22 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
     targets = list(node_urls)
     if "gateway" in commands:
         gw_env: dict[str, str] = {}
-        port = ports.get("gateway") or args.gateway_port or free_port()
+        port = ports.get("gateway") or args.gateway_port or draw()
         gw_url = f"http://{host}:{port}"
         argv = _racer("gateway", "--port", str(port), "--host", host)
         if cp_url:
-            # the token in the environment (RACER_GATEWAY_TOKEN), not argv; it registers (its
+            # the token in the environment (RACER_GATEWAY_TOKEN), not argv: `_Up` puts the gateway's
+            # own router token there before it starts (`ensure_router_token`); it registers (its
             # advertised URL) for the control plane's weight pushes
             argv += ["--control-plane", cp_url, "--advertise-url", gw_url]
             gw_env = {"RACER_GATEWAY_TOKEN": operator_token}
         else:
             argv += ["--nodes", ",".join(node_urls)]
         argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
-        # the clients' SLO attainment it reports, as the replay's; one id from run to run (its port may
-        # change), so the dashboard does not take the last run's gateway for a stalled one
-        argv += ["--slo-ms", f"{args.slo_ms:g}", "--gateway-id", "racer-up-gateway"]
+        # the clients' SLO attainment it reports, as the replay's; one id per data folder from run to
+        # run (its port may change), so the dashboard does not take the last run's gateway for a
+        # stalled one, and two folders sharing one --db do not report as one gateway
+        argv += ["--slo-ms", f"{args.slo_ms:g}", "--gateway-id", gateway_id_for(data_dir)]
         specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
                                  ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
         targets = [gw_url]
@@ -538,7 +554,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
 
     dash_url = None
     if "dashboard" in commands and cp_url:
-        port = ports.get("dashboard") or args.dashboard_port or free_port()
+        port = ports.get("dashboard") or args.dashboard_port or draw()
         dash_url = f"http://{host}:{port}"
         argv = _racer("dashboard", "--control-plane", cp_url, "--port", str(port), "--host", host,
                       "--slo-ms", f"{args.slo_ms:g}", "--refresh-s", "2")
@@ -546,6 +562,14 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
     else:
         missing.append("dashboard")
     return Plan(specs, targets, dash_url, cp_url, missing, node_urls)
+
+
+def gateway_id_for(data_dir: Path) -> str:
+    """The id racer up's gateway reports as: ``racer-up-`` and a short hash of the resolved data
+    folder (the same on every run of that folder, another for another folder)."""
+    import hashlib
+
+    return "racer-up-" + hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:10]
 
 
 def _token_path(data_dir: Path, db_url: str, node_id: str) -> Path:
@@ -572,13 +596,24 @@ def start_token_create(data_dir: Path, db_url: str, node_ids: Sequence[str],
         return None
     log(f"creating a token for each of {', '.join(missing)} (racer token create --role node --node-id ...)")
     err = open(data_dir / "logs" / "token-create.log", "ab")
+    # its output (the secrets, about 160 bytes an agent) to a file of mode 0600, not a pipe: a pipe
+    # read only once it exits would fill with a few hundred agents and hold it forever
+    out_path = _token_out_path(data_dir)
+    with contextlib.suppress(FileNotFoundError):
+        out_path.unlink()
+    out = os.fdopen(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
     ids = [arg for n in missing for arg in ("--node-id", n)]
     try:
         return subprocess.Popen(_racer("token", "create", "--role", "node", *ids, "--replace", "--json"), cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                stdout=out, stderr=err, start_new_session=True,
                                 env={**os.environ, "RACER_DATABASE_URL": db_url, "PYTHONUNBUFFERED": "1"})
     finally:
+        out.close()
         err.close()
+
+
+def _token_out_path(data_dir: Path) -> Path:
+    return data_dir / ".token-create.out"
 
 
 def finish_token_create(data_dir: Path, db_url: str, node_ids: Sequence[str],
@@ -586,7 +621,14 @@ def finish_token_create(data_dir: Path, db_url: str, node_ids: Sequence[str],
     """Each agent's token (node id -> secret): those just created (kept in the data folder) and
     those kept from an earlier run; an agent with neither is not in the answer."""
     if proc is not None:
-        out, _ = proc.communicate()
+        proc.wait()
+        try:
+            out = _token_out_path(data_dir).read_text()
+        except OSError:
+            out = ""
+        finally:
+            with contextlib.suppress(OSError):
+                _token_out_path(data_dir).unlink()
         try:
             rows = [json.loads(line) for line in out.splitlines() if line.strip()]
             made = {str(r["node_id"]): str(r["token"]) for r in rows}
@@ -613,12 +655,68 @@ def gateway_routes_to(gw_url: str, node_urls: Sequence[str]) -> bool:
     return set(node_urls) <= live
 
 
+class TryLater(Exception):
+    """The control plane answered, but with a 5xx: ask again on a later tick (as after a connection
+    error or an answer that is not JSON, ``httpx.HTTPError`` and ``ValueError``)."""
+
+
+API_TIMEOUT_S = 2.0  # racer up's own API calls run inside its tick loop: short, so Ctrl-C is prompt
+
+
+def _answered(r) -> None:
+    if r.status_code >= 500:
+        raise TryLater(f"{r.request.method} {r.request.url.path} answered {r.status_code}")
+
+
+def _whoami(api: str, secret: str) -> dict | None:
+    """The kept token's identity as the control plane knows it (None: it does not)."""
+    import httpx
+
+    r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {secret}"}, timeout=API_TIMEOUT_S)
+    _answered(r)
+    if r.status_code != 200:
+        return None
+    who = r.json()
+    if not isinstance(who, dict):
+        raise ValueError("GET /whoami: not a JSON object")
+    return who
+
+
+def ensure_router_token(data_dir: Path, db_url: str, cp_url: str, operator_token: str,
+                        log: Callable[[str], None]) -> str:
+    """The gateway's token: the one kept for this database in ``DATA/router_token.<db hash>`` if the
+    control plane knows it as a ``router`` token, else a new one (``POST /api/v1/tokens``, role
+    router: it may list the nodes, read the weights, register the gateway and post its client
+    reports, nothing else), kept there (mode 0600) for the next run. Raises like
+    `ensure_node_tokens`."""
+    import hashlib
+
+    import httpx
+
+    api = f"{cp_url}/api/v1"
+    path = data_dir / f"router_token.{hashlib.sha256(db_url.encode()).hexdigest()[:10]}"
+    secret = path.read_text().strip() if path.exists() else ""
+    if secret and (_whoami(api, secret) or {}).get("role") == "router":
+        return secret
+    r = httpx.post(f"{api}/tokens", json={"role": "router", "name": gateway_id_for(data_dir)},
+                   headers={"Authorization": f"Bearer {operator_token}"}, timeout=API_TIMEOUT_S)
+    _answered(r)
+    if r.status_code != 201:
+        raise UpError(f"the control plane refused to create the gateway's token: {r.status_code} {r.text[:300]}")
+    secret = str(r.json()["token"])
+    write_atomic(path, secret + "\n", mode=0o600)
+    log("created the gateway's token (role router)")
+    return secret
+
+
 def ensure_node_tokens(data_dir: Path, db_url: str, cp_url: str, operator_token: str, node_ids: Sequence[str],
                        log: Callable[[str], None]) -> dict[str, str]:
     """Each agent's token (node id -> secret): the one kept for this database in
     ``DATA/node_token.<db hash>.<node id>`` if the control plane knows it as a node token bound to
     that id (GET /api/v1/whoami), else a new one (POST /api/v1/tokens with the operator token and
-    ``replace``), kept there for the next run."""
+    ``replace``), kept there for the next run. A connection error or timeout (``httpx.HTTPError``,
+    each call at most `API_TIMEOUT_S`), a 5xx (`TryLater`) or an answer that is not JSON
+    (``ValueError``) is for the caller to try again later; a 4xx refusal is an `UpError`."""
     import httpx
 
     api = f"{cp_url}/api/v1"
@@ -627,13 +725,14 @@ def ensure_node_tokens(data_dir: Path, db_url: str, cp_url: str, operator_token:
     for node_id in node_ids:
         secret = _kept_token(data_dir, db_url, node_id)
         if secret:
-            r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {secret}"}, timeout=10.0)
-            if r.status_code == 200 and r.json().get("role") == "node" and r.json().get("node_id") == node_id:
+            who = _whoami(api, secret) or {}
+            if who.get("role") == "node" and who.get("node_id") == node_id:
                 out[node_id] = secret
                 continue
         r = httpx.post(f"{api}/tokens", json={"role": "node", "name": f"racer-up-{node_id}", "node_id": node_id,
                                               "replace": True},
-                       headers={"Authorization": f"Bearer {operator_token}"}, timeout=10.0)
+                       headers={"Authorization": f"Bearer {operator_token}"}, timeout=API_TIMEOUT_S)
+        _answered(r)
         if r.status_code != 201:
             raise UpError(f"the control plane refused to create a token for {node_id}: {r.status_code} {r.text[:300]}")
         out[node_id] = r.json()["token"]
@@ -726,10 +825,31 @@ def _validate(args) -> None:
     if args.policy is not None and not (Path(args.policy) / "manifest.json").exists():
         raise UpError(f"--policy {args.policy}: no policy artifact there (manifest.json missing); "
                       f"racer policy export writes one")
+    _validate_model(args)
     for opt in ("dashboard_port", "control_plane_port", "gateway_port"):
         v = getattr(args, opt)
         if not 0 <= v <= 65535:
             raise UpError(f"--{opt.replace('_', '-')} must be in [0, 65535], got {v}")
+
+
+def _validate_model(args) -> None:
+    """A ``--model`` checkpoint directory, checked as the agents will check it (the checkpoint
+    loader's own `load_checkpoint`, against the trace's items) before anything starts: a bad one
+    would be refused by every agent, restarted forever. ``auto`` and ``none`` need no check."""
+    model = resolve_model(getattr(args, "model", None), args.trace, args.path)
+    if model is None or getattr(args, "model", None) == "auto":
+        return
+    from node_agent.model.checkpoint import CheckpointError, load_checkpoint  # torch: only for a --model
+    from workloads.loaders import load_trace
+
+    try:
+        trace = load_trace(args.trace, args.path)
+    except (OSError, ValueError) as e:
+        raise UpError(f"--trace {args.trace}{f' --path {args.path}' if args.path else ''}: {e}") from None
+    try:
+        load_checkpoint(model, item_keys=list(trace.item_keys))
+    except CheckpointError as e:
+        raise UpError(f"--model {args.model}: {e}") from None
 
 
 def claim_ports(args) -> dict[str, int]:
@@ -772,9 +892,9 @@ class _Up:
     (they spool their reports until it answers) -> once the control plane is healthy, its
     dependants: the gateway and the dashboard, and the policies (`racer.policy_seed`) -> the
     dashboard's URL as soon as it answers -> the load once the policies are in and the gateway
-    routes to the agents. A dependant that exits or is slow is restarted with a back-off and named
-    in a status line; it never stops the others. Only the control plane exiting before it ever answered (a bad
-    ``--db``, say) ends the run, with the end of its log."""
+    routes to the agents. A dependant that exits is restarted with a back-off (a slow one is waited
+    for) and named in a status line; it never stops the others. Only the control plane exiting
+    before it ever answered (a bad ``--db``, say) ends the run, with the end of its log."""
 
     SEED_WAIT_S = 30.0  # the load waits at most this long after the control plane for the policies
     LOAD_GRACE_S = 20.0  # the load starts this long after the gateway answers even if not every agent is in
@@ -882,11 +1002,16 @@ class _Up:
         try:
             tokens = ensure_node_tokens(self.data_dir, self.db_url, self.plan.control_plane_url,
                                         self.operator_token, self.nodes, self.say)
-        except httpx.HTTPError as e:  # it went away again: try on the next tick
-            self.say(f"control plane {self.plan.control_plane_url}: checking the agents' tokens failed "
-                     f"({type(e).__name__}); trying again", err=True)
+            router_token = (ensure_router_token(self.data_dir, self.db_url, self.plan.control_plane_url,
+                                                self.operator_token, self.say) if self.has("gateway") else None)
+        except (httpx.HTTPError, ValueError, TryLater) as e:  # gone again, or not answering well: next tick
+            self.say(f"control plane {self.plan.control_plane_url}: checking the tokens failed "
+                     f"({type(e).__name__}: {str(e)[:200]}); trying again", err=True)
             cp.ready_s = None
             return
+        if router_token is not None:
+            self.sup.secrets.append(router_token)
+            self.sup["gateway"].spec.env["RACER_GATEWAY_TOKEN"] = router_token
         self.times.control_plane_s = round(self.elapsed(), 1)
         self.say(f"control plane {self.plan.control_plane_url} healthy ({self.times.control_plane_s:g} s)")
         changed = self.give(tokens)

@@ -418,3 +418,144 @@ def test_a_gateway_that_exits_while_starting_is_restarted_and_the_run_goes_on(tm
     assert [e["code"] for e in rep["processes"]["gateway"]["exits"]] == [3, 3]
     assert "gateway restarted" in err and rep["requests_served"] > 0 and rep["requests_lost"] == 0
     assert rep["startup"]["url_s"] is not None and rep["startup"]["first_served_s"] is not None
+
+
+def _up_args(**kw):
+    import argparse
+
+    base = dict(nodes=3, trace="taobao", path=None, policy=None, model="none", slo_ms=50.0, duration=None,
+                phase_s=15.0, first_phase_s=None, dashboard_port=0, control_plane_port=0, gateway_port=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_agent_ports_are_drawn_apart_from_the_claimed_ones_and_the_gateway_id_is_the_folders(tmp_path, monkeypatch):
+    import racer.up as up_module
+
+    claimed = {"control-plane": 41001, "gateway": 41002, "dashboard": 41003}
+    draws = iter([41001, 41002, 41003, 42000, 42000, 41002, 42001, 42002])  # free_port may hand any of them out
+    monkeypatch.setattr(up_module, "free_port", lambda host="127.0.0.1": next(draws))
+    commands = {"control-plane", "node-agent", "gateway", "dashboard", "token"}
+    plan = up_module.plan_processes(_up_args(), tmp_path / "a", commands, "op", {}, None, "sqlite:///x.db", claimed)
+    node_ports = [int(u.rsplit(":", 1)[1]) for u in plan.node_urls]
+    assert node_ports == [42000, 42001, 42002]
+    gw = next(s for s in plan.specs if s.name == "gateway")
+    gid = gw.argv[gw.argv.index("--gateway-id") + 1]
+    assert gid == up_module.gateway_id_for(tmp_path / "a") == up_module.gateway_id_for(tmp_path / "x" / ".." / "a")
+    assert gid != up_module.gateway_id_for(tmp_path / "b") and gid.startswith("racer-up-")
+    import re
+
+    assert re.fullmatch(r"[A-Za-z0-9_.:\-]{1,128}", gid)  # what the control plane takes as a gateway id
+
+
+def test_token_create_output_larger_than_a_pipe_does_not_hold_start_up(tmp_path, monkeypatch):
+    """Hundreds of agents: `racer token create` prints ~160 bytes each; read only after it exits,
+    a pipe would fill (64 KiB) and hold it forever."""
+    import racer.up as up_module
+
+    fake = ("import json, sys; a = sys.argv[1:]; ids = [a[i + 1] for i, x in enumerate(a) if x == '--node-id']; "
+            "[print(json.dumps({'id': k, 'name': 'node-' + n, 'role': 'node', 'node_id': n, 'token': 'racer_' + 'x' * 80 "
+            "+ n})) for k, n in enumerate(ids)]")
+    monkeypatch.setattr(up_module, "_racer", lambda *a: [sys.executable, "-c", fake, *a])
+    (tmp_path / "logs").mkdir()
+    ids = [f"node-{k}" for k in range(600)]
+    proc = up_module.start_token_create(tmp_path, "sqlite:///t.db", ids, lambda line: None)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("racer token create was held by its own output")
+    tokens = up_module.finish_token_create(tmp_path, "sqlite:///t.db", ids, proc)
+    assert sorted(tokens) == sorted(ids) and tokens["node-599"].endswith("node-599")
+    kept = up_module._token_path(tmp_path, "sqlite:///t.db", "node-7")
+    assert kept.stat().st_mode & 0o777 == 0o600
+    assert not up_module._token_out_path(tmp_path).exists()  # the secrets' transit file is gone
+
+
+def _fake_http(monkeypatch, answers, seen):
+    """httpx.get/post answering from ``answers``: (method, path) -> Response (or an exception)."""
+    def call(method):
+        def f(url, **kw):
+            path = httpx.URL(url).path
+            seen.append((method, path, kw.get("timeout"), kw.get("json")))
+            a = answers[(method, path)]
+            if isinstance(a, Exception):
+                raise a
+            a = a() if callable(a) else a
+            a.request = httpx.Request(method, url)
+            return a
+        return f
+
+    monkeypatch.setattr(httpx, "get", call("GET"))
+    monkeypatch.setattr(httpx, "post", call("POST"))
+
+
+@pytest.mark.parametrize("answer", ["5xx", "not json", "timeout"])
+def test_a_control_plane_answering_badly_is_tried_again_on_a_later_tick(tmp_path, monkeypatch, answer):
+    """Checking the tokens once the control plane answers: a 5xx, a 200 that is not JSON or a
+    timeout is tried again on a later tick (the run goes on), with short timeouts."""
+    from types import SimpleNamespace
+
+    import racer.up as up_module
+
+    up_module.write_atomic(up_module._token_path(tmp_path, "sqlite:///t.db", "node-0"), "kept\n", mode=0o600)
+    bad = {"5xx": lambda: httpx.Response(503, text="busy"), "not json": lambda: httpx.Response(200, text="<html>"),
+           "timeout": httpx.ReadTimeout("slow")}[answer]
+    seen: list = []
+    _fake_http(monkeypatch, {("GET", "/api/v1/whoami"): bad, ("POST", "/api/v1/tokens"): bad}, seen)
+    cp = SimpleNamespace(popen=object(), ready_s=1.0, restarts=0)
+    said: list = []
+    fake = SimpleNamespace(sup=SimpleNamespace(__getitem__=None), data_dir=tmp_path, db_url="sqlite:///t.db",
+                           plan=SimpleNamespace(control_plane_url="http://cp"), operator_token="op",
+                           nodes=["node-0"], say=lambda line, **kw: said.append(line), has=lambda n: True,
+                           times=up_module.StartTimes())
+    fake.sup = type("Sup", (), {"__getitem__": lambda self, n: cp, "check_ready": lambda self, p: True})()
+    up_module._Up.step_control_plane(fake)  # no exception: the run goes on
+    assert fake.times.control_plane_s is None and cp.ready_s is None and "trying again" in said[-1]
+    assert seen and all(t is not None and t <= 2.0 for _, _, t, _ in seen)
+
+
+def test_the_gateway_gets_its_own_router_token_kept_for_the_next_run(tmp_path, monkeypatch):
+    import racer.up as up_module
+
+    made: list = []
+
+    def create():
+        made.append(1)
+        return httpx.Response(201, json={"id": 9, "token": f"racer_router{len(made)}", "role": "router"})
+
+    known = {"role": "router", "node_id": None}
+    seen: list = []
+    _fake_http(monkeypatch, {("POST", "/api/v1/tokens"): create,
+                             ("GET", "/api/v1/whoami"): lambda: httpx.Response(200, json=known)}, seen)
+    t1 = up_module.ensure_router_token(tmp_path, "sqlite:///t.db", "http://cp", "op", lambda line: None)
+    assert t1 == "racer_router1" and seen[-1][3] == {"role": "router", "name": up_module.gateway_id_for(tmp_path)}
+    kept = next(tmp_path.glob("router_token.*"))
+    assert kept.read_text().strip() == t1 and kept.stat().st_mode & 0o777 == 0o600
+    assert up_module.ensure_router_token(tmp_path, "sqlite:///t.db", "http://cp", "op", lambda line: None) == t1
+    assert len(made) == 1  # the kept one, known to the control plane: reused
+    known["role"] = "viewer"  # not a router token there (another database): a new one
+    assert up_module.ensure_router_token(tmp_path, "sqlite:///t.db", "http://cp", "op", lambda line: None) == \
+        "racer_router2"
+
+
+def test_a_bad_model_is_refused_before_anything_starts(tmp_path, capsys):
+    """--model naming no checkpoint, or a damaged one: one line, exit 2, nothing made (the agents
+    would refuse it and be restarted forever)."""
+    import shutil
+
+    from node_agent.model.shipped import shipped_checkpoint
+
+    data = tmp_path / "data"
+    rc = racer_main(["up", "--data-dir", str(data), "--duration", "1", "--model", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--model" in err and "no such directory" in err and not data.exists()
+    broken = tmp_path / "ckpt"
+    shutil.copytree(shipped_checkpoint("taobao"), broken)
+    with open(broken / "items.json", "a") as f:
+        f.write(" ")
+    rc = racer_main(["up", "--data-dir", str(data), "--duration", "1", "--model", str(broken)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "items.json has digest" in err and not data.exists()
+    from racer.up import _validate
+
+    _validate(_up_args(model=str(shipped_checkpoint("taobao"))))  # a good one passes
