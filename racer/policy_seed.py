@@ -107,7 +107,13 @@ def upload(api: str, token: str, artifact_dir: Path, *, timeout_s: float = 60.0)
 def seed_policies(cp_url: str, token: str, shipped: Path, data_dir: Path,
                   log: Callable[[str], None]) -> dict:
     """Register ``shipped`` and its derived candidate; activate ``shipped`` if no policy is active.
-    Returns what was done, with the time each step took."""
+    Returns what was done, with the time each step took.
+
+    The activation is check-then-act (``GET /policies``, then ``POST .../activate``; the API has no
+    conditional activate): an operator who activates another policy between the two calls (or a
+    second racer up on the same database) is overridden by the shipped one. The window is one
+    round trip at start-up; the audit log records both activations, and the operator's choice can
+    be made again from the dashboard."""
     import httpx
 
     api = f"{cp_url}/api/v1"
