@@ -20,9 +20,11 @@ load averages this prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,6 +56,31 @@ def help_seconds(args: list[str], repeats: int) -> float:
     return round(statistics.median(times), 3)
 
 
+def kill_left_behind(p: subprocess.Popen, data_dir: Path) -> list[int]:
+    """``racer up`` did not stop after SIGTERM: SIGKILL it, then SIGKILL the process group of each
+    process it recorded in ``DATA/processes.json`` (each runs in its own session, so killing racer
+    up alone would leave them running). Returns the groups signalled."""
+    with contextlib.suppress(ProcessLookupError):
+        p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(10)
+    try:
+        procs = json.loads((data_dir / "processes.json").read_text()).get("processes") or {}
+    except (OSError, ValueError, AttributeError):
+        procs = {}
+    killed = []
+    for info in procs.values():
+        pid = info.get("pid") if isinstance(info, dict) else None
+        if not isinstance(pid, int) or pid <= 1:
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL)  # racer up starts each with start_new_session: pgid == pid
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
+
+
 def up_once(data_dir: Path, nodes: int, duration_s: float, timeout_s: float) -> dict:
     """One ``racer up --duration``: when its URL line and its first-data line appeared."""
     cmd = _racer() + ["up", "--nodes", str(nodes), "--data-dir", str(data_dir), "--duration", str(duration_s),
@@ -82,7 +109,10 @@ def up_once(data_dir: Path, nodes: int, duration_s: float, timeout_s: float) -> 
         p.wait(timeout_s)
     except subprocess.TimeoutExpired:
         p.terminate()  # racer up stops everything on SIGTERM and still prints its report
-        p.wait(120)
+        try:
+            p.wait(120)
+        except subprocess.TimeoutExpired:
+            kill_left_behind(p, data_dir)
     for r in readers:
         r.join(10)
     out = "".join(chunks)
