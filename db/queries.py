@@ -438,84 +438,79 @@ def _stored_buckets(session: Session, *, node_id: str | None, start_s: float | N
     return [_bucket_row(r) for r in session.execute(q)]
 
 
-def roll_up_history(factory, *, now_s: float, margin_s: float) -> dict:
-    """Bring `NodeReportBucket` up to date (the ``history_rollup`` job): recompute every
-    stored-step bucket that holds a report received since the last run (late and replayed
-    reports included), and record ``now_s - margin_s`` as the watermark (a report received before
-    it but committed after this run's read is picked up by the next run, which reads from the
-    watermark). The first run aggregates every stored raw report. Idempotent.
+def history_rollup_span(session: Session) -> tuple[float | None, float | None, float | None]:
+    """``(since, lo, hi)`` for a run of the ``history_rollup`` job (`control_plane.jobs.roll_up_history`):
+    the watermark of the last run (None: the job has not run) and the span of report times received
+    since it (``lo`` None: nothing received). Every stored-step bucket the span overlaps is
+    recomputed (a plain range on the ts_s index; recomputing an untouched bucket in it changes nothing)."""
+    R = NodeReport
+    state = session.get(HistoryRollupState, HISTORY_STATE)
+    since = None if state is None else state.received_to_s
+    lo, hi = (None, None) if since is None else session.execute(
+        select(func.min(R.ts_s), func.max(R.ts_s)).where(R.received_s >= since)).one()
+    return since, lo, hi
 
-    ``factory`` is a session factory: each stored step is grouped from the step below it (5-s
-    buckets from raw reports, 30-s from 5-s, 300-s from 30-s) over the span of report times
-    received since the last run, in a short transaction of its own. On PostgreSQL one INSERT ..
-    SELECT .. ON CONFLICT per step (row locks only); on SQLite, whose write lock is the whole
-    database, the grouping runs as a read (which does not block the ingest writer) and its rows are
-    upserted with one driver-level executemany. Grouping and writing in one INSERT .. SELECT held
-    SQLite's write lock for 60-260 ms every run at 1,000 reports/s, and report ingestion stalled
-    behind it (bench.ingest p99 180-200 ms)."""
+
+def history_step_select(level: float, prev: float | None, since: float | None, lo: float | None,
+                        hi: float | None):
+    """The SELECT that groups the ``level`` buckets overlapping report times ``[lo, hi]`` (all
+    of them when ``since`` is None): from the raw reports (``prev`` None) or from the stored
+    ``prev`` step, as rows of ``node_report_buckets`` (node_id, step_s, bucket_s, *SUM_COLUMNS)."""
     R, B = NodeReport, NodeReportBucket.__table__
-    with factory() as s:
-        state = s.get(HistoryRollupState, HISTORY_STATE)
-        since = None if state is None else state.received_to_s
-        # the span of report times received since the last run: every bucket it overlaps is
-        # recomputed (a plain range on the ts_s index; recomputing an untouched bucket in it
-        # changes nothing)
-        lo, hi = (None, None) if since is None else s.execute(
-            select(func.min(R.ts_s), func.max(R.ts_s)).where(R.received_s >= since)).one()
-        pg = s.get_bind().dialect.name == "postgresql"
-    names = ["node_id", "step_s", "bucket_s", *SUM_COLUMNS]
-    written = {}
-    prev = None
-    for level in HISTORY_STEPS:
-        if since is not None and lo is None:  # nothing received since the last run
-            written[level] = 0
-            continue
-        if prev is None:
-            bucket = func.floor(R.ts_s / level) * level
-            q = select(R.node_id, literal(level), bucket, *_sums_of_raw())
-            if since is not None:
-                q = q.where(R.ts_s >= math.floor(lo / level) * level, R.ts_s < math.floor(hi / level) * level + level)
-            q = q.group_by(R.node_id, bucket)
-        else:
-            bucket = func.floor(B.c.bucket_s / level) * level
-            q = select(B.c.node_id, literal(level), bucket, *[func.sum(B.c[n]) for n in SUM_COLUMNS])
-            if since is not None:
-                q = q.where(B.c.bucket_s >= math.floor(lo / level) * level,
-                            B.c.bucket_s < math.floor(hi / level) * level + level)
-            q = q.where(B.c.step_s == prev).group_by(B.c.node_id, bucket)
-        if pg:  # row locks only: the server groups and upserts in one statement, no rows through Python
-            with factory.begin() as s:
-                ins = dialect_insert(s, B)
-                n = s.execute(ins.from_select(names, q).on_conflict_do_update(
-                    index_elements=["node_id", "step_s", "bucket_s"],
-                    set_={c: ins.excluded[c] for c in SUM_COLUMNS})).rowcount
-            written[level] = int(n or 0)
-            prev = level
-            continue
-        with factory() as s:  # SQLite: the read takes no lock that blocks the ingest writer
-            rows = [tuple(r) for r in s.execute(q)]
-        if rows:
-            with factory.begin() as s:  # the write: one short transaction per step, one driver-level executemany
-                conn = s.connection().connection.driver_connection
-                sql = (f"INSERT INTO node_report_buckets ({', '.join(names)}) VALUES ({', '.join(['?'] * len(names))}) "
-                       f"ON CONFLICT (node_id, step_s, bucket_s) DO UPDATE SET "
-                       + ", ".join(f"{n} = excluded.{n}" for n in SUM_COLUMNS))
-                cur = conn.cursor()
-                try:
-                    cur.executemany(sql, rows)
-                finally:
-                    cur.close()
-        written[level] = len(rows)
-        prev = level
-    mark = now_s - margin_s
-    with factory.begin() as s:
-        state = s.get(HistoryRollupState, HISTORY_STATE)
-        if state is None:
-            s.add(HistoryRollupState(name=HISTORY_STATE, received_to_s=mark, updated_s=now_s))
-        elif mark > state.received_to_s:
-            state.received_to_s, state.updated_s = mark, now_s
-    return {"since_s": since, "received_to_s": max(mark, since or mark),
-            "buckets_written": {f"{k:g}s": v for k, v in written.items()}}
+    if prev is None:
+        bucket = func.floor(R.ts_s / level) * level
+        q = select(R.node_id, literal(level), bucket, *_sums_of_raw())
+        if since is not None:
+            q = q.where(R.ts_s >= math.floor(lo / level) * level, R.ts_s < math.floor(hi / level) * level + level)
+        return q.group_by(R.node_id, bucket)
+    bucket = func.floor(B.c.bucket_s / level) * level
+    q = select(B.c.node_id, literal(level), bucket, *[func.sum(B.c[n]) for n in SUM_COLUMNS])
+    if since is not None:
+        q = q.where(B.c.bucket_s >= math.floor(lo / level) * level,
+                    B.c.bucket_s < math.floor(hi / level) * level + level)
+    return q.where(B.c.step_s == prev).group_by(B.c.node_id, bucket)
+
+
+_BUCKET_NAMES = ["node_id", "step_s", "bucket_s", *SUM_COLUMNS]
+
+
+def upsert_history_step_in_sql(session: Session, q) -> int:
+    """PostgreSQL: group and upsert one step's buckets in one INSERT .. SELECT .. ON CONFLICT (row
+    locks only, no rows through Python); how many rows it wrote."""
+    B = NodeReportBucket.__table__
+    ins = dialect_insert(session, B)
+    n = session.execute(ins.from_select(_BUCKET_NAMES, q).on_conflict_do_update(
+        index_elements=["node_id", "step_s", "bucket_s"], set_={c: ins.excluded[c] for c in SUM_COLUMNS})).rowcount
+    return int(n or 0)
+
+
+def history_step_rows(session: Session, q) -> list[tuple]:
+    """The rows of a `history_step_select` (SQLite: read apart from the write, so the grouping
+    takes no lock that blocks the ingest writer)."""
+    return [tuple(r) for r in session.execute(q)]
+
+
+def upsert_history_buckets(session: Session, rows: Sequence[tuple]) -> None:
+    """SQLite: upsert `history_step_rows` with one driver-level executemany."""
+    conn = session.connection().connection.driver_connection
+    sql = (f"INSERT INTO node_report_buckets ({', '.join(_BUCKET_NAMES)}) "
+           f"VALUES ({', '.join(['?'] * len(_BUCKET_NAMES))}) "
+           f"ON CONFLICT (node_id, step_s, bucket_s) DO UPDATE SET "
+           + ", ".join(f"{n} = excluded.{n}" for n in SUM_COLUMNS))
+    cur = conn.cursor()
+    try:
+        cur.executemany(sql, rows)
+    finally:
+        cur.close()
+
+
+def advance_history_watermark(session: Session, *, mark_s: float, now_s: float) -> None:
+    """Record ``mark_s`` as the stored buckets' watermark (never moved back)."""
+    state = session.get(HistoryRollupState, HISTORY_STATE)
+    if state is None:
+        session.add(HistoryRollupState(name=HISTORY_STATE, received_to_s=mark_s, updated_s=now_s))
+    elif mark_s > state.received_to_s:
+        state.received_to_s, state.updated_s = mark_s, now_s
 
 
 def report_history(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,

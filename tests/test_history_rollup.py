@@ -10,6 +10,7 @@ import random
 import pytest
 from sqlalchemy import func, inspect, select
 
+from control_plane.jobs import roll_up_history
 from db import queries
 from db.engine import current_revision
 from db.models import HistoryRollupState, NodeReportBucket
@@ -82,7 +83,7 @@ def test_stored_buckets_equal_raw_bucketing_at_every_step(db):
     _, factory = db
     rng = random.Random(7)
     _seed(factory, rng)
-    out = queries.roll_up_history(factory, now_s=T0 + 20.0, margin_s=5.0)
+    out = roll_up_history(factory, now_s=T0 + 20.0, margin_s=5.0)
     assert out["since_s"] is None
     with factory() as s:
         assert s.scalar(select(func.count()).select_from(NodeReportBucket)) > 0
@@ -108,7 +109,7 @@ def test_new_and_late_reports_are_read_raw_until_the_next_run_rolls_them_up(db):
     _, factory = db
     rng = random.Random(11)
     _seed(factory, rng, n=600)
-    queries.roll_up_history(factory, now_s=T0 + 700.0, margin_s=10.0)
+    roll_up_history(factory, now_s=T0 + 700.0, margin_s=10.0)
     with factory() as s:
         level, boundary = queries.history_boundary(s, 30.0, T0, None)
         assert (level, boundary) == (30.0, T0 + 690.0)
@@ -127,7 +128,7 @@ def test_new_and_late_reports_are_read_raw_until_the_next_run_rolls_them_up(db):
                   _raw(s, step))
             _same(queries.cluster_history(s, start_s=None, end_s=None, step_s=step, limit=100_000),
                   _raw(s, step, cluster=True))
-    out = queries.roll_up_history(factory, now_s=T0 + 720.0, margin_s=10.0)
+    out = roll_up_history(factory, now_s=T0 + 720.0, margin_s=10.0)
     assert out["since_s"] == T0 + 690.0
     with factory() as s:
         assert queries.history_boundary(s, 30.0, T0, None) == (30.0, T0 + 690.0)  # caught up
@@ -136,7 +137,7 @@ def test_new_and_late_reports_are_read_raw_until_the_next_run_rolls_them_up(db):
                   _raw(s, step))
             _same(queries.cluster_history(s, start_s=None, end_s=None, step_s=step, limit=100_000),
                   _raw(s, step, cluster=True))
-    queries.roll_up_history(factory, now_s=T0 + 725.0, margin_s=10.0)
+    roll_up_history(factory, now_s=T0 + 725.0, margin_s=10.0)
     with factory() as s:
         _same(queries.report_history(s, node_id=None, start_s=None, end_s=None, step_s=60.0, limit=100_000),
               _raw(s, 60.0))
@@ -146,7 +147,7 @@ def test_retention_drops_the_buckets_with_their_raw_reports(db):
     _, factory = db
     rng = random.Random(3)
     _seed(factory, rng, nodes=("a",), n=400)
-    queries.roll_up_history(factory, now_s=T0 + 500.0, margin_s=1.0)
+    roll_up_history(factory, now_s=T0 + 500.0, margin_s=1.0)
     with factory.begin() as s:
         queries.rollup_and_prune(s, now_s=T0 + 400.0, step_s=60.0, raw_retention_s=200.0, rollup_retention_s=1e9)
     with factory() as s:

@@ -1,4 +1,4 @@
-"""What clients see, as the gateways report it (routes included in the API by `control_plane.api`).
+"""What clients see, as the gateways report it.
 
     POST /api/v1/gateways/{gateway_id}/reports   a gateway's report batch (role router or operator)
     GET  /api/v1/gateways                        every reporting gateway, its newest report, staleness
@@ -25,9 +25,9 @@ from sqlalchemy.exc import IntegrityError
 from db import queries
 from db.models import GatewayReport
 
-from .api import OPERATOR, ROUTER, VIEWER, errors, principal, roles
-from .client_view import MAX_NODES, MAX_PHASES, OUTCOMES
-from .schemas import INT64_MAX, In, NodeId, Out, ReportTime, Unit
+from ..client_view import MAX_NODES, MAX_PHASES, OUTCOMES
+from ..schemas import INT64_MAX, In, NodeId, Out, ReportTime, Unit
+from .deps import OPERATOR, ROUTER, VIEWER, errors, principal, roles
 
 Count = Annotated[int, Field(ge=0, lt=2**31)]
 Ms = Annotated[float, Field(ge=0, le=1e7, allow_inf_nan=False)]  # up to ~3 hours

@@ -1,0 +1,46 @@
+"""What a node pulls and confirms: its directives (the override in force, the policy to run) and
+its confirmation that it loaded a policy (or failed to)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from db import queries
+from db.models import Node
+
+from .. import rollout_service
+from ..schemas import DirectivesOut, NodeId, NodeOut, OverrideDirective, PolicyDirective, PolicyLoadedIn
+from .deps import API, NODE, begin, errors, get_or_404, now_s, roles, session, settings
+
+router = APIRouter()
+
+
+@router.get("/nodes/{node_id}/directives", response_model=DirectivesOut, responses=errors(404), **roles(NODE))
+def directives(node_id: NodeId, request: Request):
+    now = now_s(request)
+    with session(request) as s:
+        get_or_404(s, Node, node_id)
+        ovs = queries.active_overrides(s, node_id)
+        ov = next((o for o in ovs if o.node_id == node_id), None) or next(
+            (o for o in ovs if o.node_id is None), None)
+        if ov is not None and ov.expires_at_s is not None and ov.expires_at_s <= now:
+            ov = None  # past its expiry; the expiry job will mark it
+        pol, rollout_id = rollout_service.policy_for_node(s, node_id)
+        return DirectivesOut(
+            node_id=node_id, now_s=now, report_interval_s=settings(request).report_interval_s,
+            override=None if ov is None else OverrideDirective(
+                override_id=ov.id, emb_share=ov.emb_share, expires_at_s=ov.expires_at_s, reason=ov.reason,
+                scope="node" if ov.node_id else "cluster"),
+            policy=None if pol is None else PolicyDirective(
+                version=pol.version, digest=pol.digest, rollout_id=rollout_id,
+                download_url=f"{API}/policies/{pol.version}/artifact"))
+
+
+@router.post("/nodes/{node_id}/policy", response_model=NodeOut, responses=errors(404, 409, 413), **roles(NODE))
+def policy_loaded(node_id: NodeId, body: PolicyLoadedIn, request: Request):
+    now = now_s(request)
+    with begin(request) as s:
+        node = get_or_404(s, Node, node_id)
+        rollout_service.node_confirmed(s, node, version=body.policy_version, status=body.status,
+                                       error=body.error, now_s=now)
+        return NodeOut.model_validate(node)

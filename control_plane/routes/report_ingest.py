@@ -1,0 +1,157 @@
+"""Report ingestion, the hot path (one request per node per interval): `ingest_batch` validates
+and stores one batch; the ``POST /nodes/{node_id}/reports`` route (`routes.nodes`) and the ASGI
+fast path `IngestFastPath` (the same function without FastAPI's routing and dependency
+machinery) both call it. Storage goes through the group-commit writer (`control_plane.ingest`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from fastapi.encoders import jsonable_encoder
+from pydantic import ValidationError
+from sqlalchemy.exc import DataError, IntegrityError
+
+from db.models import Node
+from node_agent.server import json_safe
+
+from ..auth import PRINCIPAL_STATE, Principal, node_route_refusal, role_refusal
+from ..schemas import NodeOut, ReportBatchIn
+from .deps import API, NODE
+
+INGEST_PATH = re.compile(r"^/api/v1/nodes/([A-Za-z0-9_.:\-]{1,128})/reports$")
+
+
+def node_out(state, node: Node) -> NodeOut:
+    """A node as the API shows it: its row, and the drop count its latest report gave."""
+    out = NodeOut.model_validate(node)
+    dropped = state.reports_dropped.get(node.node_id)
+    if dropped is not None:
+        out.num_reports_dropped = dropped[1]
+    return out
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+async def _known_node(state, node_id: str) -> tuple[int, bytes] | None:
+    """None when ``node_id`` is registered (then remembered in ``state.known_nodes``), else the
+    (status, JSON body) to answer: 404 (not registered) or 503 (database unreachable)."""
+    import anyio.to_thread
+
+    def known() -> bool:
+        with state.factory() as s:
+            return s.get(Node, node_id) is not None
+
+    try:
+        is_known = await anyio.to_thread.run_sync(known)
+    except Exception as e:  # noqa: BLE001 - database unreachable: the node keeps the batch and retries
+        return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
+    if not is_known:
+        return 404, _json({"detail": f"node_id {node_id!r} is not registered (POST {API}/nodes/register first)"})
+    state.known_nodes.add(node_id)
+    return None
+
+
+def _rows(node_id: str, body: ReportBatchIn, now: float) -> tuple[list, list, list]:
+    """The batch as rows of the reports, the decisions and the bursts tables."""
+    rows, decisions, bursts = [], [], []
+    for rep in body.reports:
+        d = rep.model_dump(exclude={"decision", "bursts"})
+        d["node_id"], d["received_s"] = node_id, now
+        d["decision_source"] = rep.decision.source if rep.decision is not None else None
+        rows.append(d)
+        if rep.decision is not None:
+            decisions.append(dict(node_id=node_id, seq=rep.seq, ts_s=rep.ts_s, source=rep.decision.source,
+                                  emb_share=rep.decision.emb_share, prev_emb_share=rep.decision.prev_emb_share,
+                                  reason=rep.decision.reason, policy_version=rep.policy_version,
+                                  features=rep.decision.features,
+                                  layers=[t.model_dump() for t in rep.decision.layers] or None))
+        for b in rep.bursts:
+            bursts.append(dict(node_id=node_id, start_s=b.start_s, end_s=b.end_s, magnitude=b.magnitude))
+    return rows, decisions, bursts
+
+
+def _count(state, node_id: str, body: ReportBatchIn, last, num_rows: int, stored: int, dup: int, t0: float) -> None:
+    """The metrics of a stored batch, and the node's drop count (from its newest report saying)."""
+    said = [x for x in body.reports if x.num_reports_dropped is not None]
+    if said:
+        newest = max(said, key=lambda x: x.seq)
+        old = state.reports_dropped.get(node_id)
+        if old is None or newest.seq >= old[0]:  # a replayed older report does not lower it
+            state.reports_dropped[node_id] = (newest.seq, newest.num_reports_dropped)
+            state.metrics.node_reports_dropped.labels(node_id).set(newest.num_reports_dropped)
+    m = state.metrics
+    m.reports_received.inc(num_rows)
+    m.reports_stored.inc(stored)
+    if dup:
+        m.reports_duplicate.inc(dup)
+    m.observe_report(node_id, last)
+    m.ingest_request.observe(time.perf_counter() - t0)
+
+
+async def ingest_batch(state, node_id: str, raw: bytes, clock, principal: Principal | None) -> tuple[int, bytes]:
+    """Validate and store one report batch of ``node_id`` sent by ``principal`` (the token
+    `control_plane.gate` checked before the body was read; checked again here: role node, bound
+    to ``node_id``); (HTTP status, JSON body)."""
+    t0 = time.perf_counter()
+    if principal is None:
+        return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"})
+    why = role_refusal(principal, (NODE,)) or node_route_refusal(principal, node_id)
+    if why:
+        return 403, _json({"detail": why})
+    try:
+        body = ReportBatchIn.model_validate_json(raw)
+    except ValidationError as e:
+        errs = [{**x, "loc": ["body", *x["loc"]]} for x in e.errors(include_url=False, include_context=False)]
+        return 422, _json({"detail": jsonable_encoder(json_safe(errs))})
+    if node_id not in state.known_nodes:
+        refused = await _known_node(state, node_id)
+        if refused is not None:
+            return refused
+    now = clock()
+    rows, decisions, bursts = _rows(node_id, body, now)
+    last = max(body.reports, key=lambda x: x.seq)
+    try:
+        stored, dup = await state.writer.submit(node_id, rows, decisions, bursts,
+                                                (now, last.seq, last.emb_share, last.policy_version))
+    except (IntegrityError, DataError) as e:  # the batch itself is wrong: the node drops it and counts it
+        return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"})
+    except Exception as e:  # noqa: BLE001 - database unreachable or failing: the node keeps the batch and retries
+        return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
+    _count(state, node_id, body, last, len(rows), stored, dup, t0)
+    return 200, b'{"stored":%d,"duplicates":%d}' % (stored, dup)
+
+
+class IngestFastPath:
+    """ASGI middleware inside `RequestGate`: ``POST /api/v1/nodes/{node_id}/reports`` goes
+    straight to `ingest_batch` (the gate has checked the token and read the body, capped),
+    without FastAPI's routing and dependency machinery; everything else goes on to the routes."""
+
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            m = INGEST_PATH.match(scope["path"])
+            if m is not None:
+                chunks = []
+                while True:  # one message: the gate hands the body on whole
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    chunks.append(msg.get("body", b""))
+                    if not msg.get("more_body"):
+                        break
+                status, body = await ingest_batch(self.state, m.group(1), b"".join(chunks), self.state.clock,
+                                                  scope.get("state", {}).get(PRINCIPAL_STATE))
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                if status == 401:
+                    headers.append((b"www-authenticate", b"Bearer"))
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,66 @@
+"""Routers (gateways that take pushed weights) and the router weights the control plane computes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request
+
+from db import queries
+from db.models import Router
+
+from ..schemas import RouterIn, RouterOut, RouterWeightsHistoryOut, RouterWeightsOut
+from .deps import NODE, OPERATOR, ROUTER, VIEWER, begin, errors, get_or_404, now_s, principal, roles, session
+
+router = APIRouter()
+
+
+def _router_out(x: Router) -> RouterOut:
+    return RouterOut(url=x.url, has_push_token=x.push_token is not None, registered_at_s=x.registered_at_s,
+                     pushed_version=x.pushed_version, last_push_s=x.last_push_s, last_error=x.last_error)
+
+
+@router.post("/routers", response_model=RouterOut, **roles(NODE, OPERATOR, ROUTER))
+def register_router(body: RouterIn, request: Request, p: principal(NODE, OPERATOR, ROUTER)):
+    now = now_s(request)
+    with begin(request) as s:
+        rt, new = queries.upsert_router(s, body.url, now, body.push_token)
+        if new:
+            queries.audit(s, ts_s=now, actor=p.name, action="router.register", target=f"router:{body.url}",
+                          after={"url": body.url, "has_push_token": body.push_token is not None}, reason="")
+        return _router_out(rt)
+
+
+@router.get("/routers", response_model=list[RouterOut], **roles(OPERATOR, VIEWER))
+def routers(request: Request):
+    with session(request) as s:
+        return [_router_out(x) for x in queries.list_routers(s)]
+
+
+@router.delete("/routers", response_model=RouterOut, responses=errors(404), **roles(OPERATOR))
+def delete_router(request: Request, p: principal(OPERATOR),
+                  url: Annotated[str, Query(min_length=1, max_length=512)]):
+    with begin(request) as s:
+        rt = get_or_404(s, Router, url)
+        out = _router_out(rt)
+        s.delete(rt)
+        queries.audit(s, ts_s=now_s(request), actor=p.name, action="router.delete", target=f"router:{url}",
+                      before={"url": url}, reason="")
+        return out
+
+
+@router.get("/router/weights", response_model=RouterWeightsOut, responses=errors(404),
+            **roles(NODE, OPERATOR, VIEWER, ROUTER))
+def router_weights(request: Request):
+    with session(request) as s:
+        w = queries.latest_weights(s)
+        if w is None:
+            raise HTTPException(404, "no router weights yet (no node has registered, or the weights job has "
+                                     "not run)")
+        return RouterWeightsOut(version=w.version, computed_at_s=w.computed_at_s, nodes=w.nodes)
+
+
+@router.get("/router/weights/history", response_model=list[RouterWeightsHistoryOut], **roles(OPERATOR, VIEWER))
+def router_weights_history(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+    with session(request) as s:
+        return [RouterWeightsHistoryOut.model_validate(w) for w in queries.weights_history(s, limit)]
