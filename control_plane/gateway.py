@@ -125,9 +125,15 @@ class GatewayConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name} must be an integer >= 1, got {v!r}")
+        # within what the control plane takes (a report's interval_s <= 3600, slo_ms <= 1e6): the
+        # measured interval runs a little over the configured one, so the cap is well below
         v = self.client_report_interval_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.1 <= v <= 3600):
-            problems.append(f"client_report_interval_s must be a number in [0.1, 3600], got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and 0.1 <= v <= MAX_CLIENT_REPORT_INTERVAL_S):
+            problems.append(f"client_report_interval_s must be a number in [0.1, {MAX_CLIENT_REPORT_INTERVAL_S:g}], "
+                            f"got {v!r}")
+        if isinstance(self.slo_ms, (int, float)) and not isinstance(self.slo_ms, bool) and self.slo_ms > MAX_SLO_MS:
+            problems.append(f"slo_ms must be at most {MAX_SLO_MS:g} (what the control plane takes), got {self.slo_ms!r}")
         if problems:
             raise ValueError("invalid gateway config: " + "; ".join(problems))
 
@@ -195,6 +201,8 @@ def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
 _EMPTY = np.empty(0, dtype=np.int64)
 MAX_PENDING_CLIENT_REPORTS = 600  # reports kept while the control plane does not take them (oldest dropped)
 CLIENT_REPORT_BATCH = 60
+MAX_CLIENT_REPORT_INTERVAL_S = 600.0  # the control plane refuses a report's interval_s over 3600
+MAX_SLO_MS = 1e6  # and its slo_ms over 1e6
 _GATEWAY_ID_BAD = re.compile(r"[^A-Za-z0-9_.:\-]")
 
 
@@ -255,6 +263,7 @@ class Gateway:
         self.client_reports: collections.deque = collections.deque(maxlen=MAX_PENDING_CLIENT_REPORTS)
         self.client_report_error: str | None = None
         self.client_reports_sent = 0
+        self.client_reports_dropped = 0  # refused for good by the control plane (403, 413 or 422 alone)
         self.weights_version = 0
         self.weights_source = "control_plane" if self.control_plane else "node_metrics"
         self.weights_computed_at_s: float | None = None
@@ -672,9 +681,10 @@ class Gateway:
     async def report_clients(self) -> None:
         """End the client-side interval and send every pending report to the control plane
         (batches of `CLIENT_REPORT_BATCH`). A report the control plane refuses for good (403,
-        413, 422) is dropped and logged; on a connection error, 401, 409 or 5xx it is kept and
-        sent again next interval (idempotent there on gateway id and seq); a batch over the control
-        plane's body cap (413) is sent again in halves."""
+        413, 422) is dropped, counted and logged; on a connection error, 401, 409 or 5xx it is kept
+        and sent again next interval (idempotent there on gateway id and seq); a batch over the
+        control plane's body cap (413) or refused as invalid (422) is sent again in halves, so only
+        the one report refused alone is dropped."""
         live = {l.node_id: l.live for l in self.links}
         self.client_reports.append(self.client_view.close(num_live_nodes=sum(live.values()), num_nodes=len(live),
                                                           live=live))
@@ -694,13 +704,16 @@ class Gateway:
             if r.status_code >= 500 or r.status_code in (401, 409, 429):
                 self._client_report_failed(f"{r.status_code}: {r.text[:200]}")
                 return
-            if r.status_code == 413 and len(batch) > 1:  # over the control plane's body cap: smaller batches
+            if r.status_code in (413, 422) and len(batch) > 1:  # over the body cap, or one refused: halves
                 size = max(1, len(batch) // 2)
                 continue
             for _ in batch:
                 self.client_reports.popleft()
             if r.status_code >= 400:
+                self.client_reports_dropped += len(batch)
                 self._client_report_failed(f"{r.status_code}: {r.text[:300]} ({len(batch)} reports dropped)")
+                if r.status_code == 422:  # the refused one is out: the rest in whole batches again
+                    size = CLIENT_REPORT_BATCH
                 continue
             self.client_reports_sent += len(batch)
             self.client_report_error = None
@@ -718,6 +731,7 @@ class Gateway:
                 "interval_so_far": {"num_requests": sum(v.outcomes.values()), "outcomes": dict(v.outcomes),
                                     "num_retried": v.retried, "load_phase": v.last_phase},
                 "pending_reports": len(self.client_reports), "reports_sent": self.client_reports_sent,
+                "reports_dropped": self.client_reports_dropped,
                 "report_error": self.client_report_error,
                 "reporting_to": self.control_plane}
 
@@ -1029,9 +1043,10 @@ def add_gateway_parser(subparsers) -> None:
                    help="this gateway's id in its client-side reports to the control plane (default: the "
                         "--advertise-url's host:port, else host:port)")
     g.add_argument("--slo-ms", type=float, default=30.0,
-                   help="latency SLO for the clients' SLO attainment, ms (default 30, as racer replay)")
+                   help="latency SLO for the clients' SLO attainment, ms (default 30, as racer replay; at most 1e6)")
     g.add_argument("--client-report-interval-s", type=float, default=1.0,
-                   help="how often what clients see goes to the control plane (default 1; with --control-plane)")
+                   help="how often what clients see goes to the control plane (default 1, at most 600; with "
+                        "--control-plane)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
     g.set_defaults(func=cmd_gateway)

@@ -492,3 +492,40 @@ def test_a_body_over_the_gateways_cap_gets_its_own_413_and_is_never_forwarded(cl
     r = post(gw.url, {"user_id": 12, "history": [1, 2, 3], "new_items": [4], "top_k": 2})
     assert r.status_code == 200, r.text
     assert "served_by" in r.json()
+
+
+def test_a_refused_client_report_costs_only_itself_and_the_bounds_match_the_control_plane():
+    """A 422 on a batch of client reports halves it until the one report refused is alone: only
+    that one is dropped (counted), the rest stored; an interval or SLO the control plane would
+    refuse is refused at start-up."""
+    from control_plane.gateway import CLIENT_REPORT_BATCH, Gateway, GatewayConfig
+
+    bad_seq = {}
+    stored: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seqs = [r["seq"] for r in json.loads(request.content)["reports"]]
+        if bad_seq["seq"] in seqs:
+            return httpx.Response(422, json={"detail": [{"loc": ["body", "reports"], "msg": "bad"}]})
+        stored.extend(seqs)
+        return httpx.Response(200, json={"stored": len(seqs), "duplicates": 0})
+
+    async def run():
+        gw = Gateway([], control_plane="http://cp", token="tok", gateway_id="gw-1")
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+        for _ in range(CLIENT_REPORT_BATCH + 9):  # the control plane away: a backlog of 69
+            await gw.report_clients()
+        seqs = [r["seq"] for r in gw.client_reports]
+        bad_seq["seq"] = seqs[40]
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        await gw.report_clients()  # 70 pending: one of them refused
+        assert len(gw.client_reports) == 0 and gw.client_reports_dropped == 1
+        assert sorted(stored) == sorted(s for s in seqs + [seqs[-1] + 1] if s != seqs[40])
+        assert gw.describe_clients()["reports_dropped"] == 1
+        await gw.client.aclose()
+
+    asyncio.run(run())
+    GatewayConfig(client_report_interval_s=600, slo_ms=1e6)  # the largest taken
+    for kw in ({"client_report_interval_s": 3600}, {"client_report_interval_s": 601}, {"slo_ms": 1e6 + 1}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            GatewayConfig(**kw)
