@@ -11,8 +11,8 @@ beside what the nodes see of themselves (``/summary``).
   requests over the chosen range, at most `MAX_BUCKETS` buckets; a bucket with no report is a
   gap, a bucket whose requests all failed has errors and no P99.
 - `section`: the banner, the cards and the chart (layout); `register`: the callback that fills
-  them every tick (``GET /gateways`` and the reports since the last tick) and the nodes' own
-  figures beside the cards from the summary store.
+  them every tick (``GET /gateways`` and the reports since the last tick, `_History`) and the
+  nodes' own figures beside the cards from the summary store.
 """
 
 from __future__ import annotations
@@ -275,10 +275,15 @@ def register(app, client, sessions) -> None:
             return [no_update] * (len(ids) + 6)
         now = time.time()
         range_s = float(range_s or 900)
+        def fetch(start_s: float, end_s: float | None, limit: int) -> list[dict]:
+            params = {"start_s": start_s, "details": "false", "limit": limit}
+            if end_s is not None:
+                params["end_s"] = end_s
+            return client.get("/gateway-reports", s.token, **params)
+
         try:
             gws = client.get("/gateways", s.token)
-            rows, changed = history.update(sid, range_s, now, lambda since: client.get(
-                "/gateway-reports", s.token, start_s=since, details="false", limit=20_000))
+            rows, changed = history.update(sid, range_s, now, fetch, gws)
         except (ApiError, Unavailable):
             return [no_update] * (len(ids) + 6)  # the control plane's own banner says why
         st = client_state(gws)
@@ -307,32 +312,85 @@ def register(app, client, sessions) -> None:
         return _pct(summary.get("mean_slo_attainment")), _ms(summary.get("mean_p99_ms"))
 
 
+PAGE_ROWS = 20_000  # reports per request (the API's newest `limit` of a time span)
+MAX_PAGES = 20  # requests for one read at most: 400,000 reports (24 h of 4 gateways at 1 s)
+LOOKBACK_INTERVALS = 10  # each tick re-reads this many report intervals before the newest held...
+MIN_LOOKBACK_S = 30.0  # ...and at least this long: a report stored late is drawn, not left a gap
+
+
+def read_span(fetch, start_s: float, max_pages: int = MAX_PAGES, page_rows: int = PAGE_ROWS) -> tuple[list, bool]:
+    """Every report with ``ts_s >= start_s``, read newest page first: ``fetch(start_s, end_s,
+    limit)`` answers the newest ``limit`` reports of ``[start_s, end_s)`` (``end_s`` None: no end),
+    oldest first, as ``GET /gateway-reports`` does. A full page continues below its oldest
+    ``ts_s`` (that instant read again: reports sharing it may have been cut; duplicates are for the
+    caller to drop by key). Returns (rows, complete); at most ``max_pages`` requests."""
+    out: list[dict] = []
+    end: float | None = None
+    for _ in range(max_pages):
+        page = fetch(start_s, end, page_rows)
+        out.extend(page)
+        if len(page) < page_rows:
+            return out, True
+        oldest, newest = page[0]["ts_s"], page[-1]["ts_s"]
+        # all in one instant: below it (the rest of that instant cannot be told apart by time)
+        end = oldest if newest == oldest else math.nextafter(oldest, math.inf)
+    return out, False
+
+
 class _History:
     """Per signed-in session: the gateway reports of the chosen range (without details), read
-    once, then only those since the newest held; ``update`` says whether the chart must be drawn
-    again (new reports, a new range, or a bucket boundary passed)."""
+    once (`read_span`: page by page, the whole range), then each tick those since a look-back
+    before the newest held (`LOOKBACK_INTERVALS` report intervals, at least `MIN_LOOKBACK_S`: a
+    gateway that posts late is still drawn) or, for a gateway whose newest sequence number
+    (``GET /gateways``) is past the newest read of it (a gateway replaying its backlog), since its
+    own newest report held; reports are kept once by (gateway id, seq). ``update`` says whether
+    the chart must be drawn again (new reports, a new range, or a bucket boundary passed)."""
 
     def __init__(self, max_sessions: int = 200) -> None:
         self._by_sid: dict[str, dict] = {}
         self._lock = threading.Lock()
         self.max_sessions = max_sessions
 
-    def update(self, sid: str, range_s: float, now_s: float, fetch) -> tuple[list[dict], bool | str]:
-        """(the range's rows, False / True / "new": nothing to draw / new data / draw it whole)."""
+    def update(self, sid: str, range_s: float, now_s: float, fetch,
+               gateways: list[dict] | None = None) -> tuple[list[dict], bool | str]:
+        """(the range's rows, False / True / "new": nothing to draw / new data / draw it whole).
+        ``fetch(start_s, end_s, limit)``: see `read_span`; ``gateways``: ``GET /gateways``."""
         with self._lock:
             h = self._by_sid.get(sid)
         fresh = h is None or h["range_s"] != range_s
         if fresh:
-            h = {"range_s": range_s, "rows": [], "keys": set(), "newest": None, "drawn_bucket": None}
-        since = h["newest"] if h["newest"] is not None else now_s - range_s
-        new = [r for r in fetch(since) if (r["gateway_id"], r["seq"]) not in h["keys"]]
-        for r in new:
+            h = {"range_s": range_s, "rows": [], "keys": set(), "newest": None, "drawn_bucket": None,
+                 "held": {}, "seen_seq": {}}  # held: gateway id -> (its newest seq read, that report's ts_s)
+        cut = now_s - range_s
+        since = cut
+        if h["newest"] is not None:
+            step = max((r.get("interval_s") or 0.0 for r in h["rows"][-200:]), default=0.0)
+            since = h["newest"] - max(MIN_LOOKBACK_S, LOOKBACK_INTERVALS * step)
+            held = h["held"]
+            for g in gateways or ():
+                last = g.get("last_seq")
+                gid = g.get("gateway_id")
+                if last is not None and last > h["seen_seq"].get(gid, -1) and last > held.get(gid, (-1, 0.0))[0]:
+                    since = min(since, held[gid][1] if gid in held else cut)  # its backlog, from its newest held
+        got, _complete = read_span(fetch, max(since, cut))
+        for g in gateways or ():
+            if g.get("last_seq") is not None:
+                h["seen_seq"][g.get("gateway_id")] = g["last_seq"]
+        new = []
+        for r in got:
+            if (r["gateway_id"], r["seq"]) in h["keys"]:
+                continue  # held already, or read twice where pages meet
+            new.append(r)
             h["keys"].add((r["gateway_id"], r["seq"]))
             h["rows"].append({"gateway_id": r["gateway_id"], "seq": r["seq"], "ts_s": r["ts_s"],
                               "interval_s": r.get("interval_s"), "p99_ms": r.get("p99_ms"),
                               "num_failed": r.get("num_failed"), "load_phase": r.get("load_phase")})
             h["newest"] = r["ts_s"] if h["newest"] is None else max(h["newest"], r["ts_s"])
-        cut = now_s - range_s
+            g = h["held"].get(r["gateway_id"])
+            if g is None or r["seq"] > g[0]:
+                h["held"][r["gateway_id"]] = (r["seq"], r["ts_s"])
+        if new:
+            h["rows"].sort(key=lambda r: r["ts_s"])  # a late report, or pages read newest first: time order
         if h["rows"] and h["rows"][0]["ts_s"] < cut:
             h["rows"] = [r for r in h["rows"] if r["ts_s"] >= cut]
             h["keys"] = {(r["gateway_id"], r["seq"]) for r in h["rows"]}

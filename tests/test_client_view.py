@@ -279,7 +279,7 @@ def test_clients_chart_buckets_with_gaps_and_reads_only_what_is_new():
     calls = []
 
     def fetch(rows_):
-        def f(since):
+        def f(since, end, limit):
             calls.append(since)
             return rows_
         return f
@@ -289,8 +289,8 @@ def test_clients_chart_buckets_with_gaps_and_reads_only_what_is_new():
     got, changed = h.update("sid", 900.0, now, fetch([r1]))
     assert changed == "new" and len(got) == 1 and calls == [now - 900.0]
     r2 = dict(r1, seq=2, ts_s=now - 5)
-    got, changed = h.update("sid", 900.0, now, fetch([r1, r2]))  # r1 again (inclusive start): kept once
-    assert changed is True and [r["seq"] for r in got] == [1, 2] and calls[-1] == now - 10
+    got, changed = h.update("sid", 900.0, now, fetch([r1, r2]))  # r1 again (the look-back): kept once
+    assert changed is True and [r["seq"] for r in got] == [1, 2] and calls[-1] == now - 10 - 30.0
     got, changed = h.update("sid", 900.0, now, fetch([r2]))
     assert changed is False
     got, changed = h.update("sid", 900.0, now + 6, fetch([]))  # a bucket boundary passed: redraw
