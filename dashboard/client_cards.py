@@ -316,6 +316,7 @@ PAGE_ROWS = 20_000  # reports per request (the API's newest `limit` of a time sp
 MAX_PAGES = 20  # requests for one read at most: 400,000 reports (24 h of 4 gateways at 1 s)
 LOOKBACK_INTERVALS = 10  # each tick re-reads this many report intervals before the newest held...
 MIN_LOOKBACK_S = 30.0  # ...and at least this long: a report stored late is drawn, not left a gap
+BACKLOG_REPORTS = 600  # the most a gateway keeps unsent (control_plane.gateway.MAX_PENDING_CLIENT_REPORTS)
 
 
 def read_span(fetch, start_s: float, max_pages: int = MAX_PAGES, page_rows: int = PAGE_ROWS) -> tuple[list, bool]:
@@ -343,7 +344,8 @@ class _History:
     before the newest held (`LOOKBACK_INTERVALS` report intervals, at least `MIN_LOOKBACK_S`: a
     gateway that posts late is still drawn) or, for a gateway whose newest sequence number
     (``GET /gateways``) is past the newest read of it (a gateway replaying its backlog), since its
-    own newest report held; reports are kept once by (gateway id, seq). ``update`` says whether
+    own newest report held (a gateway new here: `BACKLOG_REPORTS` intervals before it was first
+    seen); reports are kept once by (gateway id, seq). ``update`` says whether
     the chart must be drawn again (new reports, a new range, or a bucket boundary passed)."""
 
     def __init__(self, max_sessions: int = 200) -> None:
@@ -371,7 +373,10 @@ class _History:
                 last = g.get("last_seq")
                 gid = g.get("gateway_id")
                 if last is not None and last > h["seen_seq"].get(gid, -1) and last > held.get(gid, (-1, 0.0))[0]:
-                    since = min(since, held[gid][1] if gid in held else cut)  # its backlog, from its newest held
+                    # its backlog: from its newest held, else (new here) what it may have kept unsent
+                    # before it was first heard from
+                    since = min(since, held[gid][1] if gid in held else (
+                        (g.get("first_seen_s") or cut) - BACKLOG_REPORTS * (g.get("interval_s") or 1.0)))
         got, _complete = read_span(fetch, max(since, cut))
         for g in gateways or ():
             if g.get("last_seq") is not None:

@@ -29,9 +29,12 @@ class FakeApi:
 
     def gateways(self) -> list[dict]:
         last: dict[str, int] = {}
+        first: dict[str, float] = {}
         for r in self.rows:
             last[r["gateway_id"]] = max(last.get(r["gateway_id"], -1), r["seq"])
-        return [{"gateway_id": g, "last_seq": s} for g, s in sorted(last.items())]
+            first[r["gateway_id"]] = min(first.get(r["gateway_id"], r["ts_s"]), r["ts_s"])
+        return [{"gateway_id": g, "last_seq": s, "first_seen_s": first[g], "interval_s": 1.0}
+                for g, s in sorted(last.items())]
 
 
 def test_the_24_h_range_is_read_whole_in_pages_and_drawn_without_gaps():
@@ -94,3 +97,7 @@ def test_a_report_stored_late_is_drawn():
     api.calls.clear()
     h.update("sid", 900.0, now + 4, api.fetch, api.gateways())
     assert len(api.calls) == 1 and api.calls[0][0] >= now - 60
+    # a gateway new here: read from what it may have kept unsent (600 intervals) before it was first seen
+    api.add("d", 1, now + 4.5)
+    rows, _ = h.update("sid", 900.0, now + 5, api.fetch, api.gateways())
+    assert ("d", 1) in {(r["gateway_id"], r["seq"]) for r in rows} and api.calls[-1][0] == now + 4.5 - 600.0
