@@ -225,6 +225,8 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
         # no token in any process's arguments (what `ps` shows): they go in the environment
         secrets_ = [(data / "operator_token").read_text().strip()]
         secrets_ += [p.read_text().strip() for p in data.glob("node_token.*")]
+        secrets_ += [p.read_text().strip() for p in data.glob("router_token.*")]  # the gateway's own
+        assert len(secrets_) == 6
         for name, entry in state.items():
             try:
                 argv = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().decode(errors="replace")
