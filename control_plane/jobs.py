@@ -42,9 +42,23 @@ COST_FIELDS = ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "service_
 
 
 # ------------------------------------------------------------------------------------------ the jobs
+def _within_band(stored: float, band: tuple | None, tol: float) -> bool:
+    """Hysteresis on a reported cost: the stored figure stays while it lies within the window's
+    interquartile range of reports (widened by ``tol``). A node whose reports alternate between
+    two values (its history lengths crossing two profiled points) has both in that range, so the
+    weights do not flip between them every period; a real move takes the whole range with it."""
+    if band is None or band[0] is None or band[2] is None:
+        return False
+    lo, hi = band[0], band[2]
+    return lo - tol * abs(lo) <= stored <= hi + tol * abs(hi)
+
+
 def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
     """The weights payload the cluster should have now, its inputs, and why it differs from the
-    stored version; None when nothing changed (or no node is up).
+    stored version; None when nothing changed (or no node is up). A node's figure changes when it
+    moves by more than ``weights_rel_change`` and, for a reported miss cost, the stored figure has
+    left the window's interquartile range of reports (`_within_band`: no version per period from
+    a cost that alternates between two values).
 
     Cheap when nothing changed (the common case, every period): the up nodes' profiles and the
     reported medians come from SQL as plain values, are compared with the stored version first,
@@ -54,13 +68,14 @@ def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
     nodes = queries.up_node_profiles(s)
     if not nodes:
         return None
-    reported = queries.recent_miss_costs(s, now_s - settings.weights_window_s)
-    profiles, sources = {}, {}
+    reported = queries.recent_miss_cost_bands(s, now_s - settings.weights_window_s)
+    profiles, sources, bands = {}, {}, {}
     for nid, registered in nodes:
         prof = {k: registered[k] for k in COST_FIELDS}
         src = dict.fromkeys(COST_FIELDS, "registered")
-        for k, v in reported.get(nid, {}).items():
-            prof[k], src[k] = float(v), "reported median"
+        for k, band in reported.get(nid, {}).items():
+            prof[k], src[k] = band[1], "reported median"
+            bands[nid, k] = band
         profiles[nid], sources[nid] = prof, src
     prev = queries.latest_weights(s)
     prev_nodes = prev.nodes if prev is not None else {}
@@ -74,7 +89,7 @@ def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
     for nid in sorted(set(profiles) & set(prev_nodes)):
         for k in COST_FIELDS:
             a, b = float(prev_nodes[nid][k]), float(profiles[nid][k])
-            if abs(b - a) > tol * max(abs(a), 1e-12):
+            if abs(b - a) > tol * max(abs(a), 1e-12) and not _within_band(a, bands.get((nid, k)), tol):
                 changes.append(f"{nid} {k} {a:.6g} -> {b:.6g}")
                 changed.add(nid)
     if not changes:

@@ -698,17 +698,30 @@ def recent_miss_costs(session: Session, since_s: float) -> dict[str, dict[str, f
 
     The median (the upper one for an even count: ``sorted(v)[n // 2]``) is picked in SQL with
     window functions, so the database sorts and only one row per node and cost reaches Python."""
-    out: dict[str, dict[str, float]] = {}
+    return {nid: {name: band[1] for name, band in costs.items()}
+            for nid, costs in recent_miss_cost_bands(session, since_s).items()}
+
+
+def recent_miss_cost_bands(session: Session, since_s: float) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """node_id -> cost name -> ``(lower quartile, median, upper quartile)`` of the miss costs
+    reported since ``since_s``: ``sorted(v)[k]`` for k = n // 4, n // 2 and 3n // 4, picked in SQL
+    with window functions (one row per node, cost and quantile reaches Python)."""
+    out: dict[str, dict[str, list]] = {}
     for name in ("kv_recompute_us_per_token", "emb_transfer_us_per_row"):
         col = getattr(NodeReport, name)
         ranked = (select(NodeReport.node_id.label("node_id"), col.label("v"),
                          func.row_number().over(partition_by=NodeReport.node_id, order_by=col).label("rn"),
                          func.count().over(partition_by=NodeReport.node_id).label("n"))
                   .where(NodeReport.ts_s >= since_s, col.is_not(None)).subquery())
-        q = select(ranked.c.node_id, ranked.c.v).where(ranked.c.rn == ranked.c.n // 2 + 1)
-        for nid, v in session.execute(q):
-            out.setdefault(nid, {})[name] = float(v)
-    return out
+        rn, n = ranked.c.rn, ranked.c.n
+        q = select(ranked.c.node_id, ranked.c.v, rn, n).where(
+            or_(rn == n // 4 + 1, rn == n // 2 + 1, rn == (n * 3) // 4 + 1))
+        for nid, v, k, cnt in session.execute(q):
+            band = out.setdefault(nid, {}).setdefault(name, [None, None, None])
+            for i, q_k in enumerate((cnt // 4, cnt // 2, (3 * cnt) // 4)):
+                if k == q_k + 1:
+                    band[i] = float(v)
+    return {nid: {name: tuple(b) for name, b in costs.items()} for nid, costs in out.items()}
 
 
 # ---- routers and weights
