@@ -196,6 +196,7 @@ def job_retention(factory, settings, metrics, now_s: float) -> dict:
                                        rollup_retention_s=settings.rollup_retention_s)
         # the gateways' reports (what clients saw) are kept as long as the nodes' raw reports
         out["gateway_reports_deleted"] = queries.prune_gateway_reports(s, before_s=now_s - settings.raw_retention_s)
+        out["gateways_deleted"] = queries.prune_gateways(s, before_s=now_s - settings.raw_retention_s)
         return out
 
 

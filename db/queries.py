@@ -885,8 +885,19 @@ def gateway_reports(session: Session, *, gateway_id: str | None, start_s: float 
 
 
 def prune_gateway_reports(session: Session, *, before_s: float) -> int:
-    """Delete gateway reports with ``ts_s < before_s``; how many."""
-    return int(session.execute(delete(GatewayReport).where(GatewayReport.ts_s < before_s)).rowcount or 0)
+    """Delete gateway reports with ``ts_s < before_s`` or received before it (a gateway's clock
+    may claim a far future: the control plane's receipt time bounds how long anything is kept);
+    how many."""
+    return int(session.execute(delete(GatewayReport).where(
+        or_(GatewayReport.ts_s < before_s, GatewayReport.received_s < before_s))).rowcount or 0)
+
+
+def prune_gateways(session: Session, *, before_s: float) -> int:
+    """Forget gateways last seen before ``before_s`` that have no report left (their id may be
+    claimed anew); how many."""
+    has_reports = select(GatewayReport.id).where(GatewayReport.gateway_id == Gateway.gateway_id).exists()
+    return int(session.execute(delete(Gateway).where(Gateway.last_seen_s < before_s, ~has_reports)
+                               .execution_options(synchronize_session=False)).rowcount or 0)
 
 
 def list_gateways(session: Session) -> list[tuple[Gateway, GatewayReport | None]]:

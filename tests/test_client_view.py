@@ -221,11 +221,17 @@ def test_gateway_reports_insert_once_on_each_backend(db):
     from control_plane.settings import Settings
 
     with factory.begin() as s:
-        queries.insert_gateway_reports(s, [dict(row, seq=9, ts_s=1000.0)])
-    out = job_retention(factory, Settings(raw_retention_s=500.0), None, now_s=1200.0)  # keeps ts_s >= 700
-    assert out["gateway_reports_deleted"] == 3
+        # one in the window, and one whose clock claims the far future but was received long ago
+        queries.insert_gateway_reports(s, [dict(row, seq=9, ts_s=1000.0, received_s=1000.0),
+                                           dict(row, seq=10, ts_s=9.9e10, received_s=1.0)])
+    out = job_retention(factory, Settings(raw_retention_s=500.0), None, now_s=1200.0)  # keeps what is >= 700
+    assert out["gateway_reports_deleted"] == 4 and out["gateways_deleted"] == 0  # "g" still has a report
     with factory() as s:
         assert [r.seq for r in queries.gateway_reports(s, gateway_id=None, start_s=None, end_s=None, limit=10)] == [9]
+    out = job_retention(factory, Settings(raw_retention_s=500.0), None, now_s=5000.0)
+    assert out["gateway_reports_deleted"] == 1 and out["gateways_deleted"] == 1  # gone and silent: forgotten
+    with factory() as s:
+        assert queries.list_gateways(s) == []
 
 
 # ------------------------------------------------------------------------------- dashboard ---
