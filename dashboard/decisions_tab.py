@@ -95,15 +95,25 @@ def detail_body(d: dict) -> list:
     return sec
 
 
+GRID_OUTPUTS = {"rows": Output("grid-decisions", "rowData", allow_duplicate=True),
+                "added": Output("grid-decisions", "rowTransaction"), "dv": Output("dec-view", "data"),
+                "count": Output("dec-count", "children")}
+DETAIL_OUTPUTS = {"open": Output("dec-modal", "is_open"), "title": Output("dec-detail-title", "children"),
+                  "body": Output("dec-detail", "children")}
+
+
 def register(app, client: ControlPlaneClient, sessions, *, default_range_s: int = 900) -> None:
-    @app.callback(Output("grid-decisions", "rowData", allow_duplicate=True), Output("grid-decisions", "rowTransaction"),
-                  Output("dec-view", "data"), Output("dec-count", "children"),
-                  Input("tabs", "value"), Input("dec-search", "value"), Input("tick-go", "data"),
-                  State("range", "value"), State("sid", "data"), State("dec-view", "data"), prevent_initial_call=True)
+    @app.callback(output=GRID_OUTPUTS,
+                  inputs=dict(tab=Input("tabs", "value"), search=Input("dec-search", "value"),
+                              _tick=Input("tick-go", "data")),
+                  state=dict(range_s=State("range", "value"), sid=State("sid", "data"), dv=State("dec-view", "data")),
+                  prevent_initial_call=True)
     def decisions_grid(tab, search, _tick, range_s, sid, dv):
+        """The grid refilled whole (a new search or range, the tab opened) or its newer rows added."""
+        unchanged = {k: no_update for k in GRID_OUTPUTS}
         s = sessions.get(sid)
         if s is None or tab != "decisions":
-            return no_update, no_update, no_update, no_update
+            return unchanged
         tok = s.token
         search = (search or "").strip() or None
         range_s = range_s or default_range_s
@@ -116,15 +126,15 @@ def register(app, client: ControlPlaneClient, sessions, *, default_range_s: int 
                 bursts = client.bursts(tok, start_s=now - range_s - 3600)
                 dv = {"search": search, "range_s": range_s, "last_id": max((d["id"] for d in items), default=0),
                       "shown": len(items)}
-                return (decision_rows(items, bursts), no_update, dv,
-                        count_text(int(page.get("total", len(items))), len(items), search))
+                return {"rows": decision_rows(items, bursts), "added": no_update, "dv": dv,
+                        "count": count_text(int(page.get("total", len(items))), len(items), search)}
             page = client.decisions(tok, start_s=now - range_s, q=search, limit=TICK_LIMIT)
             items = page["items"]
         except (Unavailable, ApiError):
-            return no_update, no_update, no_update, no_update
+            return unchanged
         new = sorted((d for d in items if d["id"] > dv.get("last_id", 0)), key=lambda d: -d["id"])
         if not new:
-            return no_update, no_update, no_update, no_update
+            return unchanged
         dv["last_id"] = new[0]["id"]
         dv["shown"] = dv.get("shown", 0) + len(new)
         bursts = []
@@ -133,32 +143,42 @@ def register(app, client: ControlPlaneClient, sessions, *, default_range_s: int 
                 bursts = client.bursts(tok, start_s=now - range_s - 3600)
             except (Unavailable, ApiError):
                 bursts = []
-        return (no_update, {"add": decision_rows(new, bursts), "addIndex": 0}, dv,
-                count_text(int(page.get("total", 0)), dv["shown"], search))
+        return {"rows": no_update, "added": {"add": decision_rows(new, bursts), "addIndex": 0}, "dv": dv,
+                "count": count_text(int(page.get("total", 0)), dv["shown"], search)}
 
-    @app.callback(Output("dec-modal", "is_open"), Output("dec-detail-title", "children"), Output("dec-detail", "children"),
-                  Input("grid-decisions", "cellClicked"), State("sid", "data"), prevent_initial_call=True)
+    @app.callback(output=DETAIL_OUTPUTS, inputs=dict(cell=Input("grid-decisions", "cellClicked")),
+                  state=dict(sid=State("sid", "data")), prevent_initial_call=True)
     def drill_down(cell, sid):
+        unchanged = {k: no_update for k in DETAIL_OUTPUTS}
         s = sessions.get(sid)
         if s is None or not cell or not cell.get("rowId"):
-            return no_update, no_update, no_update
+            return unchanged
         try:
             did, node_id, ts = str(cell["rowId"]).split("|", 2)
             ts_s = float(ts)
         except ValueError:
-            return no_update, no_update, no_update
+            return unchanged
         tok = s.token
         try:
             dec = client.decision(tok, {"id": did, "node_id": node_id, "ts_s": ts_s})
             if dec is None:
-                return True, f"Decision #{did}", html.Div("this decision is no longer stored", className="text-muted")
+                return {"open": True, "title": f"Decision #{did}",
+                        "body": html.Div("this decision is no longer stored", className="text-muted")}
             report = client.report_at(tok, node_id, ts_s)
             bursts = client.bursts(tok, start_s=ts_s - 3600, end_s=ts_s + 1)
         except (Unavailable, ApiError) as e:
-            return True, f"Decision #{did}", html.Div(getattr(e, "message", str(e)), className="text-danger")
+            return {"open": True, "title": f"Decision #{did}",
+                    "body": html.Div(getattr(e, "message", str(e)), className="text-danger")}
         d = D.decision_detail(dec, report, bursts)
-        return True, d["title"], detail_body(d)
+        return {"open": True, "title": d["title"], "body": detail_body(d)}
 
 
 def store() -> dcc.Store:
     return dcc.Store(id="dec-view", data={})
+
+
+def layout(grid, col, time_col) -> list:
+    """The grid's part of the Decisions & routing page (the router weights below it: `dashboard.routing_tab`)."""
+    return [search_box(),
+            grid("grid-decisions", grid_columns(col, time_col), height=460, page_size=15, row_id="rid"),
+            drill_down_modal(), store()]

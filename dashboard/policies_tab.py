@@ -168,6 +168,140 @@ def rollout_card(ro: dict | None):
     return html.Div([head, html.Div(why, className="small text-muted"), table], className="card card-body")
 
 
+TABLE_OUTPUTS = {"registry": Output("grid-policies", "rowData"), "candidates": Output("ro-policy", "options"),
+                 "card": Output("ro-status", "children"), "ro_nodes": Output("grid-ro-nodes", "rowData"),
+                 "figure": Output("g-rollout", "figure", allow_duplicate=True),
+                 "start_disabled": Output("btn-ro-start", "disabled"),
+                 "activate_disabled": Output("btn-pol-activate", "disabled"),
+                 **{f"{a}_disabled": Output(b, "disabled") for b, a in ROLLOUT_BUTTONS.items()},
+                 "note": Output("ro-actions-note", "children")}
+ASK_OUTPUTS = {"pending": Output("pending", "data", allow_duplicate=True),
+               "open": Output("confirm-modal", "is_open", allow_duplicate=True),
+               "body": Output("confirm-body", "children", allow_duplicate=True),
+               "ro_error": Output("ro-error", "children"), "pol_error": Output("pol-error", "children")}
+UPLOAD_OUTPUTS = {"result": Output("pol-upload-result", "children"),
+                  "result_class": Output("pol-upload-result", "className"),
+                  "acted": Output("acted", "data", allow_duplicate=True), "contents": Output("pol-upload", "contents")}
+
+
+def registry_rows(pols: list[dict]) -> list[dict]:
+    return [{"version": p["version"], "status": p["status"], "digest": p["digest"][:12],
+             "uploaded_by": p.get("uploaded_by"), "uploaded": _t(p.get("uploaded_at_s")),
+             "validation": D.validation_text(p.get("manifest")),
+             "evaluation": D.flat_text(p.get("evaluation"))} for p in pols]
+
+
+def controls(operator: bool, ro: dict | None) -> dict:
+    """Which buttons are enabled (``*_disabled``) and the note saying why, for the current rollout."""
+    open_ = not D.can_start_rollout(ro)
+    valid = D.rollout_actions(ro["state"]) if ro else set()
+    out = {"start_disabled": not operator or open_, "activate_disabled": not operator or open_,
+           **{f"{a}_disabled": not operator or a not in valid for a in ROLLOUT_BUTTONS.values()}}
+    if not operator:
+        note = "a viewer cannot act"
+    elif not ro:
+        note = "no rollout yet"
+    elif not valid:
+        note = f"rollout #{ro['id']} has ended ({ro['state']}): no action applies; start a new one above"
+    else:
+        note = f"valid now ({ro['state']}): " + ", ".join(a for a in ROLLOUT_BUTTONS.values() if a in valid)
+    if open_ and operator:
+        note += f" · starting or activating waits until rollout #{ro['id']} ends"
+    out["note"] = note
+    return out
+
+
+def send_changed(out: dict, keys: dict) -> dict:
+    """``out`` with every output whose hash is in ``keys`` (sent last tick) set to `no_update`;
+    ``keys`` updated with the new hashes."""
+    for name, v in out.items():
+        if v is no_update:
+            continue
+        h = hashlib.sha1(json.dumps(v, sort_keys=True, default=_jsonable).encode()).hexdigest()[:16]
+        if keys.get(name) == h:
+            out[name] = no_update
+        keys[name] = h
+    return out
+
+
+def _refused(ro_error=no_update, pol_error=no_update) -> dict:
+    return {"pending": None, "open": False, "body": no_update, "ro_error": ro_error, "pol_error": pol_error}
+
+
+def _confirm(pending: dict, body: str) -> dict:
+    return {"pending": pending, "open": True, "body": body, "ro_error": "", "pol_error": ""}
+
+
+def ask_activate(selected, pol_reason) -> dict:
+    if not selected:
+        return _refused("", "select a policy in the registry first")
+    if not (pol_reason or "").strip():
+        return _refused("", "a reason is required")
+    v = selected[0]["version"]
+    return _confirm({"kind": "activate", "version": v, "reason": pol_reason.strip()},
+                    f"Activate policy {v}? Every node loads it (the active one now is replaced). "
+                    f"Reason: {pol_reason.strip()}")
+
+
+def ask_start(ro_policy, ro_fraction, ro_bake, ro_min, ro_reason) -> dict:
+    if not ro_policy:
+        return _refused("choose a candidate policy first (upload one above if the list is empty)", "")
+    try:
+        fraction = float(ro_fraction if ro_fraction is not None else 0.25)
+        bake = float(ro_bake if ro_bake is not None else 600)
+        min_samples = int(ro_min if ro_min is not None else 10)
+    except (TypeError, ValueError):
+        return _refused("fraction, bake time and min samples must be numbers", "")
+    problems = []
+    if not 0 < fraction <= 1:
+        problems.append("canary fraction must be in (0, 1]")
+    if bake < 0:
+        problems.append("bake time must be >= 0")
+    if min_samples < 3:
+        problems.append("min samples must be >= 3")
+    if problems:
+        return _refused("; ".join(problems), "")
+    payload = {"policy_version": ro_policy, "canary_fraction": fraction, "bake_time_s": bake,
+               "min_samples": min_samples, "reason": (ro_reason or "").strip() or "rollout from dashboard"}
+    return _confirm({"kind": "rollout", "payload": payload},
+                    f"Start a rollout of policy {ro_policy} to {100 * fraction:g}% of nodes (bake {bake:g} s)?")
+
+
+def ask_rollout_action(client: ControlPlaneClient, tok: str, action: str) -> dict:
+    try:
+        ro = current_rollout(client, tok)
+    except (Unavailable, ApiError) as e:
+        return _refused(str(e), "")
+    if not ro or action not in D.rollout_actions(ro["state"]):
+        state = ro["state"] if ro else "none"
+        return _refused(f"cannot {action}: the rollout is {state}", "")
+    return _confirm({"kind": "rollout_action", "id": ro["id"], "action": action},
+                    f"{action.capitalize()} rollout #{ro['id']} (policy {ro['policy_version']}, now {ro['state']})?")
+
+
+def upload_result(client: ControlPlaneClient, contents, filenames, s, acted) -> dict:
+    """Send the chosen files (one tar); what the page says, and the ``acted`` counter on success."""
+    def failed(msg: str) -> dict:
+        return {"result": msg, "result_class": "small mb-2 text-danger", "acted": no_update}
+
+    if s is None or s.role != "operator":
+        return failed("an operator token is needed to upload")
+    if isinstance(contents, str):
+        contents, filenames = [contents], [filenames]
+    try:
+        named = [(str(n), base64.b64decode(c.split(",", 1)[1])) for n, c in zip(filenames or [], contents)]
+        p = client.upload_policy(s.token, D.upload_body(named))
+    except ValueError as e:
+        return failed(str(e))
+    except ApiError as e:
+        return failed(f"refused by the control plane: {e.message}")
+    except Unavailable as e:
+        return failed(str(e))
+    return {"result": f"policy {p['version']} registered (status {p['status']}; "
+                      f"{D.validation_text(p.get('manifest'))})",
+            "result_class": "small mb-2 text-success", "acted": (acted or 0) + 1}
+
+
 def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_target: float,
              step_for, default_range_s: int = 900) -> None:
     """The tab's callbacks. ``step_for``: range (s) -> bucket size (s), the dashboard's."""
@@ -181,21 +315,18 @@ def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_ta
         rows = client.history(tok, start_s=since, end_s=None if until is None else until + step, limit=100_000)
         return F.rollout_figure(rollout_windows(rows, ro, step), slo_ms, slo_target)
 
-    @app.callback(Output("grid-policies", "rowData"), Output("ro-policy", "options"), Output("ro-status", "children"),
-                  Output("grid-ro-nodes", "rowData"), Output("g-rollout", "figure", allow_duplicate=True),
-                  Output("btn-ro-start", "disabled"), Output("btn-pol-activate", "disabled"),
-                  *[Output(b, "disabled") for b in ROLLOUT_BUTTONS], Output("ro-actions-note", "children"),
-                  Output("pol-keys", "data"),
-                  Input("tabs", "value"), Input("tick-go", "data"), Input("acted", "data"),
-                  State("range", "value"), State("sid", "data"), State("pol-keys", "data"), prevent_initial_call=True)
+    @app.callback(output={**TABLE_OUTPUTS, "keys": Output("pol-keys", "data")},
+                  inputs=dict(tab=Input("tabs", "value"), _tick=Input("tick-go", "data"),
+                              _acted=Input("acted", "data")),
+                  state=dict(range_s=State("range", "value"), sid=State("sid", "data"),
+                             keys=State("pol-keys", "data")), prevent_initial_call=True)
     def policies_tables(tab, _tick, _acted, range_s, sid, keys):
         """Registry, candidates, rollout card and nodes, the progress chart and which buttons are
         enabled; each output only when it changed since the last tick."""
         s = sessions.get(sid)
-        n_out = 8 + len(ROLLOUT_BUTTONS)
-        out = [no_update] * n_out
+        out = {k: no_update for k in TABLE_OUTPUTS}
         if s is None or tab != "policies":
-            return *out, no_update
+            return dict(out, keys=no_update)
         tok = s.token
         ticking = ctx.triggered_id == "tick-go"
         keys = dict(keys or {}) if ticking else {}
@@ -204,140 +335,53 @@ def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_ta
             ro = current_rollout(client, tok)
             nodes = {n["node_id"]: n for n in client.nodes(tok)}
         except (Unavailable, ApiError):
-            return *out, no_update
-        out[0] = [{"version": p["version"], "status": p["status"], "digest": p["digest"][:12],
-                   "uploaded_by": p.get("uploaded_by"), "uploaded": _t(p.get("uploaded_at_s")),
-                   "validation": D.validation_text(p.get("manifest")),
-                   "evaluation": D.flat_text(p.get("evaluation"))} for p in pols]
-        out[1] = [{"label": f"{p['version']} ({p['status']})", "value": p["version"]} for p in pols
-                  if p["status"] != "active"]
-        out[2] = rollout_card(ro)
-        out[3] = [{**dict(n), "running": (nodes.get(n["node_id"]) or {}).get("policy_version") or "–"}
-                  for n in (ro or {}).get("nodes", [])]
+            return dict(out, keys=no_update)
+        out.update(registry=registry_rows(pols), card=rollout_card(ro),
+                   candidates=[{"label": f"{p['version']} ({p['status']})", "value": p["version"]} for p in pols
+                               if p["status"] != "active"],
+                   ro_nodes=[{**dict(n), "running": (nodes.get(n["node_id"]) or {}).get("policy_version") or "–"}
+                             for n in (ro or {}).get("nodes", [])])
         if not ticking or (ro and ro["state"] in D.OPEN_ROLLOUT_STATES):
             try:
-                out[4] = rollout_fig(tok, ro, time.time(), range_s or default_range_s)
+                out["figure"] = rollout_fig(tok, ro, time.time(), range_s or default_range_s)
             except (Unavailable, ApiError):
-                out[4] = no_update
-        operator = s.role == "operator"
-        open_ = not D.can_start_rollout(ro)
-        out[5] = not operator or open_
-        out[6] = not operator or open_
-        valid = D.rollout_actions(ro["state"]) if ro else set()
-        for i, action in enumerate(ROLLOUT_BUTTONS.values()):
-            out[7 + i] = not operator or action not in valid
-        if not operator:
-            note = "a viewer cannot act"
-        elif not ro:
-            note = "no rollout yet"
-        elif not valid:
-            note = f"rollout #{ro['id']} has ended ({ro['state']}): no action applies; start a new one above"
-        else:
-            note = f"valid now ({ro['state']}): " + ", ".join(a for a in ROLLOUT_BUTTONS.values() if a in valid)
-        if open_ and operator:
-            note += f" · starting or activating waits until rollout #{ro['id']} ends"
-        out[7 + len(ROLLOUT_BUTTONS)] = note
-        for i, v in enumerate(out):
-            if v is no_update:
-                continue
-            h = hashlib.sha1(json.dumps(v, sort_keys=True, default=_jsonable).encode()).hexdigest()[:16]
-            if keys.get(str(i)) == h:
-                out[i] = no_update
-            keys[str(i)] = h
-        return *out, keys
+                out["figure"] = no_update
+        out.update(controls(s.role == "operator", ro))
+        return dict(send_changed(out, keys), keys=keys)
 
-    @app.callback(Output("pol-upload-result", "children"), Output("pol-upload-result", "className"),
-                  Output("acted", "data", allow_duplicate=True), Output("pol-upload", "contents"),
-                  Input("pol-upload", "contents"), State("pol-upload", "filename"), State("sid", "data"),
-                  State("acted", "data"), prevent_initial_call=True)
+    @app.callback(output=UPLOAD_OUTPUTS, inputs=dict(contents=Input("pol-upload", "contents")),
+                  state=dict(filenames=State("pol-upload", "filename"), sid=State("sid", "data"),
+                             acted=State("acted", "data")), prevent_initial_call=True)
     def upload(contents, filenames, sid, acted):
         """Send the chosen files; the upload's contents are cleared after (choosing the same files
         again is then a new upload)."""
         if not contents:
-            return no_update, no_update, no_update, no_update
-        return (*_upload(contents, filenames, sessions.get(sid), acted), None)
+            return {k: no_update for k in UPLOAD_OUTPUTS}
+        return dict(upload_result(client, contents, filenames, sessions.get(sid), acted), contents=None)
 
-    def _upload(contents, filenames, s, acted):
-        if s is None or s.role != "operator":
-            return "an operator token is needed to upload", "small mb-2 text-danger", no_update
-        if isinstance(contents, str):
-            contents, filenames = [contents], [filenames]
-        try:
-            named = [(str(n), base64.b64decode(c.split(",", 1)[1])) for n, c in zip(filenames or [], contents)]
-            body = D.upload_body(named)
-            p = client.upload_policy(s.token, body)
-        except ValueError as e:
-            return str(e), "small mb-2 text-danger", no_update
-        except ApiError as e:
-            return f"refused by the control plane: {e.message}", "small mb-2 text-danger", no_update
-        except Unavailable as e:
-            return str(e), "small mb-2 text-danger", no_update
-        return (f"policy {p['version']} registered (status {p['status']}; {D.validation_text(p.get('manifest'))})",
-                "small mb-2 text-success", (acted or 0) + 1)
-
-    @app.callback(Output("pending", "data", allow_duplicate=True), Output("confirm-modal", "is_open", allow_duplicate=True),
-                  Output("confirm-body", "children", allow_duplicate=True), Output("ro-error", "children"),
-                  Output("pol-error", "children"),
-                  Input("btn-pol-activate", "n_clicks"), Input("btn-ro-start", "n_clicks"),
-                  *[Input(b, "n_clicks") for b in ROLLOUT_BUTTONS],
-                  State("grid-policies", "selectedRows"), State("pol-reason", "value"),
-                  State("ro-policy", "value"), State("ro-fraction", "value"), State("ro-bake", "value"),
-                  State("ro-min", "value"), State("ro-reason", "value"), State("sid", "data"),
+    @app.callback(output=ASK_OUTPUTS,
+                  inputs=dict(_activate=Input("btn-pol-activate", "n_clicks"), _start=Input("btn-ro-start", "n_clicks"),
+                              **{f"_{a}": Input(b, "n_clicks") for b, a in ROLLOUT_BUTTONS.items()}),
+                  state=dict(selected=State("grid-policies", "selectedRows"), pol_reason=State("pol-reason", "value"),
+                             ro_policy=State("ro-policy", "value"), ro_fraction=State("ro-fraction", "value"),
+                             ro_bake=State("ro-bake", "value"), ro_min=State("ro-min", "value"),
+                             ro_reason=State("ro-reason", "value"), sid=State("sid", "data")),
                   prevent_initial_call=True)
-    def ask_policy(*args):
+    def ask_policy(selected, pol_reason, ro_policy, ro_fraction, ro_bake, ro_min, ro_reason, sid, **_clicks):
         """The confirmation of a policy or rollout action, or a message saying what is missing."""
-        selected, pol_reason, ro_policy, ro_fraction, ro_bake, ro_min, ro_reason, sid = args[2 + len(ROLLOUT_BUTTONS):]
         trig = ctx.triggered_id
-        nothing = (no_update, no_update, no_update, no_update, no_update)
         if not ctx.triggered or not ctx.triggered[0].get("value"):
-            return nothing
+            return {k: no_update for k in ASK_OUTPUTS}
         s = sessions.get(sid)
         if s is None or s.role != "operator":
-            return None, False, no_update, "an operator token is needed", "an operator token is needed"
+            return _refused("an operator token is needed", "an operator token is needed")
         if trig == "btn-pol-activate":
-            if not selected:
-                return None, False, no_update, "", "select a policy in the registry first"
-            if not (pol_reason or "").strip():
-                return None, False, no_update, "", "a reason is required"
-            v = selected[0]["version"]
-            return ({"kind": "activate", "version": v, "reason": pol_reason.strip()}, True,
-                    f"Activate policy {v}? Every node loads it (the active one now is replaced). "
-                    f"Reason: {pol_reason.strip()}", "", "")
+            return ask_activate(selected, pol_reason)
         if trig == "btn-ro-start":
-            if not ro_policy:
-                return None, False, no_update, "choose a candidate policy first (upload one above if the list is empty)", ""
-            try:
-                fraction = float(ro_fraction if ro_fraction is not None else 0.25)
-                bake = float(ro_bake if ro_bake is not None else 600)
-                min_samples = int(ro_min if ro_min is not None else 10)
-            except (TypeError, ValueError):
-                return None, False, no_update, "fraction, bake time and min samples must be numbers", ""
-            problems = []
-            if not 0 < fraction <= 1:
-                problems.append("canary fraction must be in (0, 1]")
-            if bake < 0:
-                problems.append("bake time must be >= 0")
-            if min_samples < 3:
-                problems.append("min samples must be >= 3")
-            if problems:
-                return None, False, no_update, "; ".join(problems), ""
-            payload = {"policy_version": ro_policy, "canary_fraction": fraction, "bake_time_s": bake,
-                       "min_samples": min_samples, "reason": (ro_reason or "").strip() or "rollout from dashboard"}
-            return ({"kind": "rollout", "payload": payload}, True,
-                    f"Start a rollout of policy {ro_policy} to {100 * fraction:g}% of nodes (bake {bake:g} s)?", "", "")
-        action = ROLLOUT_BUTTONS.get(trig)
-        if action:
-            try:
-                ro = current_rollout(client, s.token)
-            except (Unavailable, ApiError) as e:
-                return None, False, no_update, str(e), ""
-            if not ro or action not in D.rollout_actions(ro["state"]):
-                state = ro["state"] if ro else "none"
-                return None, False, no_update, f"cannot {action}: the rollout is {state}", ""
-            return ({"kind": "rollout_action", "id": ro["id"], "action": action}, True,
-                    f"{action.capitalize()} rollout #{ro['id']} (policy {ro['policy_version']}, now {ro['state']})?",
-                    "", "")
-        return nothing
+            return ask_start(ro_policy, ro_fraction, ro_bake, ro_min, ro_reason)
+        if trig in ROLLOUT_BUTTONS:
+            return ask_rollout_action(client, s.token, ROLLOUT_BUTTONS[trig])
+        return {k: no_update for k in ASK_OUTPUTS}
 
 
 def _jsonable(o):

@@ -348,7 +348,7 @@ def test_an_upload_is_one_tar_or_the_artifacts_three_files_packed():
 
 
 def test_override_dialogs_name_the_present_emb_share():
-    from dashboard.app import current_share_text
+    from dashboard.override_tab import current_share_text
 
     nodes = [{"node_id": "a", "emb_share": 0.25}, {"node_id": "b", "emb_share": 0.5}, {"node_id": "c", "emb_share": None}]
     assert current_share_text(nodes, "a") == "a is at emb_share 0.250 now"
@@ -358,10 +358,47 @@ def test_override_dialogs_name_the_present_emb_share():
 
 
 def test_split_bars_in_bytes_from_the_registered_arena_size():
-    from dashboard.app import _split_rows
+    from dashboard.split_tab import split_rows
 
-    rows = _split_rows([{"node_id": "b", "emb_share": 0.25, "cost_profile": {"arena_bytes": 8 * F.MIB}},
+    rows = split_rows([{"node_id": "b", "emb_share": 0.25, "cost_profile": {"arena_bytes": 8 * F.MIB}},
                         {"node_id": "a", "emb_share": 0.5, "cost_profile": {"arena_bytes": 4 * F.MIB}}])
     fig = F.split_bar_figure(rows)
     assert list(fig.data[0].y) == ["a", "b"] and list(fig.data[0].x) == [2.0, 2.0] and list(fig.data[1].x) == [2.0, 6.0]
     assert "MiB" in fig.layout.xaxis.title.text
+
+
+def test_pages_fill_named_outputs():
+    """Each page's render and tick fill only outputs the shared callbacks declare, by name; an
+    output is declared once (no two names for one component property)."""
+    from dash import Patch, no_update
+
+    from dashboard import live, overview_tab, override_tab, policies_tab
+    from dashboard.common import TickInput
+
+    for outputs in (live.RENDER_OUTPUTS, live.TICK_OUTPUTS):
+        ids = [(o.component_id, o.component_property) for o in outputs.values()]
+        assert len(ids) == len(set(ids))
+    out = {k: no_update for k in live.TICK_OUTPUTS}
+    bursts = [{"node_id": "a", "start_s": 0.0, "end_s": 10.0, "magnitude": 2.0}]
+    t = TickInput(client=None, tok="t", now=60.0, step=5, range_s=60, max_points=13, order=["a"], rows=[],
+                  last=None, bursts=bursts, nodes=[], shapes_changed=True, view={}, slo_ms=30.0, slo_target=0.99)
+    assert overview_tab.tick(t, out)
+    assert set(out) == set(live.TICK_OUTPUTS)
+    assert all(isinstance(out[f"{k}_patch"], Patch) for k in overview_tab.TICK_GRAPHS)
+    assert all(out[f"{k}_extend"] is no_update for k in overview_tab.TICK_GRAPHS)  # no new points: no extend
+
+    asked = override_tab.ask_override("node", None, 2.0, None, " ", [])
+    assert asked["pending"] is None and not asked["open"]
+    assert asked["error"] == ("emb_share must be a number in [0, 1]; choose a node (or cluster-wide scope); "
+                              "a reason is required")
+    ok = override_tab.ask_override("node", "a", 0.25, 5, "test", [{"node_id": "a", "emb_share": 0.5}])
+    assert ok["open"] and ok["pending"]["payload"] == {"emb_share": 0.25, "reason": "test", "node_id": "a",
+                                                       "ttl_s": 300.0}
+    assert "a is at emb_share 0.500 now" in ok["body"]
+
+    viewer = policies_tab.controls(False, None)
+    assert viewer["note"] == "a viewer cannot act" and all(v for k, v in viewer.items() if k.endswith("_disabled"))
+    ro = {"id": 3, "state": "baking", "policy_version": "v2"}
+    op = policies_tab.controls(True, ro)
+    assert op["start_disabled"] and op["activate_disabled"]  # a rollout is open
+    assert set(op) == {k for k in policies_tab.TABLE_OUTPUTS if k.endswith("_disabled")} | {"note"}

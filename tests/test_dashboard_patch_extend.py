@@ -1,5 +1,5 @@
 """Live ticks that change a chart's layout (the burst shapes, a `Patch` of ``figure``) while new
-points arrive (``extendData``), as `dashboard.app`'s tick does while a burst is on: in a real
+points arrive (``extendData``), as `dashboard.live`'s tick does while a burst is on: in a real
 browser the chart must hold every point once, in order (a duplicated or reordered x draws a
 spike), trimmed to ``maxPoints``.
 
