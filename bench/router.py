@@ -49,12 +49,16 @@ def _requests(num_users: int, num_requests: int, num_candidates: int, num_shards
 
 
 def bench_nodes(num_nodes: int, requests: list[RouteRequest], *, num_users: int, num_shards: int, rounds: int,
+                plain: bool = False,
                 decisions: int, warmup: int, inflight_per_node: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     node_ids = [f"node-{i:04d}" for i in range(num_nodes)]
     profile = CostProfile(kv_recompute_us_per_token=1.5, emb_transfer_us_per_row=4.0, service_time_us=2_000.0,
                           queue_capacity=64)
+    from control_plane.router import LOAD_AWARE_OFF, LoadAwareConfig
+
     router = make_router("racer", node_ids, profile, now_s=0.0, num_shards=num_shards,
+                         load_aware=LOAD_AWARE_OFF if plain else LoadAwareConfig(),
                          node_timeout_s=float("inf"))
     users = np.arange(num_users, dtype=np.int64)
     router.state.kv.record_many(users, rng.integers(0, num_nodes, num_users), rng.integers(1, 2_000, num_users), 0.0)
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inflight-per-node", type=int, default=4, help="requests kept in flight per node (default 4)")
     p.add_argument("--num-shards", type=int, default=64, help="embedding shards (default 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plain", action="store_true", help="the plain score, without the load-aware rules")
     args = p.parse_args(argv)
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x.strip()]
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         result[f"nodes_{n}"] = bench_nodes(n, requests, num_users=args.users, num_shards=args.num_shards,
                                            rounds=args.rounds, decisions=args.decisions, warmup=args.warmup,
-                                           inflight_per_node=args.inflight_per_node, seed=args.seed)
+                                           inflight_per_node=args.inflight_per_node, seed=args.seed,
+                                           plain=args.plain)
     if args.json:
         print(json.dumps(result))
     else:
