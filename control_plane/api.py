@@ -34,8 +34,8 @@ from .gate import RequestGate
 from .ingest import IngestWriter
 from .jobs import Scheduling
 from .rollout_service import Conflict, NotFound
-from .routes import (audit, directives, gateways, health, history, nodes, overrides, policies, rollouts, routers,
-                     tokens)
+from .routes import (audit, directives, gateways, health, history, models, nodes, overrides, policies, rollouts,
+                     routers, tokens)
 from .routes.deps import API, errors
 from .routes.policies import MAX_ARTIFACT_UNPACKED_BYTES, pack_artifact, unpack_artifact  # noqa: F401 (re-exported)
 from .routes.report_ingest import IngestFastPath
@@ -45,7 +45,8 @@ from .settings import Settings
 log = logging.getLogger("racer.control_plane")
 
 #: the API's routers, in the order their operations appear (and the gate matches them)
-API_ROUTERS = (tokens, nodes, directives, history, routers, overrides, audit, policies, rollouts, gateways)
+API_ROUTERS = (tokens, nodes, directives, history, routers, overrides, audit, policies, models, rollouts,
+               gateways)
 
 
 @asynccontextmanager

@@ -41,7 +41,8 @@ def body_caps(settings: Settings) -> dict[str, tuple[int, str]]:
     """Route path -> (most body bytes it takes, the setting that says so); every other request:
     ``max_body_bytes``."""
     return {f"{API}/nodes/{{node_id}}/reports": (settings.max_report_body_bytes, "max_report_body_bytes"),
-            f"{API}/policies": (settings.max_policy_body_bytes, "max_policy_body_bytes")}
+            f"{API}/policies": (settings.max_policy_body_bytes, "max_policy_body_bytes"),
+            f"{API}/models": (settings.max_policy_body_bytes, "max_policy_body_bytes")}
 
 
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")

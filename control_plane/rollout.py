@@ -1,12 +1,15 @@
-"""Policy rollouts: the canary judge and the rollout state machine (pure; no clock, no I/O).
+"""Rollouts of a policy or a model: the canary judge and the rollout state machine (pure; no clock, no I/O).
 
-A rollout gives a candidate policy version to a canary fraction of the nodes and keeps the rest on
+A rollout gives a candidate (a policy version, or a model checkpoint) to a canary fraction of the nodes and keeps the rest on
 the active version, so canary and baseline serve the same traffic at the same time. Every control
 interval each node reports one window; the judge compares the per-window values of the canary
 nodes with those of the baseline nodes on two metrics, as Kayenta's Mann-Whitney judge does:
 
 - ``slo_attainment`` (higher is better): fraction of the window's requests inside the SLO;
-- ``p99_ms`` (lower is better): the window's P99 latency.
+- ``p99_ms`` (lower is better): the window's P99 latency;
+- ``model_quality`` (higher is better; judged in model rollouts only, ``MODEL_METRICS``): the
+  window's mean of ``1 - rank / num_candidates`` of the item each user requested next, among the
+  candidates ranked for that user's previous request (computed by the node agent).
 
 For each metric the verdict is
 
@@ -16,9 +19,9 @@ For each metric the verdict is
 - ``fail`` when the canary is worse with significance (one-sided Mann-Whitney U, normal
   approximation with tie and continuity correction, ``p < alpha``) *and* by more than the metric's
   guardrail (``max_p99_regression_pct`` on the relative change of the median P99,
-  ``max_slo_attainment_drop`` on the difference of the mean attainment): a difference must be both
-  real and large enough to matter. ``alpha`` is shared by the two metrics (Bonferroni: each is
-  tested at ``alpha / 2``), so a canary no different from the baseline is failed with probability
+  ``max_slo_attainment_drop`` / ``max_model_quality_drop`` on the difference of the means): a
+  difference must be both real and large enough to matter. ``alpha`` is shared by the judged
+  metrics (Bonferroni: each is tested at ``alpha / number of metrics``), so a canary no different from the baseline is failed with probability
   at most ``alpha``;
 - ``pass`` otherwise.
 
@@ -101,7 +104,9 @@ class RolloutConfig:
     - ``load_timeout_s``: canary nodes that have not confirmed loading the candidate this long after
       the rollout started count as failed;
     - ``max_failed_canary_fraction``: the largest fraction of canary nodes that may fail to load the
-      candidate before the rollout is rolled back (0: any load failure rolls back).
+      candidate before the rollout is rolled back (0: any load failure rolls back);
+    - ``max_model_quality_drop``: the largest tolerated fall of the canary's mean window model
+      quality below the baseline's (absolute, quality is in [0, 1]; model rollouts only).
     """
 
     bake_time_s: float = 300.0
@@ -111,6 +116,7 @@ class RolloutConfig:
     max_slo_attainment_drop: float = 0.02
     load_timeout_s: float = 120.0
     max_failed_canary_fraction: float = 0.0
+    max_model_quality_drop: float = 0.02
 
     def __post_init__(self) -> None:
         problems = []
@@ -128,6 +134,7 @@ class RolloutConfig:
         finite("max_slo_attainment_drop", 0.0, 1.0)
         finite("load_timeout_s", 0.0)
         finite("max_failed_canary_fraction", 0.0, 1.0)
+        finite("max_model_quality_drop", 0.0, 1.0)
         m = self.min_samples
         if isinstance(m, bool) or not isinstance(m, int) or m < 3:
             problems.append(f"min_samples must be an integer >= 3, got {m!r}")
@@ -227,9 +234,12 @@ class WindowSamples:
 
     slo_attainment: Sequence[float] = ()
     p99_ms: Sequence[float] = ()
+    model_quality: Sequence[float] = ()
 
 
-METRICS = ("slo_attainment", "p99_ms")
+METRICS = ("slo_attainment", "p99_ms")  # what a policy rollout is judged on
+MODEL_METRICS = ("slo_attainment", "p99_ms", "model_quality")  # a model rollout: latency and quality
+_ALL_METRICS = MODEL_METRICS
 
 
 @dataclass(frozen=True)
@@ -248,6 +258,7 @@ class RolloutStats:
     canary_nodes: Mapping[str, NodeLoad] = field(default_factory=dict)
     bake_started_at_s: float | None = None
     pause_reason: str = ""
+    metrics: tuple[str, ...] = METRICS  # the judged metrics: METRICS (policy) or MODEL_METRICS (model)
 
 
 @dataclass(frozen=True)
@@ -265,7 +276,7 @@ class MetricJudgement:
     median_baseline: float | None
     mean_canary: float | None
     mean_baseline: float | None
-    change: float | None  # p99_ms: relative change of the medians in %; slo_attainment: drop of the means
+    change: float | None  # p99_ms: relative change of the medians in %; the others: drop of the means
     p_value: float | None  # one-sided, "canary worse"
     u: float | None
 
@@ -311,8 +322,8 @@ def judge_metric(metric: str, canary: Sequence[float], baseline: Sequence[float]
     ``alpha`` is this test's significance level, ``config.alpha / len(METRICS)`` unless given.
     """
     alpha = config.alpha / len(METRICS) if alpha is None else alpha
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    if metric not in _ALL_METRICS:
+        raise ValueError(f"metric must be one of {_ALL_METRICS}, got {metric!r}")
     c, drop_c = _finite(canary)
     b, drop_b = _finite(baseline)
     base = dict(metric=metric, n_canary=len(c), n_baseline=len(b), num_dropped_canary=drop_c,
@@ -338,9 +349,10 @@ def judge_metric(metric: str, canary: Sequence[float], baseline: Sequence[float]
         # canary worse = canary smaller
         test = mann_whitney_u(c, b, alternative="less")
         change = mean_b - mean_c
-        limit = config.max_slo_attainment_drop
+        limit = config.max_slo_attainment_drop if metric == "slo_attainment" else config.max_model_quality_drop
         big = change > limit
-        effect = f"mean SLO attainment {mean_c:.4f} vs {mean_b:.4f} (drop {change:+.4f}, limit {limit:g})"
+        what = "SLO attainment" if metric == "slo_attainment" else "model quality"
+        effect = f"mean {what} {mean_c:.4f} vs {mean_b:.4f} (drop {change:+.4f}, limit {limit:g})"
     figs_all = dict(**figs, change=float(change), p_value=test.p_value, u=test.u)
     numbers = [med_c, med_b, mean_c, mean_b, test.p_value, test.u]
     if not all(math.isfinite(v) for v in numbers + [change]):
@@ -357,10 +369,11 @@ def judge_metric(metric: str, canary: Sequence[float], baseline: Sequence[float]
                            reason=f"{metric}: {why}: {effect}; {sig}; n={len(c)}/{len(b)}")
 
 
-def judge(canary: WindowSamples, baseline: WindowSamples, config: RolloutConfig
-          ) -> tuple[Verdict, tuple[MetricJudgement, ...]]:
-    """Both metrics' judgements and the worst verdict among them."""
-    js = tuple(judge_metric(m, getattr(canary, m), getattr(baseline, m), config) for m in METRICS)
+def judge(canary: WindowSamples, baseline: WindowSamples, config: RolloutConfig,
+          metrics: Sequence[str] = METRICS) -> tuple[Verdict, tuple[MetricJudgement, ...]]:
+    """Each of ``metrics``' judgements (each tested at ``alpha / len(metrics)``) and the worst verdict."""
+    alpha = config.alpha / len(metrics)
+    js = tuple(judge_metric(m, getattr(canary, m), getattr(baseline, m), config, alpha=alpha) for m in metrics)
     worst = max((j.verdict for j in js), key=_VERDICT_ORDER.__getitem__)
     return worst, js
 
@@ -421,7 +434,7 @@ def evaluate_rollout(stats: RolloutStats, now_s: float, config: RolloutConfig | 
     if elapsed < config.bake_time_s:
         return RolloutAction(Action.WAIT, None, f"baking: {elapsed:.0f} s of {config.bake_time_s:g} s",
                              bake_elapsed_s=elapsed, **common)
-    verdict, js = judge(stats.canary, stats.baseline, config)
+    verdict, js = judge(stats.canary, stats.baseline, config, stats.metrics)
     detail = "; ".join(j.reason for j in js if j.verdict is verdict)
     action = {Verdict.PASS: Action.PROMOTE, Verdict.FAIL: Action.ROLLBACK, Verdict.INCONCLUSIVE: Action.PAUSE}[verdict]
     return RolloutAction(action, verdict, f"{verdict.value}: {detail}", judgements=js, bake_elapsed_s=elapsed, **common)

@@ -1,12 +1,19 @@
-"""The policy registry's and rollouts' database side: it turns rows into the pure judge's inputs
-(`control_plane.rollout`), applies its actions and the operators' events, and answers which policy
-each node should run. Functions take a session and do not commit.
+"""The policy and model registries' and rollouts' database side: it turns rows into the pure
+judge's inputs (`control_plane.rollout`), applies its actions and the operators' events, and
+answers which policy and which model each node should run. Functions take a session and do not
+commit.
+
+A rollout has a kind, "policy" or "model"; one of each kind may be open at a time, and both go
+through the same judge and state machine. A model rollout is judged on ``MODEL_METRICS`` (the
+latency metrics and the agents' online ``model_quality``), over the windows each side reported
+while serving its own checkpoint (``node_reports.model_digest``).
 
 Which policy a node is told to run (``policy_for_node``): a canary node of the rollout in
 progress (pending, baking or paused) gets the candidate; every other node gets the active policy.
 A promotion makes the candidate the active policy (the old one becomes "retired"), so every node
 gets it; a rollback marks the candidate "rolled_back" and the canary nodes get the active policy
-back. A rollout needs an active policy (the baseline): activate one first.
+back. A rollout needs an active policy (the baseline): activate one first. The same holds for
+models (``model_for_node``, the active model, a model rollout's candidate checkpoint).
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ import random
 from sqlalchemy.orm import Session
 
 from db import queries
-from db.models import Node, Policy, Rollout, RolloutNode, RolloutStep
+from db.models import ModelVersion, Node, Policy, Rollout, RolloutNode, RolloutStep
 
-from .rollout import (Action, InvalidTransition, NodeLoad, RolloutConfig, RolloutState, RolloutStats,
-                      RolloutStatus, WindowSamples, apply_event, evaluate_rollout)
+from .rollout import (METRICS, MODEL_METRICS, Action, InvalidTransition, NodeLoad, RolloutConfig, RolloutState,
+                      RolloutStats, RolloutStatus, WindowSamples, apply_event, evaluate_rollout)
+
+KINDS = ("policy", "model")
+_REGISTRY = {"policy": Policy, "model": ModelVersion}
 
 OPEN_STATES = ("pending", "baking", "paused")
 
@@ -54,38 +64,59 @@ def policy_for_node(s: Session, node_id: str) -> tuple[Policy | None, int | None
     return queries.active_policy(s), None
 
 
-def activate(s: Session, version: str, *, actor: str, reason: str, now_s: float) -> Policy:
-    p = s.get(Policy, version)
+def model_for_node(s: Session, node_id: str) -> tuple[ModelVersion | None, int | None]:
+    """(model the node should serve, rollout id when it is a canary of the open model rollout)."""
+    ro = queries.open_rollout(s, "model")
+    if ro is not None:
+        rn = queries.rollout_role(s, ro.id, node_id)
+        if rn is not None and rn.role == "canary":
+            return s.get(ModelVersion, ro.model_version), ro.id
+    return queries.active_model(s), None
+
+
+def _active(s: Session, kind: str):
+    return queries.active_policy(s) if kind == "policy" else queries.active_model(s)
+
+
+def activate(s: Session, version: str, *, actor: str, reason: str, now_s: float, kind: str = "policy"):
+    """Make ``version`` the active policy (or model, ``kind="model"``): every node not in a canary gets it."""
+    p = s.get(_REGISTRY[kind], version)
     if p is None:
-        raise NotFound(f"policy_version {version!r} is not in the registry")
-    if queries.open_rollout(s) is not None:
-        raise Conflict("a rollout is in progress: promote, roll back or finish it before activating a policy")
-    old = queries.active_policy(s)
+        raise NotFound(f"{kind}_version {version!r} is not in the registry")
+    if queries.open_rollout(s, kind) is not None:
+        raise Conflict(f"a {kind} rollout is in progress: promote, roll back or finish it before activating a {kind}")
+    old = _active(s, kind)
     if old is not None and old.version != version:
         old.status = "retired"
     p.status = "active"
-    queries.audit(s, ts_s=now_s, actor=actor, action="policy.activate", target=f"policy:{version}",
+    queries.audit(s, ts_s=now_s, actor=actor, action=f"{kind}.activate", target=f"{kind}:{version}",
                   before={"active": old.version if old else None}, after={"active": version}, reason=reason)
     return p
 
 
 def create_rollout(s: Session, body, *, actor: str, now_s: float) -> Rollout:
-    p = s.get(Policy, body.policy_version)
+    kind = getattr(body, "kind", "policy")
+    version = body.policy_version if kind == "policy" else body.model_version
+    if version is None:
+        raise Conflict(f"a {kind} rollout needs {kind}_version")
+    p = s.get(_REGISTRY[kind], version)
     if p is None:
-        raise NotFound(f"policy_version {body.policy_version!r} is not in the registry (upload it first)")
-    if queries.open_rollout(s) is not None:
-        raise Conflict("another rollout is in progress (promote, roll back or finish it first)")
-    active = queries.active_policy(s)
+        raise NotFound(f"{kind}_version {version!r} is not in the registry (upload it first)")
+    if queries.open_rollout(s, kind) is not None:
+        raise Conflict(f"another {kind} rollout is in progress (promote, roll back or finish it first)")
+    active = _active(s, kind)
     if active is None:
-        raise Conflict("no active policy to serve as the baseline: activate one first "
-                       "(POST /api/v1/policies/{version}/activate)")
+        raise Conflict(f"no active {kind} to serve as the baseline: activate one first "
+                       f"(POST /api/v1/{kind}s/{{version}}/activate)")
     cfg = {k: getattr(body, k) for k in RolloutConfig.__dataclass_fields__ if hasattr(body, k)}
     try:
         RolloutConfig(**cfg)
     except ValueError as e:
         raise Conflict(str(e)) from None
     cfg.update(canary_fraction=body.canary_fraction, auto=body.auto)
-    r = Rollout(policy_version=p.version, baseline_version=active.version, state="pending", config=cfg,
+    r = Rollout(kind=kind, policy_version=p.version if kind == "policy" else None,
+                model_version=p.version if kind == "model" else None, baseline_version=active.version,
+                state="pending", config=cfg,
                 created_by=actor, created_at_s=now_s, bake_started_s=None, updated_at_s=now_s, reason=body.reason)
     s.add(r)
     s.flush()
@@ -96,14 +127,15 @@ def create_rollout(s: Session, body, *, actor: str, now_s: float) -> Rollout:
     canary = set(random.Random(r.id).sample([n.node_id for n in nodes], num_canary)) if nodes else set()
     for n in nodes:
         s.add(RolloutNode(rollout_id=r.id, node_id=n.node_id, role="canary" if n.node_id in canary else "baseline",
-                          status="assigned" if n.node_id in canary else "loaded", prev_version=n.policy_version,
+                          status="assigned" if n.node_id in canary else "loaded",
+                          prev_version=n.policy_version if kind == "policy" else n.model_digest,
                           updated_at_s=now_s))
     if p.status in ("registered", "retired", "rolled_back"):
         p.status = "canary"
     _step(s, r, actor=actor, action="create", from_state=None, to_state="pending", reason=body.reason, now_s=now_s,
           details={"canary": sorted(canary), "baseline": sorted(n.node_id for n in nodes if n.node_id not in canary)})
     queries.audit(s, ts_s=now_s, actor=actor, action="rollout.create", target=f"rollout:{r.id}",
-                  after={"policy_version": p.version, "baseline_version": active.version, "config": cfg,
+                  after={"kind": kind, f"{kind}_version": p.version, "baseline_version": active.version, "config": cfg,
                          "canary": sorted(canary)}, reason=body.reason)
     s.flush()
     return r
@@ -121,18 +153,38 @@ def node_confirmed(s: Session, node: Node, *, version: str, status: str, error: 
         node.policy_version, node.policy_error = version, None
     else:
         node.policy_error = f"{version}: {error or 'load failed'}"
-    ro = queries.open_rollout(s)
-    if ro is None or ro.policy_version != version:
+    _canary_answered(s, "policy", node, version, status, error, now_s)
+
+
+def _canary_answered(s: Session, kind: str, node: Node, version: str, status: str, error: str | None,
+                     now_s: float) -> None:
+    ro = queries.open_rollout(s, kind)
+    if ro is None or (ro.policy_version if kind == "policy" else ro.model_version) != version:
         return
     rn = queries.rollout_role(s, ro.id, node.node_id)
     if rn is not None and rn.role == "canary" and rn.status != status:
         rn.status, rn.error, rn.updated_at_s = status, error, now_s
 
 
+def node_model_confirmed(s: Session, node: Node, *, version: str, status: str, error: str | None,
+                         now_s: float) -> None:
+    """A node says it serves checkpoint ``version`` (or failed to load it: it keeps its model)."""
+    if status == "loaded":
+        node.model_digest, node.model_error = version, None
+        prof = dict(node.cost_profile or {})
+        if prof.get("model_digest") != version:
+            prof["model_digest"] = version  # what the dashboard's model column reads
+            node.cost_profile = prof
+    else:
+        node.model_error = f"{version}: {error or 'load failed'}"
+    _canary_answered(s, "model", node, version, status, error, now_s)
+
+
 def _effects(s: Session, r: Rollout, to_state: str, now_s: float) -> None:
-    cand = s.get(Policy, r.policy_version)
+    kind = r.kind or "policy"
+    cand = s.get(_REGISTRY[kind], r.policy_version if kind == "policy" else r.model_version)
     if to_state == "promoted":
-        old = queries.active_policy(s)
+        old = _active(s, kind)
         if old is not None and old.version != cand.version:
             old.status = "retired"
         cand.status = "active"
@@ -165,19 +217,34 @@ def stats_of(s: Session, r: Rollout, now_s: float) -> RolloutStats:
     base = [n.node_id for n in nodes if n.role == "baseline"]
     since = r.bake_started_s if r.bake_started_s is not None else r.created_at_s
     loaded = [n.node_id for n in canary if n.status == "loaded"]
-    cv = queries.window_values(s, loaded, since_s=since, until_s=now_s, policy_version=r.policy_version)
-    bv = queries.window_values(s, base, since_s=since, until_s=now_s, policy_version=r.baseline_version)
+    if r.kind == "model":
+        cv = queries.window_values(s, loaded, since_s=since, until_s=now_s, model_digest=r.model_version)
+        bv = queries.window_values(s, base, since_s=since, until_s=now_s, model_digest=r.baseline_version)
+    else:
+        cv = queries.window_values(s, loaded, since_s=since, until_s=now_s, policy_version=r.policy_version)
+        bv = queries.window_values(s, base, since_s=since, until_s=now_s, policy_version=r.baseline_version)
     return RolloutStats(state=RolloutState(r.state), started_at_s=r.created_at_s,
+                        metrics=MODEL_METRICS if r.kind == "model" else METRICS,
                         canary=WindowSamples(**cv), baseline=WindowSamples(**bv),
                         canary_nodes={n.node_id: NodeLoad(n.status) for n in canary},
                         bake_started_at_s=r.bake_started_s, pause_reason=r.reason if r.state == "paused" else "")
 
 
 def evaluate(s: Session, now_s: float) -> dict | None:
-    """The rollout job: judge the open rollout and apply the judge's action (automatic rollouts
-    only promote or roll back by themselves; with ``auto`` False a promote/rollback verdict pauses
-    it for an operator). Returns what was done, or None when no rollout is open."""
-    r = queries.open_rollout(s)
+    """The rollout job: judge the open rollout of each kind and apply the judge's action (automatic
+    rollouts only promote or roll back by themselves; with ``auto`` False a promote/rollback verdict
+    pauses it for an operator). Returns what was done (the policy rollout's, with the model
+    rollout's under ``"model"`` when both are open), or None when no rollout is open."""
+    done = {k: _evaluate_one(s, k, now_s) for k in KINDS}
+    if done["policy"] is None:
+        return done["model"]
+    if done["model"] is not None:
+        done["policy"]["model"] = done["model"]
+    return done["policy"]
+
+
+def _evaluate_one(s: Session, kind: str, now_s: float) -> dict | None:
+    r = queries.open_rollout(s, kind)
     if r is None:
         return None
     action = evaluate_rollout(stats_of(s, r, now_s), now_s, rollout_config(r))

@@ -18,6 +18,7 @@ NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 Version = Annotated[str, Field(min_length=1, max_length=256)]
+ModelDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a checkpoint's digest (its manifest's)
 # a report's time (Unix s): bounded so that bucketing it (floor(ts_s / step_s), step_s >= 1 ms) stays
 # within 64-bit integers on every database
 ReportTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
@@ -165,6 +166,10 @@ class ReportIn(In):
     # reports the node has dropped so far (its spool's bound, an unreadable file, a disk that
     # refused them beyond the in-memory bound): a counter, kept by the node across restarts
     num_reports_dropped: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    # the checkpoint served in the window (null: random weights) and the window's online quality:
+    # mean of 1 - rank / num_candidates of the users' next items (null: none known)
+    model_digest: ModelDigest | None = None
+    model_quality: Unit | None = None
 
 
 class ReportBatchIn(In):
@@ -199,12 +204,26 @@ class PolicyDirective(Out):
     rollout_id: int | None = None
 
 
+class ModelDirective(Out):
+    version: str  # the checkpoint's digest
+    digest: str  # SHA-256 of the tar served at download_url
+    download_url: str
+    rollout_id: int | None = None
+
+
 class DirectivesOut(Out):
     node_id: str
     now_s: float
     report_interval_s: float
     override: OverrideDirective | None
     policy: PolicyDirective | None
+    model: ModelDirective | None = None
+
+
+class ModelLoadedIn(In):
+    model_version: ModelDigest
+    status: Literal["loaded", "failed"]
+    error: Annotated[str, Field(max_length=4000)] | None = None
 
 
 class PolicyLoadedIn(In):
@@ -223,6 +242,8 @@ class NodeOut(Out):
     report_interval_s: float
     policy_version: str | None
     policy_error: str | None
+    model_digest: str | None = None
+    model_error: str | None = None
     emb_share: float | None
     cost_profile: dict[str, Any]
     last_report_seq: int | None
@@ -252,6 +273,8 @@ class ReportOut(Out):
     emb_transfer_us_per_row: float | None = None
     policy_version: str | None = None
     decision_source: str | None = None
+    model_digest: str | None = None  # raw reports only (null in bucketed history)
+    model_quality: float | None = None
 
 
 class DecisionOut(Out):
@@ -365,10 +388,23 @@ class PolicyOut(Out):
     size_bytes: int
 
 
-class RolloutIn(In):
-    """A rollout of ``policy_version``; the judge's fields are `control_plane.rollout.RolloutConfig`'s."""
+class ModelOut(Out):
+    version: str  # the checkpoint's digest
+    digest: str  # SHA-256 of the stored tar
+    status: str
+    uploaded_by: str
+    uploaded_at_s: float
+    manifest: dict[str, Any]
+    size_bytes: int
 
-    policy_version: Version
+
+class RolloutIn(In):
+    """A rollout of ``policy_version`` (kind "policy") or ``model_version`` (kind "model", a
+    checkpoint digest); the judge's fields are `control_plane.rollout.RolloutConfig`'s."""
+
+    kind: Literal["policy", "model"] = "policy"
+    policy_version: Version | None = None
+    model_version: ModelDigest | None = None
     canary_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.25
     bake_time_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 300.0
     min_samples: Annotated[int, Field(ge=3)] = 10
@@ -377,8 +413,17 @@ class RolloutIn(In):
     max_slo_attainment_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
     load_timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 120.0
     max_failed_canary_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    max_model_quality_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
     auto: bool = True
     reason: Annotated[str, Field(min_length=1, max_length=2000)] = "rollout"
+
+    @model_validator(mode="after")
+    def _candidate(self) -> "RolloutIn":
+        want, other = (("policy_version", "model_version") if self.kind == "policy"
+                       else ("model_version", "policy_version"))
+        if getattr(self, want) is None or getattr(self, other) is not None:
+            raise ValueError(f"a {self.kind} rollout names its candidate in {want} (and not {other})")
+        return self
 
 
 class RolloutNodeOut(Out):
@@ -401,7 +446,9 @@ class RolloutStepOut(Out):
 
 class RolloutOut(Out):
     id: int
-    policy_version: str
+    kind: str = "policy"
+    policy_version: str | None
+    model_version: str | None = None
     baseline_version: str | None
     state: str
     config: dict[str, Any]

@@ -50,6 +50,9 @@ class Node(Base):
     emb_share: Mapped[float | None]
     policy_error: Mapped[str | None] = mapped_column(Text)
     token_id: Mapped[int | None] = mapped_column(Integer)
+    # the model checkpoint the node confirmed it serves (its digest), and its last load failure
+    model_digest: Mapped[str | None] = mapped_column(String(64))
+    model_error: Mapped[str | None] = mapped_column(Text)
 
 
 class NodeReport(Base):
@@ -78,6 +81,8 @@ class NodeReport(Base):
     emb_transfer_us_per_row: Mapped[float | None]
     policy_version: Mapped[str | None] = mapped_column(String(256))
     decision_source: Mapped[str | None] = mapped_column(String(16))
+    model_digest: Mapped[str | None] = mapped_column(String(64))  # the checkpoint served in the window
+    model_quality: Mapped[float | None]  # mean of 1 - rank/num_candidates of the users' next items; null: unknown
 
 
 class Gateway(Base):
@@ -275,15 +280,34 @@ class Policy(Base):
     uploaded_at_s: Mapped[float]
 
 
+class ModelVersion(Base):
+    """A model checkpoint (the directory `racer model train` writes, stored as one canonical tar)
+    and its manifest. ``version`` is the checkpoint's own digest (the manifest's ``digest``, what
+    a node reports as the model it serves). ``status`` as for policies: "registered", "active",
+    "canary", "retired", "rolled_back"."""
+
+    __tablename__ = "models"
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))  # SHA-256 of the stored tar (what a node checks on download)
+    artifact: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    manifest: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), default="registered")
+    uploaded_by: Mapped[str] = mapped_column(String(128))
+    uploaded_at_s: Mapped[float]
+
+
 class Rollout(Base):
-    """A canary rollout of ``policy_version`` over ``baseline_version``. ``state``: "pending"
+    """A canary rollout of a candidate over ``baseline_version``: ``kind`` "policy" (the candidate
+    is ``policy_version``) or "model" (``model_version``, a checkpoint digest). ``state``: "pending"
     (waiting for the canary nodes to load the candidate), "baking", "paused", "promoted",
     "rolled_back" (the last two are final); see `control_plane.rollout`."""
 
     __tablename__ = "rollouts"
     __table_args__ = (Index(None, "state"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    policy_version: Mapped[str] = mapped_column(ForeignKey("policies.version"))
+    kind: Mapped[str] = mapped_column(String(16), default="policy", server_default="policy")
+    policy_version: Mapped[str | None] = mapped_column(ForeignKey("policies.version"))
+    model_version: Mapped[str | None] = mapped_column(ForeignKey("models.version"))
     baseline_version: Mapped[str | None] = mapped_column(String(256))
     state: Mapped[str] = mapped_column(String(16))
     config: Mapped[dict[str, Any]]

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from .models import (REPORT_FIGURES, REQUEST_WEIGHTED, AuditEntry, Burst, Decision, Gateway, GatewayReport,
                      HistoryRollupState, JobRun,
                      Node, NodeReport, NodeReportBucket, NodeReportRollup, Override, Policy, Router,
-                     RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token, bucket_sum_columns)
+                     RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token, bucket_sum_columns, ModelVersion)
 
 
 def bucket_figures():
@@ -181,6 +181,7 @@ def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:
 _REPORT_COLS = [c.name for c in NodeReport.__table__.columns if c.name != "id"]
 _DECISION_COLS = [c.name for c in Decision.__table__.columns if c.name != "id"]
 _PG_TYPES = {"node_id": "text", "seq": "int", "num_requests": "int", "refill_bytes": "int", "policy_version": "text",
+             "model_digest": "text",
              "decision_source": "text", "source": "text", "reason": "text", "features": "json", "layers": "json"}
 
 
@@ -527,7 +528,7 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
         for r in rows:
             d = {k: getattr(r, k) for k in REPORT_FIGURES}
             d.update(node_id=r.node_id, seq=r.seq, ts_s=r.ts_s, policy_version=r.policy_version,
-                     decision_source=r.decision_source)
+                     decision_source=r.decision_source, model_digest=r.model_digest, model_quality=r.model_quality)
             out.append(d)
         return out
     out: list[dict] = []
@@ -675,21 +676,27 @@ def latest_reports(session: Session, since_s: float) -> list[NodeReport]:
 
 
 def window_values(session: Session, node_ids: Sequence[str], *, since_s: float, until_s: float,
-                  policy_version: str | None = None) -> dict[str, list[float]]:
-    """Per-window values of the judged figures (slo_attainment, p99_ms) of reports from these nodes
-    with at least one request, optionally only those that ran ``policy_version``."""
-    out: dict[str, list[float]] = {"slo_attainment": [], "p99_ms": []}
+                  policy_version: str | None = None, model_digest: str | None = None) -> dict[str, list[float]]:
+    """Per-window values of the judged figures (slo_attainment, p99_ms, model_quality) of reports
+    from these nodes with at least one request, optionally only those that ran ``policy_version``
+    or served the checkpoint ``model_digest``."""
+    out: dict[str, list[float]] = {"slo_attainment": [], "p99_ms": [], "model_quality": []}
     if not node_ids:
         return out
     conds = [NodeReport.node_id.in_(list(node_ids)), NodeReport.ts_s >= since_s, NodeReport.ts_s <= until_s,
              NodeReport.num_requests > 0]
     if policy_version is not None:
         conds.append(NodeReport.policy_version == policy_version)
-    for slo, p99 in session.execute(select(NodeReport.slo_attainment, NodeReport.p99_ms).where(*conds)):
+    if model_digest is not None:
+        conds.append(NodeReport.model_digest == model_digest)
+    for slo, p99, q in session.execute(select(NodeReport.slo_attainment, NodeReport.p99_ms, NodeReport.model_quality)
+                                       .where(*conds)):
         if slo is not None:
             out["slo_attainment"].append(float(slo))
         if p99 is not None:
             out["p99_ms"].append(float(p99))
+        if q is not None:
+            out["model_quality"].append(float(q))
     return out
 
 
@@ -790,14 +797,27 @@ def list_policies(session: Session) -> list[Policy]:
     return list(session.scalars(select(Policy).order_by(Policy.uploaded_at_s.desc())).all())
 
 
-def open_rollout(session: Session) -> Rollout | None:
-    """The rollout in progress ("pending", "baking" or "paused"); at most one at a time."""
-    return session.scalar(select(Rollout).where(Rollout.state.in_(("pending", "baking", "paused"))).order_by(
-        Rollout.id.desc()).limit(1))
+def open_rollout(session: Session, kind: str = "policy") -> Rollout | None:
+    """The rollout of ``kind`` ("policy" or "model") in progress ("pending", "baking" or
+    "paused"); at most one of each kind at a time."""
+    return session.scalar(select(Rollout).where(Rollout.state.in_(("pending", "baking", "paused")),
+                                                Rollout.kind == kind).order_by(Rollout.id.desc()).limit(1))
 
 
-def rollouts(session: Session, limit: int) -> list[Rollout]:
-    return list(session.scalars(select(Rollout).order_by(Rollout.id.desc()).limit(limit)).all())
+def rollouts(session: Session, limit: int, kind: str | None = "policy") -> list[Rollout]:
+    """The newest rollouts of ``kind`` (None: of both kinds)."""
+    q = select(Rollout)
+    if kind is not None:
+        q = q.where(Rollout.kind == kind)
+    return list(session.scalars(q.order_by(Rollout.id.desc()).limit(limit)).all())
+
+
+def active_model(session: Session) -> ModelVersion | None:
+    return session.scalar(select(ModelVersion).where(ModelVersion.status == "active").limit(1))
+
+
+def list_models(session: Session) -> list[ModelVersion]:
+    return list(session.scalars(select(ModelVersion).order_by(ModelVersion.uploaded_at_s.desc())).all())
 
 
 def rollout_nodes(session: Session, rollout_id: int) -> list[RolloutNode]:

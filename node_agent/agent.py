@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -52,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
+from .model.quality import NextItemQuality
 from .residency_feed import ResidencyFeed
 from .server import AllowedMethods, BodyLimit, JsonOnly  # shared with the gateway (node_agent.server)
 from .server import json_safe  # noqa: F401 - re-exported for callers
@@ -152,6 +154,15 @@ class _Job:
     prefill_est: int = 0  # tokens to prefill, estimated when the worker admits the job
 
 
+def _run_call(fn: Callable[[], object], fut: concurrent.futures.Future) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        fut.set_exception(e)
+
+
 def _resolve(fut: asyncio.Future, value, exc: BaseException | None) -> None:
     if fut.done():
         return
@@ -202,6 +213,10 @@ class NodeAgent:
         # called by the device worker with each control step's output (cheap, no I/O: see reporter.py)
         self.control_hooks: list[Callable[[dict], None]] = []
         self.reporter = None  # node_agent.reporter.Reporter when a control plane is configured
+        # the online quality of the served model (worker thread only; the reporter takes a window's value)
+        self.quality = NextItemQuality()
+        # callables another thread asks the device worker to run between batches (e.g. a model swap)
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future]] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------------- lifecycle ---
     def start(self) -> None:
@@ -229,6 +244,33 @@ class NodeAgent:
     @property
     def worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def call_on_worker(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the device worker between two batches (nothing else touches the engine
+        meanwhile); the future holds its result or exception. Without a running worker it runs now."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.worker_alive:
+            _run_call(fn, fut)
+        else:
+            self._calls.put((fn, fut))
+        return fut
+
+    def swap_model(self, checkpoint) -> dict:
+        """On the device worker: serve ``checkpoint`` from now on (`Engine.load_checkpoint`; a
+        checkpoint it refuses leaves the current model serving) and forget the rankings of the old
+        model (the quality signal scores each model's own rankings)."""
+        info = self.engine.load_checkpoint(checkpoint)
+        self.quality.reset()
+        self.info["model"] = info
+        return info
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            _run_call(fn, fut)
 
     # --------------------------------------------------------------------------- serving ---
     async def submit(self, req: RecRequest) -> RecResponse:
@@ -348,6 +390,8 @@ class NodeAgent:
                                     user=r.user_id, history_len=r.num_history, queue_us=r.latency.queue_us,
                                     kv_outcome=r.kv.outcome)
         for j, r in zip(jobs, resps):
+            self.quality.observe(r.user_id, j.req.new_items if j.req.new_items is not None else (), r.items,
+                                 r.num_candidates)
             j.loop.call_soon_threadsafe(_resolve, j.future, r, None)
 
     def _record_batch(self, jobs: list[_Job], resps: list[RecResponse], start_s: float, end_s: float) -> None:
@@ -376,6 +420,7 @@ class NodeAgent:
                     t0 = self.clock()
                     self._serve(jobs)
                     self.residency.note_served(self.clock() - t0, len(jobs))
+                self._run_calls()
                 now = self.clock()
                 self.residency.collect(self.engine, now)
                 step = self.engine.maintenance(now)

@@ -26,6 +26,13 @@ One `Reporter` per agent, on its own thread (the device worker never touches the
   ``POST /api/v1/nodes/{id}/policy`` ({policy_version, status: loaded|failed, error}), retried
   until the control plane acknowledges it. A version that failed is not retried until the control
   plane names another one (or another digest).
+  A model (a checkpoint, named by its digest) other than the one served is handled the same way
+  (`Reporter.apply_model`): downloaded, checked by the checkpoint loader against the served config
+  and item count, swapped in on the device worker (`NodeAgent.swap_model`, i.e.
+  `Engine.load_checkpoint`; a refused checkpoint leaves the current model serving), and confirmed
+  with ``POST /api/v1/nodes/{id}/model`` ({model_version, status, error}). Every report carries the
+  digest of the model served in its window (``model_digest``) and the window's online quality
+  (``model_quality``, `node_agent.model.quality`).
 
 Times: reports carry wall-clock seconds (``ts_s``; the agent's clock plus an offset fixed at
 start), so the control plane's history is in one time base across nodes.
@@ -374,6 +381,9 @@ class Reporter:
         self._applied_override: _AppliedOverride | None = None
         self._pending_confirm: dict | None = None
         self._failed_policy: tuple[str, str] | None = None
+        self._pending_model_confirm: dict | None = None
+        self._failed_model: tuple[str, str] | None = None
+        self._confirmed_model_key: tuple | None = None
         self._confirmed_key: tuple | None = None
         self._burst: dict | None = None  # the burst in progress: start_s (wall), magnitude
         self._closed_bursts: list[dict] = []
@@ -382,6 +392,12 @@ class Reporter:
         self.policy_version: str | None = config_policy_version(pol)
         self._window_policy_version = self.policy_version
         self.status_.policy_version = self.policy_version
+        self._window_model_digest = self.model_digest
+
+    @property
+    def model_digest(self) -> str | None:
+        """The digest of the checkpoint the engine serves (None: random weights)."""
+        return (getattr(self.agent.engine, "model_info", None) or {}).get("digest")
 
     # ---- lifecycle
     def start(self) -> None:
@@ -438,8 +454,14 @@ class Reporter:
             "kv_recompute_us_per_token": _finite_or_none(w.get("kv_recompute_us_per_token")),
             "emb_transfer_us_per_row": _finite_or_none(w.get("emb_transfer_us_per_row")),
             "policy_version": self._window_policy_version,
+            "model_digest": self._window_model_digest,
         }
+        quality = getattr(agent, "quality", None)
+        if quality is not None:  # the worker thread calls this: the tracker is the worker's
+            q, _ = quality.take_window()
+            report["model_quality"] = _unit(q)
         self._window_policy_version = self.policy_version  # the next window runs this one
+        self._window_model_digest = self.model_digest
         d = out.get("decision")
         if d:
             feats = {k: float(v) for k, v in (d.get("features") or {}).items() if _finite_or_none(v) is not None}
@@ -534,6 +556,8 @@ class Reporter:
             if not self._send_spool():
                 return False
             if self._pending_confirm is not None and not self._confirm():
+                return False
+            if self._pending_model_confirm is not None and not self._confirm_model():
                 return False
             now = time.monotonic()
             if now >= self._next_directives_s:
@@ -652,6 +676,9 @@ class Reporter:
         pol = d.get("policy")
         if pol:
             self.apply_policy(pol)
+        md = d.get("model")
+        if md:
+            self.apply_model(md)
         return True
 
     def apply_override(self, od: dict | None, server_now_s: float, agent_now_s: float | None = None) -> None:
@@ -735,17 +762,67 @@ class Reporter:
             self.status_.policy_error = error
         self._confirm()
 
-    def _download(self, version: str, digest: str, url: str) -> Path:
+    def apply_model(self, md: dict) -> None:
+        """Serve the checkpoint the control plane names (``md``: version = checkpoint digest, digest
+        = the tar's SHA-256, download_url). Downloaded, checked (tar digest, then every file's and
+        the manifest's digest, the config and item count this node serves), then swapped in on the
+        device worker (`NodeAgent.swap_model` -> `Engine.load_checkpoint`); on any failure the
+        current model keeps serving. The outcome is confirmed with ``POST /nodes/{id}/model``."""
+        version, digest = str(md.get("version")), str(md.get("digest", ""))
+        if version == self.model_digest:
+            key = (version, digest, md.get("rollout_id"))
+            if self._confirmed_model_key != key:
+                self._confirmed_model_key = key
+                self._pending_model_confirm = {"model_version": version, "status": "loaded", "error": None}
+                self._confirm_model()
+            return
+        if self._failed_model == (version, digest):
+            return
+        error = None
+        try:
+            from .model.checkpoint import load_checkpoint
+
+            path = self._download(version, digest, md.get("download_url") or f"{API}/models/{version}/artifact",
+                                  kind="model")
+            ecfg = self.agent.engine.config
+            ck = load_checkpoint(path, digest=version, num_items=ecfg.num_items, config=ecfg.model)
+            self.agent.call_on_worker(lambda: self.agent.swap_model(ck)).result(timeout=120.0)
+        except Exception as e:  # noqa: BLE001 - any failure keeps the current model
+            error = f"{type(e).__name__}: {e}"
+        if error is None:
+            self._failed_model = None
+            self._confirmed_model_key = (version, digest, md.get("rollout_id"))
+            self._pending_model_confirm = {"model_version": version, "status": "loaded", "error": None}
+            self._event(f"model {version[:16]} loaded")
+        else:
+            self._failed_model = (version, digest)
+            self._pending_model_confirm = {"model_version": version, "status": "failed", "error": error[:4000]}
+            self._event(f"model {version[:16]} refused, keeping {str(self.model_digest)[:16]}: {error}")
+        self._confirm_model()
+
+    def _confirm_model(self) -> bool:
+        body = self._pending_model_confirm
+        if body is None:
+            return True
+        r = self._client.post(f"{API}/nodes/{self.config.node_id}/model", json=body)
+        if r.status_code >= 300:
+            self._error(f"model confirmation: HTTP {r.status_code}: {r.text[:500]}")
+            return False
+        self._pending_model_confirm = None
+        return True
+
+    def _download(self, version: str, digest: str, url: str, kind: str = "policy") -> Path:
         r = self._client.get(urljoin(self.config.control_plane_url + "/", url.lstrip("/")) if not url.startswith(
             ("http://", "https://")) else url)
         if r.status_code != 200:
-            raise RuntimeError(f"download of policy {version}: HTTP {r.status_code}: {r.text[:300]}")
+            raise RuntimeError(f"download of {kind} {version}: HTTP {r.status_code}: {r.text[:300]}")
         data = r.content
         want = digest.split(":", 1)[1] if digest.startswith("sha256:") else digest
         got = hashlib.sha256(data).hexdigest()
         if got != want.lower():
-            raise RuntimeError(f"policy {version}: digest mismatch: got sha256 {got}, expected {want}")
-        dest = Path(self.config.state_dir) / "policies" / f"{_safe(version)}-{got[:16]}"
+            raise RuntimeError(f"{kind} {version}: digest mismatch: got sha256 {got}, expected {want}")
+        dest = Path(self.config.state_dir) / ("policies" if kind == "policy" else "models") / \
+            f"{_safe(version)[:64]}-{got[:16]}"
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)

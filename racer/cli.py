@@ -60,7 +60,7 @@ COMMANDS: dict[str, Command] = {
     "node": Command("node_agent.cli:add_node_parser", "node-level tools: measure the device's cost profile"),
     "node-agent": Command("node_agent.cli:add_node_parser", "serve recommendations on this node over HTTP"),
     "model": Command("node_agent.model.cli:add_model_parser",
-                     "train and evaluate the GR model node agents serve; inspect checkpoints"),
+                     "train and evaluate the GR model node agents serve; inspect and push checkpoints"),
     "gateway": Command("control_plane.gateway:add_gateway_parser",
                        "route recommendation requests to node agents (EMB-KV-aware)"),
     "up": Command("racer.up:add_up_parser",

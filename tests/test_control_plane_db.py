@@ -29,7 +29,7 @@ def _row(nid, seq, ts, **kw):
 def test_migrations_make_every_table_and_are_idempotent(db):
     engine, _ = db
     upgrade(engine)  # second run: nothing to do
-    assert current_revision(engine) == "0006"
+    assert current_revision(engine) == "0007"
     names = set(inspect(engine).get_table_names())
     for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
               "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
@@ -60,7 +60,7 @@ def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
             c.execute(text("INSERT INTO nodes (node_id, address, device, cost_profile, status, registered_at_s, "
                            "last_seen_s, report_interval_s) VALUES ('n', 'http://x:1', 'cpu', '{}', 'up', 1, 1, 1)"))
         upgrade(engine)
-        assert current_revision(engine) == "0006"
+        assert current_revision(engine) == "0007"
         assert "node_id" in {c["name"] for c in inspect(engine).get_columns("tokens")}
         assert "ix_tokens__node_id" in {i["name"] for i in inspect(engine).get_indexes("tokens")}
         assert "token_id" in {c["name"] for c in inspect(engine).get_columns("nodes")}
@@ -165,7 +165,7 @@ def test_window_values_select_nodes_versions_and_windows_with_requests(db):
                                    _row("b", 0, 10.0, p99_ms=3.0, policy_version="new")])
     with factory() as s:
         v = queries.window_values(s, ["a"], since_s=0.0, until_s=100.0, policy_version="new")
-        assert v == {"slo_attainment": [1.0], "p99_ms": [5.0]}
+        assert v == {"slo_attainment": [1.0], "p99_ms": [5.0], "model_quality": []}
 
 
 def test_postgres_urls_use_psycopg3():

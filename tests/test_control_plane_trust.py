@@ -51,6 +51,7 @@ def _body(path: str, node_id: str):
                                       "cost_profile": PROFILE},
             f"{API}/nodes/{{node_id}}/reports": {"reports": [report(7, ts_s=1000.0)]},
             f"{API}/nodes/{{node_id}}/policy": {"policy_version": "forged", "status": "loaded"},
+            f"{API}/nodes/{{node_id}}/model": {"model_version": "f" * 64, "status": "loaded"},
             f"{API}/nodes/{{node_id}}/directives": None}[path]
 
 
@@ -80,7 +81,8 @@ def test_every_node_route_with_another_nodes_token_is_403(cp):
     victim's own token is served."""
     routes = _node_routes(cp)
     assert routes == [("GET", f"{API}/nodes/{{node_id}}/directives"), ("POST", f"{API}/nodes/register"),
-                      ("POST", f"{API}/nodes/{{node_id}}/policy"), ("POST", f"{API}/nodes/{{node_id}}/reports")]
+                      ("POST", f"{API}/nodes/{{node_id}}/model"), ("POST", f"{API}/nodes/{{node_id}}/policy"),
+                      ("POST", f"{API}/nodes/{{node_id}}/reports")]
     victim = cp.token("node", node_id="victim")
     assert register(cp.client(victim), "victim")["node_id"] == "victim"
     before = cp.admin.get("/nodes/victim").json()
@@ -184,7 +186,7 @@ def _mutating_routes(cp) -> list[tuple[str, str, list[str]]]:
 def test_every_body_is_capped_with_413_declared_or_chunked(cp):
     """Every route that takes a body, with a token it accepts: a Content-Length over its cap gets
     413 before a byte is sent, a chunked body 413 once the bytes received pass the cap."""
-    caps = {f"{API}/nodes/{{node_id}}/reports": 262144, f"{API}/policies": 131072}
+    caps = {f"{API}/nodes/{{node_id}}/reports": 262144, f"{API}/policies": 131072, f"{API}/models": 131072}
     node_tok = cp.token("node", node_id="capped")
     register(cp.client(node_tok), "capped")
     routes = _mutating_routes(cp)

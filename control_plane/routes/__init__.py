@@ -7,14 +7,16 @@ document); `control_plane.api.create_app` includes them in this order:
     tokens       GET /whoami, POST /tokens
     nodes        POST /nodes/register, POST /nodes/{node_id}/reports, GET /nodes,
                  POST /nodes/{node_id}/retire, GET /nodes/{node_id}
-    directives   GET /nodes/{node_id}/directives, POST /nodes/{node_id}/policy
+    directives   GET /nodes/{node_id}/directives, POST /nodes/{node_id}/policy, POST /nodes/{node_id}/model
     history      GET /reports, /decisions, /bursts, /summary, /jobs
     routers      POST, GET, DELETE /routers; GET /router/weights, /router/weights/history
     overrides    GET, POST /overrides; POST /overrides/{override_id}/clear
     audit        GET /audit
     policies     POST, GET /policies; GET /policies/{version}, /policies/{version}/artifact;
                  POST /policies/{version}/activate
-    rollouts     POST, GET /rollouts; GET /rollouts/{rollout_id};
+    models       POST, GET /models; GET /models/{version}, /models/{version}/artifact;
+                 POST /models/{version}/activate (checkpoints; version = checkpoint digest)
+    rollouts     POST, GET /rollouts (kind policy or model); GET /rollouts/{rollout_id};
                  POST /rollouts/{rollout_id}/{promote,pause,resume,rollback}
     gateways     POST /gateways/{gateway_id}/reports, GET /gateways, GET /gateway-reports
     health       GET /healthz, GET /metrics (outside /api/v1, no token)

@@ -1,5 +1,5 @@
-"""What a node pulls and confirms: its directives (the override in force, the policy to run) and
-its confirmation that it loaded a policy (or failed to)."""
+"""What a node pulls and confirms: its directives (the override in force, the policy to run, the
+model checkpoint to serve) and its confirmation that it loaded a policy or a model (or failed to)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from db import queries
 from db.models import Node
 
 from .. import rollout_service
-from ..schemas import DirectivesOut, NodeId, NodeOut, OverrideDirective, PolicyDirective, PolicyLoadedIn
+from ..schemas import (DirectivesOut, ModelDirective, ModelLoadedIn, NodeId, NodeOut, OverrideDirective,
+                       PolicyDirective, PolicyLoadedIn)
 from .deps import API, NODE, begin, errors, get_or_404, now_s, roles, session, settings
 
 router = APIRouter()
@@ -26,6 +27,7 @@ def directives(node_id: NodeId, request: Request):
         if ov is not None and ov.expires_at_s is not None and ov.expires_at_s <= now:
             ov = None  # past its expiry; the expiry job will mark it
         pol, rollout_id = rollout_service.policy_for_node(s, node_id)
+        mdl, model_rollout_id = rollout_service.model_for_node(s, node_id)
         return DirectivesOut(
             node_id=node_id, now_s=now, report_interval_s=settings(request).report_interval_s,
             override=None if ov is None else OverrideDirective(
@@ -33,7 +35,10 @@ def directives(node_id: NodeId, request: Request):
                 scope="node" if ov.node_id else "cluster"),
             policy=None if pol is None else PolicyDirective(
                 version=pol.version, digest=pol.digest, rollout_id=rollout_id,
-                download_url=f"{API}/policies/{pol.version}/artifact"))
+                download_url=f"{API}/policies/{pol.version}/artifact"),
+            model=None if mdl is None else ModelDirective(
+                version=mdl.version, digest=mdl.digest, rollout_id=model_rollout_id,
+                download_url=f"{API}/models/{mdl.version}/artifact"))
 
 
 @router.post("/nodes/{node_id}/policy", response_model=NodeOut, responses=errors(404, 409, 413), **roles(NODE))
@@ -43,4 +48,16 @@ def policy_loaded(node_id: NodeId, body: PolicyLoadedIn, request: Request):
         node = get_or_404(s, Node, node_id)
         rollout_service.node_confirmed(s, node, version=body.policy_version, status=body.status,
                                        error=body.error, now_s=now)
+        return NodeOut.model_validate(node)
+
+
+@router.post("/nodes/{node_id}/model", response_model=NodeOut, responses=errors(404, 409, 413), **roles(NODE))
+def model_loaded(node_id: NodeId, body: ModelLoadedIn, request: Request):
+    now = now_s(request)
+    with begin(request) as s:
+        node = get_or_404(s, Node, node_id)
+        rollout_service.node_model_confirmed(s, node, version=body.model_version, status=body.status,
+                                             error=body.error, now_s=now)
+        queries.audit(s, ts_s=now, actor=f"node:{node_id}", action=f"model.{body.status}", target=f"node:{node_id}",
+                      after={"model": body.model_version, "error": body.error}, reason="node confirmation")
         return NodeOut.model_validate(node)

@@ -45,24 +45,27 @@ MAX_ARTIFACT_UNPACKED_BYTES = 64 * 2**20
 
 
 def unpack_artifact(data: bytes, *, max_members: int = MAX_ARTIFACT_MEMBERS,
-                    max_bytes: int = MAX_ARTIFACT_UNPACKED_BYTES) -> dict[str, bytes]:
-    """The artifact's three files from an uploaded tar (optionally gzip'd; a top directory is
-    allowed). Raises ValueError saying what is wrong: not a tar, truncated, more than
-    ``max_members`` members, or members whose sizes add up to more than ``max_bytes`` (a
-    decompression bomb is refused from its headers, before its bytes are inflated)."""
+                    max_bytes: int = MAX_ARTIFACT_UNPACKED_BYTES, names: tuple[str, ...] = ARTIFACT_FILES,
+                    required: tuple[str, ...] | None = None, what: str = "policy artifact",
+                    writer: str = "racer policy export") -> dict[str, bytes]:
+    """The artifact's files (``names``; all of ``required``, default all of them) from an uploaded
+    tar (optionally gzip'd; a top directory is allowed). Raises ValueError saying what is wrong:
+    not a tar, truncated, more than ``max_members`` members, or members whose sizes add up to more
+    than ``max_bytes`` (a decompression bomb is refused from its headers, before its bytes are
+    inflated). The model registry unpacks checkpoints with it too (``what``, ``writer``)."""
     files: dict[str, bytes] = {}
     total = 0
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as tar:  # a stream: members in order, no seeking
             for k, m in enumerate(tar, start=1):
                 if k > max_members:
-                    raise ValueError(f"body: more than {max_members} members (an artifact has {len(ARTIFACT_FILES)})")
+                    raise ValueError(f"body: more than {max_members} members (a {what} has {len(names)})")
                 total += max(0, int(m.size))
                 if total > max_bytes:
-                    raise ValueError(f"body: the archive unpacks to more than {max_bytes} bytes (an artifact is a few "
-                                     f"MB at most)")
+                    raise ValueError(f"body: the archive unpacks to more than {max_bytes} bytes (a {what} is "
+                                     f"smaller)")
                 base = os.path.basename(m.name.rstrip("/"))
-                if base not in ARTIFACT_FILES:
+                if base not in names:
                     continue
                 if not m.isreg():
                     raise ValueError(f"body: {m.name} is not a regular file")
@@ -73,11 +76,11 @@ def unpack_artifact(data: bytes, *, max_members: int = MAX_ARTIFACT_MEMBERS,
                 if len(files[base]) != m.size:
                     raise ValueError(f"body: {m.name} is truncated ({len(files[base])} of {m.size} bytes)")
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-        raise ValueError(f"body: not a complete tar archive of a policy artifact ({type(e).__name__}: {e})") from None
-    missing = [f for f in ARTIFACT_FILES if f not in files]
+        raise ValueError(f"body: not a complete tar archive of a {what} ({type(e).__name__}: {e})") from None
+    missing = [f for f in (names if required is None else required) if f not in files]
     if missing:
-        raise ValueError(f"body: the artifact lacks {', '.join(missing)} (expected the files `racer policy export` "
-                         f"writes: {', '.join(ARTIFACT_FILES)})")
+        raise ValueError(f"body: the {what} lacks {', '.join(missing)} (expected the files `{writer}` "
+                         f"writes: {', '.join(names)})")
     return files
 
 

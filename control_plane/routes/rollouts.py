@@ -1,10 +1,10 @@
-"""Policy rollouts: create (canary nodes get the candidate), list, read, and the operators' events
+"""Rollouts of a policy or a model: create (canary nodes get the candidate), list, read, and the operators' events
 (promote, pause, resume, rollback); the judge (`control_plane.rollout`) runs in the
 ``rollout_evaluation`` job."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 
@@ -33,9 +33,10 @@ def create_rollout(body: RolloutIn, request: Request, p: principal(OPERATOR)):
 
 
 @router.get("/rollouts", response_model=list[RolloutOut], **roles(OPERATOR, VIEWER))
-def list_rollouts(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50):
+def list_rollouts(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+                  kind: Literal["policy", "model", "all"] = "policy"):
     with session(request) as s:
-        return [rollout_out(s, x) for x in queries.rollouts(s, limit)]
+        return [rollout_out(s, x) for x in queries.rollouts(s, limit, None if kind == "all" else kind)]
 
 
 @router.get("/rollouts/{rollout_id}", response_model=RolloutOut, responses=errors(404), **roles(OPERATOR, VIEWER))

@@ -142,6 +142,74 @@ def cmd_model_show(args) -> int:
     return 0
 
 
+def cmd_model_push(args) -> int:
+    """Register a checkpoint with the control plane's model registry (``POST /api/v1/models``,
+    where the checkpoint loader verifies it) and activate it with ``--activate``. The checkpoint is
+    verified here first. Exit status 1 when the control plane refuses it (its reason on stderr), 2
+    for a bad directory or option."""
+    import io
+    import os
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    import httpx
+
+    from .checkpoint import load_checkpoint
+
+    src = Path(args.dir)
+    ck = load_checkpoint(src)  # CheckpointError (a ValueError): exit 2 with its message
+    token = args.token or os.environ.get("RACER_TOKEN")
+    if not token:
+        raise ValueError("a token is needed: --token T or RACER_TOKEN (an operator token)")
+    names = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in names:
+            if (src / name).is_file():
+                data = (src / name).read_bytes()
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+    base = args.control_plane.rstrip("/") + "/api/v1"
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def fail(what: str, r) -> int:
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        if isinstance(detail, list):
+            detail = "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail)
+        print(f"racer model push: {what} refused (HTTP {r.status_code}): {detail}", file=sys.stderr)
+        return 1
+
+    try:
+        r = httpx.post(f"{base}/models", content=buf.getvalue(), timeout=args.timeout_s,
+                       headers={**headers, "Content-Type": "application/x-tar"})
+        if r.status_code >= 400:
+            return fail("upload", r)
+        m = r.json()
+        out = {"version": m["version"], "digest": m["digest"], "status": m["status"], "created": r.status_code == 201}
+        if args.activate:
+            r = httpx.post(f"{base}/models/{m['version']}/activate", timeout=args.timeout_s, headers=headers,
+                           json={"reason": args.reason})
+            if r.status_code >= 400:
+                return fail("activation", r)
+            out["status"] = r.json()["status"]
+    except httpx.HTTPError as e:
+        raise ValueError(f"control plane at {args.control_plane} unreachable: {type(e).__name__}: {e}") from None
+    if out["version"] != ck.digest:
+        print(f"racer model push: the control plane registered {out['version']}, not {ck.digest}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"model {out['version'][:16]} {'registered' if out['created'] else 'already registered'}, "
+              f"status {out['status']}")
+    return 0
+
+
 def add_model_parser(subparsers) -> None:
     """Add ``model`` (train, eval, show) to racer's top-level subparsers."""
     from workloads.loaders import LOADERS
@@ -225,3 +293,17 @@ def add_model_parser(subparsers) -> None:
     sh.add_argument("dir", help="checkpoint directory")
     sh.add_argument("--json", action="store_true", help="one line of JSON")
     sh.set_defaults(func=cmd_model_show)
+
+    pu = sub.add_parser("push", help="register a checkpoint with the control plane (and activate it)",
+                        description="Upload a checkpoint directory to the control plane's model registry "
+                                    "(POST /api/v1/models: verified there by the checkpoint loader) and, with "
+                                    "--activate, make it the model every node serves. For scripts; roll it out "
+                                    "to a canary first with POST /api/v1/rollouts (kind model).")
+    pu.add_argument("dir", help="checkpoint directory (the one `racer model train` wrote)")
+    pu.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://127.0.0.1:8400")
+    pu.add_argument("--token", default=None, help="operator token (default: $RACER_TOKEN)")
+    pu.add_argument("--activate", action="store_true", help="activate it once registered")
+    pu.add_argument("--reason", default="pushed with racer model push", help="the audit log's reason")
+    pu.add_argument("--timeout-s", type=_positive_float, default=120.0, help="per request (default 120)")
+    pu.add_argument("--json", action="store_true", help="print one JSON object")
+    pu.set_defaults(func=cmd_model_push)

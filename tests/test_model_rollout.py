@@ -1,0 +1,268 @@
+"""Rolling a model out like a policy: the registry over real HTTP (upload, refusals: a bad
+digest, a gzip bomb, a wrong item count; download; activate; `racer model push`), the online
+quality signal (scripted), a model rollout judged on it (simulated node traffic: a worse model is
+rolled back automatically, audited), and a real node agent that loads the canary model, confirms
+it, and serves its old model again after a rollback."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import time
+
+import httpx
+import pytest
+import torch
+
+from node_agent.model import HSTUModel
+from node_agent.model.checkpoint import save_checkpoint
+from node_agent.model.quality import NextItemQuality
+from workloads.loaders import load_sequences
+
+from .cp_util import REPO, ControlPlane, Database, backends, register, report, wait_for
+from .procs import SMALL_AGENT_ARGS, free_port, racer_cmd, spawn, stop, wait_http
+from .test_model_train import TINY, write_sequential_trace
+
+CKPT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
+
+
+def make_checkpoint(out, trace, seed: int, num_items: int | None = None) -> str:
+    """A checkpoint of random weights (seeded) for ``trace``'s items; returns its digest."""
+    torch.manual_seed(seed)
+    model = HSTUModel(TINY)
+    keys = list(trace.item_keys)[:num_items] if num_items else list(trace.item_keys)
+    table = torch.randn(len(keys), TINY.embedding_dim)
+    return save_checkpoint(out, model, table, keys, trace={"path": "walks"})["digest"]
+
+
+def ckpt_tar(d, gz: bool = False, edit=None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w") as tar:
+        for name in CKPT_FILES:
+            data = (d / name).read_bytes()
+            if edit is not None:
+                data = edit(name, data)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mro")
+    trace_path = write_sequential_trace(tmp / "walks.txt")
+    trace = load_sequences(trace_path)
+    ck = {name: tmp / name for name in ("a", "b", "c", "small")}
+    digests = {n: make_checkpoint(ck[n], trace, seed) for n, seed in (("a", 1), ("b", 2), ("c", 3))}
+    digests["small"] = make_checkpoint(ck["small"], trace, 4, num_items=100)
+    d = Database("sqlite", tmp)
+    cp = ControlPlane(d.url, tmp / "cp.log", env={"RACER_LIVENESS_MISSED_INTERVALS": "600"})
+    yield cp, tmp, trace_path, ck, digests
+    cp.stop()
+
+
+# ------------------------------------------------------------------------------ quality signal
+def test_next_item_quality_scores_the_previous_ranking_of_the_next_item():
+    q = NextItemQuality(max_users=2)
+    assert q.observe(7, [], [3, 1, 2, 0], 4) is None  # first request: nothing to score yet
+    assert q.observe(7, [1, 3], [0, 1, 2, 3], 4) == pytest.approx(0.75)  # item 1 was ranked 2nd of 4
+    assert q.observe(7, [9], [5], 10) is None  # 9 was not among the items returned: unknown, not 0
+    assert q.observe(7, [5], [], 10) == pytest.approx(1.0)  # ranked first
+    assert q.take_window() == (pytest.approx((0.75 + 1.0) / 2), 2)
+    assert q.take_window() == (None, 0)  # a window without observations is a gap
+    # LRU over users: the least recently served user's ranking is dropped first
+    q.observe(1, [], [10, 11], 2)
+    q.observe(2, [], [20, 21], 2)
+    q.observe(3, [], [30, 31], 2)
+    assert len(q) == 2
+    assert q.observe(1, [11], [10], 2) is None  # user 1's ranking was dropped
+    assert q.observe(3, [31], [30], 2) == pytest.approx(0.5)
+    q.reset()
+    assert len(q) == 0 and q.observe(3, [30], [30], 2) is None
+
+
+# ------------------------------------------------------------------------------------ registry
+def test_upload_list_download_activate_and_refusals(env):
+    cp, tmp, _, ck, dg = env
+    r = cp.admin.post("/models", content=ckpt_tar(ck["a"], gz=True))
+    assert r.status_code == 201, r.text
+    assert r.json()["version"] == dg["a"] and r.json()["status"] == "registered"
+    assert cp.admin.post("/models", content=ckpt_tar(ck["a"])).status_code == 200  # the same checkpoint again
+    # a file that does not match the manifest's digest
+    bad = ckpt_tar(ck["b"], edit=lambda n, b: b[:-1] + bytes([b[-1] ^ 1]) if n == "weights.pt" else b)
+    r = cp.admin.post("/models", content=bad)
+    assert r.status_code == 422 and "weights.pt has digest" in r.text, r.text
+    # a gzip bomb: 300 MiB of zeros in a few hundred KB, refused from its header
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=1) as gz, tarfile.open(fileobj=gz, mode="w|") as tar:
+        info = tarfile.TarInfo("weights.pt")
+        info.size = 300 * 2**20
+        tar.addfile(info, io.BytesIO(bytes(info.size)))
+    assert len(buf.getvalue()) < 2 * 2**20
+    t0 = time.time()
+    r = cp.admin.post("/models", content=buf.getvalue())
+    assert r.status_code == 422 and "unpacks to more than" in r.text, r.text
+    assert time.time() - t0 < 5
+    # too many members
+    many = io.BytesIO()
+    with tarfile.open(fileobj=many, mode="w") as tar:
+        for i in range(40):
+            tar.addfile(tarfile.TarInfo(f"x{i}"), io.BytesIO(b""))
+    r = cp.admin.post("/models", content=many.getvalue())
+    assert r.status_code == 422 and "more than 32 members" in r.text
+    assert cp.admin.post("/models", content=b"not a tar").status_code == 422
+    # list, read, download (the canonical tar, its digest in the header)
+    models = cp.admin.get("/models").json()
+    assert [m["version"] for m in models] == [dg["a"]]
+    r = cp.admin.get(f"/models/{dg['a']}/artifact")
+    assert r.status_code == 200 and r.headers["X-Racer-Digest"] == models[0]["digest"]
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        assert sorted(tar.getnames()) == sorted(CKPT_FILES)
+    assert cp.admin.get(f"/models/{'0' * 64}").status_code == 404
+    # `racer model push --activate` (for scripts)
+    out = subprocess.run([sys.executable, "-m", "racer", "model", "push", str(ck["a"]), "--control-plane", cp.base,
+                          "--token", cp.ADMIN, "--activate", "--json"], cwd=str(REPO), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"version": dg["a"], "digest": models[0]["digest"], "status": "active",
+                                      "created": False}
+    # with an active model, a checkpoint of another item count is refused (nodes could not load it)
+    r = cp.admin.post("/models", content=ckpt_tar(ck["small"]))
+    assert r.status_code == 422 and "trained on 100 items" in r.text, r.text
+    for n in ("b", "c"):
+        assert cp.admin.post("/models", content=ckpt_tar(ck[n])).status_code == 201
+    audit = [e["action"] for e in cp.admin.get("/audit", params={"limit": 1000}).json()["items"]]
+    assert "model.upload" in audit and "model.activate" in audit
+
+
+# ------------------------------------------------------------------------- judged model rollout
+def test_a_worse_model_is_rolled_back_on_quality_and_audited(env):
+    cp, _, _, _, dg = env
+    if cp.admin.get(f"/models/{dg['a']}").json()["status"] != "active":
+        pytest.skip("needs the registry test's uploads")
+    nodes = ["q1", "q2", "q3", "q4"]
+    node = {n: cp.node(n) for n in nodes}
+    for n in nodes:
+        register(node[n], n)
+    r = cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["b"], "canary_fraction": 0.5,
+                                         "bake_time_s": 2.0, "min_samples": 5, "load_timeout_s": 60.0,
+                                         "reason": "try b"})
+    assert r.status_code == 201, r.text
+    ro = r.json()
+    assert ro["kind"] == "model" and ro["model_version"] == dg["b"] and ro["baseline_version"] == dg["a"]
+    assert cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["c"]}).status_code == 409
+    canary = [x["node_id"] for x in ro["nodes"] if x["role"] == "canary"]
+    baseline = [x["node_id"] for x in ro["nodes"] if x["role"] == "baseline"]
+    assert len(canary) == 2 and len(baseline) == 2
+    for n in canary:
+        m = node[n].get(f"/nodes/{n}/directives").json()["model"]
+        assert (m["version"], m["rollout_id"]) == (dg["b"], ro["id"])
+        assert node[n].post(f"/nodes/{n}/model", json={"model_version": dg["b"], "status": "loaded"}).status_code == 200
+    for n in baseline:
+        assert node[n].get(f"/nodes/{n}/directives").json()["model"]["version"] == dg["a"]
+    wait_for(lambda: cp.admin.get(f"/rollouts/{ro['id']}").json()["state"] == "baking", timeout_s=30)
+    # the same latency on both sides; the canary ranks the next items far lower
+    for k in range(8):
+        for n in nodes:
+            mine = dg["b"] if n in canary else dg["a"]
+            q = 0.3 + 0.01 * k if n in canary else 0.8 + 0.01 * k
+            rep = report(k, p99_ms=10.0 + k % 3, slo_attainment=0.99, model_digest=mine, model_quality=q)
+            assert node[n].post(f"/nodes/{n}/reports", json={"reports": [rep]}).status_code == 200
+    done = wait_for(lambda: (lambda x: x if x["state"] == "rolled_back" else None)(
+        cp.admin.get(f"/rollouts/{ro['id']}").json()), timeout_s=30)
+    js = {j["metric"]: j for j in done["verdict"]["judgements"]}
+    assert js["model_quality"]["verdict"] == "fail" and js["p99_ms"]["verdict"] == "pass", js
+    assert [s["action"] for s in done["steps"]] == ["create", "bake", "rollback"]
+    for n in canary:  # back to the active model
+        assert node[n].get(f"/nodes/{n}/directives").json()["model"]["version"] == dg["a"]
+    assert cp.admin.get(f"/models/{dg['b']}").json()["status"] == "rolled_back"
+    assert ro["id"] not in [x["id"] for x in cp.admin.get("/rollouts").json()]  # policy rollouts only
+    assert ro["id"] in [x["id"] for x in cp.admin.get("/rollouts", params={"kind": "model"}).json()]
+    for n in nodes:
+        assert cp.admin.post(f"/nodes/{n}/retire", json={"reason": "done"}).status_code == 200
+
+
+# ---------------------------------------------------------------------------- real node agent
+def test_a_real_agent_loads_the_canary_model_confirms_and_rolls_back(env):
+    cp, tmp, trace_path, ck, dg = env
+    if cp.admin.get(f"/models/{dg['a']}").json()["status"] != "active":
+        pytest.skip("needs the registry test's uploads")
+    port = free_port()
+    log = tmp / "agent.log"
+    token = cp.token("node", "node-real", node_id="real")
+    proc = spawn(racer_cmd("node-agent", "--port", str(port), "--trace", "sequences", "--path", str(trace_path),
+                           *SMALL_AGENT_ARGS, "--model", str(ck["a"]), "--control-plane", cp.base, "--token", token,
+                           "--node-id", "real", "--state-dir", str(tmp / "real-state")), log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/healthz", proc, log=log)
+
+        def serving() -> str:
+            return httpx.get(f"{url}/v1/metrics", timeout=10).json()["node"]["model"]["digest"]
+
+        def node_model():
+            return cp.admin.get("/nodes/real").json().get("model_digest")
+
+        assert serving() == dg["a"]
+        wait_for(lambda: node_model() == dg["a"], timeout_s=30)  # confirmed the active model it serves
+        r = cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["c"], "canary_fraction": 1.0,
+                                             "bake_time_s": 600.0, "load_timeout_s": 60.0, "reason": "real c"})
+        assert r.status_code == 201, r.text
+        rid = r.json()["id"]
+        wait_for(lambda: node_model() == dg["c"], timeout_s=30)
+        assert serving() == dg["c"]
+        ro = cp.admin.get(f"/rollouts/{rid}").json()
+        assert [(n["node_id"], n["status"]) for n in ro["nodes"]] == [("real", "loaded")]
+        body = {"user_id": 3, "history": [1, 2, 3], "candidates": list(range(40)), "top_k": 40}
+        assert httpx.post(f"{url}/v1/recommend", json=body, timeout=10).status_code == 200
+        # its reports say which model served them
+        wait_for(lambda: any(x.get("model_digest") == dg["c"] for x in
+                             cp.admin.get("/reports", params={"node_id": "real"}).json()), timeout_s=30)
+        r = cp.admin.post(f"/rollouts/{rid}/rollback", json={"reason": "operator: back to a"})
+        assert r.status_code == 200 and r.json()["state"] == "rolled_back"
+        wait_for(lambda: node_model() == dg["a"], timeout_s=30)
+        assert serving() == dg["a"]
+        assert httpx.post(f"{url}/v1/recommend", json=body, timeout=10).status_code == 200
+        steps = [(s["action"], s["actor"]) for s in cp.admin.get(f"/rollouts/{rid}").json()["steps"]]
+        assert steps[0] == ("create", "admin") and steps[-1] == ("rollback", "admin"), steps
+        audit = cp.admin.get("/audit", params={"actor": "node:real", "limit": 1000}).json()["items"]
+        assert [e["after"]["model"] for e in audit if e["action"] == "model.loaded"][-2:] == [dg["c"], dg["a"]]
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_migration_0007_upgrades_and_downgrades(backend, tmp_path):
+    from alembic import command
+    from sqlalchemy import inspect
+
+    from db.engine import alembic_config, current_revision, make_engine, upgrade
+
+    d = Database(backend, tmp_path)
+    engine = make_engine(d.url)
+    try:
+        upgrade(engine, "0006")
+        assert "models" not in inspect(engine).get_table_names()
+        upgrade(engine, "0007")
+        assert "models" in inspect(engine).get_table_names()
+        cols = {c["name"]: c for c in inspect(engine).get_columns("rollouts")}
+        assert {"kind", "model_version"} <= set(cols) and cols["policy_version"]["nullable"]
+        assert {"model_digest", "model_quality"} <= {c["name"] for c in inspect(engine).get_columns("node_reports")}
+        cfg = alembic_config(engine)
+        with engine.connect() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0006")
+            conn.commit()
+        assert current_revision(engine) == "0006"
+        assert "models" not in inspect(engine).get_table_names()
+        assert "kind" not in {c["name"] for c in inspect(engine).get_columns("rollouts")}
+        upgrade(engine, "0007")
+        assert current_revision(engine) == "0007"
+    finally:
+        engine.dispose()
+        d.drop()
