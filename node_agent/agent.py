@@ -258,7 +258,9 @@ class NodeAgent:
     def swap_model(self, checkpoint) -> dict:
         """On the device worker: serve ``checkpoint`` from now on (`Engine.load_checkpoint`; a
         checkpoint it refuses leaves the current model serving) and forget the rankings of the old
-        model (the quality signal scores each model's own rankings)."""
+        model (the quality signal scores each model's own rankings). The control window is closed
+        first, so every window (and its report) was served by one model: the one named in it."""
+        self.control_step(self.clock())
         info = self.engine.load_checkpoint(checkpoint)
         self.quality.reset()
         self.info["model"] = info

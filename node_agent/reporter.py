@@ -392,7 +392,6 @@ class Reporter:
         self.policy_version: str | None = config_policy_version(pol)
         self._window_policy_version = self.policy_version
         self.status_.policy_version = self.policy_version
-        self._window_model_digest = self.model_digest
 
     @property
     def model_digest(self) -> str | None:
@@ -454,14 +453,13 @@ class Reporter:
             "kv_recompute_us_per_token": _finite_or_none(w.get("kv_recompute_us_per_token")),
             "emb_transfer_us_per_row": _finite_or_none(w.get("emb_transfer_us_per_row")),
             "policy_version": self._window_policy_version,
-            "model_digest": self._window_model_digest,
+            "model_digest": self.model_digest,  # one model per window: a swap closes the window first
         }
         quality = getattr(agent, "quality", None)
         if quality is not None:  # the worker thread calls this: the tracker is the worker's
             q, _ = quality.take_window()
             report["model_quality"] = _unit(q)
         self._window_policy_version = self.policy_version  # the next window runs this one
-        self._window_model_digest = self.model_digest
         d = out.get("decision")
         if d:
             feats = {k: float(v) for k, v in (d.get("features") or {}).items() if _finite_or_none(v) is not None}

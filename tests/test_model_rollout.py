@@ -143,7 +143,7 @@ def test_upload_list_download_activate_and_refusals(env):
 # ------------------------------------------------------------------------- judged model rollout
 def test_a_worse_model_is_rolled_back_on_quality_and_audited(env):
     cp, _, _, _, dg = env
-    if cp.admin.get(f"/models/{dg['a']}").json()["status"] != "active":
+    if cp.admin.get(f"/models/{dg['a']}").json().get("status") != "active":
         pytest.skip("needs the registry test's uploads")
     nodes = ["q1", "q2", "q3", "q4"]
     node = {n: cp.node(n) for n in nodes}
@@ -190,7 +190,7 @@ def test_a_worse_model_is_rolled_back_on_quality_and_audited(env):
 # ---------------------------------------------------------------------------- real node agent
 def test_a_real_agent_loads_the_canary_model_confirms_and_rolls_back(env):
     cp, tmp, trace_path, ck, dg = env
-    if cp.admin.get(f"/models/{dg['a']}").json()["status"] != "active":
+    if cp.admin.get(f"/models/{dg['a']}").json().get("status") != "active":
         pytest.skip("needs the registry test's uploads")
     port = free_port()
     log = tmp / "agent.log"
@@ -218,11 +218,16 @@ def test_a_real_agent_loads_the_canary_model_confirms_and_rolls_back(env):
         assert serving() == dg["c"]
         ro = cp.admin.get(f"/rollouts/{rid}").json()
         assert [(n["node_id"], n["status"]) for n in ro["nodes"]] == [("real", "loaded")]
-        body = {"user_id": 3, "history": [1, 2, 3], "candidates": list(range(40)), "top_k": 40}
+        body = {"user_id": 3, "history": [1, 2, 3], "candidates": list(range(20)), "top_k": 20}
         assert httpx.post(f"{url}/v1/recommend", json=body, timeout=10).status_code == 200
-        # its reports say which model served them
-        wait_for(lambda: any(x.get("model_digest") == dg["c"] for x in
-                             cp.admin.get("/reports", params={"node_id": "real"}).json()), timeout_s=30)
+        # the user's next request brings the item it went to: the agent scores its previous ranking
+        nxt = {"user_id": 3, "history": [1, 2, 3], "new_items": [7], "candidates": list(range(20)), "top_k": 20}
+        assert httpx.post(f"{url}/v1/recommend", json=nxt, timeout=10).status_code == 200
+        # its reports say which model served them, and the window's quality (0 < q <= 1)
+        got = wait_for(lambda: [x for x in cp.admin.get("/reports", params={"node_id": "real"}).json()
+                                if x.get("model_digest") == dg["c"] and x.get("model_quality") is not None],
+                       timeout_s=30)
+        assert 0.0 < got[0]["model_quality"] <= 1.0 and got[0]["num_requests"] >= 1
         r = cp.admin.post(f"/rollouts/{rid}/rollback", json={"reason": "operator: back to a"})
         assert r.status_code == 200 and r.json()["state"] == "rolled_back"
         wait_for(lambda: node_model() == dg["a"], timeout_s=30)
@@ -266,3 +271,57 @@ def test_migration_0007_upgrades_and_downgrades(backend, tmp_path):
     finally:
         engine.dispose()
         d.drop()
+
+
+def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says_why(env, tmp_path):
+    """In process: a Reporter on a real engine, the control plane mocked. A checkpoint of another
+    item count is refused by the loader (confirmed ``failed`` with the reason; the engine keeps its
+    model, and the same version is not retried); a fitting one is swapped in and confirmed."""
+    import hashlib
+
+    from node_agent.agent import NodeAgent
+    from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig
+    from node_agent.reporter import Reporter, ReporterConfig
+
+    _, _, trace_path, ck, dg = env
+    trace = load_sequences(trace_path)
+    engine = Engine(EngineConfig(model=TINY, num_items=trace.num_items, num_pages=64, page_tokens=4,
+                                 max_history_len=32, max_candidates=trace.num_items, default_num_candidates=16,
+                                 link=LinkEmulationConfig(mode="off"), device="cpu"))
+    agent = NodeAgent(engine)
+    tars = {dg[n]: ckpt_tar(ck[n]) for n in ("b", "small")}
+    confirmations, downloads = [], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/artifact"):
+            version = request.url.path.split("/")[-2]
+            downloads.append(version)
+            return httpx.Response(200, content=tars[version])
+        if request.url.path.endswith("/model"):
+            confirmations.append(json.loads(request.content))
+            return httpx.Response(200, json={})
+        return httpx.Response(404, json={"detail": "not mocked"})
+
+    rep = Reporter(agent, ReporterConfig(control_plane_url="http://cp", token="t", node_id="n",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)),
+                   transport=httpx.MockTransport(handler))
+    try:
+        assert rep.model_digest is None  # random weights
+        directive = {"version": dg["small"], "digest": hashlib.sha256(tars[dg["small"]]).hexdigest(),
+                     "download_url": f"/api/v1/models/{dg['small']}/artifact"}
+        rep.apply_model(directive)
+        assert confirmations[-1]["status"] == "failed" and confirmations[-1]["model_version"] == dg["small"]
+        assert "trained on 100 items" in confirmations[-1]["error"], confirmations[-1]
+        assert engine.model_info["kind"] == "random" and rep.model_digest is None
+        rep.apply_model(directive)  # the same refused version: not downloaded again
+        assert downloads == [dg["small"]] and len(confirmations) == 1
+        rep.apply_model({"version": dg["b"], "digest": hashlib.sha256(tars[dg["b"]]).hexdigest(),
+                         "download_url": f"/api/v1/models/{dg['b']}/artifact"})
+        assert confirmations[-1] == {"model_version": dg["b"], "status": "loaded", "error": None}
+        assert rep.model_digest == dg["b"] and agent.info["model"]["digest"] == dg["b"]
+        # a tampered download is refused by its digest before the loader sees it
+        rep.apply_model({"version": dg["a"], "digest": "0" * 64, "download_url": f"/api/v1/models/{dg['b']}/artifact"})
+        assert confirmations[-1]["status"] == "failed" and "digest mismatch" in confirmations[-1]["error"]
+        assert rep.model_digest == dg["b"]
+    finally:
+        rep.stop()
