@@ -167,6 +167,18 @@ def test_window_values_select_nodes_versions_and_windows_with_requests(db):
         v = queries.window_values(s, ["a"], since_s=0.0, until_s=100.0, policy_version="new")
         assert v == {"slo_attainment": [1.0], "p99_ms": [5.0], "model_quality": []}
 
+    # a model rollout's side: the windows served by one checkpoint, with their online quality
+    da, db_ = "a" * 64, "b" * 64
+    with factory.begin() as s:
+        assert len(queries.insert_reports(s, [
+            _row("a", 10, 20.0, model_digest=da, model_quality=0.75),
+            _row("a", 11, 21.0, model_digest=db_, model_quality=0.25),
+            _row("a", 12, 22.0, model_digest=da, model_quality=None)])) == 3
+    with factory() as s:
+        v = queries.window_values(s, ["a"], since_s=15.0, until_s=100.0, model_digest=da)
+        assert v == {"slo_attainment": [1.0, 1.0], "p99_ms": [2.0, 2.0], "model_quality": [0.75]}
+        assert queries.window_values(s, ["a"], since_s=15.0, until_s=100.0, model_digest=db_)["model_quality"] == [0.25]
+
 
 def test_postgres_urls_use_psycopg3():
     assert normalize_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
