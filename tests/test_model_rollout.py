@@ -6,6 +6,7 @@ it, and serves its old model again after a rollback."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -30,12 +31,12 @@ from .test_model_train import TINY, write_sequential_trace
 CKPT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
 
 
-def make_checkpoint(out, trace, seed: int, num_items: int | None = None) -> str:
+def make_checkpoint(out, trace, seed: int, num_items: int | None = None, cfg=TINY) -> str:
     """A checkpoint of random weights (seeded) for ``trace``'s items; returns its digest."""
     torch.manual_seed(seed)
-    model = HSTUModel(TINY)
+    model = HSTUModel(cfg)
     keys = list(trace.item_keys)[:num_items] if num_items else list(trace.item_keys)
-    table = torch.randn(len(keys), TINY.embedding_dim)
+    table = torch.randn(len(keys), cfg.embedding_dim)
     return save_checkpoint(out, model, table, keys, trace={"path": "walks"})["digest"]
 
 
@@ -57,9 +58,10 @@ def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mro")
     trace_path = write_sequential_trace(tmp / "walks.txt")
     trace = load_sequences(trace_path)
-    ck = {name: tmp / name for name in ("a", "b", "c", "small")}
+    ck = {name: tmp / name for name in ("a", "b", "c", "small", "wide")}
     digests = {n: make_checkpoint(ck[n], trace, seed) for n, seed in (("a", 1), ("b", 2), ("c", 3))}
     digests["small"] = make_checkpoint(ck["small"], trace, 4, num_items=100)
+    digests["wide"] = make_checkpoint(ck["wide"], trace, 5, cfg=dataclasses.replace(TINY, embedding_dim=24))
     d = Database("sqlite", tmp)
     cp = ControlPlane(d.url, tmp / "cp.log", env={"RACER_LIVENESS_MISSED_INTERVALS": "600"})
     yield cp, tmp, trace_path, ck, digests
@@ -134,6 +136,8 @@ def test_upload_list_download_activate_and_refusals(env):
     # with an active model, a checkpoint of another item count is refused (nodes could not load it)
     r = cp.admin.post("/models", content=ckpt_tar(ck["small"]))
     assert r.status_code == 422 and "trained on 100 items" in r.text, r.text
+    r = cp.admin.post("/models", content=ckpt_tar(ck["wide"]))  # the same items, another shape
+    assert r.status_code == 422 and "model config differs" in r.text, r.text
     for n in ("b", "c"):
         assert cp.admin.post("/models", content=ckpt_tar(ck[n])).status_code == 201
     audit = [e["action"] for e in cp.admin.get("/audit", params={"limit": 1000}).json()["items"]]

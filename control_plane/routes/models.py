@@ -21,7 +21,6 @@ from db import queries
 from db.models import ModelVersion
 
 from .. import rollout_service
-from ..rollout_service import Conflict
 from ..schemas import ModelOut, ReasonIn
 from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, invalid, now_s, principal, roles, session
 from .policies import pack_artifact, unpack_artifact
@@ -60,31 +59,28 @@ def verify_checkpoint(files: dict[str, bytes], active_manifest: dict | None) -> 
                              f"on {a.get('num_items')}: train it on the trace the fleet serves")
         if a.get("item_keys_sha256") != m.get("item_keys_sha256"):
             raise ValueError("its item-id mapping differs from the active model's (another trace or item order)")
-        ca, cm = _config(a, files_cfg=None), _config(m, files_cfg=files.get("config.json"))
+        ca, cm = a.get("model_config"), _config(files.get("config.json"))
         if ca is not None and cm is not None and ca != cm:
             raise ValueError(f"its model config differs from the active model's ({cm} vs {ca}): the nodes' memory "
                              "layout holds the active one")
     return m
 
 
-def _config(manifest: dict, files_cfg: bytes | None) -> dict | None:
+def _config(raw: bytes | None) -> dict | None:
     import json
 
-    if files_cfg is not None:
-        try:
-            return json.loads(files_cfg)
-        except ValueError:
-            return None
-    return manifest.get("_config")
+    try:
+        return json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
 
 
 router = APIRouter()
 
 
 def _model_out(m: ModelVersion) -> ModelOut:
-    man = {k: v for k, v in m.manifest.items() if k != "_config"}
     return ModelOut(version=m.version, digest=m.digest, status=m.status, uploaded_by=m.uploaded_by,
-                    uploaded_at_s=m.uploaded_at_s, manifest=man, size_bytes=len(m.artifact))
+                    uploaded_at_s=m.uploaded_at_s, manifest=m.manifest, size_bytes=len(m.artifact))
 
 
 def _active_manifest(request: Request) -> dict | None:
@@ -132,7 +128,7 @@ async def upload_model(request: Request, p: principal(OPERATOR)):
         manifest = await anyio.to_thread.run_sync(verify_checkpoint, files, active)
     except ValueError as e:
         raise invalid(["body"], f"model checkpoint refused: {e}") from None
-    manifest["_config"] = json.loads(files["config.json"])
+    manifest["model_config"] = json.loads(files["config.json"])  # what a later upload must match
     packed = pack_artifact(files)
     digest = hashlib.sha256(packed).hexdigest()
     out, created = await anyio.to_thread.run_sync(functools.partial(
@@ -170,5 +166,3 @@ def activate_model(version: str, body: ReasonIn, request: Request, p: principal(
         return _model_out(rollout_service.activate(s, version, actor=p.name, reason=body.reason,
                                                    now_s=now_s(request), kind="model"))
 
-
-__all__ = ["router", "unpack_checkpoint", "verify_checkpoint", "Conflict"]
