@@ -355,3 +355,35 @@ def test_virtual_time_rollouts_end_as_expected():
     assert status.state is RolloutState.PROMOTED
     status, steps = run_virtual_rollout(lambda: None, lambda: None, cfg)
     assert status.state is RolloutState.PAUSED and "too few windows" in status.reason
+
+
+def test_a_model_rollout_is_also_judged_on_model_quality():
+    """MODEL_METRICS adds model_quality (higher is better) to the two latency metrics, each tested
+    at alpha / 3; a policy rollout (METRICS) never looks at it, even when it has no windows."""
+    from control_plane.rollout import METRICS, MODEL_METRICS
+
+    rng = np.random.default_rng(0)
+    lat = dict(slo_attainment=list(rng.uniform(0.98, 1.0, 20)), p99_ms=list(rng.uniform(9.0, 11.0, 20)))
+    good = WindowSamples(**lat, model_quality=list(rng.uniform(0.78, 0.82, 20)))
+    worse = WindowSamples(**lat, model_quality=list(rng.uniform(0.58, 0.62, 20)))
+    slightly = WindowSamples(**lat, model_quality=list(rng.uniform(0.77, 0.81, 20)))
+    cfg = RolloutConfig(bake_time_s=10.0, min_samples=5)
+
+    def run(canary, metrics):
+        stats = RolloutStats(state=RolloutState.BAKING, started_at_s=0.0, canary=canary, baseline=good,
+                             canary_nodes={"c": NodeLoad.LOADED}, bake_started_at_s=0.0, metrics=metrics)
+        return evaluate_rollout(stats, 20.0, cfg)
+
+    a = run(worse, MODEL_METRICS)
+    js = {j.metric: j for j in a.judgements}
+    assert a.action is Action.ROLLBACK and a.verdict is Verdict.FAIL
+    assert js["model_quality"].verdict is Verdict.FAIL and js["p99_ms"].verdict is Verdict.PASS
+    assert js["model_quality"].change == pytest.approx(0.2, abs=0.01) and "model quality" in a.reason
+    # significant but within the guardrail (a drop of ~0.01 < 0.02): passes
+    assert run(slightly, MODEL_METRICS).action is Action.PROMOTE
+    # a policy rollout: model_quality is not judged (empty here) and the verdict rests on latency
+    b = run(WindowSamples(**lat), METRICS)
+    assert b.action is Action.PROMOTE and [j.metric for j in b.judgements] == list(METRICS)
+    # a model rollout without quality windows is inconclusive, never a pass
+    c = run(WindowSamples(**lat), MODEL_METRICS)
+    assert c.action is Action.PAUSE and c.verdict is Verdict.INCONCLUSIVE
