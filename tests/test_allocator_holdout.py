@@ -78,5 +78,9 @@ def test_racer_reaches_the_oracles_share_on_a_constructed_trace(family):
     if float(np.mean(base_dist[WITHIN_INTERVALS:])) > 0.1:
         assert np.mean(dist[WITHIN_INTERVALS:]) < np.mean(base_dist[WITHIN_INTERVALS:])
         assert racer.summary()["p99_ms"] < ppo.summary()["p99_ms"]
-    if family == "kv-heavy":  # by construction the base alone misses here: the comparison must run
-        assert float(np.mean(base_dist[WITHIN_INTERVALS:])) > 0.1, base.round(3)
+    if family == "kv-heavy":
+        # by construction the base alone is slower here than the oracle's splits (over the whole
+        # run: with the load-aware router most single windows cannot tell the shares apart, so
+        # the bands alone no longer show it), and racer must recover that
+        assert ppo.summary()["p99_ms"] > 1.02 * oracle.summary()["p99_ms"], (ppo.summary(), oracle.summary())
+        assert racer.summary()["p99_ms"] < ppo.summary()["p99_ms"]
