@@ -1,7 +1,9 @@
 """The README's first command, seen in a real browser: `racer up` on a fresh data folder, then the
 dashboard in headless Chromium (Playwright, Debian's /usr/bin/chromium) signed in with the
 operator token `racer up` printed. It must show live EMB/KV splits of the four nodes, burst
-periods and SLO attainment. The seconds from the command to each of them are printed and saved
+periods and SLO attainment, what clients see beside the nodes' own; then an operator uploads a
+policy, activates it, rolls out the candidate `racer up` registered and rolls it back, and opens
+one decision's drill-down; any console error fails it. The seconds from the command to each of them are printed and saved
 with the screenshots under the test's temporary folder (``up-shots/``): a figure, not an assert
 (the machine is shared); the assert allows 240 s.
 
@@ -97,6 +99,9 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            console: list[str] = []  # any console error, from before the sign-in on, fails the test
+            page.on("console", lambda m: console.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: console.append(f"page error: {e}"))
             page.goto(dash_url)
             page.fill("#login-token", token)
             page.click("#btn-login")
@@ -144,7 +149,10 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
             page.click("text=Overview")
             time.sleep(3)
             page.screenshot(path=str(shots / "overview_with_burst.png"), full_page=True)
+            _policy_path_and_a_drill_down(page, tmp_path / "up.err", token, shots)
+            mark("policy_rolled_back_s")
             browser.close()
+            assert not console, "\n".join(console)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -159,6 +167,66 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
     assert {n: p["exit_code"] for n, p in rep["processes"].items()} == {n: 0 for n in rep["processes"]}
     for f in ("overview.png", "split.png", "bursts.png"):
         assert (shots / f).stat().st_size > 10_000
+
+
+def _policy_path_and_a_drill_down(page, up_err: Path, token: str, shots: Path) -> None:
+    """On the system `racer up` made: upload the shipped policy's files under a new id, activate
+    it, roll out the candidate `racer up` registered, roll it back (the panel says rolled_back
+    at once, every rollout action disabled), then open one decision's drill-down."""
+    import secrets
+
+    import httpx
+
+    from .test_dashboard_browser import POLICY_DIR, ROLLOUT_BUTTONS, choose, click_tab, wait_disabled, wait_text
+
+    cp = next(line.split()[4] for line in up_err.read_text().splitlines()
+              if line.startswith("racer up: control plane http"))
+    auth = {"Authorization": f"Bearer {token}"}
+    click_tab(page, "Policies")
+    version = "up-" + secrets.token_hex(3)
+    manifest = json.loads((POLICY_DIR / "manifest.json").read_text())
+    manifest["policy_id"] = version
+    page.set_input_files("#pol-upload input[type=file]", files=[
+        {"name": "manifest.json", "mimeType": "application/json", "buffer": json.dumps(manifest).encode()},
+        {"name": "policy.onnx", "mimeType": "application/octet-stream",
+         "buffer": (POLICY_DIR / "policy.onnx").read_bytes()},
+        {"name": "golden.npz", "mimeType": "application/octet-stream",
+         "buffer": (POLICY_DIR / "golden.npz").read_bytes()}])
+    wait_text(page, "pol-upload-result", f"policy {version} registered", timeout_s=60)
+    wait_text(page, "grid-policies", version)
+    page.locator("#grid-policies .ag-row", has_text=version).first.click()
+    page.fill("#pol-reason", "racer up browser test")
+    page.click("#btn-pol-activate")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    page.click("#btn-confirm")
+    wait_text(page, "action-result", f"policy {version} is active")
+    pols = httpx.get(f"{cp}/api/v1/policies", headers=auth, timeout=30).json()
+    items = pols["items"] if isinstance(pols, dict) else pols
+    candidate = next(p["version"] for p in items if p["version"] != version and p["status"] != "active")
+    choose(page, "ro-policy", candidate)
+    page.fill("#ro-fraction", "0.5")
+    page.fill("#ro-bake", "600")
+    page.fill("#ro-reason", "racer up browser test: a rollout")
+    page.click("#btn-ro-start")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    page.click("#btn-confirm")
+    wait_text(page, "action-result", "started")
+    wait_disabled(page, ("#btn-ro-rollback",), disabled=False)
+    page.click("#btn-ro-rollback")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    page.click("#btn-confirm")
+    wait_text(page, "ro-state", "rolled_back", timeout_s=10)
+    wait_disabled(page, ROLLOUT_BUTTONS, timeout_s=10)
+    page.screenshot(path=str(shots / "policies_rolled_back.png"), full_page=True)
+    click_tab(page, "Decisions & routing")
+    wait_text(page, "grid-decisions", "base policy", timeout_s=60)
+    page.locator("#grid-decisions .ag-row [col-id=reason]").first.click()
+    page.wait_for_selector("#dec-modal .modal-body", state="visible")
+    body = page.inner_text("#dec-modal")
+    for section in ("Reason", "Decision", "Layers (in order)", "Context at that moment", "Features the policy saw"):
+        assert section in body, body[:2000]
+    page.screenshot(path=str(shots / "decision_drill_down.png"), full_page=True)
+    page.keyboard.press("Escape")
 
 
 def _wait(pred, t0: float, limit_s: float, what: str) -> None:
