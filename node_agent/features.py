@@ -49,8 +49,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-SCHEMA_VERSION = 3  # 3: + six features normalised by cost profile and arena; 2: load is the busy fraction,
-# p99/percentiles over completed requests, one producer (node_agent.control)
+SCHEMA_VERSION = 3  # the feature contract's version (docs/allocator.md, "Feature contract")
 SCHEMA_PREFIX = {2: 16}  # an older schema whose features are this schema's first N, unchanged
 
 # normalisation references (part of the schema)

@@ -51,9 +51,9 @@ class OperatingPointTuner:
       pool). The marginal utilities are priced at the node's own profiled miss costs and counted
       per 10% of its own arena, so the gradient is dimensionless: the same number means the same
       thing on any node, model or arena size (nothing to re-tune per setting);
-    - the estimate: one interval's ghost counts are a noisy reading (on the 32-node Taobao trend
-      at load 0.9 a node's readings scatter by ~0.01 around a mean of ~0.003, and a 0.1 step on
-      such noise at saturation sends nodes apart across the whole range), so the tuner steps on
+    - the estimate: one interval's ghost counts are a noisy reading (near saturation a node's
+      readings can scatter by several times their mean, and a full step on such noise sends
+      nodes apart across the whole range; docs/results.md), so the tuner steps on
       ``mean``, an EWMA of the readings (weight ``smoothing``), less ``confidence`` standard
       errors of it: ``estimate = sign(mean) * max(0, |mean| - confidence * se)``, with
       ``se = noise * sqrt(smoothing / (2 - smoothing))`` (the spread of an EWMA of independent
