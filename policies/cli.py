@@ -96,14 +96,10 @@ def cmd_policy_push(args) -> int:
     """Register an artifact with the control plane (``POST /api/v1/policies``, where the node
     agent's loader checks it), and activate it with ``--activate``. Exit status 1 when the control
     plane refuses it (its reason on stderr), 2 for a bad directory or option."""
-    import io
     import os
-    import sys
-    import tarfile
     from pathlib import Path
-    from urllib.parse import quote
 
-    import httpx
+    from node_agent.registry_client import push, tar_files
 
     src = Path(args.artifact)
     if not src.is_dir():
@@ -114,42 +110,10 @@ def cmd_policy_push(args) -> int:
     token = args.token or os.environ.get("RACER_TOKEN")
     if not token:
         raise ValueError("a token is needed: --token T or RACER_TOKEN (an operator token)")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in PUSH_FILES:
-            data = (src / name).read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    base = args.control_plane.rstrip("/") + "/api/v1"
-    headers = {"Authorization": f"Bearer {token}"}
-
-    def fail(what: str, r: httpx.Response) -> int:
-        try:
-            detail = r.json().get("detail", r.text)
-        except ValueError:
-            detail = r.text
-        if isinstance(detail, list):
-            detail = "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail)
-        print(f"racer policy push: {what} refused (HTTP {r.status_code}): {detail}", file=sys.stderr)
-        return 1
-
-    try:
-        r = httpx.post(f"{base}/policies", content=buf.getvalue(), timeout=args.timeout_s,
-                       headers={**headers, "Content-Type": "application/x-tar"})
-        if r.status_code >= 400:
-            return fail("upload", r)
-        pol = r.json()
-        out = {"version": pol["version"], "digest": pol["digest"], "status": pol["status"],
-               "created": r.status_code == 201}
-        if args.activate:
-            r = httpx.post(f"{base}/policies/{quote(pol['version'], safe='')}/activate", timeout=args.timeout_s,
-                           headers=headers, json={"reason": args.reason})
-            if r.status_code >= 400:
-                return fail("activation", r)
-            out["status"] = r.json()["status"]
-    except httpx.HTTPError as e:
-        raise ValueError(f"control plane at {args.control_plane} unreachable: {type(e).__name__}: {e}") from None
+    rc, out = push("policies", tar_files(src, PUSH_FILES), control_plane=args.control_plane, token=token,
+                   activate=args.activate, reason=args.reason, timeout_s=args.timeout_s, prog="racer policy push")
+    if rc:
+        return rc
     if args.json:
         print(json.dumps(out))
     else:

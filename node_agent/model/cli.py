@@ -147,13 +147,11 @@ def cmd_model_push(args) -> int:
     where the checkpoint loader verifies it) and activate it with ``--activate``. The checkpoint is
     verified here first. Exit status 1 when the control plane refuses it (its reason on stderr), 2
     for a bad directory or option."""
-    import io
     import os
     import sys
-    import tarfile
     from pathlib import Path
 
-    import httpx
+    from node_agent.registry_client import push, tar_files
 
     from .checkpoint import load_checkpoint
 
@@ -162,43 +160,11 @@ def cmd_model_push(args) -> int:
     token = args.token or os.environ.get("RACER_TOKEN")
     if not token:
         raise ValueError("a token is needed: --token T or RACER_TOKEN (an operator token)")
-    names = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in names:
-            if (src / name).is_file():
-                data = (src / name).read_bytes()
-                info = tarfile.TarInfo(name)
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
-    base = args.control_plane.rstrip("/") + "/api/v1"
-    headers = {"Authorization": f"Bearer {token}"}
-
-    def fail(what: str, r) -> int:
-        try:
-            detail = r.json().get("detail", r.text)
-        except ValueError:
-            detail = r.text
-        if isinstance(detail, list):
-            detail = "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail)
-        print(f"racer model push: {what} refused (HTTP {r.status_code}): {detail}", file=sys.stderr)
-        return 1
-
-    try:
-        r = httpx.post(f"{base}/models", content=buf.getvalue(), timeout=args.timeout_s,
-                       headers={**headers, "Content-Type": "application/x-tar"})
-        if r.status_code >= 400:
-            return fail("upload", r)
-        m = r.json()
-        out = {"version": m["version"], "digest": m["digest"], "status": m["status"], "created": r.status_code == 201}
-        if args.activate:
-            r = httpx.post(f"{base}/models/{m['version']}/activate", timeout=args.timeout_s, headers=headers,
-                           json={"reason": args.reason})
-            if r.status_code >= 400:
-                return fail("activation", r)
-            out["status"] = r.json()["status"]
-    except httpx.HTTPError as e:
-        raise ValueError(f"control plane at {args.control_plane} unreachable: {type(e).__name__}: {e}") from None
+    body = tar_files(src, ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json"))
+    rc, out = push("models", body, control_plane=args.control_plane, token=token, activate=args.activate,
+                   reason=args.reason, timeout_s=args.timeout_s, prog="racer model push")
+    if rc:
+        return rc
     if out["version"] != ck.digest:
         print(f"racer model push: the control plane registered {out['version']}, not {ck.digest}", file=sys.stderr)
         return 1

@@ -1,0 +1,62 @@
+"""Pushing an artifact to the control plane's registry over HTTP (`racer policy push`, `racer
+model push`): the files as one tar, ``POST /api/v1/<kind>``, then, when asked, the activation."""
+
+from __future__ import annotations
+
+import io
+import sys
+import tarfile
+from pathlib import Path
+from urllib.parse import quote
+
+
+def tar_files(src: Path, names) -> bytes:
+    """The named files of ``src`` that exist, as an uncompressed tar (mode 0644, USTAR)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in names:
+            if (src / name).is_file():
+                data = (src / name).read_bytes()
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def push(kind: str, body: bytes, *, control_plane: str, token: str, activate: bool, reason: str,
+         timeout_s: float, prog: str) -> tuple[int, dict | None]:
+    """Upload ``body`` (a tar) to ``/api/v1/<kind>`` (``policies`` or ``models``) and activate the
+    version with ``activate``. Returns ``(0, {version, digest, status, created})`` or ``(1, None)``
+    when the control plane refused it (its reason printed on stderr as ``prog: ...``); raises
+    ValueError when it cannot be reached."""
+    import httpx
+
+    base = control_plane.rstrip("/") + "/api/v1"
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def fail(what: str, r) -> tuple[int, None]:
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        if isinstance(detail, list):
+            detail = "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail)
+        print(f"{prog}: {what} refused (HTTP {r.status_code}): {detail}", file=sys.stderr)
+        return 1, None
+
+    try:
+        r = httpx.post(f"{base}/{kind}", content=body, timeout=timeout_s,
+                       headers={**headers, "Content-Type": "application/x-tar"})
+        if r.status_code >= 400:
+            return fail("upload", r)
+        m = r.json()
+        out = {"version": m["version"], "digest": m["digest"], "status": m["status"], "created": r.status_code == 201}
+        if activate:
+            r = httpx.post(f"{base}/{kind}/{quote(m['version'], safe='')}/activate", timeout=timeout_s,
+                           headers=headers, json={"reason": reason})
+            if r.status_code >= 400:
+                return fail("activation", r)
+            out["status"] = r.json()["status"]
+    except httpx.HTTPError as e:
+        raise ValueError(f"control plane at {control_plane} unreachable: {type(e).__name__}: {e}") from None
+    return 0, out
