@@ -8,6 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS, MAX_DETAIL_TEXT_CHARS,
+                                        MAX_PROPOSAL_ABS)
+
 from .weights import MAX_EMB_TRANSFER_US_PER_ROW, MAX_KV_RECOMPUTE_US_PER_TOKEN, MAX_QUEUE_CAPACITY, MAX_SERVICE_TIME_US
 
 ROLES = ("node", "operator", "viewer", "router")
@@ -111,18 +114,18 @@ class RegisterOut(Out):
 
 
 # one figure of an allocator layer's detail: a name, a flag, a finite number or nothing
-DetailValue = Annotated[str, Field(max_length=500)] | bool | Finite | None
+DetailValue = Annotated[str, Field(max_length=MAX_DETAIL_TEXT_CHARS)] | bool | Finite | None
 
 
 class LayerIn(In):
     """One allocator layer's part in a decision (`node_agent.allocator.LayerTrace`): the layer,
     the proposal it handed on (before the guards it may lie outside [0, 1]), whether it set the
     decision's source, and its inputs and figures by name."""
-    layer: Literal["base", "residual", "recovery", "override", "guard"]
-    proposal: Annotated[float, Field(ge=-10, le=10, allow_inf_nan=False)] | None = None
+    layer: Literal[LAYERS]
+    proposal: Annotated[float, Field(ge=-MAX_PROPOSAL_ABS, le=MAX_PROPOSAL_ABS, allow_inf_nan=False)] | None = None
     acted: bool = False
-    detail: Annotated[dict[Annotated[str, Field(max_length=64)], DetailValue], Field(max_length=16)] = \
-        Field(default_factory=dict)
+    detail: Annotated[dict[Annotated[str, Field(max_length=MAX_DETAIL_NAME_CHARS)], DetailValue],
+                      Field(max_length=MAX_DETAIL_FIGURES)] = Field(default_factory=dict)
 
 
 class DecisionIn(In):
@@ -132,7 +135,7 @@ class DecisionIn(In):
     prev_emb_share: Unit | None = None
     features: Annotated[dict[Annotated[str, Field(max_length=64)], Finite], Field(max_length=64)] = \
         Field(default_factory=dict)
-    layers: Annotated[list[LayerIn], Field(max_length=5)] = Field(default_factory=list)
+    layers: Annotated[list[LayerIn], Field(max_length=len(LAYERS))] = Field(default_factory=list)
 
 
 class BurstIn(In):

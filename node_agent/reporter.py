@@ -59,6 +59,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urljoin
 
+from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS, MAX_DETAIL_TEXT_CHARS,
+                                        MAX_PROPOSAL_ABS)
+
 log = logging.getLogger("racer.node_agent.reporter")
 
 API = "/api/v1"
@@ -315,19 +318,21 @@ def _detail_value(v):
     if v is None or isinstance(v, bool):
         return v
     if isinstance(v, str):
-        return v[:500]
+        return v[:MAX_DETAIL_TEXT_CHARS]
     return _finite_or_none(v)
 
 
 def _layers(layers) -> list[dict]:
     """The decision's layer traces (`AllocatorDecision.to_dict()["layers"]`), bounded as the
-    control plane accepts them: at most 5 layers of 16 figures each, names of 64 characters."""
+    control plane accepts them (`node_agent.allocator.trace`'s limits)."""
     out = []
-    for t in (layers or [])[:5]:
+    for t in (layers or [])[:len(LAYERS)]:
         p = _finite_or_none(t.get("proposal"))
-        out.append({"layer": t["layer"], "proposal": None if p is None else min(10.0, max(-10.0, p)),
+        out.append({"layer": t["layer"],
+                    "proposal": None if p is None else min(MAX_PROPOSAL_ABS, max(-MAX_PROPOSAL_ABS, p)),
                     "acted": bool(t.get("acted")),
-                    "detail": {str(k)[:64]: _detail_value(v) for k, v in list((t.get("detail") or {}).items())[:16]}})
+                    "detail": {str(k)[:MAX_DETAIL_NAME_CHARS]: _detail_value(v)
+                               for k, v in list((t.get("detail") or {}).items())[:MAX_DETAIL_FIGURES]}})
     return out
 
 

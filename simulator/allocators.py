@@ -164,9 +164,6 @@ class ScheduleAllocator(Allocator):
         w = int(now_s / self.interval_s + 1e-9)
         return min(max(w, 0), len(self.shares) - 1)
 
-    def share_at(self, now_s: float) -> float:
-        return self.shares[self.window_at(now_s)]
-
 
 class HeuristicAllocator(Allocator):
     """Move toward the cache whose misses cost more time in the last interval.

@@ -15,6 +15,14 @@ from dataclasses import dataclass
 
 LAYERS = ("base", "residual", "recovery", "override", "guard")
 
+# what a decision's traces may carry off the node: the reporter bounds them so
+# (`node_agent.reporter`), the control plane refuses more (`control_plane.schemas.LayerIn`); at most
+# one trace per layer
+MAX_DETAIL_FIGURES = 16
+MAX_DETAIL_NAME_CHARS = 64
+MAX_DETAIL_TEXT_CHARS = 500
+MAX_PROPOSAL_ABS = 10.0  # before the guards a proposal may lie outside [0, 1]
+
 # each layer's detail, by name, in the order of `LayerTrace.values` (documented at each layer's function)
 DETAIL_FIELDS = {
     "base": ("policy_id", "output", "hold_reason"),
