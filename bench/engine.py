@@ -25,7 +25,7 @@ prefill) are timed 50 times each: ``keepalive_p50_ms`` over one kept-alive conne
 client is made outside the timed part); the two alternate request by request, so they share the
 machine's noise. The agent runs on asyncio's own event loop (uvloop blocked), the setup in which
 the missing TCP_NODELAY cost ~44 ms (uvloop sets TCP_NODELAY itself). Keep-alive should cost at most a fresh connection;
-before ``node_agent.server`` set TCP_NODELAY it cost ~44 ms more (Nagle's algorithm meeting
+before ``common.http_server`` set TCP_NODELAY it cost ~44 ms more (Nagle's algorithm meeting
 the client's delayed ACK).
 """
 
@@ -134,7 +134,7 @@ def bench_http(n: int = 50, device: str = "auto") -> dict:
         repo = Path(__file__).resolve().parent.parent
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
         # asyncio's own event loop (uvloop blocked): the setup of the issue; uvloop would set
-        # TCP_NODELAY by itself and hide a regression of node_agent.server
+        # TCP_NODELAY by itself and hide a regression of common.http_server
         boot = "import sys; sys.modules['uvloop'] = None; from racer.cli import main; sys.exit(main(sys.argv[1:]))"
         proc = subprocess.Popen([sys.executable, "-c", boot, "node-agent", "--port", str(port), "--trace", "taobao",
                                  "--path", str(csv), "--num-pages", "512", "--max-history-len", "512",

@@ -48,7 +48,7 @@ import httpx
 import numpy as np
 
 from control_plane.upstream import UpstreamError, UpstreamPool
-from node_agent.server import tune_runtime
+from common.http_server import tune_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 

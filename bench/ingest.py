@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from node_agent.server import tune_runtime
+from common.http_server import tune_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 

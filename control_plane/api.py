@@ -26,7 +26,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
 from db.engine import make_engine, session_factory, upgrade
-from node_agent.server import AllowedMethods, finite_validation_errors
+from common.http_server import AllowedMethods, finite_validation_errors
 
 from .auth import TokenCache, ensure_admin_token
 from .cp_metrics import ControlPlaneMetrics

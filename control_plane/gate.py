@@ -17,7 +17,7 @@ of the routes; for each HTTP request it:
    carry ``Connection: close`` when a body was announced: the body is never read (503 when the
    token cannot be looked up: the database is unreachable);
 3. caps the body (`body_caps`): a Content-Length over the cap gets 413 before reading, a chunked
-   body 413 as soon as the bytes received pass it (`node_agent.server.read_body`, the same
+   body 413 as soon as the bytes received pass it (`common.http_server.read_body`, the same
    reader the node agent and the gateway use);
 4. hands the route the body it read and the principal it checked (``request.state``).
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 
-from node_agent.server import BodyTooLarge, may_have_body, read_body, replay_body, send_json
+from common.http_server import BodyTooLarge, may_have_body, read_body, replay_body, send_json
 
 from .auth import MISSING_TOKEN, PRINCIPAL_STATE, UNKNOWN_TOKEN, bearer_secret, node_route_refusal, role_refusal
 from .settings import Settings

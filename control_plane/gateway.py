@@ -22,7 +22,7 @@ it back after ``health_successes`` successes. A request that meets a connection 
 or a 5xx is retried once on the next-best node; 4xx answers pass through unchanged. A request
 body over ``max_body_bytes`` (default 4 MiB, the node agent's own default) gets the gateway's
 own 413 before it is parsed or forwarded (bytes counted as they arrive, so chunked bodies too;
-`node_agent.server.read_body`).
+`common.http_server.read_body`).
 
 With ``--control-plane`` the gateway also reports what its clients see every
 ``client_report_interval_s`` (`control_plane.client_view`: end-to-end P50/P99, SLO attainment,
@@ -57,7 +57,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from node_agent.server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnly, finite_validation_errors,
+from common.http_server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnly, finite_validation_errors,
                                json_content_type, may_have_body, read_body, send_json, unsupported_media_type)
 
 from .client_view import PHASE_HEADER, ClientView, clean_phase, node_total_us
@@ -970,7 +970,7 @@ def _node_list(text: str) -> list[tuple[str, str]]:
 
 
 def cmd_gateway(args) -> int:
-    from node_agent.server import serve_forever  # TCP_NODELAY on accepted connections
+    from common.http_server import serve_forever  # TCP_NODELAY on accepted connections
 
     if bool(args.nodes) == bool(args.control_plane):
         raise ValueError("give exactly one of --nodes and --control-plane")

@@ -10,32 +10,12 @@ from .settings import Settings
 
 
 def serve(settings: Settings, *, log_level: str = "warning") -> None:
+    from common.http_server import serve_forever  # the shared TCP_NODELAY-correct helper
+
     from .api import asgi_app
 
     app = asgi_app(settings)
-    try:
-        from node_agent.server import serve_forever  # the shared TCP_NODELAY-correct helper
-    except ImportError:
-        serve_forever = None
-    if serve_forever is not None:
-        serve_forever(app, host=settings.host, port=settings.port, log_level=log_level)
-        return
-    # until node_agent.server is merged: the same socket set-up (proto IPPROTO_TCP, so asyncio sets
-    # TCP_NODELAY on accepted connections and a response's head and body are not held by Nagle)
-    import socket
-
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                            proxy_headers=False, backlog=4096)
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
+    serve_forever(app, host=settings.host, port=settings.port, log_level=log_level)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

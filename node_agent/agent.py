@@ -50,14 +50,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from common.http_server import AllowedMethods, BodyLimit, JsonOnly, json_safe  # shared with the gateway and control plane
+
 from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
 from .engine import Engine, RecRequest, RecResponse, RequestError
 from .metrics import MetricsConfig, RollingMetrics
 from .model.quality import NextItemQuality
 from .residency_feed import ResidencyFeed
-from .server import AllowedMethods, BodyLimit, JsonOnly  # shared with the gateway (node_agent.server)
-from .server import json_safe  # noqa: F401 - re-exported for callers
-from .server import serve_forever  # noqa: F401 - re-exported: the one HTTP server (node_agent.server)
 
 log = logging.getLogger("racer.node_agent")
 

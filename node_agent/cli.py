@@ -225,7 +225,7 @@ def reporter_config(args, host: str, port: int):
 
 def cmd_node_agent(args) -> int:
     from .agent import create_app
-    from .server import serve_forever
+    from common.http_server import serve_forever
 
     def announce(msg: str) -> None:
         print(f"racer node-agent: {msg}", flush=True)

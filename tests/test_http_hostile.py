@@ -166,7 +166,7 @@ def test_booleans_are_not_numbers_and_times_and_sizes_are_bounded(servers, which
 
 
 def test_timeouts_from_the_environment_are_checked():
-    from node_agent.server import HttpTimeouts
+    from common.http_server import HttpTimeouts
 
     assert HttpTimeouts.from_env({}) == HttpTimeouts(10.0, 30.0, 5.0)
     assert HttpTimeouts.from_env({"RACER_HTTP_HEADER_TIMEOUT_S": "2.5"}).header_timeout_s == 2.5
@@ -180,6 +180,6 @@ def test_timeouts_from_the_environment_are_checked():
                                      (b"application/problem+json", True), (b"text/plain", False),
                                      (b"application/x-www-form-urlencoded", False), (b"application/jsonx", False)])
 def test_json_content_type(kind, ok):
-    from node_agent.server import json_content_type
+    from common.http_server import json_content_type
 
     assert json_content_type({"headers": [] if kind is None else [(b"content-type", kind)]}) is ok

@@ -1,5 +1,5 @@
 """HTTP-level checks against a real `racer node-agent` process: keep-alive latency
-(TCP_NODELAY, node_agent.server), non-finite numbers, chunked bodies over the limit, item ids
+(TCP_NODELAY, common.http_server), non-finite numbers, chunked bodies over the limit, item ids
 out of range."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_keepalive_requests_cost_no_more_than_fresh_connections(agent):
 NODELAY_APP = """
 import json, os, socket, sys
 sys.modules["uvloop"] = None  # asyncio loop (see WITHOUT_UVLOOP)
-from node_agent.server import serve_forever
+from common.http_server import serve_forever
 
 
 def nodelay_of_connection(client):
@@ -118,7 +118,7 @@ serve_forever(app, "127.0.0.1", 0, ready=lambda h, p: print(p, flush=True))
 
 
 def test_serve_forever_sets_nodelay_on_accepted_connections(tmp_path):
-    """Any ASGI app served through node_agent.server: each accepted connection has TCP_NODELAY
+    """Any ASGI app served through common.http_server: each accepted connection has TCP_NODELAY
     (read by the server process from its own socket), and keep-alive costs no more than a new
     connection. The socket option is the deterministic check: whether Nagle's algorithm costs
     ~40 ms on a kernel depends on its delayed-ACK behaviour on loopback."""
@@ -205,7 +205,7 @@ def test_finite_validation_errors_answers_422_for_every_non_finite_form():
     from fastapi import Body, FastAPI
     from fastapi.testclient import TestClient
 
-    from node_agent.server import finite_validation_errors
+    from common.http_server import finite_validation_errors
 
     app = FastAPI()
     finite_validation_errors(app)

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DataError, IntegrityError
 
 from db.models import Node
-from node_agent.server import json_safe
+from common.http_server import json_safe
 
 from ..auth import PRINCIPAL_STATE, Principal, node_route_refusal, role_refusal
 from ..schemas import NodeOut, ReportBatchIn
