@@ -32,10 +32,15 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["Range", "add_config_arguments", "config_kwargs", "default_of", "help_of", "problems", "ranged",
-           "require", "range_of", "validate"]
+__all__ = ["Range", "add_config_arguments", "config_kwargs", "default_of", "finite_number", "help_of", "problems",
+           "ranged", "require", "range_of", "validate"]
 
 _KEY = "racer.range"
+
+
+def finite_number(v) -> bool:
+    """True for a finite int or float (numpy's too), False for a bool, NaN, infinity or anything else."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _show(x) -> str:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from common.config import ranged, require, validate
 
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -24,26 +21,15 @@ class GuardConfig:
     The step limit applies first, then the bounds, so the bounds always hold.
     """
 
-    min_emb_share: float = 0.05
-    max_emb_share: float = 0.95
-    max_step_up: float = 0.05
-    max_step_down: float = 0.10
+    min_emb_share: float = ranged(0.05, lo=0, hi=1)
+    max_emb_share: float = ranged(0.95, lo=0, hi=1)
+    max_step_up: float = ranged(0.05, lo=0, hi=1, lo_open=True)
+    max_step_down: float = ranged(0.10, lo=0, hi=1, lo_open=True)
 
     def __post_init__(self) -> None:
-        problems = []
-        for name in ("min_emb_share", "max_emb_share", "max_step_up", "max_step_down"):
-            if not _num(getattr(self, name)):
-                problems.append(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        if not problems:
-            if not 0 <= self.min_emb_share < self.max_emb_share <= 1:
-                problems.append(f"need 0 <= min_emb_share < max_emb_share <= 1, got {self.min_emb_share}, "
-                                f"{self.max_emb_share}")
-            for name in ("max_step_up", "max_step_down"):
-                if not 0 < getattr(self, name) <= 1:
-                    problems.append(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if problems:
-            raise ValueError("invalid GuardConfig: " + "; ".join(problems))
-
+        validate(self)
+        require(self, self.min_emb_share < self.max_emb_share,
+                f"need min_emb_share < max_emb_share, got {self.min_emb_share}, {self.max_emb_share}")
 
 
 
@@ -70,37 +56,19 @@ class ResidualConfig:
       the misses that more memory would have turned into hits).
     """
 
-    enabled: bool = True
-    max_correction: float = 0.1
-    learning_rate: float = 0.5
-    leak: float = 0.001
-    gain: float = 0.1
-    relax: float = 0.1
-    target_p99_over_slo: float = 0.9
-    pressure_max: float = 1.0
-    reset_on_policy_swap: bool = True
-    signal: str = "miss_cost"
+    enabled: bool = ranged(True, kind=bool)
+    max_correction: float = ranged(0.1, lo=0, hi=0.1, lo_open=True)
+    learning_rate: float = ranged(0.5, lo=0, hi=1, lo_open=True)
+    leak: float = ranged(0.001, lo=0, hi=0.1, hi_open=True)
+    gain: float = ranged(0.1, lo=0, hi=1, lo_open=True)
+    relax: float = ranged(0.1, lo=0, hi=1)
+    target_p99_over_slo: float = ranged(0.9, lo=0, hi=2, lo_open=True)
+    pressure_max: float = ranged(1.0, lo=0, hi=10, lo_open=True)
+    reset_on_policy_swap: bool = ranged(True, kind=bool)
+    signal: str = ranged("miss_cost", choices=RESIDUAL_SIGNALS)
 
     def __post_init__(self) -> None:
-        problems = [f"{n} must be a bool, got {getattr(self, n)!r}" for n in ("enabled", "reset_on_policy_swap")
-                    if not isinstance(getattr(self, n), bool)]
-        if self.signal not in RESIDUAL_SIGNALS:
-            problems.append(f"signal must be one of {', '.join(RESIDUAL_SIGNALS)}, got {self.signal!r}")
-        rules = {  # name: (test, range in words)
-            "max_correction": (lambda v: 0 < v <= 0.1, "(0, 0.1]"),
-            "learning_rate": (lambda v: 0 < v <= 1, "(0, 1]"),
-            "leak": (lambda v: 0 <= v < 0.1, "[0, 0.1)"),
-            "gain": (lambda v: 0 < v <= 1, "(0, 1]"),
-            "relax": (lambda v: 0 <= v <= 1, "[0, 1]"),
-            "target_p99_over_slo": (lambda v: 0 < v <= 2, "(0, 2]"),
-            "pressure_max": (lambda v: 0 < v <= 10, "(0, 10]"),
-        }
-        for name, (ok, words) in rules.items():
-            v = getattr(self, name)
-            if not (_num(v) and ok(v)):
-                problems.append(f"{name} must be in {words}, got {v!r}")
-        if problems:
-            raise ValueError("invalid ResidualConfig: " + "; ".join(problems))
+        validate(self)
 
 
 @dataclass(frozen=True)
@@ -139,40 +107,20 @@ class TunerConfig:
       saturation readings are dense, the magnitude gate suffices, and every step is a full one.
     """
 
-    enabled: bool = True
-    gain: float = 3.0
-    max_rate: float = 0.1
-    deadband: float = 0.005
-    headroom_floor: float = 0.05
-    smoothing: float = 0.5
-    confidence: float = 4.0
-    noise_window: int = 9
-    strong_gradient: float = 0.1
-    sign_confidence: float = 2.0
-    sign_test_max_load: float = 0.5
+    enabled: bool = ranged(True, kind=bool)
+    gain: float = ranged(3.0, lo=0, hi=10, lo_open=True)
+    max_rate: float = ranged(0.1, lo=0, hi=0.5, lo_open=True)
+    deadband: float = ranged(0.005, lo=0, hi=0.1, hi_open=True)
+    headroom_floor: float = ranged(0.05, lo=0, hi=1, lo_open=True, hi_open=True)
+    smoothing: float = ranged(0.5, lo=0, hi=1, lo_open=True)
+    confidence: float = ranged(4.0, lo=0, hi=10)
+    noise_window: int = ranged(9, lo=4, hi=64, integer=True)
+    strong_gradient: float = ranged(0.1, lo=0, hi=1, lo_open=True)
+    sign_confidence: float = ranged(2.0, lo=0, hi=10)
+    sign_test_max_load: float = ranged(0.5, lo=0, hi=1)
 
     def __post_init__(self) -> None:
-        problems = [] if isinstance(self.enabled, bool) else [f"enabled must be a bool, got {self.enabled!r}"]
-        rules = {
-            "gain": (lambda v: 0 < v <= 10, "(0, 10]"),
-            "max_rate": (lambda v: 0 < v <= 0.5, "(0, 0.5]"),
-            "deadband": (lambda v: 0 <= v < 0.1, "[0, 0.1)"),
-            "headroom_floor": (lambda v: 0 < v < 1, "(0, 1)"),
-            "smoothing": (lambda v: 0 < v <= 1, "(0, 1]"),
-            "confidence": (lambda v: 0 <= v <= 10, "[0, 10]"),
-            "strong_gradient": (lambda v: 0 < v <= 1, "(0, 1]"),
-            "sign_confidence": (lambda v: 0 <= v <= 10, "[0, 10]"),
-            "sign_test_max_load": (lambda v: 0 <= v <= 1, "[0, 1]"),
-        }
-        for name, (ok, words) in rules.items():
-            v = getattr(self, name)
-            if not (_num(v) and ok(v)):
-                problems.append(f"{name} must be in {words}, got {v!r}")
-        w = self.noise_window
-        if isinstance(w, bool) or not isinstance(w, int) or not 4 <= w <= 64:
-            problems.append(f"noise_window must be an integer in [4, 64], got {w!r}")
-        if problems:
-            raise ValueError("invalid TunerConfig: " + "; ".join(problems))
+        validate(self)
 
 
 @dataclass(frozen=True)
@@ -189,46 +137,27 @@ class RecoveryConfig:
     ``rate_floor_rps`` and ``hot_floor`` keep the ratios finite near zero baselines.
     """
 
-    enabled: bool = True
-    baseline_tau_s: float = 60.0
-    warmup_s: float = 10.0
-    enter_rate_ratio: float = 1.8
-    enter_hot_ratio: float = 1.6
-    exit_rate_ratio: float = 1.3
-    exit_hot_ratio: float = 1.3
-    min_hold_s: float = 3.0
-    exit_confirm_s: float = 1.0
-    max_burst_s: float = 60.0
-    kv_shift: float = 0.15
-    rate_floor_rps: float = 1.0
-    hot_floor: float = 0.005
+    enabled: bool = ranged(True, kind=bool)
+    baseline_tau_s: float = ranged(60.0, lo=0, lo_open=True)
+    warmup_s: float = ranged(10.0, lo=0)
+    enter_rate_ratio: float = ranged(1.8, lo=1, lo_open=True)
+    enter_hot_ratio: float = ranged(1.6, lo=1, lo_open=True)
+    exit_rate_ratio: float = ranged(1.3, lo=1)
+    exit_hot_ratio: float = ranged(1.3, lo=1)
+    min_hold_s: float = ranged(3.0, lo=0)
+    exit_confirm_s: float = ranged(1.0, lo=0)
+    max_burst_s: float = ranged(60.0, lo=0, lo_open=True)
+    kv_shift: float = ranged(0.15, lo=0, hi=1, lo_open=True)
+    rate_floor_rps: float = ranged(1.0, lo=0, lo_open=True)
+    hot_floor: float = ranged(0.005, lo=0, lo_open=True)
 
     def __post_init__(self) -> None:
-        problems = [] if isinstance(self.enabled, bool) else [f"enabled must be a bool, got {self.enabled!r}"]
-        names = ("baseline_tau_s", "warmup_s", "enter_rate_ratio", "enter_hot_ratio", "exit_rate_ratio",
-                 "exit_hot_ratio", "min_hold_s", "exit_confirm_s", "max_burst_s", "kv_shift", "rate_floor_rps",
-                 "hot_floor")
-        bad = [n for n in names if not _num(getattr(self, n))]
-        problems += [f"{n} must be a finite number, got {getattr(self, n)!r}" for n in bad]
-        if not bad:
-            for n in ("baseline_tau_s", "max_burst_s", "rate_floor_rps", "hot_floor"):
-                if getattr(self, n) <= 0:
-                    problems.append(f"{n} must be > 0, got {getattr(self, n)}")
-            for n in ("warmup_s", "min_hold_s", "exit_confirm_s"):
-                if getattr(self, n) < 0:
-                    problems.append(f"{n} must be >= 0, got {getattr(self, n)}")
-            if not 1 <= self.exit_rate_ratio < self.enter_rate_ratio:
-                problems.append(f"need 1 <= exit_rate_ratio < enter_rate_ratio, got {self.exit_rate_ratio}, "
-                                f"{self.enter_rate_ratio}")
-            if not 1 <= self.exit_hot_ratio < self.enter_hot_ratio:
-                problems.append(f"need 1 <= exit_hot_ratio < enter_hot_ratio, got {self.exit_hot_ratio}, "
-                                f"{self.enter_hot_ratio}")
-            if not 0 < self.kv_shift <= 1:
-                problems.append(f"kv_shift must be in (0, 1], got {self.kv_shift}")
-            if self.max_burst_s <= self.min_hold_s:
-                problems.append(f"max_burst_s ({self.max_burst_s}) must exceed min_hold_s ({self.min_hold_s})")
-        if problems:
-            raise ValueError("invalid RecoveryConfig: " + "; ".join(problems))
+        validate(self)
+        for exit_, enter in (("exit_rate_ratio", "enter_rate_ratio"), ("exit_hot_ratio", "enter_hot_ratio")):
+            require(self, getattr(self, exit_) < getattr(self, enter),
+                    f"need {exit_} < {enter}, got {getattr(self, exit_)}, {getattr(self, enter)}")
+        require(self, self.max_burst_s > self.min_hold_s,
+                f"max_burst_s ({self.max_burst_s}) must exceed min_hold_s ({self.min_hold_s})")
 
 
 @dataclass(frozen=True)
@@ -242,32 +171,14 @@ class AllocatorConfig:
       export tolerance on CPU, 1e-4 on CUDA (cuBLAS may sum in another order).
     """
 
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    residual: ResidualConfig = field(default_factory=ResidualConfig)
-    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
-    tuner: TunerConfig = field(default_factory=TunerConfig)
-    initial_emb_share: float = 0.5
-    device: str = "auto"
-    intra_op_num_threads: int = 1
-    golden_tolerance: float | None = None
+    guard: GuardConfig = ranged(factory=GuardConfig, kind=GuardConfig)
+    residual: ResidualConfig = ranged(factory=ResidualConfig, kind=ResidualConfig)
+    recovery: RecoveryConfig = ranged(factory=RecoveryConfig, kind=RecoveryConfig)
+    tuner: TunerConfig = ranged(factory=TunerConfig, kind=TunerConfig)
+    initial_emb_share: float = ranged(0.5, lo=0, hi=1)
+    device: str = ranged("auto", choices=("auto", "cpu", "cuda"))
+    intra_op_num_threads: int = ranged(1, lo=1, integer=True)
+    golden_tolerance: float | None = ranged(None, lo=0, hi=1e-2, lo_open=True, optional=True)
 
     def __post_init__(self) -> None:
-        problems = []
-        for name, cls in (("guard", GuardConfig), ("residual", ResidualConfig), ("recovery", RecoveryConfig),
-                          ("tuner", TunerConfig)):
-            if not isinstance(getattr(self, name), cls):
-                problems.append(f"{name} must be a {cls.__name__}")
-        if not (_num(self.initial_emb_share) and 0 <= self.initial_emb_share <= 1):
-            problems.append(f"initial_emb_share must be in [0, 1], got {self.initial_emb_share!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            problems.append(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if isinstance(self.intra_op_num_threads, bool) or not isinstance(self.intra_op_num_threads, int) \
-                or self.intra_op_num_threads < 1:
-            problems.append(f"intra_op_num_threads must be an integer >= 1, got {self.intra_op_num_threads!r}")
-        tol = self.golden_tolerance
-        if tol is not None and not (_num(tol) and 0 < tol <= 1e-2):
-            problems.append(f"golden_tolerance must be None or in (0, 1e-2], got {self.golden_tolerance!r}")
-        if problems:
-            raise ValueError("invalid AllocatorConfig: " + "; ".join(problems))
-
-
+        validate(self)

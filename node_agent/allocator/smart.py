@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config import finite_number as _num
 from node_agent.allocator.base import OnnxPolicy, PolicyLoadError, base_layer
-from node_agent.allocator.config import DECISION_SOURCES, AllocatorConfig, _num
+from node_agent.allocator.config import DECISION_SOURCES, AllocatorConfig
 from node_agent.allocator.decision import AllocatorDecision
 from node_agent.allocator.guards import guard_layer
 from node_agent.allocator.override import Override, override_layer
