@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from common.config import ranged, validate
+
 
 class RolloutState(str, Enum):
     """Where a rollout is. ``promoted`` and ``rolled_back`` are final."""
@@ -109,37 +111,17 @@ class RolloutConfig:
       quality below the baseline's (absolute, quality is in [0, 1]; model rollouts only).
     """
 
-    bake_time_s: float = 300.0
-    min_samples: int = 10
-    alpha: float = 0.01
-    max_p99_regression_pct: float = 10.0
-    max_slo_attainment_drop: float = 0.02
-    load_timeout_s: float = 120.0
-    max_failed_canary_fraction: float = 0.0
-    max_model_quality_drop: float = 0.02
+    bake_time_s: float = ranged(300.0, lo=0)
+    min_samples: int = ranged(10, lo=3, integer=True)
+    alpha: float = ranged(0.01, lo=0, hi=0.5, lo_open=True)
+    max_p99_regression_pct: float = ranged(10.0, lo=0)
+    max_slo_attainment_drop: float = ranged(0.02, lo=0, hi=1)
+    load_timeout_s: float = ranged(120.0, lo=0)
+    max_failed_canary_fraction: float = ranged(0.0, lo=0, hi=1)
+    max_model_quality_drop: float = ranged(0.02, lo=0, hi=1)
 
     def __post_init__(self) -> None:
-        problems = []
-
-        def finite(name: str, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                problems.append(f"{name} must be a finite number, got {v!r}")
-            elif (v <= lo if lo_open else v < lo) or v > hi:
-                problems.append(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
-
-        finite("bake_time_s", 0.0)
-        finite("alpha", 0.0, 0.5, lo_open=True)
-        finite("max_p99_regression_pct", 0.0)
-        finite("max_slo_attainment_drop", 0.0, 1.0)
-        finite("load_timeout_s", 0.0)
-        finite("max_failed_canary_fraction", 0.0, 1.0)
-        finite("max_model_quality_drop", 0.0, 1.0)
-        m = self.min_samples
-        if isinstance(m, bool) or not isinstance(m, int) or m < 3:
-            problems.append(f"min_samples must be an integer >= 3, got {m!r}")
-        if problems:
-            raise ValueError("invalid rollout config: " + "; ".join(problems))
+        validate(self)
 
 
 # --------------------------------------------------------------------------------------------

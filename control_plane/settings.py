@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, fields
+
+from common.config import ranged, validate
+
+
+def _period(default: float, doc: str = ""):
+    """A duration in seconds: a positive finite number."""
+    return ranged(default, lo=0, lo_open=True, doc=doc)
 
 
 @dataclass(frozen=True)
@@ -38,51 +44,34 @@ class Settings:
 
     database_url: str | None = None
     host: str = "127.0.0.1"
-    port: int = 8600
-    report_interval_s: float = 1.0
-    liveness_missed_intervals: float = 5.0
-    weights_period_s: float = 10.0
-    rollout_period_s: float = 5.0
-    override_period_s: float = 1.0
-    liveness_period_s: float = 2.0
-    retention_period_s: float = 300.0
-    history_rollup_period_s: float = 5.0
-    history_rollup_margin_s: float = 10.0
-    weights_window_s: float = 60.0
-    weights_rel_change: float = 0.05
-    rollup_step_s: float = 60.0
-    raw_retention_s: float = 7 * 86400.0
-    rollup_retention_s: float = 90 * 86400.0
+    port: int = ranged(8600, lo=0, hi=65535, integer=True, doc="port (0: a free one)")
+    report_interval_s: float = _period(1.0)
+    liveness_missed_intervals: float = ranged(5.0, lo=0, lo_open=True)
+    weights_period_s: float = _period(10.0)
+    rollout_period_s: float = _period(5.0)
+    override_period_s: float = _period(1.0)
+    liveness_period_s: float = _period(2.0)
+    retention_period_s: float = _period(300.0)
+    history_rollup_period_s: float = _period(5.0)
+    history_rollup_margin_s: float = _period(10.0)
+    weights_window_s: float = _period(60.0)
+    weights_rel_change: float = ranged(0.05, lo=0, hi=1, hi_open=True)
+    rollup_step_s: float = _period(60.0)
+    raw_retention_s: float = _period(7 * 86400.0)
+    rollup_retention_s: float = _period(90 * 86400.0)
     min_override_emb_share: float | None = None
     max_override_emb_share: float | None = None
     scheduler: bool = True
-    leader_poll_s: float = 2.0
+    leader_poll_s: float = _period(2.0)
     ingest_max_rows: int = 5000
-    push_timeout_s: float = 2.0
+    push_timeout_s: float = _period(2.0)
     admin_token: str | None = None
-    max_body_bytes: int = 2**20
-    max_report_body_bytes: int = 16 * 2**20
-    max_policy_body_bytes: int = 64 * 2**20
+    max_body_bytes: int = ranged(2**20, lo=1024, integer=True)
+    max_report_body_bytes: int = ranged(16 * 2**20, lo=1024, integer=True)
+    max_policy_body_bytes: int = ranged(64 * 2**20, lo=1024, integer=True)
 
     def __post_init__(self) -> None:
-        problems = []
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name.endswith("_s") and v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)
-                                                                  and v > 0):
-                problems.append(f"{f.name} must be a finite number > 0, got {v!r}")
-        if not 0 <= self.weights_rel_change < 1:
-            problems.append(f"weights_rel_change must be in [0, 1), got {self.weights_rel_change}")
-        if not 1 <= self.port <= 65535 and self.port != 0:
-            problems.append(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_bytes", "max_report_body_bytes", "max_policy_body_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1024:
-                problems.append(f"{name} must be an integer >= 1024, got {v!r}")
-        if self.liveness_missed_intervals <= 0:
-            problems.append(f"liveness_missed_intervals must be > 0, got {self.liveness_missed_intervals}")
-        if problems:
-            raise ValueError("invalid control-plane settings: " + "; ".join(problems))
+        validate(self)
 
     def guard_bounds(self) -> tuple[float, float]:
         from node_agent.allocator import GuardConfig

@@ -24,11 +24,12 @@ on a homogeneous cluster, as in the paper's 32 x A100 setup).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from common.config import ranged, validate
 
 
 # Physical ranges of a cost profile: a figure outside them is a broken profiler or a hostile
@@ -57,24 +58,13 @@ class CostProfile:
     every weight derived from a profile is a finite number of microseconds.
     """
 
-    kv_recompute_us_per_token: float
-    emb_transfer_us_per_row: float
-    service_time_us: float
-    queue_capacity: int = 64
+    kv_recompute_us_per_token: float = ranged(lo=0, hi=MAX_KV_RECOMPUTE_US_PER_TOKEN)
+    emb_transfer_us_per_row: float = ranged(lo=0, hi=MAX_EMB_TRANSFER_US_PER_ROW)
+    service_time_us: float = ranged(lo=0, hi=MAX_SERVICE_TIME_US)
+    queue_capacity: int = ranged(64, lo=1, hi=MAX_QUEUE_CAPACITY, integer=True)
 
     def __post_init__(self) -> None:
-        problems = []
-        for name in ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "service_time_us"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                problems.append(f"{name} must be a number, got {v!r}")
-            elif not (math.isfinite(v) and 0 <= v <= PROFILE_LIMITS[name]):
-                problems.append(f"{name} must be a finite number in [0, {PROFILE_LIMITS[name]:g}], got {v!r}")
-        cap = self.queue_capacity
-        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or not 1 <= cap <= MAX_QUEUE_CAPACITY:
-            problems.append(f"queue_capacity must be an integer in [1, {MAX_QUEUE_CAPACITY}], got {cap!r}")
-        if problems:
-            raise ValueError("invalid cost profile: " + "; ".join(problems))
+        validate(self)
 
 
 @dataclass(frozen=True, eq=False)
