@@ -159,17 +159,18 @@ def problems(cfg) -> list[str]:
     return out
 
 
-def validate(cfg) -> None:
-    """Raise ``ValueError("invalid <Class>: <problem>; <problem>")`` when a field is out of range."""
+def validate(cfg, what: str | None = None) -> None:
+    """Raise ``ValueError("invalid <what>: <problem>; <problem>")`` when a field is out of range
+    (``what``: the class name unless given, e.g. ``"profile a100-hstu"``)."""
     p = problems(cfg)
     if p:
-        raise ValueError(f"invalid {type(cfg).__name__}: " + "; ".join(p))
+        raise ValueError(f"invalid {what or type(cfg).__name__}: " + "; ".join(p))
 
 
-def require(cfg, ok: bool, problem: str) -> None:
-    """A check across fields, after `validate`: raise ``invalid <Class>: <problem>`` unless ``ok``."""
+def require(cfg, ok: bool, problem: str, what: str | None = None) -> None:
+    """A check across fields, after `validate`: raise ``invalid <what>: <problem>`` unless ``ok``."""
     if not ok:
-        raise ValueError(f"invalid {type(cfg).__name__}: {problem}")
+        raise ValueError(f"invalid {what or type(cfg).__name__}: {problem}")
 
 
 # ------------------------------------------------------------------------------- command line ---

@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from common.config import ranged, require, validate
+
 from .memory import DEFAULT_GHOST_PROBES, KVLayout, MemoryConfig, MemoryManager, RefillConfig
 from .memory.manager import BoundaryPlan, ManagerStep
 from .model import HSTUModel, KVState, ModelConfig
@@ -73,19 +75,14 @@ class LinkEmulationConfig:
     Defaults: PCIe 4.0 x16 (see ``PCIE4_X16_*``).
     """
 
-    mode: str = "auto"
-    bandwidth_gb_per_s: float = PCIE4_X16_BANDWIDTH_GB_PER_S
-    latency_us: float = PCIE4_X16_LATENCY_US
+    mode: str = ranged("auto", choices=LINK_MODES,
+                       doc="auto: on for the CPU, off on CUDA where the copies are real")
+    bandwidth_gb_per_s: float = ranged(PCIE4_X16_BANDWIDTH_GB_PER_S, lo=0, lo_open=True,
+                                       doc="emulated bandwidth, GB/s (default: PCIe 4.0 x16)")
+    latency_us: float = ranged(PCIE4_X16_LATENCY_US, lo=0, doc="emulated fixed cost per transfer, µs")
 
     def __post_init__(self) -> None:
-        if self.mode not in LINK_MODES:
-            raise ValueError(f"link emulation mode must be one of {', '.join(LINK_MODES)}, got {self.mode!r}")
-        if not (isinstance(self.bandwidth_gb_per_s, (int, float)) and math.isfinite(self.bandwidth_gb_per_s)
-                and self.bandwidth_gb_per_s > 0):
-            raise ValueError(f"link bandwidth_gb_per_s must be a positive number, got {self.bandwidth_gb_per_s!r}")
-        if not (isinstance(self.latency_us, (int, float)) and math.isfinite(self.latency_us)
-                and self.latency_us >= 0):
-            raise ValueError(f"link latency_us must be a number >= 0, got {self.latency_us!r}")
+        validate(self)
 
     def resolve(self, device: torch.device) -> "LinkEmulation":
         if self.mode == "auto":
@@ -149,37 +146,29 @@ class EngineConfig:
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    num_items: int = 100_000
+    num_items: int = ranged(100_000, lo=1, integer=True)
     item_seed: int = 0
-    num_pages: int = 4096
-    page_tokens: int = 16
+    num_pages: int = ranged(4096, lo=1, integer=True, doc="arena pages")
+    page_tokens: int = ranged(16, lo=1, integer=True, doc="tokens per KV page")
     kv_dtype: str = "float32"
-    emb_share: float = 0.5
-    max_step_pages: int = 1024
+    emb_share: float = ranged(0.5, lo=0, hi=1, doc="initial EMB share of the arena")
+    max_step_pages: int = ranged(1024, lo=1, integer=True)
     refill: RefillConfig = field(default_factory=RefillConfig)
-    max_history_len: int = 4096
-    max_candidates: int = 4096
-    default_num_candidates: int = 256
-    default_top_k: int = 10
+    max_history_len: int = ranged(4096, lo=1, integer=True, doc="most history + new items per request")
+    max_candidates: int = ranged(4096, lo=1, integer=True, doc="most candidates per request")
+    default_num_candidates: int = ranged(256, lo=1, integer=True)
+    default_top_k: int = ranged(10, lo=1, integer=True)
     link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
     device: str = "auto"
     ghost_probes: tuple[float, ...] = DEFAULT_GHOST_PROBES
 
     def __post_init__(self) -> None:
         m = self.model.validate()
-        if m.qk_dim != m.v_dim:
-            raise ValueError(f"engine: the KV page layout stores K and V with one head size, so the model's qk_dim "
-                             f"({m.qk_dim}) must equal v_dim ({m.v_dim})")
-        for name in ("num_items", "num_pages", "page_tokens", "max_step_pages", "max_history_len",
-                     "max_candidates", "default_num_candidates", "default_top_k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"engine: {name} must be a positive integer, got {v!r}")
-        if self.default_num_candidates > self.max_candidates:
-            raise ValueError(f"engine: default_num_candidates ({self.default_num_candidates}) exceeds "
-                             f"max_candidates ({self.max_candidates})")
-        if not 0.0 <= self.emb_share <= 1.0:
-            raise ValueError(f"engine: emb_share must be in [0, 1], got {self.emb_share}")
+        require(self, m.qk_dim == m.v_dim, f"the KV page layout stores K and V with one head size, so the model's "
+                                           f"qk_dim ({m.qk_dim}) must equal v_dim ({m.v_dim})")
+        validate(self)
+        require(self, self.default_num_candidates <= self.max_candidates,
+                f"default_num_candidates ({self.default_num_candidates}) exceeds max_candidates ({self.max_candidates})")
         self.memory_config()  # the arena's own checks (page size a whole number of rows, ...)
 
     def memory_config(self) -> MemoryConfig:

@@ -14,22 +14,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.config import ranged
+from common.config import validate as validate_fields
+
 from .features import top_share
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    slo_ms: float = 30.0
-    window_s: float = 60.0
-    max_samples: int = 65_536
+    slo_ms: float = ranged(30.0, lo=0, lo_open=True)
+    window_s: float = ranged(60.0, lo=0, lo_open=True)
+    max_samples: int = ranged(65_536, lo=1, integer=True)
 
     def validate(self) -> "MetricsConfig":
-        if not self.slo_ms > 0:
-            raise ValueError(f"slo_ms must be positive, got {self.slo_ms}")
-        if not self.window_s > 0:
-            raise ValueError(f"window_s must be positive, got {self.window_s}")
-        if self.max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1, got {self.max_samples}")
+        validate_fields(self)
         return self
 
 

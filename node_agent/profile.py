@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from common.config import ranged, validate
+
 from .engine import EngineConfig, LinkEmulationConfig, make_item_table
 from .memory import KVLayout, MemoryConfig, MemoryManager
 from .model import HSTUModel, ModelConfig
@@ -43,26 +45,20 @@ class ProfileConfig:
     """What ``measure_profile`` runs (ranges checked in ``__post_init__``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    lengths: tuple[int, ...] = (128, 512, 2048)
-    repeats: int = 5
-    emb_batch_rows: int = 512
-    hit_history_len: int = 512
-    new_tokens: int = 8
-    num_candidates: int = 256
-    page_tokens: int = 16
+    lengths: tuple[int, ...] = ranged((128, 512, 2048), lo=1, integer=True, length=(1, None))
+    repeats: int = ranged(5, lo=1, integer=True, doc="timed runs per figure, median")
+    emb_batch_rows: int = ranged(512, lo=1, integer=True, doc="ids per EMB lookup when timing hits and misses")
+    hit_history_len: int = ranged(512, lo=1, integer=True)
+    new_tokens: int = ranged(8, lo=1, integer=True)
+    num_candidates: int = ranged(256, lo=1, integer=True, doc="candidates when timing ranking")
+    page_tokens: int = ranged(16, lo=1, integer=True)
     kv_dtype: str = "float32"
     link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
     device: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
-            raise ValueError(f"profile lengths must be positive integers, got {self.lengths!r}")
-        for name in ("repeats", "emb_batch_rows", "hit_history_len", "new_tokens", "num_candidates",
-                     "page_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"profile {name} must be a positive integer, got {v!r}")
+        validate(self)
         # the engine's checks on the model and page layout
         EngineConfig(model=self.model, page_tokens=self.page_tokens, kv_dtype=self.kv_dtype, link=self.link,
                      device=self.device, num_items=1024, num_pages=64)

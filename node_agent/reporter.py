@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urljoin
 
+from common.config import ranged, require, validate
 from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS, MAX_DETAIL_TEXT_CHARS,
                                         MAX_PROPOSAL_ABS)
 
@@ -93,37 +94,30 @@ class ReporterConfig:
     node_id: str
     advertise_url: str
     state_dir: str
-    max_buffered_reports: int = 10_000
-    max_memory_reports: int = DEFAULT_MEMORY_REPORTS
-    batch_size: int = 200
-    timeout_s: float = 5.0
-    max_backoff_s: float = 2.0
-    directives_period_s: float | None = None
+    max_buffered_reports: int = ranged(10_000, lo=1, integer=True,
+                                       doc="reports kept on disk while the control plane is unreachable; the oldest "
+                                           "are dropped beyond")
+    max_memory_reports: int = ranged(DEFAULT_MEMORY_REPORTS, lo=1, integer=True,
+                                     doc="reports kept in memory when the disk refuses them (full, read-only) until "
+                                         "they are sent; the oldest are dropped beyond, and counted")
+    batch_size: int = ranged(200, lo=1, hi=1000, integer=True)
+    timeout_s: float = ranged(5.0, lo=0, lo_open=True)
+    max_backoff_s: float = ranged(2.0, lo=0, lo_open=True)
+    directives_period_s: float | None = ranged(None, lo=0, lo_open=True, optional=True)
     queue_capacity: int | None = None
-    service_time_us: float | None = None
+    service_time_us: float | None = ranged(None, lo=0, lo_open=True, optional=True,
+                                           doc="service time per request sent in the cost profile (default: "
+                                               "estimated from the miss costs)")
 
     def __post_init__(self) -> None:
-        problems = []
-        if not self.control_plane_url.startswith(("http://", "https://")):
-            problems.append(f"control_plane_url must start with http:// or https://, got {self.control_plane_url!r}")
-        if not self.advertise_url.startswith(("http://", "https://")):
-            problems.append(f"advertise_url must start with http:// or https://, got {self.advertise_url!r}")
-        if not self.token:
-            problems.append("token must not be empty")
-        if not self.node_id or len(self.node_id) > 128 or not all(c.isalnum() or c in "_.:-" for c in self.node_id):
-            problems.append(f"node_id must be 1-128 letters, digits or _ . : -, got {self.node_id!r}")
-        for name in ("max_buffered_reports", "max_memory_reports", "batch_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                problems.append(f"{name} must be a positive integer, got {v!r}")
-        if self.batch_size > 1000:
-            problems.append(f"batch_size must be at most 1000, got {self.batch_size}")
-        for name in ("timeout_s", "max_backoff_s", "directives_period_s", "service_time_us"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                problems.append(f"{name} must be a positive number, got {v!r}")
-        if problems:
-            raise ValueError("invalid reporter config: " + "; ".join(problems))
+        validate(self)
+        for name in ("control_plane_url", "advertise_url"):
+            url = getattr(self, name)
+            require(self, url.startswith(("http://", "https://")),
+                    f"{name} must start with http:// or https://, got {url!r}")
+        require(self, bool(self.token), "token must not be empty")
+        require(self, 0 < len(self.node_id) <= 128 and all(c.isalnum() or c in "_.:-" for c in self.node_id),
+                f"node_id must be 1-128 letters, digits or _ . : -, got {self.node_id!r}")
 
 
 # ------------------------------------------------------------------------------------ the spool ---

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.config import ranged, require, validate
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -50,16 +52,14 @@ def resolve_device(name: str) -> torch.device:
 class KVLayout:
     """Shape of one KV page: ``[num_layers, 2 (K, V), page_tokens, num_heads, head_dim]``."""
 
-    num_layers: int = 2
-    num_heads: int = 2
-    head_dim: int = 32
-    page_tokens: int = 16
+    num_layers: int = ranged(2, lo=1, integer=True)
+    num_heads: int = ranged(2, lo=1, integer=True)
+    head_dim: int = ranged(32, lo=1, integer=True)
+    page_tokens: int = ranged(16, lo=1, integer=True)
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "head_dim", "page_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+        validate(self)
         torch_dtype(self.dtype)
 
     @property
@@ -85,22 +85,15 @@ class RefillConfig:
     """
 
     enabled: bool = True
-    limit_bytes_per_s: float = 64 * 2**20
-    window_s: float = 0.1
-    chunk_bytes: int = 256 * 2**10
+    limit_bytes_per_s: float = ranged(64 * 2**20, lo=0, lo_open=True)
+    window_s: float = ranged(0.1, lo=0, lo_open=True)
+    chunk_bytes: int = ranged(256 * 2**10, lo=1, integer=True)
 
     def __post_init__(self) -> None:
-        if self.limit_bytes_per_s <= 0:
-            raise ValueError(f"limit_bytes_per_s must be > 0, got {self.limit_bytes_per_s}")
-        if self.window_s <= 0:
-            raise ValueError(f"window_s must be > 0, got {self.window_s}")
-        if self.chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
-        if self.chunk_bytes > 0.5 * self.limit_bytes_per_s * self.window_s:
-            raise ValueError(
-                "chunk_bytes must be at most half of limit_bytes_per_s * window_s "
-                f"({0.5 * self.limit_bytes_per_s * self.window_s:.0f}), got {self.chunk_bytes}"
-            )
+        validate(self)
+        half = 0.5 * self.limit_bytes_per_s * self.window_s
+        require(self, self.chunk_bytes <= half,
+                f"chunk_bytes must be at most half of limit_bytes_per_s * window_s ({half:.0f}), got {self.chunk_bytes}")
 
     @property
     def bucket_rate_bytes_per_s(self) -> float:
@@ -135,45 +128,29 @@ class MemoryConfig:
     - ``device``: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``.
     """
 
-    num_pages: int = 1024
-    num_items: int = 100_000
-    emb_dim: int = 64
+    num_pages: int = ranged(1024, lo=1, integer=True)
+    num_items: int = ranged(100_000, lo=1, integer=True)
+    emb_dim: int = ranged(64, lo=1, integer=True)
     emb_dtype: str = "float32"
     kv: KVLayout = field(default_factory=KVLayout)
-    initial_emb_share: float = 0.5
-    max_step_pages: int = 1024
-    min_emb_pages: int = 0
-    min_kv_pages: int = 0
-    popularity_half_life_ids: float = 1e6
-    ghost_probes: tuple[float, ...] = ()
+    initial_emb_share: float = ranged(0.5, lo=0, hi=1)
+    max_step_pages: int = ranged(1024, lo=1, integer=True)
+    min_emb_pages: int = ranged(0, lo=0, integer=True)
+    min_kv_pages: int = ranged(0, lo=0, integer=True)
+    popularity_half_life_ids: float = ranged(1e6, lo=0, lo_open=True)
+    ghost_probes: tuple[float, ...] = ranged((), lo=0, hi=1, lo_open=True, length=(0, None))
     refill: RefillConfig = field(default_factory=RefillConfig)
     payload: bool = True
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
-        if self.num_items < 1:
-            raise ValueError(f"num_items must be >= 1, got {self.num_items}")
-        if self.emb_dim < 1:
-            raise ValueError(f"emb_dim must be >= 1, got {self.emb_dim}")
+        validate(self)
         torch_dtype(self.emb_dtype)
-        if not 0.0 <= self.initial_emb_share <= 1.0:
-            raise ValueError(f"initial_emb_share must be in [0, 1], got {self.initial_emb_share}")
-        if self.max_step_pages < 1:
-            raise ValueError(f"max_step_pages must be >= 1, got {self.max_step_pages}")
-        if self.min_emb_pages < 0 or self.min_kv_pages < 0:
-            raise ValueError("min_emb_pages and min_kv_pages must be >= 0")
-        if self.min_emb_pages + self.min_kv_pages > self.num_pages:
-            raise ValueError(
-                f"min_emb_pages + min_kv_pages ({self.min_emb_pages + self.min_kv_pages}) "
-                f"exceeds num_pages ({self.num_pages})"
-            )
-        if self.popularity_half_life_ids <= 0:
-            raise ValueError("popularity_half_life_ids must be > 0")
-        probes = tuple(self.ghost_probes)
-        if any(not (isinstance(f, (int, float)) and 0.0 < f <= 1.0) for f in probes) or list(probes) != sorted(set(probes)):
-            raise ValueError(f"ghost_probes must be ascending shares in (0, 1], got {self.ghost_probes!r}")
+        require(self, self.min_emb_pages + self.min_kv_pages <= self.num_pages,
+                f"min_emb_pages + min_kv_pages ({self.min_emb_pages + self.min_kv_pages}) exceeds num_pages "
+                f"({self.num_pages})")
+        probes = list(self.ghost_probes)
+        require(self, probes == sorted(set(probes)), f"ghost_probes must be ascending, got {self.ghost_probes!r}")
         if self.row_bytes > self.page_bytes:
             raise ValueError(
                 f"an embedding row ({self.row_bytes} B) does not fit in a page "

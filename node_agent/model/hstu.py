@@ -33,27 +33,26 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from common.config import ranged
+from common.config import validate as validate_fields
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the model; `validate` checks ranges."""
 
-    embedding_dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    qk_dim: int = 32  # per head
-    v_dim: int = 32  # per head
-    num_actions: int = 4
-    num_position_buckets: int = 32
-    num_time_buckets: int = 32
+    embedding_dim: int = ranged(64, lo=1, integer=True, doc="item embedding / model width")
+    num_layers: int = ranged(2, lo=1, integer=True, doc="HSTU layers")
+    num_heads: int = ranged(2, lo=1, integer=True, doc="attention heads")
+    qk_dim: int = ranged(32, lo=1, integer=True)  # per head
+    v_dim: int = ranged(32, lo=1, integer=True)  # per head
+    num_actions: int = ranged(4, lo=1, integer=True)
+    num_position_buckets: int = ranged(32, lo=1, integer=True)
+    num_time_buckets: int = ranged(32, lo=1, integer=True)
     seed: int = 0
 
     def validate(self) -> "ModelConfig":
-        for name in ("embedding_dim", "num_layers", "num_heads", "qk_dim", "v_dim", "num_actions",
-                     "num_position_buckets", "num_time_buckets"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"model config: {name} must be a positive integer, got {v!r}")
+        validate_fields(self)
         return self
 
     @property

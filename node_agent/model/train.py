@@ -40,6 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from common.config import ranged, validate
+
 from .checkpoint import item_keys_digest, save_checkpoint
 from .hstu import HSTUModel, ModelConfig, log_bucket
 
@@ -53,42 +55,26 @@ class TrainConfig:
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(embedding_dim=32, num_layers=2, num_heads=2,
                                                                    qk_dim=16, v_dim=16))
-    max_seq_len: int = 50
-    batch_size: int = 32
-    max_epochs: int = 60
-    patience: int = 5  # epochs without a better validation NDCG@10 before stopping
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    dropout: float = 0.2  # on the input tokens, training only
-    num_negatives: int = 32
-    positions_per_seq: int = 8  # target slots per sequence and epoch (drawn afresh each epoch)
-    negatives: str = "uniform"
+    max_seq_len: int = ranged(50, lo=1, integer=True)
+    batch_size: int = ranged(32, lo=1, integer=True)
+    max_epochs: int = ranged(60, lo=1, integer=True)
+    patience: int = ranged(5, lo=1, integer=True)  # epochs without a better validation NDCG@10 before stopping
+    lr: float = ranged(3e-3, lo=0, lo_open=True)
+    weight_decay: float = ranged(0.0, lo=0, hi=1, hi_open=True)
+    dropout: float = ranged(0.2, lo=0, hi=1, hi_open=True)  # on the input tokens, training only
+    num_negatives: int = ranged(32, lo=1, integer=True)
+    positions_per_seq: int = ranged(8, lo=1, integer=True)  # target slots per sequence and epoch (drawn afresh each epoch)
+    negatives: str = ranged("uniform", choices=NEGATIVES)
     use_timestamps: bool = False
     item_features: bool = True  # train item rows as id + category + popularity-bucket rows (see Trainable)
-    max_minutes: float | None = None  # stop after this long (the best epoch so far is kept)
-    item_dtype: str = "float32"  # how the checkpoint stores the item table
+    max_minutes: float | None = ranged(None, lo=0, lo_open=True, optional=True)  # stop after this long (the best epoch so far is kept)
+    item_dtype: str = ranged("float32", choices=("float32", "float16"))  # how the checkpoint stores the item table
     seed: int = 0
     device: str = "auto"
 
     def __post_init__(self) -> None:
         self.model.validate()
-        for name in ("max_seq_len", "batch_size", "max_epochs", "patience", "num_negatives",
-                     "positions_per_seq"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"train: {name} must be a positive integer, got {v!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"train: lr must be positive, got {self.lr}")
-        if not 0 <= self.weight_decay < 1:
-            raise ValueError(f"train: weight_decay must be in [0, 1), got {self.weight_decay}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"train: dropout must be in [0, 1), got {self.dropout}")
-        if self.negatives not in NEGATIVES:
-            raise ValueError(f"train: negatives must be one of {', '.join(NEGATIVES)}, got {self.negatives!r}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"train: max_minutes must be positive, got {self.max_minutes}")
-        if self.item_dtype not in ("float32", "float16"):
-            raise ValueError(f"train: item_dtype must be float32 or float16, got {self.item_dtype!r}")
+        validate(self)
 
 
 def resolve_device(device: str) -> torch.device:
