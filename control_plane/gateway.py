@@ -30,6 +30,10 @@ outcomes, retries, 503s, per-node queueing before the node, the load phase clien
 ``x-racer-load-phase``) to ``POST /api/v1/gateways/{gateway_id}/reports``; reports the control
 plane did not take are kept (at most ``MAX_PENDING_CLIENT_REPORTS``) and sent again. See
 docs/gateway.md.
+
+The decisions (which node a failed request is retried on, a node's health transitions, what a new
+node list changes, whether a weights document applies, what to do with a client-report batch)
+are pure functions in `control_plane.gateway_decisions`; this module does the I/O around them.
 """
 
 from __future__ import annotations
@@ -57,10 +61,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from common.config import add_config_arguments, config_kwargs, ranged, validate
 from common.http_server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnly, finite_validation_errors,
                                json_content_type, may_have_body, read_body, send_json, unsupported_media_type)
 
 from .client_view import PHASE_HEADER, ClientView, clean_phase, node_total_us
+from .gateway_decisions import (Attempt, HealthEvent, HealthPolicy, HealthState, RetrySnapshot, WeightsInForce,
+                                choose_retry, client_report_step, diff_registry, health_transition,
+                                profile_from_metrics, service_time_changed, weights_verdict)
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
 from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from .weights import CostProfile
@@ -72,70 +80,56 @@ DEFAULT_PROFILE = CostProfile(kv_recompute_us_per_token=1.0, emb_transfer_us_per
 _PROFILE_FIELDS = ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "service_time_us", "queue_capacity")
 
 
+MAX_CLIENT_REPORT_INTERVAL_S = 600.0  # the control plane refuses a report's interval_s over 3600
+MAX_SLO_MS = 1e6  # and its slo_ms over 1e6
+
+
+def _positive(default: float, doc: str):
+    return ranged(default, lo=0, lo_open=True, doc=doc)
+
+
+def _count(default: int, doc: str):
+    return ranged(default, lo=1, integer=True, doc=doc)
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The gateway's settings (ranges checked in ``__post_init__``).
+    """The gateway's settings, each field's range declared on it (`common.config`) and checked in
+    ``__post_init__``; `add_gateway_parser` reads the command line's defaults and help from them.
 
-    - ``router``: one of `control_plane.router.POLICIES`;
-    - ``report_interval_s``: how often each node's residency feed is pulled;
-    - ``health_interval_s`` / ``health_timeout_s`` / ``health_failures`` / ``health_successes``:
-      health checks (SGLang's gateway: 3 failures out, 2 successes back);
-    - ``request_timeout_s``: one forward attempt's limit (a request takes at most two attempts);
-      ``connect_timeout_s``: the connect part of it;
-    - ``weights_interval_s``: how often weights are pulled (control plane) or re-derived from the
-      nodes' ``/v1/metrics``; ``registry_interval_s``: how often the control plane's node list is
-      re-read;
-    - ``queue_capacity``: the queue depth at which a node counts as full (``l = 1``) when the
-      weights come from the nodes; ``num_shards``: embedding shards (must match the nodes');
-    - ``max_connections``: pooled connections to all nodes together;
-    - ``max_body_bytes``: most bytes of a request body (a recommendation or a weights push); a
-      larger one gets 413 and is never forwarded;
-    - ``slo_ms``: the latency a request must meet to count towards the clients' SLO attainment;
-      ``client_report_interval_s``: how often the client-side figures go to the control plane.
+    Health checks follow SGLang's gateway (3 failures out, 2 successes back). ``request_timeout_s``
+    is one forward attempt's limit (a request takes at most
+    `control_plane.gateway_decisions.MAX_ATTEMPTS`). ``client_report_interval_s``
+    and ``slo_ms`` stay within what the control plane takes (a report's interval_s <= 3600, slo_ms
+    <= 1e6): the measured interval runs a little over the configured one, so its cap is well below.
     """
 
-    router: str = "racer"
-    report_interval_s: float = 0.5
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 0.5
-    health_failures: int = 3
-    health_successes: int = 2
-    request_timeout_s: float = 10.0
-    connect_timeout_s: float = 1.0
-    weights_interval_s: float = 5.0
-    registry_interval_s: float = 5.0
-    queue_capacity: int = 64
-    num_shards: int = 64
-    max_connections: int = 512
-    max_body_bytes: int = 4 * 2**20
-    slo_ms: float = 30.0
-    client_report_interval_s: float = 1.0
+    router: str = ranged("racer", choices=POLICIES, doc="routing policy")
+    report_interval_s: float = _positive(0.5, "residency feed pull period, s")
+    health_interval_s: float = _positive(1.0, "health check period, s")
+    health_timeout_s: float = _positive(0.5, "health check timeout, s")
+    health_failures: int = _count(3, "failures in a row that take a node out")
+    health_successes: int = _count(2, "successes in a row that bring it back")
+    request_timeout_s: float = _positive(10.0, "one forward attempt's limit, s")
+    connect_timeout_s: float = _positive(1.0, "the connect part of a forward attempt's limit, s")
+    weights_interval_s: float = _positive(5.0, "how often weights are pulled (control plane) or re-derived from "
+                                               "the nodes' /v1/metrics, s")
+    registry_interval_s: float = _positive(5.0, "how often the control plane's node list is re-read, s")
+    queue_capacity: int = _count(64, "queue depth at which a node counts as full when the weights come from the "
+                                     "nodes")
+    num_shards: int = _count(64, "embedding shards; must match the nodes'")
+    max_connections: int = _count(512, "pooled connections to all nodes together")
+    max_body_bytes: int = _count(4 * 2**20, "most bytes of a request body (a recommendation or a weights "
+                                            "push); a larger one gets 413 and is not forwarded; the node "
+                                            "agent's default")
+    slo_ms: float = ranged(30.0, lo=0, lo_open=True, hi=MAX_SLO_MS,
+                           doc="latency SLO for the clients' SLO attainment, ms; as racer replay's")
+    client_report_interval_s: float = ranged(1.0, lo=0.1, hi=MAX_CLIENT_REPORT_INTERVAL_S,
+                                             doc="how often what clients see goes to the control plane, s; "
+                                                 "with --control-plane")
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.router not in POLICIES:
-            problems.append(f"router must be one of {', '.join(POLICIES)}, got {self.router!r}")
-        for name in ("report_interval_s", "health_interval_s", "health_timeout_s", "request_timeout_s",
-                     "connect_timeout_s", "weights_interval_s", "registry_interval_s", "slo_ms"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                problems.append(f"{name} must be a positive number, got {v!r}")
-        for name in ("health_failures", "health_successes", "queue_capacity", "num_shards", "max_connections",
-                     "max_body_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                problems.append(f"{name} must be an integer >= 1, got {v!r}")
-        # within what the control plane takes (a report's interval_s <= 3600, slo_ms <= 1e6): the
-        # measured interval runs a little over the configured one, so the cap is well below
-        v = self.client_report_interval_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                math.isfinite(v) and 0.1 <= v <= MAX_CLIENT_REPORT_INTERVAL_S):
-            problems.append(f"client_report_interval_s must be a number in [0.1, {MAX_CLIENT_REPORT_INTERVAL_S:g}], "
-                            f"got {v!r}")
-        if isinstance(self.slo_ms, (int, float)) and not isinstance(self.slo_ms, bool) and self.slo_ms > MAX_SLO_MS:
-            problems.append(f"slo_ms must be at most {MAX_SLO_MS:g} (what the control plane takes), got {self.slo_ms!r}")
-        if problems:
-            raise ValueError("invalid gateway config: " + "; ".join(problems))
+        validate(self)
 
 
 @dataclass
@@ -144,10 +138,7 @@ class NodeLink:
 
     node_id: str
     address: str
-    live: bool = True
-    failures: int = 0  # consecutive failed health checks (and connection errors)
-    successes: int = 0  # consecutive successful health checks
-    last_error: str | None = None
+    health: HealthState = field(default_factory=HealthState)  # in rotation, consecutive failures/successes
     inflight: int = 0  # requests this gateway has sent and not yet seen answered
     epoch: str | None = None  # the node's residency feed epoch and cursor
     cursor: int = 0
@@ -157,6 +148,10 @@ class NodeLink:
     node_queue_depth: int = 0
     hot_shards: list[int] = field(default_factory=list)
     pool: UpstreamPool | None = field(default=None, repr=False)  # the request path's connections
+
+    @property
+    def live(self) -> bool:
+        return self.health.live
 
 
 class BadRequest(ValueError):
@@ -201,8 +196,6 @@ def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
 _EMPTY = np.empty(0, dtype=np.int64)
 MAX_PENDING_CLIENT_REPORTS = 600  # reports kept while the control plane does not take them (oldest dropped)
 CLIENT_REPORT_BATCH = 60
-MAX_CLIENT_REPORT_INTERVAL_S = 600.0  # the control plane refuses a report's interval_s over 3600
-MAX_SLO_MS = 1e6  # and its slo_ms over 1e6
 _GATEWAY_ID_BAD = re.compile(r"[^A-Za-z0-9_.:\-]")
 
 
@@ -243,6 +236,7 @@ class Gateway:
                  token: str | None = None, advertise_url: str | None = None, push_token: str | None = None,
                  clock: Callable[[], float] = time.monotonic, gateway_id: str | None = None) -> None:
         self.config = config or GatewayConfig()
+        self.health_policy = HealthPolicy(self.config.health_failures, self.config.health_successes)
         self.item_shard = None if item_shard is None else np.asarray(item_shard, dtype=np.int64)
         if self.item_shard is not None and len(self.item_shard) and int(self.item_shard.max()) >= self.config.num_shards:
             raise ValueError(f"the item -> shard map names shard {int(self.item_shard.max())} but num_shards is "
@@ -359,7 +353,8 @@ class Gateway:
         return status, content, headers
 
     async def recommend(self, body: bytes) -> tuple[int, bytes, dict]:
-        """Route, forward, retry once; returns ``(status, body, extra headers)``."""
+        """Route, forward, retry on another node as `choose_retry` says (once at most); returns
+        ``(status, body, extra headers)``."""
         t0 = time.perf_counter()
         m = self.metrics
         try:
@@ -376,31 +371,27 @@ class Gateway:
             m.requests.labels("none", "no_live_node", "none").inc()
             return 503, _dumps({"error": self._no_live_reason()}), {}
         source = d.source
-        first = d.node_index
-        status, content, up_s, kind = await self._forward(first, body)
-        served, retried, failed = first, False, None
-        if kind is not None:
-            failed = self._failure_note(first, kind, status, content, rreq.user)
-            alt = self._next_best(d, first)
-            if alt is None:
-                m.requests.labels(self.links[first].node_id, "upstream_error", source).inc()
+        served = d.node_index
+        tried: list[int] = []
+        failed: list[dict] = []
+        up_s = 0.0
+        while True:
+            tried.append(served)
+            status, content, up, kind = await self._forward(served, body)
+            up_s += up
+            if kind is None:
+                break
+            failed.append(self._failure_note(served, kind, status, content, rreq.user))
+            choice = choose_retry(Attempt(tuple(tried), kind), self._retry_snapshot(d))
+            if choice.give_up:
+                m.requests.labels(self.links[served].node_id, "upstream_error", source).inc()
                 m.overhead.observe(max(time.perf_counter() - t0 - up_s, 0.0))
-                return 502 if kind != "timeout" else 504, _dumps({
-                    "error": f"node {self.links[first].node_id} failed ({failed['error']}) and no other node is "
-                             f"live to retry on", "failed": failed}), {}
+                return choice.status, self._failed_body(tried, failed), (
+                    {"x-racer-retried": "1"} if len(tried) > 1 else {})
             m.retries.labels(kind).inc()
-            router.state.dispatch(alt, rreq.user, rreq.history_len + rreq.num_new_items, self.clock())
-            status, content, up2, kind2 = await self._forward(alt, body)
-            up_s += up2
-            served, retried = alt, True
-            if kind2 is not None:
-                failed2 = self._failure_note(alt, kind2, status, content, rreq.user)
-                m.requests.labels(self.links[alt].node_id, "upstream_error", source).inc()
-                m.overhead.observe(max(time.perf_counter() - t0 - up_s, 0.0))
-                return 502 if kind2 != "timeout" else 504, _dumps({
-                    "error": f"nodes {self.links[first].node_id} and {self.links[alt].node_id} both failed "
-                             f"({failed['error']}; {failed2['error']})", "failed": [failed, failed2],
-                    "retried": True}), {"x-racer-retried": "1"}
+            served = choice.node
+            router.state.dispatch(served, rreq.user, rreq.history_len + rreq.num_new_items, self.clock())
+        retried = len(tried) > 1
         nid = self.links[served].node_id
         headers = {"x-racer-served-by": nid, "x-racer-retried": "1" if retried else "0"}
         if status >= 300:  # a 4xx: the node's answer, unchanged
@@ -411,8 +402,8 @@ class Gateway:
                  "routing": {"policy": d.policy, "source": source, "reason": d.reason,
                              "kv_holder": None if d.kv_holder < 0 else self.links[d.kv_holder].node_id},
                  "gateway": {"upstream_ms": round(up_s * 1e3, 3)}}
-        if failed is not None:
-            extra["routing"]["failed"] = failed
+        if failed:
+            extra["routing"]["failed"] = failed[0]
         b = d.breakdown()
         if b is not None:
             extra["routing"]["scores"] = {r.pop("node"): r for r in b.rows()}
@@ -463,45 +454,40 @@ class Gateway:
             self._health_result(i, False, f"connect: {err}")
         return note
 
-    def _next_best(self, d, exclude: int) -> int | None:
+    def _retry_snapshot(self, d) -> RetrySnapshot:
+        """What `choose_retry` reads: decision ``d``'s scores, who is live and the loads now."""
         st = self.router.state
-        if d.score is not None:
-            s = d.score.copy()
-            s[~st.alive] = -math.inf
-            s[exclude] = -math.inf
-            best = int(s.argmax())
-            return best if s[best] > -math.inf else None
-        load = st.load.copy()
-        load[exclude] = math.inf
-        best = int(load.argmin())
-        return best if math.isfinite(load[best]) else None
+        return RetrySnapshot(tuple(l.node_id for l in self.links), d.score, st.alive, st.load)
+
+    def _failed_body(self, tried: list[int], failed: list[dict]) -> bytes:
+        """The 502/504 answer once `choose_retry` gave up: every failed attempt, in order."""
+        ids = [self.links[i].node_id for i in tried]
+        if len(tried) == 1:
+            return _dumps({"error": f"node {ids[0]} failed ({failed[0]['error']}) and no other node is live to "
+                                    f"retry on", "failed": failed[0]})
+        return _dumps({"error": f"nodes {' and '.join(ids)} both failed ({'; '.join(f['error'] for f in failed)})",
+                       "failed": failed, "retried": True})
 
     def _no_live_reason(self) -> str:
-        parts = [f"{l.node_id}: {l.last_error or 'out of rotation'}" for l in self.links if not l.live]
+        parts = [f"{l.node_id}: {l.health.last_error or 'out of rotation'}" for l in self.links if not l.live]
         return "no live node: every node is out of rotation (" + "; ".join(parts) + ")"
 
     # --------------------------------------------------------------------------- health ---
     def _health_result(self, i: int, ok: bool, error: str | None = None) -> None:
+        """Apply a health check's result (or a refused connection) to node ``i``: `health_transition`
+        decides; taking a node out or putting it back in the router happens here."""
         link = self.links[i]
-        c = self.config
-        if ok:
-            link.successes += 1
-            link.failures = 0
-            if not link.live and link.successes >= c.health_successes:
-                link.live = True
-                link.last_error = None
-                link.epoch, link.cursor = None, 0  # the node may have restarted: take a full snapshot
-                self.router.report(NodeReport(link.node_id, at_s=self.clock(), queue_depth=0.0))
-                log.warning(json.dumps({"event": "node_in", "node": link.node_id, "successes": link.successes}))
-        else:
-            link.failures += 1
-            link.successes = 0
-            link.last_error = error
-            if link.live and link.failures >= c.health_failures:
-                link.live = False
-                self._mark_down(i)
-                log.warning(json.dumps({"event": "node_out", "node": link.node_id, "failures": link.failures,
-                                        "error": error}))
+        now = self.clock()
+        t = health_transition(link.health, HealthEvent(ok, error), now, self.health_policy)
+        link.health = t.state
+        if t.change == "in":
+            link.epoch, link.cursor = None, 0  # the node may have restarted: take a full snapshot
+            self.router.report(NodeReport(link.node_id, at_s=now, queue_depth=0.0))
+            log.warning(json.dumps({"event": "node_in", "node": link.node_id, "successes": t.state.successes}))
+        elif t.change == "out":
+            self._mark_down(i)
+            log.warning(json.dumps({"event": "node_out", "node": link.node_id, "failures": t.state.failures,
+                                    "error": error}))
         self.metrics.live_nodes.set(sum(l.live for l in self.links))
 
     async def _check(self, i: int) -> None:
@@ -568,7 +554,7 @@ class Gateway:
             link.service_time_us = float(svc)
             if self.weights_source == "node_metrics":
                 p = st.profiles[i]
-                if abs(p.service_time_us - svc) > 0.1 * p.service_time_us:
+                if service_time_changed(p.service_time_us, svc):
                     st.set_profile(i, replace(p, service_time_us=float(svc)))
                     self.weights_version += 1
                     self.weights_computed_at_s = time.time()
@@ -602,11 +588,12 @@ class Gateway:
             except ValueError as e:
                 raise ValueError(f"nodes.{nid}: {e}") from None
         computed = payload.get("computed_at_s")
-        if self.weights_source == "control_plane" and version <= self.weights_version and self.weights_computed_at_s:
-            if version == self.weights_version:  # a push of what a pull already brought: nothing to do
-                return {"applied": False, "current": True, "version": version, "reason": "already in force"}
-            return {"applied": False, "current": False,
-                    "reason": f"version {version} < version in force {self.weights_version}"}
+        verdict = weights_verdict(version, WeightsInForce(self.weights_version, self.weights_source,
+                                                          self.weights_computed_at_s))
+        if not verdict.apply:
+            if verdict.current:  # a push of what a pull already brought: nothing to do
+                return {"applied": False, "current": True, "version": version, "reason": verdict.reason}
+            return {"applied": False, "current": False, "reason": verdict.reason}
         st = self.router.state
         known = [n for n in profiles if n in st.index]
         # the state is rebuilt from this version alone: a node it does not name goes back to the
@@ -656,16 +643,8 @@ class Gateway:
             except (httpx.HTTPError, ValueError):
                 return
             old = st.profiles[i]
-            kv = costs.get("kv_recompute_us_per_token")
-            if isinstance(kv, dict) and kv:
-                kv = float(np.median([float(v) for v in kv.values()]))
-            emb = costs.get("emb_transfer_us_per_row")
-            p = CostProfile(kv_recompute_us_per_token=float(kv) if kv is not None else old.kv_recompute_us_per_token,
-                            emb_transfer_us_per_row=float(emb) if emb is not None else old.emb_transfer_us_per_row,
-                            service_time_us=link.service_time_us or old.service_time_us,
-                            queue_capacity=self.config.queue_capacity)
-            self.weights_reasons[link.node_id] = ("miss costs from the node's /v1/metrics" if costs else
-                                                  "defaults: the node reports no miss costs (no --profile)")
+            p, self.weights_reasons[link.node_id] = profile_from_metrics(old, costs, link.service_time_us,
+                                                                         self.config.queue_capacity)
             if p != old:
                 st.profiles[i] = p
                 changed = True
@@ -701,19 +680,18 @@ class Gateway:
             except httpx.HTTPError as e:
                 self._client_report_failed(f"{type(e).__name__}: {e}")
                 return
-            if r.status_code >= 500 or r.status_code in (401, 409, 429):
+            step = client_report_step(r.status_code, len(batch), CLIENT_REPORT_BATCH)
+            if step.action == "keep":
                 self._client_report_failed(f"{r.status_code}: {r.text[:200]}")
                 return
-            if r.status_code in (413, 422) and len(batch) > 1:  # over the body cap, or one refused: halves
-                size = max(1, len(batch) // 2)
+            size = step.next_size or size
+            if step.action == "split":
                 continue
             for _ in batch:
                 self.client_reports.popleft()
-            if r.status_code >= 400:
+            if step.action == "drop":
                 self.client_reports_dropped += len(batch)
                 self._client_report_failed(f"{r.status_code}: {r.text[:300]} ({len(batch)} reports dropped)")
-                if r.status_code == 422:  # the refused one is out: the rest in whole batches again
-                    size = CLIENT_REPORT_BATCH
                 continue
             self.client_reports_sent += len(batch)
             self.client_report_error = None
@@ -757,14 +735,16 @@ class Gateway:
                 raise RuntimeError(f"cannot read the node list from {self.control_plane}: {last_err}")
             log.warning(json.dumps({"event": "registry_failed", "error": last_err}))
             return
-        if not nodes:
+        diff = diff_registry([(l.node_id, l.address) for l in self.links] if self.router is not None else [], nodes)
+        if diff.empty:
             if first:
                 log.warning(json.dumps({"event": "registry_empty", "control_plane": self.control_plane}))
             return
         await self._register()  # until it succeeds
-        if self.router is None or [(l.node_id, l.address) for l in self.links] != nodes:
-            log.warning(json.dumps({"event": "nodes_changed", "nodes": [n for n, _ in nodes]}))
-            self._build(nodes)
+        if diff.changed:
+            log.warning(json.dumps({"event": "nodes_changed", "nodes": [n for n, _ in diff.nodes],
+                                    "reason": diff.reason}))
+            self._build(diff.nodes)
             if not first:
                 await self._pull_residency_all()
 
@@ -793,8 +773,8 @@ class Gateway:
         for i, l in enumerate(self.links):
             nodes.append({
                 "node_id": l.node_id, "address": l.address, "live": l.live,
-                "health": {"consecutive_failures": l.failures, "consecutive_successes": l.successes,
-                           "last_error": l.last_error},
+                "health": {"consecutive_failures": l.health.failures, "consecutive_successes": l.health.successes,
+                           "last_error": l.health.last_error},
                 "queue_depth": float(st.queue[i]), "load": None if not math.isfinite(st.load[i]) else float(st.load[i]),
                 "inflight": l.inflight, "node_queue_depth": l.node_queue_depth,
                 "kv_resident_users": counts[i], "hot_shards": l.hot_shards,
@@ -974,12 +954,7 @@ def cmd_gateway(args) -> int:
 
     if bool(args.nodes) == bool(args.control_plane):
         raise ValueError("give exactly one of --nodes and --control-plane")
-    cfg = GatewayConfig(router=args.router, report_interval_s=args.report_interval_s,
-                        health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
-                        health_failures=args.health_failures, health_successes=args.health_successes,
-                        request_timeout_s=args.request_timeout_s, num_shards=args.num_shards,
-                        max_body_bytes=args.max_body_bytes, slo_ms=args.slo_ms,
-                        client_report_interval_s=args.client_report_interval_s)
+    cfg = GatewayConfig(**config_kwargs(args, CLI_CONFIG_FIELDS))
     nodes = _node_list(args.nodes) if args.nodes else []
     item_shard = None
     if args.trace:
@@ -1004,6 +979,12 @@ def cmd_gateway(args) -> int:
     return 0
 
 
+#: the `GatewayConfig` fields the command line sets (``--router``, ``--report-interval-s``, ...)
+CLI_CONFIG_FIELDS = ("router", "num_shards", "report_interval_s", "health_interval_s", "health_timeout_s",
+                     "health_failures", "health_successes", "request_timeout_s", "max_body_bytes", "slo_ms",
+                     "client_report_interval_s")
+
+
 def add_gateway_parser(subparsers) -> None:
     """Add ``gateway`` to racer's top-level subparsers."""
     from workloads.loaders import LOADERS
@@ -1023,30 +1004,15 @@ def add_gateway_parser(subparsers) -> None:
     g.add_argument("--advertise-url", default=None,
                    help="this gateway's URL as the control plane reaches it: registered with POST /api/v1/routers "
                         "for weight pushes (default: none, weights are pulled only)")
-    g.add_argument("--router", default="racer", choices=POLICIES, help="routing policy (default racer)")
     g.add_argument("--trace", default=None, choices=sorted(LOADERS),
                    help="trace the nodes serve: its item -> shard map feeds the EMB term (default: none, no EMB term)")
     g.add_argument("--path", default=None, help="trace file (default: the sample)")
-    g.add_argument("--num-shards", type=int, default=64, help="embedding shards (default 64, as the nodes)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
-    g.add_argument("--report-interval-s", type=float, default=0.5, help="residency feed pull period (default 0.5)")
-    g.add_argument("--health-interval-s", type=float, default=1.0, help="health check period (default 1)")
-    g.add_argument("--health-timeout-s", type=float, default=0.5, help="health check timeout (default 0.5)")
-    g.add_argument("--health-failures", type=int, default=3, help="failures in a row that take a node out (3)")
-    g.add_argument("--health-successes", type=int, default=2, help="successes in a row that bring it back (2)")
-    g.add_argument("--request-timeout-s", type=float, default=10.0, help="one forward attempt's limit (default 10)")
-    g.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
-                   help="most bytes of a request body; a larger one gets 413 and is not forwarded (default 4 MiB, "
-                        "the node agent's default)")
+    add_config_arguments(g, GatewayConfig, CLI_CONFIG_FIELDS)
     g.add_argument("--gateway-id", default=None,
                    help="this gateway's id in its client-side reports to the control plane (default: the "
                         "--advertise-url's host:port, else host:port)")
-    g.add_argument("--slo-ms", type=float, default=30.0,
-                   help="latency SLO for the clients' SLO attainment, ms (default 30, as racer replay; at most 1e6)")
-    g.add_argument("--client-report-interval-s", type=float, default=1.0,
-                   help="how often what clients see goes to the control plane (default 1, at most 600; with "
-                        "--control-plane)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
     g.set_defaults(func=cmd_gateway)
