@@ -111,9 +111,9 @@ def test_burst_spikes_are_bounded_and_hot(trace):
     (dict(regime="spiky"), "regime must be one of"),
     (dict(rate_rps=0), "rate_rps must be a positive number"),
     (dict(duration_s=float("nan")), "duration_s must be a positive number"),
-    (dict(num_users=0), "num_users must be >= 1"),
+    (dict(num_users=0), "num_users must be a positive integer or None"),
     (dict(hot_user_fraction=1.5), "hot_user_fraction must be in (0, 1]"),
-    (dict(num_candidates=-1), "num_candidates must be >= 0"),
+    (dict(num_candidates=-1), "num_candidates must be an integer >= 0"),
     (dict(regime="burst", duration_s=10, num_bursts=5, burst_duration_s=3), "do not fit"),
 ])
 def test_bad_config_is_refused(trace, bad, message):

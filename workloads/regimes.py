@@ -65,87 +65,59 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from common.config import ranged, require
+from common.config import validate as validate_fields
+
 from .trace import Trace
 
 REGIMES = ("steady", "trend", "burst")
 BURST_KINDS = ("kv", "emb")
 
 
+def _positive(default: float):
+    return ranged(default, lo=0, lo_open=True)
+
+
 @dataclass(frozen=True)
 class RegimeConfig:
     """Parameters of a request stream; `validate` checks ranges. See the module docstring."""
 
-    regime: str = "steady"
-    rate_rps: float = 1_000.0
-    duration_s: float = 60.0
-    num_users: int | None = None  # None: the trace's own user count
+    regime: str = ranged("steady", choices=REGIMES)
+    rate_rps: float = _positive(1_000.0)
+    duration_s: float = _positive(60.0)
+    num_users: int | None = ranged(None, lo=1, integer=True, optional=True)  # None: the trace's own user count
     seed: int = 0
-    num_candidates: int = 256
-    mean_new_items: float = 8.0  # new items on a user's first request of the run
-    new_items_per_s: float = 8.0 / 60  # items a user touches per second between requests
-    max_new_items: int = 256
-    history_scale: float = 1.0
-    max_history_len: int = 15_000
-    hot_user_fraction: float = 0.01
+    num_candidates: int = ranged(256, lo=0, integer=True)
+    mean_new_items: float = _positive(8.0)  # new items on a user's first request of the run
+    new_items_per_s: float = ranged(8.0 / 60, lo=0)  # items a user touches per second between requests
+    max_new_items: int = ranged(256, lo=1, integer=True)
+    history_scale: float = _positive(1.0)
+    max_history_len: int = ranged(15_000, lo=1, integer=True)
+    hot_user_fraction: float = ranged(0.01, lo=0, hi=1, lo_open=True)
     # trend
-    trend_rate_start: float = 0.6
-    trend_rate_end: float = 1.4
-    trend_hot_share_end: float = 0.5
-    trend_history_scale_end: float = 3.0
+    trend_rate_start: float = _positive(0.6)
+    trend_rate_end: float = _positive(1.4)
+    trend_hot_share_end: float = ranged(0.5, lo=0, hi=1, lo_open=True)
+    trend_history_scale_end: float = _positive(3.0)
     # burst
-    num_bursts: int | None = None  # None: max(1, round(duration_s / burst_every_s))
-    burst_every_s: float = 30.0
-    burst_duration_s: float = 3.0
-    burst_rate_mult: float = 4.0
-    burst_hot_user_fraction: float = 0.005
+    num_bursts: int | None = ranged(None, lo=0, integer=True, optional=True)  # None: max(1, round(duration_s / burst_every_s))
+    burst_every_s: float = _positive(30.0)
+    burst_duration_s: float = _positive(3.0)
+    burst_rate_mult: float = ranged(4.0, lo=1)
+    burst_hot_user_fraction: float = ranged(0.005, lo=0, hi=1, lo_open=True)
     # what a burst moves: "kv" (hot returning users, drawn by activity: long histories) or "emb"
     # (new users, drawn uniformly among those not seen yet, whose new items and candidates come
     # from a hot set of `burst_item_set_size` items drawn uniformly from the catalogue: cold rows)
-    burst_kind: str = "kv"
-    burst_item_set_size: int = 256
+    burst_kind: str = ranged("kv", choices=BURST_KINDS)
+    burst_item_set_size: int = ranged(256, lo=1, integer=True)
     # trend: by the run's end this share of new items and candidates comes from a shifted
     # popularity (the item ranks moved by a fixed bijection): what is hot drifts
-    trend_item_drift_end: float = 0.5
+    trend_item_drift_end: float = ranged(0.5, lo=0, hi=1)
 
     def validate(self) -> "RegimeConfig":
-        problems = []
-        if self.regime not in REGIMES:
-            problems.append(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
-        for name in ("rate_rps", "duration_s", "mean_new_items", "history_scale", "burst_every_s",
-                     "burst_duration_s", "trend_rate_start", "trend_rate_end", "trend_history_scale_end"):
-            v = getattr(self, name)
-            if not (np.isfinite(v) and v > 0):
-                problems.append(f"{name} must be a positive number, got {v!r}")
-        if not (np.isfinite(self.new_items_per_s) and self.new_items_per_s >= 0):
-            problems.append(f"new_items_per_s must be >= 0, got {self.new_items_per_s}")
-        if self.max_new_items < 1:
-            problems.append(f"max_new_items must be >= 1, got {self.max_new_items}")
-        if self.num_users is not None and self.num_users < 1:
-            problems.append(f"num_users must be >= 1, got {self.num_users}")
-        if self.num_candidates < 0:
-            problems.append(f"num_candidates must be >= 0, got {self.num_candidates}")
-        if self.max_history_len < 1:
-            problems.append(f"max_history_len must be >= 1, got {self.max_history_len}")
-        for name in ("hot_user_fraction", "burst_hot_user_fraction", "trend_hot_share_end"):
-            v = getattr(self, name)
-            if not 0 < v <= 1:
-                problems.append(f"{name} must be in (0, 1], got {v!r}")
-        if self.burst_kind not in BURST_KINDS:
-            problems.append(f"burst_kind must be one of {', '.join(BURST_KINDS)}, got {self.burst_kind!r}")
-        if self.burst_item_set_size < 1:
-            problems.append(f"burst_item_set_size must be >= 1, got {self.burst_item_set_size}")
-        if not 0 <= self.trend_item_drift_end <= 1:
-            problems.append(f"trend_item_drift_end must be in [0, 1], got {self.trend_item_drift_end!r}")
-        if self.burst_rate_mult < 1:
-            problems.append(f"burst_rate_mult must be >= 1, got {self.burst_rate_mult}")
-        if self.num_bursts is not None and self.num_bursts < 0:
-            problems.append(f"num_bursts must be >= 0, got {self.num_bursts}")
-        if self.regime == "burst" and not problems:
-            if self.bursts_count() * self.burst_duration_s > self.duration_s:
-                problems.append(f"{self.bursts_count()} bursts of {self.burst_duration_s} s do not fit in "
-                                f"{self.duration_s} s")
-        if problems:
-            raise ValueError("invalid workload config: " + "; ".join(problems))
+        validate_fields(self)
+        require(self, self.regime != "burst" or self.bursts_count() * self.burst_duration_s <= self.duration_s,
+                f"{self.bursts_count()} bursts of {self.burst_duration_s} s do not fit in {self.duration_s} s")
         return self
 
     def bursts_count(self) -> int:

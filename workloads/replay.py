@@ -34,7 +34,6 @@ SLO attainment is the share of *sent* requests served within ``slo_ms`` (failure
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 import threading
 import time
@@ -44,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 import numpy as np
+
+from common.config import ranged, require, validate
 
 from .regimes import REGIMES, RequestStream, generate, generate_schedule
 from .regimes import parse_schedule as parse_timed_schedule
@@ -71,59 +72,33 @@ class ReplayConfig:
     - ``max_connections``: size of the client's connection pool.
     """
 
-    schedule: tuple[str, ...] = ("steady",)
-    phase_s: tuple[float, ...] | None = None
-    rate_rps: float = 20.0
-    duration_s: float = 60.0
-    first_cycle_s: float | None = None
+    schedule: tuple[str, ...] = ranged(("steady",), choices=REGIMES, length=(1, None))
+    phase_s: tuple[float, ...] | None = ranged(None, lo=0, lo_open=True, length=(0, None), optional=True)
+    rate_rps: float = ranged(20.0, lo=0, lo_open=True, doc="base request rate, req/s")
+    duration_s: float = ranged(60.0, lo=0, lo_open=True)
+    first_cycle_s: float | None = ranged(None, lo=0, lo_open=True, optional=True)
     seed: int = 0
     num_users: int | None = None
-    max_history_len: int = 256
-    max_new_items: int = 32
-    num_candidates: int = 64
-    top_k: int = 10
-    slo_ms: float = 30.0
-    timeout_s: float = 10.0
-    retries: int = 0
-    max_connections: int = 256
+    max_history_len: int = ranged(256, lo=1, integer=True,
+                                  doc="most history + new items per request (the node agent's own limit)")
+    max_new_items: int = ranged(32, lo=1, integer=True)
+    num_candidates: int = ranged(64, lo=1, integer=True, doc="candidates to rank per request")
+    top_k: int = ranged(10, lo=1, integer=True, doc="items returned per request")
+    slo_ms: float = ranged(30.0, lo=0, lo_open=True, doc="latency SLO, ms")
+    timeout_s: float = ranged(10.0, lo=0, lo_open=True, doc="a request fails after this long")
+    retries: int = ranged(0, lo=0, hi=5, integer=True,
+                          doc="client-side retries on the next target (0: leave retries to the gateway)")
+    max_connections: int = ranged(256, lo=1, integer=True)
 
     def __post_init__(self) -> None:
-        problems = []
-        if not self.schedule:
-            problems.append("schedule must name at least one regime")
-        for r in self.schedule:
-            if r not in REGIMES:
-                problems.append(f"schedule: unknown regime {r!r} (choose from {', '.join(REGIMES)})")
-        for name in ("rate_rps", "duration_s", "slo_ms", "timeout_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                problems.append(f"{name} must be a positive number, got {v!r}")
-        for name in ("max_history_len", "max_new_items", "num_candidates", "top_k", "max_connections"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                problems.append(f"{name} must be a positive integer, got {v!r}")
-        if isinstance(self.max_history_len, int) and isinstance(self.max_new_items, int) \
-                and self.max_new_items >= self.max_history_len:
-            problems.append(f"max_new_items ({self.max_new_items}) must be below max_history_len "
-                            f"({self.max_history_len})")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or not 0 <= self.retries <= 5:
-            problems.append(f"retries must be an integer in [0, 5], got {self.retries!r}")
-        if self.first_cycle_s is not None and not (isinstance(self.first_cycle_s, (int, float))
-                                                   and math.isfinite(self.first_cycle_s) and self.first_cycle_s > 0):
-            problems.append(f"first_cycle_s must be a positive number or None, got {self.first_cycle_s!r}")
+        validate(self)
+        require(self, self.max_new_items < self.max_history_len,
+                f"max_new_items ({self.max_new_items}) must be below max_history_len ({self.max_history_len})")
         if self.phase_s is not None:
-            if len(self.phase_s) != len(self.schedule):
-                problems.append(f"phase_s has {len(self.phase_s)} entries for {len(self.schedule)} regimes")
-            bad = [v for v in self.phase_s if isinstance(v, bool) or not isinstance(v, (int, float))
-                   or not math.isfinite(v) or v <= 0]
-            if bad:
-                problems.append(f"phase_s must be positive numbers, got {bad[0]!r}")
-            elif isinstance(self.duration_s, (int, float)) and \
-                    abs(sum(self.phase_s) - self.duration_s) > 1e-9 * max(1.0, self.duration_s):
-                problems.append(f"duration_s ({self.duration_s:g}) must be the sum of phase_s "
-                                f"({sum(self.phase_s):g})")
-        if problems:
-            raise ValueError("invalid replay config: " + "; ".join(problems))
+            require(self, len(self.phase_s) == len(self.schedule),
+                    f"phase_s has {len(self.phase_s)} entries for {len(self.schedule)} regimes")
+            require(self, abs(sum(self.phase_s) - self.duration_s) <= 1e-9 * max(1.0, self.duration_s),
+                    f"duration_s ({self.duration_s:g}) must be the sum of phase_s ({sum(self.phase_s):g})")
 
 
 def phase_name(regime: str, start_s: float, end_s: float) -> str:
