@@ -58,6 +58,8 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .config import ranged, validate
+
 __all__ = ["AllowedMethods", "BodyLimit", "BodyTooLarge", "HttpTimeouts", "JsonOnly", "json_content_type", "declared_body_bytes", "finite_validation_errors", "json_safe", "listen_socket",
            "may_have_body", "read_body", "replay_body", "send_json", "serve_forever", "set_nodelay", "tune_runtime"]
 
@@ -367,15 +369,12 @@ class HttpTimeouts:
     ``RACER_HTTP_HEADER_TIMEOUT_S``, ``RACER_HTTP_BODY_IDLE_TIMEOUT_S`` and
     ``RACER_HTTP_KEEP_ALIVE_S`` over these defaults."""
 
-    header_timeout_s: float = 10.0
-    body_idle_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
+    header_timeout_s: float = ranged(10.0, lo=0, lo_open=True, hi=3600, doc="a request head's deadline, s")
+    body_idle_timeout_s: float = ranged(30.0, lo=0, lo_open=True, hi=3600, doc="most a body may stall, s")
+    keep_alive_s: float = ranged(5.0, lo=0, lo_open=True, hi=3600, doc="an idle kept-alive connection's life, s")
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_idle_timeout_s", "keep_alive_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 3600):
-                raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {v!r}")
+        validate(self)
 
     @classmethod
     def from_env(cls, environ=None) -> "HttpTimeouts":
