@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.config import ranged, require, validate
 from node_agent.features import FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION
 
 CHECKPOINT_FORMAT = "racer-actor-checkpoint"
@@ -55,28 +56,18 @@ class ActorConfig:
     """
 
     num_features: int = NUM_FEATURES
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    activation: str = "tanh"
-    init_log_std: float = -1.0
+    hidden_sizes: tuple[int, ...] = ranged((64, 64), lo=1, hi=1024, integer=True, length=(1, 4))
+    activation: str = ranged("tanh", choices=sorted(ACTIVATIONS))
+    init_log_std: float = ranged(-1.0, lo=-10, hi=2)
     feature_schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden_sizes", tuple(self.hidden_sizes))
-        problems = []
-        if self.num_features != NUM_FEATURES:
-            problems.append(f"num_features must be {NUM_FEATURES} (schema {SCHEMA_VERSION}), got {self.num_features}")
-        if self.feature_schema_version != SCHEMA_VERSION:
-            problems.append(f"feature_schema_version must be {SCHEMA_VERSION}, got {self.feature_schema_version}")
-        if not 1 <= len(self.hidden_sizes) <= 4 or not all(
-                isinstance(h, int) and not isinstance(h, bool) and 1 <= h <= 1024 for h in self.hidden_sizes):
-            problems.append(f"hidden_sizes must be 1 to 4 integers in [1, 1024], got {self.hidden_sizes!r}")
-        if self.activation not in ACTIVATIONS:
-            problems.append(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
-        if not (isinstance(self.init_log_std, (int, float)) and math.isfinite(self.init_log_std)
-                and -10 <= self.init_log_std <= 2):
-            problems.append(f"init_log_std must be in [-10, 2], got {self.init_log_std!r}")
-        if problems:
-            raise ValueError("invalid ActorConfig: " + "; ".join(problems))
+        validate(self)
+        require(self, self.num_features == NUM_FEATURES,
+                f"num_features must be {NUM_FEATURES} (schema {SCHEMA_VERSION}), got {self.num_features}")
+        require(self, self.feature_schema_version == SCHEMA_VERSION,
+                f"feature_schema_version must be {SCHEMA_VERSION}, got {self.feature_schema_version}")
 
     def to_dict(self) -> dict:
         d = asdict(self)

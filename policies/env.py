@@ -57,6 +57,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from common.config import ranged
+from common.config import validate as validate_fields
 from node_agent.allocator import GuardConfig, guard_stage
 
 from node_agent.features import NUM_FEATURES, P99_OVER_SLO_MAX, WindowStats, build_features, miss_costs_us
@@ -108,20 +110,15 @@ class RewardConfig:
     cluster's P99 and SLO, is a team objective; every node runs the same policy.
     """
 
-    w_p99: float = 1.0
-    w_over: float = 1.0
-    w_slo_miss: float = 0.5
-    w_miss_time: float = 1.0
-    w_refill: float = 0.05
-    team_weight: float = 1.0
+    w_p99: float = ranged(1.0, lo=0)
+    w_over: float = ranged(1.0, lo=0)
+    w_slo_miss: float = ranged(0.5, lo=0)
+    w_miss_time: float = ranged(1.0, lo=0)
+    w_refill: float = ranged(0.05, lo=0)
+    team_weight: float = ranged(1.0, lo=0, hi=1)
 
     def validate(self) -> "RewardConfig":
-        bad = [f"{k} must be a finite number >= 0, got {v!r}" for k, v in asdict(self).items()
-               if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)]
-        if not bad and self.team_weight > 1:
-            bad.append(f"team_weight must be in [0, 1], got {self.team_weight!r}")
-        if bad:
-            raise ValueError("invalid RewardConfig: " + "; ".join(bad))
+        validate_fields(self)
         return self
 
 
@@ -311,19 +308,19 @@ class EnvConfig:
     ``rate_spread``, the regimes, guards and reward are shared by every setting.
     """
 
-    traces: tuple[str, ...] = ("taobao", "amazon")
+    traces: tuple[str, ...] = ranged(("taobao", "amazon"), choices=TRACE_NAMES, length=(1, None))
     regimes: tuple[str, ...] = ("steady", "trend", "burst")
-    num_nodes: int = 4
-    rate_rps: float = 1_500.0
-    rate_spread: float = 0.5
-    duration_s: float = 20.0
-    num_users: int = 12_500
-    history_scale: float = 1.0
-    cache_fraction: float = 0.5
-    slo_ms: float = 30.0
-    control_interval_s: float = 1.0
+    num_nodes: int = ranged(4, lo=1, integer=True)
+    rate_rps: float = ranged(1_500.0, lo=0, lo_open=True)
+    rate_spread: float = ranged(0.5, lo=0)
+    duration_s: float = ranged(20.0, lo=0, lo_open=True)
+    num_users: int = ranged(12_500, lo=1, integer=True)
+    history_scale: float = ranged(1.0, lo=0, lo_open=True)
+    cache_fraction: float = ranged(0.5, lo=0, lo_open=True)
+    slo_ms: float = ranged(30.0, lo=0, lo_open=True)
+    control_interval_s: float = ranged(1.0, lo=0, lo_open=True)
     profile: str = "a100-hstu"
-    initial_share_range: tuple[float, float] = (0.2, 0.8)
+    initial_share_range: tuple[float, float] = ranged((0.2, 0.8), lo=0, hi=1, length=(2, 2))
     step_limit: bool = False
     guard: GuardConfig = field(default_factory=GuardConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -352,24 +349,13 @@ class EnvConfig:
     def validate(self) -> "EnvConfig":
         from workloads.regimes import REGIMES
 
+        validate_fields(self)
         p = []
-        if not self.traces or any(t not in TRACE_NAMES for t in self.traces):
-            p.append(f"traces must be a non-empty subset of {TRACE_NAMES}, got {self.traces!r}")
         if not self.regimes or any(r not in REGIMES for r in self.regimes):
             p.append(f"regimes must be a non-empty subset of {REGIMES}, got {self.regimes!r}")
-        if not (isinstance(self.num_nodes, int) and self.num_nodes >= 1):
-            p.append(f"num_nodes must be an integer >= 1, got {self.num_nodes!r}")
-        for k in ("rate_rps", "duration_s", "history_scale", "cache_fraction", "slo_ms", "control_interval_s"):
-            v = getattr(self, k)
-            if not (math.isfinite(v) and v > 0):
-                p.append(f"{k} must be a positive number, got {v!r}")
-        if not (math.isfinite(self.rate_spread) and self.rate_spread >= 0):
-            p.append(f"rate_spread must be >= 0, got {self.rate_spread!r}")
-        if not (isinstance(self.num_users, int) and self.num_users >= 1):
-            p.append(f"num_users must be an integer >= 1, got {self.num_users!r}")
         lo, hi = self.initial_share_range
-        if not 0 <= lo <= hi <= 1:
-            p.append(f"initial_share_range must satisfy 0 <= lo <= hi <= 1, got {self.initial_share_range!r}")
+        if lo > hi:
+            p.append(f"initial_share_range must satisfy lo <= hi, got {self.initial_share_range!r}")
         if self.duration_s < 3 * self.control_interval_s:
             p.append("duration_s must cover at least 3 control intervals (one step)")
         if not isinstance(self.settings, tuple) or any(not isinstance(x, EnvSetting) for x in self.settings):

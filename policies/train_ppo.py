@@ -54,6 +54,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.config import ranged, require
+from common.config import validate as validate_fields
+
 from .actor import Actor, ActorConfig, make_initial_actor, save_checkpoint
 from .env import AllocatorEnv, EnvConfig, parse_settings
 from node_agent.features import NUM_FEATURES
@@ -64,9 +67,9 @@ class Args:
     # run
     seed: int = 1
     out: str = "out/ppo"
-    total_steps: int = 6_000  # control intervals simulated for training (each gives num_nodes transitions)
+    total_steps: int = ranged(6_000, lo=0, integer=True)  # control intervals simulated for training (each gives num_nodes transitions)
     progress: bool = True
-    torch_threads: int = 1
+    torch_threads: int = ranged(1, lo=1, integer=True)
     # environment (policies.env.EnvConfig.like_table: None = the paper table's value, per node)
     traces: tuple[str, ...] = ("taobao", "amazon")
     regimes: tuple[str, ...] = ("steady", "trend", "burst")
@@ -85,71 +88,49 @@ class Args:
     # warm start: a policy artifact directory whose actor weights PPO starts from (None: a fresh actor)
     init_policy: str | None = None
     # PPO
-    num_steps: int = 36  # env steps per rollout (two 18-step episodes of 20 s)
-    learning_rate: float = 1e-3
+    num_steps: int = ranged(36, lo=1, integer=True)  # env steps per rollout (two 18-step episodes of 20 s)
+    learning_rate: float = ranged(1e-3, lo=0, lo_open=True)
     anneal_lr: bool = True
-    gamma: float = 0.5
-    gae_lambda: float = 0.8
-    update_epochs: int = 10
-    num_minibatches: int = 4
+    gamma: float = ranged(0.5, lo=0, hi=1)
+    gae_lambda: float = ranged(0.8, lo=0, hi=1)
+    update_epochs: int = ranged(10, lo=1, integer=True)
+    num_minibatches: int = ranged(4, lo=1, integer=True)
     norm_adv: bool = True
-    clip_coef: float = 0.2
+    clip_coef: float = ranged(0.2, lo=0, lo_open=True)
     clip_vloss: bool = False  # value clipping at clip_coef would stall a critic whose returns are O(1)
     ent_coef: float = 0.0
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     target_kl: float | None = 0.05
-    reward_scale: float = 1.0  # rewards are multiplied by this before GAE (the curve reports unscaled)
+    reward_scale: float = ranged(1.0, lo=0, lo_open=True)  # rewards are multiplied by this before GAE (the curve reports unscaled)
     # networks
     hidden_sizes: tuple[int, ...] = (64, 64)
     init_log_std: float = 0.0
     # imitation warm start (policies.imitation): clone the replay oracle before PPO
-    bc_episodes: int = 0  # oracle-replayed episodes to clone (0: PPO from a random actor)
-    bc_shares: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # the oracle's grid (the paper table's)
-    bc_epochs: int = 200
-    bc_lr: float = 3e-3
-    bc_coef: float = 1.0  # weight of the clone loss kept in every PPO minibatch (0: none)
+    bc_episodes: int = ranged(0, lo=0, integer=True)  # oracle-replayed episodes to clone (0: PPO from a random actor)
+    bc_shares: tuple[float, ...] = ranged((0.1, 0.3, 0.5, 0.7, 0.9), lo=0, hi=1, length=(1, None))  # the oracle's grid (the paper table's)
+    bc_epochs: int = ranged(200, lo=1, integer=True)
+    bc_lr: float = ranged(3e-3, lo=0, lo_open=True)
+    bc_coef: float = ranged(1.0, lo=0)  # weight of the clone loss kept in every PPO minibatch (0: none)
     bc_seed: int = 20_000  # seed of the oracle's episodes (apart from PPO's and the evaluation's)
     bc_data: tuple[str, ...] = ()  # .npz files of `python -m policies.imitation` instead of collecting here
     # evaluation
     eval_seed: int = 10_000
-    eval_static_shares: tuple[float, ...] = (0.5, 0.9)
+    eval_static_shares: tuple[float, ...] = ranged((0.5, 0.9), lo=0, hi=1, length=(0, None))
     evaluate: bool = True  # False: no held-out evaluation (judge the export with `python -m bench.regret --policy`)
 
     def validate(self) -> "Args":
-        p = []
-        for k in ("total_steps", "num_steps", "update_epochs", "num_minibatches", "torch_threads"):
-            v = getattr(self, k)
-            if k == "total_steps" and v == 0 and (self.bc_episodes or self.bc_data):
-                continue  # imitation only: clone, no PPO update
-            if not (isinstance(v, int) and v >= 1):
-                p.append(f"{k} must be an integer >= 1 (0 only with --bc-data or --bc-episodes: clone without "
-                         f"PPO), got {v!r}" if k == "total_steps" else f"{k} must be an integer >= 1, got {v!r}")
-        for k in ("learning_rate", "clip_coef", "reward_scale"):
-            if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
-                p.append(f"{k} must be > 0, got {getattr(self, k)!r}")
-        for k in ("gamma", "gae_lambda"):
-            if not 0 <= getattr(self, k) <= 1:
-                p.append(f"{k} must be in [0, 1], got {getattr(self, k)!r}")
-        if any(not 0 <= s <= 1 for s in self.eval_static_shares):
-            p.append("eval_static_shares must lie in [0, 1]")
-        if not (isinstance(self.bc_episodes, int) and self.bc_episodes >= 0):
-            p.append(f"bc_episodes must be an integer >= 0, got {self.bc_episodes!r}")
-        if not (isinstance(self.bc_epochs, int) and self.bc_epochs >= 1):
-            p.append(f"bc_epochs must be an integer >= 1, got {self.bc_epochs!r}")
-        if not (math.isfinite(self.bc_lr) and self.bc_lr > 0) or not (math.isfinite(self.bc_coef) and self.bc_coef >= 0):
-            p.append("bc_lr must be > 0 and bc_coef >= 0")
-        if not self.bc_shares or any(not 0 <= s <= 1 for s in self.bc_shares):
-            p.append("bc_shares must be a non-empty list of values in [0, 1]")
-        if self.num_steps * self.num_nodes < self.num_minibatches:
-            p.append("num_steps * num_nodes must be at least num_minibatches")
+        validate_fields(self, "PPO Args")
+        require(self, self.total_steps >= 1 or bool(self.bc_episodes or self.bc_data),
+                f"total_steps must be an integer >= 1 (0 only with --bc-data or --bc-episodes: clone without PPO), "
+                f"got {self.total_steps!r}", "PPO Args")
+        require(self, self.num_steps * self.num_nodes >= self.num_minibatches,
+                "num_steps * num_nodes must be at least num_minibatches", "PPO Args")
         if self.settings is not None:
             try:
                 parse_settings(self.settings)
             except ValueError as e:
-                p.append(str(e))
-        if p:
-            raise ValueError("invalid PPO Args: " + "; ".join(p))
+                raise ValueError(f"invalid PPO Args: {e}") from None
         return self
 
     def env_config(self) -> EnvConfig:
