@@ -14,9 +14,20 @@ recomputed token vs per transferred row), which is what decides the split.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from common.config import ranged, require
+from common.config import validate as validate_fields
+
+
+def _positive():
+    """A required field: a finite number > 0 (an int or a float, as JSON gives it)."""
+    return ranged(lo=0, lo_open=True)
+
+
+def _at_least_0():
+    return ranged(lo=0)
 
 
 @dataclass(frozen=True)
@@ -25,39 +36,29 @@ class CostProfile:
 
     name: str
     # compute: prefilling token i (0-based position) costs token_us + attn_us_per_ctx * i
-    token_us: float
-    attn_us_per_ctx: float
+    token_us: float = _positive()
+    attn_us_per_ctx: float = _at_least_0()
     # ranking: a candidate costs cand_us + attn_us_per_ctx * context_len
-    cand_us: float
+    cand_us: float = _at_least_0()
     # embeddings: a miss moves one row over the host link, a hit reads it from HBM
-    emb_transfer_us_per_row: float
-    emb_hit_us_per_row: float
+    emb_transfer_us_per_row: float = _positive()
+    emb_hit_us_per_row: float = _at_least_0()
     # fixed per micro-batch (kernel launches, scheduling) and per request
-    batch_overhead_us: float
-    request_overhead_us: float
+    batch_overhead_us: float = _at_least_0()
+    request_overhead_us: float = _at_least_0()
     # how many requests' compute a micro-batch overlaps (GPU batching efficiency)
-    batch_speedup: float
-    max_batch: int
+    batch_speedup: float = ranged(lo=1)
+    max_batch: int = _positive()
     # sizes
-    emb_row_bytes: int
-    kv_bytes_per_token: int
-    page_tokens: int
-    hbm_cache_bytes: int
-    link_bytes_per_s: float
+    emb_row_bytes: int = _positive()
+    kv_bytes_per_token: int = _positive()
+    page_tokens: int = _positive()
+    hbm_cache_bytes: int = _at_least_0()
+    link_bytes_per_s: float = _positive()
     sources: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> "CostProfile":
-        for k, v in asdict(self).items():
-            if k in ("name", "sources"):
-                continue
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"profile {self.name}: {k} must be a finite number >= 0, got {v!r}")
-        for k in ("token_us", "emb_transfer_us_per_row", "batch_speedup", "max_batch", "emb_row_bytes",
-                  "kv_bytes_per_token", "page_tokens", "link_bytes_per_s"):
-            if getattr(self, k) <= 0:
-                raise ValueError(f"profile {self.name}: {k} must be > 0")
-        if self.batch_speedup < 1:
-            raise ValueError(f"profile {self.name}: batch_speedup must be >= 1")
+        validate_fields(self, f"profile {self.name}")
         return self
 
     @property
@@ -220,18 +221,17 @@ class PaperScale:
     cluster_nodes: int = 32
     rate_rps_per_node: float = 125.0
     history_tail: int = 15_000
-    scale: float = 1 / 192
+    scale: float = ranged(1 / 192, lo=0, hi=1, lo_open=True)
 
     @property
     def users_per_node(self) -> int:
         return self.num_users // self.cluster_nodes
 
     def validate(self, profile: CostProfile = A100_HSTU) -> "PaperScale":
-        if not 0 < self.scale <= 1:
-            raise ValueError(f"paper-scale: scale must be in (0, 1], got {self.scale}")
+        validate_fields(self, "paper-scale")
         kv = self.kv_bytes_per_token(profile)
-        if kv < 8 or kv % 8:
-            raise ValueError(f"paper-scale: scale {self.scale} gives {kv} K/V bytes per token; want a multiple of 8")
+        require(self, kv >= 8 and kv % 8 == 0,
+                f"scale {self.scale} gives {kv} K/V bytes per token; want a multiple of 8", "paper-scale")
         self.page_tokens(profile)
         return self
 
