@@ -190,9 +190,10 @@ def help_of(cls, name: str, doc: str | None = None) -> str:
     """Help text of the option for field ``name``: its doc (or ``doc``), default and range."""
     rule = cls.__dataclass_fields__[name].metadata.get(_KEY)
     text = doc if doc is not None else (rule.doc if rule is not None else "")
-    extra = [f"default {_show(default_of(cls, name))}"]
+    default = default_of(cls, name)
+    extra = [] if default is None else [f"default {_show(default)}"]  # a None default: the doc says what it means
     if rule is not None and rule.choices is None and rule.kind is None:
-        extra.append(rule.words())
+        extra.append(rule.words().removesuffix(" or None"))
     return f"{text} ({'; '.join(extra)})" if text else "; ".join(extra)
 
 
@@ -202,7 +203,8 @@ def _parser_of(rule: Range):
         try:
             v = int(text) if rule.integer else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {rule.words()}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if rule.integer else 'a number'}, "
+                                             f"got {text!r}") from None
         if not rule.accepts_item(v):
             raise argparse.ArgumentTypeError(f"must be {rule.words()}, got {text}")
         return v
@@ -228,13 +230,16 @@ def add_config_arguments(parser, cls, fields: Iterable[str], *, prefix: str = ""
         rule = range_of(cls, name)
         flag = (flags or {}).get(name) or "--" + (prefix + name).replace("_", "-")
         kw: dict[str, Any] = {"dest": _dest(prefix, name), "default": default_of(cls, name),
-                              "help": help_of(cls, name, (helps or {}).get(name))}
+                              "help": help_of(cls, name, (helps or {}).get(name)),
+                              "metavar": flag.lstrip("-").upper().replace("-", "_")}
         if rule.length is not None:
             raise TypeError(f"{cls.__name__}.{name}: a sequence field has no generic option; parse it yourself")
         if rule.kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
+            del kw["metavar"]
         elif rule.choices is not None:
             kw["choices"] = rule.choices
+            del kw["metavar"]
         elif rule.kind is None:
             kw["type"] = _parser_of(rule)
         parser.add_argument(flag, **kw)

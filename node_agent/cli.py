@@ -17,46 +17,58 @@ import json
 import logging
 import sys
 
-from .argtypes import port, positive_float, positive_int, unit_interval
+from common.config import add_config_arguments, config_kwargs, default_of
+
+from .argtypes import port, positive_int
 
 log = logging.getLogger("racer.node_agent")
 
+# options whose default, help and range are read from a config's fields (`common.config.add_config_arguments`)
+MODEL_FIELDS = ("embedding_dim", "num_layers", "num_heads", "qk_dim")  # ModelConfig; --head-dim sets qk_dim and v_dim
+LINK_FIELDS = ("mode", "bandwidth_gb_per_s", "latency_us")  # LinkEmulationConfig, as --link-*
+PROFILE_FIELDS = ("repeats", "emb_batch_rows", "num_candidates")  # ProfileConfig
+ENGINE_FIELDS = ("num_pages", "max_history_len", "max_candidates", "default_top_k")  # EngineConfig (and emb_share)
+AGENT_FIELDS = ("slo_ms", "max_batch", "batch_window_us", "max_queue", "max_body_bytes", "large_prefill_tokens",
+                "max_prefill_tokens_per_batch", "request_timeout_s", "control_interval_s",
+                "metrics_window_s")  # AgentConfig
+REPORTER_FIELDS = ("max_buffered_reports", "max_memory_reports", "service_time_us")  # ReporterConfig
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from .engine import EngineConfig
+    from .model import ModelConfig
+
     g = p.add_argument_group("model (HSTU; a trained checkpoint with --model, else weights initialised from --seed)")
     g.add_argument("--model", default=None, metavar="DIR",
                    help="a checkpoint directory (racer model train): its weights, item table and shape are used "
                         "and --embedding-dim, --num-layers, --num-heads and --head-dim are ignored; it must have "
                         "been trained on the trace served here (default: random weights from --seed)")
-    g.add_argument("--embedding-dim", type=positive_int, default=64, help="item embedding / model width (default 64)")
-    g.add_argument("--num-layers", type=positive_int, default=2, help="HSTU layers (default 2)")
-    g.add_argument("--num-heads", type=positive_int, default=2, help="attention heads (default 2)")
-    g.add_argument("--head-dim", type=positive_int, default=32,
-                   help="per-head size of Q, K and V (one size: the KV pages store K and V alike; default 32)")
-    g.add_argument("--page-tokens", type=positive_int, default=16, help="tokens per KV page (default 16)")
-    g.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
-                   help="K/V storage type in the pages (default float32)")
-    g.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU, else CPU), cpu, cuda[:N]")
+    add_config_arguments(g, ModelConfig, MODEL_FIELDS, flags={"qk_dim": "--head-dim"},
+                         helps={"qk_dim": "per-head size of Q, K and V (one size: the KV pages store K and V alike)"})
+    add_config_arguments(g, EngineConfig, ["page_tokens"])
+    kv_dtype, device, seed = (default_of(EngineConfig, "kv_dtype"), default_of(EngineConfig, "device"),
+                              default_of(ModelConfig, "seed"))
+    g.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default=kv_dtype,
+                   help=f"K/V storage type in the pages (default {kv_dtype})")
+    g.add_argument("--device", default=device, help=f"auto (CUDA when torch sees a GPU, else CPU), cpu, cuda[:N] "
+                                                    f"(default {device})")
     g.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads on the CPU (default 1: these VMs are shared)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the model weights and the item table (default 0)")
+    g.add_argument("--seed", type=int, default=seed, help=f"seed of the model weights and the item table (default {seed})")
 
 
 def _add_link_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("link emulation (charges EMB misses what a PCIe link would)")
-    g.add_argument("--link-emulation", choices=("auto", "on", "off"), default="auto",
-                   help="auto: on for the CPU, off on CUDA where the copies are real (default auto)")
-    g.add_argument("--link-bandwidth-gb-per-s", type=positive_float, default=None,
-                   help="emulated bandwidth, GB/s (default: PCIe 4.0 x16, see docs/engine.md)")
-    g.add_argument("--link-latency-us", type=float, default=None,
-                   help="emulated fixed cost per transfer, µs (default: PCIe 4.0 x16, see docs/engine.md)")
+    from .engine import LinkEmulationConfig
+
+    g = p.add_argument_group("link emulation (charges EMB misses what a PCIe link would; see docs/engine.md)")
+    add_config_arguments(g, LinkEmulationConfig, LINK_FIELDS, prefix="link-", flags={"mode": "--link-emulation"})
 
 
 def _model_config(args):
     from .model import ModelConfig
 
-    return ModelConfig(embedding_dim=args.embedding_dim, num_layers=args.num_layers, num_heads=args.num_heads,
-                       qk_dim=args.head_dim, v_dim=args.head_dim, seed=args.seed)
+    kw = config_kwargs(args, MODEL_FIELDS)
+    return ModelConfig(**kw, v_dim=kw["qk_dim"], seed=args.seed)
 
 
 def _checkpoint(args, trace=None):
@@ -71,12 +83,7 @@ def _checkpoint(args, trace=None):
 def _link_config(args):
     from .engine import LinkEmulationConfig
 
-    kw = {"mode": args.link_emulation}
-    if args.link_bandwidth_gb_per_s is not None:
-        kw["bandwidth_gb_per_s"] = args.link_bandwidth_gb_per_s
-    if args.link_latency_us is not None:
-        kw["latency_us"] = args.link_latency_us
-    return LinkEmulationConfig(**kw)
+    return LinkEmulationConfig(**config_kwargs(args, LINK_FIELDS, prefix="link-"))
 
 
 def _set_threads(args) -> None:
@@ -97,8 +104,8 @@ def cmd_node_profile(args) -> int:
 
     _set_threads(args)
     ckpt = _checkpoint(args)
-    cfg = ProfileConfig(model=ckpt.config if ckpt is not None else _model_config(args), lengths=parse_lengths(args.lengths), repeats=args.repeats,
-                        emb_batch_rows=args.emb_batch_rows, num_candidates=args.num_candidates,
+    cfg = ProfileConfig(model=ckpt.config if ckpt is not None else _model_config(args),
+                        lengths=parse_lengths(args.lengths), **config_kwargs(args, PROFILE_FIELDS),
                         page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, link=_link_config(args),
                         device=args.device, seed=args.seed)
     out = Path(args.out) if args.out else None
@@ -137,17 +144,12 @@ def build_agent(args, *, announce=None):
     trace = load_trace(args.trace, args.path, max_rows=args.max_rows)
     ckpt = _checkpoint(args, trace)  # refused here (CheckpointError) before anything starts
     ecfg = EngineConfig(
-        model=ckpt.config if ckpt is not None else _model_config(args), num_items=trace.num_items, item_seed=args.seed, num_pages=args.num_pages,
-        page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, emb_share=args.emb_share,
-        max_history_len=args.max_history_len, max_candidates=args.max_candidates,
-        default_num_candidates=min(args.num_candidates, args.max_candidates, trace.num_items),
-        default_top_k=args.top_k, link=_link_config(args), device=args.device)
-    acfg = AgentConfig(max_batch=args.max_batch, batch_window_us=args.batch_window_us, max_queue=args.max_queue,
-                       request_timeout_s=args.request_timeout_s, control_interval_s=args.control_interval_s,
-                       slo_ms=args.slo_ms, metrics_window_s=args.metrics_window_s,
-                       large_prefill_tokens=args.large_prefill_tokens,
-                       max_prefill_tokens_per_batch=args.max_prefill_tokens_per_batch,
-                       max_body_bytes=args.max_body_bytes)
+        model=ckpt.config if ckpt is not None else _model_config(args), num_items=trace.num_items,
+        item_seed=args.seed, page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, emb_share=args.emb_share,
+        **config_kwargs(args, ENGINE_FIELDS),
+        default_num_candidates=min(args.default_num_candidates, args.max_candidates, trace.num_items),
+        link=_link_config(args), device=args.device)
+    acfg = AgentConfig(**config_kwargs(args, AGENT_FIELDS))
     engine = Engine(ecfg, item_popularity=trace.item_popularity(), checkpoint=ckpt)
     allocator = None
     costs = None
@@ -219,8 +221,7 @@ def reporter_config(args, host: str, port: int):
         advertise = f"http://{'[' + h + ']' if ':' in h else h}:{port}"
     return ReporterConfig(control_plane_url=args.control_plane.rstrip("/"), token=token, node_id=node_id,
                           advertise_url=advertise, state_dir=args.state_dir or default_state_dir(node_id),
-                          max_buffered_reports=args.max_buffered_reports, service_time_us=args.service_time_us,
-                          max_memory_reports=args.max_memory_reports)
+                          **config_kwargs(args, REPORTER_FIELDS))
 
 
 def cmd_node_agent(args) -> int:
@@ -265,6 +266,11 @@ def add_node_parser(subparsers) -> None:
     """Add ``node`` (with ``profile``) and ``node-agent`` to racer's top-level subparsers."""
     from workloads.loaders import LOADERS
 
+    from .agent import AgentConfig
+    from .engine import EngineConfig
+    from .profile import ProfileConfig
+    from .reporter import ReporterConfig
+
     node = subparsers.add_parser("node", help="node-level tools: measure the device's cost profile",
                                  description="Tools for one serving node (one device).")
     sub = node.add_subparsers(dest="node_command", metavar="SUBCOMMAND", required=True)
@@ -274,13 +280,10 @@ def add_node_parser(subparsers) -> None:
                                     "that router weights and the simulator read.")
     _add_model_args(pr)
     _add_link_args(pr)
-    pr.add_argument("--lengths", default="128,512,2048", help="history lengths for kv_recompute_us_per_token "
-                                                              "(default 128,512,2048)")
-    pr.add_argument("--repeats", type=positive_int, default=5, help="timed runs per figure, median (default 5)")
-    pr.add_argument("--emb-batch-rows", type=positive_int, default=512,
-                    help="ids per EMB lookup when timing hits and misses (default 512)")
-    pr.add_argument("--num-candidates", type=positive_int, default=256,
-                    help="candidates when timing ranking (default 256)")
+    lengths = ",".join(map(str, default_of(ProfileConfig, "lengths")))
+    pr.add_argument("--lengths", default=lengths,
+                    help=f"history lengths for kv_recompute_us_per_token (default {lengths})")
+    add_config_arguments(pr, ProfileConfig, PROFILE_FIELDS)
     pr.add_argument("--out", default=None,
                     help="also write the profile to this file (default: print only, write no file)")
     pr.add_argument("--json", action="store_true", help="print the profile as one JSON object")
@@ -297,37 +300,18 @@ def add_node_parser(subparsers) -> None:
     ag.add_argument("--path", default=None,
                     help="trace file (default: the sample under $RACER_DATA_DIR or ../shared/data)")
     ag.add_argument("--max-rows", type=positive_int, default=None, help="read at most this many interactions")
-    ag.add_argument("--emb-share", type=unit_interval, default=0.5, help="initial EMB share of the arena (default 0.5)")
-    ag.add_argument("--slo-ms", type=positive_float, default=30.0, help="latency SLO, ms (default 30)")
+    add_config_arguments(ag, EngineConfig, ["emb_share"])
+    add_config_arguments(ag, AgentConfig, ["slo_ms"])
     ag.add_argument("--policy", default=None,
                     help="SmartAllocator policy artifact directory (default: none, emb_share stays fixed)")
     ag.add_argument("--profile", default=None,
                     help="cost profile (racer node profile) for the allocator's miss costs (default: measured "
                          "at start when --policy is given)")
     g = ag.add_argument_group("memory and limits")
-    g.add_argument("--num-pages", type=positive_int, default=4096, help="arena pages (default 4096)")
-    g.add_argument("--max-history-len", type=positive_int, default=4096,
-                   help="most history + new items per request (default 4096)")
-    g.add_argument("--max-candidates", type=positive_int, default=4096, help="most candidates per request")
-    g.add_argument("--num-candidates", type=positive_int, default=256,
-                   help="candidates generated when a request names none and gives no count (default 256)")
-    g.add_argument("--top-k", type=positive_int, default=10, help="default top-k (default 10)")
+    add_config_arguments(g, EngineConfig, ENGINE_FIELDS + ("default_num_candidates",),
+                         flags={"default_num_candidates": "--num-candidates", "default_top_k": "--top-k"})
     g = ag.add_argument_group("serving loop")
-    g.add_argument("--max-batch", type=positive_int, default=16, help="most requests per micro-batch (default 16)")
-    g.add_argument("--batch-window-us", type=float, default=0.0,
-                   help="wait this long for more requests after the first (default 0)")
-    g.add_argument("--max-queue", type=positive_int, default=1024, help="queued requests before 503 (default 1024)")
-    g.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20,
-                   help="larger request bodies get 413, chunked ones included (default 4194304)")
-    g.add_argument("--large-prefill-tokens", type=positive_int, default=1024,
-                   help="a request with at least this many tokens to prefill (not in its KV cache) is a large "
-                        "miss: served alone, alternating with the small requests (default 1024)")
-    g.add_argument("--max-prefill-tokens-per-batch", type=positive_int, default=2048,
-                   help="estimated prefill tokens per micro-batch of small requests (default 2048)")
-    g.add_argument("--request-timeout-s", type=positive_float, default=30.0, help="504 after this long (default 30)")
-    g.add_argument("--control-interval-s", type=positive_float, default=1.0,
-                   help="control step period: window stats, allocator (default 1)")
-    g.add_argument("--metrics-window-s", type=positive_float, default=60.0, help="metrics window (default 60)")
+    add_config_arguments(g, AgentConfig, AGENT_FIELDS[1:])
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default warning)")
     g = ag.add_argument_group("control plane (optional: without --control-plane the agent runs on its own)")
@@ -342,14 +326,7 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--state-dir", default=None,
                    help="report spool, sequence counter and downloaded policies "
                         "(default: $XDG_STATE_HOME or ~/.local/state, then racer/node-agent/<node-id>)")
-    g.add_argument("--max-buffered-reports", type=positive_int, default=10_000,
-                   help="reports kept on disk while the control plane is unreachable; the oldest are dropped "
-                        "beyond (default 10000)")
-    g.add_argument("--max-memory-reports", type=positive_int, default=2_000,
-                   help="reports kept in memory when the disk refuses them (full, read-only) until they are "
-                        "sent; the oldest are dropped beyond, and counted (default 2000)")
-    g.add_argument("--service-time-us", type=positive_float, default=None,
-                   help="service time per request sent in the cost profile (default: estimated from the miss costs)")
+    add_config_arguments(g, ReporterConfig, REPORTER_FIELDS)
     _add_model_args(ag)
     _add_link_args(ag)
     ag.set_defaults(func=cmd_node_agent)

@@ -78,8 +78,9 @@ class LinkEmulationConfig:
     mode: str = ranged("auto", choices=LINK_MODES,
                        doc="auto: on for the CPU, off on CUDA where the copies are real")
     bandwidth_gb_per_s: float = ranged(PCIE4_X16_BANDWIDTH_GB_PER_S, lo=0, lo_open=True,
-                                       doc="emulated bandwidth, GB/s (default: PCIe 4.0 x16)")
-    latency_us: float = ranged(PCIE4_X16_LATENCY_US, lo=0, doc="emulated fixed cost per transfer, µs")
+                                       doc="emulated bandwidth, GB/s (the default: PCIe 4.0 x16's)")
+    latency_us: float = ranged(PCIE4_X16_LATENCY_US, lo=0,
+                               doc="emulated fixed cost per transfer, µs (the default: PCIe 4.0 x16's)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -156,8 +157,9 @@ class EngineConfig:
     refill: RefillConfig = field(default_factory=RefillConfig)
     max_history_len: int = ranged(4096, lo=1, integer=True, doc="most history + new items per request")
     max_candidates: int = ranged(4096, lo=1, integer=True, doc="most candidates per request")
-    default_num_candidates: int = ranged(256, lo=1, integer=True)
-    default_top_k: int = ranged(10, lo=1, integer=True)
+    default_num_candidates: int = ranged(256, lo=1, integer=True,
+                                         doc="candidates generated when a request names none and gives no count")
+    default_top_k: int = ranged(10, lo=1, integer=True, doc="top-k when a request gives none")
     link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
     device: str = "auto"
     ghost_probes: tuple[float, ...] = DEFAULT_GHOST_PROBES
