@@ -36,7 +36,6 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import math
 import queue
 import threading
 import traceback
@@ -50,6 +49,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from common.config import ranged, validate
 from common.http_server import AllowedMethods, BodyLimit, JsonOnly, json_safe  # shared with the gateway and control plane
 
 from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
@@ -88,32 +88,23 @@ class AgentConfig:
       See "Admission" in docs/engine.md.
     """
 
-    max_batch: int = 16
-    batch_window_us: float = 0.0
-    max_queue: int = 1024
-    request_timeout_s: float = 30.0
-    control_interval_s: float = 1.0
-    slo_ms: float = 30.0
-    metrics_window_s: float = 60.0
-    max_body_bytes: int = 4 * 2**20
-    large_prefill_tokens: int = 1024
-    max_prefill_tokens_per_batch: int = 2048
+    max_batch: int = ranged(16, lo=1, integer=True, doc="most requests per micro-batch")
+    batch_window_us: float = ranged(0.0, lo=0, hi=1e6, doc="wait this long for more requests after the first")
+    max_queue: int = ranged(1024, lo=1, integer=True, doc="queued requests before 503")
+    request_timeout_s: float = ranged(30.0, lo=0, lo_open=True, doc="504 after this long")
+    control_interval_s: float = ranged(1.0, lo=0, lo_open=True, doc="control step period: window stats, allocator")
+    slo_ms: float = ranged(30.0, lo=0, lo_open=True, doc="latency SLO, ms")
+    metrics_window_s: float = ranged(60.0, lo=0, lo_open=True, doc="metrics window")
+    max_body_bytes: int = ranged(4 * 2**20, lo=1, integer=True,
+                                 doc="larger request bodies get 413, chunked ones included")
+    large_prefill_tokens: int = ranged(1024, lo=1, integer=True,
+                                       doc="a request with at least this many tokens to prefill (not in its KV "
+                                           "cache) is a large miss: served alone, alternating with the small requests")
+    max_prefill_tokens_per_batch: int = ranged(2048, lo=1, integer=True,
+                                               doc="estimated prefill tokens per micro-batch of small requests")
 
     def __post_init__(self) -> None:
-        problems = []
-        for name in ("max_batch", "max_queue", "max_body_bytes", "large_prefill_tokens",
-                     "max_prefill_tokens_per_batch"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                problems.append(f"{name} must be a positive integer, got {v!r}")
-        for name in ("request_timeout_s", "control_interval_s", "slo_ms", "metrics_window_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                problems.append(f"{name} must be a positive number, got {v!r}")
-        if not (isinstance(self.batch_window_us, (int, float)) and 0 <= self.batch_window_us <= 1e6):
-            problems.append(f"batch_window_us must be in [0, 1e6], got {self.batch_window_us!r}")
-        if problems:
-            raise ValueError("invalid agent config: " + "; ".join(problems))
+        validate(self)
 
 
 class RecommendBody(BaseModel):
