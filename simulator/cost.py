@@ -17,6 +17,13 @@ misses and ``H`` hits takes
 
 Transfers are serial on the host link; compute overlaps up to ``batch_speedup`` requests'
 worth (a GPU batching small prefills) but a batch never runs faster than its largest request.
+
+A batch that holds several requests of one user is served as the node agent serves it
+(`node_agent.engine`): in successive passes, the k-th request of each user in pass k (the second
+reads the K/V the first appended). The first pass is the formula above over the batch's first
+requests of each user (with every request's overhead and the batch's one embedding lookup); each
+later pass adds ``batch_overhead_us + max(max_i compute_i, sum_i compute_i / batch_speedup)``
+over its own requests (`extra_passes_us`).
 """
 
 from __future__ import annotations
@@ -52,3 +59,28 @@ def batch_duration_us(prof: CostProfile, num_requests: int, max_compute_us: floa
     comp = max(max_compute_us, sum_compute_us / prof.batch_speedup)
     return (prof.batch_overhead_us + num_requests * prof.request_overhead_us
             + num_unique_misses * prof.emb_transfer_us_per_row + num_hits * prof.emb_hit_us_per_row + comp)
+
+
+def user_passes(batch_of: np.ndarray, users: np.ndarray) -> np.ndarray:
+    """The pass each request is served in: how many earlier requests (in the given order) of its
+    user its batch holds. ``batch_of``/``users``: per request, its batch and its user."""
+    n = len(users)
+    out = np.zeros(n, dtype=np.int64)
+    if n < 2:
+        return out
+    order = np.lexsort((np.arange(n), users, batch_of))  # by batch, then user, then arrival
+    b, u = batch_of[order], users[order]
+    first = np.flatnonzero(np.r_[True, (b[1:] != b[:-1]) | (u[1:] != u[:-1])])
+    out[order] = np.arange(n) - np.repeat(first, np.diff(np.r_[first, n]))
+    return out
+
+
+def extra_passes_us(prof: CostProfile, compute_us: np.ndarray, passes: np.ndarray) -> float:
+    """What a batch's passes after its first add (its requests with ``passes >= 1``): each pass
+    ``batch_overhead_us + max(max compute, sum compute / batch_speedup)`` over its own requests."""
+    total = 0.0
+    for k in range(1, int(passes.max()) + 1 if len(passes) else 1):
+        c = compute_us[passes == k]
+        if len(c):
+            total += prof.batch_overhead_us + max(float(c.max()), float(c.sum()) / prof.batch_speedup)
+    return total
