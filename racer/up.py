@@ -1078,9 +1078,9 @@ class _Up:
         first_phase_s = min(6.0, args.phase_s) if args.first_phase_s is None else args.first_phase_s
         cfg = ReplayConfig(schedule=tuple(args.schedule), rate_rps=args.rate,
                            duration_s=args.phase_s * len(args.schedule),
-                           first_cycle_s=first_phase_s * len(args.schedule), slo_ms=args.slo_ms, timeout_s=10.0,
+                           first_cycle_s=first_phase_s * len(args.schedule), slo_ms=args.slo_ms,
                            retries=1 if "gateway" in self.plan.missing and len(self.plan.targets) > 1 else 0,
-                           num_candidates=64, max_history_len=256)
+                           max_history_len=256)  # within the CPU agents' --max-history-len (CPU_AGENT_ARGS)
         self.stats = ReplayStats(args.slo_ms)
         self.replayer = _Replayer(self.plan.targets, self.trace, cfg, self.stats)
         self.replayer.start()

@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from common.config import add_config_arguments, config_kwargs
+
 from .errors import UsageError
+
+# options whose default, help and range are read from the config's fields
+REGIME_FIELDS = ("rate_rps", "history_scale")  # workloads.regimes.RegimeConfig
+REPLAY_FIELDS = ("rate_rps", "max_history_len", "num_candidates", "top_k", "slo_ms", "timeout_s",
+                 "retries")  # workloads.replay.ReplayConfig
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
@@ -22,14 +29,15 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_regime_args(p: argparse.ArgumentParser, regime_required: bool) -> None:
-    from workloads.regimes import REGIMES
+    from workloads.regimes import REGIMES, RegimeConfig
 
     p.add_argument("--regime", choices=REGIMES, required=regime_required, help="workload regime")
-    p.add_argument("--rate", type=float, default=1_000.0, help="base request rate, req/s (default 1000)")
     p.add_argument("--duration", type=float, default=120.0, help="run length, s (default 120)")
     p.add_argument("--users", type=int, default=None, help="number of users (default: the trace's; more are resampled)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--history-scale", type=float, default=1.0, help="stretch trace histories by this factor (default 1)")
+    add_config_arguments(p, RegimeConfig, REGIME_FIELDS, flags={"rate_rps": "--rate"},
+                         helps={"rate_rps": "base request rate, req/s",
+                                "history_scale": "stretch trace histories by this factor"})
 
 
 def _load(args):
@@ -48,8 +56,8 @@ def _load(args):
 def _stream(trace, args):
     from workloads.regimes import generate
 
-    return generate(trace, regime=args.regime, rate_rps=args.rate, duration_s=args.duration,
-                    num_users=args.users, seed=args.seed, history_scale=args.history_scale)
+    return generate(trace, regime=args.regime, duration_s=args.duration, num_users=args.users, seed=args.seed,
+                    **config_kwargs(args, REGIME_FIELDS))
 
 
 def _round_figures(value, digits: int = 4):
@@ -115,10 +123,8 @@ def cmd_replay(args) -> int:
             raise UsageError(f"--gateway: {t!r} is not an http:// or https:// URL")
     if not targets:
         raise UsageError("--gateway: give the gateway's URL (or node agents' URLs, comma-separated)")
-    config = ReplayConfig(schedule=schedule, phase_s=phase_s, rate_rps=args.rate, duration_s=duration_s, seed=args.seed,
-                          num_users=args.users, max_history_len=args.max_history_len,
-                          num_candidates=args.num_candidates, top_k=args.top_k, slo_ms=args.slo_ms,
-                          timeout_s=args.timeout_s, retries=args.retries)
+    config = ReplayConfig(schedule=schedule, phase_s=phase_s, duration_s=duration_s, seed=args.seed,
+                          num_users=args.users, **config_kwargs(args, REPLAY_FIELDS))
     trace = _load(args)
     out = replay(targets, trace, config, progress=not args.no_progress)
     if args.json:
@@ -164,6 +170,7 @@ def add_workload_parser(sub) -> None:
 def add_replay_parser(sub) -> None:
     """Add ``replay`` to racer's top-level subparsers."""
     from workloads.regimes import REGIMES
+    from workloads.replay import ReplayConfig
 
     rp = sub.add_parser("replay", help="open-loop load generator: replay a trace through regimes against a gateway",
                         description="Send a trace's requests (steady / trend / burst streams) to a gateway, or to "
@@ -176,21 +183,17 @@ def add_replay_parser(sub) -> None:
                     help="regimes in order: steady,trend,burst (equal parts of --duration, each its own stream) or "
                          "REGIME:SECONDS,... e.g. steady:60,trend:60,burst:30,steady:60 (one stream, users keep "
                          "their identity and histories across phases; the run lasts the sum)")
-    rp.add_argument("--rate", type=float, default=20.0, help="base request rate, req/s (default 20)")
     rp.add_argument("--duration", type=float, default=None,
                     help="run length, s (default 60; with a REGIME:SECONDS schedule, the phases' sum)")
     rp.add_argument("--gateway", required=True, help="gateway URL (or node agents' URLs, comma-separated: round "
                                                      "robin)")
     rp.add_argument("--users", type=int, default=None, help="number of users (default: the trace's)")
     rp.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    rp.add_argument("--max-history-len", type=int, default=256,
-                    help="most history + new items per request; at most the agents' --max-history-len (default 256)")
-    rp.add_argument("--num-candidates", type=int, default=64, help="candidates to rank per request (default 64)")
-    rp.add_argument("--top-k", type=int, default=10, help="items returned per request (default 10)")
-    rp.add_argument("--slo-ms", type=float, default=30.0, help="latency SLO, ms (default 30)")
-    rp.add_argument("--timeout-s", type=float, default=10.0, help="a request fails after this long (default 10)")
-    rp.add_argument("--retries", type=int, default=0,
-                    help="client retries on the next target after a connection error, timeout or 5xx (default 0)")
+    add_config_arguments(rp, ReplayConfig, REPLAY_FIELDS, flags={"rate_rps": "--rate"},
+                         helps={"max_history_len": "most history + new items per request; at most the agents' "
+                                                   "--max-history-len",
+                                "retries": "client retries on the next target after a connection error, timeout "
+                                           "or 5xx"})
     rp.add_argument("--json", action="store_true", help="print the report as one JSON object")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     rp.set_defaults(func=cmd_replay)

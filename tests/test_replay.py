@@ -134,14 +134,22 @@ def test_replay_cli_json_and_bad_input(agent, small_trace, capsys):
     bad = [
         (["--regime", "steady", "--schedule", "steady,burst"], "one of --regime"),
         (["--schedule", "steady,spiky"], "unknown regime 'spiky'"),
-        (["--regime", "steady", "--rate", "-3"], "rate_rps must be a positive number"),
-        (["--regime", "steady", "--retries", "9"], "retries must be an integer in [0, 5]"),
     ]
     for args, words in bad:
         rc = racer_main(["replay", "--trace", "taobao", "--path", str(small_trace), "--gateway", agent,
                          "--duration", "1", *args])
         err = capsys.readouterr().err
         assert rc == 2 and words in err, (args, err)
+    out_of_range = [  # refused by the options themselves (ranges read from ReplayConfig)
+        (["--rate", "-3"], "argument --rate: must be a positive number, got -3"),
+        (["--retries", "9"], "argument --retries: must be an integer in [0, 5], got 9"),
+    ]
+    for args, words in out_of_range:
+        with pytest.raises(SystemExit) as e:
+            racer_main(["replay", "--trace", "taobao", "--path", str(small_trace), "--gateway", agent,
+                        "--duration", "1", "--regime", "steady", *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err, (args, err)
     rc = racer_main(["replay", "--trace", "taobao", "--path", str(small_trace), "--regime", "steady",
                      "--gateway", "localhost:8000"])
     assert rc == 2 and "not an http:// or https:// URL" in capsys.readouterr().err
