@@ -14,8 +14,9 @@ over the oracle's P99 minus 1 (in %; negative where it beats the greedy oracle);
 per allocator ``max_regret_pct`` and ``mean_regret_pct`` over the settings, and ``settings`` (how
 many).
 
-Each setting is one `simulator.table.run_table` (its runs saved under ``DIR/<setting>/runs`` and
-reused by a rerun with the same code and settings: an interrupted grid resumes), and the settings
+Each setting is one `simulator.table.run_table` (with ``--out DIR`` its runs are saved under
+``DIR/<setting>/runs`` and reused by a rerun with the same code and settings: an interrupted grid
+resumes; without ``--out`` nothing is written), and the settings
 run in parallel: a local process pool (``--jobs``, default one per core) or a Ray cluster
 (``--executor ray --address A``; ``--address local`` starts a local Ray instance). A progress bar
 counts settings.
@@ -335,8 +336,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.regret", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--quick", action="store_true", help="short streams (see the module docstring)")
-    p.add_argument("--out", default=None, help="directory for each setting's runs (resumable; default "
-                                               "bench_regret[_quick] under the current directory)")
+    p.add_argument("--out", default=None, help="directory for each setting's runs (resumable); without it "
+                                               "nothing is written and nothing is reused")
     p.add_argument("--seeds", type=_ints, default=(0, 1, 2))
     p.add_argument("--traces", default="taobao,amazon", help="sample traces of the grid")
     p.add_argument("--paper-traces", default="taobao", help="traces run in the paper-scale setting ('' for none)")
@@ -385,8 +386,7 @@ def main(argv=None) -> int:
             hsettings = [st for st in hsettings if st.family.split("-")[0] in fams or st.family in fams]
             if not hsettings:
                 p.error("--holdout-families: no setting left")
-        out = args.out or ("bench_regret_holdout_quick" if args.quick else "bench_regret_holdout")
-        res = run_grid(hsettings, args.quick, out, args.executor, args.jobs, args.address,
+        res = run_grid(hsettings, args.quick, args.out, args.executor, args.jobs, args.address,
                        () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,
                        make_config=holdout_config)
         res["holdout"] = holdout_findings(res, hsettings)
@@ -397,8 +397,7 @@ def main(argv=None) -> int:
     settings = grid(args.seeds, traces, paper, regimes)
     if not settings:
         p.error("the grid is empty")
-    out = args.out or ("bench_regret_quick" if args.quick else "bench_regret")
-    res = run_grid(settings, args.quick, out, args.executor, args.jobs, args.address,
+    res = run_grid(settings, args.quick, args.out, args.executor, args.jobs, args.address,
                    () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,
                    paper_regime_s=args.paper_regime_s)
     _print(res, args.json)
