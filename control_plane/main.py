@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from common.config import default_of
+
 from .settings import Settings
 
 
@@ -19,9 +21,12 @@ def serve(settings: Settings, *, log_level: str = "warning") -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    """The options override ``RACER_*`` environment variables, which override `Settings`' defaults
+    (so an option's own default is None; its help shows the Settings default)."""
+    host, port = default_of(Settings, "host"), default_of(Settings, "port")
     p.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or sqlite:///racer-control-plane.db)")
-    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8600)")
+    p.add_argument("--host", default=None, help=f"listen address (default $RACER_HOST or {host})")
+    p.add_argument("--port", type=int, default=None, help=f"port (default $RACER_PORT or {port})")
     p.add_argument("--no-scheduler", action="store_true", help="serve the API only, never run the jobs")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
