@@ -41,7 +41,7 @@ from node_agent.features import WindowStats
 from workloads.regimes import RequestStream
 
 from .allocators import Allocator
-from .cost import batch_duration_us, request_compute_us
+from .cost import batch_duration_us, extra_passes_us, request_compute_us, user_passes
 from .profiles import A100_HSTU, CostProfile
 
 _CAND_POOL = 1 << 20
@@ -586,7 +586,10 @@ class ClusterSim:
 
         # 3. per batch: the EMB lookup, then its time on the node, one batch after another
         comp = request_compute_us(prof, cached, L, nn, nc)
-        comp_max = np.maximum.reduceat(comp, bstart)
+        passes = user_passes(b_of, users)  # a user's later requests in a batch: passes of their own
+        later = np.maximum.reduceat(passes, bstart) > 0
+        comp_first = np.where(passes == 0, comp, 0.0)
+        comp_max = np.maximum.reduceat(comp_first, bstart)
         ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts)
         ends = np.empty(len(bstart))
         starts = np.empty(len(bstart))
@@ -604,8 +607,10 @@ class ClusterSim:
             if record is not None:
                 record.append(("batch", node.index, start, sidx[r0:r0 + size].copy(), cached[r0:r0 + size].copy(),
                                ids[s0 + int(hist_b[j]):s1].copy(), lk.num_hits))
-            csum = float(comp[r0:r0 + size].sum())  # ndarray.sum, as batch_time_us: the same float
+            csum = float(comp_first[r0:r0 + size].sum())  # ndarray.sum, as batch_time_us: the same float
             dur_us = batch_duration_us(prof, size, float(comp_max[j]), csum, lk.num_unique_misses, lk.num_hits)
+            if later[j]:
+                dur_us += extra_passes_us(prof, comp[r0:r0 + size], passes[r0:r0 + size])
             end = start + dur_us / 1e6
             ends[j] = end
             starts[j] = start

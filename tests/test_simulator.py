@@ -492,3 +492,17 @@ def test_table_across_seeds(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(args + ["--seeds", "1,x"])
+
+
+def test_a_users_later_requests_in_a_batch_are_passes_of_their_own():
+    from simulator.cost import extra_passes_us, user_passes
+    from simulator.profiles import get_profile
+
+    batch_of = np.array([0, 0, 0, 0, 1, 1, 1])
+    users = np.array([5, 9, 5, 5, 5, 2, 2])
+    assert user_passes(batch_of, users).tolist() == [0, 0, 1, 2, 0, 0, 1]
+    p = get_profile("a100-hstu")
+    comp = np.array([10.0, 30.0, 20.0, 40.0, 1.0, 1.0, 1.0])
+    passes = user_passes(batch_of, users)[:4]
+    assert extra_passes_us(p, comp[:4], passes) == pytest.approx(2 * p.batch_overhead_us + 20.0 + 40.0)
+    assert extra_passes_us(p, comp[:2], np.zeros(2, dtype=np.int64)) == 0.0
