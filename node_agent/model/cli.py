@@ -14,6 +14,12 @@ import argparse
 import json
 import sys
 
+from common.config import add_config_arguments, config_kwargs, default_of
+
+# `racer model train` options whose default, help and range are read from TrainConfig's fields
+TRAIN_FIELDS = ("max_seq_len", "max_epochs", "patience", "batch_size", "lr", "weight_decay", "dropout", "negatives",
+                "num_negatives", "positions_per_seq", "max_minutes", "item_dtype")
+
 
 def _positive_int(s: str) -> int:
     try:
@@ -32,16 +38,6 @@ def _positive_float(s: str) -> float:
         raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
     if not v > 0 or v != v or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
-    return v
-
-
-def _unit(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s}")
     return v
 
 
@@ -70,10 +66,8 @@ def cmd_model_train(args) -> int:
     cfg = TrainConfig(
         model=ModelConfig(embedding_dim=args.embedding_dim, num_layers=args.num_layers, num_heads=args.num_heads,
                           qk_dim=args.head_dim, v_dim=args.head_dim, seed=args.seed),
-        max_seq_len=args.max_seq_len, batch_size=args.batch_size, max_epochs=args.epochs, patience=args.patience,
-        lr=args.lr, weight_decay=args.weight_decay, dropout=args.dropout, num_negatives=args.num_negatives,
-        positions_per_seq=args.positions_per_seq, negatives=args.negatives, use_timestamps=args.use_timestamps,
-        item_features=not args.no_item_features, max_minutes=args.max_minutes, item_dtype=args.item_dtype, seed=args.seed, device=args.device)
+        **config_kwargs(args, TRAIN_FIELDS), use_timestamps=args.use_timestamps,
+        item_features=not args.no_item_features, seed=args.seed, device=args.device)
 
     def say(msg: str) -> None:
         print(f"racer model train: {msg}", file=sys.stderr, flush=True)
@@ -203,37 +197,24 @@ def add_model_parser(subparsers) -> None:
                                     "train_state.pt when it was written for the same trace and config.")
     trace_args(tr)
     tr.add_argument("--out", required=True, help="checkpoint directory (created; an earlier run there resumes)")
+    from .train import TrainConfig
+
+    model_default = default_of(TrainConfig, "model")
     g = tr.add_argument_group("model")
-    g.add_argument("--embedding-dim", type=_positive_int, default=32, help="item embedding / model width (default 32)")
-    g.add_argument("--num-layers", type=_positive_int, default=2, help="HSTU layers (default 2)")
-    g.add_argument("--num-heads", type=_positive_int, default=2, help="attention heads (default 2)")
-    g.add_argument("--head-dim", type=_positive_int, default=16, help="per-head size of Q, K and V (default 16)")
+    for flag, value, text in (("--embedding-dim", model_default.embedding_dim, "item embedding / model width"),
+                              ("--num-layers", model_default.num_layers, "HSTU layers"),
+                              ("--num-heads", model_default.num_heads, "attention heads"),
+                              ("--head-dim", model_default.qk_dim, "per-head size of Q, K and V")):
+        g.add_argument(flag, type=_positive_int, default=value, help=f"{text} (default {value})")
     g = tr.add_argument_group("training")
-    g.add_argument("--max-seq-len", type=_positive_int, default=50, help="training histories cut to their last N "
-                                                                       "items (default 50)")
-    g.add_argument("--epochs", type=_positive_int, default=60, help="most epochs (default 60)")
-    g.add_argument("--patience", type=_positive_int, default=5,
-                   help="stop after this many epochs without a better validation NDCG@10 (default 5)")
-    g.add_argument("--batch-size", type=_positive_int, default=32, help="sequences per step (default 32)")
-    g.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    g.add_argument("--weight-decay", type=_unit, default=0.0, help="AdamW weight decay (default 0)")
-    g.add_argument("--dropout", type=_unit, default=0.2, help="dropout on input tokens while training (default 0.2)")
-    g.add_argument("--negatives", choices=("uniform", "in-batch"), default="uniform",
-                   help="sampled-softmax negatives: uniform over items, or the batch's other targets "
-                        "(default uniform)")
-    g.add_argument("--num-negatives", type=_positive_int, default=32, help="negatives per step (default 32)")
-    g.add_argument("--positions-per-seq", type=_positive_int, default=8,
-                   help="target positions per sequence per epoch, drawn afresh (default 8)")
+    add_config_arguments(g, TrainConfig, TRAIN_FIELDS[:-2], flags={"max_epochs": "--epochs"})
     g.add_argument("--use-timestamps", action="store_true",
                    help="train with the trace's times (the time bias); default off, as requests to nodes "
                         "carry no timestamps by default")
     g.add_argument("--no-item-features", action="store_true",
                    help="train each item's row alone (default: its row plus its category's and its popularity "
                         "bucket's, summed into the one row the checkpoint stores)")
-    g.add_argument("--max-minutes", type=_positive_float, default=None,
-                   help="stop after this long; the best epoch so far is kept")
-    g.add_argument("--item-dtype", choices=("float32", "float16"), default="float32",
-                   help="how the checkpoint stores the item table (float16 halves the file; default float32)")
+    add_config_arguments(g, TrainConfig, TRAIN_FIELDS[-2:])
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda[:N]")
     g.add_argument("--seed", type=int, default=0, help="seed of weights, batches and negatives (default 0)")
     g.add_argument("--restart", action="store_true", help="ignore DIR's train_state.pt and start afresh")

@@ -55,20 +55,23 @@ class TrainConfig:
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(embedding_dim=32, num_layers=2, num_heads=2,
                                                                    qk_dim=16, v_dim=16))
-    max_seq_len: int = ranged(50, lo=1, integer=True)
-    batch_size: int = ranged(32, lo=1, integer=True)
-    max_epochs: int = ranged(60, lo=1, integer=True)
-    patience: int = ranged(5, lo=1, integer=True)  # epochs without a better validation NDCG@10 before stopping
-    lr: float = ranged(3e-3, lo=0, lo_open=True)
-    weight_decay: float = ranged(0.0, lo=0, hi=1, hi_open=True)
-    dropout: float = ranged(0.2, lo=0, hi=1, hi_open=True)  # on the input tokens, training only
-    num_negatives: int = ranged(32, lo=1, integer=True)
-    positions_per_seq: int = ranged(8, lo=1, integer=True)  # target slots per sequence and epoch (drawn afresh each epoch)
-    negatives: str = ranged("uniform", choices=NEGATIVES)
+    max_seq_len: int = ranged(50, lo=1, integer=True, doc="training histories cut to their last N items")
+    batch_size: int = ranged(32, lo=1, integer=True, doc="sequences per step")
+    max_epochs: int = ranged(60, lo=1, integer=True, doc="most epochs")
+    patience: int = ranged(5, lo=1, integer=True, doc="stop after this many epochs without a better validation NDCG@10")
+    lr: float = ranged(3e-3, lo=0, lo_open=True, doc="AdamW learning rate")
+    weight_decay: float = ranged(0.0, lo=0, hi=1, hi_open=True, doc="AdamW weight decay")
+    dropout: float = ranged(0.2, lo=0, hi=1, hi_open=True, doc="dropout on input tokens while training")
+    num_negatives: int = ranged(32, lo=1, integer=True, doc="negatives per step")
+    positions_per_seq: int = ranged(8, lo=1, integer=True, doc="target positions per sequence per epoch, drawn afresh")
+    negatives: str = ranged("uniform", choices=NEGATIVES, doc="sampled-softmax negatives: uniform over items, or "
+                                                             "the batch's other targets")
     use_timestamps: bool = False
     item_features: bool = True  # train item rows as id + category + popularity-bucket rows (see Trainable)
-    max_minutes: float | None = ranged(None, lo=0, lo_open=True, optional=True)  # stop after this long (the best epoch so far is kept)
-    item_dtype: str = ranged("float32", choices=("float32", "float16"))  # how the checkpoint stores the item table
+    max_minutes: float | None = ranged(None, lo=0, lo_open=True, optional=True,
+                                       doc="stop after this long; the best epoch so far is kept")
+    item_dtype: str = ranged("float32", choices=("float32", "float16"),
+                             doc="how the checkpoint stores the item table (float16 halves the file)")
     seed: int = 0
     device: str = "auto"
 
