@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.config import ranged, require
+from common.config import validate as validate_fields
 from control_plane.router import LoadAwareConfig, NodeReport, RequestBatch, make_router
 from control_plane.weights import CostProfile as RouterProfile
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
@@ -65,41 +67,27 @@ class SimConfig:
       ``None`` keeps the router's defaults.
     """
 
-    num_nodes: int = 32
+    num_nodes: int = ranged(32, lo=1, integer=True)
     profile: CostProfile = A100_HSTU
-    cache_bytes: int | None = None
-    cache_fraction: float = 0.25
-    batch_window_ms: float = 10.0
-    control_interval_s: float = 1.0
-    report_interval_s: float = 0.25
-    slo_ms: float = 30.0
-    initial_emb_share: float = 0.5
-    refill_limit_fraction: float = 0.1
-    max_step_fraction: float = 0.05
-    hot_shard_min_mass: float = 0.5
+    cache_bytes: int | None = ranged(None, lo=0, lo_open=True, optional=True)
+    cache_fraction: float = ranged(0.25, lo=0, lo_open=True)
+    batch_window_ms: float = ranged(10.0, lo=0, lo_open=True)
+    control_interval_s: float = ranged(1.0, lo=0, lo_open=True)
+    report_interval_s: float = ranged(0.25, lo=0, lo_open=True)
+    slo_ms: float = ranged(30.0, lo=0, lo_open=True)
+    initial_emb_share: float = ranged(0.5, lo=0, hi=1)
+    refill_limit_fraction: float = ranged(0.1, lo=0, lo_open=True)
+    max_step_fraction: float = ranged(0.05, lo=0, lo_open=True)
+    hot_shard_min_mass: float = ranged(0.5, lo=0, hi=1)
     queue_capacity: int = 64
     ghost_probes: tuple[float, ...] = ()
     seed: int = 0
     load_aware: LoadAwareConfig | None = None
 
     def validate(self) -> "SimConfig":
-        p = []
-        if self.num_nodes < 1:
-            p.append(f"num_nodes must be >= 1, got {self.num_nodes}")
-        if self.cache_bytes is not None and self.cache_bytes <= 0:
-            p.append(f"cache_bytes must be > 0, got {self.cache_bytes}")
-        for k in ("cache_fraction", "batch_window_ms", "control_interval_s", "report_interval_s", "slo_ms",
-                  "refill_limit_fraction", "max_step_fraction"):
-            v = getattr(self, k)
-            if not (math.isfinite(v) and v > 0):
-                p.append(f"{k} must be a positive number, got {v!r}")
-        for k in ("initial_emb_share", "hot_shard_min_mass"):
-            if not 0 <= getattr(self, k) <= 1:
-                p.append(f"{k} must be in [0, 1], got {getattr(self, k)!r}")
-        if self.control_interval_s * 1000 < self.batch_window_ms:
-            p.append("control_interval_s must be at least one batch window")
-        if p:
-            raise ValueError("invalid simulator config: " + "; ".join(p))
+        validate_fields(self)
+        require(self, self.control_interval_s * 1000 >= self.batch_window_ms,
+                "control_interval_s must be at least one batch window")
         self.profile.validate()
         return self
 

@@ -156,7 +156,7 @@ def test_allocators_and_boundary_moves(small):
 
 
 def test_bad_config_is_refused():
-    with pytest.raises(ValueError, match="num_nodes must be >= 1"):
+    with pytest.raises(ValueError, match="num_nodes must be a positive integer"):
         SimConfig(num_nodes=0).validate()
     with pytest.raises(ValueError, match="batch_window_ms must be a positive number"):
         SimConfig(batch_window_ms=0).validate()
