@@ -5,7 +5,9 @@
     racer node-agent --port P --trace KIND [--path PATH] [--emb-share 0.5] [--slo-ms 30] [--seed 0]
                      [--policy DIR] [--profile FILE] [--model DIR] ...
 
-torch, fastapi and uvicorn are imported inside the commands, so ``racer --help`` stays fast.
+Options backed by a config field (``*_FIELDS`` below) read their default, help and range from
+it (`common.config.add_config_arguments`), so building these parsers imports the engine and agent
+modules (torch, fastapi); ``racer --help`` builds none of them and stays fast.
 Errors a user can fix raise ValueError / FileNotFoundError, which racer's ``main`` prints as one
 line with exit status 2.
 """

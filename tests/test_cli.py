@@ -208,3 +208,31 @@ def test_no_import_cycle_among_racer_modules():
         return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in graph.get(a, ()))
 
     assert [m for m in graph if reaches(m, m)] == []
+
+
+def test_config_backed_options_default_to_the_config_fields():
+    """Options declared from a config (common.config.add_config_arguments) parse, when left out, to
+    exactly the config's defaults: no default is written twice."""
+    from common.config import config_kwargs, default_of
+    from node_agent import cli as node_cli
+    from node_agent.agent import AgentConfig
+    from node_agent.engine import EngineConfig, LinkEmulationConfig
+    from node_agent.model import cli as model_cli
+    from node_agent.model.train import TrainConfig
+    from node_agent.profile import ProfileConfig
+    from node_agent.reporter import ReporterConfig
+    from racer import workload
+    from workloads.replay import ReplayConfig
+
+    def parsed(*argv):
+        return build_parser([argv[0]]).parse_args(list(argv))
+
+    agent = parsed("node-agent", "--trace", "taobao")
+    cases = [(agent, AgentConfig, node_cli.AGENT_FIELDS, ""), (agent, EngineConfig, node_cli.ENGINE_FIELDS, ""),
+             (agent, ReporterConfig, node_cli.REPORTER_FIELDS, ""),
+             (agent, LinkEmulationConfig, node_cli.LINK_FIELDS, "link-"),
+             (parsed("node", "profile"), ProfileConfig, node_cli.PROFILE_FIELDS, ""),
+             (parsed("replay", "--trace", "taobao", "--gateway", "http://h:1"), ReplayConfig, workload.REPLAY_FIELDS, ""),
+             (parsed("model", "train", "--trace", "taobao", "--out", "x"), TrainConfig, model_cli.TRAIN_FIELDS, "")]
+    for args, cls, names, prefix in cases:
+        assert config_kwargs(args, names, prefix=prefix) == {n: default_of(cls, n) for n in names}, cls.__name__

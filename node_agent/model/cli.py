@@ -4,7 +4,8 @@
     racer model eval DIR --trace KIND [--path P] [--json]
     racer model show DIR [--json]
 
-torch is imported inside the commands, so ``racer --help`` stays fast. Errors a user can fix raise
+``racer --help`` stays fast: it builds none of these parsers (``racer model train``'s reads its
+defaults, help and ranges from `TrainConfig`, importing torch). Errors a user can fix raise
 ValueError / FileNotFoundError (racer's ``main`` prints them as one line, exit status 2).
 """
 
