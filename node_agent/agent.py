@@ -8,7 +8,7 @@
     GET  /metrics        Prometheus text (node_agent/exporter.py)
 
 With ``--control-plane`` a `node_agent.reporter.Reporter` (its own thread) gets each control
-step's output through ``control_hooks`` and does the network I/O (docs/node_reporting.md).
+step's output through ``control_hooks`` and does the network I/O (docs/control_plane.md).
 
 One **device worker** thread owns the engine (the device): HTTP handlers validate a request
 (pydantic, then `Engine.validate`), put it on a bounded queue and await its result. The worker
