@@ -36,6 +36,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from common.config import problems, ranged
+from common.config import validate as validate_fields
+
 from .residency import EMPTY, MAX_USER, ArrayViews, HotShardTable, KvResidency, _as_users
 from .weights import CostProfile, RouterWeights, derive_weights
 
@@ -90,31 +93,15 @@ class LoadAwareConfig:
     ``enabled=False`` gives the plain argmax of the expected time saved (the paper's rule).
     """
 
-    enabled: bool = True
-    credit_decay_requests: float = 2.0
-    cap_factor: float = 1.25
-    hot_rel: float = 1.5
-    hot_abs: float = 2.0
-    near_equal_fraction: float = 0.0
+    enabled: bool = ranged(True, kind=bool)
+    credit_decay_requests: float = ranged(2.0, lo=0, lo_open=True, finite=False)  # inf: off
+    cap_factor: float = ranged(1.25, lo=1, finite=False)  # inf: off
+    hot_rel: float = ranged(1.5, lo=1, finite=False)  # inf: off
+    hot_abs: float = ranged(2.0, lo=0)
+    near_equal_fraction: float = ranged(0.0, lo=0, hi=1)
 
     def validate(self) -> "LoadAwareConfig":
-        problems: list[str] = []
-        if not isinstance(self.enabled, bool):
-            problems.append(f"load_aware.enabled must be a bool, got {self.enabled!r}")
-        for name, lo in (("credit_decay_requests", 0.0), ("cap_factor", 1.0), ("hot_rel", 1.0), ("hot_abs", 0.0),
-                         ("near_equal_fraction", 0.0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or math.isnan(v):
-                problems.append(f"load_aware.{name} must be a number, got {v!r}")
-            elif v < lo or (name == "credit_decay_requests" and v <= 0):
-                problems.append(f"load_aware.{name} must be {'>' if name == 'credit_decay_requests' else '>='} "
-                                f"{lo:g}, got {v!r}")
-            elif v == _INF and name in ("hot_abs", "near_equal_fraction"):
-                problems.append(f"load_aware.{name} must be finite, got {v!r}")
-        if isinstance(self.near_equal_fraction, (int, float)) and self.near_equal_fraction > 1:
-            problems.append(f"load_aware.near_equal_fraction must be <= 1, got {self.near_equal_fraction!r}")
-        if problems:
-            raise ValueError("invalid router config: " + "; ".join(problems))
+        validate_fields(self, "router config")
         return self
 
 
@@ -138,49 +125,25 @@ class RouterConfig:
     - ``load_aware``: the scoring routers' rules under load (`LoadAwareConfig`).
     """
 
-    num_shards: int = 64
-    residency_capacity: int = 1 << 21
-    residency_ways: int = 8
-    node_timeout_s: float = 10.0
-    expiry_check_interval_s: float = 1.0
-    guard_enabled: bool = True
-    guard_abs_threshold: float = 64.0
-    guard_rel_threshold: float = 1.5
-    tie_break_us: float = 1e-3
-    affinity_vnodes: int = 64
-    seed: int = 0
-    load_aware: LoadAwareConfig = LoadAwareConfig()
+    num_shards: int = ranged(64, lo=1, integer=True)
+    residency_capacity: int = ranged(1 << 21, lo=1, integer=True)
+    residency_ways: int = ranged(8, lo=1, hi=64, integer=True)
+    node_timeout_s: float = ranged(10.0, lo=0, finite=False)  # inf: never expire
+    expiry_check_interval_s: float = ranged(1.0, lo=0)
+    guard_enabled: bool = ranged(True, kind=bool)
+    guard_abs_threshold: float = ranged(64.0, lo=0)
+    guard_rel_threshold: float = ranged(1.5, lo=1)
+    tie_break_us: float = ranged(1e-3, lo=0)
+    affinity_vnodes: int = ranged(64, lo=1, integer=True)
+    seed: int = ranged(0, integer=True)
+    load_aware: LoadAwareConfig = ranged(LoadAwareConfig(), kind=LoadAwareConfig)
 
     def validate(self) -> "RouterConfig":
-        problems: list[str] = []
-        for name, lo in (("num_shards", 1), ("residency_capacity", 1), ("residency_ways", 1), ("affinity_vnodes", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                problems.append(f"{name} must be an integer >= {lo}, got {v!r}")
-        if self.residency_ways > 64:
-            problems.append(f"residency_ways must be <= 64, got {self.residency_ways}")
-        if isinstance(self.node_timeout_s, (int, float)) and not isinstance(self.node_timeout_s, bool) \
-                and self.node_timeout_s == _INF:
-            pass  # never expire
-        else:
-            _finite("node_timeout_s", self.node_timeout_s, minimum=0.0, problems=problems)
-        _finite("expiry_check_interval_s", self.expiry_check_interval_s, minimum=0.0, problems=problems)
-        _finite("guard_abs_threshold", self.guard_abs_threshold, minimum=0.0, problems=problems)
-        _finite("guard_rel_threshold", self.guard_rel_threshold, minimum=1.0, problems=problems)
-        _finite("tie_break_us", self.tie_break_us, minimum=0.0, problems=problems)
-        if not isinstance(self.guard_enabled, bool):
-            problems.append(f"guard_enabled must be a bool, got {self.guard_enabled!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            problems.append(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.load_aware, LoadAwareConfig):
-            problems.append(f"load_aware must be a LoadAwareConfig, got {type(self.load_aware).__name__}")
-        else:
-            try:
-                self.load_aware.validate()
-            except ValueError as e:
-                problems.append(str(e).removeprefix("invalid router config: "))
-        if problems:
-            raise ValueError("invalid router config: " + "; ".join(problems))
+        found = problems(self)
+        if isinstance(self.load_aware, LoadAwareConfig):
+            found += ["load_aware." + x for x in problems(self.load_aware)]
+        if found:
+            raise ValueError("invalid router config: " + "; ".join(found))
         return self
 
 

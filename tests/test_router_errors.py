@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from control_plane.router import LoadAwareConfig
 from control_plane import (CostProfile, KvResidency, NodeReport, RequestBatch, RouteRequest, RouterConfig,
                            derive_weights, make_router)
 
@@ -56,12 +57,14 @@ def test_bad_cost_profile(kwargs, message):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("num_shards", 0, "num_shards must be an integer >= 1"),
-    ("guard_rel_threshold", 0.5, "guard_rel_threshold must be >= 1.0"),
-    ("guard_abs_threshold", -1.0, "guard_abs_threshold must be >= 0.0"),
-    ("node_timeout_s", -1.0, "node_timeout_s must be >= 0.0"),
-    ("tie_break_us", float("nan"), "tie_break_us must be a finite number"),
-    ("residency_ways", 100, "residency_ways must be <= 64"),
+    ("num_shards", 0, "num_shards must be a positive integer, got 0"),
+    ("guard_rel_threshold", 0.5, "guard_rel_threshold must be a number >= 1, got 0.5"),
+    ("guard_abs_threshold", -1.0, "guard_abs_threshold must be a number >= 0, got -1.0"),
+    ("node_timeout_s", -1.0, "node_timeout_s must be a number >= 0, got -1.0"),
+    ("tie_break_us", float("nan"), "tie_break_us must be a number >= 0, got nan"),
+    ("residency_ways", 100, r"residency_ways must be an integer in \[1, 64\], got 100"),
+    ("guard_enabled", 1, "guard_enabled must be a bool, got 1"),
+    ("load_aware", LoadAwareConfig(hot_abs=float("inf")), "load_aware.hot_abs must be a number >= 0, got inf"),
 ])
 def test_bad_config(field, value, message):
     with pytest.raises(ValueError, match=message):
