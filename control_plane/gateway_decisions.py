@@ -201,9 +201,10 @@ class RegistryDiff:
 
 def diff_registry(current_nodes: Sequence[tuple[str, str]],
                   registered_nodes: Sequence[tuple[str, str]]) -> RegistryDiff:
-    """Compare the gateway's ``[(node_id, address)]`` with the control plane's."""
-    cur = tuple((str(n), str(a)) for n, a in current_nodes)
-    new = tuple((str(n), str(a)) for n, a in registered_nodes)
+    """Compare the gateway's ``[(node_id, address)]`` with the control plane's. Addresses compare
+    without a trailing ``/`` (the gateway keeps them so), so ``http://h:p/`` is not a new address."""
+    cur = tuple((str(n), str(a).rstrip("/")) for n, a in current_nodes)
+    new = tuple((str(n), str(a).rstrip("/")) for n, a in registered_nodes)
     if not new:
         return RegistryDiff(cur, False, True, (), (), (), False,
                             f"the control plane lists no node: keeping the {len(cur)} known")

@@ -138,6 +138,11 @@ def test_registry_added_removed_readdressed():
     assert d.reason == "added d; removed b; readdressed c"
 
 
+def test_registry_address_with_a_trailing_slash_is_the_same_address():
+    d = diff_registry([("a", "http://h:1")], [("a", "http://h:1/")])
+    assert not d.changed and d.readdressed == () and d.nodes == (("a", "http://h:1"),)
+
+
 def test_registry_order_alone_counts_as_a_change():
     d = diff_registry([("a", "x"), ("b", "y")], [("b", "y"), ("a", "x")])
     assert d.changed and d.reordered and (d.added, d.removed, d.readdressed) == ((), (), ())
