@@ -36,10 +36,10 @@ class _Recorder(StaticAllocator):
         super().__init__(share)
         self.rows: list[tuple[float, float, float, float]] = []
 
-    def decide(self, node, stats, now_s):
+    def control(self, node, stats, manager, now_s):
         busy_us = stats.load * stats.interval_s * 1e6 / stats.num_requests if stats.num_requests else 0.0
         self.rows.append((now_s, stats.emb_marginal_us, stats.kv_marginal_us, busy_us))
-        return super().decide(node, stats, now_s)
+        return super().control(node, stats, manager, now_s)
 
 
 def _summary(rows: np.ndarray) -> dict:

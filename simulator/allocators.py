@@ -2,11 +2,13 @@
 
 Every node runs one `node_agent.control.NodeAllocator` (``observe(stats)``, then
 ``decide(stats, now_s)`` -> a decision with ``emb_share``, ``source`` and ``reason``), driven by
-`node_agent.control.decide_step` exactly as the node agent drives its SmartAllocator; the
-simulator applies each target with the agent's `node_agent.control.apply_target` (the half-page
-rule). An `Allocator` is the cluster's set of them: ``reset(num_nodes, initial_share)`` makes one
-per node (`make_node`), ``decide(node, stats, now_s)`` runs that node's control step and returns
-its target; ``last_decisions`` and ``decisions_by_source`` keep what they decided.
+the node agent's own control step, `node_agent.control.control_step` (`decide_step`, then
+`apply_target`'s half-page rule), which `simulator.cluster.ClusterSim.control` runs on every
+node. An `Allocator` is the cluster's set of them: ``reset(num_nodes, initial_share)`` makes one
+per node (`make_node`); ``control(node, stats, manager, now_s)`` is one node's control step,
+``decide(node, stats, now_s)`` its decision alone (the target)
+for drivers that apply targets themselves; ``last_decisions`` and ``decisions_by_source`` keep
+what they decided (`note`).
 
 - ``static:<share>``: a fixed split (source ``static``);
 - ``schedule``: a per-window share list (the oracle's replay, see `simulator.table`; source
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from node_agent.control import NodeAllocator, decide_step
+from node_agent.control import ControlEffect, NodeAllocator, control_step, decide_step
 from node_agent.features import WindowStats
 
 BASELINE_SOURCES = ("static", "schedule", "heuristic")
@@ -121,11 +123,22 @@ class Allocator:
         return None
 
     def decide(self, node: int, stats: WindowStats, now_s: float) -> float:
-        """Node ``node``'s control step on its closed window: its decision's target."""
+        """Node ``node``'s decision on its closed window (`decide_step`): its target."""
         d = decide_step(self.nodes[node], stats, now_s)
-        self.last_decisions[node] = d
-        self.decisions_by_source[d.source] += 1
+        self.note(node, d)
         return d.emb_share
+
+    def control(self, node: int, stats: WindowStats, manager, now_s: float) -> ControlEffect:
+        """Node ``node``'s control step on its closed window, as the node agent runs it
+        (`control_step`: decide, then apply the target to ``manager`` by the half-page rule)."""
+        effect = control_step(self.nodes[node], stats, manager, now_s)
+        self.note(node, effect.decision)
+        return effect
+
+    def note(self, node: int, decision) -> None:
+        """Keep node ``node``'s last decision and count its source."""
+        self.last_decisions[node] = decision
+        self.decisions_by_source[decision.source] += 1
 
 
 class StaticAllocator(Allocator):

@@ -5,8 +5,9 @@ paged KV pool, bounded boundary moves, throttled refill) in metadata-only mode, 
 evictions and boundary moves are exactly what the real structures do; the router is the real
 `control_plane.router`; each node's window statistics come from the node agent's own control
 core (`node_agent.control.WindowAccumulator`: the same `WindowStats` definitions, fed by the
-simulated batches) and targets are applied by its `apply_target` (the half-page rule). Only time
-is modelled (`simulator.cost`).
+simulated batches), and at every window boundary each node runs the agent's own control step
+(`node_agent.control.control_step`: its allocator decides, `apply_target` applies the target by
+the half-page rule; `ClusterSim.control`). Only time is modelled (`simulator.cost`).
 
 The clock advances in slices of ``batch_window_ms``. A node serves the requests the router sent it
 during a slice as one micro-batch (a GPU batching window): the batch starts when the slice ends
@@ -250,15 +251,21 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
     ``("target", node, share, now_s, applied_at_once)`` and ``("step", node, now_s)``, so tests
     can replay them on payload-carrying structures."""
     allocator.reset(cfg.num_nodes, cfg.initial_emb_share)
-    run = run_cluster(stream, cfg, router, initial_share=allocator.initial_share(), name=allocator.name,
-                      progress=progress, desc=desc, record=record)
+    sim = ClusterSim(stream, cfg, router, initial_share=allocator.initial_share(), name=allocator.name,
+                     record=record)
+    if progress:
+        from tqdm import tqdm
+
+        sim.bar = tqdm(total=len(stream), desc=desc or f"{allocator.name}/{router}", unit="req", leave=False,
+                       mininterval=0.5)
     try:
-        now_s, stats = next(run)
-        while True:
-            targets = [float(allocator.decide(i, st, now_s)) for i, st in enumerate(stats)]
-            now_s, stats = run.send(targets)
-    except StopIteration as stop:
-        return stop.value
+        out = sim.start()
+        while out is not None:
+            out = sim.control(allocator)
+    finally:
+        if sim.bar is not None:
+            sim.bar.close()
+    return sim.result()
 
 
 def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *, initial_share: float | None = None,
@@ -385,24 +392,44 @@ class ClusterSim:
         return self._run_to_boundary()
 
     def advance(self, decided):
-        """Apply one target ``emb_share`` per node at the current boundary, run to the next."""
+        """Apply one target ``emb_share`` per node at the current boundary (`apply_target`, the
+        half-page rule), run to the next. For a driver that chooses targets itself (the PPO
+        environment); `control` runs the allocators' control step instead."""
         if self.finished:
             raise RuntimeError("the run is over")
         nodes = self.nodes
         if decided is None or len(decided) != len(nodes):
             raise ValueError(f"need one target emb_share per node ({len(nodes)}), got {decided!r}")
-        k = self.k
-        t0 = k * self.slice_s
-        wi = k // self.slices_per_window
+        t0 = self.k * self.slice_s
         for node, target in zip(nodes, decided):
             target = float(target)
             if not (math.isfinite(target) and 0.0 <= target <= 1.0):
                 raise ValueError(f"allocator {self.name} returned emb_share {target!r} for {node.id}")
-            self.target_now[node.index] = target
-            if apply_target(node.mm, target, t0) is not None and self.record is not None:
-                self.record.append(("target", node.index, target, t0, False))
-            node.win = _Window()
-        self.targets[wi, :] = self.target_now
+            self._applied(node, target, t0, apply_target(node.mm, target, t0) is not None)
+        return self._next_window()
+
+    def control(self, allocator: Allocator):
+        """The node agent's control step on every node at the current boundary
+        (`Allocator.control`: `node_agent.control.control_step` on the window just closed, the
+        allocator decides and the target is applied by the half-page rule), then run to the next
+        boundary."""
+        if self.finished:
+            raise RuntimeError("the run is over")
+        t0 = self.k * self.slice_s
+        for node, stats in zip(self.nodes, self._stats):
+            effect = allocator.control(node.index, stats, node.mm, t0)
+            self._applied(node, float(effect.decision.emb_share), t0, effect.applied)
+        return self._next_window()
+
+    def _applied(self, node: _Node, target: float, t0: float, moved: bool) -> None:
+        self.target_now[node.index] = target
+        if moved and self.record is not None:
+            self.record.append(("target", node.index, target, t0, False))
+        node.win = _Window()
+
+    def _next_window(self):
+        k = self.k
+        self.targets[k // self.slices_per_window, :] = self.target_now
         self._run_slice_rest(k)
         self.k = k + 1
         return self._run_to_boundary()
@@ -419,7 +446,8 @@ class ClusterSim:
                 wi = k // spw
                 for node in self.nodes:
                     self.shares[wi - 1, node.index] = node.mm.emb_share
-                return t0, [self._window_stats(node) for node in self.nodes]
+                self._stats = [self._window_stats(node) for node in self.nodes]
+                return t0, self._stats
             self._run_slice_rest(k)
             self.k = k + 1
         self._finish()

@@ -335,15 +335,15 @@ def test_window_p99_estimate_and_band_error_by_hand(small):
 
 
 class _Recording(StaticAllocator):
-    """A static split that keeps every WindowStats it is shown."""
+    """A static split that keeps every WindowStats its nodes are shown."""
 
     def __init__(self, share):
         super().__init__(share)
         self.seen = []
 
-    def decide(self, node, stats, now_s):
+    def control(self, node, stats, manager, now_s):
         self.seen.append(stats)
-        return super().decide(node, stats, now_s)
+        return super().control(node, stats, manager, now_s)
 
 
 def test_ghost_lists_change_nothing_but_report_the_marginal_utilities(small):
