@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from node_agent.allocator.tuner import HOLD_MIN_READINGS
 from node_agent.allocator import (AllocatorConfig, GuardConfig, OperatingPointTuner, RecoveryConfig, ResidualConfig,
                                   SmartAllocator, TunerConfig)
 from node_agent.control import decide_step
@@ -69,8 +70,11 @@ def test_saturation_and_light_load_both_move_and_a_tiny_gradient_does_not():
 def test_start_up_hold_is_one_intervals_released_by_a_reading_of_the_other_sign_kept_once_confirmed():
     t = OperatingPointTuner(TunerConfig(max_rate=0.1))
     # a weak KV-ward reading (0.002 of the service time; no noise estimate yet): the base has moved
-    # the split up by 0.3 (hold_at = -0.3 keeps the split in force): held
+    # the split up by 0.3 (hold_at = -0.3 keeps the split in force). One reading is not evidence:
+    # the base's move goes ahead; a second that agrees makes the hold
     weak_kv = marginal_window(10.0, 20.0, load=0.1)  # (10 - 20) * 100 / (0.1 * 1e6) = -0.01
+    assert HOLD_MIN_READINGS == 2
+    assert t.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "uncertain" and t.offset == 0.0
     assert t.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "hold"
     assert t.offset == pytest.approx(-0.3) and t.held == pytest.approx(-0.3)
     # the next interval starts from the tuner's own offset (0): the hold is re-made, not accumulated
@@ -83,8 +87,7 @@ def test_start_up_hold_is_one_intervals_released_by_a_reading_of_the_other_sign_
     # 4 agreeing readings give a noise estimate (here 0: identical readings) and the estimate confirms
     # them: the hold becomes the offset's own and the KV-ward step is taken from there
     u = OperatingPointTuner(TunerConfig(max_rate=0.1, sign_confidence=0.0))
-    for _ in range(3):
-        assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "hold"
+    assert [u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) for _ in range(3)] == ["uncertain", "hold", "hold"]
     assert u.update(weak_kv, -1.0, 1.0, hold_at=-0.3) == "kv_ward" and u.held == 0.0
     step = 3.0 * -0.01 / 0.9
     assert u.last_step == pytest.approx(step) and u.offset == pytest.approx(-0.3 + step)
@@ -94,7 +97,7 @@ def test_start_up_hold_is_one_intervals_released_by_a_reading_of_the_other_sign_
     # past noise_window readings no hold is made, even when every reading agrees
     w = OperatingPointTuner(TunerConfig(max_rate=0.1, noise_window=4, confidence=10.0, sign_confidence=0.0))
     noisy = [marginal_window(10.0, 20.0 + 10 * (i % 2), load=0.1) for i in range(5)]
-    assert [w.update(x, -1.0, 1.0, hold_at=-0.3) for x in noisy] == ["hold"] * 4 + ["uncertain"]
+    assert [w.update(x, -1.0, 1.0, hold_at=-0.3) for x in noisy] == ["uncertain"] + ["hold"] * 3 + ["uncertain"]
     assert w.held == 0.0 and w.offset == 0.0
 
 

@@ -16,6 +16,10 @@ def _median(values: list[float]) -> float:
     return v[k // 2] if k % 2 else 0.5 * (v[k // 2 - 1] + v[k // 2])
 
 
+# The start-up hold needs this many readings that agree: one interval's ghost counts are one
+# lumpy reading (a KV ghost hit is a whole user's history), not evidence against the base policy.
+HOLD_MIN_READINGS = 2
+
 TUNER_ACTIONS = ("emb_ward", "kv_ward", "deadband", "uncertain", "bound", "no_evidence", "hold")
 
 
@@ -76,10 +80,11 @@ class OperatingPointTuner:
       ``|step| < deadband``; a step never carries ``base + correction + offset`` past a guard
       bound (``bound``; a base output beyond a bound is left to the guard stage).
 
-    Start-up hold: while every reading so far (at most ``noise_window`` of them) has one sign, a
-    base move against it is held (``hold``: the offset cancels it, the split stays where it is):
-    the shipped base policy, on a trace unlike its training settings, would otherwise carry the
-    split the wrong way at the guards' full rate while the evidence against it accumulates. A hold
+    Start-up hold: while every reading so far (at least `HOLD_MIN_READINGS`, at most
+    ``noise_window`` of them) has one sign, a base move against it is held (``hold``: the offset
+    cancels it, the split stays where it is): the shipped base policy, on a trace unlike its
+    training settings, would otherwise carry the split the wrong way at the guards' full rate
+    while the evidence against it accumulates. A hold
     is one interval's (``held``, released at the next update, which may hold again): once a
     reading of the other sign comes, the base move goes ahead; once the estimate confirms the
     readings (a step their way), the hold becomes part of the offset and the step is taken from
@@ -198,7 +203,7 @@ class OperatingPointTuner:
                     off = self.offset + step
         nr = len(self._readings)
         absorbed = 0.0
-        if hold_at is not None and 0 < self._num_readings <= c.noise_window:
+        if hold_at is not None and HOLD_MIN_READINGS <= self._num_readings <= c.noise_window:
             # start-up: every reading so far points one way and the base moves the other way
             neg, pos = self._num_neg == nr, self._num_pos == nr
             if (neg and off > hold_at) or (pos and off < hold_at):
