@@ -101,3 +101,12 @@ def test_paper_scale_regime_length_and_its_schedule():
     with pytest.raises(SystemExit) as e:
         main(["--paper-regime-s", "0"])
     assert e.value.code == 2
+
+
+def test_reachable_path_follows_the_oracle_at_the_guards_step_limits():
+    from bench.reachable import main, reachable_path
+
+    assert reachable_path([0.8, 0.8, 0.8, 0.2, 0.2], 0.5, 0.05, 0.1) == [0.5, 0.55, 0.6, 0.5, 0.4]
+    assert reachable_path([0.2], 0.5, 0.05, 0.1) == [0.5]
+    with pytest.raises(SystemExit):
+        main(["--settings", "taobao-paper-scale-burst-s0"])
