@@ -82,6 +82,12 @@ class LoadAwareConfig:
     - ``hot_rel`` / ``hot_abs`` (>= 1 / >= 0; ``hot_rel = inf`` off; defaults 1.5 / 2): SGLang's
       spill: when the chosen node is hot, ``q > hot_rel * mean`` and ``q > mean + hot_abs``, the
       request goes to the least-waiting node instead (which then holds the user's K/V);
+    - ``same_batch_s`` (>= 0, 0 off; default 0.01): a request whose user's previous request went
+      to the user's K/V holder less than this before (the nodes' batching window) likely joins
+      that request's batch, and a node agent serves one user's requests in a batch one after
+      another, each in a pass of its own: the holder's score pays one service time
+      (``service_time_us``) for it. A request already running costs no extra pass (the queue
+      depth counts it), hence the window and not the requests in flight;
     - ``near_equal_fraction`` (in [0, 1]; default 0): nodes whose score is within this fraction
       of one service time (the fastest live node's ``service_time_us``) of the best are equal
       for the choice, which is then uniform among them from the router's seeded stream. At 0
@@ -98,6 +104,7 @@ class LoadAwareConfig:
     cap_factor: float = ranged(1.25, lo=1, finite=False)  # inf: off
     hot_rel: float = ranged(1.5, lo=1, finite=False)  # inf: off
     hot_abs: float = ranged(2.0, lo=0)
+    same_batch_s: float = ranged(0.01, lo=0, hi=60)
     near_equal_fraction: float = ranged(0.0, lo=0, hi=1)
 
     def validate(self) -> "LoadAwareConfig":
@@ -106,6 +113,7 @@ class LoadAwareConfig:
 
 
 LOAD_AWARE_OFF = LoadAwareConfig(enabled=False)
+_LAST_DISPATCH_MAX = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -339,6 +347,8 @@ class ClusterState(ArrayViews):
         self.fill = np.zeros(n, dtype=np.float64)  # q(n) / queue_capacity(n), uncapped; +inf silent
         self.hot = HotShardTable(n, config.num_shards)
         self.kv = KvResidency(config.residency_capacity, config.residency_ways)
+        self.now_s = float(now_s)  # the decision's time, set by the router before each one
+        self.last_dispatch: dict[int, tuple[int, float]] = {}  # user -> (node, time) of its last request
         self._bind_views()
         self._ones = np.ones(1024, dtype=np.float64)
         self._refresh_all()
@@ -394,6 +404,7 @@ class ClusterState(ArrayViews):
         self._ld = w.ld_us.tolist()
         self._ld_ref = w.ld_ref_us
         self._kv_rate = w.kv_us_per_token.tolist()
+        self._svc = w.service_time_us.tolist()
         self._svc_min = float(w.service_time_us.min())
         for i in range(self.num_nodes):
             self._refresh(i)
@@ -405,6 +416,12 @@ class ClusterState(ArrayViews):
         self._queue_mv[n] += 1.0
         self._refresh(n)
         self.kv.record(user, n, cached_len if cached_len < _I32_MAX else _I32_MAX, now_s)
+        last = self.last_dispatch
+        last[user] = (n, now_s)
+        if len(last) > _LAST_DISPATCH_MAX:  # keep only the last second (every batching window is shorter)
+            cut = now_s - 1.0
+            for u in [u for u, (_, t) in last.items() if t < cut]:
+                del last[u]
 
     def complete(self, node: str | int, count: int = 1) -> None:
         """``count`` requests left node ``node``'s queue (the router saw them finish)."""
@@ -535,12 +552,14 @@ class ClusterState(ArrayViews):
 class ScoreBreakdown:
     """The per-node terms of one scoring decision (arrays of length ``num_nodes``).
 
-    ``score = kv_term_us + emb_term_us + credit_decay_us + load_term_us + load_offset_us + eps_us``,
+    ``score = kv_term_us + emb_term_us + credit_decay_us + pass_us + load_term_us + load_offset_us +
+    eps_us``,
     where ``kv_term_us = w_kv * h_kv``, ``emb_term_us = w_emb * h_emb``, ``load_term_us = w_ld * (1 -
     l)`` and ``credit_decay_us = -(1 - credit_factor) * (kv_term_us + emb_term_us)``: the locality
     credit a node loses for being ahead of the least loaded (`LoadAwareConfig`; factor 1 and no
     decay when the rule is off). ``under_cap``: whether the node was under the bounded-load cap
-    (all true when the cap did not bind). A term the policy ignores has weight 0 (``h_emb`` is NaN
+    (all true when the cap did not bind). ``pass_us``: minus one service time on the K/V holder
+    when the user's previous request went there within ``same_batch_s`` (`LoadAwareConfig`). A term the policy ignores has weight 0 (``h_emb`` is NaN
     where it was not computed). Silent nodes have ``l = inf`` and a score of ``-inf``.
     """
 
@@ -560,11 +579,12 @@ class ScoreBreakdown:
     credit_factor: np.ndarray
     credit_decay_us: np.ndarray
     under_cap: np.ndarray
+    pass_us: np.ndarray
 
     def rows(self) -> list[dict]:
         """One plain dict per node (JSON-able; the dashboard's table)."""
         cols = ("h_kv", "h_emb", "load", "w_kv", "w_emb", "w_ld", "kv_term_us", "emb_term_us", "credit_factor",
-                "credit_decay_us", "load_term_us", "load_offset_us", "eps_us", "score", "under_cap")
+                "credit_decay_us", "pass_us", "load_term_us", "load_offset_us", "eps_us", "score", "under_cap")
         arrays = [getattr(self, c).tolist() for c in cols]
         return [{"node": nid, **{c: a[i] for c, a in zip(cols, arrays)}} for i, nid in enumerate(self.node_ids)]
 
@@ -624,6 +644,9 @@ class RoutingDecision:
             load_term = np.where(np.isfinite(load), w_ld * (1.0 - load), -_INF)
         kv_term = w_kv * h_kv
         lc = self.load_check
+        pass_us = np.zeros(n)
+        if lc is not None and lc.same_batch and self.kv_holder >= 0:
+            pass_us[self.kv_holder] = -w.service_time_us[self.kv_holder]
         factor = np.ones(n) if lc is None or lc.credit_factor is None else lc.credit_factor.copy()
         under = np.ones(n, dtype=bool)
         if lc is not None and lc.capped:
@@ -633,7 +656,7 @@ class RoutingDecision:
             kv_term_us=kv_term, emb_term_us=emb_term,
             load_term_us=load_term, load_offset_us=w.load_offset_us.copy(), eps_us=np.array(eps),
             score=self.score.copy(), credit_factor=factor, credit_decay_us=-(1.0 - factor) * (kv_term + emb_term),
-            under_cap=under,
+            under_cap=under, pass_us=pass_us,
         )
 
     @property
@@ -661,6 +684,10 @@ class RoutingDecision:
             if lc is None:
                 return out
             parts = []
+            if lc.same_batch and self.kv_holder >= 0:
+                h = self.kv_holder
+                parts.append(f"holder {b.node_ids[h]} {b.pass_us[h]:.1f} us: the user's previous request went there "
+                             f"within {lc.config.same_batch_s * 1e3:g} ms (its batch: a pass of its own)")
             for j in dict.fromkeys((i, self.kv_holder)):
                 if j >= 0 and b.credit_factor[j] < 1.0 and b.kv_term_us[j] + b.emb_term_us[j] > 0.0:
                     who = "its" if j == i else f"holder {b.node_ids[j]}'s"
@@ -711,7 +738,8 @@ class LoadCheck:
     cap; ``cap``: ``ceil(c (Q + 1) / N)`` (``None`` off) and ``capped`` whether it moved the choice;
     ``num_near``/``near_us``: the nodes tied within ``near_us`` of the best (a seeded random one
     of them was taken when more than one); ``spilled_from``: the hot node the spill moved the
-    request off (``-1`` when it did not fire).
+    request off (``-1`` when it did not fire); ``same_batch``: the user's previous request went to
+    its holder within ``same_batch_s``, and the holder's score paid one service time for the pass.
     """
 
     config: LoadAwareConfig
@@ -726,6 +754,7 @@ class LoadCheck:
     num_near: int
     near_us: float
     spilled_from: int = -1
+    same_batch: bool = False
 
 
 def _pick(state: ClusterState, user: int, history_len: int, emb_us, eps_us: np.ndarray, eps_load: np.ndarray,
@@ -766,6 +795,12 @@ def _pick(state: ClusterState, user: int, history_len: int, emb_us, eps_us: np.n
             credit *= factor
         score = state.wait_term + eps_us  # the whole wait, also past queue_capacity
         score += credit
+        same_batch = False
+        if la.same_batch_s > 0.0 and holder >= 0:
+            last = state.last_dispatch.get(user)
+            if last is not None and last[0] == holder and state.now_s - last[1] < la.same_batch_s:
+                same_batch = True  # a pass of its own after the user's request in the same batch
+                score[holder] -= state._svc[holder]
         best = first = int(score.argmax())
         alive = state.alive
         num_live = int(np.count_nonzero(alive))
@@ -796,7 +831,7 @@ def _pick(state: ClusterState, user: int, history_len: int, emb_us, eps_us: np.n
                 source = "spill"
         if explain:
             lc = LoadCheck(la, q.copy(), q_min, mean, num_live, factor, first, cap, eligible is not None, num_near,
-                           near_us, spilled_from)
+                           near_us, spilled_from, same_batch)
     check = None
     if guard is not None:
         qmax = float(state.q_for_max.max())
@@ -890,6 +925,7 @@ class Router:
             raise ValueError(f"now_s must be a finite number, got {now_s!r}")
         if now_s >= self._next_expiry_s:
             self._maybe_expire(now_s)
+        self.state.now_s = now_s
         d = self._decide(request)
         self.state.dispatch(d.node_index, user, hl + k, now_s)
         return d
@@ -1032,6 +1068,7 @@ class ScoringRouter(Router):
             raise ValueError(f"now_s must be a finite number, got {now_s!r}")
         self._maybe_expire(now_s)
         st = self.state
+        st.now_s = now_s
         b = len(batch)
         out = np.empty(b, dtype=np.int64)
         fired = np.zeros(b, dtype=bool)

@@ -169,3 +169,32 @@ def test_do_no_harm_in_the_simulator_on_a_small_burst():
         res = simulate(stream, replace(scfg, load_aware=la), StaticAllocator(0.5), name.removesuffix("_plain"))
         p99[name] = res.summary()["p99_ms"]
     assert p99["racer"] <= 1.02 * p99["least_load"], p99
+
+
+def test_a_users_second_request_in_the_same_batch_window_costs_its_holder_a_pass():
+    """A node agent serves one user's requests in a batch one pass after another: a request whose
+    user's previous one went to the holder within same_batch_s (10 ms) costs the holder one
+    service time (100 us); later, the previous request is running (the queue counts it) and the
+    holder pays nothing more (the cap and the spill off: the rule alone)."""
+    r = cluster(cap_factor=INF, hot_rel=INF)
+    at(r, (0, 0, 0))
+    r.state.kv.record(7, 1, 150, 0.0)  # n1 holds 150 tokens of user 7's K/V: 300 us saved there
+    req = RouteRequest(7, 150, np.asarray([], dtype=np.int64))
+    first = r.route(req, now_s=0.0)
+    assert first.node_id == "n1" and not first.load_check.same_batch
+    # 5 ms later: n1 has 300 us of K/V at half credit (1 ahead), 100 us more wait and a 100-us pass
+    second = r.route(req, now_s=0.005)
+    b = second.breakdown()
+    assert second.load_check.same_batch and b.pass_us.tolist() == [0.0, -100.0, 0.0]
+    np.testing.assert_allclose(b.kv_term_us + b.emb_term_us + b.credit_decay_us + b.pass_us + b.load_term_us
+                               + b.load_offset_us + b.eps_us, b.score)
+    assert second.node_id != "n1", second.reason
+    assert "holder n1 -100.0 us: the user's previous request went there within 10 ms" in second.reason
+    # 50 ms after the second: no pass; the new holder keeps the user with its whole credit
+    third = r.route(req, now_s=0.055)
+    assert not third.load_check.same_batch and third.node_id == second.node_id
+    off = cluster(cap_factor=INF, hot_rel=INF, same_batch_s=0.0)
+    at(off, (0, 0, 0))
+    off.state.kv.record(7, 1, 150, 0.0)
+    assert [off.route(req, now_s=t).node_id for t in (0.0, 0.005)] == ["n1", "n1"]  # 150 us beat 100 us of wait
+    assert r.state.check_invariants() == []
