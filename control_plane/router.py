@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -348,7 +349,8 @@ class ClusterState(ArrayViews):
         self.hot = HotShardTable(n, config.num_shards)
         self.kv = KvResidency(config.residency_capacity, config.residency_ways)
         self.now_s = float(now_s)  # the decision's time, set by the router before each one
-        self.last_dispatch: dict[int, tuple[int, float]] = {}  # user -> (node, time) of its last request
+        # user -> (node, time) of its last request, the oldest first
+        self.last_dispatch: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self._bind_views()
         self._ones = np.ones(1024, dtype=np.float64)
         self._refresh_all()
@@ -416,12 +418,13 @@ class ClusterState(ArrayViews):
         self._queue_mv[n] += 1.0
         self._refresh(n)
         self.kv.record(user, n, cached_len if cached_len < _I32_MAX else _I32_MAX, now_s)
-        last = self.last_dispatch
+        last = self.last_dispatch  # in dispatch order: the oldest first
+        if user in last:
+            last.move_to_end(user)
         last[user] = (n, now_s)
-        if len(last) > _LAST_DISPATCH_MAX:  # keep only the last second (every batching window is shorter)
-            cut = now_s - 1.0
-            for u in [u for u, (_, t) in last.items() if t < cut]:
-                del last[u]
+        if len(last) > _LAST_DISPATCH_MAX:  # bounded: the older half goes (far older than any batching window)
+            for _ in range(_LAST_DISPATCH_MAX // 2):
+                last.popitem(last=False)
 
     def complete(self, node: str | int, count: int = 1) -> None:
         """``count`` requests left node ``node``'s queue (the router saw them finish)."""

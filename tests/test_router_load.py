@@ -198,3 +198,17 @@ def test_a_users_second_request_in_the_same_batch_window_costs_its_holder_a_pass
     off.state.kv.record(7, 1, 150, 0.0)
     assert [off.route(req, now_s=t).node_id for t in (0.0, 0.005)] == ["n1", "n1"]  # 150 us beat 100 us of wait
     assert r.state.check_invariants() == []
+
+
+def test_the_last_dispatch_per_user_is_bounded_and_keeps_the_newest():
+    from control_plane import router as rt
+
+    r = cluster()
+    at(r, (0, 0, 0))
+    cap = rt._LAST_DISPATCH_MAX
+    for u in range(cap + 1):
+        r.state.dispatch(0, u, 10, u * 1e-6)
+    last = r.state.last_dispatch
+    assert len(last) == cap + 1 - cap // 2 and next(iter(last)) == cap // 2 and cap in last
+    r.state.dispatch(1, cap // 2, 10, 1.0)  # a returning user moves to the newest end
+    assert next(reversed(last)) == cap // 2 and last[cap // 2] == (1, 1.0)
