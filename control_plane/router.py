@@ -555,14 +555,14 @@ class ClusterState(ArrayViews):
 class ScoreBreakdown:
     """The per-node terms of one scoring decision (arrays of length ``num_nodes``).
 
-    ``score = kv_term_us + emb_term_us + credit_decay_us + pass_us + load_term_us + load_offset_us +
-    eps_us``,
-    where ``kv_term_us = w_kv * h_kv``, ``emb_term_us = w_emb * h_emb``, ``load_term_us = w_ld * (1 -
-    l)`` and ``credit_decay_us = -(1 - credit_factor) * (kv_term_us + emb_term_us)``: the locality
-    credit a node loses for being ahead of the least loaded (`LoadAwareConfig`; factor 1 and no
-    decay when the rule is off). ``under_cap``: whether the node was under the bounded-load cap
-    (all true when the cap did not bind). ``pass_us``: minus one service time on the K/V holder
-    when the user's previous request went there within ``same_batch_s`` (`LoadAwareConfig`). A term the policy ignores has weight 0 (``h_emb`` is NaN
+    ``score = kv_term_us + emb_term_us + credit_decay_us + pass_us + load_term_us + load_offset_us
+    + eps_us``, where ``kv_term_us = w_kv * h_kv``, ``emb_term_us = w_emb * h_emb``,
+    ``load_term_us = w_ld * (1 - l)`` and ``credit_decay_us = -(1 - credit_factor) * (kv_term_us +
+    emb_term_us)``: the locality credit a node loses for being ahead of the least loaded
+    (`LoadAwareConfig`; factor 1 and no decay when the rule is off). ``under_cap``: whether the
+    node was under the bounded-load cap (all true when the cap did not bind). ``pass_us``: minus
+    one service time on the K/V holder when the user's previous request went there within
+    ``same_batch_s`` (`LoadAwareConfig`). A term the policy ignores has weight 0 (``h_emb`` is NaN
     where it was not computed). Silent nodes have ``l = inf`` and a score of ``-inf``.
     """
 
