@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -253,18 +254,10 @@ def simulate(stream: RequestStream, cfg: SimConfig, allocator: Allocator, router
     allocator.reset(cfg.num_nodes, cfg.initial_emb_share)
     sim = ClusterSim(stream, cfg, router, initial_share=allocator.initial_share(), name=allocator.name,
                      record=record)
-    if progress:
-        from tqdm import tqdm
-
-        sim.bar = tqdm(total=len(stream), desc=desc or f"{allocator.name}/{router}", unit="req", leave=False,
-                       mininterval=0.5)
-    try:
+    with _progress(sim, progress, desc or f"{allocator.name}/{router}"):
         out = sim.start()
         while out is not None:
             out = sim.control(allocator)
-    finally:
-        if sim.bar is not None:
-            sim.bar.close()
     return sim.result()
 
 
@@ -272,25 +265,33 @@ def run_cluster(stream: RequestStream, cfg: SimConfig, router: str = "racer", *,
                 name: str = "external", progress: bool = False, desc: str | None = None, record: list | None = None):
     """The simulation as a generator: at every control-interval boundary after the first it yields
     ``(now_s, [WindowStats per node])`` and takes back the list of target ``emb_share`` per node
-    (``send``); it returns the `SimResult` (``StopIteration.value``). `simulate` drives it with an
-    `Allocator`; the PPO environment (policies/env.py) drives it one interval per step.
+    (``send``); it returns the `SimResult` (``StopIteration.value``). The PPO environment
+    (policies/env.py) drives it one interval per step; `simulate` runs an `Allocator`'s control
+    steps instead (`ClusterSim.control`).
 
     ``initial_share``: a split applied at once at start-up (a static configuration); ``None``
     starts every node at ``cfg.initial_emb_share``."""
     sim = ClusterSim(stream, cfg, router, initial_share=initial_share, name=name, record=record)
-    if progress:
-        from tqdm import tqdm
-
-        sim.bar = tqdm(total=len(stream), desc=desc or f"{name}/{router}", unit="req", leave=False, mininterval=0.5)
-    try:
+    with _progress(sim, progress, desc or f"{name}/{router}"):
         out = sim.start()
         while out is not None:
             decided = yield out
             out = sim.advance(decided)
+    return sim.result()
+
+
+@contextmanager
+def _progress(sim: "ClusterSim", progress: bool, desc: str):
+    """A progress bar over the run's requests (``progress``), closed however the run ends."""
+    if progress:
+        from tqdm import tqdm
+
+        sim.bar = tqdm(total=len(sim.stream), desc=desc, unit="req", leave=False, mininterval=0.5)
+    try:
+        yield
     finally:
         if sim.bar is not None:
             sim.bar.close()
-    return sim.result()
 
 
 class ClusterSim:

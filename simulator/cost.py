@@ -79,8 +79,7 @@ def extra_passes_us(prof: CostProfile, compute_us: np.ndarray, passes: np.ndarra
     """What a batch's passes after its first add (its requests with ``passes >= 1``): each pass
     ``batch_overhead_us + max(max compute, sum compute / batch_speedup)`` over its own requests."""
     total = 0.0
-    for k in range(1, int(passes.max()) + 1 if len(passes) else 1):
+    for k in range(1, int(passes.max()) + 1 if len(passes) else 1):  # every pass up to the last has a request
         c = compute_us[passes == k]
-        if len(c):
-            total += prof.batch_overhead_us + max(float(c.max()), float(c.sum()) / prof.batch_speedup)
+        total += prof.batch_overhead_us + max(float(c.max()), float(c.sum()) / prof.batch_speedup)
     return total

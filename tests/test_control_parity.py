@@ -6,8 +6,8 @@ device-worker code) and one sequence of manager states go through
 - the agent's path: `NodeAgent._serve` -> `NodeAgent._record_batch` -> `WindowAccumulator`, then
   `NodeAgent.control_step` (SmartAllocator, half-page apply rule on the engine's manager);
 - the simulator's path: `simulator.cluster.feed_batches` (what `ClusterSim._serve_slice` calls)
-  -> `WindowAccumulator`, then `SmartAllocatorSim.decide` and `apply_target` (what
-  `ClusterSim.advance` calls) on a copy of the same manager,
+  -> `WindowAccumulator`, then `SmartAllocatorSim.control` (decide, then the half-page apply
+  rule: what `ClusterSim.control` calls) on a copy of the same manager,
 
 and the test checks identical `WindowStats` and identical decisions. A test double of the agent
 that computes one feature differently is caught by the same check.
@@ -25,7 +25,7 @@ import torch
 
 from node_agent.agent import AgentConfig, NodeAgent, _Job
 from node_agent.allocator import AllocatorConfig, SmartAllocator, TunerConfig
-from node_agent.control import WindowAccumulator, apply_target, current_target, stats_differences
+from node_agent.control import WindowAccumulator, current_target, stats_differences
 from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig, RecRequest
 from node_agent.model import ModelConfig
 from simulator.cluster import feed_batches
@@ -76,9 +76,8 @@ class SimSide:
 
     def close_and_decide(self, now_s: float, manager):
         stats = self.acc.close_window(now_s, manager, _costs(), 30.0)
-        share = self.alloc.decide(0, stats, now_s)
-        plan = apply_target(manager, share, now_s)
-        return stats, self.alloc.last_decisions[0], plan
+        effect = self.alloc.control(0, stats, manager, now_s)  # as ClusterSim.control runs it
+        return stats, effect.decision, effect
 
 
 def _costs():
