@@ -363,7 +363,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
             "offered_rps": round(rep["requests_sent"] / rc.duration_s, 2),
             "requests_sent": rep["requests_sent"], "requests_failed": rep["requests_failed"],
             "failures": rep["failures"], "kv_hit_rate": rep["kv_hit_rate"], "emb_hit_rate": rep["emb_hit_rate"],
-            "mean_share": sampler.mean(), "served_by": rep["served_by"],
+            "multi_pass_share": rep["multi_pass_share"], "mean_share": sampler.mean(), "served_by": rep["served_by"],
             "dispatch_lag_ms_p99": rep["dispatch_lag_ms_p99"], "phases": phases}
 
 
@@ -402,7 +402,8 @@ def _stat(values) -> dict | None:
     return {"median": round(float(np.median(xs)), 4), "min": round(min(xs), 4), "max": round(max(xs), 4), "n": len(xs)}
 
 
-FIGURES = ("p99_ms", "p50_ms", "slo_attainment", "throughput_rps", "kv_hit_rate", "emb_hit_rate", "mean_share")
+FIGURES = ("p99_ms", "p50_ms", "slo_attainment", "throughput_rps", "kv_hit_rate", "emb_hit_rate", "multi_pass_share",
+           "mean_share")
 
 
 def aggregate(runs: list[dict], configs: list[FleetConfig], loads: list[float]) -> list[dict]:
@@ -675,7 +676,8 @@ def format_rows(res: dict) -> str:
         p = r["p99_ms"] or {}
         lines.append(f"  load {r['load']:<5g} {r['name']:<28} P99 {p.get('median')} [{p.get('min')}-{p.get('max')}] ms"
                      f"  SLO {(r['slo_attainment'] or {}).get('median')}  share {(r['mean_share'] or {}).get('median')}"
-                     f"  KV hit {(r['kv_hit_rate'] or {}).get('median')}  EMB hit {(r['emb_hit_rate'] or {}).get('median')}")
+                     f"  KV hit {(r['kv_hit_rate'] or {}).get('median')}  EMB hit {(r['emb_hit_rate'] or {}).get('median')}"
+                     f"  multi-pass {(r['multi_pass_share'] or {}).get('median')}")
     lines.append("findings: " + json.dumps(res["findings"]))
     if res.get("plot"):
         lines.append(f"plot: {res['plot']}")

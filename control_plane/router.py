@@ -89,6 +89,12 @@ class LoadAwareConfig:
       another, each in a pass of its own: the holder's score pays one service time
       (``service_time_us``) for it. A request already running costs no extra pass (the queue
       depth counts it), hence the window and not the requests in flight;
+    - ``pass_while_queued`` (default True): a node agent's batch is every request queued when
+      its device frees, so the user's previous request still waiting in the holder's queue
+      (sent while the holder was busy, and the holder has completed nothing since) means the
+      new one joins its batch: the holder pays the same pass. The simulator's nodes batch by
+      time slice instead (a later slice's request never joins an earlier slice's batch), and the
+      simulator runs with it off (`simulator.cluster.SimConfig.load_aware`);
     - ``near_equal_fraction`` (in [0, 1]; default 0): nodes whose score is within this fraction
       of one service time (the fastest live node's ``service_time_us``) of the best are equal
       for the choice, which is then uniform among them from the router's seeded stream. At 0
@@ -106,6 +112,7 @@ class LoadAwareConfig:
     hot_rel: float = ranged(1.5, lo=1, finite=False)  # inf: off
     hot_abs: float = ranged(2.0, lo=0)
     same_batch_s: float = ranged(0.01, lo=0, hi=60)
+    pass_while_queued: bool = ranged(True, kind=bool)
     near_equal_fraction: float = ranged(0.0, lo=0, hi=1)
 
     def validate(self) -> "LoadAwareConfig":
@@ -349,8 +356,9 @@ class ClusterState(ArrayViews):
         self.hot = HotShardTable(n, config.num_shards)
         self.kv = KvResidency(config.residency_capacity, config.residency_ways)
         self.now_s = float(now_s)  # the decision's time, set by the router before each one
-        # user -> (node, time) of its last request, the oldest first
-        self.last_dispatch: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        # user -> (node, time, node busy then, node's completions then) of its last request, the oldest first
+        self.last_dispatch: OrderedDict[int, tuple[int, float, bool, int]] = OrderedDict()
+        self.completed = [0] * n  # requests each node completed, as the router saw them
         self._bind_views()
         self._ones = np.ones(1024, dtype=np.float64)
         self._refresh_all()
@@ -415,13 +423,14 @@ class ClusterState(ArrayViews):
     def dispatch(self, n: int, user: int, cached_len: int, now_s: float) -> None:
         """Optimistic update for a request routed to node ``n``: one more queued request, and the
         node will hold ``cached_len`` tokens of the user's K/V."""
+        busy = self._queue_mv[n] > 0.0
         self._queue_mv[n] += 1.0
         self._refresh(n)
         self.kv.record(user, n, cached_len if cached_len < _I32_MAX else _I32_MAX, now_s)
         last = self.last_dispatch  # in dispatch order: the oldest first
         if user in last:
             last.move_to_end(user)
-        last[user] = (n, now_s)
+        last[user] = (n, now_s, busy, self.completed[n])
         if len(last) > _LAST_DISPATCH_MAX:  # bounded: the older half goes (far older than any batching window)
             for _ in range(_LAST_DISPATCH_MAX // 2):
                 last.popitem(last=False)
@@ -433,6 +442,7 @@ class ClusterState(ArrayViews):
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
         q = self._queue_mv[n] - count
         self._queue_mv[n] = q if q > 0.0 else 0.0
+        self.completed[n] += int(count)
         self._refresh(n)
 
     def set_profile(self, node: str | int, profile: CostProfile) -> None:
@@ -562,7 +572,8 @@ class ScoreBreakdown:
     (`LoadAwareConfig`; factor 1 and no decay when the rule is off). ``under_cap``: whether the
     node was under the bounded-load cap (all true when the cap did not bind). ``pass_us``: minus
     one service time on the K/V holder when the user's previous request went there within
-    ``same_batch_s`` (`LoadAwareConfig`). A term the policy ignores has weight 0 (``h_emb`` is NaN
+    ``same_batch_s`` or still waits in its queue (`LoadAwareConfig`). A term the policy ignores
+    has weight 0 (``h_emb`` is NaN
     where it was not computed). Silent nodes have ``l = inf`` and a score of ``-inf``.
     """
 
@@ -689,8 +700,10 @@ class RoutingDecision:
             parts = []
             if lc.same_batch and self.kv_holder >= 0:
                 h = self.kv_holder
-                parts.append(f"holder {b.node_ids[h]} {b.pass_us[h]:.1f} us: the user's previous request went there "
-                             f"within {lc.config.same_batch_s * 1e3:g} ms (its batch: a pass of its own)")
+                why = ("is still queued there (sent while it was busy, nothing completed since)"
+                       if lc.same_batch == "queued" else f"went there within {lc.config.same_batch_s * 1e3:g} ms")
+                parts.append(f"holder {b.node_ids[h]} {b.pass_us[h]:.1f} us: the user's previous request {why} "
+                             "(its batch: a pass of its own)")
             for j in dict.fromkeys((i, self.kv_holder)):
                 if j >= 0 and b.credit_factor[j] < 1.0 and b.kv_term_us[j] + b.emb_term_us[j] > 0.0:
                     who = "its" if j == i else f"holder {b.node_ids[j]}'s"
@@ -742,7 +755,9 @@ class LoadCheck:
     ``num_near``/``near_us``: the nodes tied within ``near_us`` of the best (a seeded random one
     of them was taken when more than one); ``spilled_from``: the hot node the spill moved the
     request off (``-1`` when it did not fire); ``same_batch``: the user's previous request went to
-    its holder within ``same_batch_s``, and the holder's score paid one service time for the pass.
+    its holder within ``same_batch_s`` (True) or still waits in the holder's queue
+    (``"queued"``, ``pass_while_queued``), and the holder's score paid one service time for the
+    pass; False otherwise.
     """
 
     config: LoadAwareConfig
@@ -757,7 +772,7 @@ class LoadCheck:
     num_near: int
     near_us: float
     spilled_from: int = -1
-    same_batch: bool = False
+    same_batch: bool | str = False
 
 
 def _pick(state: ClusterState, user: int, history_len: int, emb_us, eps_us: np.ndarray, eps_load: np.ndarray,
@@ -799,11 +814,15 @@ def _pick(state: ClusterState, user: int, history_len: int, emb_us, eps_us: np.n
         score = state.wait_term + eps_us  # the whole wait, also past queue_capacity
         score += credit
         same_batch = False
-        if la.same_batch_s > 0.0 and holder >= 0:
+        if holder >= 0 and (la.same_batch_s > 0.0 or la.pass_while_queued):
             last = state.last_dispatch.get(user)
-            if last is not None and last[0] == holder and state.now_s - last[1] < la.same_batch_s:
-                same_batch = True  # a pass of its own after the user's request in the same batch
-                score[holder] -= state._svc[holder]
+            if last is not None and last[0] == holder:
+                if state.now_s - last[1] < la.same_batch_s:
+                    same_batch = True  # a pass of its own after the user's request in the same batch
+                elif la.pass_while_queued and last[2] and state.completed[holder] == last[3]:
+                    same_batch = "queued"  # the previous request still waits: the same batch
+                if same_batch:
+                    score[holder] -= state._svc[holder]
         best = first = int(score.argmax())
         alive = state.alive
         num_live = int(np.count_nonzero(alive))

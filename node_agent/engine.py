@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -432,6 +432,7 @@ class RecResponse:
     link_emulated: bool
     batch_size: int
     finished_s: float
+    batch_passes: int = 1  # passes its batch took: one more for each repeat of a user in it
 
     def to_dict(self) -> dict:
         return {
@@ -445,6 +446,7 @@ class RecResponse:
             "latency_us": self.latency.to_dict(),
             "link_emulated": self.link_emulated,
             "batch_size": self.batch_size,
+            "batch_passes": self.batch_passes,
         }
 
 
@@ -582,7 +584,9 @@ class Engine:
         out: list[RecResponse | None] = [None] * len(preps)
         # sub-batches in which each user appears once, in arrival order
         pending = list(range(len(preps)))
+        passes = 0
         while pending:
+            passes += 1
             seen: set[int] = set()
             group, rest = [], []
             for i in pending:
@@ -592,6 +596,8 @@ class Engine:
                 out[i] = resp
             pending = rest
         self._prune_seqs()
+        if passes > 1:  # every answer of the batch waited for all its passes
+            out = [replace(r, batch_passes=passes) for r in out]
         return out  # type: ignore[return-value]
 
     def _sync(self) -> None:

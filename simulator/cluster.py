@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -66,7 +66,10 @@ class SimConfig:
       here (they cost the simulator ~15% of its speed and change no decision of the caches);
       on, every `WindowStats` carries the nodes' marginal utilities of memory;
     - ``load_aware``: the scoring routers' rules under load (`control_plane.router.LoadAwareConfig`);
-      ``None`` keeps the router's defaults.
+      ``None`` keeps the router's defaults; ``pass_while_queued`` is always off here, since a
+      simulated node batches by slice, not from its queue;
+    - ``router_seed``: the seed of the router's tie-breaks (``None``: ``seed``); the same stream
+      with another router seed shows how much of a P99 is the router's own randomness.
     """
 
     num_nodes: int = ranged(32, lo=1, integer=True)
@@ -85,6 +88,7 @@ class SimConfig:
     ghost_probes: tuple[float, ...] = ()
     seed: int = 0
     load_aware: LoadAwareConfig | None = None
+    router_seed: int | None = ranged(None, integer=True, optional=True)
 
     def validate(self) -> "SimConfig":
         validate_fields(self)
@@ -321,9 +325,11 @@ class ClusterSim:
         self.nodes = [_Node(i, MemoryManager(mcfg)) for i in range(cfg.num_nodes)]
         self.rp = rp = router_profile(stream, cfg)
         self.costs = MissCosts(rp.kv_recompute_us_per_token, prof.emb_transfer_us_per_row)
-        extra = {} if cfg.load_aware is None else {"load_aware": cfg.load_aware}
-        self.rt = make_router(router, [n.id for n in self.nodes], rp, num_shards=trace.num_shards, seed=cfg.seed,
-                              node_timeout_s=float("inf"), **extra)
+        # a simulated node batches by slice: a request never joins a batch an earlier slice formed
+        la = replace(cfg.load_aware or LoadAwareConfig(), pass_while_queued=False)
+        self.rt = make_router(router, [n.id for n in self.nodes], rp, num_shards=trace.num_shards,
+                              seed=cfg.seed if cfg.router_seed is None else cfg.router_seed,
+                              node_timeout_s=float("inf"), load_aware=la)
         n_req = len(stream)
         # read-only inputs, shared by forks
         c = self._c = _Inputs()

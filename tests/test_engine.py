@@ -182,6 +182,9 @@ def test_micro_batch_with_evictions_inside_and_a_repeated_user():
     reqs.append(RecRequest(0, seqs[0][0], (), seqs[0][1], candidates=cands))  # user 0 again: sees the first
     out = eng.serve_batch(reqs)
     assert [r.batch_size for r in out] == [4] * 4
+    assert [r.batch_passes for r in out] == [2] * 4  # user 0's second request: a pass of its own
+    assert out[0].to_dict()["batch_passes"] == 2
+    assert [r.batch_passes for r in eng.serve_batch(reqs[:3])] == [1] * 3
     assert [r.user_id for r in out] == [0, 1, 2, 0]
     assert out[2].kv.outcome == "hit" and out[0].kv.outcome == "miss" and out[1].kv.outcome == "miss"
     for r, req in zip(out[:3], reqs):

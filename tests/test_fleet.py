@@ -97,15 +97,20 @@ def test_judging_takes_medians_over_rounds_and_the_best_static_in_hindsight():
 
 def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
     st = ReplayStats(30.0)
-    for phase, kv_hit, kv_miss, hits, rows in (("a", 30, 10, 5, 10), ("a", 0, 40, 0, 10), ("b", 10, 0, 9, 10)):
+    for phase, kv_hit, kv_miss, hits, rows, passes in (("a", 30, 10, 5, 10, 2), ("a", 0, 40, 0, 10, 1),
+                                                        ("b", 10, 0, 9, 10, 1)):
         st.on_sent("steady", 0.0, phase=phase)
         st.on_done("steady", 5.0, None, "n0", False, phase=phase,
-                   answer={"kv": {"hit_tokens": kv_hit, "recomputed_tokens": kv_miss}, "emb": {"hits": hits, "rows": rows}})
+                   answer={"kv": {"hit_tokens": kv_hit, "recomputed_tokens": kv_miss}, "emb": {"hits": hits, "rows": rows},
+                           "batch_passes": passes})
     st.on_sent("steady", 0.0, phase="b")  # an answer without counts (or a failure) adds nothing
     st.on_done("steady", 5.0, None, "n0", False, phase="b", answer={"kv": {"hit_tokens": True}})
     rep = st.report()
     assert rep["kv_hit_rate"] == round(40 / 90, 4) and rep["emb_hit_rate"] == round(14 / 30, 4)
     assert rep["phases"]["a"]["kv_hit_rate"] == 0.375 and rep["phases"]["b"]["emb_hit_rate"] == 0.9
+    # the share of answers whose batch took more than one pass (a user repeated in it)
+    assert rep["multi_pass_share"] == round(1 / 3, 4) and rep["phases"]["a"]["multi_pass_share"] == 0.5
+    assert rep["phases"]["b"]["multi_pass_share"] == 0.0
 
 
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
@@ -135,6 +140,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     for r in res["configs"]:
         assert r["rounds"] == 1 and r["p99_ms"]["median"] > 0 and r["requests_failed"]["median"] == 0
         assert 0.0 <= r["kv_hit_rate"]["median"] <= 1.0 and 0.0 <= r["emb_hit_rate"]["median"] <= 1.0
+        assert 0.0 <= r["multi_pass_share"]["median"] <= 1.0
         assert set(r["phases"]) == {"steady[0-3s]", "burst[3-5s]"}
         if r["config"].startswith("0.5/"):  # a static split stays where it was set
             assert r["mean_share"]["median"] == pytest.approx(0.5, abs=0.01)

@@ -200,6 +200,36 @@ def test_a_users_second_request_in_the_same_batch_window_costs_its_holder_a_pass
     assert r.state.check_invariants() == []
 
 
+@pytest.mark.parametrize("completed_since, pass_while_queued, want_pass", [
+    (0, True, True),    # the holder was busy and finished nothing since: the request still waits there
+    (1, True, False),   # a completion there since: the batch it waited for ended, it is running
+    (0, False, False),  # the rule off (the simulator's nodes batch by slice)
+])
+def test_a_users_request_still_queued_at_its_holder_costs_the_holder_a_pass(completed_since, pass_while_queued,
+                                                                            want_pass):
+    """A node agent's batch is every request queued when its device frees: the user's previous
+    request, sent while the holder was busy and not yet started (no completion there since), and
+    the new one share a batch, each in a pass of its own; past the 10-ms window too."""
+    r = cluster(cap_factor=INF, hot_rel=INF, pass_while_queued=pass_while_queued)
+    at(r, (1, 1, 1))  # every node busy
+    r.state.kv.record(7, 1, 150, 0.0)  # n1 holds 150 tokens of user 7's K/V: 300 us saved there
+    req = RouteRequest(7, 150, np.asarray([], dtype=np.int64))
+    first = r.route(req, now_s=0.0)
+    assert first.node_id == "n1" and not first.load_check.same_batch
+    for _ in range(completed_since):
+        r.complete("n1")
+        r.report(NodeReport("n1", 0.0, queue_depth=2.0))  # the node's own count: still 2 in flight
+    second = r.route(req, now_s=0.05)  # 50 ms later: outside same_batch_s
+    if want_pass:
+        assert second.load_check.same_batch == "queued" and second.node_id != "n1", second.reason
+        assert second.breakdown().pass_us.tolist() == [0.0, -100.0, 0.0]
+        assert "previous request is still queued there (sent while it was busy, nothing completed since)" \
+            in second.reason
+    else:
+        assert not second.load_check.same_batch and second.node_id == "n1", second.reason
+    assert r.state.check_invariants() == []
+
+
 def test_the_last_dispatch_per_user_is_bounded_and_keeps_the_newest():
     from control_plane import router as rt
 
@@ -211,4 +241,4 @@ def test_the_last_dispatch_per_user_is_bounded_and_keeps_the_newest():
     last = r.state.last_dispatch
     assert len(last) == cap + 1 - cap // 2 and next(iter(last)) == cap // 2 and cap in last
     r.state.dispatch(1, cap // 2, 10, 1.0)  # a returning user moves to the newest end
-    assert next(reversed(last)) == cap // 2 and last[cap // 2] == (1, 1.0)
+    assert next(reversed(last)) == cap // 2 and last[cap // 2][:2] == (1, 1.0)

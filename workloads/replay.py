@@ -232,13 +232,22 @@ class _Tally:
     kv_tokens: int = 0  # history tokens, cached or recomputed
     emb_hits: int = 0  # embedding rows found in the serving node's slab
     emb_rows: int = 0  # embedding rows looked up
+    answered: int = 0  # served requests whose answer said how many passes their batch took
+    multi_pass: int = 0  # of those, the ones whose batch took more than one (a user repeated in it)
 
     def to_dict(self) -> dict:
         return {"requests_sent": self.sent, "requests_served": self.served, "requests_failed": self.failed,
                 "p50_ms": _pct(self.latencies_ms, 50), "p99_ms": _pct(self.latencies_ms, 99),
                 "slo_attainment": round(self.within_slo / self.sent, 4) if self.sent else None,
                 "kv_hit_rate": round(self.kv_hit_tokens / self.kv_tokens, 4) if self.kv_tokens else None,
-                "emb_hit_rate": round(self.emb_hits / self.emb_rows, 4) if self.emb_rows else None}
+                "emb_hit_rate": round(self.emb_hits / self.emb_rows, 4) if self.emb_rows else None,
+                "multi_pass_share": round(self.multi_pass / self.answered, 4) if self.answered else None}
+
+
+def _batch_passes(answer: dict | None) -> int | None:
+    """The passes the answer's batch took (``batch_passes``), or None when it does not say."""
+    v = answer.get("batch_passes") if isinstance(answer, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
 def _cache_counts(answer: dict | None) -> tuple[int, int, int, int] | None:
@@ -298,6 +307,7 @@ class ReplayStats:
         counts to the hit rates."""
         now = self.clock()
         counts = _cache_counts(answer) if failure is None else None
+        passes = _batch_passes(answer) if failure is None else None
         with self._lock:
             self.in_flight -= 1
             for t in (self.total, self.by_regime[regime], self.by_phase[phase or regime]):
@@ -310,6 +320,9 @@ class ReplayStats:
                         t.kv_tokens += counts[1]
                         t.emb_hits += counts[2]
                         t.emb_rows += counts[3]
+                    if passes is not None:
+                        t.answered += 1
+                        t.multi_pass += passes > 1
                 else:
                     t.failed += 1
             if failure is not None:
@@ -351,6 +364,7 @@ class ReplayStats:
                 "slo_attainment": round(t.within_slo / t.sent, 4) if t.sent else None,
                 "kv_hit_rate": round(t.kv_hit_tokens / t.kv_tokens, 4) if t.kv_tokens else None,
                 "emb_hit_rate": round(t.emb_hits / t.emb_rows, 4) if t.emb_rows else None,
+                "multi_pass_share": round(t.multi_pass / t.answered, 4) if t.answered else None,
                 "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
                 "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
                 "phases": {k: v.to_dict() for k, v in self.by_phase.items()},
