@@ -436,13 +436,26 @@ def _pct_over(a: float | None, b: float | None) -> float | None:
     return round((a / b - 1.0) * 100.0, 2) if a is not None and b else None
 
 
-def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float]) -> dict:
+def paired_pct(runs: list[dict], key: str, base: str, load: float) -> float | None:
+    """``key``'s P99 over ``base``'s, paired by round: the geometric mean over the rounds that ran
+    both at ``load`` of their ratio (a round runs them minutes apart, so the machine's slow
+    drifts cancel), as a percentage; None without such a round."""
+    by = {}
+    for r in runs:
+        if r["load"] == load and r["config"] in (key, base) and r.get("p99_ms"):
+            by.setdefault(r["round"], {})[r["config"]] = float(r["p99_ms"])
+    logs = [math.log(v[key] / v[base]) for v in by.values() if key in v and base in v]
+    return round(100.0 * (math.exp(sum(logs) / len(logs)) - 1.0), 2) if logs else None
+
+
+def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], runs: list[dict] = ()) -> dict:
     """Per load (keyed as in ``loads``): RACER over the best static configuration in hindsight (any
     configuration whose split is static, whatever its router), over
-    the default (0.5 + round_robin), and the racer router over least_load at split 0.5."""
+    the default (0.5 + round_robin), and the racer router over least_load at split 0.5, on medians;
+    with ``runs``, the last also paired by round (`paired_pct`)."""
     statics = [c.key for c in configs if c.split is not None]
     out: dict = {"racer_over_best_static_pct": {}, "best_static": {}, "racer_over_default_pct": {},
-                 "racer_router_over_least_load_pct": {}}
+                 "racer_router_over_least_load_pct": {}, "racer_router_over_least_load_paired_pct": {}}
     for load in loads:
         k = format(load, "g")
         racer = _median_p99(rows, RACER_KEY, load)
@@ -452,6 +465,7 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float]) -
         out["racer_over_default_pct"][k] = _pct_over(racer, _median_p99(rows, DEFAULT_KEY, load))
         out["racer_router_over_least_load_pct"][k] = _pct_over(_median_p99(rows, "0.5/racer", load),
                                                                _median_p99(rows, "0.5/least_load", load))
+        out["racer_router_over_least_load_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load", load)
     return out
 
 
@@ -585,7 +599,7 @@ def run_fleet(args) -> dict:
     hist = float(np.mean(stream.history_len)) if len(stream) else 0.0
     result = {"capacity_rps": capacity, "capacity": cap,
               "loads": {format(x, "g"): round(x * capacity, 2) for x in loads},
-              "configs": rows, "findings": findings(rows, configs, loads),
+              "configs": rows, "findings": findings(rows, configs, loads, runs),
               "num_nodes": num_nodes, "external_fleet": bool(args.nodes), "schedule": schedule, "rounds": rounds,
               "trace": trace.name, "slo_ms": args.slo_ms,
               "sizing": sizing.describe(trace.num_items, hist, users / max(1, num_nodes)),

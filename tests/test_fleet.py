@@ -5,6 +5,7 @@ processes behind a real gateway (resumed from its saved runs)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -93,6 +94,10 @@ def test_judging_takes_medians_over_rounds_and_the_best_static_in_hindsight():
     assert f["racer_over_best_static_pct"]["0.5"] == pytest.approx(5.0)
     assert f["racer_over_default_pct"]["0.5"] == pytest.approx((10.5 / 12.0 - 1) * 100, abs=0.01)
     assert f["racer_router_over_least_load_pct"]["0.5"] == pytest.approx(1.0)
+    assert f["racer_router_over_least_load_paired_pct"] == {"0.5": None}  # no runs given
+    f = findings(rows, cfgs, [0.5], runs)  # paired by round: 10.1/10, 15.1/15, 9.1/9
+    want = 100 * (math.exp((math.log(10.1 / 10) + math.log(15.1 / 15) + math.log(9.1 / 9)) / 3) - 1)
+    assert f["racer_router_over_least_load_paired_pct"]["0.5"] == pytest.approx(want, abs=0.01)
 
 
 def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
