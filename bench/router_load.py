@@ -129,7 +129,7 @@ def format_table(res: dict) -> str:
     head = "| load | regime | " + " | ".join(f"{r} P99 ms (median [range])" for r in routers) + \
         " | racer over least_load (medians) | paired | racer <= least_load (pairs) | least_load's router-seed spread | KV hit (" + " / ".join(routers) + ") | max/mean node (" + " / ".join(routers) + ") |"
     lines = [f"capacity {res['capacity_rps']:g} req/s on {res['nodes']} nodes; seeds {res['seeds']}; "
-             f"router seeds {res['router_seeds']}; {res['duration_s']:g} s runs", head, "|" + "---|" * (7 + len(routers))]
+             f"router seeds {res['router_seeds']}; {res['duration_s']:g} s runs", head, "|" + "---|" * (8 + len(routers))]
     for row in res["rows"]:
         p = " | ".join(f"{row[r]['p99_ms']:.1f} [{row[r]['p99_min']:.1f}-{row[r]['p99_max']:.1f}]" for r in routers)
         kv = " / ".join(f"{row[r]['kv_hit_rate']:.2f}" for r in routers)
