@@ -142,6 +142,17 @@ def test_same_seed_same_result_other_seed_other_result(small):
     other = generate(trace, dataclasses.replace(stream.config, seed=6))
     c = simulate(other, cfg, StaticAllocator(0.4), "racer")
     assert not np.array_equal(a.latency_s[:100], c.latency_s[:100])
+    # the router's tie-break seed: the cluster's seed unless router_seed says otherwise
+    same = simulate(stream, dataclasses.replace(cfg, router_seed=cfg.seed), StaticAllocator(0.4), "racer")
+    assert np.array_equal(a.node, same.node)
+    d = simulate(stream, dataclasses.replace(cfg, router_seed=cfg.seed + 1), StaticAllocator(0.4), "least_load")
+    e = simulate(stream, cfg, StaticAllocator(0.4), "least_load")
+    assert not np.array_equal(d.node, e.node)  # least_load's ties go elsewhere; the stream is the same
+    # a simulated node batches by slice, so the router's queued-pass rule is off whatever the config says
+    from control_plane.router import LoadAwareConfig
+    sim = ClusterSim(stream, dataclasses.replace(cfg, load_aware=LoadAwareConfig(pass_while_queued=True)), "racer",
+                     initial_share=0.4)
+    assert sim.rt.config.load_aware.pass_while_queued is False and sim.rt.config.load_aware.same_batch_s == 0.01
 
 
 def test_allocators_and_boundary_moves(small):
