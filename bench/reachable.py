@@ -12,7 +12,15 @@ setting (the quick grid's 4-s regimes are 4 control intervals) it can be several
 
 Printed per setting: the oracle's schedule and P99, the reachable path and its P99 and regret,
 and (``--allocators``, default ``racer,ppo``) each SmartAllocator row's regret on the same
-setting, side by side. Settings are named as `bench.regret` names them (sample settings, quick).
+setting, side by side. Settings are named as `bench.regret` names them: the quick grid's sample
+settings (``taobao-sample-schedule-s2``) and the held-out grid's
+(``holdout-random-9-busy-trend-s0``).
+
+``--router-seeds S,...`` also replays the static splits (``--shares``, default the setting's)
+and the SmartAllocator rows once per router tie-break seed (`SimConfig.router_seed`) and prints
+each one's P99 over the seeds (median and range) and the SmartAllocator rows' median over the
+best static split's: one run per cell carries the router's own randomness, which a single
+regret figure cannot tell from the allocator's.
 """
 
 from __future__ import annotations
@@ -35,16 +43,28 @@ def reachable_path(schedule: list[float], start: float, max_up: float, max_down:
 
 
 def _setting(name: str):
-    from bench.regret import Setting
+    """The `bench.regret` setting called ``name``: a sample setting of the quick grid
+    (TRACE-sample-REGIME-sN) or a held-out one (holdout-FAMILY-LOAD-REGIME-s0, quick)."""
+    from bench.regret import Setting, holdout_grid
 
+    if name.startswith("holdout-"):
+        parts = name.split("-")
+        first = int(parts[2]) if len(parts) > 2 and parts[1] == "random" and parts[2].isdigit() else 0
+        for st in holdout_grid(True, num_random=1, first_random=first):
+            if st.name == name:
+                return st
+        raise ValueError(f"no held-out setting {name!r} (e.g. holdout-kv-heavy-busy-trend-s0, "
+                         "holdout-random-9-busy-trend-s0)")
     parts = name.split("-")
     if len(parts) != 4 or parts[1] != "sample" or not parts[3].startswith("s") or not parts[3][1:].isdigit():
-        raise ValueError(f"want a sample setting of the quick regret grid (TRACE-sample-REGIME-sN), got {name!r}")
+        raise ValueError(f"want a sample setting of the quick regret grid (TRACE-sample-REGIME-sN) or a held-out "
+                         f"one (holdout-...), got {name!r}")
     return Setting(parts[0], "sample", parts[2], int(parts[3][1:]))
 
 
-def run_one(name: str, allocators: tuple[str, ...]) -> dict:
-    from bench.regret import table_config
+def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...] = (),
+            shares: tuple[float, ...] | None = None) -> dict:
+    from bench.regret import HoldoutSetting, holdout_config, table_config
     from node_agent.allocator import GuardConfig
     from simulator.allocators import ScheduleAllocator
     from simulator.cluster import oracle_replay, simulate
@@ -52,7 +72,7 @@ def run_one(name: str, allocators: tuple[str, ...]) -> dict:
     from simulator.table import GHOST_PROBES, _stream, sim_config
 
     st = _setting(name)
-    cfg = table_config(st, True, allocators)
+    cfg = holdout_config(st, True, allocators) if isinstance(st, HoldoutSetting) else table_config(st, True, allocators)
     stream = _stream(cfg, st.regime)
     scfg = sim_config(cfg)
     res, schedule = oracle_replay(stream, scfg, cfg.shares, "racer")
@@ -66,15 +86,56 @@ def run_one(name: str, allocators: tuple[str, ...]) -> dict:
     for spec in allocators:
         r = simulate(stream, replace(scfg, ghost_probes=GHOST_PROBES), make_smart_allocator(spec), "racer")
         out["regret_pct"][spec] = round(100.0 * (r.summary()["p99_ms"] / oracle - 1.0), 2)
+    if router_seeds:
+        out["over_router_seeds"] = over_router_seeds(stream, scfg, shares or cfg.shares, allocators, router_seeds)
     return out
+
+
+def over_router_seeds(stream, scfg, shares, allocators, router_seeds) -> dict:
+    """Each static split of ``shares`` and each SmartAllocator row replayed once per router seed:
+    P99s, their median and range, and each row's median over the best static split's median."""
+    import numpy as np
+
+    from simulator.allocators import StaticAllocator
+    from simulator.cluster import simulate
+    from simulator.smart import make_smart_allocator
+    from simulator.table import GHOST_PROBES
+
+    rows = {}
+    for spec in [f"static:{x:g}" for x in shares] + list(allocators):
+        p99 = []
+        for rs in router_seeds:
+            c = replace(scfg, router_seed=rs)
+            if spec.startswith("static:"):
+                r = simulate(stream, c, StaticAllocator(float(spec[7:])), "racer")
+            else:
+                r = simulate(stream, replace(c, ghost_probes=GHOST_PROBES), make_smart_allocator(spec), "racer")
+            p99.append(round(r.summary()["p99_ms"], 3))
+        rows[spec] = {"p99_ms": p99, "median": float(np.median(p99)),
+                      "spread_pct": round(100.0 * (max(p99) - min(p99)) / float(np.median(p99)), 1)}
+    statics = [k for k in rows if k.startswith("static:")]
+    best = min(statics, key=lambda k: rows[k]["median"])
+    return {"router_seeds": list(router_seeds), "rows": rows, "best_static": best,
+            "over_best_static_pct": {a: round(100.0 * (rows[a]["median"] / rows[best]["median"] - 1.0), 2)
+                                     for a in allocators}}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.reachable", description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", required=True, help="comma-separated setting names, e.g. amazon-sample-burst-s1")
     p.add_argument("--allocators", default="racer,ppo", help="SmartAllocator rows to run beside ('' for none)")
+    p.add_argument("--router-seeds", default="", help="also replay the static splits and the SmartAllocator rows "
+                   "once per router seed (comma-separated) and compare medians")
+    p.add_argument("--shares", default="", help="static splits of --router-seeds (default: the setting's)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    try:
+        seeds = tuple(int(x) for x in a.router_seeds.split(",") if x)
+        shares = tuple(float(x) for x in a.shares.split(",") if x) or None
+    except ValueError:
+        p.error("--router-seeds takes integers, --shares numbers (comma-separated)")
+    if shares and not all(0.0 <= x <= 1.0 for x in shares):
+        p.error("--shares must be in [0, 1]")
     names = [x for x in a.settings.split(",") if x]
     try:
         for n in names:
@@ -82,13 +143,19 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     allocators = tuple(x for x in a.allocators.split(",") if x)
-    rows = [run_one(n, allocators) for n in names]
+    rows = [run_one(n, allocators, seeds, shares) for n in names]
     if a.json:
         print(json.dumps({"settings": rows}))
     else:
         for r in rows:
             print(f"{r['setting']}: oracle {r['oracle_p99_ms']} ms {r['oracle_schedule']}; reachable "
                   f"{r['reachable_path']} -> {r['reachable_p99_ms']} ms; regret % {r['regret_pct']}")
+            o = r.get("over_router_seeds")
+            if o:
+                for k, v in o["rows"].items():
+                    print(f"  {k:<12} P99 over router seeds {o['router_seeds']}: median {v['median']:.3f} ms "
+                          f"{v['p99_ms']} (spread {v['spread_pct']}%)")
+                print(f"  over the best static ({o['best_static']}), medians: {o['over_best_static_pct']}")
     return 0
 
 

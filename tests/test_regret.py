@@ -110,3 +110,27 @@ def test_reachable_path_follows_the_oracle_at_the_guards_step_limits():
     assert reachable_path([0.2], 0.5, 0.05, 0.1) == [0.5]
     with pytest.raises(SystemExit):
         main(["--settings", "taobao-paper-scale-burst-s0"])
+    for argv in (["--settings", "taobao-sample-burst-s0", "--router-seeds", "a"],
+                 ["--settings", "taobao-sample-burst-s0", "--router-seeds", "1", "--shares", "1.5"],
+                 ["--settings", "holdout-random-9-busy-nope-s0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+
+
+def test_reachable_names_held_out_settings_and_compares_medians_over_router_seeds():
+    from bench.reachable import _setting, over_router_seeds
+    from bench.regret import HoldoutSetting
+    from simulator import SimConfig
+    from workloads.regimes import generate
+    from workloads.trace import synthetic_trace
+
+    st = _setting("holdout-random-9-busy-trend-s0")
+    assert isinstance(st, HoldoutSetting) and st.family == "random-9" and st.load == "busy"
+    assert _setting("holdout-kv-heavy-light-steady-s0").known == "kv"
+    trace = synthetic_trace(num_users=200, num_items=3_000, mean_seq_len=20, seed=2)
+    stream = generate(trace, regime="steady", rate_rps=400, duration_s=2, num_users=500, seed=5)
+    out = over_router_seeds(stream, SimConfig(num_nodes=3, cache_fraction=0.3), (0.3, 0.7), (), (0, 1))
+    rows = out["rows"]
+    assert set(rows) == {"static:0.3", "static:0.7"} and all(len(v["p99_ms"]) == 2 for v in rows.values())
+    assert out["best_static"] == min(rows, key=lambda k: rows[k]["median"]) and out["over_best_static_pct"] == {}
