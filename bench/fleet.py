@@ -690,7 +690,8 @@ def format_rows(res: dict) -> str:
         p = r["p99_ms"] or {}
         lines.append(f"  load {r['load']:<5g} {r['name']:<28} P99 {p.get('median')} [{p.get('min')}-{p.get('max')}] ms"
                      f"  SLO {(r['slo_attainment'] or {}).get('median')}  share {(r['mean_share'] or {}).get('median')}"
-                     f"  KV hit {(r['kv_hit_rate'] or {}).get('median')}  EMB hit {(r['emb_hit_rate'] or {}).get('median')}"
+                     f"  KV hit {(r['kv_hit_rate'] or {}).get('median')}"
+                     f"  EMB hit {(r['emb_hit_rate'] or {}).get('median')}"
                      f"  multi-pass {(r['multi_pass_share'] or {}).get('median')}")
     lines.append("findings: " + json.dumps(res["findings"]))
     if res.get("plot"):

@@ -68,8 +68,7 @@ def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...
     from node_agent.allocator import GuardConfig
     from simulator.allocators import ScheduleAllocator
     from simulator.cluster import oracle_replay, simulate
-    from simulator.smart import make_smart_allocator
-    from simulator.table import GHOST_PROBES, _stream, sim_config
+    from simulator.table import _stream, sim_config
 
     st = _setting(name)
     cfg = holdout_config(st, True, allocators) if isinstance(st, HoldoutSetting) else table_config(st, True, allocators)
@@ -84,11 +83,22 @@ def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...
            "reachable_p99_ms": reach.summary()["p99_ms"],
            "regret_pct": {"reachable": round(100.0 * (reach.summary()["p99_ms"] / oracle - 1.0), 2)}}
     for spec in allocators:
-        r = simulate(stream, replace(scfg, ghost_probes=GHOST_PROBES), make_smart_allocator(spec), "racer")
-        out["regret_pct"][spec] = round(100.0 * (r.summary()["p99_ms"] / oracle - 1.0), 2)
+        out["regret_pct"][spec] = round(100.0 * (_p99(stream, scfg, spec) / oracle - 1.0), 2)
     if router_seeds:
         out["over_router_seeds"] = over_router_seeds(stream, scfg, shares or cfg.shares, allocators, router_seeds)
     return out
+
+
+def _p99(stream, scfg, spec: str) -> float:
+    """P99 of one run of the allocator ``spec`` (``static:S`` or a SmartAllocator row, built as the
+    regret table builds it, with the ghost lists on where it reads them) under the racer router."""
+    from simulator.allocators import needs_ghost_lists
+    from simulator.cluster import simulate
+    from simulator.table import GHOST_PROBES, _make_allocator
+
+    if needs_ghost_lists(spec):
+        scfg = replace(scfg, ghost_probes=GHOST_PROBES)
+    return simulate(stream, scfg, _make_allocator(spec, None, scfg), "racer").summary()["p99_ms"]
 
 
 def over_router_seeds(stream, scfg, shares, allocators, router_seeds) -> dict:
@@ -96,23 +106,11 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds) -> dict:
     P99s, their median and range, and each row's median over the best static split's median."""
     import numpy as np
 
-    from simulator.allocators import StaticAllocator
-    from simulator.cluster import simulate
-    from simulator.smart import make_smart_allocator
-    from simulator.table import GHOST_PROBES
-
     rows = {}
     for spec in [f"static:{x:g}" for x in shares] + list(allocators):
-        p99 = []
-        for rs in router_seeds:
-            c = replace(scfg, router_seed=rs)
-            if spec.startswith("static:"):
-                r = simulate(stream, c, StaticAllocator(float(spec[7:])), "racer")
-            else:
-                r = simulate(stream, replace(c, ghost_probes=GHOST_PROBES), make_smart_allocator(spec), "racer")
-            p99.append(round(r.summary()["p99_ms"], 3))
-        rows[spec] = {"p99_ms": p99, "median": float(np.median(p99)),
-                      "spread_pct": round(100.0 * (max(p99) - min(p99)) / float(np.median(p99)), 1)}
+        p99 = [round(_p99(stream, replace(scfg, router_seed=rs), spec), 3) for rs in router_seeds]
+        med = float(np.median(p99))
+        rows[spec] = {"p99_ms": p99, "median": med, "spread_pct": round(100.0 * (max(p99) - min(p99)) / med, 1)}
     statics = [k for k in rows if k.startswith("static:")]
     best = min(statics, key=lambda k: rows[k]["median"])
     return {"router_seeds": list(router_seeds), "rows": rows, "best_static": best,

@@ -21,9 +21,9 @@ Printed: per cell, each router's P99 (median over every stream and router seed, 
 range), the ratio of racer's median P99 to least_load's, the paired ratio (the geometric mean
 over runs with the same stream and router seed of racer's P99 over least_load's: the judged
 figure, ``cells_above_tolerance``), the share of those pairs where racer's P99 is at most
-least_load's, least_load's own spread over the
-router seeds of one stream (the noise a single run carries), KV hit rates, and the largest node's share of requests over the mean
-(how much a router piles up); ``findings`` gives the worst ratio and the cells above
+least_load's, least_load's own spread over the router seeds of one stream (the noise a single
+run carries), KV hit rates, and the largest node's share of requests over the mean (how much a
+router piles up); ``findings`` gives the worst ratio and the cells above
 ``--tolerance-pct``. Benchmarks print figures; the test of the same rule on a small setting is
 tests/test_router_load.py.
 """
@@ -53,8 +53,8 @@ def _run_one(cfg, regime: str, router: str, router_seed: int) -> dict:
     res = simulate(_stream(cfg, regime), scfg, StaticAllocator(0.5), router)
     s = res.summary()
     counts = np.bincount(res.node[res.node >= 0], minlength=cfg.num_nodes)
-    return {"router": name, "seed": cfg.seed, "router_seed": router_seed, "p99_ms": s["p99_ms"], "p50_ms": s["p50_ms"], "kv_hit_rate": s["kv_hit_rate"],
-            "emb_hit_rate": s["emb_hit_rate"], "max_over_mean": round(float(counts.max() / counts.mean()), 3)}
+    return {"router": name, "seed": cfg.seed, "router_seed": router_seed, "p99_ms": s["p99_ms"],
+            "p50_ms": s["p50_ms"], "kv_hit_rate": s["kv_hit_rate"], "emb_hit_rate": s["emb_hit_rate"], "max_over_mean": round(float(counts.max() / counts.mean()), 3)}
 
 
 def run(nodes: int = 8, duration_s: float = 6.0, num_users: int = 4000, loads=(0.5, 0.75, 0.95),
@@ -108,8 +108,8 @@ def run(nodes: int = 8, duration_s: float = 6.0, num_users: int = 4000, loads=(0
                                           if r.get("racer_over_least_load_paired_pct", -1e9) > tolerance_pct],
                 "tolerance_pct": tolerance_pct}
     return {"nodes": nodes, "duration_s": duration_s, "num_users": num_users, "capacity_rps": capacity_rps,
-            "capacity": cap, "seeds": list(seeds), "router_seeds": list(router_seeds), "rows": rows, "findings": findings,
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            "capacity": cap, "seeds": list(seeds), "router_seeds": list(router_seeds), "rows": rows,
+            "findings": findings, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def format_row(row: dict, routers) -> str:
@@ -127,9 +127,11 @@ def format_row(row: dict, routers) -> str:
 def format_table(res: dict) -> str:
     routers = [r for r in ROUTERS if r in res["rows"][0]] if res["rows"] else []
     head = "| load | regime | " + " | ".join(f"{r} P99 ms (median [range])" for r in routers) + \
-        " | racer over least_load (medians) | paired | racer <= least_load (pairs) | least_load's router-seed spread | KV hit (" + " / ".join(routers) + ") | max/mean node (" + " / ".join(routers) + ") |"
+        (" | racer over least_load (medians) | paired | racer <= least_load (pairs) | least_load's router-seed "
+         "spread | KV hit (" + " / ".join(routers) + ") | max/mean node (" + " / ".join(routers) + ") |")
     lines = [f"capacity {res['capacity_rps']:g} req/s on {res['nodes']} nodes; seeds {res['seeds']}; "
-             f"router seeds {res['router_seeds']}; {res['duration_s']:g} s runs", head, "|" + "---|" * (8 + len(routers))]
+             f"router seeds {res['router_seeds']}; {res['duration_s']:g} s runs", head,
+             "|" + "---|" * (head.count("|") - 1)]
     for row in res["rows"]:
         p = " | ".join(f"{row[r]['p99_ms']:.1f} [{row[r]['p99_min']:.1f}-{row[r]['p99_max']:.1f}]" for r in routers)
         kv = " / ".join(f"{row[r]['kv_hit_rate']:.2f}" for r in routers)
@@ -138,9 +140,9 @@ def format_table(res: dict) -> str:
         pairs = row.get("racer_at_most_least_load")
         spread = row.get("least_load_router_seed_spread_pct")
         pp = row.get("racer_over_least_load_paired_pct")
-        lines.append(f"| {row['load']:g} | {row['regime']} | {p} | {'' if pct is None else f'{pct:+.1f}%'} | "
-                     f"{'' if pp is None else f'{pp:+.1f}%'} | {'' if pairs is None else f'{pairs:.0%}'} | {'' if spread is None else f'{spread:.1f}%'} | "
-                     f"{kv} | {mm} |")
+        cells = ("" if pct is None else f"{pct:+.1f}%", "" if pp is None else f"{pp:+.1f}%",
+                 "" if pairs is None else f"{pairs:.0%}", "" if spread is None else f"{spread:.1f}%")
+        lines.append(f"| {row['load']:g} | {row['regime']} | {p} | " + " | ".join(cells) + f" | {kv} | {mm} |")
     lines.append("findings: " + json.dumps(res["findings"]))
     return "\n".join(lines)
 

@@ -351,6 +351,7 @@ class ReplayStats:
         with self._lock:
             t = self.total
             lat = t.latencies_ms
+            tot = t.to_dict()  # the same rates as each regime's and phase's
             return {
                 "requests_sent": t.sent, "requests_served": t.served, "requests_failed": t.failed,
                 "requests_retried": self.retried, "client_retries": self.client_retries,
@@ -361,10 +362,7 @@ class ReplayStats:
                                "mean": round(float(np.mean(lat)), 3) if lat else None},
                 "p99_ms": _pct(lat, 99),
                 "slo_ms": self.slo_ms,
-                "slo_attainment": round(t.within_slo / t.sent, 4) if t.sent else None,
-                "kv_hit_rate": round(t.kv_hit_tokens / t.kv_tokens, 4) if t.kv_tokens else None,
-                "emb_hit_rate": round(t.emb_hits / t.emb_rows, 4) if t.emb_rows else None,
-                "multi_pass_share": round(t.multi_pass / t.answered, 4) if t.answered else None,
+                **{k: tot[k] for k in ("slo_attainment", "kv_hit_rate", "emb_hit_rate", "multi_pass_share")},
                 "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
                 "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
                 "phases": {k: v.to_dict() for k, v in self.by_phase.items()},
