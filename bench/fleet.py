@@ -363,7 +363,9 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
             "offered_rps": round(rep["requests_sent"] / rc.duration_s, 2),
             "requests_sent": rep["requests_sent"], "requests_failed": rep["requests_failed"],
             "failures": rep["failures"], "kv_hit_rate": rep["kv_hit_rate"], "emb_hit_rate": rep["emb_hit_rate"],
-            "multi_pass_share": rep["multi_pass_share"], "mean_share": sampler.mean(), "served_by": rep["served_by"],
+            "multi_pass_share": rep["multi_pass_share"], "node_p99_ms": rep["node_p99_ms"], "tail_ms": rep["tail_ms"],
+            "mean_share": sampler.mean(),
+            "served_by": rep["served_by"],
             "dispatch_lag_ms_p99": rep["dispatch_lag_ms_p99"], "phases": phases}
 
 
@@ -403,12 +405,13 @@ def _stat(values) -> dict | None:
 
 
 FIGURES = ("p99_ms", "p50_ms", "slo_attainment", "throughput_rps", "kv_hit_rate", "emb_hit_rate", "multi_pass_share",
-           "mean_share")
+           "mean_share", "node_p99_ms")
 
 
 def aggregate(runs: list[dict], configs: list[FleetConfig], loads: list[float]) -> list[dict]:
     """Per (load, configuration): each figure's median and range over the rounds, overall and per
-    phase."""
+    phase, and ``tail_ms``: the medians over the rounds of where the slowest 1% spent their time
+    (`workloads.replay._Tally.tail`)."""
     out = []
     for load in loads:
         for cfg in configs:
@@ -419,16 +422,19 @@ def aggregate(runs: list[dict], configs: list[FleetConfig], loads: list[float]) 
             for f in FIGURES:
                 row[f] = _stat(r.get(f) for r in rs)
             row["requests_failed"] = _stat(r["requests_failed"] for r in rs)
+            tails = [r["tail_ms"] for r in rs if r.get("tail_ms")]
+            row["tail_ms"] = ({k: round(float(np.median([t[k] for t in tails])), 2)
+                               for k in ("latency", "queue", "node", "upstream", "gateway", "outside")} if tails else None)
             row["phases"] = {ph: {f: _stat(r["phases"].get(ph, {}).get(f) for r in rs) for f in FIGURES}
                              for ph in rs[0]["phases"]}
             out.append(row)
     return out
 
 
-def _median_p99(rows: list[dict], key: str, load: float) -> float | None:
+def _median_p99(rows: list[dict], key: str, load: float, figure: str = "p99_ms") -> float | None:
     for r in rows:
-        if r["config"] == key and r["load"] == load and r["p99_ms"] is not None:
-            return r["p99_ms"]["median"]
+        if r["config"] == key and r["load"] == load and r.get(figure) is not None:
+            return r[figure]["median"]
     return None
 
 
@@ -436,14 +442,14 @@ def _pct_over(a: float | None, b: float | None) -> float | None:
     return round((a / b - 1.0) * 100.0, 2) if a is not None and b else None
 
 
-def paired_pct(runs: list[dict], key: str, base: str, load: float) -> float | None:
-    """``key``'s P99 over ``base``'s, paired by round: the geometric mean over the rounds that ran
-    both at ``load`` of their ratio (a round runs them minutes apart, so the machine's slow
-    drifts cancel), as a percentage; None without such a round."""
+def paired_pct(runs: list[dict], key: str, base: str, load: float, figure: str = "p99_ms") -> float | None:
+    """``key``'s P99 (``figure``) over ``base``'s, paired by round: the geometric mean over the
+    rounds that ran both at ``load`` of their ratio (a round runs them minutes apart, so the
+    machine's slow drifts cancel), as a percentage; None without such a round."""
     by = {}
     for r in runs:
-        if r["load"] == load and r["config"] in (key, base) and r.get("p99_ms"):
-            by.setdefault(r["round"], {})[r["config"]] = float(r["p99_ms"])
+        if r["load"] == load and r["config"] in (key, base) and r.get(figure):
+            by.setdefault(r["round"], {})[r["config"]] = float(r[figure])
     logs = [math.log(v[key] / v[base]) for v in by.values() if key in v and base in v]
     return round(100.0 * (math.exp(sum(logs) / len(logs)) - 1.0), 2) if logs else None
 
@@ -452,10 +458,13 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
     """Per load (keyed as in ``loads``): RACER over the best static configuration in hindsight (any
     configuration whose split is static, whatever its router), over
     the default (0.5 + round_robin), and the racer router over least_load at split 0.5, on medians;
-    with ``runs``, the last also paired by round (`paired_pct`)."""
+    with ``runs``, the last also paired by round (`paired_pct`); and the last on the node agents'
+    own P99 (``node_p99_ms``: queue and compute, the part a router decides, without the HTTP and
+    process scheduling that share the machine's cores)."""
     statics = [c.key for c in configs if c.split is not None]
     out: dict = {"racer_over_best_static_pct": {}, "best_static": {}, "racer_over_default_pct": {},
-                 "racer_router_over_least_load_pct": {}, "racer_router_over_least_load_paired_pct": {}}
+                 "racer_router_over_least_load_pct": {}, "racer_router_over_least_load_paired_pct": {},
+                 "racer_router_over_least_load_node_pct": {}, "racer_router_over_least_load_node_paired_pct": {}}
     for load in loads:
         k = format(load, "g")
         racer = _median_p99(rows, RACER_KEY, load)
@@ -466,6 +475,10 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
         out["racer_router_over_least_load_pct"][k] = _pct_over(_median_p99(rows, "0.5/racer", load),
                                                                _median_p99(rows, "0.5/least_load", load))
         out["racer_router_over_least_load_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load", load)
+        out["racer_router_over_least_load_node_pct"][k] = _pct_over(
+            _median_p99(rows, "0.5/racer", load, "node_p99_ms"), _median_p99(rows, "0.5/least_load", load, "node_p99_ms"))
+        out["racer_router_over_least_load_node_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load",
+                                                                            load, "node_p99_ms")
     return out
 
 
@@ -692,7 +705,10 @@ def format_rows(res: dict) -> str:
                      f"  SLO {(r['slo_attainment'] or {}).get('median')}  share {(r['mean_share'] or {}).get('median')}"
                      f"  KV hit {(r['kv_hit_rate'] or {}).get('median')}"
                      f"  EMB hit {(r['emb_hit_rate'] or {}).get('median')}"
-                     f"  multi-pass {(r['multi_pass_share'] or {}).get('median')}")
+                     f"  multi-pass {(r['multi_pass_share'] or {}).get('median')}"
+                     f"  node P99 {(r.get('node_p99_ms') or {}).get('median')} ms")
+        if r.get("tail_ms"):
+            lines.append("      slowest 1%, mean ms: " + ", ".join(f"{k} {v:g}" for k, v in r["tail_ms"].items()))
     lines.append("findings: " + json.dumps(res["findings"]))
     if res.get("plot"):
         lines.append(f"plot: {res['plot']}")

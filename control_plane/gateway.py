@@ -347,15 +347,18 @@ class Gateway:
         """`recommend`, counted in the client-side view from ``t0`` (the request's first byte;
         default now); ``phase``: the load phase the client named."""
         t0 = time.perf_counter() if t0 is None else t0
-        status, content, headers = await self.recommend(body)
+        status, content, headers = await self.recommend(body, t0)
         self.client_view.record(status, time.perf_counter() - t0, retried=headers.get("x-racer-retried") == "1",
                                 phase=phase)
         return status, content, headers
 
-    async def recommend(self, body: bytes) -> tuple[int, bytes, dict]:
+    async def recommend(self, body: bytes, first_byte_s: float | None = None) -> tuple[int, bytes, dict]:
         """Route, forward, retry on another node as `choose_retry` says (once at most); returns
-        ``(status, body, extra headers)``."""
+        ``(status, body, extra headers)``. A served answer's ``gateway`` says ``upstream_ms``, the
+        round trips to nodes, and ``gateway_ms``, from the request's first byte
+        (``first_byte_s``, `time.perf_counter`; default now) to the answer."""
         t0 = time.perf_counter()
+        first_byte_s = t0 if first_byte_s is None else first_byte_s
         m = self.metrics
         try:
             rreq = _route_request(body, self.item_shard)
@@ -401,12 +404,13 @@ class Gateway:
         extra = {"served_by": nid, "retried": retried,
                  "routing": {"policy": d.policy, "source": source, "reason": d.reason,
                              "kv_holder": None if d.kv_holder < 0 else self.links[d.kv_holder].node_id},
-                 "gateway": {"upstream_ms": round(up_s * 1e3, 3)}}
+                 "gateway": {"upstream_ms": round(up_s * 1e3, 3), "gateway_ms": 0.0}}
         if failed:
             extra["routing"]["failed"] = failed[0]
         b = d.breakdown()
         if b is not None:
             extra["routing"]["scores"] = {r.pop("node"): r for r in b.rows()}
+        extra["gateway"]["gateway_ms"] = round((time.perf_counter() - first_byte_s) * 1e3, 3)
         tail = _dumps(extra)
         out = content[:-1] + b"," + tail[1:] if len(content) > 2 and content.endswith(b"}") else content
         m.requests.labels(nid, "ok", source).inc()

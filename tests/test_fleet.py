@@ -118,6 +118,32 @@ def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
     assert rep["phases"]["b"]["multi_pass_share"] == 0.0
 
 
+def test_replay_stats_split_the_slowest_one_percent_into_node_http_and_outside_time():
+    st = ReplayStats(1000.0)
+    # 99 fast requests (10 ms, 4 of them at the node) and one slow one: 300 ms, of which 200 before
+    # the gateway read it and 100 in the gateway, whose round trip to the node took 50 ms, of which
+    # 30 at the node (20 queued)
+    for i in range(100):
+        slow = i == 99
+        st.on_sent("steady", 0.0, phase="a")
+        st.on_done("steady", 300.0 if slow else 10.0, None, "n0", False, phase="a",
+                   answer={"latency_us": {"queue_us": 20e3 if slow else 0.0, "total_us": 30e3 if slow else 4e3},
+                           "gateway": {"upstream_ms": 50.0 if slow else 6.0, "gateway_ms": 100.0 if slow else 7.0}})
+    st.on_sent("steady", 0.0, phase="a")  # an answer straight from a node (no gateway) adds no parts
+    st.on_done("steady", 9.0, None, "n0", False, phase="a", answer={"latency_us": {"queue_us": 0.0, "total_us": 1.0}})
+    st.on_sent("steady", 0.0, phase="a")  # nor does one whose figures are not finite numbers
+    st.on_done("steady", 9.0, None, "n0", False, phase="a",
+               answer={"latency_us": {"queue_us": "x", "total_us": 1.0},
+                       "gateway": {"upstream_ms": 1.0, "gateway_ms": 2.0}})
+    rep = st.report()
+    assert rep["tail_ms"] == {"n": 1, "latency": 300.0, "queue": 20.0, "node": 30.0, "upstream": 50.0,
+                              "gateway": 100.0, "outside": 200.0}
+    assert rep["phases"]["a"]["tail_ms"] == rep["tail_ms"]
+    # the node's own P99 is of the node's time alone: 4 ms for 99 of the 100 answers that say
+    assert rep["node_p99_ms"] == pytest.approx(4.0 + 0.01 * (30.0 - 4.0), abs=0.3)
+    assert ReplayStats(10.0).report()["tail_ms"] is None and ReplayStats(10.0).report()["node_p99_ms"] is None
+
+
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv, words in [(["--configs", "0.5/nope"], "router must be"), (["--loads", "0,1"], "--loads"),
@@ -146,6 +172,10 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
         assert r["rounds"] == 1 and r["p99_ms"]["median"] > 0 and r["requests_failed"]["median"] == 0
         assert 0.0 <= r["kv_hit_rate"]["median"] <= 1.0 and 0.0 <= r["emb_hit_rate"]["median"] <= 1.0
         assert 0.0 <= r["multi_pass_share"]["median"] <= 1.0
+        # the node agents' own P99 is part of the client's, and the slowest 1% is split where it went
+        assert 0 < r["node_p99_ms"]["median"] <= r["p99_ms"]["median"]
+        t = r["tail_ms"]
+        assert 0 <= t["queue"] <= t["node"] <= t["upstream"] <= t["gateway"] and t["outside"] >= 0
         assert set(r["phases"]) == {"steady[0-3s]", "burst[3-5s]"}
         if r["config"].startswith("0.5/"):  # a static split stays where it was set
             assert r["mean_share"]["median"] == pytest.approx(0.5, abs=0.01)
@@ -155,6 +185,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
         "0.5/least_load", "0.5/round_robin", "0.5/racer")
     assert isinstance(f["racer_over_default_pct"]["0.5"], float)
     assert isinstance(f["racer_router_over_least_load_pct"]["0.5"], float)
+    assert isinstance(f["racer_router_over_least_load_node_paired_pct"]["0.5"], float)
     assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
     assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 4
     # a second run of the same bench takes every run from disk: the same figures, nothing restarted

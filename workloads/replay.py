@@ -34,6 +34,7 @@ SLO attainment is the share of *sent* requests served within ``slo_ms`` (failure
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import threading
 import time
@@ -234,6 +235,27 @@ class _Tally:
     emb_rows: int = 0  # embedding rows looked up
     answered: int = 0  # served requests whose answer said how many passes their batch took
     multi_pass: int = 0  # of those, the ones whose batch took more than one (a user repeated in it)
+    parts_ms: list = field(default_factory=list)  # (latency, node queue, node total, upstream, gateway) per answer
+
+    # ``node_p99_ms`` (in `to_dict`): the P99 of the node agents' own time (queue + lookup +
+    # compute), the part a router decides; the rest of a latency is HTTP and the processes' time
+
+    def tail(self) -> dict | None:
+        """Where the slowest 1% of the answered requests (latency at or above their P99) spent
+        their time, in mean ms: ``queue`` waiting in the node agent's queue, ``node`` the agent's
+        whole time (queue, lookup, compute), ``upstream`` the gateway's round trip to the agent
+        (``node`` plus HTTP), ``gateway`` the gateway's whole time from the request's first byte
+        (``upstream`` plus routing and its event loop), ``outside`` the rest of the client's
+        latency (the client's own time and the wait before the gateway read the request); None
+        when no answer carried the breakdown."""
+        if not self.parts_ms:
+            return None
+        a = np.asarray(self.parts_ms, dtype=np.float64)
+        t = a[a[:, 0] >= np.percentile(a[:, 0], 99)]
+        m = t.mean(axis=0)
+        return {"n": int(len(t)), "latency": round(float(m[0]), 2), "queue": round(float(m[1]), 2),
+                "node": round(float(m[2]), 2), "upstream": round(float(m[3]), 2),
+                "gateway": round(float(m[4]), 2), "outside": round(float(m[0] - m[4]), 2)}
 
     def to_dict(self) -> dict:
         return {"requests_sent": self.sent, "requests_served": self.served, "requests_failed": self.failed,
@@ -241,13 +263,29 @@ class _Tally:
                 "slo_attainment": round(self.within_slo / self.sent, 4) if self.sent else None,
                 "kv_hit_rate": round(self.kv_hit_tokens / self.kv_tokens, 4) if self.kv_tokens else None,
                 "emb_hit_rate": round(self.emb_hits / self.emb_rows, 4) if self.emb_rows else None,
-                "multi_pass_share": round(self.multi_pass / self.answered, 4) if self.answered else None}
+                "multi_pass_share": round(self.multi_pass / self.answered, 4) if self.answered else None,
+                "node_p99_ms": _pct([p[2] for p in self.parts_ms], 99), "tail_ms": self.tail()}
 
 
 def _batch_passes(answer: dict | None) -> int | None:
     """The passes the answer's batch took (``batch_passes``), or None when it does not say."""
     v = answer.get("batch_passes") if isinstance(answer, dict) else None
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
+def _parts_ms(answer: dict | None) -> tuple[float, float, float, float] | None:
+    """(node queue, node total, gateway upstream, gateway total) in ms from an answer that came
+    through a gateway, or None when it does not carry them as finite numbers."""
+    if not isinstance(answer, dict):
+        return None
+    lat, gw = answer.get("latency_us"), answer.get("gateway")
+    if not isinstance(lat, dict) or not isinstance(gw, dict):
+        return None
+    vals = (lat.get("queue_us"), lat.get("total_us"), gw.get("upstream_ms"), gw.get("gateway_ms"))
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in vals):
+        return None
+    return vals[0] / 1e3, vals[1] / 1e3, float(vals[2]), float(vals[3])
 
 
 def _cache_counts(answer: dict | None) -> tuple[int, int, int, int] | None:
@@ -308,6 +346,7 @@ class ReplayStats:
         now = self.clock()
         counts = _cache_counts(answer) if failure is None else None
         passes = _batch_passes(answer) if failure is None else None
+        parts = _parts_ms(answer) if failure is None else None
         with self._lock:
             self.in_flight -= 1
             for t in (self.total, self.by_regime[regime], self.by_phase[phase or regime]):
@@ -323,6 +362,8 @@ class ReplayStats:
                     if passes is not None:
                         t.answered += 1
                         t.multi_pass += passes > 1
+                    if parts is not None:
+                        t.parts_ms.append((latency_ms, *parts))
                 else:
                     t.failed += 1
             if failure is not None:
@@ -362,7 +403,8 @@ class ReplayStats:
                                "mean": round(float(np.mean(lat)), 3) if lat else None},
                 "p99_ms": _pct(lat, 99),
                 "slo_ms": self.slo_ms,
-                **{k: tot[k] for k in ("slo_attainment", "kv_hit_rate", "emb_hit_rate", "multi_pass_share")},
+                **{k: tot[k] for k in ("slo_attainment", "kv_hit_rate", "emb_hit_rate", "multi_pass_share",
+                                       "node_p99_ms", "tail_ms")},
                 "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
                 "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
                 "phases": {k: v.to_dict() for k, v in self.by_phase.items()},
