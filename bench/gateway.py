@@ -47,7 +47,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from control_plane.upstream import UpstreamError, UpstreamPool
+from common.http_client import UpstreamError, UpstreamPool
 from common.http_server import tune_runtime
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def make_bodies(trace_kind: str, path: str | None, num: int, seed: int = 0, rate
 
 
 class LoadClient:
-    """The benchmark's HTTP client: one `control_plane.upstream.UpstreamPool` (pooled keep-alive
+    """The benchmark's HTTP client: one `common.http_client.UpstreamPool` (pooled keep-alive
     HTTP/1.1, the gateway's own forwarding client) per URL. A lean client matters on a 2-core
     machine: with httpx the client's own ~1.5 ms per request counted as gateway overhead and its CPU
     was taken from the agents under load."""

@@ -70,7 +70,7 @@ from .gateway_decisions import (Attempt, HealthEvent, HealthPolicy, HealthState,
                                 choose_retry, client_report_step, diff_registry, health_transition,
                                 profile_from_metrics, service_time_changed, weights_verdict)
 from .router import POLICIES, NodeReport, NoLiveNodeError, RouteRequest, Router, RouterConfig, make_router
-from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from common.http_client import UpstreamError, UpstreamPool, UpstreamTimeout
 from .weights import CostProfile
 
 log = logging.getLogger("racer.gateway")

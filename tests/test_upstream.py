@@ -1,4 +1,4 @@
-"""control_plane/upstream.py: the gateway's pooled HTTP/1.1 client, against real sockets.
+"""common/http_client.py: the pooled HTTP/1.1 client of the gateway and the replay, against real sockets.
 
 Each test starts a small asyncio TCP server that answers with exactly the bytes the test wants
 (Content-Length, chunked, close-delimited, Connection: close, a keep-alive socket the server
@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from control_plane.upstream import UpstreamConnectError, UpstreamPool, UpstreamTimeout
+from common.http_client import UpstreamConnectError, UpstreamPool, UpstreamTimeout
 
 
 class Server:
@@ -78,6 +78,25 @@ def test_content_length_answers_reuse_one_connection_and_send_the_body():
     assert srv.connections == 1  # keep-alive
     head = srv.requests[0].split(b"\r\n\r\n")[0].lower()
     assert head.startswith(b"post /v1/recommend http/1.1") and b"content-type: application/json" in head
+
+
+def test_extra_headers_are_sent_and_a_header_that_could_split_the_request_is_refused():
+    async def main():
+        async with Server(lambda c, r, body: ok(b"{}")) as srv:
+            pool = UpstreamPool(srv.url)
+            got = await pool.post("/v1/recommend", b"{}", timeout_s=5, headers={"x-racer-load-phase": "burst[4-6s]"})
+            refused = []
+            for headers in ({"x-a": "one\r\nx-b: two"}, {"x a": "v"}, {"x-a:": "v"}, {"x-a": "v\n"}):
+                with pytest.raises(ValueError, match="a name must be a token and a value one line"):
+                    await pool.post("/v1/recommend", b"{}", timeout_s=5, headers=headers)
+                refused.append(headers)
+            await pool.close()
+            return srv, got, refused
+
+    srv, got, refused = run(main())
+    assert got == (200, b"{}") and len(refused) == 4
+    assert len(srv.requests) == 1  # nothing of a refused request reached the server
+    assert b"\r\nx-racer-load-phase: burst[4-6s]\r\n" in srv.requests[0]
 
 
 def test_chunked_interim_and_close_delimited_answers_are_parsed():

@@ -18,7 +18,10 @@ latencies instead of being hidden by a waiting client). Latency is measured from
 *scheduled* time, so time a request spent waiting for a free connection or behind a late dispatch
 counts (no coordinated omission); ``dispatch_lag_ms_p99`` says how late the generator itself was.
 
-One `httpx.AsyncClient` (pooled keep-alive connections) carries every request. The body is the
+A pool of keep-alive connections per target (`common.http_client.UpstreamPool`, the gateway's
+own client; httpx for an ``https://`` target) carries every request: at a few hundred requests per
+second an httpx client costs a core by itself, and a load generator that saturates first measures
+itself, not the fleet (docs/fleet.md). The body is the
 node agent's (`POST /v1/recommend`: user_id, history, new_items, num_candidates, top_k), so the
 same replay drives a gateway or node agents directly; with several targets the requests go round
 robin. Every request ends in exactly one outcome: *served* (HTTP 200) or *failed* with a counted
@@ -34,6 +37,7 @@ SLO attainment is the share of *sent* requests served within ``slo_ms`` (failure
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import sys
 import threading
@@ -46,6 +50,7 @@ import httpx
 import numpy as np
 
 from common.config import ranged, require, validate
+from common.http_client import UpstreamError, UpstreamPool, UpstreamTimeout
 
 from .regimes import REGIMES, RequestStream, generate, generate_schedule
 from .regimes import parse_schedule as parse_timed_schedule
@@ -434,32 +439,82 @@ def _was_retried(answer: dict) -> bool:
 PHASE_HEADER = "x-racer-load-phase"
 
 
-async def _send(client, targets: Sequence[str], first: int, body: dict, config: ReplayConfig,
+class _SendFailed(Exception):
+    """A request that got no HTTP answer; ``kind`` is its failure reason (``timeout``,
+    ``connect``, ``transport_<error>``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class _Sender:
+    """POSTs to the targets: one `UpstreamPool` per ``http://`` target, an httpx client for the
+    others (TLS); every request ends within ``timeout_s``, the wait for a free connection
+    included."""
+
+    def __init__(self, targets: Sequence[str], config: ReplayConfig) -> None:
+        self.timeout_s = config.timeout_s
+        connect_s = min(config.timeout_s, 5.0)
+        self.pools = {t: UpstreamPool(t, max_connections=config.max_connections, connect_timeout_s=connect_s)
+                      for t in targets if t.startswith("http://")}
+        self.httpx = None
+        if len(self.pools) < len(set(targets)):
+            limits = httpx.Limits(max_connections=config.max_connections,
+                                  max_keepalive_connections=config.max_connections)
+            self.httpx = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.timeout_s, connect=connect_s))
+
+    async def post(self, target: str, body: bytes, headers: dict | None) -> tuple[int, bytes]:
+        pool = self.pools.get(target)
+        if pool is None:
+            try:
+                r = await self.httpx.post(f"{target}/v1/recommend", content=body,
+                                          headers={"content-type": "application/json", **(headers or {})})
+            except httpx.TimeoutException:
+                raise _SendFailed("timeout") from None
+            except httpx.ConnectError:
+                raise _SendFailed("connect") from None
+            except httpx.TransportError as e:
+                raise _SendFailed(f"transport_{type(e).__name__}") from None
+            return r.status_code, r.content
+        try:
+            async with asyncio.timeout(self.timeout_s):  # a free connection's wait counts too
+                return await pool.post("/v1/recommend", body, timeout_s=self.timeout_s, headers=headers)
+        except (UpstreamTimeout, TimeoutError):
+            raise _SendFailed("timeout") from None
+        except UpstreamError:
+            raise _SendFailed("connect") from None
+
+    async def close(self) -> None:
+        for pool in self.pools.values():
+            await pool.close()
+        if self.httpx is not None:
+            await self.httpx.aclose()
+
+
+async def _send(sender: _Sender, targets: Sequence[str], first: int, body: dict, config: ReplayConfig,
                 stats: ReplayStats, phase: str | None = None) -> tuple[str | None, dict | None, bool]:
     """POST ``body`` (``phase`` in the `PHASE_HEADER`); returns (failure reason or None, answer,
     client retried)."""
     failure = None
     headers = {PHASE_HEADER: phase} if phase else None
+    raw = json.dumps(body, separators=(",", ":")).encode()
     for attempt in range(config.retries + 1):
         target = targets[(first + attempt) % len(targets)]
         try:
-            r = await client.post(f"{target}/v1/recommend", json=body, headers=headers)
-        except httpx.TimeoutException:
-            failure = "timeout"
-        except httpx.ConnectError:
-            failure = "connect"
-        except httpx.TransportError as e:
-            failure = f"transport_{type(e).__name__}"
+            status, content = await sender.post(target, raw, headers)
+        except _SendFailed as e:
+            failure = e.kind
         else:
-            if r.status_code == 200:
+            if status == 200:
                 try:
-                    answer = r.json()
+                    answer = json.loads(content)
                 except ValueError:
                     return "bad_json", None, attempt > 0
                 return None, {"_target": target, **answer} if isinstance(answer, dict) else {"_target": target}, \
                     attempt > 0
-            failure = f"http_{r.status_code}"
-            if r.status_code < 500:  # the request itself is wrong: retrying cannot help
+            failure = f"http_{status}"
+            if status < 500:  # the request itself is wrong: retrying cannot help
                 return failure, None, attempt > 0
         if attempt < config.retries:
             with stats._lock:
@@ -477,13 +532,11 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
         raise ValueError("no target to send requests to")
     targets = [t.rstrip("/") for t in targets]
     stats = stats or ReplayStats(config.slo_ms, clock=clock)
-    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
-    timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 5.0))
     tasks: set[asyncio.Task] = set()
     counter = 0
 
     async def one(phase: Phase, body: dict, scheduled_s: float, first: int) -> None:
-        failure, answer, client_retried = await _send(client, targets, first, body, config, stats,
+        failure, answer, client_retried = await _send(sender, targets, first, body, config, stats,
                                                        phase.name)
         latency_ms = (clock() - scheduled_s) * 1e3
         served_by = _served_by(answer, answer["_target"]) if answer else None
@@ -493,7 +546,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
         if on_done is not None:
             on_done()
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    sender = _Sender(targets, config)
+    try:
         cycle = 0
         while True:
             plan = build_plan(trace, config, cycle)
@@ -527,6 +581,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
                 break
         if tasks:  # every request ends in an outcome: served, or failed by the client's timeout
             await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await sender.close()
     return stats
 
 

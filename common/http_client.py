@@ -1,12 +1,12 @@
-"""The gateway's client for forwarding requests to node agents: pooled HTTP/1.1 keep-alive
-connections over `asyncio.Protocol`, one request at a time per connection.
+"""A pooled HTTP/1.1 keep-alive client over `asyncio.Protocol`, one request at a time per
+connection: the gateway's forwarding to node agents and the replay's load generator.
 
-Why not httpx on this path: the gateway's job per request is to parse, route and forward, and
-an httpx ``AsyncClient.post`` costs more CPU than the routing itself (its request/response
-models, header normalisation, the httpcore pool's locks and events). The gateway keeps httpx
-for its background traffic (health checks, residency feeds, weights, the registry); only
-``POST /v1/recommend`` goes through `UpstreamPool`, which writes the request bytes in one call
-and parses the answer in ``data_received``. ``bench.gateway`` measures the difference.
+Why not httpx on these paths: per request the gateway parses, routes and forwards, and an httpx
+``AsyncClient.post`` costs more CPU than the routing itself (its request/response models, header
+normalisation, the httpcore pool's locks and events); a load generator that spends milliseconds
+of CPU per request saturates before the fleet it measures when both share a machine. The gateway
+keeps httpx for its background traffic (health checks, residency feeds, weights, the registry);
+``bench.gateway`` measures the difference.
 
     pool = UpstreamPool("http://10.0.0.5:8000", max_connections=64, connect_timeout_s=1.0)
     status, body = await pool.post("/v1/recommend", body_bytes, timeout_s=10.0)
@@ -28,12 +28,14 @@ Semantics:
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from urllib.parse import urlsplit
 
 __all__ = ["UpstreamConnectError", "UpstreamError", "UpstreamPool", "UpstreamTimeout"]
 
 _MAX_HEAD = 64 * 1024
+_TOKEN_OK = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+").fullmatch  # an HTTP header name (RFC 9110 token)
 
 
 class UpstreamError(Exception):
@@ -210,9 +212,15 @@ class UpstreamPool:
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
 
-    def _raw(self, method: str, path: str, body: bytes, content_type: str) -> bytes:
+    def _raw(self, method: str, path: str, body: bytes, content_type: str,
+             headers: dict[str, str] | None = None) -> bytes:
+        extra = ""
+        for name, value in (headers or {}).items():
+            if not _TOKEN_OK(name) or any(c in value for c in "\r\n\0"):
+                raise ValueError(f"header {name!r}: a name must be a token and a value one line")
+            extra += f"{name}: {value}\r\n"
         return (f"{method} {path} HTTP/1.1\r\nHost: {self._host_header}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
+                f"{extra}Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -225,12 +233,13 @@ class UpstreamPool:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port}: {e.strerror or e}") from None
         return conn
 
-    async def post(self, path: str, body: bytes, *, timeout_s: float,
-                   content_type: str = "application/json") -> tuple[int, bytes]:
-        """Send one request; ``(status, body)`` of the answer, or an `UpstreamError`."""
+    async def post(self, path: str, body: bytes, *, timeout_s: float, content_type: str = "application/json",
+                   headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """Send one request (``headers``: extra header lines, each a token name and a one-line
+        latin-1 value, else `ValueError`); ``(status, body)`` of the answer, or an `UpstreamError`."""
         if self._closed:
             raise UpstreamConnectError("upstream pool closed")
-        raw = self._raw("POST", path, body, content_type)
+        raw = self._raw("POST", path, body, content_type, headers)
         async with self._slots:
             conn = None
             while self._idle:
