@@ -4,7 +4,8 @@
                   [--router racer] [--trace taobao [--path P]] [--port 8000]
 
     POST /v1/recommend       the node agent's body -> route -> forward -> the node's answer plus
-                             ``served_by``, ``retried`` and ``routing`` (source, reason, scores)
+                             ``served_by``, ``retried`` and ``routing`` (source, K/V holder;
+                             reason and per-node scores with ``x-racer-explain``)
     GET  /v1/router          weights in force (version, source), per-node state, config;
                              ``?user=U``: the node the gateway scores as U's K/V holder
     POST /v1/router/weights  the control plane's weight push (Bearer token)
@@ -343,20 +344,26 @@ class Gateway:
                 log.exception("gateway background round %s failed", getattr(fn, "__name__", fn))
 
     # ------------------------------------------------------------------------- request path ---
-    async def serve(self, body: bytes, phase: str | None = None, t0: float | None = None) -> tuple[int, bytes, dict]:
+    async def serve(self, body: bytes, phase: str | None = None, t0: float | None = None,
+                    explain: str = "") -> tuple[int, bytes, dict]:
         """`recommend`, counted in the client-side view from ``t0`` (the request's first byte;
-        default now); ``phase``: the load phase the client named."""
+        default now); ``phase``: the load phase the client named; ``explain``: ``reason`` or
+        ``scores`` (`recommend`)."""
         t0 = time.perf_counter() if t0 is None else t0
-        status, content, headers = await self.recommend(body, t0)
+        status, content, headers = await self.recommend(body, t0, explain)
         self.client_view.record(status, time.perf_counter() - t0, retried=headers.get("x-racer-retried") == "1",
                                 phase=phase)
         return status, content, headers
 
-    async def recommend(self, body: bytes, first_byte_s: float | None = None) -> tuple[int, bytes, dict]:
+    async def recommend(self, body: bytes, first_byte_s: float | None = None,
+                        explain: str = "") -> tuple[int, bytes, dict]:
         """Route, forward, retry on another node as `choose_retry` says (once at most); returns
-        ``(status, body, extra headers)``. A served answer's ``gateway`` says ``upstream_ms``, the
-        round trips to nodes, and ``gateway_ms``, from the request's first byte
-        (``first_byte_s``, `time.perf_counter`; default now) to the answer."""
+        ``(status, body, extra headers)``. A served answer's ``routing`` says the policy, source
+        and K/V holder; with ``explain`` ``reason`` also the one-line reason, with ``scores`` the
+        reason and the per-node score terms (composing and encoding them costs the gateway more
+        CPU than the routing itself, so only on request: `EXPLAIN_HEADER`);
+        ``gateway`` says ``upstream_ms``, the round trips to nodes, and ``gateway_ms``, from the
+        request's first byte (``first_byte_s``, `time.perf_counter`; default now) to the answer."""
         t0 = time.perf_counter()
         first_byte_s = t0 if first_byte_s is None else first_byte_s
         m = self.metrics
@@ -402,14 +409,16 @@ class Gateway:
             m.overhead.observe(max(time.perf_counter() - t0 - up_s, 0.0))
             return status, content, headers
         extra = {"served_by": nid, "retried": retried,
-                 "routing": {"policy": d.policy, "source": source, "reason": d.reason,
+                 "routing": {"policy": d.policy, "source": source,
                              "kv_holder": None if d.kv_holder < 0 else self.links[d.kv_holder].node_id},
                  "gateway": {"upstream_ms": round(up_s * 1e3, 3), "gateway_ms": 0.0}}
         if failed:
             extra["routing"]["failed"] = failed[0]
-        b = d.breakdown()
-        if b is not None:
-            extra["routing"]["scores"] = {r.pop("node"): r for r in b.rows()}
+        if explain:
+            extra["routing"]["reason"] = d.reason
+            b = d.breakdown() if explain == "scores" else None
+            if b is not None:
+                extra["routing"]["scores"] = {r.pop("node"): r for r in b.rows()}
         extra["gateway"]["gateway_ms"] = round((time.perf_counter() - first_byte_s) * 1e3, 3)
         tail = _dumps(extra)
         out = content[:-1] + b"," + tail[1:] if len(content) > 2 and content.endswith(b"}") else content
@@ -828,10 +837,12 @@ class GatewayApp:
         if scope["type"] == "http" and scope["path"] == "/v1/recommend" and scope["method"] == "POST":
             t0 = time.perf_counter()
             phase = None
+            explain = ""
             for name, value in scope.get("headers", ()):
                 if name == _PHASE_HEADER_B:
                     phase = clean_phase(value)
-                    break
+                elif name == _EXPLAIN_HEADER_B:
+                    explain = _explain_level(value.decode("latin-1"))
             if not json_content_type(scope):  # refused here, never forwarded for the node to refuse
                 self.gateway.metrics.requests.labels("none", "bad_request", "none").inc()
                 self.gateway.client_view.record(415, time.perf_counter() - t0, phase=phase)
@@ -847,7 +858,7 @@ class GatewayApp:
                 return
             if body is None:  # the client went away
                 return
-            status, content, headers = await self.gateway.serve(body, phase, t0)
+            status, content, headers = await self.gateway.serve(body, phase, t0, explain)
             raw = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
             raw += [(k.encode(), v.encode()) for k, v in headers.items()]
             await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -857,6 +868,16 @@ class GatewayApp:
 
 
 _PHASE_HEADER_B = PHASE_HEADER.encode()
+#: ``x-racer-explain: reason`` on ``POST /v1/recommend``: the answer's ``routing`` carries the
+#: decision's one-line reason; ``scores``: the reason and the per-node score terms
+#: (`RoutingDecision.breakdown`); anything else: neither
+EXPLAIN_HEADER = "x-racer-explain"
+_EXPLAIN_HEADER_B = EXPLAIN_HEADER.encode()
+
+
+def _explain_level(value: str | None) -> str:
+    v = (value or "").strip().lower()
+    return v if v in ("reason", "scores") else ""
 
 
 class GatewayError(BaseModel):
@@ -889,8 +910,9 @@ def create_app(gateway: Gateway) -> GatewayApp:
         422: "invalid request body (the field is named in `error`)", 502: "the node failed twice",
         503: "no live node", 504: "the node did not answer in time"}))
     async def recommend(request: Request):
-        status, content, headers = await gateway.serve(await request.body(),
-                                                       clean_phase(request.headers.get(PHASE_HEADER)))
+        status, content, headers = await gateway.serve(
+            await request.body(), clean_phase(request.headers.get(PHASE_HEADER)),
+            explain=_explain_level(request.headers.get(EXPLAIN_HEADER)))
         return Response(content, status_code=status, headers=headers, media_type="application/json")
 
     @app.get("/v1/router")

@@ -629,15 +629,22 @@ class RoutingDecision:
     _detail: tuple | None = None  # (weights, node_ids, history_len, num_items, hot_rows, eps, use_kv, use_emb)
     _note: str = ""
     load_check: LoadCheck | None = None
+    _breakdown: ScoreBreakdown | None = None  # computed once, on the first `breakdown` call
 
     @property
     def guard_fired(self) -> bool:
         return self.source == "guard"
 
     def breakdown(self) -> ScoreBreakdown | None:
-        """Per-node score terms, or ``None`` for policies that do not score nodes."""
+        """Per-node score terms, or ``None`` for policies that do not score nodes (computed on
+        the first call, then kept: `reason` and a gateway's explained answer share it)."""
         if self._detail is None:
             return None
+        if self._breakdown is None:
+            self._breakdown = self._compute_breakdown()
+        return self._breakdown
+
+    def _compute_breakdown(self) -> ScoreBreakdown:
         w, node_ids, history_len, num_items, hot_rows, eps, use_kv, use_emb = self._detail
         n = len(node_ids)
         h_kv = np.zeros(n)

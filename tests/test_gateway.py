@@ -49,10 +49,10 @@ def state(gw: Proc, **params) -> dict:
     return httpx.get(gw.url + "/v1/router", params=params, timeout=5.0).json()
 
 
-def post(url: str, body, timeout: float = 30.0) -> httpx.Response:
+def post(url: str, body, timeout: float = 30.0, explain: str = "scores") -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(url + "/v1/recommend", content=content, headers={"content-type": "application/json"},
-                      timeout=timeout)
+    headers = {"content-type": "application/json", **({"x-racer-explain": explain} if explain else {})}
+    return httpx.post(url + "/v1/recommend", content=content, headers=headers, timeout=timeout)
 
 
 def test_routes_forwards_and_explains(cluster, bodies):
@@ -79,6 +79,12 @@ def test_routes_forwards_and_explains(cluster, bodies):
     holder = state(gw, user=first["user_id"])["user"]["kv_holder"]
     assert d["routing"]["kv_holder"] is not None and d["served_by"] == d["routing"]["kv_holder"] == holder
     assert d["kv"]["outcome"] == "hit" and d["kv"]["hit_tokens"] > 0
+    # x-racer-explain: reason gives the one line without the per-node table; no header, neither
+    line = post(gw.url, bodies[30], explain="reason").json()["routing"]
+    assert "scores" not in line and line["reason"].startswith(("score:", "guard:", "spill:"))
+    plain = post(gw.url, bodies[31], explain="").json()["routing"]
+    assert plain["policy"] == "racer" and "reason" not in plain and "scores" not in plain
+    assert "reason" not in post(gw.url, bodies[32], explain="everything").json()["routing"]
 
 
 def test_router_state_metrics_and_bad_input(cluster):
