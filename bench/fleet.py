@@ -249,6 +249,11 @@ class LocalFleet:
     def node_urls(self) -> list[str]:
         return [a.url for a in self.agents]
 
+    def pids(self) -> dict[str, list[int]]:
+        """The running processes by role (``gateway``, ``agents``), for their CPU time."""
+        return {"gateway": [self.gateway.proc.pid] if self.gateway else [],
+                "agents": [a.proc.pid for a in self.agents]}
+
     def stop(self) -> None:
         for p in ([self.gateway] if self.gateway else []) + self.agents:
             p.stop()
@@ -277,6 +282,10 @@ class ExternalFleet:
     @property
     def node_urls(self) -> list[str]:
         return list(self._nodes)
+
+    def pids(self) -> dict[str, list[int]]:
+        """Only the gateway runs here; the agents' CPU is someone else's to measure."""
+        return {"gateway": [self.gateway.proc.pid] if self.gateway else []}
 
     def stop(self) -> None:
         if self.gateway is not None:
@@ -330,9 +339,27 @@ def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizi
                         max_new_items=min(32, sizing.max_history_len // 4))
 
 
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used (Linux ``/proc``), None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_ms_per_request(procs, served: int) -> float | None:
+    """CPU ms per served request of ``procs`` (``(pid, cpu_s before)``), None where unknown."""
+    used = [(cpu_s(pid), before) for pid, before in procs]
+    if not served or not used or any(a is None or b is None for a, b in used):
+        return None
+    return round(sum(a - b for a, b in used) / served * 1e3, 4)
+
+
 def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, seed: int, slo_ms: float,
              sizing: Sizing, num_users: int | None = None) -> dict:
-    """One run of ``cfg`` at ``rate_rps``: restart, replay the schedule through the gateway, stop."""
+    """One run of ``cfg`` at ``rate_rps``: restart, replay the schedule through the gateway, stop.
+    With local processes it also says their CPU ms per served request (gateway, agents)."""
     import asyncio
 
     from workloads.replay import ReplayStats, build_plan, run_replay
@@ -343,12 +370,15 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
         stats = ReplayStats(slo_ms)
         sampler = ShareSampler(fleet.node_urls)
         sampler.start()
+        pids = fleet.pids()
+        before = {k: [(p, cpu_s(p)) for p in v] for k, v in pids.items()}
         try:
             asyncio.run(run_replay([url], trace, rc, stats))
         finally:
             sampler.halt.set()
             sampler.join(5)
         rep = stats.report()
+        cpu = {f"{k}_cpu_ms_per_request": _cpu_ms_per_request(v, rep["requests_served"]) for k, v in before.items()}
         t0 = stats.started_s if stats.started_s is not None else 0.0
         phases = {}
         for ph in build_plan(trace, rc):
@@ -366,7 +396,9 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
             "multi_pass_share": rep["multi_pass_share"], "node_p99_ms": rep["node_p99_ms"], "tail_ms": rep["tail_ms"],
             "mean_share": sampler.mean(),
             "served_by": rep["served_by"],
-            "dispatch_lag_ms_p99": rep["dispatch_lag_ms_p99"], "phases": phases}
+            "dispatch_lag_ms_p99": rep["dispatch_lag_ms_p99"], "phases": phases,
+            "gateway_cpu_ms_per_request": cpu.get("gateway_cpu_ms_per_request"),
+            "agents_cpu_ms_per_request": cpu.get("agents_cpu_ms_per_request")}
 
 
 def _passes(run: dict, slo_ms: float) -> bool:
@@ -405,7 +437,7 @@ def _stat(values) -> dict | None:
 
 
 FIGURES = ("p99_ms", "p50_ms", "slo_attainment", "throughput_rps", "kv_hit_rate", "emb_hit_rate", "multi_pass_share",
-           "mean_share", "node_p99_ms")
+           "mean_share", "node_p99_ms", "gateway_cpu_ms_per_request", "agents_cpu_ms_per_request")
 
 
 def aggregate(runs: list[dict], configs: list[FleetConfig], loads: list[float]) -> list[dict]:
@@ -706,7 +738,9 @@ def format_rows(res: dict) -> str:
                      f"  KV hit {(r['kv_hit_rate'] or {}).get('median')}"
                      f"  EMB hit {(r['emb_hit_rate'] or {}).get('median')}"
                      f"  multi-pass {(r['multi_pass_share'] or {}).get('median')}"
-                     f"  node P99 {(r.get('node_p99_ms') or {}).get('median')} ms")
+                     f"  node P99 {(r.get('node_p99_ms') or {}).get('median')} ms"
+                     f"  CPU ms/request gateway {(r.get('gateway_cpu_ms_per_request') or {}).get('median')}"
+                     f" agents {(r.get('agents_cpu_ms_per_request') or {}).get('median')}")
         if r.get("tail_ms"):
             lines.append("      slowest 1%, mean ms: " + ", ".join(f"{k} {v:g}" for k, v in r["tail_ms"].items()))
     lines.append("findings: " + json.dumps(res["findings"]))

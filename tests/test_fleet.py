@@ -9,12 +9,13 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.fleet import (DEFAULT_CONFIGS, FleetConfig, Sizing, aggregate, find_capacity, findings, parse_configs,
-                         parse_loads)
+from bench.fleet import (DEFAULT_CONFIGS, FleetConfig, Sizing, _cpu_ms_per_request, aggregate, cpu_s, find_capacity,
+                         findings, parse_configs, parse_loads)
 from workloads.replay import ReplayStats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,6 +145,19 @@ def test_replay_stats_split_the_slowest_one_percent_into_node_http_and_outside_t
     assert ReplayStats(10.0).report()["tail_ms"] is None and ReplayStats(10.0).report()["node_p99_ms"] is None
 
 
+def test_cpu_per_request_is_read_from_the_process_table():
+    me = os.getpid()
+    before = cpu_s(me)
+    t = time.process_time()
+    while time.process_time() - t < 0.2:  # burn 0.2 s of CPU
+        pass
+    after = cpu_s(me)
+    assert before is not None and after - before >= 0.15
+    assert _cpu_ms_per_request([(me, before)], 100) == pytest.approx((cpu_s(me) - before) * 10, abs=0.5)
+    assert _cpu_ms_per_request([(me, before)], 0) is None  # nothing served: no figure
+    assert cpu_s(2**22 + 12345) is None and _cpu_ms_per_request([(2**22 + 12345, 1.0)], 10) is None
+
+
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv, words in [(["--configs", "0.5/nope"], "router must be"), (["--loads", "0,1"], "--loads"),
@@ -174,6 +188,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
         assert 0.0 <= r["multi_pass_share"]["median"] <= 1.0
         # the node agents' own P99 is part of the client's, and the slowest 1% is split where it went
         assert 0 < r["node_p99_ms"]["median"] <= r["p99_ms"]["median"]
+        assert r["gateway_cpu_ms_per_request"]["median"] > 0 and r["agents_cpu_ms_per_request"]["median"] > 0
         t = r["tail_ms"]
         assert 0 <= t["queue"] <= t["node"] <= t["upstream"] <= t["gateway"] and t["outside"] >= 0
         assert set(r["phases"]) == {"steady[0-3s]", "burst[3-5s]"}
