@@ -125,6 +125,22 @@ def test_replay_is_open_loop_against_a_slow_server(small_trace):
     assert out["requests_retried"] == n // 5  # the gateway-style "retried": true answers
 
 
+def test_replay_times_out_slow_answers_and_sends_https_targets_through_httpx(small_trace):
+    trace = load_trace("taobao", small_trace)
+    server, thread, base, seen = _slow_server(2.0)
+    try:  # the pooled client: an answer later than timeout_s is a timeout, and nothing is lost
+        out = replay([base], trace, ReplayConfig(schedule=("steady",), rate_rps=20, duration_s=0.5, timeout_s=0.3))
+    finally:
+        server.should_exit = True
+        thread.join(5)
+    n = out["requests_sent"]
+    assert n > 0 and out["failures"] == {"timeout": n} and out["requests_lost"] == 0 and len(seen) == n
+    # an https:// target goes through httpx (TLS); nothing listens there: every request fails to connect
+    dead = f"https://127.0.0.1:{free_port()}"
+    out = replay([dead], trace, ReplayConfig(schedule=("steady",), rate_rps=20, duration_s=0.5, timeout_s=5.0))
+    assert out["requests_sent"] > 0 and out["failures"] == {"connect": out["requests_sent"]}
+
+
 def test_replay_cli_json_and_bad_input(agent, small_trace, capsys):
     rc = racer_main(["replay", "--trace", "taobao", "--path", str(small_trace), "--regime", "steady",
                      "--rate", "10", "--duration", "1", "--gateway", agent, "--json", "--no-progress"])
