@@ -455,8 +455,8 @@ def aggregate(runs: list[dict], configs: list[FleetConfig], loads: list[float]) 
                 row[f] = _stat(r.get(f) for r in rs)
             row["requests_failed"] = _stat(r["requests_failed"] for r in rs)
             tails = [r["tail_ms"] for r in rs if r.get("tail_ms")]
-            row["tail_ms"] = ({k: round(float(np.median([t[k] for t in tails])), 2)
-                               for k in ("latency", "queue", "node", "upstream", "gateway", "outside")} if tails else None)
+            row["tail_ms"] = ({k: round(float(np.median([t[k] for t in tails])), 2) for k in tails[0] if k != "n"}
+                              if tails else None)
             row["phases"] = {ph: {f: _stat(r["phases"].get(ph, {}).get(f) for r in rs) for f in FIGURES}
                              for ph in rs[0]["phases"]}
             out.append(row)
@@ -504,13 +504,11 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
         out["best_static"][k] = best[1] if best else None
         out["racer_over_best_static_pct"][k] = _pct_over(racer, best[0] if best else None)
         out["racer_over_default_pct"][k] = _pct_over(racer, _median_p99(rows, DEFAULT_KEY, load))
-        out["racer_router_over_least_load_pct"][k] = _pct_over(_median_p99(rows, "0.5/racer", load),
-                                                               _median_p99(rows, "0.5/least_load", load))
-        out["racer_router_over_least_load_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load", load)
-        out["racer_router_over_least_load_node_pct"][k] = _pct_over(
-            _median_p99(rows, "0.5/racer", load, "node_p99_ms"), _median_p99(rows, "0.5/least_load", load, "node_p99_ms"))
-        out["racer_router_over_least_load_node_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load",
-                                                                            load, "node_p99_ms")
+        for name, figure in (("racer_router_over_least_load", "p99_ms"),
+                             ("racer_router_over_least_load_node", "node_p99_ms")):
+            out[f"{name}_pct"][k] = _pct_over(_median_p99(rows, "0.5/racer", load, figure),
+                                              _median_p99(rows, "0.5/least_load", load, figure))
+            out[f"{name}_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load", load, figure)
     return out
 
 

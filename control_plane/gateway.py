@@ -410,8 +410,7 @@ class Gateway:
             return status, content, headers
         extra = {"served_by": nid, "retried": retried,
                  "routing": {"policy": d.policy, "source": source,
-                             "kv_holder": None if d.kv_holder < 0 else self.links[d.kv_holder].node_id},
-                 "gateway": {"upstream_ms": round(up_s * 1e3, 3), "gateway_ms": 0.0}}
+                             "kv_holder": None if d.kv_holder < 0 else self.links[d.kv_holder].node_id}}
         if failed:
             extra["routing"]["failed"] = failed[0]
         if explain:
@@ -419,7 +418,8 @@ class Gateway:
             b = d.breakdown() if explain == "scores" else None
             if b is not None:
                 extra["routing"]["scores"] = {r.pop("node"): r for r in b.rows()}
-        extra["gateway"]["gateway_ms"] = round((time.perf_counter() - first_byte_s) * 1e3, 3)
+        extra["gateway"] = {"upstream_ms": round(up_s * 1e3, 3),
+                            "gateway_ms": round((time.perf_counter() - first_byte_s) * 1e3, 3)}
         tail = _dumps(extra)
         out = content[:-1] + b"," + tail[1:] if len(content) > 2 and content.endswith(b"}") else content
         m.requests.labels(nid, "ok", source).inc()

@@ -242,9 +242,6 @@ class _Tally:
     multi_pass: int = 0  # of those, the ones whose batch took more than one (a user repeated in it)
     parts_ms: list = field(default_factory=list)  # (latency, node queue, node total, upstream, gateway) per answer
 
-    # ``node_p99_ms`` (in `to_dict`): the P99 of the node agents' own time (queue + lookup +
-    # compute), the part a router decides; the rest of a latency is HTTP and the processes' time
-
     def tail(self) -> dict | None:
         """Where the slowest 1% of the answered requests (latency at or above their P99) spent
         their time, in mean ms: ``queue`` waiting in the node agent's queue, ``node`` the agent's
@@ -263,6 +260,8 @@ class _Tally:
                 "gateway": round(float(m[4]), 2), "outside": round(float(m[0] - m[4]), 2)}
 
     def to_dict(self) -> dict:
+        """The counts and rates; ``node_p99_ms`` is the P99 of the node agents' own time (queue,
+        lookup, compute: the part a router decides), ``tail_ms`` is `tail`."""
         return {"requests_sent": self.sent, "requests_served": self.served, "requests_failed": self.failed,
                 "p50_ms": _pct(self.latencies_ms, 50), "p99_ms": _pct(self.latencies_ms, 99),
                 "slo_attainment": round(self.within_slo / self.sent, 4) if self.sent else None,
@@ -278,33 +277,44 @@ def _batch_passes(answer: dict | None) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
+def _answer_fields(answer: dict | None, paths: Sequence[tuple[str, str]], ok: Callable[[object], bool]) -> list | None:
+    """The values at ``paths`` (``(section, key)`` pairs) of an answer, or None unless the answer
+    has each section as an object and each value passes ``ok``."""
+    if not isinstance(answer, dict):
+        return None
+    vals = []
+    for section, key in paths:
+        part = answer.get(section)
+        if not isinstance(part, dict) or not ok(v := part.get(key)):
+            return None
+        vals.append(v)
+    return vals
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _finite_ms(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+_PARTS = (("latency_us", "queue_us"), ("latency_us", "total_us"), ("gateway", "upstream_ms"), ("gateway", "gateway_ms"))
+_COUNTS = (("kv", "hit_tokens"), ("kv", "recomputed_tokens"), ("emb", "hits"), ("emb", "rows"))
+
+
 def _parts_ms(answer: dict | None) -> tuple[float, float, float, float] | None:
     """(node queue, node total, gateway upstream, gateway total) in ms from an answer that came
     through a gateway, or None when it does not carry them as finite numbers."""
-    if not isinstance(answer, dict):
-        return None
-    lat, gw = answer.get("latency_us"), answer.get("gateway")
-    if not isinstance(lat, dict) or not isinstance(gw, dict):
-        return None
-    vals = (lat.get("queue_us"), lat.get("total_us"), gw.get("upstream_ms"), gw.get("gateway_ms"))
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-               for v in vals):
-        return None
-    return vals[0] / 1e3, vals[1] / 1e3, float(vals[2]), float(vals[3])
+    vals = _answer_fields(answer, _PARTS, _finite_ms)
+    return None if vals is None else (vals[0] / 1e3, vals[1] / 1e3, float(vals[2]), float(vals[3]))
 
 
 def _cache_counts(answer: dict | None) -> tuple[int, int, int, int] | None:
     """(KV hit tokens, history tokens, EMB hits, EMB rows) of a node agent's answer, or None when
     the answer does not carry them as counts."""
-    if not isinstance(answer, dict):
-        return None
-    kv, emb = answer.get("kv"), answer.get("emb")
-    if not isinstance(kv, dict) or not isinstance(emb, dict):
-        return None
-    vals = (kv.get("hit_tokens"), kv.get("recomputed_tokens"), emb.get("hits"), emb.get("rows"))
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
-        return None
-    return vals[0], vals[0] + vals[1], vals[2], vals[3]
+    vals = _answer_fields(answer, _COUNTS, _count)
+    return None if vals is None else (vals[0], vals[0] + vals[1], vals[2], vals[3])
 
 
 class ReplayStats:
