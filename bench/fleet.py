@@ -69,9 +69,9 @@ from simulator.capacity import bracket_and_bisect
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.2/round_robin", "0.5/round_robin",
-                   "0.8/round_robin", "0.5/racer", "racer/racer")
+                   "0.8/round_robin", "0.5/racer", "racer/racer", "0.5/least_load#2")
 QUICK_CONFIGS = ("0.2/least_load", "0.5/least_load", "0.8/least_load", "0.5/round_robin", "0.5/racer",
-                 "racer/racer")
+                 "racer/racer", "0.5/least_load#2")
 DEFAULT_KEY = "0.5/round_robin"  # what an operator runs without RACER
 RACER_KEY = "racer/racer"
 CAPACITY_KEY = "0.5/least_load"  # the capacity rule's configuration
@@ -85,22 +85,31 @@ QUICK_SCHEDULE = "steady:4,trend:4,burst:3,steady:4"
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """One configuration under test: ``split`` a static emb_share, or None for the allocator."""
+    """One configuration under test: ``split`` a static emb_share, or None for the allocator;
+    ``copy`` > 1 runs the same configuration again under a key of its own (``SPLIT/ROUTER#N``):
+    an A/A control, whose distance from its original is the bench's own noise on this machine."""
 
     split: float | None
     router: str
+    copy: int = 1
 
     @property
-    def key(self) -> str:
+    def base_key(self) -> str:
         return f"{'racer' if self.split is None else format(self.split, 'g')}/{self.router}"
 
     @property
+    def key(self) -> str:
+        return self.base_key if self.copy == 1 else f"{self.base_key}#{self.copy}"
+
+    @property
     def name(self) -> str:
-        return f"{'allocator' if self.split is None else f'static {self.split:g}'} + {self.router}"
+        name = f"{'allocator' if self.split is None else f'static {self.split:g}'} + {self.router}"
+        return name if self.copy == 1 else f"{name} (copy {self.copy})"
 
 
 def parse_configs(text: str) -> list[FleetConfig]:
-    """``"0.2/least_load,racer/racer"`` -> configurations; a clear ValueError naming a bad part."""
+    """``"0.2/least_load,racer/racer,0.5/least_load#2"`` -> configurations (``#N``, N >= 2: an A/A
+    copy); a clear ValueError naming a bad part."""
     out: list[FleetConfig] = []
     for part in (p.strip() for p in str(text).split(",")):
         if not part:
@@ -108,10 +117,16 @@ def parse_configs(text: str) -> list[FleetConfig]:
         split, sep, router = part.partition("/")
         if not sep:
             raise ValueError(f"--configs: {part!r} is not SPLIT/ROUTER (e.g. 0.5/least_load or racer/racer)")
+        router, hashed, n = router.partition("#")
+        copy = 1
+        if hashed:
+            if not (n.isdigit() and 2 <= int(n) <= 9):
+                raise ValueError(f"--configs: {part!r}: a copy is SPLIT/ROUTER#N with N in 2..9")
+            copy = int(n)
         if router not in ROUTERS:
             raise ValueError(f"--configs: {part!r}: router must be one of {', '.join(ROUTERS)}")
         if split == "racer":
-            cfg = FleetConfig(None, router)
+            cfg = FleetConfig(None, router, copy)
         else:
             try:
                 s = float(split)
@@ -119,7 +134,7 @@ def parse_configs(text: str) -> list[FleetConfig]:
                 raise ValueError(f"--configs: {part!r}: SPLIT must be an emb_share in [0, 1] or 'racer'") from None
             if not (math.isfinite(s) and 0.0 <= s <= 1.0):
                 raise ValueError(f"--configs: {part!r}: SPLIT must be an emb_share in [0, 1] or 'racer'")
-            cfg = FleetConfig(s, router)
+            cfg = FleetConfig(s, router, copy)
         if cfg.key in {c.key for c in out}:
             raise ValueError(f"--configs: {part!r} is given twice")
         out.append(cfg)
@@ -394,6 +409,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
             "requests_sent": rep["requests_sent"], "requests_failed": rep["requests_failed"],
             "failures": rep["failures"], "kv_hit_rate": rep["kv_hit_rate"], "emb_hit_rate": rep["emb_hit_rate"],
             "multi_pass_share": rep["multi_pass_share"], "node_p99_ms": rep["node_p99_ms"], "tail_ms": rep["tail_ms"],
+            "cache_stage_share": rep["cache_stage_share"],
             "mean_share": sampler.mean(),
             "served_by": rep["served_by"],
             "dispatch_lag_ms_p99": rep["dispatch_lag_ms_p99"], "phases": phases,
@@ -437,7 +453,8 @@ def _stat(values) -> dict | None:
 
 
 FIGURES = ("p99_ms", "p50_ms", "slo_attainment", "throughput_rps", "kv_hit_rate", "emb_hit_rate", "multi_pass_share",
-           "mean_share", "node_p99_ms", "gateway_cpu_ms_per_request", "agents_cpu_ms_per_request")
+           "mean_share", "node_p99_ms", "cache_stage_share", "gateway_cpu_ms_per_request",
+           "agents_cpu_ms_per_request")
 
 
 def aggregate(runs: list[dict], configs: list[FleetConfig], loads: list[float]) -> list[dict]:
@@ -492,17 +509,29 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
     the default (0.5 + round_robin), and the racer router over least_load at split 0.5, on medians;
     with ``runs``, the last also paired by round (`paired_pct`); and the last on the node agents'
     own P99 (``node_p99_ms``: queue and compute, the part a router decides, without the HTTP and
-    process scheduling that share the machine's cores)."""
-    statics = [c.key for c in configs if c.split is not None]
+    process scheduling that share the machine's cores). With an A/A copy among ``configs``
+    (``#N``, never a candidate for the best static), the copy over its original (on medians and
+    paired) and over the best static configuration: what an identical configuration scores, the
+    floor under which no difference in the other findings is the configurations'."""
+    statics = [c.key for c in configs if c.split is not None and c.copy == 1]
+    twin = next((c for c in configs if c.copy > 1), None)
     out: dict = {"racer_over_best_static_pct": {}, "best_static": {}, "racer_over_default_pct": {},
                  "racer_router_over_least_load_pct": {}, "racer_router_over_least_load_paired_pct": {},
                  "racer_router_over_least_load_node_pct": {}, "racer_router_over_least_load_node_paired_pct": {}}
+    if twin is not None:
+        out.update({"aa_control": twin.key, "aa_over_original_pct": {}, "aa_over_original_paired_pct": {},
+                    "aa_over_best_static_pct": {}})
     for load in loads:
         k = format(load, "g")
         racer = _median_p99(rows, RACER_KEY, load)
         best = min(((p, s) for s in statics if (p := _median_p99(rows, s, load)) is not None), default=None)
         out["best_static"][k] = best[1] if best else None
         out["racer_over_best_static_pct"][k] = _pct_over(racer, best[0] if best else None)
+        if twin is not None:  # the same configuration again: how far the bench's noise alone moves a figure
+            copy = _median_p99(rows, twin.key, load)
+            out["aa_over_original_pct"][k] = _pct_over(copy, _median_p99(rows, twin.base_key, load))
+            out["aa_over_original_paired_pct"][k] = paired_pct(list(runs), twin.key, twin.base_key, load)
+            out["aa_over_best_static_pct"][k] = _pct_over(copy, best[0] if best else None)
         out["racer_over_default_pct"][k] = _pct_over(racer, _median_p99(rows, DEFAULT_KEY, load))
         for name, figure in (("racer_router_over_least_load", "p99_ms"),
                              ("racer_router_over_least_load_node", "node_p99_ms")):
@@ -664,7 +693,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="URLs of a running fleet's node agents (comma-separated): compare routers on it as deployed "
                         "(default: start --num-nodes local agents)")
     p.add_argument("--num-nodes", type=int, default=4, help="local node agents (default 4)")
-    p.add_argument("--configs", default=None, help="SPLIT/ROUTER,... (SPLIT an emb_share or racer)")
+    p.add_argument("--configs", default=None, help="SPLIT/ROUTER,... (SPLIT an emb_share or racer; SPLIT/ROUTER#N, N in 2..9: "
+                        "an A/A copy of SPLIT/ROUTER, the bench's own noise)")
     p.add_argument("--loads", default="0.5,0.75,0.95", help="fractions of the steady capacity (default 0.5,0.75,0.95)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, a new order each (default 3)")
     p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
@@ -737,6 +767,7 @@ def format_rows(res: dict) -> str:
                      f"  EMB hit {(r['emb_hit_rate'] or {}).get('median')}"
                      f"  multi-pass {(r['multi_pass_share'] or {}).get('median')}"
                      f"  node P99 {(r.get('node_p99_ms') or {}).get('median')} ms"
+                     f"  cache stages {(r.get('cache_stage_share') or {}).get('median')} of node time"
                      f"  CPU ms/request gateway {(r.get('gateway_cpu_ms_per_request') or {}).get('median')}"
                      f" agents {(r.get('agents_cpu_ms_per_request') or {}).get('median')}")
         if r.get("tail_ms"):

@@ -24,11 +24,17 @@ REPO = Path(__file__).resolve().parents[1]
 def test_configs_parse_and_bad_ones_are_named():
     cfgs = parse_configs(",".join(DEFAULT_CONFIGS))
     assert [c.key for c in cfgs] == list(DEFAULT_CONFIGS)
-    assert cfgs[-1] == FleetConfig(None, "racer") and cfgs[-1].name == "allocator + racer"
+    assert FleetConfig(None, "racer") in cfgs and FleetConfig(None, "racer").name == "allocator + racer"
     assert cfgs[0].name == "static 0.2 + least_load"
+    # an A/A copy: the same configuration under a key of its own
+    aa = parse_configs("0.5/least_load#2")[0]
+    assert aa == FleetConfig(0.5, "least_load", 2) and aa.base_key == "0.5/least_load"
+    assert aa.name == "static 0.5 + least_load (copy 2)"
     for bad, words in [("0.5", "SPLIT/ROUTER"), ("0.5/fastest", "router must be"), ("1.5/least_load", "emb_share"),
                        ("nan/least_load", "emb_share"), ("half/racer", "emb_share"),
-                       ("0.5/racer,0.5/racer", "twice"), ("", "at least one")]:
+                       ("0.5/racer,0.5/racer", "twice"), ("", "at least one"), ("0.5/racer#1", "copy"),
+                       ("0.5/racer#x", "copy"), ("0.5/racer#", "copy"), ("0.5/fastest#2", "router must be"),
+                       ("0.5/racer#2,0.5/racer#2", "twice")]:
         with pytest.raises(ValueError, match=words):
             parse_configs(bad)
     assert parse_loads("0.5,0.75,0.95") == [0.5, 0.75, 0.95]
@@ -101,6 +107,24 @@ def test_judging_takes_medians_over_rounds_and_the_best_static_in_hindsight():
     assert f["racer_router_over_least_load_paired_pct"]["0.5"] == pytest.approx(want, abs=0.01)
 
 
+
+def test_an_aa_copy_is_judged_against_its_original_and_never_is_the_best_static():
+    cfgs = parse_configs("0.5/least_load,0.8/least_load,racer/racer,0.5/least_load#2")
+    runs = []
+    for rnd, (orig, copy) in enumerate(((10.0, 8.0), (12.0, 9.0), (11.0, 12.1))):
+        runs += [_run("0.5/least_load", 0.5, rnd, orig), _run("0.5/least_load#2", 0.5, rnd, copy),
+                 _run("0.8/least_load", 0.5, rnd, 20.0), _run("racer/racer", 0.5, rnd, 11.0)]
+    rows = aggregate(runs, cfgs, [0.5])
+    f = findings(rows, cfgs, [0.5], runs)
+    # the copy's median (9) beats every static's, yet the best static is the original (11)
+    assert f["best_static"]["0.5"] == "0.5/least_load" and f["racer_over_best_static_pct"]["0.5"] == 0.0
+    assert f["aa_control"] == "0.5/least_load#2"
+    assert f["aa_over_original_pct"]["0.5"] == pytest.approx((9.0 / 11.0 - 1) * 100, abs=0.01)
+    assert f["aa_over_best_static_pct"]["0.5"] == f["aa_over_original_pct"]["0.5"]
+    want = 100 * (math.exp((math.log(0.8) + math.log(0.75) + math.log(1.1)) / 3) - 1)
+    assert f["aa_over_original_paired_pct"]["0.5"] == pytest.approx(want, abs=0.01)
+    assert "aa_control" not in findings(rows, cfgs[:3], [0.5], runs)  # no copy, no A/A findings
+
 def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
     st = ReplayStats(30.0)
     for phase, kv_hit, kv_miss, hits, rows, passes in (("a", 30, 10, 5, 10, 2), ("a", 0, 40, 0, 10, 1),
@@ -145,6 +169,25 @@ def test_replay_stats_split_the_slowest_one_percent_into_node_http_and_outside_t
     assert ReplayStats(10.0).report()["tail_ms"] is None and ReplayStats(10.0).report()["node_p99_ms"] is None
 
 
+
+def test_replay_stats_say_the_share_of_node_time_a_cache_decides():
+    st = ReplayStats(1000.0)
+    stages = {"prefill_us": 2000.0, "kv_read_us": 100.0, "kv_write_us": 300.0, "link_us": 100.0}
+    # 10 ms at the node, 2 of them queued: 2.5 of the 8 ms of service in the cache stages
+    st.on_sent("steady", 0.0)
+    st.on_done("steady", 12.0, None, "n0", False,
+               answer={"latency_us": {"queue_us": 2000.0, "total_us": 10000.0, **stages, "rank_us": 5000.0}})
+    # an all-hit answer: 0.5 of 4 ms
+    st.on_sent("steady", 0.0)
+    st.on_done("steady", 5.0, None, "n0", False,
+               answer={"latency_us": {"queue_us": 0.0, "total_us": 4000.0, **stages, "prefill_us": 0.0}})
+    st.on_sent("steady", 0.0)  # an answer without the stages counts in neither sum
+    st.on_done("steady", 5.0, None, "n0", False, answer={"latency_us": {"queue_us": 0.0, "total_us": 9000.0}})
+    rep = st.report()
+    assert rep["cache_stage_share"] == pytest.approx(3.0 / 12.0)
+    assert rep["regimes"]["steady"]["cache_stage_share"] == rep["cache_stage_share"]
+    assert ReplayStats(10.0).report()["cache_stage_share"] is None
+
 def test_cpu_per_request_is_read_from_the_process_table():
     me = os.getpid()
     before = cpu_s(me)
@@ -173,7 +216,7 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
 def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_path):
     out = tmp_path / "fleet"
     cmd = [sys.executable, "-m", "bench.fleet", "--num-nodes", "2", "--configs", "0.5/least_load,0.5/round_robin,"
-           "0.5/racer,racer/racer", "--loads", "0.5", "--rounds", "1", "--schedule", "steady:3,burst:2",
+           "0.5/racer,racer/racer,0.5/least_load#2", "--loads", "0.5", "--rounds", "1", "--schedule", "steady:3,burst:2",
            "--capacity-s", "3", "--capacity-start", "4", "--capacity-iters", "0", "--out", str(out), "--json",
            "--no-progress", "--slo-ms", "2000"]  # the mechanics, not the figure: a bound any loaded machine meets
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -181,13 +224,15 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
     assert res["capacity_rps"] >= 4 and res["loads"] == {"0.5": round(0.5 * res["capacity_rps"], 2)}
-    assert {r["config"] for r in res["configs"]} == {"0.5/least_load", "0.5/round_robin", "0.5/racer", "racer/racer"}
+    assert {r["config"] for r in res["configs"]} == {"0.5/least_load", "0.5/round_robin", "0.5/racer", "racer/racer",
+                                                     "0.5/least_load#2"}
     for r in res["configs"]:
         assert r["rounds"] == 1 and r["p99_ms"]["median"] > 0 and r["requests_failed"]["median"] == 0
         assert 0.0 <= r["kv_hit_rate"]["median"] <= 1.0 and 0.0 <= r["emb_hit_rate"]["median"] <= 1.0
         assert 0.0 <= r["multi_pass_share"]["median"] <= 1.0
         # the node agents' own P99 is part of the client's, and the slowest 1% is split where it went
         assert 0 < r["node_p99_ms"]["median"] <= r["p99_ms"]["median"]
+        assert 0 < r["cache_stage_share"]["median"] < 1
         assert r["gateway_cpu_ms_per_request"]["median"] > 0 and r["agents_cpu_ms_per_request"]["median"] > 0
         t = r["tail_ms"]
         assert 0 <= t["queue"] <= t["node"] <= t["upstream"] <= t["gateway"] and t["outside"] >= 0
@@ -201,8 +246,9 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert isinstance(f["racer_over_default_pct"]["0.5"], float)
     assert isinstance(f["racer_router_over_least_load_pct"]["0.5"], float)
     assert isinstance(f["racer_router_over_least_load_node_paired_pct"]["0.5"], float)
+    assert f["aa_control"] == "0.5/least_load#2" and isinstance(f["aa_over_original_paired_pct"]["0.5"], float)
     assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
-    assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 4
+    assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 5
     # a second run of the same bench takes every run from disk: the same figures, nothing restarted
     q = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert q.returncode == 0, q.stderr[-3000:]

@@ -241,6 +241,8 @@ class _Tally:
     answered: int = 0  # served requests whose answer said how many passes their batch took
     multi_pass: int = 0  # of those, the ones whose batch took more than one (a user repeated in it)
     parts_ms: list = field(default_factory=list)  # (latency, node queue, node total, upstream, gateway) per answer
+    service_us: float = 0.0  # the node agents' time outside their queues, summed over the answers that say
+    cache_us: float = 0.0  # of it, the stages a cache decides (`CACHE_STAGES`)
 
     def tail(self) -> dict | None:
         """Where the slowest 1% of the answered requests (latency at or above their P99) spent
@@ -261,14 +263,17 @@ class _Tally:
 
     def to_dict(self) -> dict:
         """The counts and rates; ``node_p99_ms`` is the P99 of the node agents' own time (queue,
-        lookup, compute: the part a router decides), ``tail_ms`` is `tail`."""
+        lookup, compute: the part a router decides), ``tail_ms`` is `tail`; ``cache_stage_share``
+        is the share of the node agents' time outside their queues spent in `CACHE_STAGES`: the
+        most of a node's work that any split or router can change."""
         return {"requests_sent": self.sent, "requests_served": self.served, "requests_failed": self.failed,
                 "p50_ms": _pct(self.latencies_ms, 50), "p99_ms": _pct(self.latencies_ms, 99),
                 "slo_attainment": round(self.within_slo / self.sent, 4) if self.sent else None,
                 "kv_hit_rate": round(self.kv_hit_tokens / self.kv_tokens, 4) if self.kv_tokens else None,
                 "emb_hit_rate": round(self.emb_hits / self.emb_rows, 4) if self.emb_rows else None,
                 "multi_pass_share": round(self.multi_pass / self.answered, 4) if self.answered else None,
-                "node_p99_ms": _pct([p[2] for p in self.parts_ms], 99), "tail_ms": self.tail()}
+                "node_p99_ms": _pct([p[2] for p in self.parts_ms], 99), "tail_ms": self.tail(),
+                "cache_stage_share": round(self.cache_us / self.service_us, 4) if self.service_us else None}
 
 
 def _batch_passes(answer: dict | None) -> int | None:
@@ -301,6 +306,21 @@ def _finite_ms(v) -> bool:
 
 _PARTS = (("latency_us", "queue_us"), ("latency_us", "total_us"), ("gateway", "upstream_ms"), ("gateway", "gateway_ms"))
 _COUNTS = (("kv", "hit_tokens"), ("kv", "recomputed_tokens"), ("emb", "hits"), ("emb", "rows"))
+
+
+#: the node agent's stages whose time a cache decides: the history's prefill (all of it on a K/V
+#: miss, the new items on a hit), reading and writing pages of K/V, and the emulated host-to-device
+#: copy of the embedding rows the slab missed. The rest of a node's time (ranking, the lookup's
+#: fixed cost, batching, HTTP) is the same whatever the split and the router decide.
+CACHE_STAGES = ("prefill_us", "kv_read_us", "kv_write_us", "link_us")
+_SERVICE = tuple(("latency_us", k) for k in ("total_us", "queue_us", *CACHE_STAGES))
+
+
+def _service_us(answer: dict | None) -> tuple[float, float] | None:
+    """(the node's time outside its queue, of which in `CACHE_STAGES`) in µs, or None when the
+    answer does not carry them as finite numbers."""
+    vals = _answer_fields(answer, _SERVICE, _finite_ms)
+    return None if vals is None else (vals[0] - vals[1], float(sum(vals[2:])))
 
 
 def _parts_ms(answer: dict | None) -> tuple[float, float, float, float] | None:
@@ -362,6 +382,7 @@ class ReplayStats:
         counts = _cache_counts(answer) if failure is None else None
         passes = _batch_passes(answer) if failure is None else None
         parts = _parts_ms(answer) if failure is None else None
+        service = _service_us(answer) if failure is None else None
         with self._lock:
             self.in_flight -= 1
             for t in (self.total, self.by_regime[regime], self.by_phase[phase or regime]):
@@ -379,6 +400,9 @@ class ReplayStats:
                         t.multi_pass += passes > 1
                     if parts is not None:
                         t.parts_ms.append((latency_ms, *parts))
+                    if service is not None:
+                        t.service_us += service[0]
+                        t.cache_us += service[1]
                 else:
                     t.failed += 1
             if failure is not None:
@@ -419,7 +443,7 @@ class ReplayStats:
                 "p99_ms": _pct(lat, 99),
                 "slo_ms": self.slo_ms,
                 **{k: tot[k] for k in ("slo_attainment", "kv_hit_rate", "emb_hit_rate", "multi_pass_share",
-                                       "node_p99_ms", "tail_ms")},
+                                       "node_p99_ms", "tail_ms", "cache_stage_share")},
                 "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
                 "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
                 "phases": {k: v.to_dict() for k, v in self.by_phase.items()},
