@@ -1,6 +1,6 @@
 """The fleet A/B: the whole system on real node-agent processes against static splits.
 
-    racer bench fleet --quick --json                   # local agents, about 35 minutes on 2 cores (54 runs)
+    racer bench fleet --quick --json                   # local agents, about 30 minutes on 2 cores (63 runs)
     python -m bench.fleet --out fleet_ab               # the full run (resumable)
     racer bench fleet --nodes http://a:8100,http://b:8100 --configs 0.5/least_load,0.5/racer
 
