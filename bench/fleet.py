@@ -8,8 +8,9 @@
 run ``--emb-share S`` and no allocator) or ``racer`` (the SmartAllocator: ``--policy``, the shipped
 policy unless ``--policy DIR``, starting at 0.5); ROUTER one of the gateway's routers. The default
 set: static 0.2 / 0.5 / 0.8 with ``least_load`` and with ``round_robin``, static 0.5 with the
-``racer`` router, and the full RACER (``racer/racer``). The default configuration an operator
-would run without RACER is ``0.5/round_robin``.
+``racer`` router, the full RACER (``racer/racer``), and an A/A copy of ``0.5/least_load``
+(``0.5/least_load#2``: the same configuration again, the bench's own noise). The default
+configuration an operator would run without RACER is ``0.5/round_robin``.
 
 **One run**: every agent is restarted cold (empty caches), a gateway with the configuration's
 router is started in front of them, and the same seeded schedule stream (``--schedule``,
@@ -44,8 +45,8 @@ configuration's split is reported as ``deployed``) with a gateway of its own per
 
 Findings (`findings`), per load: ``racer_over_best_static_pct`` (RACER's median P99 over the best
 static configuration's in hindsight at that load), ``racer_over_default_pct`` (over
-``0.5/round_robin``) and ``racer_router_over_least_load_pct`` (``0.5/racer`` over
-``0.5/least_load``).
+``0.5/round_robin``), ``racer_router_over_least_load_pct`` (``0.5/racer`` over
+``0.5/least_load``) and, with an A/A copy, ``aa_over_original_pct`` (the copy over its original).
 """
 
 from __future__ import annotations
@@ -514,12 +515,12 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
     paired) and over the best static configuration: what an identical configuration scores, the
     floor under which no difference in the other findings is the configurations'."""
     statics = [c.key for c in configs if c.split is not None and c.copy == 1]
-    twin = next((c for c in configs if c.copy > 1), None)
+    aa = next((c for c in configs if c.copy > 1), None)
     out: dict = {"racer_over_best_static_pct": {}, "best_static": {}, "racer_over_default_pct": {},
                  "racer_router_over_least_load_pct": {}, "racer_router_over_least_load_paired_pct": {},
                  "racer_router_over_least_load_node_pct": {}, "racer_router_over_least_load_node_paired_pct": {}}
-    if twin is not None:
-        out.update({"aa_control": twin.key, "aa_over_original_pct": {}, "aa_over_original_paired_pct": {},
+    if aa is not None:
+        out.update({"aa_control": aa.key, "aa_over_original_pct": {}, "aa_over_original_paired_pct": {},
                     "aa_over_best_static_pct": {}})
     for load in loads:
         k = format(load, "g")
@@ -527,11 +528,11 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
         best = min(((p, s) for s in statics if (p := _median_p99(rows, s, load)) is not None), default=None)
         out["best_static"][k] = best[1] if best else None
         out["racer_over_best_static_pct"][k] = _pct_over(racer, best[0] if best else None)
-        if twin is not None:  # the same configuration again: how far the bench's noise alone moves a figure
-            copy = _median_p99(rows, twin.key, load)
-            out["aa_over_original_pct"][k] = _pct_over(copy, _median_p99(rows, twin.base_key, load))
-            out["aa_over_original_paired_pct"][k] = paired_pct(list(runs), twin.key, twin.base_key, load)
-            out["aa_over_best_static_pct"][k] = _pct_over(copy, best[0] if best else None)
+        if aa is not None:  # the same configuration again: how far the bench's noise alone moves a figure
+            aa_p99 = _median_p99(rows, aa.key, load)
+            out["aa_over_original_pct"][k] = _pct_over(aa_p99, _median_p99(rows, aa.base_key, load))
+            out["aa_over_original_paired_pct"][k] = paired_pct(list(runs), aa.key, aa.base_key, load)
+            out["aa_over_best_static_pct"][k] = _pct_over(aa_p99, best[0] if best else None)
         out["racer_over_default_pct"][k] = _pct_over(racer, _median_p99(rows, DEFAULT_KEY, load))
         for name, figure in (("racer_router_over_least_load", "p99_ms"),
                              ("racer_router_over_least_load_node", "node_p99_ms")):
@@ -693,8 +694,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="URLs of a running fleet's node agents (comma-separated): compare routers on it as deployed "
                         "(default: start --num-nodes local agents)")
     p.add_argument("--num-nodes", type=int, default=4, help="local node agents (default 4)")
-    p.add_argument("--configs", default=None, help="SPLIT/ROUTER,... (SPLIT an emb_share or racer; SPLIT/ROUTER#N, N in 2..9: "
-                        "an A/A copy of SPLIT/ROUTER, the bench's own noise)")
+    p.add_argument("--configs", default=None,
+                   help="SPLIT/ROUTER,... (SPLIT an emb_share or racer; SPLIT/ROUTER#N, N in 2..9: an A/A copy "
+                        "of SPLIT/ROUTER, the bench's own noise)")
     p.add_argument("--loads", default="0.5,0.75,0.95", help="fractions of the steady capacity (default 0.5,0.75,0.95)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, a new order each (default 3)")
     p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
