@@ -107,7 +107,6 @@ def test_judging_takes_medians_over_rounds_and_the_best_static_in_hindsight():
     assert f["racer_router_over_least_load_paired_pct"]["0.5"] == pytest.approx(want, abs=0.01)
 
 
-
 def test_an_aa_copy_is_judged_against_its_original_and_never_is_the_best_static():
     cfgs = parse_configs("0.5/least_load,0.8/least_load,racer/racer,0.5/least_load#2")
     runs = []
@@ -124,6 +123,7 @@ def test_an_aa_copy_is_judged_against_its_original_and_never_is_the_best_static(
     want = 100 * (math.exp((math.log(0.8) + math.log(0.75) + math.log(1.1)) / 3) - 1)
     assert f["aa_over_original_paired_pct"]["0.5"] == pytest.approx(want, abs=0.01)
     assert "aa_control" not in findings(rows, cfgs[:3], [0.5], runs)  # no copy, no A/A findings
+
 
 def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
     st = ReplayStats(30.0)
@@ -169,7 +169,6 @@ def test_replay_stats_split_the_slowest_one_percent_into_node_http_and_outside_t
     assert ReplayStats(10.0).report()["tail_ms"] is None and ReplayStats(10.0).report()["node_p99_ms"] is None
 
 
-
 def test_replay_stats_say_the_share_of_node_time_a_cache_decides():
     st = ReplayStats(1000.0)
     stages = {"prefill_us": 2000.0, "kv_read_us": 100.0, "kv_write_us": 300.0, "link_us": 100.0}
@@ -187,6 +186,7 @@ def test_replay_stats_say_the_share_of_node_time_a_cache_decides():
     assert rep["cache_stage_share"] == pytest.approx(3.0 / 12.0)
     assert rep["regimes"]["steady"]["cache_stage_share"] == rep["cache_stage_share"]
     assert ReplayStats(10.0).report()["cache_stage_share"] is None
+
 
 def test_cpu_per_request_is_read_from_the_process_table():
     me = os.getpid()

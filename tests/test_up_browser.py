@@ -127,7 +127,9 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
             page.screenshot(path=str(shots / "overview.png"), full_page=True)
 
             # EMB/KV splits: the heatmap has a row per node and columns filling in
-            page.click("text=EMB-KV split")
+            from .test_dashboard_browser import click_tab
+
+            click_tab(page, "EMB-KV split")
 
             def splits_live():
                 st = _plot(page, "g-heat")
@@ -138,8 +140,6 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
 
             # bursts: the steady -> trend -> burst loop reaches its burst phase; a node's recovery
             # controller reports it and the dashboard lists and shades it
-            from .test_dashboard_browser import click_tab
-
             def bursts_live():
                 if not page.query_selector("#grid-bursts"):  # the tab itself, by role, until it shows
                     click_tab(page, "Bursts")  # ("text=Bursts" can match the overview's own mention first)
@@ -148,7 +148,7 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
             _wait(bursts_live, t0, 300, "a burst in the bursts table")
             mark("burst_shown_s")
             page.screenshot(path=str(shots / "bursts.png"), full_page=True)
-            page.click("text=Overview")
+            click_tab(page, "Overview")
             time.sleep(3)
             page.screenshot(path=str(shots / "overview_with_burst.png"), full_page=True)
             _policy_path_and_a_drill_down(page, tmp_path / "up.err", token, shots)
