@@ -85,11 +85,15 @@ def derive_candidate(shipped: Path, out_dir: Path, logit_shift: float = CANDIDAT
 
 
 def artifact_tar(artifact_dir: Path) -> bytes:
-    """The artifact's files as one tar (the body ``POST /api/v1/policies`` takes)."""
+    """The artifact's files as one tar (the body ``POST /api/v1/policies`` takes). Reproducible: the
+    same files give the same bytes (no file times, owners or modes of this machine in the headers)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for name in ARTIFACT_FILES:
-            tar.add(artifact_dir / name, arcname=name)
+            data = (artifact_dir / name).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
 
