@@ -271,8 +271,9 @@ class LocalFleet:
                 "agents": [a.proc.pid for a in self.agents]}
 
     def stop(self) -> None:
-        for p in ([self.gateway] if self.gateway else []) + self.agents:
-            p.stop()
+        from bench.gateway import stop_all
+
+        stop_all(([self.gateway] if self.gateway else []) + self.agents)
         self.agents, self.gateway = [], None
 
 

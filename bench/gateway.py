@@ -99,13 +99,22 @@ class Proc:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_all([self])
+
+
+def stop_all(procs: list[Proc], timeout_s: float = 10.0) -> None:
+    """SIGTERM to every running one at once, then wait for each (SIGKILL after ``timeout_s``): the
+    processes shut down side by side, not one after another."""
+    live = [p.proc for p in procs if p.proc is not None and p.proc.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in live:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def start_agents(n: int, workdir: Path, trace: str = "taobao", path: str | None = None,

@@ -201,6 +201,24 @@ def test_cpu_per_request_is_read_from_the_process_table():
     assert cpu_s(2**22 + 12345) is None and _cpu_ms_per_request([(2**22 + 12345, 1.0)], 10) is None
 
 
+def test_stop_all_ends_every_process_and_kills_one_that_ignores_sigterm(tmp_path):
+    from bench.gateway import Proc, stop_all
+
+    code = {"polite": "import time; time.sleep(60)",
+            "stubborn": "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                        "print('ready', flush=True); time.sleep(60)"}
+    procs = []
+    for name, src in code.items():
+        p = Proc([name], tmp_path / f"{name}.log", 0)
+        p.proc = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+    assert procs[1].proc.stdout.readline().strip() == "ready"  # its SIGTERM handler is in place
+    stop_all(procs + [Proc(["never-started"], tmp_path / "x.log", 0)], timeout_s=1.0)
+    assert procs[0].proc.returncode == -15  # SIGTERM
+    assert procs[1].proc.returncode == -9  # ignored SIGTERM: killed after the timeout
+    stop_all(procs)  # already ended: nothing to do
+
+
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv, words in [(["--configs", "0.5/nope"], "router must be"), (["--loads", "0,1"], "--loads"),
