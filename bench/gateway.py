@@ -363,10 +363,7 @@ def run_overhead(args, workdir: Path) -> dict:
             "served_by": {n["node_id"]: n["kv_resident_users"] for n in state["nodes"]},
         }
     finally:
-        if gw is not None:
-            gw.stop()
-        for a in agents:
-            a.stop()
+        stop_all(([gw] if gw is not None else []) + agents)
 
 
 def run_routers(args, workdir: Path) -> dict:
@@ -401,10 +398,7 @@ def run_routers(args, workdir: Path) -> dict:
                 "hot_shards_per_node": [len(n["hot_shards"]) for n in st["nodes"]],
             }
         finally:
-            if gw is not None:
-                gw.stop()
-            for a in agents:
-                a.stop()
+            stop_all(([gw] if gw is not None else []) + agents)
     return out
 
 

@@ -217,6 +217,8 @@ def test_stop_all_ends_every_process_and_kills_one_that_ignores_sigterm(tmp_path
     assert procs[0].proc.returncode == -15  # SIGTERM
     assert procs[1].proc.returncode == -9  # ignored SIGTERM: killed after the timeout
     stop_all(procs)  # already ended: nothing to do
+    for p in procs:
+        p.proc.stdout.close()
 
 
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
