@@ -47,6 +47,9 @@ Findings (`findings`), per load: ``racer_over_best_static_pct`` (RACER's median 
 static configuration's in hindsight at that load), ``racer_over_default_pct`` (over
 ``0.5/round_robin``), ``racer_router_over_least_load_pct`` (``0.5/racer`` over
 ``0.5/least_load``) and, with an A/A copy, ``aa_over_original_pct`` (the copy over its original).
+``verdicts`` judges the targets (RACER at most 5% above the best static, the racer router at most
+2% above least_load) with a 90% interval from the noise pooled over every configuration's runs,
+rounds as blocks (`block_interval`): met, not met or undecided, and the rounds a decision needs.
 """
 
 from __future__ import annotations
@@ -493,19 +496,95 @@ def _pct_over(a: float | None, b: float | None) -> float | None:
     return round((a / b - 1.0) * 100.0, 2) if a is not None and b else None
 
 
+def _paired_logs(runs, key: str, base: str, load: float, figure: str) -> list[float]:
+    """log(``key`` / ``base``) of ``figure`` in each round that ran both at ``load``."""
+    by: dict = {}
+    for r in runs:
+        v = r.get(figure)
+        if r["load"] == load and r["config"] in (key, base) and isinstance(v, (int, float)) and v > 0:
+            by.setdefault(r["round"], {})[r["config"]] = float(v)
+    return [math.log(v[key] / v[base]) for v in by.values() if key in v and base in v]
+
+
 def paired_pct(runs: list[dict], key: str, base: str, load: float, figure: str = "p99_ms") -> float | None:
     """``key``'s P99 (``figure``) over ``base``'s, paired by round: the geometric mean over the
     rounds that ran both at ``load`` of their ratio (a round runs them minutes apart, so the
     machine's slow drifts cancel), as a percentage; None without such a round."""
-    by = {}
-    for r in runs:
-        if r["load"] == load and r["config"] in (key, base) and r.get(figure):
-            by.setdefault(r["round"], {})[r["config"]] = float(r[figure])
-    logs = [math.log(v[key] / v[base]) for v in by.values() if key in v and base in v]
+    logs = _paired_logs(runs, key, base, load, figure)
     return round(100.0 * (math.exp(sum(logs) / len(logs)) - 1.0), 2) if logs else None
 
 
-def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], runs: list[dict] = ()) -> dict:
+#: the targets the verdicts judge, % of P99 (RACER over the best static configuration; the racer
+#: router over least_load at the same split)
+TARGETS_PCT = {"racer_over_best_static": 5.0, "racer_router_over_least_load": 2.0}
+#: one-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's)
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+MAX_ROUNDS_TO_DECIDE = 10_000
+
+
+def _t95(df: int) -> float:
+    return _T95[df - 1] if df <= len(_T95) else 1.645
+
+
+def _pct(log_ratio: float) -> float:
+    return round(100.0 * (math.exp(log_ratio) - 1.0), 2)
+
+
+def _block(runs, load: float) -> tuple[dict, float | None, int, int]:
+    """The runs at ``load`` as a complete block design: each configuration's mean log P99 over the
+    rounds that ran every configuration (a round is a block: the machine's drift between rounds
+    falls out), the residual standard deviation of one run's log P99 pooled over all of them
+    (None under 2 such rounds or 2 configurations), its degrees of freedom and the rounds."""
+    at = [r for r in runs if r["load"] == load and isinstance(r.get("p99_ms"), (int, float)) and r["p99_ms"] > 0]
+    keys = sorted({r["config"] for r in at})
+    cell = {(r["config"], r["round"]): math.log(float(r["p99_ms"])) for r in at}
+    rounds = sorted(k for k in {r["round"] for r in at} if all((c, k) in cell for c in keys))
+    if not rounds or not keys:
+        return {}, None, 0, 0
+    x = np.array([[cell[(c, k)] for k in rounds] for c in keys])
+    means = {c: float(x[i].mean()) for i, c in enumerate(keys)}
+    df = (len(keys) - 1) * (len(rounds) - 1)
+    if df < 1:
+        return means, None, 0, len(rounds)
+    res = x - x.mean(1, keepdims=True) - x.mean(0, keepdims=True) + x.mean()
+    return means, float(math.sqrt(float((res ** 2).sum()) / df)), df, len(rounds)
+
+
+def block_interval(runs, load: float, key: str, base: str, target_pct: float | None = None) -> dict | None:
+    """``key``'s P99 over ``base``'s at ``load`` with a 90% interval (each bound one-sided 95%):
+    the difference of their mean log P99 over the complete rounds (`_block`), its standard error
+    from the noise pooled over every configuration's runs at that load (``sd_log``: one run's),
+    Student's t on the pooled degrees of freedom. ``half_width_pct`` is the difference the rounds
+    run can resolve; ``rounds_for_width`` the rounds whose interval would be as narrow as the
+    target. With ``target_pct`` (``key`` at most that much above ``base``): ``verdict`` ``met``
+    (the upper bound within the target), ``not met`` (the lower bound above it) or ``undecided``.
+    None when either configuration has no complete round."""
+    means, sd, df, rounds = _block(runs, load)
+    if key not in means or base not in means:
+        return None
+    d = means[key] - means[base]
+    out = {"base": base, "rounds": rounds, "pct": _pct(d), "sd_log": None if sd is None else round(sd, 4),
+           "lo_pct": None, "hi_pct": None, "half_width_pct": None}
+    half = None
+    if sd is not None:
+        half = _t95(df) * sd * math.sqrt(2.0 / rounds)
+        out.update(lo_pct=_pct(d - half), hi_pct=_pct(d + half), half_width_pct=_pct(half))
+    if target_pct is None:
+        return out
+    goal = math.log1p(target_pct / 100.0)
+    out["verdict"] = ("undecided" if half is None else "met" if d + half <= goal
+                      else "not met" if d - half > goal else "undecided")
+    need = None
+    if sd is not None:  # the same noise, more rounds (the pooled degrees of freedom grow with them)
+        per = df // max(1, rounds - 1)  # configurations - 1
+        need = 2 if sd == 0.0 else next((m for m in range(2, MAX_ROUNDS_TO_DECIDE + 1)
+                                          if _t95(per * (m - 1)) * sd * math.sqrt(2.0 / m) <= goal), None)
+    out["rounds_for_width"] = need
+    return out
+
+
+def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], runs=()) -> dict:
     """Per load (keyed as in ``loads``): RACER over the best static configuration in hindsight (any
     configuration whose split is static, whatever its router), over
     the default (0.5 + round_robin), and the racer router over least_load at split 0.5, on medians;
@@ -514,15 +593,24 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
     process scheduling that share the machine's cores). With an A/A copy among ``configs``
     (``#N``, never a candidate for the best static), the copy over its original (on medians and
     paired) and over the best static configuration: what an identical configuration scores, the
-    floor under which no difference in the other findings is the configurations'."""
+    floor under which no difference in the other findings is the configurations'.
+
+    ``verdicts`` judges the targets in `TARGETS_PCT` per load (`block_interval`: ``met``, ``not
+    met`` or ``undecided``, the difference the rounds can resolve and the rounds the target's
+    width would need), against the best static configuration chosen on medians; with an A/A
+    copy, ``aa_over_original`` gives the copy's interval, which should hold 0 (a check of the
+    noise model)."""
+    runs = list(runs)
     statics = [c.key for c in configs if c.split is not None and c.copy == 1]
     aa = next((c for c in configs if c.copy > 1), None)
     out: dict = {"racer_over_best_static_pct": {}, "best_static": {}, "racer_over_default_pct": {},
                  "racer_router_over_least_load_pct": {}, "racer_router_over_least_load_paired_pct": {},
                  "racer_router_over_least_load_node_pct": {}, "racer_router_over_least_load_node_paired_pct": {}}
+    verdicts = {name: {"target_pct": t, "by_load": {}} for name, t in TARGETS_PCT.items()}
     if aa is not None:
         out.update({"aa_control": aa.key, "aa_over_original_pct": {}, "aa_over_original_paired_pct": {},
                     "aa_over_best_static_pct": {}})
+        verdicts["aa_over_original"] = {"target_pct": None, "by_load": {}}
     for load in loads:
         k = format(load, "g")
         racer = _median_p99(rows, RACER_KEY, load)
@@ -540,6 +628,14 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
             out[f"{name}_pct"][k] = _pct_over(_median_p99(rows, "0.5/racer", load, figure),
                                               _median_p99(rows, "0.5/least_load", load, figure))
             out[f"{name}_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load", load, figure)
+        by = verdicts["racer_over_best_static"]["by_load"]
+        by[k] = block_interval(runs, load, RACER_KEY, best[1], TARGETS_PCT["racer_over_best_static"]) \
+            if best else None
+        verdicts["racer_router_over_least_load"]["by_load"][k] = block_interval(
+            runs, load, "0.5/racer", "0.5/least_load", TARGETS_PCT["racer_router_over_least_load"])
+        if aa is not None:
+            verdicts["aa_over_original"]["by_load"][k] = block_interval(runs, load, aa.key, aa.base_key)
+    out["verdicts"] = verdicts
     return out
 
 
@@ -614,9 +710,9 @@ def run_fleet(args) -> dict:
                 "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed, "sizing": asdict(sizing),
                 "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
     prev = _load(out_dir / "settings.json")
-    if prev is not None and prev != settings:
+    if prev is not None and {**prev, "rounds": rounds} != settings:  # more rounds: the saved ones stay
         raise SystemExit(f"{out_dir} holds a bench with other settings ({out_dir / 'settings.json'}); "
-                         f"give another --out or remove it")
+                         f"give another --out or remove it (only --rounds may change)")
     _save(out_dir / "settings.json", settings)
     if args.nodes:
         fleet = ExternalFleet(work, [u.strip().rstrip("/") for u in args.nodes.split(",") if u.strip()],
@@ -699,7 +795,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SPLIT/ROUTER,... (SPLIT an emb_share or racer; SPLIT/ROUTER#N, N in 2..9: an A/A copy "
                         "of SPLIT/ROUTER, the bench's own noise)")
     p.add_argument("--loads", default="0.5,0.75,0.95", help="fractions of the steady capacity (default 0.5,0.75,0.95)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, a new order each (default 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, a new order each (default 3); more on a saved --out runs only the new ones")
     p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
     p.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace (default taobao)")
     p.add_argument("--path", default=None, help="trace file (default: the sample)")
@@ -775,6 +872,15 @@ def format_rows(res: dict) -> str:
                      f" agents {(r.get('agents_cpu_ms_per_request') or {}).get('median')}")
         if r.get("tail_ms"):
             lines.append("      slowest 1%, mean ms: " + ", ".join(f"{k} {v:g}" for k, v in r["tail_ms"].items()))
+    for name, v in res["findings"].get("verdicts", {}).items():
+        for load, x in v["by_load"].items():
+            if x is None:
+                continue
+            head = f"  {name} at load {load}" + (f" (target {v['target_pct']:g}%)" if v["target_pct"] is not None
+                                                 else "")
+            lines.append(f"{head}: {x['pct']:+g}% over {x['base']} [90%: {x['lo_pct']}, {x['hi_pct']}]"
+                         + (f" {x['verdict']}; the target's width needs {x['rounds_for_width']} rounds"
+                            if "verdict" in x else ""))
     lines.append("findings: " + json.dumps(res["findings"]))
     if res.get("plot"):
         lines.append(f"plot: {res['plot']}")

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleet import (DEFAULT_CONFIGS, FleetConfig, Sizing, _cpu_ms_per_request, aggregate, cpu_s, find_capacity,
-                         findings, parse_configs, parse_loads)
+import numpy as np
+
+from bench.fleet import (DEFAULT_CONFIGS, FleetConfig, Sizing, _cpu_ms_per_request, aggregate, block_interval, cpu_s,
+                         find_capacity, findings, parse_configs, parse_loads)
 from workloads.replay import ReplayStats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +125,72 @@ def test_an_aa_copy_is_judged_against_its_original_and_never_is_the_best_static(
     want = 100 * (math.exp((math.log(0.8) + math.log(0.75) + math.log(1.1)) / 3) - 1)
     assert f["aa_over_original_paired_pct"]["0.5"] == pytest.approx(want, abs=0.01)
     assert "aa_control" not in findings(rows, cfgs[:3], [0.5], runs)  # no copy, no A/A findings
+
+
+def _noisy_runs(rng, factors: dict, rounds: int, sd: float, load: float = 0.5, drift: float = 0.0) -> list[dict]:
+    """Runs whose P99 is 100 ms x the configuration's factor x a round's drift x lognormal noise."""
+    out = []
+    for rnd in range(rounds):
+        d = math.exp(drift * rng.standard_normal())
+        out += [_run(k, load, rnd, 100.0 * f * d * math.exp(sd * rng.standard_normal())) for k, f in factors.items()]
+    return out
+
+
+def test_verdicts_say_met_not_met_or_undecided_from_the_pooled_noise():
+    rng = np.random.default_rng(7)
+    factors = {"0.5/least_load": 1.0, "0.8/least_load": 1.3, "0.5/racer": 1.0, "racer/racer": 1.0}
+    # little noise, many rounds: racer/racer equal to the best static is within 5% (met)
+    quiet = _noisy_runs(rng, factors, rounds=12, sd=0.01, drift=0.5)
+    v = block_interval(quiet, 0.5, "racer/racer", "0.5/least_load", 5.0)
+    assert v["verdict"] == "met" and v["rounds"] == 12 and v["lo_pct"] < v["pct"] < v["hi_pct"] < 5.0
+    assert v["sd_log"] == pytest.approx(0.01, rel=0.4)  # the rounds' drift (sd 0.5) falls out as blocks
+    # 30% worse with the same noise: not met, and the interval holds the truth
+    v = block_interval(quiet, 0.5, "0.8/least_load", "0.5/least_load", 5.0)
+    assert v["verdict"] == "not met" and v["lo_pct"] < 30.0 < v["hi_pct"]
+    # the same truth in this VM's noise (one run's log P99 sd 0.6) over 3 rounds: undecided, and the
+    # rounds the target's width would need are hundreds
+    loud = _noisy_runs(rng, factors, rounds=3, sd=0.6)
+    v = block_interval(loud, 0.5, "racer/racer", "0.5/least_load", 5.0)
+    assert v["verdict"] == "undecided" and v["half_width_pct"] > 50 and v["rounds_for_width"] > 100
+    # a round that lacks a configuration is left out of every comparison at that load
+    partial = quiet + [_run("racer/racer", 0.5, 12, 500.0)]
+    assert block_interval(partial, 0.5, "racer/racer", "0.5/least_load", 5.0)["rounds"] == 12
+    assert block_interval(quiet, 0.75, "racer/racer", "0.5/least_load", 5.0) is None  # nothing at that load
+    one = _noisy_runs(rng, factors, rounds=1, sd=0.1)
+    v = block_interval(one, 0.5, "racer/racer", "0.5/least_load", 5.0)
+    assert v["verdict"] == "undecided" and v["lo_pct"] is None and v["rounds_for_width"] is None
+
+
+def test_the_verdicts_interval_covers_an_aa_difference_nine_times_in_ten():
+    """The noise model's check: an A/A pair (equal configurations) among others, lognormal noise and
+    a drift per round; the 90% interval must hold 0 in about 90% of benches (a wrong standard
+    error, e.g. one run's instead of a difference's, gives about 70% or 99%)."""
+    rng = np.random.default_rng(11)
+    factors = {"0.2/least_load": 1.2, "0.5/least_load": 1.0, "0.8/least_load": 0.9, "racer/racer": 1.1,
+               "0.5/least_load#2": 1.0}
+    trials = 2000
+    held = 0
+    for _ in range(trials):
+        v = block_interval(_noisy_runs(rng, factors, rounds=3, sd=0.5, drift=0.3), 0.5, "0.5/least_load#2",
+                           "0.5/least_load")
+        held += v["lo_pct"] <= 0.0 <= v["hi_pct"]
+    assert 0.87 <= held / trials <= 0.93
+
+
+def test_findings_carry_the_verdicts_against_the_best_static_and_for_the_racer_router():
+    rng = np.random.default_rng(3)
+    cfgs = parse_configs("0.2/least_load,0.5/least_load,0.5/racer,racer/racer,0.5/least_load#2")
+    runs = _noisy_runs(rng, {"0.2/least_load": 2.0, "0.5/least_load": 1.0, "0.5/racer": 1.5, "racer/racer": 1.0,
+                             "0.5/least_load#2": 1.0}, rounds=10, sd=0.01)
+    f = findings(aggregate(runs, cfgs, [0.5]), cfgs, [0.5], runs)
+    v = f["verdicts"]
+    assert v["racer_over_best_static"]["target_pct"] == 5.0
+    assert v["racer_over_best_static"]["by_load"]["0.5"]["base"] == f["best_static"]["0.5"] == "0.5/least_load"
+    assert v["racer_over_best_static"]["by_load"]["0.5"]["verdict"] == "met"
+    assert v["racer_router_over_least_load"]["target_pct"] == 2.0
+    assert v["racer_router_over_least_load"]["by_load"]["0.5"]["verdict"] == "not met"  # 50% worse
+    aa = v["aa_over_original"]["by_load"]["0.5"]
+    assert aa["lo_pct"] <= 0.0 <= aa["hi_pct"] and "verdict" not in aa
 
 
 def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
@@ -267,6 +335,9 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert isinstance(f["racer_router_over_least_load_pct"]["0.5"], float)
     assert isinstance(f["racer_router_over_least_load_node_paired_pct"]["0.5"], float)
     assert f["aa_control"] == "0.5/least_load#2" and isinstance(f["aa_over_original_paired_pct"]["0.5"], float)
+    # one round cannot say how noisy a run is: every verdict is undecided, never met
+    assert {v["by_load"]["0.5"]["verdict"] for k, v in f["verdicts"].items() if k != "aa_over_original"} == {
+        "undecided"}
     assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
     assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 5
     # a second run of the same bench takes every run from disk: the same figures, nothing restarted
@@ -274,6 +345,16 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert q.returncode == 0, q.stderr[-3000:]
     assert json.loads(q.stdout)["configs"] == res["configs"]
     # other settings on the same folder are refused, not mixed in
-    r = subprocess.run(cmd + ["--rounds", "2"], cwd=REPO, env=env, capture_output=True, text=True,
+    r = subprocess.run(cmd + ["--loads", "0.6"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "other settings" in r.stderr
+    # more rounds on the same folder: the saved round stays as it was, only the new one runs
+    first = {f.name: f.read_bytes() for f in (out / "runs").glob("*.json")}
+    r = subprocess.run(cmd + ["--rounds", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {f.name: f.read_bytes() for f in (out / "runs").glob("r0_*.json")} == first
+    assert len(list((out / "runs").glob("r1_*.json"))) == 5
+    more = json.loads(r.stdout)
+    assert more["rounds"] == 2 and all(x["rounds"] == 2 for x in more["configs"])
+    v = more["findings"]["verdicts"]["racer_over_best_static"]["by_load"]["0.5"]
+    assert v["rounds"] == 2 and v["lo_pct"] <= v["pct"] <= v["hi_pct"]
