@@ -237,9 +237,10 @@ class LocalFleet:
     external = False
 
     def __init__(self, workdir: Path, num_nodes: int, trace_kind: str, path: str | None, num_items: int,
-                 sizing: Sizing, policy: str, slo_ms: float) -> None:
+                 sizing: Sizing, policy: str, slo_ms: float, agent_nice: int = 0) -> None:
         self.workdir, self.num_nodes, self.trace_kind, self.path = workdir, num_nodes, trace_kind, path
         self.num_items, self.sizing, self.policy, self.slo_ms = num_items, sizing, policy, slo_ms
+        self.agent_nice = agent_nice
         self.profile = _measure_profile(workdir, sizing)
         self.agents: list = []  # bench.gateway.Proc
         self.gateway = None
@@ -256,7 +257,7 @@ class LocalFleet:
             args = ["node-agent", *trace, *self.sizing.agent_args(self.num_items), *split,
                     "--profile", str(self.profile), "--slo-ms", format(self.slo_ms, "g"), "--seed", "1",
                     "--control-interval-s", "1"]
-            self.agents.append(Proc(args, self.workdir / f"agent{i}.log", free_port()).start())
+            self.agents.append(Proc(args, self.workdir / f"agent{i}.log", free_port(), nice=self.agent_nice).start())
         for a in self.agents:
             a.wait_ready()
         self.gateway = Proc(["gateway", "--nodes", ",".join(a.url for a in self.agents), "--router", cfg.router,
@@ -709,6 +710,8 @@ def run_fleet(args) -> dict:
     settings = {"trace": trace.name, "schedule": schedule, "configs": [c.key for c in configs], "loads": loads,
                 "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed, "sizing": asdict(sizing),
                 "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
+    if args.agent_nice:  # (absent at 0, so folders saved before the option resume)
+        settings["agent_nice"] = args.agent_nice
     prev = _load(out_dir / "settings.json")
     if prev is not None and {**prev, "rounds": rounds} != settings:  # more rounds: the saved ones stay
         raise SystemExit(f"{out_dir} holds a bench with other settings ({out_dir / 'settings.json'}); "
@@ -720,7 +723,7 @@ def run_fleet(args) -> dict:
         num_nodes = len(fleet.node_urls)
     else:
         fleet = LocalFleet(work, args.num_nodes, args.trace, args.path, trace.num_items, sizing, args.policy,
-                           args.slo_ms)
+                           args.slo_ms, agent_nice=args.agent_nice)
         num_nodes = args.num_nodes
     say = (lambda m: print(f"bench fleet: {m}", file=sys.stderr, flush=True)) if args.progress else (lambda m: None)
     cap_cfg = next(c for c in parse_configs(CAPACITY_KEY))
@@ -795,6 +798,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SPLIT/ROUTER,... (SPLIT an emb_share or racer; SPLIT/ROUTER#N, N in 2..9: an A/A copy "
                         "of SPLIT/ROUTER, the bench's own noise)")
     p.add_argument("--loads", default="0.5,0.75,0.95", help="fractions of the steady capacity (default 0.5,0.75,0.95)")
+    p.add_argument("--agent-nice", type=int, default=0, choices=range(0, 20), metavar="N",
+                   help="local agents' CPU priority, nice 0-19 (default 0): where agents share cores with the "
+                        "gateway and the load generator, a higher one keeps a burst's backlog at the nodes")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds, a new order each (default 3); more on a saved --out runs only the new ones")
     p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
@@ -836,6 +842,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--slo-ms must be a positive number")
     if not args.nodes and not Path(args.policy).is_dir():
         p.error(f"--policy {args.policy}: not a policy directory")
+    if args.nodes and args.agent_nice:
+        p.error("--agent-nice sets the priority of agents this bench starts, not of --nodes")
 
 
 def add_fleet_parser(sub) -> argparse.ArgumentParser:

@@ -63,17 +63,19 @@ def free_port() -> int:
 
 
 class Proc:
-    """A child process (``racer ...``) with its output in a log file; `kill` and `stop` by pid."""
+    """A child process (``racer ...``) with its output in a log file, at CPU priority ``nice`` (0:
+    the caller's); `kill` and `stop` by pid."""
 
-    def __init__(self, args: list[str], log_path: Path, port: int) -> None:
-        self.args, self.log_path, self.port = args, log_path, port
+    def __init__(self, args: list[str], log_path: Path, port: int, nice: int = 0) -> None:
+        self.args, self.log_path, self.port, self.nice = args, log_path, port, nice
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Proc":
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "racer", *self.args, "--port", str(self.port)],
+        nice = ["nice", "-n", str(self.nice)] if self.nice else []  # a lower CPU priority (Linux / POSIX nice)
+        self.proc = subprocess.Popen([*nice, sys.executable, "-m", "racer", *self.args, "--port", str(self.port)],
                                      cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         return self

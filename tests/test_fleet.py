@@ -289,11 +289,25 @@ def test_stop_all_ends_every_process_and_kills_one_that_ignores_sigterm(tmp_path
         p.proc.stdout.close()
 
 
+def test_an_agent_started_with_a_nice_value_runs_at_that_cpu_priority(tmp_path):
+    from bench.gateway import Proc, free_port, stop_all
+
+    procs = [Proc(["gateway", "--nodes", "http://127.0.0.1:9"], tmp_path / f"g{n}.log", free_port(), nice=n).start()
+             for n in (0, 7)]
+    try:
+        nice = [int(Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) for p in procs]
+    finally:
+        stop_all(procs)
+    assert nice == [os.nice(0), os.nice(0) + 7]
+
+
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv, words in [(["--configs", "0.5/nope"], "router must be"), (["--loads", "0,1"], "--loads"),
                         (["--rounds", "0"], "--rounds"), (["--schedule", "steady,burst"], "REGIME:SECONDS"),
-                        (["--policy", str(tmp_path / "none")], "not a policy directory")]:
+                        (["--policy", str(tmp_path / "none")], "not a policy directory"),
+                        (["--agent-nice", "20"], "--agent-nice"),
+                        (["--nodes", "http://127.0.0.1:9", "--agent-nice", "5"], "not of --nodes")]:
         p = subprocess.run([sys.executable, "-m", "racer", "bench", "fleet", *argv], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and words in p.stderr, (argv, p.stderr[-500:])
