@@ -600,7 +600,8 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
     met`` or ``undecided``, the difference the rounds can resolve and the rounds the target's
     width would need), against the best static configuration chosen on medians; with an A/A
     copy, ``aa_over_original`` gives the copy's interval, which should hold 0 (a check of the
-    noise model)."""
+    noise model): where it does not, every verdict at that load is ``undecided`` and says what it
+    was (``overruled``)."""
     runs = list(runs)
     statics = [c.key for c in configs if c.split is not None and c.copy == 1]
     aa = next((c for c in configs if c.copy > 1), None)
@@ -635,7 +636,15 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
         verdicts["racer_router_over_least_load"]["by_load"][k] = block_interval(
             runs, load, "0.5/racer", "0.5/least_load", TARGETS_PCT["racer_router_over_least_load"])
         if aa is not None:
-            verdicts["aa_over_original"]["by_load"][k] = block_interval(runs, load, aa.key, aa.base_key)
+            a = verdicts["aa_over_original"]["by_load"][k] = block_interval(runs, load, aa.key, aa.base_key)
+            if a is not None and a["lo_pct"] is not None and not a["lo_pct"] <= 0.0 <= a["hi_pct"]:
+                # the control failed: two runs of one configuration differ beyond the interval, so
+                # the noise is not what the interval assumes (heavy tails, runs that are not
+                # independent) and no verdict at this load stands
+                for name in TARGETS_PCT:
+                    v = verdicts[name]["by_load"][k]
+                    if v is not None and v["verdict"] != "undecided":
+                        v["verdict"], v["overruled"] = "undecided", f"was {v['verdict']}: the A/A interval excludes 0"
     out["verdicts"] = verdicts
     return out
 
@@ -668,6 +677,46 @@ def write_plot(rows: list[dict], loads: list[float], path: Path) -> str | None:
         ax.set_yscale("log")  # a burst's backlog (seconds) beside the steady phases' tens of ms
         ax.set_ylabel("P99 (ms, log scale), median of rounds")
     axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def write_verdict_plot(verdicts: dict, path: Path) -> str | None:
+    """The verdicts as intervals: one row per (comparison, load), the point estimate, its 90%
+    interval, the target as a dashed line, colour by verdict; log-ratio axis labelled in %."""
+    rows = [(name, load, x, v["target_pct"]) for name, v in verdicts.items()
+            for load, x in v["by_load"].items() if x is not None and x.get("lo_pct") is not None]
+    if not rows:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    colours = {"met": "tab:green", "not met": "tab:red", "undecided": "tab:grey", None: "tab:blue"}
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
+    for i, (name, load, x, target) in enumerate(reversed(rows)):
+        lo, mid, hi = (math.log1p(x[k] / 100.0) for k in ("lo_pct", "pct", "hi_pct"))
+        c = colours.get(x.get("verdict"), "tab:grey")
+        ax.plot([lo, hi], [i, i], color=c, lw=3)
+        ax.plot([mid], [i], "o", color="black", ms=4)
+        if target is not None:
+            t = math.log1p(target / 100.0)
+            ax.plot([t, t], [i - 0.35, i + 0.35], "--", color="black", lw=1)
+        label = (f"{name} @ {load}" + (f": {x['verdict']}" if x.get("verdict") else "")
+                 + (" (overruled: the A/A copy's interval excludes 0)" if x.get("overruled") else ""))
+        ax.annotate(label, (0.0, i), xytext=(4, 6), textcoords="offset points", fontsize=7)
+    ax.axvline(0.0, color="black", lw=0.5)
+    ticks = [-0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 9.0]
+    ax.set_xticks([math.log1p(t) for t in ticks])
+    ax.set_xticklabels([f"{t * 100:+.0f}%" for t in ticks], fontsize=7)
+    ax.set_yticks([])
+    ax.set_xlabel("P99 over the base configuration's (90% interval; dashed: the target)")
+    ax.set_title("fleet A/B verdicts (grey undecided, green met, red not met, blue the A/A copy)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -779,6 +828,7 @@ def run_fleet(args) -> dict:
               "cpu_count": os.cpu_count(), "out": str(out_dir)}
     png = write_plot(rows, loads, out_dir / "fleet_p99.png")
     result["plot"] = png
+    result["verdict_plot"] = write_verdict_plot(result["findings"]["verdicts"], out_dir / "fleet_verdicts.png")
     _save(out_dir / "fleet.json", result)
     return result
 
@@ -887,11 +937,12 @@ def format_rows(res: dict) -> str:
             head = f"  {name} at load {load}" + (f" (target {v['target_pct']:g}%)" if v["target_pct"] is not None
                                                  else "")
             lines.append(f"{head}: {x['pct']:+g}% over {x['base']} [90%: {x['lo_pct']}, {x['hi_pct']}]"
-                         + (f" {x['verdict']}; the target's width needs {x['rounds_for_width']} rounds"
-                            if "verdict" in x else ""))
+                         + (f" {x['verdict']}" + (f" ({x['overruled']})" if x.get("overruled") else "")
+                            + f"; the target's width needs {x['rounds_for_width']} rounds" if "verdict" in x else ""))
     lines.append("findings: " + json.dumps(res["findings"]))
-    if res.get("plot"):
-        lines.append(f"plot: {res['plot']}")
+    for k in ("plot", "verdict_plot"):
+        if res.get(k):
+            lines.append(f"{k.replace('_', ' ')}: {res[k]}")
     return "\n".join(lines)
 
 

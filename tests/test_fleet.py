@@ -191,6 +191,13 @@ def test_findings_carry_the_verdicts_against_the_best_static_and_for_the_racer_r
     assert v["racer_router_over_least_load"]["by_load"]["0.5"]["verdict"] == "not met"  # 50% worse
     aa = v["aa_over_original"]["by_load"]["0.5"]
     assert aa["lo_pct"] <= 0.0 <= aa["hi_pct"] and "verdict" not in aa
+    # an A/A copy far from its original fails the noise model's check: no verdict at that load stands
+    bad = [dict(r, p99_ms=r["p99_ms"] * 3.0) if r["config"] == "0.5/least_load#2" else r for r in runs]
+    v = findings(aggregate(bad, cfgs, [0.5]), cfgs, [0.5], bad)["verdicts"]
+    assert v["aa_over_original"]["by_load"]["0.5"]["lo_pct"] > 0.0
+    for name, was in (("racer_over_best_static", "met"), ("racer_router_over_least_load", "not met")):
+        assert v[name]["by_load"]["0.5"]["verdict"] == "undecided"
+        assert v[name]["by_load"]["0.5"]["overruled"].startswith(f"was {was}")
 
 
 def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
@@ -372,3 +379,4 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert more["rounds"] == 2 and all(x["rounds"] == 2 for x in more["configs"])
     v = more["findings"]["verdicts"]["racer_over_best_static"]["by_load"]["0.5"]
     assert v["rounds"] == 2 and v["lo_pct"] <= v["pct"] <= v["hi_pct"]
+    assert more["verdict_plot"] == str(out / "fleet_verdicts.png") and (out / "fleet_verdicts.png").stat().st_size > 0
