@@ -521,7 +521,7 @@ TARGETS_PCT = {"racer_over_best_static": 5.0, "racer_router_over_least_load": 2.
 #: one-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's)
 _T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
         1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
-MAX_ROUNDS_TO_DECIDE = 10_000
+MAX_ROUNDS_FOR_WIDTH = 10_000
 
 
 def _t95(df: int) -> float:
@@ -579,7 +579,7 @@ def block_interval(runs, load: float, key: str, base: str, target_pct: float | N
     need = None
     if sd is not None:  # the same noise, more rounds (the pooled degrees of freedom grow with them)
         per = df // max(1, rounds - 1)  # configurations - 1
-        need = 2 if sd == 0.0 else next((m for m in range(2, MAX_ROUNDS_TO_DECIDE + 1)
+        need = 2 if sd == 0.0 else next((m for m in range(2, MAX_ROUNDS_FOR_WIDTH + 1)
                                           if _t95(per * (m - 1)) * sd * math.sqrt(2.0 / m) <= goal), None)
     out["rounds_for_width"] = need
     return out
