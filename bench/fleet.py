@@ -82,6 +82,11 @@ CAPACITY_KEY = "0.5/least_load"  # the capacity rule's configuration
 SCHEDULE = "steady:30,trend:30,burst:15,steady:30"
 SLO_MS = 100.0
 QUICK_SCHEDULE = "steady:4,trend:4,burst:3,steady:4"
+#: local agents' nice: on a machine they share with the gateway and the load generator, equal
+#: priority lets a burst starve the gateway (the backlog then waits outside it, in no node's
+#: queue); below theirs, the backlog builds at the nodes, as on a fleet whose gateway has its own
+#: cores (docs/fleet.md)
+AGENT_NICE = 10
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -759,8 +764,9 @@ def run_fleet(args) -> dict:
     settings = {"trace": trace.name, "schedule": schedule, "configs": [c.key for c in configs], "loads": loads,
                 "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed, "sizing": asdict(sizing),
                 "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
-    if args.agent_nice:  # (absent at 0, so folders saved before the option resume)
-        settings["agent_nice"] = args.agent_nice
+    agent_nice = 0 if args.nodes else (AGENT_NICE if args.agent_nice is None else args.agent_nice)
+    if agent_nice:  # (absent at 0: folders saved before the option resume with --agent-nice 0)
+        settings["agent_nice"] = agent_nice
     prev = _load(out_dir / "settings.json")
     if prev is not None and {**prev, "rounds": rounds} != settings:  # more rounds: the saved ones stay
         raise SystemExit(f"{out_dir} holds a bench with other settings ({out_dir / 'settings.json'}); "
@@ -772,7 +778,7 @@ def run_fleet(args) -> dict:
         num_nodes = len(fleet.node_urls)
     else:
         fleet = LocalFleet(work, args.num_nodes, args.trace, args.path, trace.num_items, sizing, args.policy,
-                           args.slo_ms, agent_nice=args.agent_nice)
+                           args.slo_ms, agent_nice=agent_nice)
         num_nodes = args.num_nodes
     say = (lambda m: print(f"bench fleet: {m}", file=sys.stderr, flush=True)) if args.progress else (lambda m: None)
     cap_cfg = next(c for c in parse_configs(CAPACITY_KEY))
@@ -825,7 +831,7 @@ def run_fleet(args) -> dict:
               "num_nodes": num_nodes, "external_fleet": bool(args.nodes), "schedule": schedule, "rounds": rounds,
               "trace": trace.name, "slo_ms": args.slo_ms,
               "sizing": sizing.describe(trace.num_items, hist, users / max(1, num_nodes)),
-              "cpu_count": os.cpu_count(), "out": str(out_dir)}
+              "cpu_count": os.cpu_count(), "agent_nice": agent_nice, "out": str(out_dir)}
     png = write_plot(rows, loads, out_dir / "fleet_p99.png")
     result["plot"] = png
     result["verdict_plot"] = write_verdict_plot(result["findings"]["verdicts"], out_dir / "fleet_verdicts.png")
@@ -848,9 +854,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SPLIT/ROUTER,... (SPLIT an emb_share or racer; SPLIT/ROUTER#N, N in 2..9: an A/A copy "
                         "of SPLIT/ROUTER, the bench's own noise)")
     p.add_argument("--loads", default="0.5,0.75,0.95", help="fractions of the steady capacity (default 0.5,0.75,0.95)")
-    p.add_argument("--agent-nice", type=int, default=0, choices=range(0, 20), metavar="N",
-                   help="local agents' CPU priority, nice 0-19 (default 0): where agents share cores with the "
-                        "gateway and the load generator, a higher one keeps a burst's backlog at the nodes")
+    p.add_argument("--agent-nice", type=int, default=None, choices=range(0, 20), metavar="N",
+                   help=f"local agents' CPU priority, nice 0-19 (default {AGENT_NICE}): below the gateway's and "
+                        f"the load generator's, as if those had cores of their own, so a burst's backlog builds "
+                        f"at the nodes; 0: the same priority")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds, a new order each (default 3); more on a saved --out runs only the new ones")
     p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
@@ -892,7 +899,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--slo-ms must be a positive number")
     if not args.nodes and not Path(args.policy).is_dir():
         p.error(f"--policy {args.policy}: not a policy directory")
-    if args.nodes and args.agent_nice:
+    if args.nodes and args.agent_nice is not None:
         p.error("--agent-nice sets the priority of agents this bench starts, not of --nodes")
 
 

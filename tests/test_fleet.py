@@ -314,7 +314,7 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
                         (["--rounds", "0"], "--rounds"), (["--schedule", "steady,burst"], "REGIME:SECONDS"),
                         (["--policy", str(tmp_path / "none")], "not a policy directory"),
                         (["--agent-nice", "20"], "--agent-nice"),
-                        (["--nodes", "http://127.0.0.1:9", "--agent-nice", "5"], "not of --nodes")]:
+                        (["--nodes", "http://127.0.0.1:9", "--agent-nice", "0"], "not of --nodes")]:
         p = subprocess.run([sys.executable, "-m", "racer", "bench", "fleet", *argv], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and words in p.stderr, (argv, p.stderr[-500:])
@@ -360,6 +360,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert {v["by_load"]["0.5"]["verdict"] for k, v in f["verdicts"].items() if k != "aa_over_original"} == {
         "undecided"}
     assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
+    assert res["agent_nice"] == 10  # the agents below the gateway's and the load generator's priority
     assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 5
     # a second run of the same bench takes every run from disk: the same figures, nothing restarted
     q = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
