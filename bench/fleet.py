@@ -517,7 +517,7 @@ def paired_pct(runs: list[dict], key: str, base: str, load: float, figure: str =
     rounds that ran both at ``load`` of their ratio (a round runs them minutes apart, so the
     machine's slow drifts cancel), as a percentage; None without such a round."""
     logs = _paired_logs(runs, key, base, load, figure)
-    return round(100.0 * (math.exp(sum(logs) / len(logs)) - 1.0), 2) if logs else None
+    return _pct(sum(logs) / len(logs)) if logs else None
 
 
 #: the targets the verdicts judge, % of P99 (RACER over the best static configuration; the racer
@@ -627,14 +627,14 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
         if aa is not None:  # the same configuration again: how far the bench's noise alone moves a figure
             aa_p99 = _median_p99(rows, aa.key, load)
             out["aa_over_original_pct"][k] = _pct_over(aa_p99, _median_p99(rows, aa.base_key, load))
-            out["aa_over_original_paired_pct"][k] = paired_pct(list(runs), aa.key, aa.base_key, load)
+            out["aa_over_original_paired_pct"][k] = paired_pct(runs, aa.key, aa.base_key, load)
             out["aa_over_best_static_pct"][k] = _pct_over(aa_p99, best[0] if best else None)
         out["racer_over_default_pct"][k] = _pct_over(racer, _median_p99(rows, DEFAULT_KEY, load))
         for name, figure in (("racer_router_over_least_load", "p99_ms"),
                              ("racer_router_over_least_load_node", "node_p99_ms")):
             out[f"{name}_pct"][k] = _pct_over(_median_p99(rows, "0.5/racer", load, figure),
                                               _median_p99(rows, "0.5/least_load", load, figure))
-            out[f"{name}_paired_pct"][k] = paired_pct(list(runs), "0.5/racer", "0.5/least_load", load, figure)
+            out[f"{name}_paired_pct"][k] = paired_pct(runs, "0.5/racer", "0.5/least_load", load, figure)
         by = verdicts["racer_over_best_static"]["by_load"]
         by[k] = block_interval(runs, load, RACER_KEY, best[1], TARGETS_PCT["racer_over_best_static"]) \
             if best else None
@@ -654,14 +654,22 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
     return out
 
 
-def write_plot(rows: list[dict], loads: list[float], path: Path) -> str | None:
-    """P99 per phase per configuration (median, range as error bars), one panel per load."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_plot(rows: list[dict], loads: list[float], path: Path) -> str | None:
+    """P99 per phase per configuration (median, range as error bars), one panel per load."""
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.5), squeeze=False, sharey=True)
     for ax, load in zip(axes[0], loads):
@@ -695,12 +703,8 @@ def write_verdict_plot(verdicts: dict, path: Path) -> str | None:
             for load, x in v["by_load"].items() if x is not None and x.get("lo_pct") is not None]
     if not rows:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     colours = {"met": "tab:green", "not met": "tab:red", "undecided": "tab:grey", None: "tab:blue"}
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
