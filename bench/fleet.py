@@ -221,6 +221,59 @@ class Sizing:
                 "paper_scale": {"arena_over_table": 0.014, "arena_over_mean_user_kv": 500}}
 
 
+@dataclass(frozen=True)
+class Emulation:
+    """Emulated agents (``--emulate PROFILE --time-scale K``, `node_agent.emulated`): the device's
+    time charged from ``profile`` under the paper-scale scale model (`simulator.profiles.PaperScale`
+    at ``paper_scale``: the K/V bytes per token, page and link shrunk by one factor, rows and every
+    time cost kept), exactly as the simulator's nodes; each modelled second takes ``time_scale``
+    wall seconds. The arena is ``arena_table`` of the table's bytes in the profile's row bytes."""
+
+    profile: str
+    time_scale: float
+    paper_scale: float = 1 / 192
+
+    def device_profile(self):
+        from simulator.profiles import PaperScale, get_profile
+
+        return PaperScale(scale=self.paper_scale).profile(get_profile(self.profile))
+
+    def write_profile(self, workdir: Path) -> Path:
+        out = workdir / "emulated_profile.json"
+        out.write_text(json.dumps(self.device_profile().to_json(), indent=1) + "\n")
+        return out
+
+    def num_pages(self, num_items: int, arena_table: float) -> int:
+        prof = self.device_profile()
+        return max(16, int(round(arena_table * num_items * prof.emb_row_bytes / prof.page_bytes)))
+
+    def agent_args(self, profile_path: Path, sizing: Sizing, num_items: int) -> list[str]:
+        prof = self.device_profile()
+        return ["--emulate", str(profile_path), "--time-scale", format(self.time_scale, "g"),
+                "--page-tokens", str(prof.page_tokens), "--num-pages", str(self.num_pages(num_items, sizing.arena_table)),
+                "--max-history-len", str(sizing.max_history_len), "--num-candidates", str(sizing.num_candidates),
+                "--max-candidates", str(max(256, sizing.num_candidates))]
+
+    def describe(self, num_items: int, sizing: Sizing, mean_history_len: float, users_per_node: float) -> dict:
+        prof = self.device_profile()
+        pages = self.num_pages(num_items, sizing.arena_table)
+        arena, table = pages * prof.page_bytes, num_items * prof.emb_row_bytes
+        user_kv = mean_history_len * prof.kv_bytes_per_token
+        return {"arena_bytes": arena, "table_bytes": table, "arena_over_table": round(arena / table, 5),
+                "mean_user_kv_bytes": round(user_kv, 1),
+                "arena_over_mean_user_kv": round(arena / user_kv, 1) if user_kv else None,
+                "users_per_node": round(users_per_node, 1), "page_bytes": prof.page_bytes, "num_pages": pages,
+                "kv_bytes_per_token": prof.kv_bytes_per_token, "row_bytes": prof.emb_row_bytes,
+                "paper_scale": {"arena_over_table": 0.014, "arena_over_mean_user_kv": 500}}
+
+    def device(self) -> dict:
+        prof = self.device_profile()
+        return {"mode": "emulated", "profile": prof.name, "calibrated": bool(prof.calibrated), "time": "modelled",
+                "time_scale": self.time_scale,
+                "note": "every latency, rate and capacity here is in modelled time from the profile's cost model; "
+                        "the caches, allocator, router, gateway and HTTP are real"}
+
+
 # -------------------------------------------------------------------------------------- fleets
 
 
@@ -242,11 +295,18 @@ class LocalFleet:
     external = False
 
     def __init__(self, workdir: Path, num_nodes: int, trace_kind: str, path: str | None, num_items: int,
-                 sizing: Sizing, policy: str, slo_ms: float, agent_nice: int = 0) -> None:
+                 sizing: Sizing, policy: str, slo_ms: float, agent_nice: int = 0,
+                 emulation: Emulation | None = None) -> None:
         self.workdir, self.num_nodes, self.trace_kind, self.path = workdir, num_nodes, trace_kind, path
         self.num_items, self.sizing, self.policy, self.slo_ms = num_items, sizing, policy, slo_ms
         self.agent_nice = agent_nice
-        self.profile = _measure_profile(workdir, sizing)
+        self.emulation = emulation
+        if emulation is None:
+            self.profile = _measure_profile(workdir, sizing)
+            self.device_args = [*sizing.agent_args(num_items), "--profile", str(self.profile)]
+        else:  # the emulated device's miss costs are its profile's: nothing to measure
+            self.profile = emulation.write_profile(workdir)
+            self.device_args = emulation.agent_args(self.profile, sizing, num_items)
         self.agents: list = []  # bench.gateway.Proc
         self.gateway = None
 
@@ -259,9 +319,8 @@ class LocalFleet:
         split = (["--emb-share", "0.5", "--policy", self.policy] if cfg.split is None
                  else ["--emb-share", format(cfg.split, "g")])
         for i in range(self.num_nodes):
-            args = ["node-agent", *trace, *self.sizing.agent_args(self.num_items), *split,
-                    "--profile", str(self.profile), "--slo-ms", format(self.slo_ms, "g"), "--seed", "1",
-                    "--control-interval-s", "1"]
+            args = ["node-agent", *trace, *self.device_args, *split, "--slo-ms", format(self.slo_ms, "g"),
+                    "--seed", "1", "--control-interval-s", "1"]
             self.agents.append(Proc(args, self.workdir / f"agent{i}.log", free_port(), nice=self.agent_nice).start())
         for a in self.agents:
             a.wait_ready()
@@ -323,9 +382,9 @@ class ShareSampler(threading.Thread):
     """Every ``every_s``: the agents' mean ``emb_share`` (``GET /v1/metrics``) at
     ``time.monotonic()`` (the replay's clock)."""
 
-    def __init__(self, urls: list[str], every_s: float = 0.5) -> None:
+    def __init__(self, urls: list[str], every_s: float = 0.5, clock=time.monotonic) -> None:
         super().__init__(daemon=True)
-        self.urls, self.every_s = urls, every_s
+        self.urls, self.every_s, self.clock = urls, every_s, clock
         self.samples: list[tuple[float, float]] = []  # (monotonic s, mean emb_share over the agents that answered)
         self.halt = threading.Event()
 
@@ -343,7 +402,7 @@ class ShareSampler(threading.Thread):
                     if isinstance(v, (int, float)) and math.isfinite(v):
                         shares.append(float(v))
                 if shares:
-                    self.samples.append((time.monotonic(), float(np.mean(shares))))
+                    self.samples.append((self.clock(), float(np.mean(shares))))
                 self.halt.wait(self.every_s)
 
     def mean(self, a: float = -math.inf, b: float = math.inf) -> float | None:
@@ -355,12 +414,13 @@ class ShareSampler(threading.Thread):
 
 
 def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizing: Sizing,
-                  num_users: int | None = None):
+                  num_users: int | None = None, time_scale: float = 1.0):
     from workloads.replay import ReplayConfig, parse_phases
 
     regimes, phase_s = parse_phases(schedule)
     return ReplayConfig(schedule=regimes, phase_s=phase_s, rate_rps=float(rate_rps), duration_s=float(sum(phase_s)),
-                        seed=seed, num_users=num_users, slo_ms=slo_ms, timeout_s=10.0,
+                        seed=seed, num_users=num_users, slo_ms=slo_ms, timeout_s=10.0 * time_scale,
+                        time_scale=time_scale,
                         num_candidates=sizing.num_candidates, max_history_len=sizing.max_history_len,
                         max_new_items=min(32, sizing.max_history_len // 4))
 
@@ -383,23 +443,26 @@ def _cpu_ms_per_request(procs, served: int) -> float | None:
 
 
 def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, seed: int, slo_ms: float,
-             sizing: Sizing, num_users: int | None = None) -> dict:
+             sizing: Sizing, num_users: int | None = None, time_scale: float = 1.0) -> dict:
     """One run of ``cfg`` at ``rate_rps``: restart, replay the schedule through the gateway, stop.
-    With local processes it also says their CPU ms per served request (gateway, agents)."""
+    With local processes it also says their CPU ms per served request (gateway, agents). With
+    emulated agents (``time_scale`` K) the schedule is sent K times slower and every figure is
+    read in modelled time."""
     import asyncio
 
-    from workloads.replay import ReplayStats, build_plan, run_replay
+    from workloads.replay import ReplayStats, build_plan, modelled_clock, run_replay
 
-    rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing, num_users)
+    rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing, num_users, time_scale)
+    clock = time.monotonic if time_scale == 1.0 else modelled_clock(time_scale)
     url = fleet.start(cfg)
     try:
-        stats = ReplayStats(slo_ms)
-        sampler = ShareSampler(fleet.node_urls)
+        stats = ReplayStats(slo_ms, clock=clock)
+        sampler = ShareSampler(fleet.node_urls, clock=clock)
         sampler.start()
         pids = fleet.pids()
         before = {k: [(p, cpu_s(p)) for p in v] for k, v in pids.items()}
         try:
-            asyncio.run(run_replay([url], trace, rc, stats))
+            asyncio.run(run_replay([url], trace, rc, stats, clock=clock))
         finally:
             sampler.halt.set()
             sampler.join(5)
@@ -759,6 +822,8 @@ def run_fleet(args) -> dict:
     schedule = args.schedule or (QUICK_SCHEDULE if args.quick else SCHEDULE)
     rounds = args.rounds
     sizing = Sizing(arena_table=args.arena_table)
+    emulation = Emulation(args.emulate, args.time_scale) if args.emulate else None
+    k = args.time_scale if emulation is not None else 1.0
     trace = load_trace(args.trace, args.path)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="racer-bench-fleet-"))
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
@@ -768,6 +833,8 @@ def run_fleet(args) -> dict:
     settings = {"trace": trace.name, "schedule": schedule, "configs": [c.key for c in configs], "loads": loads,
                 "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed, "sizing": asdict(sizing),
                 "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
+    if emulation is not None:  # (absent without it: folders saved before the option resume)
+        settings["emulation"] = asdict(emulation)
     agent_nice = 0 if args.nodes else (AGENT_NICE if args.agent_nice is None else args.agent_nice)
     if agent_nice:  # (absent at 0: folders saved before the option resume with --agent-nice 0)
         settings["agent_nice"] = agent_nice
@@ -782,7 +849,7 @@ def run_fleet(args) -> dict:
         num_nodes = len(fleet.node_urls)
     else:
         fleet = LocalFleet(work, args.num_nodes, args.trace, args.path, trace.num_items, sizing, args.policy,
-                           args.slo_ms, agent_nice=agent_nice)
+                           args.slo_ms, agent_nice=agent_nice, emulation=emulation)
         num_nodes = args.num_nodes
     say = (lambda m: print(f"bench fleet: {m}", file=sys.stderr, flush=True)) if args.progress else (lambda m: None)
     cap_cfg = next(c for c in parse_configs(CAPACITY_KEY))
@@ -790,7 +857,8 @@ def run_fleet(args) -> dict:
         cap = _load(out_dir / "capacity.json")
         if cap is None:
             def run_at(rate):
-                return run_once(fleet, cap_cfg, trace, f"steady:{steady_s:g}", rate, args.seed, args.slo_ms, sizing)
+                return run_once(fleet, cap_cfg, trace, f"steady:{steady_s:g}", rate, args.seed, args.slo_ms, sizing,
+                                time_scale=k)
 
             say(f"capacity: steady {steady_s:g} s at static 0.5 + least_load, P99 within {args.slo_ms:g} ms")
             capacity, probes = find_capacity(
@@ -816,7 +884,7 @@ def run_fleet(args) -> dict:
                     r = _load(f)
                     if r is None:
                         r = run_once(fleet, cfg, trace, schedule, round(load * capacity, 2), args.seed, args.slo_ms,
-                                     sizing)
+                                     sizing, time_scale=k)
                         r.update(round=rnd, load=load)
                         _save(f, r)
                     runs.append(r)
@@ -834,7 +902,10 @@ def run_fleet(args) -> dict:
               "configs": rows, "findings": findings(rows, configs, loads, runs),
               "num_nodes": num_nodes, "external_fleet": bool(args.nodes), "schedule": schedule, "rounds": rounds,
               "trace": trace.name, "slo_ms": args.slo_ms,
-              "sizing": sizing.describe(trace.num_items, hist, users / max(1, num_nodes)),
+              "sizing": (sizing.describe(trace.num_items, hist, users / max(1, num_nodes)) if emulation is None else
+                         emulation.describe(trace.num_items, sizing, hist, users / max(1, num_nodes))),
+              "device": (emulation.device() if emulation is not None else
+                         {"mode": "external" if args.nodes else "cpu-compute", "time": "measured"}),
               "cpu_count": os.cpu_count(), "agent_nice": agent_nice, "out": str(out_dir)}
     png = write_plot(rows, loads, out_dir / "fleet_p99.png")
     result["plot"] = png
@@ -878,6 +949,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-start", type=float, default=20.0, help="first rate of the capacity search (req/s)")
     p.add_argument("--capacity-iters", type=int, default=3, help="bisections of the capacity search (default 3)")
     p.add_argument("--capacity-s", type=float, default=None, help="seconds of each capacity probe (default 20, quick 8)")
+    p.add_argument("--emulate", default=None, metavar="PROFILE",
+                   help="emulated agents (racer node-agent --emulate): the device's time charged from PROFILE (a100-hstu "
+                        "or a profile JSON) under the paper-scale scale model; every figure is in modelled time")
+    p.add_argument("--time-scale", type=float, default=10.0, metavar="K",
+                   help="with --emulate: wall seconds per modelled second (default 10)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -903,6 +979,17 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--slo-ms must be a positive number")
     if not args.nodes and not Path(args.policy).is_dir():
         p.error(f"--policy {args.policy}: not a policy directory")
+    if args.emulate and args.nodes:
+        p.error("--emulate starts emulated agents here; --nodes points at agents someone else runs")
+    if not (math.isfinite(args.time_scale) and args.time_scale >= 1e-3):
+        p.error("--time-scale must be a finite number >= 0.001")
+    if args.emulate:
+        from common.device_model import get_profile
+
+        try:
+            get_profile(args.emulate)
+        except (ValueError, OSError, TypeError) as e:
+            p.error(f"--emulate: {e}")
     if args.nodes and args.agent_nice is not None:
         p.error("--agent-nice sets the priority of agents this bench starts, not of --nodes")
 
@@ -926,7 +1013,10 @@ def cmd_fleet(args) -> int:
 
 
 def format_rows(res: dict) -> str:
-    lines = [f"capacity {res['capacity_rps']:g} req/s ({res['num_nodes']} nodes, static 0.5 + least_load, "
+    dev = res.get("device") or {}
+    lines = [f"EMULATED devices ({dev['profile']}, {'calibrated' if dev['calibrated'] else 'uncalibrated'}): "
+             f"every figure in modelled time (x{dev['time_scale']:g} wall)"] if dev.get("mode") == "emulated" else []
+    lines += [f"capacity {res['capacity_rps']:g} req/s ({res['num_nodes']} nodes, static 0.5 + least_load, "
              f"steady P99 within {res['slo_ms']:g} ms); {res['rounds']} rounds; medians [min-max]"]
     for r in res["configs"]:
         p = r["p99_ms"] or {}

@@ -477,7 +477,7 @@ class NodeAgent:
                 "worker_error": None if self.worker_error is None else self.worker_error.strip().splitlines()[-1],
                 "uptime_s": round(self.clock() - self.started_s, 3), "queue_depth": self.queue_depth,
                 "num_served": self.engine.num_served, "device": str(self.engine.device),
-                "link_emulated": self.engine.link.enabled}
+                "device_mode": self.engine.device_info(), "link_emulated": self.engine.link.enabled}
 
     def metrics_snapshot(self) -> dict:
         now = self.clock()
@@ -491,6 +491,7 @@ class NodeAgent:
             "memory": mem,
             "emb_share": mem["emb_share"],
             "target_emb_share": mem["target_emb_share"],
+            "device_mode": self.engine.device_info(),
             "link_emulated": self.engine.link.enabled,
             "link_emulation": self.engine.link.to_dict(),
             "engine": {"num_served": self.engine.num_served, "kv_outcomes": dict(self.engine.kv_outcomes),

@@ -143,6 +143,7 @@ def build_agent(args, *, announce=None):
     from .engine import Engine, EngineConfig
 
     _set_threads(args)
+    emulation, clock, refill = _emulation(args)
     trace = load_trace(args.trace, args.path, max_rows=args.max_rows)
     ckpt = _checkpoint(args, trace)  # refused here (CheckpointError) before anything starts
     ecfg = EngineConfig(
@@ -150,13 +151,17 @@ def build_agent(args, *, announce=None):
         item_seed=args.seed, page_tokens=args.page_tokens, kv_dtype=args.kv_dtype, emb_share=args.emb_share,
         **config_kwargs(args, ENGINE_FIELDS),
         default_num_candidates=min(args.default_num_candidates, args.max_candidates, trace.num_items),
-        link=_link_config(args), device=args.device)
+        link=_link_config(args), device="cpu" if emulation is not None else args.device, emulation=emulation,
+        **({"refill": refill} if refill is not None else {}))
     acfg = AgentConfig(**config_kwargs(args, AGENT_FIELDS))
-    engine = Engine(ecfg, item_popularity=trace.item_popularity(), checkpoint=ckpt)
+    engine = Engine(ecfg, item_popularity=trace.item_popularity(), checkpoint=ckpt,
+                    **({"clock": clock} if clock is not None else {}))
     allocator = None
     costs = None
     if args.profile:
         costs = _read_costs(args.profile)
+    elif emulation is not None:  # the emulated device's miss costs are its profile's
+        costs = emulated_costs(engine.emu.profile)
     control_plane = getattr(args, "control_plane", None)
     if args.policy or control_plane:
         # with a control plane the allocator exists even without a policy: it applies overrides and
@@ -188,7 +193,29 @@ def build_agent(args, *, announce=None):
     from .residency_feed import ResidencyFeed
 
     feed = ResidencyFeed(trace.item_shard, trace.item_popularity(), num_shards=trace.num_shards)
-    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info, residency=feed)
+    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info, residency=feed,
+                     clock=clock)
+
+
+def _emulation(args):
+    """``--emulate`` / ``--time-scale``: (EmulationConfig, ScaledClock, RefillConfig), or Nones."""
+    prof_name = getattr(args, "emulate", None)
+    if not prof_name:
+        if getattr(args, "time_scale", 1.0) != 1.0 or getattr(args, "refill_link_fraction", None) is not None:
+            raise ValueError("--time-scale and --refill-link-fraction need --emulate PROFILE")
+        return None, None, None
+    from .emulated import EmulationConfig, ScaledClock, emulated_refill
+    emu = EmulationConfig(prof_name, args.time_scale)
+    prof = emu.resolve()  # an unknown preset or a bad file is refused here
+    frac = 0.1 if args.refill_link_fraction is None else args.refill_link_fraction
+    return emu, ScaledClock(emu.time_scale), emulated_refill(prof, frac)
+
+
+def emulated_costs(profile) -> dict:
+    """The miss costs an emulated agent's allocator and router weights read: its profile's."""
+    return {"kv_recompute_us_per_token": profile.kv_recompute_us_per_token,
+            "emb_transfer_us_per_row": profile.emb_transfer_us_per_row,
+            "emb_hit_us_per_row": profile.emb_hit_us_per_row}
 
 
 def _read_costs(path: str) -> dict:
@@ -239,7 +266,7 @@ def cmd_node_agent(args) -> int:
     eng = agent.engine
 
     def ready(host: str, port: int) -> None:
-        announce(f"serving on http://{host}:{port} (device {eng.device}, link emulated: {eng.link.enabled}, "
+        announce(f"serving on http://{host}:{port} (device {eng.device_info()['label']}, "
                  f"{eng.config.num_items} items, emb_share {eng.mm.emb_share:.3f}, "
                  f"allocator: {'on' if agent.allocator is not None else 'off'})")
         mi = eng.model_info
@@ -331,4 +358,15 @@ def add_node_parser(subparsers) -> None:
     add_config_arguments(g, ReporterConfig, REPORTER_FIELDS)
     _add_model_args(ag)
     _add_link_args(ag)
+    g = ag.add_argument_group("emulated device (the agent real, the device's time charged from a cost profile; "
+                              "see docs/fleet.md)")
+    g.add_argument("--emulate", default=None, metavar="PROFILE",
+                   help="emulate a device: a preset (a100-hstu) or a racer node profile JSON; no model runs, the "
+                        "arena is metadata only, and every figure the agent gives is in modelled time and says so")
+    g.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                   help="with --emulate: wall seconds per modelled second (default 1; a small machine running "
+                        "many emulated agents needs more)")
+    g.add_argument("--refill-link-fraction", type=float, default=None, metavar="F",
+                   help="with --emulate: the background refill's byte budget as a fraction of the profile's link "
+                        "(default 0.1, the simulator's)")
     ag.set_defaults(func=cmd_node_agent)

@@ -41,6 +41,7 @@ import torch
 
 from common.config import ranged, require, validate
 
+from .emulated import EmulatedDevice, EmulationConfig
 from .memory import DEFAULT_GHOST_PROBES, KVLayout, MemoryConfig, MemoryManager, RefillConfig
 from .memory.manager import BoundaryPlan, ManagerStep
 from .model import HSTUModel, KVState, ModelConfig
@@ -143,7 +144,10 @@ class EngineConfig:
       when a request leaves them out;
     - ``link``: link emulation (`LinkEmulationConfig`); ``device``: ``auto``, ``cpu``, ``cuda[:N]``;
     - ``ghost_probes``: the caches' ghost lists (`MemoryConfig.ghost_probes`; on by default here:
-      the node agent reports the marginal utilities of memory in every control interval).
+      the node agent reports the marginal utilities of memory in every control interval);
+    - ``emulation``: an emulated device (`node_agent.emulated`): no model runs, the arena is
+      metadata only with the profile's row and K/V token sizes, and the device's time is charged
+      from the profile (``None``: the real device).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -163,6 +167,7 @@ class EngineConfig:
     link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
     device: str = "auto"
     ghost_probes: tuple[float, ...] = DEFAULT_GHOST_PROBES
+    emulation: EmulationConfig | None = None
 
     def __post_init__(self) -> None:
         m = self.model.validate()
@@ -175,6 +180,15 @@ class EngineConfig:
 
     def memory_config(self) -> MemoryConfig:
         m = self.model
+        if self.emulation is not None:  # metadata only, sized as the profile's device (as the simulator's nodes)
+            prof = self.emulation.resolve()
+            return MemoryConfig(
+                num_pages=self.num_pages, num_items=self.num_items, emb_dim=prof.emb_row_bytes // 4,
+                emb_dtype="float32",
+                kv=KVLayout(num_layers=1, num_heads=1, head_dim=prof.kv_bytes_per_token // 8,
+                            page_tokens=self.page_tokens, dtype="float32"),
+                initial_emb_share=self.emb_share, max_step_pages=self.max_step_pages, refill=self.refill,
+                ghost_probes=tuple(self.ghost_probes), payload=False, device="cpu")
         return MemoryConfig(
             num_pages=self.num_pages, num_items=self.num_items, emb_dim=m.embedding_dim, emb_dtype="float32",
             kv=KVLayout(num_layers=m.num_layers, num_heads=m.num_heads, head_dim=m.qk_dim,
@@ -207,6 +221,7 @@ class CandidateGenerator:
             if pop.shape != (num_items,) or not np.all(np.isfinite(pop)) or np.any(pop < 0):
                 raise ValueError(f"popularity must be {num_items} finite counts >= 0")
             w += pop
+        self.weights = w  # popularity + 1 per item
         self.cdf = np.cumsum(w)
         self.num_items = num_items
         self.seed = int(seed)
@@ -433,6 +448,7 @@ class RecResponse:
     batch_size: int
     finished_s: float
     batch_passes: int = 1  # passes its batch took: one more for each repeat of a user in it
+    device: dict | None = None  # `Engine.device_info`: real, link-emulated or emulated (and by which profile)
 
     def to_dict(self) -> dict:
         return {
@@ -447,6 +463,7 @@ class RecResponse:
             "link_emulated": self.link_emulated,
             "batch_size": self.batch_size,
             "batch_passes": self.batch_passes,
+            "device": self.device,
         }
 
 
@@ -487,24 +504,35 @@ class Engine:
         self.config = config
         self.clock = clock
         mc = config.model
+        emu = config.emulation
         if checkpoint is not None:  # a trained model: its weights, and its item table in the EMB cache
             _check_serves(checkpoint, config)
             if host_table is not None:
                 raise ValueError("engine: give a checkpoint or a host table, not both (the checkpoint holds the "
                                  "item table)")
             host_table = checkpoint.item_table.clone()
-        if host_table is None:
+        if emu is not None:
+            host_table = None  # metadata only: no rows to hold
+        elif host_table is None:
             host_table = make_item_table(config.num_items, mc.embedding_dim, config.item_seed)
         self.mm = MemoryManager(config.memory_config(), host_table, now_s=clock() if now_s is None else now_s)
         self.device = self.mm.arena.device
-        if checkpoint is not None:
+        self.emu: EmulatedDevice | None = None
+        if emu is not None:  # no model: the device's time is charged from the profile
+            waiter = getattr(clock, "wait_until", None) or (lambda t: wait_until(clock, t))
+            self.emu = EmulatedDevice(emu.resolve(), emu.time_scale, wait_until=waiter)
+            self.model = None
+        elif checkpoint is not None:
             self.model = HSTUModel(mc)
             self.model.load_state_dict(checkpoint.model.state_dict())
             self.model = self.model.to(self.device)
         else:
             self.model = HSTUModel(mc).to(self.device)
         self.model_info = _model_info(checkpoint, config)
-        self.link = config.link.resolve(self.device)
+        # an emulated device charges its own link (EmulatedDevice); the CPU's link emulation is off
+        self.link = (LinkEmulationConfig(mode="off") if emu is not None else config.link).resolve(self.device)
+        if emu is not None:
+            self.link = replace(self.link, reason="emulated device: the profile's link is charged instead")
         self.candidates = CandidateGenerator(item_popularity, config.num_items, config.item_seed)
         self._seqs: dict[int, _UserSeq] = {}
         self._prune_at = 1024
@@ -516,6 +544,7 @@ class Engine:
         self.kv_outcomes = {k: 0 for k in KV_OUTCOMES}
         self.num_uncacheable = 0
         self.link_us_total = 0.0
+        self._device_info: dict | None = None
 
     # ------------------------------------------------------------------------- validation ---
     def validate(self, req: RecRequest) -> _Prepared:
@@ -592,7 +621,8 @@ class Engine:
             for i in pending:
                 (rest if preps[i].user in seen else group).append(i)
                 seen.add(preps[i].user)
-            for i, resp in zip(group, self._serve_group([preps[i] for i in group], t0, len(preps))):
+            serve = self._serve_group if self.emu is None else self._serve_group_emulated
+            for i, resp in zip(group, serve([preps[i] for i in group], t0, len(preps), passes == 1)):
                 out[i] = resp
             pending = rest
         self._prune_seqs()
@@ -604,7 +634,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _serve_group(self, preps: list[_Prepared], t_batch: float, batch_size: int) -> list[RecResponse]:
+    def _serve_group(self, preps: list[_Prepared], t_batch: float, batch_size: int,
+                     first_pass: bool = True) -> list[RecResponse]:
         clock, mm, dev = self.clock, self.mm, self.device
         # 1. KV plan and reads (a copy of the reused K/V, so later appends may evict freely)
         plans: list[KVReuse] = []
@@ -613,14 +644,7 @@ class Engine:
         cands: list[np.ndarray] = []
         for p in preps:
             t = clock()
-            pool_tokens = mm.kv.lookup(p.user)
-            seq = self._seqs.get(p.user)
-            ci, ct = seq.view() if seq is not None else (None, None)
-            plan = plan_kv_reuse(pool_tokens, ci, ct, p.items, p.ts)
-            if plan.outcome == "mismatch":
-                mm.kv.evict(p.user)
-            if plan.outcome != "hit":
-                self._seqs.pop(p.user, None)
+            plan = self._plan_kv(p)
             past = None
             if plan.reuse_tokens:
                 ks, vs = mm.kv.read_layers(p.user, plan.reuse_tokens)
@@ -700,8 +724,111 @@ class Engine:
                 num_candidates=len(c), num_history=p.num_history, kv=plan, kv_hit_tokens=kv_hit,
                 recomputed_tokens=p.num_history - kv_hit, prefill_tokens=n_new, kv_cached_after=cached_after,
                 emb_rows=sizes[j], emb_hits=int(hits_per_req[j]), emb_batch_miss_bytes=lk.bytes_transferred,
-                latency=lat, link_emulated=self.link.enabled, batch_size=batch_size, finished_s=t_end))
+                latency=lat, link_emulated=self.link.enabled, batch_size=batch_size, finished_s=t_end,
+                device=self.device_info()))
         return out
+
+    def _plan_kv(self, p: _Prepared) -> KVReuse:
+        """The request's KV plan from the pool and the engine's record (evicts on a mismatch)."""
+        mm = self.mm
+        pool_tokens = mm.kv.lookup(p.user)
+        seq = self._seqs.get(p.user)
+        ci, ct = seq.view() if seq is not None else (None, None)
+        plan = plan_kv_reuse(pool_tokens, ci, ct, p.items, p.ts)
+        if plan.outcome == "mismatch":
+            mm.kv.evict(p.user)
+        if plan.outcome != "hit":
+            self._seqs.pop(p.user, None)
+        return plan
+
+    def _serve_group_emulated(self, preps: list[_Prepared], t_batch: float, batch_size: int,
+                              first_pass: bool = True) -> list[RecResponse]:
+        """One pass on an emulated device: the same KV plan, EMB lookup and page bookkeeping as
+        `_serve_group`, no model; the pass's time is charged from the profile (module doc of
+        `node_agent.emulated`) and waited out on the engine's clock. The pass starts when it is
+        called, so the bookkeeping's own CPU time counts inside the modelled duration."""
+        clock, mm, emu = self.clock, self.mm, self.emu
+        assert emu is not None
+        t_start = clock()
+        plans = [self._plan_kv(p) for p in preps]
+        cands = [p.candidates if p.candidates is not None
+                 else self.candidates.sample(p.user, len(p.items), p.num_candidates) for p in preps]
+        parts, sizes = [], []
+        for p, plan, c in zip(preps, plans, cands):
+            parts += [p.items[plan.reuse_tokens:], c]
+            sizes.append(len(p.items) - plan.reuse_tokens + len(c))
+        ids = torch.from_numpy(np.concatenate(parts))
+        hit = (mm.emb.item_to_slot.index_select(0, ids) != mm.emb.miss_slot).to(torch.int64)
+        bounds = np.cumsum([0] + sizes)
+        cs = torch.cat([hit.new_zeros(1), hit.cumsum(0)]).numpy()
+        hits_per_req = (cs[bounds[1:]] - cs[bounds[:-1]]).tolist()
+        lk = mm.emb.lookup(ids)
+        prof = emu.profile
+        nh = [p.num_history for p in preps]
+        nn = [len(p.items) - p.num_history for p in preps]
+        comp = emu.compute_us([pl.reuse_tokens for pl in plans], nh, nn, [len(c) for c in cands])
+        rank = np.array([len(c) * (prof.cand_us + prof.attn_us_per_ctx * len(p.items)) for p, c in zip(preps, cands)])
+        fixed_us, comp_us = emu.pass_us(comp, batch_size if first_pass else 0)
+        t_copy = t_start + (fixed_us + lk.num_hits * prof.emb_hit_us_per_row) * 1e-6
+        c0, c1 = emu.demand_copy(t_copy, lk.num_unique_misses)
+        t_end = c1 + comp_us * 1e-6
+        emu.wait_until(t_end)
+        emu.busy_us += (t_end - t_start) * 1e6
+        emb_us = (c1 - t_start) * 1e6
+        link_us = (c1 - t_copy) * 1e6
+        pop = self.candidates.weights
+        out: list[RecResponse] = []
+        for j, (p, plan, c) in enumerate(zip(preps, plans, cands)):
+            cached_after = self._record_kv(p, plan)
+            w = pop[c]
+            top = np.argsort(-w, kind="stable")[: p.top_k]
+            arrival = p.req.arrival_s if p.req.arrival_s is not None else t_batch
+            kv_hit = min(plan.reuse_tokens, p.num_history)
+            own = float(comp[j])
+            lat = LatencyBreakdown(
+                queue_us=max(0.0, (t_batch - arrival) * 1e6), emb_lookup_us=emb_us, link_us=link_us,
+                batch_wait_us=max(0.0, (t_end - t_start) * 1e6 - emb_us - own), kv_read_us=0.0,
+                prefill_us=own - float(rank[j]), kv_write_us=0.0, rank_us=float(rank[j]), compute_us=own,
+                total_us=(t_end - arrival) * 1e6)
+            self.num_served += 1
+            self.kv_outcomes[plan.outcome] += 1
+            out.append(RecResponse(
+                user_id=p.user, items=[int(i) for i in c[top]], scores=[float(x) for x in w[top]],
+                num_candidates=len(c), num_history=p.num_history, kv=plan, kv_hit_tokens=kv_hit,
+                recomputed_tokens=p.num_history - kv_hit, prefill_tokens=len(p.items) - plan.reuse_tokens,
+                kv_cached_after=cached_after, emb_rows=sizes[j], emb_hits=int(hits_per_req[j]),
+                emb_batch_miss_bytes=lk.bytes_transferred, latency=lat, link_emulated=False,
+                batch_size=batch_size, finished_s=t_end, device=self.device_info()))
+        return out
+
+    def _record_kv(self, p: _Prepared, plan: KVReuse) -> int:
+        """`_write_kv` without the K/V payload (an emulated device's pages hold no tensors): the
+        pages appended and the record of the cached tokens, exactly as `_write_kv` keeps them."""
+        mm = self.mm
+        n = len(p.items)
+        if n == 0:
+            return 0
+        have = mm.kv.num_tokens(p.user)
+        if plan.reuse_tokens == n and have == n:
+            return n
+        if have == plan.reuse_tokens:
+            start = have
+        else:
+            if have:
+                mm.kv.evict(p.user)
+            self._seqs.pop(p.user, None)
+            start = 0
+        if mm.kv.append(p.user, n - start) is None:
+            self._seqs.pop(p.user, None)
+            self.num_uncacheable += 1
+            return 0
+        seq = self._seqs.get(p.user)
+        if seq is None or start == 0:
+            seq = _UserSeq()
+            self._seqs[p.user] = seq
+            start = 0
+        seq.set(p.items, p.ts, start)
+        return n
 
     def _write_kv(self, p: _Prepared, plan: KVReuse, new_kv: KVState | None, full: KVState) -> int:
         """Append the request's new tokens to the user's pages; returns the tokens cached after."""
@@ -753,6 +880,15 @@ class Engine:
         raised and nothing changes: the engine keeps serving its current model. On success the
         host item table is replaced, the cached EMB rows are rewritten from it, and every user's
         K/V is dropped (they were computed by the old weights). Returns the new `model_info`."""
+        if self.emu is not None:  # an emulated device holds no weights: the model's name, its users' K/V dropped
+            if checkpoint.num_items != self.config.num_items:
+                raise CheckpointError(f"checkpoint {checkpoint.path}: trained on {checkpoint.num_items} items, this "
+                                      f"node serves {self.config.num_items}")
+            for u in list(self.mm.kv.users_lru()):
+                self.mm.kv.evict(u)
+            self._seqs.clear()
+            self.model_info = _model_info(checkpoint, self.config)
+            return self.model_info
         _check_serves(checkpoint, self.config)
         model = HSTUModel(self.config.model)
         model.load_state_dict(checkpoint.model.state_dict())
@@ -777,8 +913,26 @@ class Engine:
 
     # ------------------------------------------------------------------------ maintenance ---
     def maintenance(self, now_s: float) -> ManagerStep:
-        """Between batches: one bounded boundary step and one throttled refill chunk."""
-        return self.mm.step(now_s)
+        """Between batches: one bounded boundary step and one throttled refill chunk (on an
+        emulated device the chunk books the host link, where demand copies wait behind it)."""
+        step = self.mm.step(now_s)
+        if self.emu is not None and step.refill_rows:
+            self.emu.refill_copy(now_s, step.refill_rows)
+        return step
+
+    def device_info(self) -> dict:
+        """What this engine's figures are: ``mode`` ``real`` (the device computes and copies),
+        ``link-emulated`` (the device computes, EMB misses wait out a link model) or ``emulated``
+        (nothing computed: the profile's time, in modelled seconds), with a ``label`` to show."""
+        if self._device_info is None:
+            if self.emu is not None:
+                self._device_info = self.emu.info.to_dict()
+            elif self.link.enabled:
+                self._device_info = {"mode": "link-emulated", "time": "measured",
+                                     "label": f"{self.device} (EMB link emulated)"}
+            else:
+                self._device_info = {"mode": "real", "time": "measured", "label": str(self.device)}
+        return self._device_info
 
     def set_emb_share(self, emb_share: float, now_s: float) -> BoundaryPlan:
         """Plan a new split; ``maintenance`` applies it step by step."""
@@ -816,4 +970,6 @@ class Engine:
             "max_candidates": c.max_candidates,
             "link_emulation": self.link.to_dict(),
             "torch_threads": torch.get_num_threads(),
+            "device_mode": self.device_info(),
+            **({"emulation": self.emu.to_dict()} if self.emu is not None else {}),
         }

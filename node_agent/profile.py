@@ -225,23 +225,4 @@ def parse_lengths(text: str | Sequence[int]) -> tuple[int, ...]:
     return out
 
 
-REQUIRED_PROFILE_KEYS = ("kv_recompute_us_per_token", "emb_transfer_us_per_row")
-
-
-def read_node_profile(path) -> dict:
-    """The JSON object a ``racer node profile --out FILE`` run wrote, checked for the miss-cost
-    keys every reader needs (the node agent's allocator, the simulator's cost profile)."""
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"profile file not found: {p}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e})") from None
-    if not isinstance(data, dict) or any(k not in data for k in REQUIRED_PROFILE_KEYS):
-        raise ValueError(f"{p}: a node profile needs {' and '.join(REQUIRED_PROFILE_KEYS)} "
-                         "(write one with racer node profile)")
-    return data
+from common.device_model import REQUIRED_PROFILE_KEYS, read_node_profile  # noqa: E402,F401 (re-exported)

@@ -39,7 +39,8 @@ from common.config import ranged, require
 from common.config import validate as validate_fields
 from control_plane.router import LoadAwareConfig, NodeReport, RequestBatch, make_router
 from control_plane.weights import CostProfile as RouterProfile
-from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig
+from node_agent.emulated import emulated_refill
+from node_agent.memory import KVLayout, MemoryConfig, MemoryManager
 from node_agent.control import MissCosts, WindowAccumulator, apply_target
 from node_agent.features import WindowStats
 from workloads.regimes import RequestStream
@@ -178,17 +179,11 @@ def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
                   dtype="float32")
     cache_bytes = cfg.cache_bytes or int(cfg.cache_fraction * trace_num_items * prof.emb_row_bytes)
     num_pages = max(2, cache_bytes // prof.page_bytes)
-    limit = cfg.refill_limit_fraction * prof.link_bytes_per_s
-    window = 0.1
-    chunk = int(min(0.5 * limit * window, limit * cfg.batch_window_ms / 1e3))
-    chunk = max(prof.emb_row_bytes, chunk - chunk % prof.emb_row_bytes)
-    if chunk > 0.5 * limit * window:
-        limit = 2 * chunk / window
     return MemoryConfig(
         num_pages=int(num_pages), num_items=trace_num_items, emb_dim=prof.emb_row_bytes // 4, emb_dtype="float32",
         kv=kv, initial_emb_share=cfg.initial_emb_share,
         max_step_pages=max(1, int(cfg.max_step_fraction * num_pages)),
-        refill=RefillConfig(limit_bytes_per_s=limit, window_s=window, chunk_bytes=chunk),
+        refill=emulated_refill(prof, cfg.refill_limit_fraction, cfg.batch_window_ms),
         ghost_probes=tuple(cfg.ghost_probes), payload=False, device="cpu",
     )
 

@@ -1,168 +1,18 @@
-"""Cost profiles: what a node's time and memory cost in the simulator.
+"""Cost profiles for the simulator: the device model's profiles (`common.device_model`, the one
+definition the emulated node agent charges too) and the paper-scale setting (`PaperScale`).
 
-A profile gives the per-unit costs of the cost model (`simulator.cost`) and the byte sizes that
-turn a node's HBM budget into EMB rows and KV tokens. The default, `A100_HSTU`, is an A100-class
-node serving an HSTU-scale model; each figure carries its public source or the arithmetic that
-derives it. `from_node_profile` reads a profile measured by ``racer node profile --json``.
-
-The sample traces in ../shared/data are tiny next to the paper's setting (tables of TBs, 1 M+
-users, histories to 15k tokens), so the simulator does not copy the A100's 40 GB cache budget: it
-sizes each node's cache from the workload (``SimConfig.cache_fraction`` of the catalogue's
-bytes), keeping the profile's *relative* costs (bytes per KV token vs per embedding row, µs per
-recomputed token vs per transferred row), which is what decides the split.
+`CostProfile`, `A100_HSTU`, `PROFILES`, `from_node_profile` and `get_profile` are
+`common.device_model`'s, re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 
 from common.config import ranged, require
 from common.config import validate as validate_fields
-
-
-def _positive():
-    """A required field: a finite number > 0 (an int or a float, as JSON gives it)."""
-    return ranged(lo=0, lo_open=True)
-
-
-def _at_least_0():
-    return ranged(lo=0)
-
-
-@dataclass(frozen=True)
-class CostProfile:
-    """Per-unit costs (µs) and sizes (bytes) of one node. `validate` checks ranges."""
-
-    name: str
-    # compute: prefilling token i (0-based position) costs token_us + attn_us_per_ctx * i
-    token_us: float = _positive()
-    attn_us_per_ctx: float = _at_least_0()
-    # ranking: a candidate costs cand_us + attn_us_per_ctx * context_len
-    cand_us: float = _at_least_0()
-    # embeddings: a miss moves one row over the host link, a hit reads it from HBM
-    emb_transfer_us_per_row: float = _positive()
-    emb_hit_us_per_row: float = _at_least_0()
-    # fixed per micro-batch (kernel launches, scheduling) and per request
-    batch_overhead_us: float = _at_least_0()
-    request_overhead_us: float = _at_least_0()
-    # how many requests' compute a micro-batch overlaps (GPU batching efficiency)
-    batch_speedup: float = ranged(lo=1)
-    max_batch: int = _positive()
-    # sizes
-    emb_row_bytes: int = _positive()
-    kv_bytes_per_token: int = _positive()
-    page_tokens: int = _positive()
-    hbm_cache_bytes: int = _at_least_0()
-    link_bytes_per_s: float = _positive()
-    sources: dict[str, str] = field(default_factory=dict)
-
-    def validate(self) -> "CostProfile":
-        validate_fields(self, f"profile {self.name}")
-        return self
-
-    @property
-    def kv_recompute_us_per_token(self) -> float:
-        """Mean cost of recomputing one history token at a 1k-token context (router weights)."""
-        return self.token_us + self.attn_us_per_ctx * 512
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_tokens * self.kv_bytes_per_token
-
-    @property
-    def rows_per_page(self) -> int:
-        return max(1, self.page_bytes // self.emb_row_bytes)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-# --- the default: A100-80GB node, HSTU-scale model -------------------------------------------
-# Model: 24 HSTU layers, d_model 1024 (8 heads x 128), bf16 -- the largest dense HSTU stacks in
-# Zhai et al. 2024 ("Actions Speak Louder than Words", ICML 2024, Table 5/6 use up to 24 layers
-# x 1024) with production sequences of 8k-15k tokens (the RACER paper: "15k+").
-_LAYERS, _D, _BF16 = 24, 1024, 2
-_A100_BF16_FLOPS = 312e12  # NVIDIA A100 datasheet: 312 TFLOPS dense BF16 tensor core
-_MFU = 0.40  # sustained fraction of peak for prefill GEMMs (typical 35-50% in MLPerf-style runs)
-# per token per layer: U,V,Q,K projection (d -> 4d) + output (d -> d) = 2 * 5 d^2 FLOPs
-_TOKEN_FLOPS = _LAYERS * 2 * 5 * _D * _D
-# attention per token per layer and context token: QK^T and AV, 2 * 2 * d FLOPs
-_ATTN_FLOPS_PER_CTX = _LAYERS * 4 * _D
-
-A100_HSTU = CostProfile(
-    name="a100-hstu",
-    token_us=_TOKEN_FLOPS / (_A100_BF16_FLOPS * _MFU) * 1e6,  # ~2.0 µs
-    attn_us_per_ctx=_ATTN_FLOPS_PER_CTX / (_A100_BF16_FLOPS * _MFU) * 1e6,  # ~0.0008 µs
-    cand_us=_TOKEN_FLOPS / (_A100_BF16_FLOPS * _MFU) * 1e6,
-    emb_transfer_us_per_row=16 * 1024 / 12e9 * 1e6,  # 16 KiB row over 12 GB/s effective: ~1.37 µs
-    emb_hit_us_per_row=16 * 1024 / (2.0e12 * 0.5) * 1e6,  # HBM2e 2.0 TB/s at 50% for gathers
-    batch_overhead_us=150.0,
-    request_overhead_us=20.0,
-    batch_speedup=4.0,
-    max_batch=64,
-    emb_row_bytes=16 * 1024,
-    kv_bytes_per_token=_LAYERS * 2 * _D * _BF16,  # 96 KiB
-    page_tokens=16,
-    hbm_cache_bytes=40 * 2**30,
-    link_bytes_per_s=12e9,
-    sources={
-        "token_us": "24 layers x 10 d^2 FLOPs (d=1024) at 40% of A100's 312 TFLOPS BF16 (NVIDIA A100 datasheet); "
-                    "HSTU shapes from Zhai et al., ICML 2024",
-        "attn_us_per_ctx": "24 layers x 4 d FLOPs per context token at the same rate",
-        "emb_transfer_us_per_row": "a 16 KiB item row (32 sparse features x 128 dims x fp32, DLRM-style; Naumov et al. "
-                                   "2019) over 12 GB/s: PCIe 4.0 x16 is 31.5 GB/s per direction (PCI-SIG), pinned "
-                                   "H2D reaches ~25 GB/s, and a host-side gather of scattered rows about halves it "
-                                   "(FBGEMM UVM caching, Khudia et al. 2021)",
-        "emb_hit_us_per_row": "HBM2e 2,039 GB/s (A100 80GB datasheet) at 50% for row gathers",
-        "batch_overhead_us": "kernel launches of a 24-layer stack (~5 us each, 30 per batch): CUDA launch latency",
-        "batch_speedup": "small prefill batches leave SMs idle; overlapping 4 requests' work is a conservative "
-                         "middle between serial (1) and a saturated GPU",
-        "kv_bytes_per_token": "K and V, 24 layers x 1024 x bf16",
-        "page_tokens": "16-token blocks as vLLM's default block size (Kwon et al., SOSP 2023)",
-        "hbm_cache_bytes": "half of an A100 80GB's HBM for the two caches; weights and activations take the rest",
-        "link_bytes_per_s": "effective host-to-device rate for gathered rows, as above",
-    },
-).validate()
-
-PROFILES = {A100_HSTU.name: A100_HSTU}
-
-
-def from_node_profile(path: str | Path, base: CostProfile = A100_HSTU) -> CostProfile:
-    """A profile measured by ``racer node profile --json`` (file), over ``base`` for sizes.
-
-    Reads ``kv_recompute_us_per_token`` (a mapping of history length -> µs, or a number),
-    ``emb_transfer_us_per_row`` and, when present, ``emb_hit_us_per_row``.
-    """
-    from node_agent.profile import read_node_profile
-
-    p = Path(path)
-    data = read_node_profile(p)
-    kv = data["kv_recompute_us_per_token"]
-    if isinstance(kv, dict):
-        pts = sorted((float(k), float(v)) for k, v in kv.items())
-        if len(pts) >= 2:
-            (l0, c0), (l1, c1) = pts[0], pts[-1]
-            slope = max(0.0, (c1 - c0) / (l1 - l0)) / 2  # mean cost rises by slope/2 per context token
-            token = max(1e-6, c0 - slope * l0)
-        else:
-            token, slope = pts[0][1], 0.0
-    else:
-        token, slope = float(kv), 0.0
-    prof = replace(base, name=str(data.get("name", p.stem)), token_us=token, attn_us_per_ctx=slope, cand_us=token,
-                   emb_transfer_us_per_row=float(data["emb_transfer_us_per_row"]),
-                   emb_hit_us_per_row=float(data.get("emb_hit_us_per_row", base.emb_hit_us_per_row)),
-                   sources={"all": f"measured by racer node profile: {p}"})
-    return prof.validate()
-
-
-def get_profile(name_or_path: str) -> CostProfile:
-    if name_or_path in PROFILES:
-        return PROFILES[name_or_path]
-    if Path(name_or_path).exists():
-        return from_node_profile(name_or_path)
-    raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(PROFILES)} or a JSON file")
-
+from common.device_model import (_BF16, _D, _LAYERS, A100_HSTU, PROFILES, CostProfile,  # noqa: F401 (re-exported)
+                                 from_node_profile, get_profile)
 
 # --- the paper-scale setting, fixed before any of its results was seen --------------------------
 # Every full-scale figure below carries its source or derivation; `PaperScale.scaled(f)` gives the

@@ -75,7 +75,10 @@ class ReplayConfig:
     - ``slo_ms``: the latency a request must meet to count towards SLO attainment;
     - ``timeout_s``: a request with no answer by then fails as ``timeout``;
     - ``retries``: client-side retries on the next target (0: leave retries to the gateway);
-    - ``max_connections``: size of the client's connection pool.
+    - ``max_connections``: size of the client's connection pool;
+    - ``time_scale``: wall seconds per modelled second, for emulated nodes (`node_agent.emulated`)
+      whose clocks run ``time_scale`` times slower: each request is sent at its arrival time x
+      ``time_scale`` and every latency is read on the same modelled clock (1: wall time).
     """
 
     schedule: tuple[str, ...] = ranged(("steady",), choices=REGIMES, length=(1, None))
@@ -95,6 +98,7 @@ class ReplayConfig:
     retries: int = ranged(0, lo=0, hi=5, integer=True,
                           doc="client-side retries on the next target (0: leave retries to the gateway)")
     max_connections: int = ranged(256, lo=1, integer=True)
+    time_scale: float = ranged(1.0, lo=1e-3, doc="wall seconds per modelled second (emulated nodes)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -212,6 +216,12 @@ def build_plan(trace: Trace, config: ReplayConfig, cycle: int = 0) -> list[Phase
     firsts, stops = [0, *cuts], [*cuts, len(stream)]
     return [Phase(regime, 0.0, stream, a, b, first, stop)
             for (regime, a, b), first, stop in zip(stream.phases, firsts, stops)]
+
+
+def modelled_clock(time_scale: float) -> Callable[[], float]:
+    """``time.monotonic() / time_scale``: modelled seconds for a replay against emulated nodes."""
+    k = float(time_scale)
+    return lambda: time.monotonic() / k
 
 
 def request_body(stream: RequestStream, i: int, top_k: int) -> dict:
@@ -565,6 +575,9 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
     if not targets:
         raise ValueError("no target to send requests to")
     targets = [t.rstrip("/") for t in targets]
+    k = config.time_scale
+    if k != 1.0 and clock is time.monotonic:  # modelled seconds, as the emulated nodes' clocks
+        clock = modelled_clock(k)
     stats = stats or ReplayStats(config.slo_ms, clock=clock)
     tasks: set[asyncio.Task] = set()
     counter = 0
@@ -597,7 +610,7 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
                     due = start + phase.offset_s + float(arrivals[i])
                     delay = due - clock()
                     if delay > 0:
-                        await asyncio.sleep(delay)
+                        await asyncio.sleep(delay * k)
                     body = request_body(phase.stream, i, config.top_k)
                     stats.on_sent(phase.regime, max(0.0, clock() - due) * 1e3, phase=phase.name)
                     task = asyncio.create_task(one(phase, body, due, counter))
@@ -609,7 +622,7 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
             # the cycle's full length even if its last request came early
             rest = start + cycle_length_s(config, cycle) - clock()
             if rest > 0 and loop_forever:
-                await asyncio.sleep(rest)
+                await asyncio.sleep(rest * k)
             cycle += 1
             if not loop_forever:
                 break
