@@ -22,6 +22,11 @@ Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 Version = Annotated[str, Field(min_length=1, max_length=256)]
 ModelDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a checkpoint's digest (its manifest's)
+# what a node's figures are (`node_agent.engine.Engine.device_info`): measured on a device, measured
+# with the EMB link's time emulated, or the time of an emulated device's cost profile (modelled)
+DeviceMode = Literal["real", "link-emulated", "emulated"]
+DEVICE_MODES = ("real", "link-emulated", "emulated")
+DeviceText = Annotated[str, Field(min_length=1, max_length=128)]  # a device's label, a cost profile's name
 # a report's time (Unix s): bounded so that bucketing it (floor(ts_s / step_s), step_s >= 1 ms) stays
 # within 64-bit integers on every database
 ReportTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
@@ -87,6 +92,19 @@ def _cost(limit: float):
     return Annotated[float, Field(ge=0, le=limit, allow_inf_nan=False, strict=True)]
 
 
+class DeviceInfoIn(In):
+    """What a node's figures are (`node_agent.engine.Engine.device_info`, bounded by
+    `node_agent.reporter.device_info`): ``mode``; ``time`` measured or modelled; the ``label``
+    shown; an emulated device's cost ``profile``, its ``time_scale`` (wall seconds per modelled
+    second) and whether the profile was ``calibrated`` (measured on a device) or is a preset."""
+    mode: DeviceMode
+    time: Literal["measured", "modelled"] | None = None
+    label: DeviceText | None = None
+    profile: DeviceText | None = None
+    time_scale: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] | None = None
+    calibrated: bool | None = None
+
+
 class CostProfileIn(In):
     """A node's cost profile, within physical ranges (`control_plane.weights.PROFILE_LIMITS`)."""
     kv_recompute_us_per_token: _cost(MAX_KV_RECOMPUTE_US_PER_TOKEN)
@@ -97,6 +115,8 @@ class CostProfileIn(In):
     arena_bytes: Annotated[int, Field(ge=1, le=2**50, strict=True)] | None = None
     # the digest of the model checkpoint the node serves (racer node-agent --model; absent: random weights)
     model_digest: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    # what the node's figures are (absent: an agent that does not say; unknown)
+    device: DeviceInfoIn | None = None
 
 
 class RegisterIn(In):
@@ -173,6 +193,10 @@ class ReportIn(In):
     # mean of 1 - rank / num_candidates of the users' next items (null: none known)
     model_digest: ModelDigest | None = None
     model_quality: Unit | None = None
+    # what the figures are: measured (real, link-emulated) or modelled by an emulated device's
+    # cost profile (its name); null: the node does not say
+    device_mode: DeviceMode | None = None
+    device_profile: DeviceText | None = None
 
 
 class ReportBatchIn(In):
@@ -253,6 +277,10 @@ class NodeOut(Out):
     # reports the node says it dropped (its latest report carrying the count, as seen by this
     # control-plane process since it started; null: none seen yet)
     num_reports_dropped: int | None = None
+    # what its figures are (real, link-emulated, emulated) and an emulated device's cost profile:
+    # from its latest report saying, else its registration (null: unknown)
+    device_mode: str | None = None
+    device_profile: str | None = None
 
 
 # ---- history
@@ -278,6 +306,8 @@ class ReportOut(Out):
     decision_source: str | None = None
     model_digest: str | None = None  # raw reports only (null in bucketed history)
     model_quality: float | None = None
+    device_mode: str | None = None  # raw reports only: real, link-emulated or emulated (null: unknown)
+    device_profile: str | None = None  # raw reports only: an emulated device's cost profile
 
 
 class DecisionOut(Out):
@@ -516,6 +546,11 @@ class SummaryOut(Out):
     router_weights_version: int | None
     leader: str | None
     decisions_by_source: dict[str, int]
+    # up nodes by what their figures are (real, link-emulated, emulated; "unknown": the node does
+    # not say); of those, the emulated ones (their figures are modelled time) and their profiles
+    device_modes: dict[str, int] = Field(default_factory=dict)
+    num_emulated: int = 0
+    emulated_profiles: dict[str, int] = Field(default_factory=dict)
 
 
 def finite_or_none(x: float | None) -> float | None:

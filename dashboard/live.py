@@ -21,6 +21,7 @@ import json
 import math
 import time
 
+import dash_bootstrap_components as dbc
 from dash import Input, Output, State, html, no_update
 
 from . import bursts_tab, overview_tab, routing_tab, split_tab
@@ -45,7 +46,8 @@ TICK_OUTPUTS = {**overview_tab.TICK_OUTPUTS, **split_tab.TICK_OUTPUTS, **bursts_
                 "tick_done": Output("tick-done", "data")}
 KPI_OUTPUTS = {"nodes": Output("kpi-nodes", "children"), "slo": Output("kpi-slo", "children"),
                "p99": Output("kpi-p99", "children"), "thr": Output("kpi-thr", "children"),
-               "policy": Output("kpi-policy", "children"), "overrides": Output("kpi-overrides", "children")}
+               "policy": Output("kpi-policy", "children"), "overrides": Output("kpi-overrides", "children"),
+               "device": Output("kpi-device", "children")}
 
 # Ticks never overlap: Dash drops the answer of a callback that is triggered again before it
 # answered, so with a control plane slower than the refresh period no tick would ever land
@@ -231,7 +233,9 @@ def register(app, deps: Deps) -> None:
         vals = overview_tab.kpi_values(summary or {})
         if nodes is not None:  # what the nodes run, not only what the registry calls active
             vals[4] = D.node_policies_text(nodes, (summary or {}).get("active_policy"))
-        return dict(zip(KPI_OUTPUTS, vals))
+        badge = overview_tab.device_badge(summary or {})
+        return dict(zip(KPI_OUTPUTS, vals), device=None if badge is None else dbc.Badge(
+            badge, id="kpi-device-badge", color="warning", text_color="dark", className="mb-2"))
 
     app.clientside_callback(  # a new range, a reload or an action: render again (see render)
         """function(range, reload, acted) { return Date.now(); }""",

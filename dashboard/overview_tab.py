@@ -1,6 +1,10 @@
 """The Overview page: what clients see first (`dashboard.client_cards`), then the nodes' own
 view: SLO attainment, throughput, P99 per node, hit rates, and the nodes table.
 
+What a node's figures are shows in the nodes table's ``mode`` column (`mode_label`: emulated by
+which profile, link emulated, real) and, when any up node runs an emulated device, on the KPI
+cards (`kpi_values` marks the figures "modelled", `device_badge` says how many nodes).
+
 ``render`` draws the four charts whole; ``tick`` extends them with the new buckets
 (``extendData``) and patches the burst shading (`Patch`) only when it moved. The nodes table is
 drawn in the browser from the node rows (`register`)."""
@@ -39,8 +43,22 @@ def node_rows(nodes: list[dict]) -> list[dict]:
     return [{"node_id": n["node_id"], "status": n.get("status"), "device": n.get("device"),
              "emb_share": None if n.get("emb_share") is None else round(n["emb_share"], 2),
              "policy_version": n.get("policy_version"), "num_reports_dropped": n.get("num_reports_dropped"),
-             "model": model_label(n)}
+             "model": model_label(n), "mode": mode_label(n)}
             for n in sorted(nodes, key=lambda n: n["node_id"])]
+
+
+def mode_label(node: dict) -> str:
+    """What a node's figures are (its ``device_mode``, from the control plane's node list):
+    "emulated PROFILE (uncalibrated)" (modelled time; "calibrated" when its registration says the
+    profile was measured on a device), "link emulated" (measured, the EMB link's time emulated),
+    "real", or "–" when the node does not say."""
+    mode = node.get("device_mode")
+    if mode == "emulated":
+        prof = node.get("device_profile") or "?"
+        reg = (node.get("cost_profile") or {}).get("device") or {}
+        cal = reg.get("calibrated") if reg.get("profile") == node.get("device_profile") else None
+        return f"emulated {prof}" + ("" if cal is None else f" ({'calibrated' if cal else 'uncalibrated'})")
+    return {"link-emulated": "link emulated", "real": "real"}.get(mode, "–")
 
 
 def model_label(node: dict) -> str:
@@ -50,11 +68,26 @@ def model_label(node: dict) -> str:
 
 
 def kpi_values(summary: dict) -> list[str]:
-    """The KPI cards from the control plane's /summary (each node's latest report)."""
-    return [f"{summary.get('num_up', 0)} / {summary.get('num_down', 0)}", pct(summary.get("mean_slo_attainment")),
-            "–" if summary.get("mean_p99_ms") is None else f"{summary['mean_p99_ms']:.1f} ms",
-            "–" if summary.get("total_throughput_rps") is None else f"{summary['total_throughput_rps']:.0f} req/s",
+    """The KPI cards from the control plane's /summary (each node's latest report). When any up
+    node runs an emulated device, the figures that come from its time (SLO attainment, P99,
+    throughput) say "modelled"."""
+    m = " (modelled)" if summary.get("num_emulated") else ""
+    slo = pct(summary.get("mean_slo_attainment"))
+    return [f"{summary.get('num_up', 0)} / {summary.get('num_down', 0)}", slo if slo == "–" else slo + m,
+            "–" if summary.get("mean_p99_ms") is None else f"{summary['mean_p99_ms']:.1f} ms{m}",
+            "–" if summary.get("total_throughput_rps") is None else f"{summary['total_throughput_rps']:.0f} req/s{m}",
             summary.get("active_policy") or "–", str(summary.get("num_active_overrides", 0))]
+
+
+def device_badge(summary: dict) -> str | None:
+    """The line under the KPI cards when any up node runs an emulated device: "emulated: 4 of 4
+    nodes (a100-hstu), modelled time" (None: every up node's figures are measured, or unknown)."""
+    n = summary.get("num_emulated") or 0
+    if not n:
+        return None
+    profs = ", ".join(sorted(summary.get("emulated_profiles") or {}))
+    return (f"emulated: {n} of {summary.get('num_up', n)} nodes" + (f" ({profs})" if profs else "")
+            + ", modelled time")
 
 
 def render(r: RenderInput) -> dict:
@@ -101,7 +134,7 @@ def register(app) -> None:
             const h = (type, props) => ({type: type, namespace: "dash_html_components", props: props});
             const cols = [["node_id", "node"], ["status", "status"], ["device", "device"],
                           ["emb_share", "emb_share"], ["policy_version", "policy"],
-                          ["model", "model"], ["num_reports_dropped", "reports dropped"]];
+                          ["mode", "mode"], ["model", "model"], ["num_reports_dropped", "reports dropped"]];
             const head = h("Thead", {children: h("Tr", {children: cols.map(c => h("Th", {children: c[1]}))})});
             const body = h("Tbody", {children: rows.map(r => h("Tr", {children: cols.map(c => h("Td", {
                 children: r[c[0]] === null || r[c[0]] === undefined ? "\u2013" : String(r[c[0]]),

@@ -83,6 +83,10 @@ class NodeReport(Base):
     decision_source: Mapped[str | None] = mapped_column(String(16))
     model_digest: Mapped[str | None] = mapped_column(String(64))  # the checkpoint served in the window
     model_quality: Mapped[float | None]  # mean of 1 - rank/num_candidates of the users' next items; null: unknown
+    # what the figures are: "real", "link-emulated" or "emulated" (modelled time), and an
+    # emulated device's cost profile; null: the node did not say
+    device_mode: Mapped[str | None] = mapped_column(String(16))
+    device_profile: Mapped[str | None] = mapped_column(String(128))
 
 
 class Gateway(Base):

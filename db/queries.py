@@ -165,6 +165,31 @@ def up_node_profiles(session: Session) -> list[tuple[str, dict]]:
     return [(nid, prof) for nid, prof in session.execute(q)]
 
 
+def registered_device(cost_profile: dict | None) -> tuple[str | None, str | None]:
+    """(device_mode, device_profile) a node registered (its cost profile's ``device``; (None,
+    None): it did not say)."""
+    dev = (cost_profile or {}).get("device")
+    if not isinstance(dev, dict) or not isinstance(dev.get("mode"), str):
+        return None, None
+    prof = dev.get("profile") if dev["mode"] == "emulated" else None
+    return dev["mode"], prof if isinstance(prof, str) else None
+
+
+def node_devices(session: Session, nodes: Sequence[Node]) -> dict[str, tuple[str | None, str | None]]:
+    """node_id -> (device_mode, device_profile) of each of ``nodes``: from its latest report
+    (the one of its ``last_report_seq``, read by the (node_id, seq) key) when that says, else
+    from its registration (`registered_device`)."""
+    out = {n.node_id: registered_device(n.cost_profile) for n in nodes}
+    ids = [n.node_id for n in nodes if n.last_report_seq is not None]
+    for i in range(0, len(ids), 500):  # bounded IN lists
+        q = (select(NodeReport.node_id, NodeReport.device_mode, NodeReport.device_profile)
+             .join(Node, and_(Node.node_id == NodeReport.node_id, Node.last_report_seq == NodeReport.seq))
+             .where(Node.node_id.in_(ids[i:i + 500]), NodeReport.device_mode.is_not(None)))
+        for nid, mode, prof in session.execute(q):
+            out[nid] = (mode, prof)
+    return out
+
+
 def node_status_counts(session: Session) -> dict[str, int]:
     """Nodes per status ({"up": n, "down": m}), counted in SQL (no ORM objects loaded)."""
     return {str(st): int(n) for st, n in session.execute(select(Node.status, func.count()).group_by(Node.status))}
@@ -181,7 +206,7 @@ def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:
 _REPORT_COLS = [c.name for c in NodeReport.__table__.columns if c.name != "id"]
 _DECISION_COLS = [c.name for c in Decision.__table__.columns if c.name != "id"]
 _PG_TYPES = {"node_id": "text", "seq": "int", "num_requests": "int", "refill_bytes": "int", "policy_version": "text",
-             "model_digest": "text",
+             "model_digest": "text", "device_mode": "text", "device_profile": "text",
              "decision_source": "text", "source": "text", "reason": "text", "features": "json", "layers": "json"}
 
 
@@ -528,7 +553,8 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
         for r in rows:
             d = {k: getattr(r, k) for k in REPORT_FIGURES}
             d.update(node_id=r.node_id, seq=r.seq, ts_s=r.ts_s, policy_version=r.policy_version,
-                     decision_source=r.decision_source, model_digest=r.model_digest, model_quality=r.model_quality)
+                     decision_source=r.decision_source, model_digest=r.model_digest, model_quality=r.model_quality,
+                     device_mode=r.device_mode, device_profile=r.device_profile)
             out.append(d)
         return out
     out: list[dict] = []

@@ -10,6 +10,7 @@ end in ``_ratio``, counters in ``_total``); every series carries no label but th
     racer_slo_attainment_ratio                 gauge    requests within the SLO over the metrics window
     racer_slo_seconds                          gauge    the latency SLO
     racer_request_latency_seconds              histogram  end-to-end latency of every served request
+                                                        (modelled seconds on an emulated device)
     racer_requests_total                       counter  requests served
     racer_request_errors_total                 counter  requests that failed inside the node (5xx)
     racer_requests_rejected_total              counter  requests refused as invalid (4xx)
@@ -27,10 +28,20 @@ end in ``_ratio``, counters in ``_total``); every series carries no label but th
     racer_reports_dropped_total                counter  reports dropped (a buffer's bound, unreadable)
     racer_control_plane_up                     gauge    1 while the control plane answers
     racer_node_info{node_id,device,policy_version}  gauge 1
+    racer_node_device_info{mode,profile,time,time_scale}  gauge 1: what the figures are (`Engine.device_info`):
+                                                        mode real | link-emulated | emulated (unknown: an
+                                                        engine that does not say), profile the emulated
+                                                        device's cost profile (else ""), time measured |
+                                                        modelled, time_scale wall s per agent s
 
 The latency histogram is fed from the rolling metrics' ring at each scrape (every request once;
 a request already overwritten in the ring, after more than ``max_samples`` requests between two
 scrapes, is not counted in it); everything else is read at scrape time.
+
+On an emulated device (``racer node-agent --emulate PROFILE``) every time the agent measures is
+modelled (its cost profile's, in modelled seconds): the latency histogram and the SLO attainment
+are, and their HELP text says so (`device_note`), as ``racer_node_device_info`` does. Counters
+count what happened (requests, bytes); a rate of them over scrape time is per wall second.
 """
 
 from __future__ import annotations
@@ -42,9 +53,28 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from .reporter import device_info
+
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0)
 DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
+
+
+def device_note(dev: dict | None) -> str:
+    """What a latency metric's HELP adds about the device's time: modelled on an emulated device
+    (by which profile), else measured."""
+    if dev is not None and dev.get("mode") == "emulated":
+        cal = "calibrated" if dev.get("calibrated") else "uncalibrated"
+        return f" (modelled seconds of an emulated device, profile {dev.get('profile', '?')} ({cal}): not measured)"
+    return " (measured; an emulated device's are modelled seconds, see racer_node_device_info)"
+
+
+def device_labels(dev: dict | None) -> list[str]:
+    """``racer_node_device_info``'s label values (mode, profile, time, time_scale)."""
+    if dev is None:
+        return ["unknown", "", "", ""]
+    k = dev.get("time_scale", 1.0 if dev["mode"] != "emulated" else None)
+    return [dev["mode"], dev.get("profile", ""), dev.get("time", ""), "" if k is None else f"{k:g}"]
 
 
 class _AgentCollector:
@@ -72,7 +102,9 @@ class _AgentCollector:
         yield gauge("racer_emb_share_target_ratio", "the Memory Manager's target emb_share", snap["target_emb_share"])
         yield gauge("racer_emb_hit_ratio", "EMB row hit ratio over the metrics window", m["emb_hit_rate"])
         yield gauge("racer_kv_hit_ratio", "KV token hit ratio over the metrics window", m["kv_hit_rate"])
-        yield gauge("racer_slo_attainment_ratio", "share of the window's requests within the SLO", m["slo_attainment"])
+        note = device_note(self.exporter.device)
+        yield gauge("racer_slo_attainment_ratio", "share of the window's requests within the SLO" + note,
+                    m["slo_attainment"])
         yield gauge("racer_slo_seconds", "the latency SLO", m["slo_ms"] / 1e3)
         yield counter("racer_requests", "requests served", m["num_requests"])
         yield counter("racer_request_errors", "requests that failed inside the node", m["num_errors"])
@@ -107,6 +139,11 @@ class _AgentCollector:
             policy = alloc.policy.policy_id
         info.add_metric([rep["node_id"] if rep else "", str(a.engine.device), policy or ""], 1.0)
         yield info
+        dev = GaugeMetricFamily("racer_node_device_info", "what this node's figures are: real, link-emulated or "
+                                "emulated (profile, modelled time, time_scale wall s per modelled s)",
+                                labels=["mode", "profile", "time", "time_scale"])
+        dev.add_metric(device_labels(self.exporter.device), 1.0)
+        yield dev
 
 
 class AgentExporter:
@@ -116,6 +153,7 @@ class AgentExporter:
 
     def __init__(self, agent) -> None:
         self.agent = agent
+        self.device = device_info(agent.engine)  # what the figures are (None: the engine does not say)
         self.registry = CollectorRegistry(auto_describe=False)
         self._bounds = np.asarray(LATENCY_BUCKETS_S, dtype=np.float64)
         self._counts = np.zeros(len(self._bounds) + 1, dtype=np.int64)  # last: above the largest bound
@@ -141,7 +179,8 @@ class AgentExporter:
             buckets = [(repr(float(b)), float(c)) for b, c in zip(self._bounds, cum[:-1])]
             buckets.append(("+Inf", float(cum[-1])))
             total = self._sum_s
-        h = HistogramMetricFamily("racer_request_latency_seconds", "end-to-end latency of served requests")
+        h = HistogramMetricFamily("racer_request_latency_seconds",
+                                  "end-to-end latency of served requests" + device_note(self.device))
         h.add_metric([], buckets, total)
         return h
 

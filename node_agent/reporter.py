@@ -19,7 +19,8 @@ One `Reporter` per agent, on its own thread (the device worker never touches the
   control plane and its dashboard show what a node lost;
 - **directives**: ``GET /api/v1/nodes/{id}/directives`` every ``directives_period_s``:
   the override in force goes to `SmartAllocator.set_override` (its expiry converted from the
-  control plane's clock, by the ``now_s`` of the answer, to the agent's), and is cleared when the
+  control plane's clock, by the ``now_s`` of the answer, to the agent's; on an emulated device the
+  time left is divided by its time scale, as a wall second is 1/K modelled second), and is cleared when the
   control plane no longer sends it; a policy version other than the one running is downloaded,
   its SHA-256 checked against the digest, unpacked, and loaded with `SmartAllocator.load_policy`
   (on any failure the old policy keeps running); the outcome is confirmed with
@@ -34,8 +35,18 @@ One `Reporter` per agent, on its own thread (the device worker never touches the
   digest of the model served in its window (``model_digest``) and the window's online quality
   (``model_quality``, `node_agent.model.quality`).
 
-Times: reports carry wall-clock seconds (``ts_s``; the agent's clock plus an offset fixed at
-start), so the control plane's history is in one time base across nodes.
+Times: reports carry wall-clock seconds (``ts_s``, and a burst's ``start_s``/``end_s``), so the
+control plane's history is in one time base across nodes: the agent's clock plus an offset fixed at
+start, or, on an emulated device (a `node_agent.emulated.ScaledClock` in modelled seconds), the wall
+time at the clock's origin plus the wall seconds since it (``wall_elapsed_s``). The window's figures
+(``interval_s``, latencies, ``throughput_rps``) stay in the agent's time: modelled on an emulated
+device.
+
+Device: every report says what its figures are (``device_mode``: ``real``, ``link-emulated`` or
+``emulated``, and ``device_profile``, the cost profile of an emulated device), and the registration
+sends the device's label as ``device`` and `Engine.device_info` as ``cost_profile["device"]``
+(`device_info`), so an emulated figure is never taken for a measured one. An engine without
+``device_info`` (or one that answers something else) reports them as null: unknown.
 """
 
 from __future__ import annotations
@@ -68,6 +79,11 @@ log = logging.getLogger("racer.node_agent.reporter")
 API = "/api/v1"
 MAX_SEQ = 2**31 - 1
 MAX_REASON_CHARS = 2000
+#: what a node's figures are (`Engine.device_info`'s ``mode``)
+DEVICE_MODES = ("real", "link-emulated", "emulated")
+DEVICE_TIMES = ("measured", "modelled")
+MAX_DEVICE_TEXT_CHARS = 128  # a device's label and an emulated device's profile name
+MAX_TIME_SCALE = 1e6  # wall seconds per modelled second the control plane takes
 #: most reports kept in memory when the disk refuses them (``ReporterConfig.max_memory_reports``)
 DEFAULT_MEMORY_REPORTS = 2_000
 
@@ -330,6 +346,37 @@ def _layers(layers) -> list[dict]:
     return out
 
 
+def device_info(engine) -> dict | None:
+    """The engine's `Engine.device_info`, bounded as the control plane accepts it
+    (`control_plane.schemas.DeviceInfoIn`): ``mode``, ``time``, ``label``, and for an emulated
+    device ``profile``, ``time_scale`` and ``calibrated``. None when the engine has no such
+    method, it fails, or its mode is not one of `DEVICE_MODES` (unknown)."""
+    fn = getattr(engine, "device_info", None)
+    if not callable(fn):
+        return None
+    try:
+        info = fn()
+    except Exception:  # noqa: BLE001 - unknown, never a failed report
+        log.exception("engine.device_info() failed; the device is reported as unknown")
+        return None
+    if not isinstance(info, dict) or info.get("mode") not in DEVICE_MODES:
+        return None
+    out: dict = {"mode": info["mode"]}
+    if info.get("time") in DEVICE_TIMES:
+        out["time"] = info["time"]
+    if isinstance(info.get("label"), str) and info["label"]:
+        out["label"] = info["label"][:MAX_DEVICE_TEXT_CHARS]
+    if info["mode"] == "emulated":
+        if isinstance(info.get("profile"), str) and info["profile"]:
+            out["profile"] = info["profile"][:MAX_DEVICE_TEXT_CHARS]
+        k = _finite_or_none(info.get("time_scale"))
+        if k is not None and 0 < k <= MAX_TIME_SCALE:
+            out["time_scale"] = k
+        if isinstance(info.get("calibrated"), bool):
+            out["calibrated"] = info["calibrated"]
+    return out
+
+
 @dataclass
 class _AppliedOverride:
     key: tuple
@@ -365,6 +412,13 @@ class Reporter:
         self.config = config
         self.wall_clock = wall_clock
         self.wall_offset_s = wall_clock() - agent.clock()
+        # an emulated device's clock runs K times slower than the wall: its times map to wall
+        # seconds through the wall time at its origin, not through a fixed offset
+        clock = agent.clock
+        self._scaled_clock = clock if callable(getattr(clock, "wall_elapsed_s", None)) else None
+        self.wall_origin_s = (None if self._scaled_clock is None
+                              else wall_clock() - self._scaled_clock.wall_elapsed_s(clock()))
+        self.device = device_info(agent.engine)  # what this node's figures are (None: unknown)
         self.spool = ReportSpool(Path(config.state_dir), config.max_buffered_reports, config.max_memory_reports)
         self._inbox: queue.SimpleQueue[dict] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -391,6 +445,12 @@ class Reporter:
         self.policy_version: str | None = config_policy_version(pol)
         self._window_policy_version = self.policy_version
         self.status_.policy_version = self.policy_version
+
+    def wall_s(self, agent_s: float) -> float:
+        """The wall-clock time (Unix s) of the agent's time ``agent_s``."""
+        if self._scaled_clock is not None:
+            return self.wall_origin_s + self._scaled_clock.wall_elapsed_s(agent_s)
+        return agent_s + self.wall_offset_s
 
     @property
     def model_digest(self) -> str | None:
@@ -435,9 +495,10 @@ class Reporter:
         if target is None:
             target = mm.plan.target_emb_share if mm.boundary_moving else mm.emb_share
         n = int(lat["num_requests"])
+        dev = self.device
         report = {
-            "ts_s": now_s + self.wall_offset_s,
-            "interval_s": interval,
+            "ts_s": self.wall_s(now_s),
+            "interval_s": interval,  # the agent's time (modelled on an emulated device), as the figures
             "emb_share": _unit(mm.emb_share),
             "emb_share_target": _unit(target),
             "kv_hit_rate": _unit(w.get("kv_hit_rate")) if n else None,
@@ -453,6 +514,8 @@ class Reporter:
             "emb_transfer_us_per_row": _finite_or_none(w.get("emb_transfer_us_per_row")),
             "policy_version": self._window_policy_version,
             "model_digest": self.model_digest,  # one model per window: a swap closes the window first
+            "device_mode": dev["mode"] if dev else None,
+            "device_profile": dev.get("profile") if dev else None,
         }
         quality = getattr(agent, "quality", None)
         if quality is not None:  # the worker thread calls this: the tracker is the worker's
@@ -477,16 +540,16 @@ class Reporter:
             return out
         rec = alloc.recovery
         if rec.phase == "burst" and rec.burst_started_s is not None:
-            start = round(rec.burst_started_s + self.wall_offset_s, 6)
+            start = round(self.wall_s(rec.burst_started_s), 6)
             if self._burst is None or self._burst["start_s"] != start:
                 if self._burst is not None:  # a new burst right after the old one: close the old one
-                    out.append({**self._burst, "end_s": round(now_s + self.wall_offset_s, 6)})
+                    out.append({**self._burst, "end_s": round(self.wall_s(now_s), 6)})
                 self._burst = {"start_s": start, "end_s": None, "magnitude": float(rec.rate_ratio)}
                 out.append(dict(self._burst))
             elif rec.rate_ratio > self._burst["magnitude"]:
                 self._burst["magnitude"] = float(rec.rate_ratio)
         elif self._burst is not None:
-            out.append({**self._burst, "end_s": round(now_s + self.wall_offset_s, 6)})
+            out.append({**self._burst, "end_s": round(self.wall_s(now_s), 6)})
             self._burst = None
         return out
 
@@ -568,7 +631,7 @@ class Reporter:
 
     def _register(self) -> bool:
         body = {"node_id": self.config.node_id, "address": self.config.advertise_url,
-                "device": str(self.agent.engine.device), "cost_profile": self.registration_profile(),
+                "device": self.device_label(), "cost_profile": self.registration_profile(),
                 "policy_version": self.policy_version}
         r = self._client.post(f"{API}/nodes/register", json=body)
         if r.status_code >= 300:
@@ -585,6 +648,13 @@ class Reporter:
         self._event(f"registered as {self.config.node_id} at {self.config.control_plane_url}")
         return True
 
+    def device_label(self) -> str:
+        """The device as the control plane lists it: `Engine.device_info`'s label
+        ("emulated a100-hstu (uncalibrated, modelled time, x10)", "cpu (EMB link emulated)",
+        "cuda:0"), else the engine's device."""
+        label = (self.device or {}).get("label") or str(getattr(self.agent.engine, "device", "unknown"))
+        return label[:MAX_DEVICE_TEXT_CHARS]
+
     def registration_profile(self) -> dict:
         c = self.config
         ecfg = self.agent.engine.config
@@ -596,6 +666,8 @@ class Reporter:
         digest = (getattr(self.agent.engine, "model_info", None) or {}).get("digest")
         if digest:  # the checkpoint this node serves, for the operators (random weights: none)
             prof["model_digest"] = digest
+        if self.device is not None:  # what its figures are: real, link-emulated or emulated (by which profile)
+            prof["device"] = dict(self.device)
         return prof
 
     def _send_spool(self) -> bool:
@@ -705,7 +777,10 @@ class Reporter:
         now = self.agent.clock()
         ref = now if agent_now_s is None else agent_now_s
         exp = od.get("expires_at_s")
-        expires = None if exp is None else ref + (float(exp) - server_now_s)
+        # the control plane's seconds are wall seconds: on an emulated device (a ScaledClock) one
+        # of them is 1/K of the agent's modelled second
+        k = float(getattr(self._scaled_clock, "time_scale", 1.0))
+        expires = None if exp is None else ref + (float(exp) - server_now_s) / k
         if expires is not None and expires <= now:
             return  # expired already by the control plane's clock; its expiry job will drop it
         reason = f"{od.get('reason', '')} (override {od.get('override_id')}, {od.get('scope', 'node')})"

@@ -369,3 +369,65 @@ def test_a_node_may_register_its_arena_size(cp):
                                                                 "emb_transfer_us_per_row": 1.0,
                                                                 "service_time_us": 500.0, "arena_bytes": bad}})
         assert r.status_code == 422, (bad, r.text)
+
+
+EMULATED = {"mode": "emulated", "profile": "a100-hstu-api", "time_scale": 10.0, "calibrated": False,
+            "time": "modelled", "label": "emulated a100-hstu-api (uncalibrated, modelled time, x10)"}
+
+
+def test_what_a_nodes_figures_are_is_stored_returned_and_counted(cp):
+    """A report's ``device_mode``/``device_profile`` are stored and read back with the raw
+    reports; a node shows them from its latest report saying, else from its registration's
+    ``cost_profile.device``, else null; the summary counts the up nodes per mode and the emulated
+    ones' profiles. Values outside the contract get a 422 naming the field, and nothing is stored."""
+    emu, link, mute = cp.node("dev-emu"), cp.node("dev-link"), cp.node("dev-mute")
+    r = emu.post("/nodes/register", json={"node_id": "dev-emu", "address": "http://127.0.0.1:9",
+                                          "device": EMULATED["label"],
+                                          "cost_profile": {"kv_recompute_us_per_token": 2.0,
+                                                           "emb_transfer_us_per_row": 1.0,
+                                                           "service_time_us": 500.0, "device": EMULATED}})
+    assert r.status_code == 200, r.text
+    register(link, "dev-link", device={"mode": "link-emulated", "time": "measured", "label": "cpu (EMB link emulated)"})
+    register(mute, "dev-mute")
+    nodes = {n["node_id"]: n for n in cp.admin.get("/nodes").json()}
+    assert nodes["dev-emu"]["device"] == EMULATED["label"] and nodes["dev-emu"]["cost_profile"]["device"] == EMULATED
+    got = {k: (nodes[k]["device_mode"], nodes[k]["device_profile"]) for k in ("dev-emu", "dev-link", "dev-mute")}
+    assert got == {"dev-emu": ("emulated", "a100-hstu-api"), "dev-link": ("link-emulated", None),
+                   "dev-mute": (None, None)}  # from the registrations
+    now = time.time()
+    assert emu.post("/nodes/dev-emu/reports", json={"reports": [
+        report(0, ts_s=now - 1, device_mode="emulated", device_profile="a100-hstu-api"),
+        report(1, ts_s=now, device_mode="emulated", device_profile="a100-hstu-api")]}).status_code == 200
+    assert mute.post("/nodes/dev-mute/reports", json={"reports": [report(0, ts_s=now, device_mode="real")]}).json() \
+        == {"stored": 1, "duplicates": 0}
+    assert link.post("/nodes/dev-link/reports", json={"reports": [report(0, ts_s=now)]}).status_code == 200
+    rows = cp.admin.get("/reports", params={"node_id": "dev-emu"}).json()
+    assert [(x["seq"], x["device_mode"], x["device_profile"]) for x in rows] == [
+        (0, "emulated", "a100-hstu-api"), (1, "emulated", "a100-hstu-api")]
+    assert [x["device_mode"] for x in cp.admin.get("/reports", params={"node_id": "dev-link"}).json()] == [None]
+    one = cp.admin.get("/nodes/dev-mute").json()  # its report says real; its registration said nothing
+    assert (one["device_mode"], one["device_profile"]) == ("real", None)
+    assert cp.admin.get("/nodes/dev-link").json()["device_mode"] == "link-emulated"  # report silent: registration
+    summ = cp.admin.get("/summary").json()
+    assert summ["emulated_profiles"].get("a100-hstu-api") == 1
+    assert summ["num_emulated"] == sum(summ["emulated_profiles"].values()) == summ["device_modes"].get("emulated")
+    assert sum(summ["device_modes"].values()) == summ["num_up"]
+    # outside the contract: 422 naming the field, nothing stored
+    for bad, field in (({"device_mode": "gpu"}, "device_mode"), ({"device_mode": 1}, "device_mode"),
+                       ({"device_profile": "p" * 129}, "device_profile"), ({"device_profile": ""}, "device_profile"),
+                       ({"device_profile": 7}, "device_profile")):
+        r = emu.post("/nodes/dev-emu/reports", json={"reports": [report(9, ts_s=now, **bad)]})
+        assert r.status_code == 422, (bad, r.text)
+        assert r.json()["detail"][0]["loc"] == ["body", "reports", 0, field], r.text
+    assert [x["seq"] for x in cp.admin.get("/reports", params={"node_id": "dev-emu"}).json()] == [0, 1]
+    for bad, field in (({**EMULATED, "mode": "virtual"}, "mode"), ({**EMULATED, "time": "wall"}, "time"),
+                       ({**EMULATED, "time_scale": 0}, "time_scale"), ({**EMULATED, "time_scale": True}, "time_scale"),
+                       ({**EMULATED, "calibrated": "no"}, "calibrated"), ({**EMULATED, "label": "x" * 129}, "label"),
+                       ({**EMULATED, "extra": 1}, "extra"), ({"profile": "p"}, "mode")):
+        r = emu.post("/nodes/register", json={"node_id": "dev-emu", "address": "http://127.0.0.1:9", "device": "cpu",
+                                              "cost_profile": {"kv_recompute_us_per_token": 2.0,
+                                                               "emb_transfer_us_per_row": 1.0,
+                                                               "service_time_us": 500.0, "device": bad}})
+        assert r.status_code == 422, (bad, r.text)
+        assert ["body", "cost_profile", "device", field] in [e["loc"] for e in r.json()["detail"]], r.text
+    assert cp.admin.get("/nodes/dev-emu").json()["cost_profile"]["device"] == EMULATED

@@ -29,7 +29,7 @@ def _row(nid, seq, ts, **kw):
 def test_migrations_make_every_table_and_are_idempotent(db):
     engine, _ = db
     upgrade(engine)  # second run: nothing to do
-    assert current_revision(engine) == "0007"
+    assert current_revision(engine) == "0008"
     names = set(inspect(engine).get_table_names())
     for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
               "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
@@ -60,7 +60,7 @@ def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
             c.execute(text("INSERT INTO nodes (node_id, address, device, cost_profile, status, registered_at_s, "
                            "last_seen_s, report_interval_s) VALUES ('n', 'http://x:1', 'cpu', '{}', 'up', 1, 1, 1)"))
         upgrade(engine)
-        assert current_revision(engine) == "0007"
+        assert current_revision(engine) == "0008"
         assert "node_id" in {c["name"] for c in inspect(engine).get_columns("tokens")}
         assert "ix_tokens__node_id" in {i["name"] for i in inspect(engine).get_indexes("tokens")}
         assert "token_id" in {c["name"] for c in inspect(engine).get_columns("nodes")}
@@ -178,6 +178,77 @@ def test_window_values_select_nodes_versions_and_windows_with_requests(db):
         v = queries.window_values(s, ["a"], since_s=15.0, until_s=100.0, model_digest=da)
         assert v == {"slo_attainment": [1.0, 1.0], "p99_ms": [2.0, 2.0], "model_quality": [0.75]}
         assert queries.window_values(s, ["a"], since_s=15.0, until_s=100.0, model_digest=db_)["model_quality"] == [0.25]
+
+
+def test_device_mode_is_stored_per_report_and_a_node_shows_its_latest_else_its_registration(db):
+    """``device_mode``/``device_profile`` are stored with each report (null: the node did not say)
+    and read back raw; `node_devices` gives a node's from the report of its ``last_report_seq``
+    when that says, else from its registered cost profile's ``device`` (else (None, None))."""
+    _, factory = db
+    emu = {"mode": "emulated", "profile": "a100-hstu", "time_scale": 10.0, "calibrated": False,
+           "time": "modelled", "label": "emulated a100-hstu (uncalibrated, modelled time, x10)"}
+    with factory.begin() as s:
+        _node(s, "a")
+        _node(s, "b")
+        queries.upsert_node(s, node_id="c", address="http://h:1", device=emu["label"],
+                            cost_profile={"service_time_us": 1.0, "device": emu}, policy_version=None, now_s=100.0,
+                            report_interval_s=1.0)
+        queries.insert_reports(s, [_row("a", 0, 10.0, device_mode="emulated", device_profile="h100-x"),
+                                   _row("a", 1, 11.0, device_mode="link-emulated"),
+                                   _row("b", 0, 10.0)])
+        queries.touch_nodes(s, {"a": (11.0, 0, 0.5, None), "b": (10.0, 0, 0.5, None)})
+    with factory() as s:
+        raw = queries.report_history(s, node_id="a", start_s=None, end_s=None, step_s=None, limit=10)
+        assert [(r["device_mode"], r["device_profile"]) for r in raw] == [("emulated", "h100-x"),
+                                                                          ("link-emulated", None)]
+        nodes = queries.list_nodes(s)
+        # a: its report 0 (last_report_seq); b: its report says nothing, nor its registration; c: registration
+        assert queries.node_devices(s, nodes) == {"a": ("emulated", "h100-x"), "b": (None, None),
+                                                  "c": ("emulated", "a100-hstu")}
+    with factory.begin() as s:
+        queries.touch_nodes(s, {"a": (12.0, 1, 0.5, None)})
+    with factory() as s:
+        assert queries.node_devices(s, [s.get(Node, "a")]) == {"a": ("link-emulated", None)}
+    assert queries.registered_device({"device": {"mode": "real", "profile": "ignored"}}) == ("real", None)
+    assert queries.registered_device({"device": "cpu"}) == (None, None)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_migration_0008_adds_the_report_device_columns_and_downgrades(backend, tmp_path):
+    from alembic import command
+
+    from db.engine import alembic_config
+
+    d = Database(backend, tmp_path)
+    engine = make_engine(d.url)
+    try:
+        upgrade(engine, "0007")
+        with engine.begin() as c:  # a node and a report of the older schema: kept, their device unknown
+            c.execute(text("INSERT INTO nodes (node_id, address, device, cost_profile, status, registered_at_s, "
+                           "last_seen_s, report_interval_s) VALUES ('n', 'http://x:1', 'cpu', '{}', 'up', 1, 1, 1)"))
+            c.execute(text("INSERT INTO node_reports (node_id, seq, ts_s, received_s, interval_s, emb_share, "
+                           "emb_share_target, throughput_rps, num_requests, queue_depth, refill_bytes) "
+                           "VALUES ('n', 0, 1, 1, 1, 0.5, 0.5, 0, 0, 0, 0)"))
+        assert "device_mode" not in {c["name"] for c in inspect(engine).get_columns("node_reports")}
+        upgrade(engine)
+        assert current_revision(engine) == "0008"
+        cols = {c["name"]: c for c in inspect(engine).get_columns("node_reports")}
+        assert cols["device_mode"]["nullable"] and cols["device_profile"]["nullable"]
+        with engine.connect() as c:
+            assert c.execute(text("SELECT node_id, device_mode, device_profile FROM node_reports")).all() == [
+                ("n", None, None)]
+        cfg = alembic_config(engine)
+        with engine.connect() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0007")
+            conn.commit()
+        assert current_revision(engine) == "0007"
+        assert "device_mode" not in {c["name"] for c in inspect(engine).get_columns("node_reports")}
+        upgrade(engine)
+        assert current_revision(engine) == "0008"
+    finally:
+        engine.dispose()
+        d.drop()
 
 
 def test_postgres_urls_use_psycopg3():

@@ -402,3 +402,38 @@ def test_pages_fill_named_outputs():
     op = policies_tab.controls(True, ro)
     assert op["start_disabled"] and op["activate_disabled"]  # a rollout is open
     assert set(op) == {k for k in policies_tab.TABLE_OUTPUTS if k.endswith("_disabled")} | {"note"}
+
+
+def test_the_nodes_table_and_kpis_say_which_figures_are_modelled():
+    """The nodes table's ``mode`` column says what each node's figures are; when any up node runs
+    an emulated device the KPI figures say "modelled" and a badge says how many nodes."""
+    from dashboard import live
+    from dashboard.overview_tab import device_badge, kpi_values, node_rows
+
+    emu = {"mode": "emulated", "profile": "a100-hstu", "time_scale": 10.0, "calibrated": False, "time": "modelled"}
+    rows = node_rows([
+        {"node_id": "d", "device_mode": None},
+        {"node_id": "c", "device_mode": "real"},
+        {"node_id": "b", "device_mode": "link-emulated"},
+        {"node_id": "a", "device_mode": "emulated", "device_profile": "a100-hstu", "cost_profile": {"device": emu}},
+        {"node_id": "a2", "device_mode": "emulated", "device_profile": "h100-cal",
+         "cost_profile": {"device": {**emu, "profile": "h100-cal", "calibrated": True}}},
+        {"node_id": "a3", "device_mode": "emulated", "device_profile": "other"},  # registration says nothing
+    ])
+    assert [(r["node_id"], r["mode"]) for r in rows] == [
+        ("a", "emulated a100-hstu (uncalibrated)"), ("a2", "emulated h100-cal (calibrated)"), ("a3", "emulated other"),
+        ("b", "link emulated"), ("c", "real"), ("d", "–")]
+    measured = {"num_up": 4, "num_down": 0, "mean_slo_attainment": 0.995, "mean_p99_ms": 12.34,
+                "total_throughput_rps": 800.0, "num_emulated": 0, "emulated_profiles": {}}
+    vals = kpi_values(measured)
+    assert vals[2] == "12.3 ms" and "modelled" not in " ".join(vals) and device_badge(measured) is None
+    modelled = {**measured, "num_emulated": 4, "emulated_profiles": {"a100-hstu": 4}}
+    vals = kpi_values(modelled)
+    assert vals[1].endswith("(modelled)") and vals[2] == "12.3 ms (modelled)" and vals[3] == "800 req/s (modelled)"
+    assert device_badge(modelled) == "emulated: 4 of 4 nodes (a100-hstu), modelled time"
+    assert kpi_values({"num_emulated": 1})[2] == "–"  # no figure: a gap, whatever the device
+    assert device_badge({}) is None  # an older control plane's summary: nothing said
+    assert "device" in live.KPI_OUTPUTS and live.KPI_OUTPUTS["device"].component_id == "kpi-device"
+    from dashboard.app import build_layout
+
+    assert any(getattr(c, "id", None) == "kpi-device" for c in build_layout(1.0)._traverse())

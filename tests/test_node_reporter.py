@@ -183,7 +183,11 @@ def test_registers_and_reports_every_interval(cluster):
     with Traffic(base), cp.api() as api:
         wait_for(lambda: len(stored_seqs(api)) >= 6, 30, "six stored reports")
         node = api.get("/nodes/n0").json()
-        assert node["status"] == "up" and node["address"] == base and node["device"] == "cpu"
+        assert node["status"] == "up" and node["address"] == base
+        # a CPU agent emulates the EMB link (auto): its figures are measured, its misses' link modelled
+        assert node["device"] == "cpu (EMB link emulated)" and node["device_mode"] == "link-emulated"
+        assert node["cost_profile"]["device"] == {"mode": "link-emulated", "time": "measured",
+                                                  "label": "cpu (EMB link emulated)"}
         assert node["cost_profile"]["kv_recompute_us_per_token"] == 2.5  # profiled value nearest 512 tokens
         assert node["cost_profile"]["emb_transfer_us_per_row"] == 4.0
         rows = api.get("/reports", params={"node_id": "n0", "limit": 1000}).json()
@@ -192,6 +196,8 @@ def test_registers_and_reports_every_interval(cluster):
         r = served[-1]
         assert 0 < r["p50_ms"] <= r["p99_ms"] and 0 <= r["slo_attainment"] <= 1 and r["throughput_rps"] > 0
         assert r["emb_share"] is not None and r["policy_version"]
+        assert (r["device_mode"], r["device_profile"]) == ("link-emulated", None)
+        assert abs(r["ts_s"] - time.time()) < 30  # wall-clock seconds
         dec = api.get("/decisions", params={"node_id": "n0", "limit": 50}).json()
         assert dec["total"] >= 1 and {d["source"] for d in dec["items"]} <= {"base", "residual", "guard", "recovery"}
         assert all(d["features"] for d in dec["items"])
@@ -279,6 +285,7 @@ def test_prometheus_metrics_of_the_agent(cluster):
     assert values["racer_request_latency_seconds_sum"] > 0
     assert values['racer_decisions_total{source="override"}'] >= 1  # the override test ran before
     assert sum(v for k, v in values.items() if k.startswith("racer_decisions_total")) >= 10
+    assert values['racer_node_device_info{mode="link-emulated",profile="",time="measured",time_scale="1"}'] == 1
 
 
 def artifact_tar(directory: Path) -> bytes:

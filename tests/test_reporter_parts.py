@@ -11,6 +11,7 @@ import json
 import tarfile
 import threading
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,144 @@ def test_node_agent_control_plane_options_fail_early_in_one_line(tmp_path, capsy
     assert racer_main(["node-agent", "--trace", "taobao", "--path", str(csv), "--control-plane", "cp:8600",
                        "--token", "t"]) == 2
     assert "control_plane_url must start with http" in capsys.readouterr().err
+
+
+def _emulated_engine(clock, profile: str = "a100-hstu", time_scale: float = 10.0):
+    """`tests.test_node_agent.small_engine`'s engine on an emulated device, on ``clock``."""
+    from node_agent.emulated import EmulationConfig
+    from node_agent.engine import Engine
+    from tests.test_node_agent import small_engine
+
+    return Engine(replace(small_engine().config, emulation=EmulationConfig(profile, time_scale)), clock=clock)
+
+
+def test_reports_and_registration_say_what_the_figures_are(tmp_path):
+    """An emulated agent (a `ScaledClock`, K = 10): its reports carry ``device_mode`` emulated and
+    the profile, a wall-clock ``ts_s`` (the wall time at the clock's origin plus the wall seconds
+    since: a fixed offset would lag (K-1)/K of the elapsed time) and a modelled ``interval_s``; it
+    registers its label as ``device`` and `Engine.device_info` in the cost profile, both taken by
+    the control plane's input models. A real engine says real; an engine that does not say is
+    unknown (null) and registers its device."""
+    schemas = pytest.importorskip("control_plane.schemas")
+    from node_agent.agent import AgentConfig, NodeAgent
+    from node_agent.emulated import ScaledClock
+    from tests.test_node_agent import small_engine
+
+    perf = [1_000.0]
+    clock = ScaledClock(10.0, wall=lambda: perf[0])
+    agent = NodeAgent(_emulated_engine(clock), AgentConfig(control_interval_s=1.0), clock=clock)
+    cfg = dict(control_plane_url="http://127.0.0.1:9", token="tok", node_id="n0", advertise_url="http://127.0.0.1:9")
+    rep = Reporter(agent, ReporterConfig(**cfg, state_dir=str(tmp_path / "emu")),
+                   wall_clock=lambda: 5_000_000.0 + perf[0])
+    try:
+        perf[0] += 100.0  # 100 wall seconds: 10 modelled ones
+        now = clock()
+        assert now == pytest.approx(1_010.0)
+        r = rep._build_report({"now_s": now, "window": {"interval_s": 1.0}})
+        assert r["ts_s"] == pytest.approx(5_001_100.0)  # the wall clock's now (an offset would give 5_001_010)
+        assert r["interval_s"] == 1.0 and (r["device_mode"], r["device_profile"]) == ("emulated", "a100-hstu")
+        schemas.ReportIn.model_validate({**r, "seq": 0})
+        assert rep.device_label() == "emulated a100-hstu (uncalibrated, modelled time, x10)"
+        prof = rep.registration_profile()
+        assert prof["device"] == agent.engine.device_info() == {
+            "mode": "emulated", "profile": "a100-hstu", "time_scale": 10.0, "calibrated": False, "time": "modelled",
+            "label": "emulated a100-hstu (uncalibrated, modelled time, x10)"}
+        assert schemas.CostProfileIn(**prof).device.mode == "emulated"
+        schemas.RegisterIn(node_id="n0", address="http://127.0.0.1:9", device=rep.device_label(), cost_profile=prof)
+    finally:
+        rep.stop()
+
+    real = NodeAgent(small_engine(), AgentConfig(control_interval_s=1.0))
+    rep = Reporter(real, ReporterConfig(**cfg, state_dir=str(tmp_path / "real")), wall_clock=lambda: 7_000.0)
+    try:
+        r = rep._build_report({"now_s": real.clock(), "window": {"interval_s": 1.0}})
+        assert r["ts_s"] == pytest.approx(7_000.0, abs=1.0)  # the agent's clock plus the offset fixed at start
+        assert (r["device_mode"], r["device_profile"]) == ("real", None)
+        assert rep.device_label() == "cpu" and rep.registration_profile()["device"]["mode"] == "real"
+    finally:
+        rep.stop()
+
+    from node_agent.engine import Engine, LinkEmulationConfig
+
+    linked = NodeAgent(Engine(replace(small_engine().config, link=LinkEmulationConfig(mode="on"))), AgentConfig())
+    rep = Reporter(linked, ReporterConfig(**cfg, state_dir=str(tmp_path / "link")))
+    try:
+        r = rep._build_report({"now_s": linked.clock(), "window": {"interval_s": 1.0}})
+        assert (r["device_mode"], r["device_profile"]) == ("link-emulated", None)
+        assert rep.device_label() == "cpu (EMB link emulated)"
+    finally:
+        rep.stop()
+
+    real.engine.device_info = None  # an engine that does not say (an older one, a test's fake)
+    rep = Reporter(real, ReporterConfig(**cfg, state_dir=str(tmp_path / "mute")))
+    try:
+        r = rep._build_report({"now_s": real.clock(), "window": {"interval_s": 1.0}})
+        assert (r["device_mode"], r["device_profile"]) == (None, None)
+        assert rep.device_label() == "cpu" and "device" not in rep.registration_profile()
+        schemas.ReportIn.model_validate({**r, "seq": 0})
+    finally:
+        rep.stop()
+
+
+def test_device_info_is_bounded_and_unknown_when_the_engine_does_not_say():
+    from types import SimpleNamespace
+
+    from node_agent.reporter import device_info
+
+    def eng(fn):
+        return SimpleNamespace(device_info=fn)
+
+    def boom():
+        raise RuntimeError("no")
+
+    assert device_info(SimpleNamespace(device="cpu")) is None  # no method
+    assert device_info(eng(boom)) is None
+    assert device_info(eng(lambda: {"mode": "quantum"})) is None
+    assert device_info(eng(lambda: "emulated")) is None
+    assert device_info(eng(lambda: {"mode": "link-emulated", "time": "measured", "label": "cpu (EMB link emulated)",
+                                    "profile": "dropped"})) == {
+        "mode": "link-emulated", "time": "measured", "label": "cpu (EMB link emulated)"}
+    got = device_info(eng(lambda: {"mode": "emulated", "profile": "p" * 500, "time_scale": float("nan"),
+                                   "calibrated": 1, "time": "later", "label": "x" * 500, "other": 1}))
+    assert got == {"mode": "emulated", "profile": "p" * 128, "label": "x" * 128}
+
+
+def test_an_override_expiry_on_an_emulated_clock_is_in_modelled_seconds(tmp_path, policy_dir):
+    """The control plane's 30 s left are wall seconds: 3 modelled seconds at K = 10."""
+    from node_agent.agent import AgentConfig, NodeAgent
+    from node_agent.allocator import AllocatorConfig, SmartAllocator
+    from node_agent.emulated import ScaledClock
+
+    perf = [50.0]
+    clock = ScaledClock(10.0, wall=lambda: perf[0])
+    agent = NodeAgent(_emulated_engine(clock), AgentConfig(control_interval_s=1.0), clock=clock,
+                      allocator=SmartAllocator(AllocatorConfig(), policy_dir=policy_dir))
+    rep = Reporter(agent, ReporterConfig(control_plane_url="http://127.0.0.1:9", token="tok", node_id="n0",
+                                         advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path)))
+    try:
+        perf[0] += 20.0  # modelled now: 52
+        rep.apply_override({"override_id": 1, "emb_share": 0.25, "expires_at_s": 5_030.0, "reason": "pin",
+                            "scope": "node"}, server_now_s=5_000.0)
+        assert agent.allocator.override.expires_at_s == pytest.approx(52.0 + 3.0)
+    finally:
+        rep.stop()
+
+
+def test_the_agents_prometheus_metrics_say_what_the_figures_are():
+    """``racer_node_device_info`` names the mode, profile, time and time scale; on an emulated
+    device the latency histogram's HELP says its seconds are modelled."""
+    from node_agent.agent import AgentConfig, NodeAgent
+    from node_agent.emulated import ScaledClock
+    from node_agent.exporter import render
+    from tests.test_node_agent import small_engine
+
+    clock = ScaledClock(10.0)
+    emu = render(NodeAgent(_emulated_engine(clock), AgentConfig(), clock=clock))[0].decode()
+    assert ('racer_node_device_info{mode="emulated",profile="a100-hstu",time="modelled",time_scale="10"} 1.0'
+            in emu), emu
+    help_line = next(x for x in emu.splitlines() if x.startswith("# HELP racer_request_latency_seconds "))
+    assert "modelled seconds of an emulated device, profile a100-hstu (uncalibrated)" in help_line
+    real = render(NodeAgent(small_engine(), AgentConfig()))[0].decode()
+    assert 'racer_node_device_info{mode="real",profile="",time="measured",time_scale="1"} 1.0' in real
+    help_line = next(x for x in real.splitlines() if x.startswith("# HELP racer_request_latency_seconds "))
+    assert "(measured;" in help_line and "modelled" in help_line  # says what an emulated device's would be

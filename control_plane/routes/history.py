@@ -75,6 +75,12 @@ def summary(request: Request):
         act = queries.active_policy(s)
         w = queries.latest_weights(s)
         lease = s.get(SchedulerLease, "scheduler")
+        up = [n for n in ns if n.status == "up"]
+        modes, profiles = {}, {}
+        for mode, prof in queries.node_devices(s, up).values():
+            modes[mode or "unknown"] = modes.get(mode or "unknown", 0) + 1
+            if mode == "emulated":
+                profiles[prof or "unknown"] = profiles.get(prof or "unknown", 0) + 1
         return SummaryOut(
             now_s=now, num_nodes=len(ns), num_up=sum(n.status == "up" for n in ns),
             num_down=sum(n.status == "down" for n in ns),
@@ -85,7 +91,8 @@ def summary(request: Request):
             active_rollout=None if ro is None else rollout_out(s, ro),
             num_active_overrides=len(queries.active_overrides(s)),
             router_weights_version=w.version if w else None, leader=lease.holder if lease else None,
-            decisions_by_source=queries.decisions_by_source(s, now - 300))
+            decisions_by_source=queries.decisions_by_source(s, now - 300),
+            device_modes=modes, num_emulated=modes.get("emulated", 0), emulated_profiles=profiles)
 
 
 @router.get("/jobs", **roles(OPERATOR, VIEWER))

@@ -70,7 +70,9 @@ async def reports(node_id: NodeId, request: Request):
 def nodes(request: Request, include_retired: Annotated[bool, Query(
         description="also the retired nodes (the gateway's list never has them)")] = False):
     with session(request) as s:
-        return [node_out(request.app.state, n) for n in queries.list_nodes(s, include_retired=include_retired)]
+        ns = queries.list_nodes(s, include_retired=include_retired)
+        devices = queries.node_devices(s, ns)
+        return [node_out(request.app.state, n, devices[n.node_id]) for n in ns]
 
 
 @router.post("/nodes/{node_id}/retire", response_model=NodeOut, responses=errors(404, 409, 413), **roles(OPERATOR))
@@ -94,7 +96,7 @@ def retire_node(node_id: NodeId, body: ReasonIn, request: Request, p: principal(
         queries.audit(s, ts_s=now, actor=p.name, action="node.retire", target=f"node:{node_id}", before=before,
                       after={"status": "retired", "revoked_token_ids": revoked,
                              "cleared_override_ids": [o.id for o in cleared]}, reason=body.reason)
-        out = NodeOut.model_validate(node)
+        out = node_out(request.app.state, node, queries.node_devices(s, [node])[node_id])
     request.app.state.tokens.forget_node(node_id)
     request.app.state.known_nodes.discard(node_id)
     return out
@@ -104,4 +106,4 @@ def retire_node(node_id: NodeId, body: ReasonIn, request: Request, p: principal(
 def node(node_id: NodeId, request: Request):
     with session(request) as s:
         n = get_or_404(s, Node, node_id)
-        return node_out(request.app.state, n)
+        return node_out(request.app.state, n, queries.node_devices(s, [n])[node_id])

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DataError, IntegrityError
 
 from db.models import Node
+from db.queries import registered_device
 from common.http_server import json_safe
 
 from ..auth import PRINCIPAL_STATE, Principal, node_route_refusal, role_refusal
@@ -23,9 +24,12 @@ from .deps import API, NODE
 INGEST_PATH = re.compile(r"^/api/v1/nodes/([A-Za-z0-9_.:\-]{1,128})/reports$")
 
 
-def node_out(state, node: Node) -> NodeOut:
-    """A node as the API shows it: its row, and the drop count its latest report gave."""
+def node_out(state, node: Node, device: tuple[str | None, str | None] | None = None) -> NodeOut:
+    """A node as the API shows it: its row, the drop count its latest report gave, and what its
+    figures are (``device``: (device_mode, device_profile) from `db.queries.node_devices`; None:
+    from its registration)."""
     out = NodeOut.model_validate(node)
+    out.device_mode, out.device_profile = device if device is not None else registered_device(node.cost_profile)
     dropped = state.reports_dropped.get(node.node_id)
     if dropped is not None:
         out.num_reports_dropped = dropped[1]
