@@ -834,7 +834,7 @@ def run_fleet(args) -> dict:
                 "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed, "sizing": asdict(sizing),
                 "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
     if emulation is not None:  # (absent without it: folders saved before the option resume)
-        settings["emulation"] = asdict(emulation)
+        settings.update(emulation=asdict(emulation), trace_kind=args.trace, trace_path=args.path)
     agent_nice = 0 if args.nodes else (AGENT_NICE if args.agent_nice is None else args.agent_nice)
     if agent_nice:  # (absent at 0: folders saved before the option resume with --agent-nice 0)
         settings["agent_nice"] = agent_nice
@@ -911,6 +911,13 @@ def run_fleet(args) -> dict:
     result["plot"] = png
     result["verdict_plot"] = write_verdict_plot(result["findings"]["verdicts"], out_dir / "fleet_verdicts.png")
     _save(out_dir / "fleet.json", result)
+    if emulation is not None:  # the simulator on the same stream, sizing and profile (bench/sim_to_real.py)
+        from bench.sim_to_real import compare
+
+        say("sim-to-real: the simulator on the same streams")
+        s2r = compare(out_dir)
+        result["sim_to_real"] = {"by_load": s2r["by_load"], "rows": s2r["rows"]}
+        _save(out_dir / "fleet.json", result)
     return result
 
 

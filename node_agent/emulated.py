@@ -17,6 +17,13 @@ each), in modelled time:
 3. compute, ``max(max_i c_i, sum_i c_i / batch_speedup)`` over the pass's requests, ``c_i`` from
    `common.device_model.request_compute_us` (the prefill of the tokens not cached, ranking).
 
+A pass starts on the device's own timeline: when the device is free and the pass's last request
+has arrived (``free_at_s``), not when the host's worker thread got round to it, so a thread
+descheduled on a busy host catches up instead of adding its delay to the modelled time; the
+worker then waits until the pass's modelled end, so answers leave when the device would give
+them (a host too slow to keep up shows as lateness the clients see, not inside the figures the
+node reports).
+
 The background refill (`MemoryManager.step`, throttled by its token bucket as on a device) puts
 each chunk on the same link, ``emb_transfer_us_per_row`` per row, without blocking the worker: a
 demand miss issued meanwhile waits for the chunk, as a copy engine serves one copy after another.
@@ -160,6 +167,7 @@ class EmulatedDevice:
         self.wait_until = wait_until
         self.link = EmulatedLink()
         self.busy_us = 0.0  # modelled device time charged (overheads, hits, compute, demand copies)
+        self.free_at_s = -float("inf")  # the device's timeline: when its last pass ends (modelled s)
         self.info = EmulationInfo("emulated", profile.name, self.time_scale, bool(profile.calibrated))
 
     def compute_us(self, cached: list[int], history_len: list[int], num_new: list[int],

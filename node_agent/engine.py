@@ -749,7 +749,10 @@ class Engine:
         called, so the bookkeeping's own CPU time counts inside the modelled duration."""
         clock, mm, emu = self.clock, self.mm, self.emu
         assert emu is not None
-        t_start = clock()
+        # the device's own timeline: the pass starts when the device is free and its last request has
+        # arrived, not when this host's thread got round to it (a late thread catches up, no wait)
+        last_arrival = max((p.req.arrival_s if p.req.arrival_s is not None else t_batch) for p in preps)
+        t_start = min(clock(), max(emu.free_at_s, last_arrival))
         plans = [self._plan_kv(p) for p in preps]
         cands = [p.candidates if p.candidates is not None
                  else self.candidates.sample(p.user, len(p.items), p.num_candidates) for p in preps]
@@ -772,6 +775,7 @@ class Engine:
         t_copy = t_start + (fixed_us + lk.num_hits * prof.emb_hit_us_per_row) * 1e-6
         c0, c1 = emu.demand_copy(t_copy, lk.num_unique_misses)
         t_end = c1 + comp_us * 1e-6
+        emu.free_at_s = t_end
         emu.wait_until(t_end)
         emu.busy_us += (t_end - t_start) * 1e6
         emb_us = (c1 - t_start) * 1e6
