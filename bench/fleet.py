@@ -311,23 +311,62 @@ class LocalFleet:
         self.gateway = None
 
     def start(self, cfg: FleetConfig) -> str:
-        """Cold agents with ``cfg``'s split and a gateway with its router; the gateway's URL."""
+        """Cold agents with ``cfg``'s split and a gateway with its router; the gateway's URL.
+        Emulated agents are started once and reset in place for every later run
+        (``POST /v1/admin/reset``: cold caches, the split, the allocator on or off), which cuts a
+        run's start from seconds per agent to one call each."""
         from bench.gateway import Proc, free_port
 
-        self.stop()
         trace = ["--trace", self.trace_kind, *(["--path", self.path] if self.path else [])]
-        split = (["--emb-share", "0.5", "--policy", self.policy] if cfg.split is None
-                 else ["--emb-share", format(cfg.split, "g")])
+        if self.emulation is not None and self.agents and all(a.proc.poll() is None for a in self.agents):
+            self.stop_gateway()
+            self._reset_agents(cfg)
+            return self._start_gateway(cfg, trace)
+        self.stop()
+        if self.emulation is not None:  # every agent can run the allocator; a reset picks the configuration
+            split = ["--emb-share", "0.5", "--policy", self.policy, "--allow-reset"]
+        else:
+            split = (["--emb-share", "0.5", "--policy", self.policy] if cfg.split is None
+                     else ["--emb-share", format(cfg.split, "g")])
         for i in range(self.num_nodes):
             args = ["node-agent", *trace, *self.device_args, *split, "--slo-ms", format(self.slo_ms, "g"),
                     "--seed", "1", "--control-interval-s", "1"]
             self.agents.append(Proc(args, self.workdir / f"agent{i}.log", free_port(), nice=self.agent_nice).start())
         for a in self.agents:
             a.wait_ready()
+        if self.emulation is not None:
+            self._reset_agents(cfg)
+        return self._start_gateway(cfg, trace)
+
+    def _start_gateway(self, cfg: FleetConfig, trace: list[str]) -> str:
+        from bench.gateway import Proc, free_port
+
         self.gateway = Proc(["gateway", "--nodes", ",".join(a.url for a in self.agents), "--router", cfg.router,
                              *trace, "--report-interval-s", "0.2"], self.workdir / "gateway.log", free_port()).start()
         self.gateway.wait_ready()
         return self.gateway.url
+
+    def _reset_agents(self, cfg: FleetConfig) -> None:
+        import httpx
+
+        body = {"emb_share": 0.5 if cfg.split is None else cfg.split, "allocator": cfg.split is None}
+        with httpx.Client(timeout=60.0) as c:
+            for a in self.agents:
+                r = c.post(f"{a.url}/v1/admin/reset", json=body)
+                if r.status_code != 200:
+                    raise RuntimeError(f"reset of {a.url} failed: HTTP {r.status_code} {r.text[:300]}")
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.gateway = None
+
+    def end_run(self) -> None:
+        """After a run: emulated agents stay up for the next run's reset; the rest stops."""
+        if self.emulation is not None:
+            self.stop_gateway()
+        else:
+            self.stop()
 
     @property
     def node_urls(self) -> list[str]:
@@ -376,6 +415,8 @@ class ExternalFleet:
         if self.gateway is not None:
             self.gateway.stop()
         self.gateway = None
+
+    end_run = stop
 
 
 class ShareSampler(threading.Thread):
@@ -475,7 +516,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
             fig["mean_share"] = sampler.mean(t0 + ph.start_s, t0 + ph.end_s)
             phases[ph.name] = fig
     finally:
-        fleet.stop()
+        fleet.end_run()
     return {"config": cfg.key, "rate_rps": rate_rps, "seed": seed, "p50_ms": rep["latency_ms"]["p50"],
             "p99_ms": rep["p99_ms"], "slo_attainment": rep["slo_attainment"],
             "throughput_rps": round(rep["requests_served"] / rc.duration_s, 2),

@@ -132,6 +132,16 @@ class RecommendBody(BaseModel):
                           num_candidates=self.num_candidates, top_k=self.top_k, arrival_s=arrival_s)
 
 
+class ResetBody(BaseModel):
+    """``POST /v1/admin/reset`` (only with ``--allow-reset``): a cold start with this split, the
+    allocator on or off."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    emb_share: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    allocator: bool = False
+
+
 class QueueFull(Exception):
     pass
 
@@ -205,6 +215,9 @@ class NodeAgent:
         self.reporter = None  # node_agent.reporter.Reporter when a control plane is configured
         # the online quality of the served model (worker thread only; the reporter takes a window's value)
         self.quality = NextItemQuality()
+        # ``--allow-reset``: builds (engine, allocator) for a given split and allocator on/off (`reset`)
+        self.reset_factory: Callable[[float, bool], tuple[Engine, object]] | None = None
+        self.num_resets = 0
         # callables another thread asks the device worker to run between batches (e.g. a model swap)
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future]] = queue.SimpleQueue()
 
@@ -255,6 +268,35 @@ class NodeAgent:
         self.quality.reset()
         self.info["model"] = info
         return info
+
+    def reset(self, emb_share: float, allocator: bool) -> dict:
+        """On the device worker: back to the state of a fresh start (cold caches, no metrics, no
+        control history, a new residency epoch) with ``emb_share`` and the allocator on or off,
+        without reloading the trace or restarting the process (``--allow-reset``: benches that run
+        many configurations on one fleet). Requests still queued are served by the new engine."""
+        if self.reset_factory is None:
+            raise RuntimeError("this agent was not started with --allow-reset")
+        engine, alloc = self.reset_factory(emb_share, allocator)
+        now = self.clock()
+        with self._lock:
+            self.engine = engine
+            self.allocator = alloc
+            self.metrics = RollingMetrics(MetricsConfig(slo_ms=self.config.slo_ms,
+                                                        window_s=self.config.metrics_window_s),
+                                          link_emulated=engine.link.enabled)
+            self._allocator_state = None
+        self.residency.reset()
+        self.quality.reset()
+        self.window = WindowAccumulator(now)
+        self.started_s = self._last_control_s = now
+        self._arrivals_at_control = self._arrivals
+        self.num_large_batches = self.num_expired = self.num_control_steps = 0
+        self.last_effect, self.last_window = None, None
+        self.recent_effects.clear()
+        self._memory = self._memory_snapshot()
+        self.num_resets += 1
+        return {"emb_share": engine.mm.emb_share, "allocator": alloc is not None, "num_resets": self.num_resets,
+                "device_mode": engine.device_info()}
 
     def _run_calls(self) -> None:
         while True:
@@ -550,7 +592,7 @@ def create_app(agent: NodeAgent) -> FastAPI:
     app = FastAPI(title="RACER node agent", version="1", lifespan=lifespan)
 
     app.add_middleware(BodyLimit, max_bytes=agent.config.max_body_bytes)
-    app.add_middleware(JsonOnly, paths={"/v1/recommend"})  # 415 for a body that is not JSON
+    app.add_middleware(JsonOnly, paths={"/v1/recommend", "/v1/admin/reset"})  # 415 for a body that is not JSON
     app.add_middleware(AllowedMethods, routes=app.router.routes)  # 405 / OPTIONS with the full Allow
 
     @app.exception_handler(RequestValidationError)
@@ -587,6 +629,15 @@ def create_app(agent: NodeAgent) -> FastAPI:
         except RuntimeError as e:
             return JSONResponse(status_code=500, content={"error": str(e)})
         return resp.to_dict()
+
+    if agent.reset_factory is not None:  # --allow-reset only: benches on a local fleet
+        @app.post("/v1/admin/reset", responses={409: {"description": "the allocator asked for has no policy"}})
+        async def reset(body: ResetBody):
+            try:
+                return await asyncio.wrap_future(agent.call_on_worker(
+                    lambda: agent.reset(body.emb_share, body.allocator)))
+            except ValueError as e:
+                return JSONResponse(status_code=409, content={"error": str(e)})
 
     @app.get("/healthz")
     async def healthz():

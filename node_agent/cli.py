@@ -193,8 +193,28 @@ def build_agent(args, *, announce=None):
     from .residency_feed import ResidencyFeed
 
     feed = ResidencyFeed(trace.item_shard, trace.item_popularity(), num_shards=trace.num_shards)
-    return NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info, residency=feed,
-                     clock=clock)
+    agent = NodeAgent(engine, acfg, allocator=allocator, miss_costs=costs, info=info, residency=feed,
+                      clock=clock)
+    if getattr(args, "allow_reset", False):
+        pop = trace.item_popularity()
+
+        def rebuild(emb_share: float, with_allocator: bool):
+            from dataclasses import replace
+
+            eng = Engine(replace(ecfg, emb_share=emb_share), item_popularity=pop, checkpoint=ckpt,
+                         **({"clock": clock} if clock is not None else {}))
+            if not with_allocator:
+                return eng, None
+            if not args.policy:
+                raise ValueError("an allocator needs a policy: start the agent with --policy DIR")
+            from .allocator import AllocatorConfig, SmartAllocator
+
+            alloc = SmartAllocator(AllocatorConfig(initial_emb_share=emb_share))
+            alloc.load_policy(args.policy)
+            return eng, alloc
+
+        agent.reset_factory = rebuild
+    return agent
 
 
 def _emulation(args):
@@ -366,6 +386,9 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--time-scale", type=float, default=1.0, metavar="K",
                    help="with --emulate: wall seconds per modelled second (default 1; a small machine running "
                         "many emulated agents needs more)")
+    g.add_argument("--allow-reset", action="store_true",
+                   help="serve POST /v1/admin/reset {emb_share, allocator}: a cold start without restarting the "
+                        "process (for benches on a local fleet; off by default: no one else needs it)")
     g.add_argument("--refill-link-fraction", type=float, default=None, metavar="F",
                    help="with --emulate: the background refill's byte budget as a fraction of the profile's link "
                         "(default 0.1, the simulator's)")

@@ -71,6 +71,19 @@ class ResidencyFeed:
         self._served = 0
         self.service_time_us: float | None = None
 
+    def reset(self) -> None:
+        """Forget everything, as a restart would: a new epoch (a reader gets a full, empty snapshot
+        next), no events, no resident users or hot shards, no service time."""
+        with self._lock:
+            self.epoch = secrets.token_hex(8)
+            self._events.clear()
+            self._resident = {}
+            self._hot = []
+            self._next_hot_s = -float("inf")
+            self._busy_s = 0.0
+            self._served = 0
+            self.service_time_us = None
+
     # ------------------------------------------------------------------ worker thread side ---
     def note_served(self, busy_s: float, num_requests: int) -> None:
         """The device worker served ``num_requests`` in ``busy_s`` seconds (one micro-batch)."""

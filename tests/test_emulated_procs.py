@@ -48,6 +48,7 @@ def test_an_emulated_agent_says_so_in_answers_reports_metrics_and_the_nodes_tabl
             answers = [c.post("/v1/recommend", json={"user_id": u % 3, "history": list(range(u % 3, 20)),
                                                       "num_candidates": 8}).json() for u in range(6)]
             health = c.get("/healthz").json()
+            assert c.post("/v1/admin/reset", json={"emb_share": 0.3}).status_code in (404, 405)  # no --allow-reset
             metrics = c.get("/v1/metrics").json()
             prom = c.get("/metrics").text
         for a in answers:
@@ -78,3 +79,40 @@ def test_an_emulated_agent_says_so_in_answers_reports_metrics_and_the_nodes_tabl
             except subprocess.TimeoutExpired:
                 proc.kill()
         cp.stop()
+
+
+def test_an_agent_started_with_allow_reset_goes_back_to_a_cold_start_in_place(tmp_path):
+    from tests.procs import racer_cmd, spawn, stop
+    from tests.test_reporter_parts import export_constant_policy
+
+    csv = write_taobao_csv(tmp_path / "UserBehavior_small.csv")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    policy = export_constant_policy(tmp_path / "p03", 0.3)
+    proc = spawn(racer_cmd("node-agent", "--port", str(port), "--trace", "taobao", "--path", str(csv),
+                           "--emulate", "a100-hstu", "--time-scale", "2", "--num-pages", "64", "--allow-reset",
+                           "--policy", str(policy), "--control-interval-s", "0.2"), tmp_path / "agent.log")
+    try:
+        wait_healthy(base, proc, timeout_s=120)
+        body = {"user_id": 7, "history": list(range(30)), "num_candidates": 8}
+        with httpx.Client(base_url=base, timeout=30) as c:
+            assert c.post("/v1/recommend", json=body).json()["kv"]["outcome"] == "miss"
+            body2 = {**body, "history": list(range(30)), "new_items": [31]}
+            assert c.post("/v1/recommend", json=body2).json()["kv"]["outcome"] == "hit"
+            r = c.post("/v1/admin/reset", json={"emb_share": 0.25, "allocator": False})
+            assert r.status_code == 200, r.text
+            assert r.json()["emb_share"] == 0.25 and r.json()["allocator"] is False
+            m = c.get("/v1/metrics").json()
+            assert m["engine"]["num_served"] == 0 and m["allocator"]["enabled"] is False
+            assert m["emb_share"] == 0.25 and m["device_mode"]["mode"] == "emulated"
+            assert c.post("/v1/recommend", json=body2).json()["kv"]["outcome"] == "miss"  # cold again
+            r = c.post("/v1/admin/reset", json={"emb_share": 0.5, "allocator": True})
+            assert r.status_code == 200 and r.json()["allocator"] is True
+            wait_for(lambda: c.get("/v1/metrics").json()["allocator"].get("num_decisions"), 30, "a decision")
+            for bad in ({"emb_share": 1.5}, {"emb_share": "0.5"}, {"emb_share": 0.5, "allocator": 1},
+                        {"emb_share": 0.5, "extra": 1}, {}):
+                assert c.post("/v1/admin/reset", json=bad).status_code == 422, bad
+            assert c.post("/v1/admin/reset", content=b"emb_share=0.5",
+                          headers={"content-type": "text/plain"}).status_code == 415
+    finally:
+        stop(proc)
