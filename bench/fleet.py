@@ -341,8 +341,12 @@ class LocalFleet:
     def _start_gateway(self, cfg: FleetConfig, trace: list[str]) -> str:
         from bench.gateway import Proc, free_port
 
+        # the residency feed every 0.2 s of the agents' time (modelled for emulated agents, as the simulator's
+        # nodes report every 0.25 s)
+        k = 1.0 if self.emulation is None else self.emulation.time_scale
         self.gateway = Proc(["gateway", "--nodes", ",".join(a.url for a in self.agents), "--router", cfg.router,
-                             *trace, "--report-interval-s", "0.2"], self.workdir / "gateway.log", free_port()).start()
+                             *trace, "--report-interval-s", format(0.2 * k, "g")], self.workdir / "gateway.log",
+                            free_port()).start()
         self.gateway.wait_ready()
         return self.gateway.url
 
@@ -466,6 +470,24 @@ def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizi
                         max_new_items=min(32, sizing.max_history_len // 4))
 
 
+def workload_plan(trace, rc, workload: str | None):
+    """The phases a run sends: the config's schedule (`workloads.replay.build_plan`), or one phase
+    holding a named workload's stream (`workloads.fleet_workloads`) at ``rc``'s rate for its
+    duration, its requests shaped as the schedule's (candidates, new items, history cap)."""
+    from workloads.replay import Phase, build_plan
+
+    if workload is None:
+        return build_plan(trace, rc)
+    from workloads.fleet_workloads import workload_stream
+    from workloads.sessions import StreamShape
+
+    shape = StreamShape(num_candidates=rc.num_candidates, max_new_items=rc.max_new_items,
+                        max_history_len=rc.max_history_len - rc.max_new_items)
+    stream = workload_stream(workload, trace, rate_rps=rc.rate_rps, duration_s=rc.duration_s, seed=rc.seed,
+                             shape=shape)
+    return [Phase(workload, 0.0, stream, 0.0, rc.duration_s)]
+
+
 def cpu_s(pid: int) -> float | None:
     """User + system CPU seconds process ``pid`` has used (Linux ``/proc``), None where unknown."""
     try:
@@ -484,26 +506,28 @@ def _cpu_ms_per_request(procs, served: int) -> float | None:
 
 
 def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, seed: int, slo_ms: float,
-             sizing: Sizing, num_users: int | None = None, time_scale: float = 1.0) -> dict:
+             sizing: Sizing, num_users: int | None = None, time_scale: float = 1.0,
+             workload: str | None = None) -> dict:
     """One run of ``cfg`` at ``rate_rps``: restart, replay the schedule through the gateway, stop.
     With local processes it also says their CPU ms per served request (gateway, agents). With
     emulated agents (``time_scale`` K) the schedule is sent K times slower and every figure is
     read in modelled time."""
     import asyncio
 
-    from workloads.replay import ReplayStats, build_plan, modelled_clock, run_replay
+    from workloads.replay import ReplayStats, modelled_clock, run_replay
 
     rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing, num_users, time_scale)
+    plan = workload_plan(trace, rc, workload)
     clock = time.monotonic if time_scale == 1.0 else modelled_clock(time_scale)
     url = fleet.start(cfg)
     try:
         stats = ReplayStats(slo_ms, clock=clock)
-        sampler = ShareSampler(fleet.node_urls, clock=clock)
+        sampler = ShareSampler(fleet.node_urls, every_s=0.5 * time_scale, clock=clock)
         sampler.start()
         pids = fleet.pids()
         before = {k: [(p, cpu_s(p)) for p in v] for k, v in pids.items()}
         try:
-            asyncio.run(run_replay([url], trace, rc, stats, clock=clock))
+            asyncio.run(run_replay([url], trace, rc, stats, clock=clock, plan=plan))
         finally:
             sampler.halt.set()
             sampler.join(5)
@@ -511,7 +535,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
         cpu = {f"{k}_cpu_ms_per_request": _cpu_ms_per_request(v, rep["requests_served"]) for k, v in before.items()}
         t0 = stats.started_s if stats.started_s is not None else 0.0
         phases = {}
-        for ph in build_plan(trace, rc):
+        for ph in plan:
             fig = dict(rep["phases"].get(ph.name, {}))
             fig["mean_share"] = sampler.mean(t0 + ph.start_s, t0 + ph.end_s)
             phases[ph.name] = fig
@@ -860,7 +884,11 @@ def run_fleet(args) -> dict:
 
     configs = parse_configs(args.configs or ",".join(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS))
     loads = parse_loads(args.loads)
-    schedule = args.schedule or (QUICK_SCHEDULE if args.quick else SCHEDULE)
+    workload = args.workload
+    if workload is not None:  # one stream of the named workload; the schedule only carries its length
+        schedule = f"steady:{args.workload_s or (15.0 if args.quick else 60.0):g}"
+    else:
+        schedule = args.schedule or (QUICK_SCHEDULE if args.quick else SCHEDULE)
     rounds = args.rounds
     sizing = Sizing(arena_table=args.arena_table)
     emulation = Emulation(args.emulate, args.time_scale) if args.emulate else None
@@ -876,6 +904,8 @@ def run_fleet(args) -> dict:
                 "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
     if emulation is not None:  # (absent without it: folders saved before the option resume)
         settings.update(emulation=asdict(emulation), trace_kind=args.trace, trace_path=args.path)
+    if workload is not None:
+        settings["workload"] = workload
     agent_nice = 0 if args.nodes else (AGENT_NICE if args.agent_nice is None else args.agent_nice)
     if agent_nice:  # (absent at 0: folders saved before the option resume with --agent-nice 0)
         settings["agent_nice"] = agent_nice
@@ -899,7 +929,7 @@ def run_fleet(args) -> dict:
         if cap is None:
             def run_at(rate):
                 return run_once(fleet, cap_cfg, trace, f"steady:{steady_s:g}", rate, args.seed, args.slo_ms, sizing,
-                                time_scale=k)
+                                time_scale=k, workload=workload)
 
             say(f"capacity: steady {steady_s:g} s at static 0.5 + least_load, P99 within {args.slo_ms:g} ms")
             capacity, probes = find_capacity(
@@ -925,7 +955,7 @@ def run_fleet(args) -> dict:
                     r = _load(f)
                     if r is None:
                         r = run_once(fleet, cfg, trace, schedule, round(load * capacity, 2), args.seed, args.slo_ms,
-                                     sizing, time_scale=k)
+                                     sizing, time_scale=k, workload=workload)
                         r.update(round=rnd, load=load)
                         _save(f, r)
                     runs.append(r)
@@ -934,7 +964,7 @@ def run_fleet(args) -> dict:
     finally:
         fleet.stop()
     rows = aggregate(runs, configs, loads)
-    plan = build_plan(trace, replay_config(schedule, capacity, args.seed, args.slo_ms, sizing))
+    plan = workload_plan(trace, replay_config(schedule, capacity, args.seed, args.slo_ms, sizing), workload)
     stream = plan[0].stream  # one stream for the whole schedule
     users = len(np.unique(stream.user))
     hist = float(np.mean(stream.history_len)) if len(stream) else 0.0
@@ -942,6 +972,7 @@ def run_fleet(args) -> dict:
               "loads": {format(x, "g"): round(x * capacity, 2) for x in loads},
               "configs": rows, "findings": findings(rows, configs, loads, runs),
               "num_nodes": num_nodes, "external_fleet": bool(args.nodes), "schedule": schedule, "rounds": rounds,
+              "workload": workload,
               "trace": trace.name, "slo_ms": args.slo_ms,
               "sizing": (sizing.describe(trace.num_items, hist, users / max(1, num_nodes)) if emulation is None else
                          emulation.describe(trace.num_items, sizing, hist, users / max(1, num_nodes))),
@@ -984,6 +1015,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds, a new order each (default 3); more on a saved --out runs only the new ones")
     p.add_argument("--schedule", default=None, help=f"REGIME:SECONDS,... (default {SCHEDULE})")
+    p.add_argument("--workload", default=None, metavar="NAME",
+                   help="send one named workload's stream instead of --schedule (workloads.fleet_workloads: kv-heavy, "
+                        "emb-heavy, day, trace-order); the capacity rule probes the same workload")
+    p.add_argument("--workload-s", type=float, default=None,
+                   help="seconds of a --workload run (default 60, quick 15)")
     p.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace (default taobao)")
     p.add_argument("--path", default=None, help="trace file (default: the sample)")
     p.add_argument("--slo-ms", type=float, default=SLO_MS,
@@ -1027,6 +1063,17 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--slo-ms must be a positive number")
     if not args.nodes and not Path(args.policy).is_dir():
         p.error(f"--policy {args.policy}: not a policy directory")
+    if args.workload is not None:
+        if args.schedule:
+            p.error("--workload and --schedule: give one")
+        from workloads.fleet_workloads import get_spec
+
+        try:
+            get_spec(args.workload)
+        except ValueError as e:
+            p.error(f"--workload: {e}")
+    if args.workload_s is not None and not (math.isfinite(args.workload_s) and args.workload_s > 0):
+        p.error("--workload-s must be a positive number of seconds")
     if args.emulate and args.nodes:
         p.error("--emulate starts emulated agents here; --nodes points at agents someone else runs")
     if not (math.isfinite(args.time_scale) and args.time_scale >= 1e-3):

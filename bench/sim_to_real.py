@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fleet import Emulation, FleetConfig, Sizing, parse_configs, replay_config
+from bench.fleet import Emulation, FleetConfig, Sizing, parse_configs, replay_config, workload_plan
 
 
 def _phase_figs(lat_ms: np.ndarray, arrival: np.ndarray, phases) -> dict:
@@ -74,7 +74,6 @@ def _max_abs(pairs) -> float | None:
 def compare(fleet_dir: str | Path, *, loads: list[float] | None = None, progress: bool = False) -> dict:
     """Sim-to-real of a saved emulated fleet bench (its ``settings.json`` and ``fleet.json``)."""
     from workloads import load_trace
-    from workloads.replay import build_plan
 
     d = Path(fleet_dir)
     try:
@@ -98,7 +97,7 @@ def compare(fleet_dir: str | Path, *, loads: list[float] | None = None, progress
         if rate is None:
             raise ValueError(f"load {load:g} is not one of the bench's ({', '.join(fleet['loads'])})")
         rc = replay_config(settings["schedule"], rate, settings["seed"], settings["slo_ms"], sizing)
-        plan = build_plan(trace, rc)
+        plan = workload_plan(trace, rc, settings.get("workload"))
         stream = plan[0].stream
         for cfg in configs:
             real = next((r for r in fleet["configs"] if r["config"] == cfg.key and r["load"] == load), None)

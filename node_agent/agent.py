@@ -182,6 +182,9 @@ class NodeAgent:
         self.residency = residency or ResidencyFeed()
         self.config = config or AgentConfig()
         self.clock = clock or engine.clock
+        # wall seconds per second of ``clock`` (an emulated device's `ScaledClock`: K), for the waits
+        # on queues, which count wall time
+        self._wall_per_s = float(getattr(self.clock, "time_scale", 1.0))
         self.allocator = allocator
         self.miss_costs = miss_costs  # {"kv_recompute_us_per_token": ..., "emb_transfer_us_per_row": ...}
         self.info = dict(info or {})
@@ -355,7 +358,8 @@ class NodeAgent:
         self._drain()
         if not self._small and not self._large:
             try:
-                self._admit(self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait())
+                self._admit(self._queue.get(timeout=wait_s * self._wall_per_s) if wait_s > 0
+                            else self._queue.get_nowait())
             except queue.Empty:
                 return None
             self._drain()
@@ -393,7 +397,7 @@ class NodeAgent:
             if not jobs or left <= 0:
                 break
             try:
-                self._admit(self._queue.get(timeout=left))
+                self._admit(self._queue.get(timeout=left * self._wall_per_s))
             except queue.Empty:
                 break
         return jobs

@@ -568,12 +568,16 @@ async def _send(sender: _Sender, targets: Sequence[str], first: int, body: dict,
 
 async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig, stats: ReplayStats | None = None, *,
                      loop_forever: bool = False, stop: threading.Event | None = None,
-                     on_done: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic
-                     ) -> ReplayStats:
+                     on_done: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                     plan: list[Phase] | None = None) -> ReplayStats:
     """Replay the schedule against ``targets`` (base URLs), open loop; once, or in a loop until
-    ``stop`` is set when ``loop_forever``. Returns the stats (also filled in place)."""
+    ``stop`` is set when ``loop_forever``. Returns the stats (also filled in place). ``plan``:
+    phases built elsewhere (e.g. a named workload's stream, `workloads.fleet_workloads`) sent
+    once instead of the config's schedule."""
     if not targets:
         raise ValueError("no target to send requests to")
+    if plan is not None and loop_forever:
+        raise ValueError("a given plan is sent once: loop_forever needs the config's schedule")
     targets = [t.rstrip("/") for t in targets]
     k = config.time_scale
     if k != 1.0 and clock is time.monotonic:  # modelled seconds, as the emulated nodes' clocks
@@ -597,7 +601,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
     try:
         cycle = 0
         while True:
-            plan = build_plan(trace, config, cycle)
+            if plan is None or cycle:
+                plan = build_plan(trace, config, cycle)
             stats.cycle = cycle
             start = clock()
             if cycle == 0:
