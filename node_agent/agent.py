@@ -6,6 +6,7 @@
     GET  /v1/residency   KV residency deltas and hot shards since a cursor, queue depth, service
                          time (`ResidencyFeed`; the gateway's feed, docs/gateway.md)
     GET  /metrics        Prometheus text (node_agent/exporter.py)
+    POST /v1/admin/reset a cold start in place {emb_share, allocator} (only with --allow-reset)
 
 With ``--control-plane`` a `node_agent.reporter.Reporter` (its own thread) gets each control
 step's output through ``control_hooks`` and does the network I/O (docs/control_plane.md).
