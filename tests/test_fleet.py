@@ -391,3 +391,37 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     v = more["findings"]["verdicts"]["racer_over_best_static"]["by_load"]["0.5"]
     assert v["rounds"] == 2 and v["lo_pct"] <= v["pct"] <= v["hi_pct"]
     assert more["verdict_plot"] == str(out / "fleet_verdicts.png") and (out / "fleet_verdicts.png").stat().st_size > 0
+
+
+def test_across_workloads_picks_the_one_static_split_best_everywhere_and_judges_racer_against_it():
+    from bench.fleet_across import across
+
+    def res(name, p99s):
+        return {"workload": name, "device": {"mode": "emulated"},
+                "configs": [{"config": c, "load": 0.5, "p99_ms": {"median": p}} for c, p in p99s.items()]}
+
+    # 0.2 wins kv-heavy, 0.8 wins emb-heavy; 0.5 is never best but never far: the one to deploy everywhere
+    out = across({"kv": res("kv", {"0.2/least_load": 10.0, "0.5/least_load": 11.0, "0.8/least_load": 30.0,
+                                   "0.5/round_robin": 12.0, "racer/racer": 10.5, "0.5/least_load#2": 1.0}),
+                  "emb": res("emb", {"0.2/least_load": 40.0, "0.5/least_load": 22.0, "0.8/least_load": 20.0,
+                                     "0.5/round_robin": 25.0, "racer/racer": 19.0})})
+    assert out["single_static"] == "0.5/least_load"  # the A/A copy (1.0 ms) is never a candidate
+    assert out["single_static_worst_ratio"] == 1.1
+    kv, emb = out["per_workload"]["kv"]["0.5"], out["per_workload"]["emb"]["0.5"]
+    assert kv["best_static"] == "0.2/least_load" and kv["racer_over_best_static_pct"] == 5.0
+    assert kv["racer_over_single_static_pct"] == round((10.5 / 11 - 1) * 100, 2)
+    assert emb["racer_over_best_static_pct"] == -5.0 and emb["racer_over_default_pct"] == -24.0
+    assert out["racer_over_single_static_worst_pct"] == kv["racer_over_single_static_pct"]
+    with pytest.raises(ValueError, match="no static"):
+        across({"x": res("x", {"racer/racer": 3.0})})
+
+
+def test_an_emulated_runs_latency_is_the_devices_own_time_with_the_clients_beside_it():
+    from bench.fleet import _node_basis
+
+    fig = {"p99_ms": 40.0, "p50_ms": 5.0, "slo_attainment": 0.9, "node_p99_ms": 8.0, "node_p50_ms": 1.5,
+           "node_slo_attainment": 0.99}
+    out = _node_basis(fig)
+    assert (out["p99_ms"], out["p50_ms"], out["slo_attainment"]) == (8.0, 1.5, 0.99)
+    assert (out["client_p99_ms"], out["client_p50_ms"], out["client_slo_attainment"]) == (40.0, 5.0, 0.9)
+    assert out["latency_basis"] == "node" and fig["p99_ms"] == 40.0  # the input is left as it was

@@ -253,6 +253,7 @@ class _Tally:
     parts_ms: list = field(default_factory=list)  # (latency, node queue, node total, upstream, gateway) per answer
     service_us: float = 0.0  # the node agents' time outside their queues, summed over the answers that say
     cache_us: float = 0.0  # of it, the stages a cache decides (`CACHE_STAGES`)
+    slo_ms: float | None = None  # the SLO of ``node_slo_attainment`` (set by `ReplayStats`)
 
     def tail(self) -> dict | None:
         """Where the slowest 1% of the answered requests (latency at or above their P99) spent
@@ -282,7 +283,11 @@ class _Tally:
                 "kv_hit_rate": round(self.kv_hit_tokens / self.kv_tokens, 4) if self.kv_tokens else None,
                 "emb_hit_rate": round(self.emb_hits / self.emb_rows, 4) if self.emb_rows else None,
                 "multi_pass_share": round(self.multi_pass / self.answered, 4) if self.answered else None,
-                "node_p99_ms": _pct([p[2] for p in self.parts_ms], 99), "tail_ms": self.tail(),
+                "node_p99_ms": _pct([p[2] for p in self.parts_ms], 99),
+                "node_p50_ms": _pct([p[2] for p in self.parts_ms], 50),
+                "node_slo_attainment": (round(sum(p[2] <= self.slo_ms for p in self.parts_ms) / self.sent, 4)
+                                        if self.sent and self.slo_ms is not None else None),
+                "tail_ms": self.tail(),
                 "cache_stage_share": round(self.cache_us / self.service_us, 4) if self.service_us else None}
 
 
@@ -356,7 +361,7 @@ class ReplayStats:
         self.recent_window_s = recent_window_s
         self.clock = clock
         self._lock = threading.Lock()
-        self.total = _Tally()
+        self.total = _Tally(slo_ms=slo_ms)
         self.by_regime: dict[str, _Tally] = {}
         self.by_phase: dict[str, _Tally] = {}
         self.failures: Counter = Counter()
@@ -377,8 +382,8 @@ class ReplayStats:
         phase = phase or regime
         with self._lock:
             self.total.sent += 1
-            self.by_regime.setdefault(regime, _Tally()).sent += 1
-            self.by_phase.setdefault(phase, _Tally()).sent += 1
+            self.by_regime.setdefault(regime, _Tally(slo_ms=self.slo_ms)).sent += 1
+            self.by_phase.setdefault(phase, _Tally(slo_ms=self.slo_ms)).sent += 1
             self.dispatch_lag_ms.append(lag_ms)
             self.in_flight += 1
             self.regime = regime
@@ -453,7 +458,8 @@ class ReplayStats:
                 "p99_ms": _pct(lat, 99),
                 "slo_ms": self.slo_ms,
                 **{k: tot[k] for k in ("slo_attainment", "kv_hit_rate", "emb_hit_rate", "multi_pass_share",
-                                       "node_p99_ms", "tail_ms", "cache_stage_share")},
+                                       "node_p99_ms", "node_p50_ms", "node_slo_attainment", "tail_ms",
+                                       "cache_stage_share")},
                 "dispatch_lag_ms_p99": _pct(self.dispatch_lag_ms, 99),
                 "regimes": {k: v.to_dict() for k, v in self.by_regime.items()},
                 "phases": {k: v.to_dict() for k, v in self.by_phase.items()},
