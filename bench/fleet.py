@@ -460,13 +460,13 @@ class ShareSampler(threading.Thread):
 
 
 def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizing: Sizing,
-                  num_users: int | None = None, time_scale: float = 1.0):
+                  num_users: int | None = None, time_scale: float = 1.0, emulated: bool = False):
     from workloads.replay import ReplayConfig, parse_phases
 
     regimes, phase_s = parse_phases(schedule)
     return ReplayConfig(schedule=regimes, phase_s=phase_s, rate_rps=float(rate_rps), duration_s=float(sum(phase_s)),
                         seed=seed, num_users=num_users, slo_ms=slo_ms, timeout_s=10.0 * time_scale,
-                        time_scale=time_scale,
+                        time_scale=time_scale, explicit_candidates=emulated,
                         num_candidates=sizing.num_candidates, max_history_len=sizing.max_history_len,
                         max_new_items=min(32, sizing.max_history_len // 4))
 
@@ -508,7 +508,7 @@ def _cpu_ms_per_request(procs, served: int) -> float | None:
 
 def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, seed: int, slo_ms: float,
              sizing: Sizing, num_users: int | None = None, time_scale: float = 1.0,
-             workload: str | None = None) -> dict:
+             workload: str | None = None, emulated: bool = False) -> dict:
     """One run of ``cfg`` at ``rate_rps``: restart, replay the schedule through the gateway, stop.
     With local processes it also says their CPU ms per served request (gateway, agents). With
     emulated agents (``time_scale`` K) the schedule is sent K times slower and every figure is
@@ -517,7 +517,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
 
     from workloads.replay import ReplayStats, modelled_clock, run_replay
 
-    rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing, num_users, time_scale)
+    rc = replay_config(schedule, rate_rps, seed, slo_ms, sizing, num_users, time_scale, emulated)
     plan = workload_plan(trace, rc, workload)
     clock = time.monotonic if time_scale == 1.0 else modelled_clock(time_scale)
     url = fleet.start(cfg)
@@ -539,7 +539,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
         for ph in plan:
             fig = dict(rep["phases"].get(ph.name, {}))
             fig["mean_share"] = sampler.mean(t0 + ph.start_s, t0 + ph.end_s)
-            if time_scale != 1.0:
+            if emulated:
                 fig = _node_basis(fig)
             phases[ph.name] = fig
     finally:
@@ -558,7 +558,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
             "gateway_cpu_ms_per_request": cpu.get("gateway_cpu_ms_per_request"),
             "agents_cpu_ms_per_request": cpu.get("agents_cpu_ms_per_request"),
             "node_p50_ms": rep["node_p50_ms"], "node_slo_attainment": rep["node_slo_attainment"]}
-    return _node_basis(out) if time_scale != 1.0 else out
+    return _node_basis(out) if emulated else out
 
 
 #: what an emulated run's latency figures are (`_node_basis`)
@@ -954,7 +954,7 @@ def run_fleet(args) -> dict:
         if cap is None:
             def run_at(rate):
                 return run_once(fleet, cap_cfg, trace, f"steady:{steady_s:g}", rate, args.seed, args.slo_ms, sizing,
-                                time_scale=k, workload=workload)
+                                time_scale=k, workload=workload, emulated=emulation is not None)
 
             say(f"capacity: steady {steady_s:g} s at static 0.5 + least_load, P99 within {args.slo_ms:g} ms")
             capacity, probes = find_capacity(
@@ -980,7 +980,7 @@ def run_fleet(args) -> dict:
                     r = _load(f)
                     if r is None:
                         r = run_once(fleet, cfg, trace, schedule, round(load * capacity, 2), args.seed, args.slo_ms,
-                                     sizing, time_scale=k, workload=workload)
+                                     sizing, time_scale=k, workload=workload, emulated=emulation is not None)
                         r.update(round=rnd, load=load)
                         _save(f, r)
                     runs.append(r)

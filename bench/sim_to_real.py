@@ -44,7 +44,7 @@ def _phase_figs(lat_ms: np.ndarray, arrival: np.ndarray, phases) -> dict:
 
 
 def simulate_config(cfg: FleetConfig, stream, phases, *, num_nodes: int, emulation: Emulation, num_pages: int,
-                    slo_ms: float, batch_window_ms: float = 1.0) -> dict:
+                    slo_ms: float, seed: int = 0, batch_window_ms: float = 1.0) -> dict:
     """The simulator's figures of one static configuration on ``stream``."""
     from simulator.allocators import StaticAllocator
     from simulator.cluster import SimConfig, simulate
@@ -52,7 +52,7 @@ def simulate_config(cfg: FleetConfig, stream, phases, *, num_nodes: int, emulati
     prof = emulation.device_profile()
     sc = SimConfig(num_nodes=num_nodes, profile=prof, cache_bytes=num_pages * prof.page_bytes,
                    batch_window_ms=batch_window_ms, control_interval_s=1.0, slo_ms=slo_ms,
-                   initial_emb_share=cfg.split, refill_limit_fraction=0.1).validate()
+                   initial_emb_share=cfg.split, refill_limit_fraction=0.1, seed=seed).validate()
     res = simulate(stream, sc, StaticAllocator(cfg.split), cfg.router)
     s = res.summary()
     lat_ms = res.latency_s * 1e3
@@ -96,7 +96,7 @@ def compare(fleet_dir: str | Path, *, loads: list[float] | None = None, progress
         rate = fleet["loads"].get(format(load, "g"))
         if rate is None:
             raise ValueError(f"load {load:g} is not one of the bench's ({', '.join(fleet['loads'])})")
-        rc = replay_config(settings["schedule"], rate, settings["seed"], settings["slo_ms"], sizing)
+        rc = replay_config(settings["schedule"], rate, settings["seed"], settings["slo_ms"], sizing, emulated=True)
         plan = workload_plan(trace, rc, settings.get("workload"))
         stream = plan[0].stream
         for cfg in configs:
@@ -106,7 +106,7 @@ def compare(fleet_dir: str | Path, *, loads: list[float] | None = None, progress
             if progress:
                 print(f"sim-to-real: simulating {cfg.key} at load {load:g} ({rate:g} req/s)", file=sys.stderr)
             sim = simulate_config(cfg, stream, plan, num_nodes=num_nodes, emulation=emulation, num_pages=num_pages,
-                                  slo_ms=settings["slo_ms"])
+                                  slo_ms=settings["slo_ms"], seed=settings["seed"])
             med = {f: (real.get(f) or {}).get("median") for f in ("p99_ms", "p50_ms", "kv_hit_rate", "emb_hit_rate",
                                                                   "mean_share")}
             phases = {ph: {"sim": sim["phases"].get(ph), "fleet": {f: (v.get(f) or {}).get("median")

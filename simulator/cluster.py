@@ -43,13 +43,14 @@ from node_agent.emulated import emulated_refill
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager
 from node_agent.control import MissCosts, WindowAccumulator, apply_target
 from node_agent.features import WindowStats
+from workloads.candidates import CAND_POOL as _CAND_POOL
+from workloads.candidates import candidate_pool  # noqa: F401 (re-exported)
 from workloads.regimes import RequestStream
 
 from .allocators import Allocator
 from .cost import batch_duration_us, extra_passes_us, request_compute_us, user_passes
 from .profiles import A100_HSTU, CostProfile
 
-_CAND_POOL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -205,13 +206,6 @@ def router_profile(stream: RequestStream, cfg: SimConfig, service_time_us: float
     return RouterProfile(kv_recompute_us_per_token=prof.kv_recompute_us_per_token,
                          emb_transfer_us_per_row=prof.emb_transfer_us_per_row,
                          service_time_us=float(service_time_us), queue_capacity=cfg.queue_capacity)
-
-
-def candidate_pool(trace, seed: int) -> np.ndarray:
-    pop = trace.item_popularity().astype(np.float64)
-    rng = np.random.default_rng([seed, 7])
-    cdf = np.cumsum(pop)
-    return np.searchsorted(cdf, rng.random(_CAND_POOL) * cdf[-1], side="right").clip(0, trace.num_items - 1)
 
 
 def _gather(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:

@@ -195,3 +195,21 @@ def test_a_measured_profile_says_how_it_was_measured(tmp_path):
         prof = from_node_profile(f)
         assert prof.name == f"node [{how}]" and prof.calibrated is cal, (extra, prof.name)
     assert A100_HSTU.calibrated is False
+
+
+def test_a_replay_can_send_the_simulators_candidates_so_both_rank_the_same_items():
+    from workloads.candidates import CAND_POOL, StreamCandidates, candidate_pool
+    from workloads.regimes import generate
+    from workloads.replay import request_body
+    from workloads.trace import synthetic_trace
+
+    tr = synthetic_trace(num_users=30, num_items=400, seed=3)
+    st = generate(tr, regime="steady", rate_rps=50, duration_s=2, seed=1, num_candidates=6)
+    cands = StreamCandidates(st, tr, seed=5)
+    pool = candidate_pool(tr, 5)
+    assert len(pool) == CAND_POOL and pool.max() < tr.num_items
+    b0, b1 = request_body(st, 0, 3, cands), request_body(st, 1, 3, cands)
+    assert b0["candidates"] == pool[:6].tolist() and b1["candidates"] == pool[6:12].tolist()
+    assert "num_candidates" not in b0 and request_body(st, 1, 3, cands) == b1  # deterministic
+    plain = request_body(st, 0, 3)
+    assert plain["num_candidates"] == 6 and "candidates" not in plain

@@ -76,6 +76,8 @@ class ReplayConfig:
     - ``timeout_s``: a request with no answer by then fails as ``timeout``;
     - ``retries``: client-side retries on the next target (0: leave retries to the gateway);
     - ``max_connections``: size of the client's connection pool;
+    - ``explicit_candidates``: send each request's candidate ids (`workloads.candidates`, the ones
+      the simulator ranks) instead of a count the node draws its own for;
     - ``time_scale``: wall seconds per modelled second, for emulated nodes (`node_agent.emulated`)
       whose clocks run ``time_scale`` times slower: each request is sent at its arrival time x
       ``time_scale`` and every latency is read on the same modelled clock (1: wall time).
@@ -99,6 +101,7 @@ class ReplayConfig:
                           doc="client-side retries on the next target (0: leave retries to the gateway)")
     max_connections: int = ranged(256, lo=1, integer=True)
     time_scale: float = ranged(1.0, lo=1e-3, doc="wall seconds per modelled second (emulated nodes)")
+    explicit_candidates: bool = False
 
     def __post_init__(self) -> None:
         validate(self)
@@ -224,11 +227,18 @@ def modelled_clock(time_scale: float) -> Callable[[], float]:
     return lambda: time.monotonic() / k
 
 
-def request_body(stream: RequestStream, i: int, top_k: int) -> dict:
-    """The node agent's `POST /v1/recommend` body of request ``i``."""
+def request_body(stream: RequestStream, i: int, top_k: int, candidates=None) -> dict:
+    """The node agent's `POST /v1/recommend` body of request ``i``; with ``candidates`` (a
+    `workloads.candidates.StreamCandidates`) its candidate ids instead of a count."""
     r = stream.request(i)
-    return {"user_id": r.user, "history": r.history.tolist(), "new_items": r.new_items.tolist(),
-            "num_candidates": r.num_candidates, "top_k": top_k}
+    body = {"user_id": r.user, "history": r.history.tolist(), "new_items": r.new_items.tolist(), "top_k": top_k}
+    if candidates is None:
+        body["num_candidates"] = r.num_candidates
+    elif r.num_candidates:
+        body["candidates"] = candidates(i).tolist()
+    else:  # nothing to list: the node refuses it as it refuses a count of 0
+        body["num_candidates"] = 0
+    return body
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
@@ -610,6 +620,13 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
             if plan is None or cycle:
                 plan = build_plan(trace, config, cycle)
             stats.cycle = cycle
+            cands = {}
+            if config.explicit_candidates:
+                from .candidates import StreamCandidates
+
+                for ph in plan:
+                    if id(ph.stream) not in cands:
+                        cands[id(ph.stream)] = StreamCandidates(ph.stream, trace, config.seed)
             start = clock()
             if cycle == 0:
                 stats.started_s = start
@@ -622,7 +639,7 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
                     delay = due - clock()
                     if delay > 0:
                         await asyncio.sleep(delay * k)
-                    body = request_body(phase.stream, i, config.top_k)
+                    body = request_body(phase.stream, i, config.top_k, cands.get(id(phase.stream)))
                     stats.on_sent(phase.regime, max(0.0, clock() - due) * 1e3, phase=phase.name)
                     task = asyncio.create_task(one(phase, body, due, counter))
                     counter += 1
