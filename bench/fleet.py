@@ -174,6 +174,7 @@ class Sizing:
     whole rows. The arena is ``arena_table`` of the table's bytes, in whole pages."""
 
     arena_table: float = 0.014
+    history_scale: float = 1.0
     embedding_dim: int = 128
     num_layers: int = 1
     num_heads: int = 1
@@ -466,7 +467,7 @@ def replay_config(schedule: str, rate_rps: float, seed: int, slo_ms: float, sizi
     regimes, phase_s = parse_phases(schedule)
     return ReplayConfig(schedule=regimes, phase_s=phase_s, rate_rps=float(rate_rps), duration_s=float(sum(phase_s)),
                         seed=seed, num_users=num_users, slo_ms=slo_ms, timeout_s=10.0 * time_scale,
-                        time_scale=time_scale, explicit_candidates=emulated,
+                        time_scale=time_scale, explicit_candidates=emulated, history_scale=sizing.history_scale,
                         num_candidates=sizing.num_candidates, max_history_len=sizing.max_history_len,
                         max_new_items=min(32, sizing.max_history_len // 4))
 
@@ -915,8 +916,9 @@ def run_fleet(args) -> dict:
     else:
         schedule = args.schedule or (QUICK_SCHEDULE if args.quick else SCHEDULE)
     rounds = args.rounds
-    sizing = Sizing(arena_table=args.arena_table)
-    emulation = Emulation(args.emulate, args.time_scale) if args.emulate else None
+    sizing = Sizing(arena_table=args.arena_table, history_scale=args.history_scale,
+                    max_history_len=args.max_history_len or Sizing.max_history_len)
+    emulation = Emulation(args.emulate, args.time_scale, args.paper_scale) if args.emulate else None
     k = args.time_scale if emulation is not None else 1.0
     trace = load_trace(args.trace, args.path)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="racer-bench-fleet-"))
@@ -1063,6 +1065,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or a profile JSON) under the paper-scale scale model; every figure is in modelled time")
     p.add_argument("--time-scale", type=float, default=10.0, metavar="K",
                    help="with --emulate: wall seconds per modelled second (default 10)")
+    p.add_argument("--paper-scale", type=float, default=1 / 192, metavar="F",
+                   help="with --emulate: the scale model's factor (K/V bytes per token, page, link x F; default 1/192)")
+    p.add_argument("--history-scale", type=float, default=1.0, metavar="S",
+                   help="first histories S x the trace's lengths (workloads.regimes; default 1)")
+    p.add_argument("--max-history-len", type=int, default=None, metavar="N",
+                   help=f"most history + new items per request (default {Sizing.max_history_len})")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -1101,6 +1109,12 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--workload-s must be a positive number of seconds")
     if args.emulate and args.nodes:
         p.error("--emulate starts emulated agents here; --nodes points at agents someone else runs")
+    if not (math.isfinite(args.history_scale) and 0 < args.history_scale <= 1000):
+        p.error("--history-scale must be in (0, 1000]")
+    if args.max_history_len is not None and not 2 <= args.max_history_len <= 1 << 16:
+        p.error("--max-history-len must be in [2, 65536]")
+    if not (math.isfinite(args.paper_scale) and 0 < args.paper_scale <= 1):
+        p.error("--paper-scale must be in (0, 1]")
     if not (math.isfinite(args.time_scale) and args.time_scale >= 1e-3):
         p.error("--time-scale must be a finite number >= 0.001")
     if args.emulate:

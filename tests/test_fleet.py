@@ -425,3 +425,19 @@ def test_an_emulated_runs_latency_is_the_devices_own_time_with_the_clients_besid
     assert (out["p99_ms"], out["p50_ms"], out["slo_attainment"]) == (8.0, 1.5, 0.99)
     assert (out["client_p99_ms"], out["client_p50_ms"], out["client_slo_attainment"]) == (40.0, 5.0, 0.9)
     assert out["latency_basis"] == "node" and fig["p99_ms"] == 40.0  # the input is left as it was
+
+
+def test_a_workload_run_sends_one_phase_of_the_named_workloads_stream_shaped_as_the_schedule():
+    from bench.fleet import Sizing, replay_config, workload_plan
+    from workloads.trace import synthetic_trace
+
+    tr = synthetic_trace(num_users=200, num_items=2000, seed=1)
+    rc = replay_config("steady:5", 40.0, 3, 100.0, Sizing(), emulated=True)
+    plan = workload_plan(tr, rc, "kv-heavy")
+    assert len(plan) == 1 and plan[0].regime == "kv-heavy" and plan[0].end_s == 5.0
+    st = plan[0].stream
+    assert len(st) > 0 and set(st.num_candidates.tolist()) == {Sizing().num_candidates}
+    assert int((st.history_len + st.num_new_items).max()) <= Sizing().max_history_len
+    assert workload_plan(tr, rc, None)[0].regime == "steady"  # no workload: the schedule
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload_plan(tr, rc, "kv-light")

@@ -102,6 +102,8 @@ class ReplayConfig:
     max_connections: int = ranged(256, lo=1, integer=True)
     time_scale: float = ranged(1.0, lo=1e-3, doc="wall seconds per modelled second (emulated nodes)")
     explicit_candidates: bool = False
+    history_scale: float = ranged(1.0, lo=0, lo_open=True, hi=1000,
+                                  doc="first histories scaled from the trace's lengths (workloads.regimes)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -199,6 +201,7 @@ def build_plan(trace: Trace, config: ReplayConfig, cycle: int = 0) -> list[Phase
     and history from one phase to the next."""
     length_s = cycle_length_s(config, cycle)
     common = dict(rate_rps=config.rate_rps, num_users=config.num_users, num_candidates=config.num_candidates,
+                  history_scale=config.history_scale,
                   max_new_items=config.max_new_items, max_history_len=config.max_history_len - config.max_new_items)
     if config.phase_s is None:
         phase_s = length_s / len(config.schedule)
