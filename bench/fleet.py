@@ -484,7 +484,7 @@ def workload_plan(trace, rc, workload: str | None):
     from workloads.sessions import StreamShape
 
     shape = StreamShape(num_candidates=rc.num_candidates, max_new_items=rc.max_new_items,
-                        max_history_len=rc.max_history_len - rc.max_new_items)
+                        max_history_len=rc.max_history_len - rc.max_new_items, history_scale=rc.history_scale)
     stream = workload_stream(workload, trace, rate_rps=rc.rate_rps, duration_s=rc.duration_s, seed=rc.seed,
                              shape=shape)
     return [Phase(workload, 0.0, stream, 0.0, rc.duration_s)]
