@@ -905,6 +905,7 @@ def _load(path: Path) -> dict | None:
 def run_fleet(args) -> dict:
     from tqdm import tqdm
 
+    resolve_defaults(args)
     from workloads import load_trace
     from workloads.replay import build_plan
 
@@ -917,7 +918,7 @@ def run_fleet(args) -> dict:
         schedule = args.schedule or (QUICK_SCHEDULE if args.quick else SCHEDULE)
     rounds = args.rounds
     sizing = Sizing(arena_table=args.arena_table, history_scale=args.history_scale,
-                    max_history_len=args.max_history_len or Sizing.max_history_len)
+                    max_history_len=args.max_history_len)
     emulation = Emulation(args.emulate, args.time_scale, args.paper_scale) if args.emulate else None
     k = args.time_scale if emulation is not None else 1.0
     trace = load_trace(args.trace, args.path)
@@ -1049,32 +1050,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of a --workload run (default 60, quick 15)")
     p.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace (default taobao)")
     p.add_argument("--path", default=None, help="trace file (default: the sample)")
-    p.add_argument("--slo-ms", type=float, default=SLO_MS,
+    p.add_argument("--slo-ms", type=float, default=None,
                    help=f"latency SLO of the capacity rule and the attainment figures (default {SLO_MS:g}: on a CPU "
-                        f"the small model's light-load P99 is 40-50 ms, docs/fleet.md)")
+                        f"the small model's light-load P99 is 40-50 ms, docs/fleet.md; with --emulate 30, the paper's)")
     p.add_argument("--seed", type=int, default=0, help="the streams' seed (default 0)")
     p.add_argument("--policy", default=str(REPO / "policies" / "default"),
                    help="allocator policy of the racer configurations (default: the shipped one)")
     p.add_argument("--arena-table", type=float, default=0.014,
                    help="arena bytes as a fraction of the embedding table's (default 0.014)")
-    p.add_argument("--capacity-start", type=float, default=20.0, help="first rate of the capacity search (req/s)")
+    p.add_argument("--capacity-start", type=float, default=None,
+                   help="first rate of the capacity search (req/s; default 20, with --emulate 300)")
     p.add_argument("--capacity-iters", type=int, default=3, help="bisections of the capacity search (default 3)")
     p.add_argument("--capacity-s", type=float, default=None, help="seconds of each capacity probe (default 20, quick 8)")
     p.add_argument("--emulate", default=None, metavar="PROFILE",
                    help="emulated agents (racer node-agent --emulate): the device's time charged from PROFILE (a100-hstu "
                         "or a profile JSON) under the paper-scale scale model; every figure is in modelled time")
-    p.add_argument("--time-scale", type=float, default=10.0, metavar="K",
-                   help="with --emulate: wall seconds per modelled second (default 10)")
-    p.add_argument("--paper-scale", type=float, default=1 / 192, metavar="F",
-                   help="with --emulate: the scale model's factor (K/V bytes per token, page, link x F; default 1/192)")
-    p.add_argument("--history-scale", type=float, default=1.0, metavar="S",
-                   help="first histories S x the trace's lengths (workloads.regimes; default 1)")
+    p.add_argument("--time-scale", type=float, default=None, metavar="K",
+                   help="with --emulate: wall seconds per modelled second (default 5)")
+    p.add_argument("--paper-scale", type=float, default=None, metavar="F",
+                   help="with --emulate: the scale model's factor (K/V bytes per token, page, link x F; default 1/6144)")
+    p.add_argument("--history-scale", type=float, default=None, metavar="S",
+                   help="first histories S x the trace's lengths (workloads.regimes; default 1, with --emulate 20)")
     p.add_argument("--max-history-len", type=int, default=None, metavar="N",
-                   help=f"most history + new items per request (default {Sizing.max_history_len})")
+                   help=f"most history + new items per request (default {Sizing.max_history_len}, with --emulate 4096)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
+#: defaults that depend on the agents (`resolve_defaults`): CPU-compute agents, emulated devices
+MODE_DEFAULTS = {
+    "cpu": {"slo_ms": SLO_MS, "capacity_start": 20.0, "time_scale": 1.0, "paper_scale": 1 / 192,
+            "history_scale": 1.0, "max_history_len": Sizing.max_history_len},
+    # emulated A100s: the paper's 30-ms SLO; histories of GPU weight (a user's first history 20x its Taobao
+    # length, up to 4,096 items) under a scale model whose 16-byte K/V tokens keep the arena at a few hundred
+    # mean users' K/V; K=5 keeps the host under half of its two cores at 0.75 of capacity
+    "emulated": {"slo_ms": 30.0, "capacity_start": 300.0, "time_scale": 5.0, "paper_scale": 1 / 6144,
+                 "history_scale": 20.0, "max_history_len": 4096},
+}
+
+
+def resolve_defaults(args) -> None:
+    """Fill the options left unset with the defaults of the agents' kind (`MODE_DEFAULTS`)."""
+    mode = MODE_DEFAULTS["emulated" if getattr(args, "emulate", None) else "cpu"]
+    for k, v in mode.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
 def check_args(p: argparse.ArgumentParser, args) -> None:
+    resolve_defaults(args)
     try:
         if args.configs:
             parse_configs(args.configs)

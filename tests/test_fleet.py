@@ -324,7 +324,13 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
                         (["--rounds", "0"], "--rounds"), (["--schedule", "steady,burst"], "REGIME:SECONDS"),
                         (["--policy", str(tmp_path / "none")], "not a policy directory"),
                         (["--agent-nice", "20"], "--agent-nice"),
-                        (["--nodes", "http://127.0.0.1:9", "--agent-nice", "0"], "not of --nodes")]:
+                        (["--nodes", "http://127.0.0.1:9", "--agent-nice", "0"], "not of --nodes"),
+                        (["--emulate", "h900-nope"], "--emulate: unknown profile"),
+                        (["--emulate", "a100-hstu", "--time-scale", "0"], "--time-scale"),
+                        (["--emulate", "a100-hstu", "--nodes", "http://127.0.0.1:9"], "--nodes points at"),
+                        (["--workload", "kv-light"], "--workload: unknown workload"),
+                        (["--workload", "kv-heavy", "--schedule", "steady:3"], "give one"),
+                        (["--history-scale", "0"], "--history-scale")]:
         p = subprocess.run([sys.executable, "-m", "racer", "bench", "fleet", *argv], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and words in p.stderr, (argv, p.stderr[-500:])
@@ -441,3 +447,32 @@ def test_a_workload_run_sends_one_phase_of_the_named_workloads_stream_shaped_as_
     assert workload_plan(tr, rc, None)[0].regime == "steady"  # no workload: the schedule
     with pytest.raises(ValueError, match="unknown workload"):
         workload_plan(tr, rc, "kv-light")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_emulated_fleet_ab_says_so_judges_on_the_devices_time_and_compares_with_the_simulator(tmp_path):
+    out = tmp_path / "emu"
+    cmd = [sys.executable, "-m", "bench.fleet", "--emulate", "a100-hstu", "--time-scale", "2", "--num-nodes", "2",
+           "--configs", "0.5/least_load,0.2/least_load,0.5/least_load#2", "--loads", "0.5", "--rounds", "1",
+           "--schedule", "steady:2", "--capacity-s", "2", "--capacity-start", "100", "--capacity-iters", "0",
+           "--out", str(out), "--json", "--no-progress", "--slo-ms", "2000"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=550)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["device"]["mode"] == "emulated" and res["device"]["time"] == "modelled"
+    assert res["device"]["profile"].startswith("a100-hstu@paper-scale") and res["device"]["calibrated"] is False
+    for r in res["configs"]:
+        # the devices' own time is the figure; the client's end to end (plus this host's time) beside it
+        assert 0 < r["p99_ms"]["median"] <= r["client_p99_ms"]["median"]
+    for f in (out / "runs").glob("*.json"):
+        run = json.loads(f.read_text())
+        assert run["latency_basis"] == "node" and run["phases"]["steady[0-2s]"]["latency_basis"] == "node"
+    s2r = res["sim_to_real"]["by_load"]["0.5"]
+    assert s2r["num_configs"] == 2 and s2r["p99_mape_pct"] >= 0 and s2r["kv_hit_max_abs_diff"] is not None
+    # the agents started once (with --allow-reset) and were reset for every run: one start line each
+    for i in range(2):
+        log = (out / "work" / f"agent{i}.log").read_text()
+        assert log.count("serving on") == 1 and "emulated a100-hstu" in log
+    assert "EMULATED" not in p.stdout  # --json: the table's banner is for the text output
