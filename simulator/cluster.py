@@ -544,18 +544,26 @@ class ClusterSim:
         L = c.hist_all[sidx]
         nn = c.nnew_all[sidx]
         nc = c.ncand_all[sidx]
+        # A user's cached tokens are the first positions of its sequence (history, then new items), as
+        # the node agent's engine keeps them (`node_agent.engine.plan_kv_reuse`: reused while they are a
+        # prefix of the request's history + new items): the previous request's new items stay reusable
+        # when the next history does not yet hold all of them; more cached tokens than the request's
+        # whole sequence are no prefix (the history was capped since) and are evicted.
         cached_l = []
         for u, lj, nj, ni in zip(users.tolist(), L.tolist(), nn.tolist(), snode.tolist()):
             kv = nodes[ni].mm.kv
             cj = kv.lookup(u)
-            if cj > lj:  # the history was capped since: the cached K/V no longer match
+            if cj > lj + nj:
                 kv.evict(u)
                 cj = 0
             cached_l.append(cj)
             t = lj + nj - cj
             if t > 0:
                 kv.append(u, t)
-        cached = np.array(cached_l, dtype=np.int64)
+        cached = np.array(cached_l, dtype=np.int64)  # reused tokens: history, then new items
+        skip = np.maximum(cached - L, 0)  # new items whose K/V are reused: neither prefilled nor looked up
+        nlook = nn - skip
+        cached_hist = np.minimum(cached, L)  # history tokens whose K/V were reused (the KV hit tokens)
 
         # 2. each batch's embedding ids, laid out batch after batch: the recomputed history items
         # of its requests (positions [cached, L), item base[(p + rotation) % blen]; a history
@@ -566,12 +574,12 @@ class ClusterSim:
         bu = c.base_user[users]
         blen = c.offs[bu + 1] - c.offs[bu]
         hcnt = np.where(span > 0, np.minimum(span, blen), 0)
-        per_req = hcnt + nn + nc
+        per_req = hcnt + nlook + nc
         tot_b = np.add.reduceat(per_req, bstart)
         seg = np.zeros(len(bstart) + 1, dtype=np.int64)
         np.cumsum(tot_b, out=seg[1:])
         hist_b = np.add.reduceat(hcnt, bstart)
-        new_b = np.add.reduceat(nn, bstart)
+        new_b = np.add.reduceat(nlook, bstart)
 
         def within(x):  # exclusive prefix sums of x inside each batch
             ex = np.cumsum(x) - x
@@ -588,7 +596,7 @@ class ClusterSim:
             ids[hpos] = c.titems[c.offs[bu][rq] + (p + c.rotation[users][rq]) % bl]
             sp = span[rq]
             counts[hpos] = sp // bl + ((p - mc) < sp % bl)
-        ids[_gather(base + hist_b[b_of] + within(nn), nn)] = c.new_items[_gather(c.new_off[sidx], nn)]
+        ids[_gather(base + hist_b[b_of] + within(nlook), nlook)] = c.new_items[_gather(c.new_off[sidx] + skip, nlook)]
         ids[_gather(base + (hist_b + new_b)[b_of] + within(nc), nc)] = \
             self._candidates(sidx, nc, _gather(c.cand_off[sidx], nc))
         repeated = np.zeros(len(bstart), dtype=bool)  # batches that pass repeat counts
@@ -634,11 +642,11 @@ class ClusterSim:
 
         # 4. latencies; the batches go to their nodes' control windows (node_agent.control)
         lat = feed_batches([nd.acc for nd in nodes], snode[bstart], starts, ends, bstart, bsize, c.arrival[sidx],
-                           users, L, cached, emb_req, emb_hit)
+                           users, L, cached_hist, emb_req, emb_hit)
         self.latency[sidx] = lat
         totals = self.totals
         totals["kv_tokens"] += int(L.sum())
-        totals["kv_hit_tokens"] += int(cached.sum())
+        totals["kv_hit_tokens"] += int(cached_hist.sum())
         for r0, r1 in zip(node_start.tolist(), np.r_[node_start[1:], n].tolist()):
             node = nodes[int(snode[r0])]
             node.win.n += r1 - r0
