@@ -928,7 +928,9 @@ def run_fleet(args) -> dict:
     work.mkdir(exist_ok=True)
     steady_s = float(args.capacity_s or (8.0 if args.quick else 20.0))
     settings = {"trace": trace.name, "schedule": schedule, "configs": [c.key for c in configs], "loads": loads,
-                "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed, "sizing": asdict(sizing),
+                "rounds": rounds, "slo_ms": args.slo_ms, "seed": args.seed,
+                # (history_scale only when set: folders saved before it resume)
+                "sizing": {k: v for k, v in asdict(sizing).items() if k != "history_scale" or v != 1.0},
                 "nodes": args.nodes or args.num_nodes, "policy": args.policy, "capacity_steady_s": steady_s}
     if emulation is not None:  # (absent without it: folders saved before the option resume)
         settings.update(emulation=asdict(emulation), trace_kind=args.trace, trace_path=args.path)

@@ -33,7 +33,12 @@ def _pct(a: float | None, b: float | None) -> float | None:
 
 
 def across(results: dict[str, dict]) -> dict:
-    """``results``: workload name -> its fleet.json. See the module doc."""
+    """``results``: workload name -> its fleet.json. See the module doc. Benches on different devices
+    (CPU-compute and emulated, or two profiles) are refused: their figures are not comparable."""
+    kinds = {(str((r.get("device") or {}).get("mode")), str((r.get("device") or {}).get("profile")))
+             for r in results.values()}
+    if len(kinds) > 1:
+        raise ValueError(f"the benches ran on different devices {sorted(kinds)}: compare like with like")
     cells = {}  # (workload, load) -> {config: median P99}
     for name, res in results.items():
         for row in res["configs"]:
@@ -93,6 +98,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
     else:
+        dev = next(iter(out["devices"].values()), None) or {}
+        if dev.get("mode") == "emulated":
+            print(f"EMULATED devices ({dev.get('profile')}): every figure in modelled time")
         print(f"single best static over every workload: {out['single_static']} (worst {out['single_static_worst_ratio']}x "
               f"the per-workload best)")
         for name, loads in out["per_workload"].items():

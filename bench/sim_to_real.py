@@ -15,9 +15,12 @@ rounds) and the largest absolute difference of each hit rate (``kv_hit_max_abs_d
 ``emb_hit_max_abs_diff``), as simulator-validation studies report them.
 
 What differs by construction, stated: the simulator batches by slices of ``batch_window_ms``
-(here 1 ms) where an agent batches what its queue holds; the simulator routes on reports every
-``report_interval_s`` where the gateway reads each agent's feed; the fleet's latency includes the
-gateway's and HTTP's real time (divided by the time scale).
+(here 1 ms, which adds about half a slice to a sub-millisecond P50) up to the profile's
+``max_batch`` (64), where an agent batches what its queue holds up to its own ``max_batch`` (16)
+and serves a large miss (``large_prefill_tokens``, 1,024) alone in its own lane; the simulator
+routes on reports every ``report_interval_s`` where the gateway reads each agent's feed. On a
+stream that shifts items (trend drift, EMB bursts) the simulator reuses a cached prefix by length
+where the engine compares item ids, so it can count a hit the engine recomputes.
 """
 
 from __future__ import annotations

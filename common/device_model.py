@@ -241,6 +241,9 @@ def cost_profile_json(path: str | Path) -> CostProfile | None:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"{p}: not a cost profile: unknown keys {unknown}")
+    for key, kind in (("name", str), ("calibrated", bool), ("sources", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise ValueError(f"{p}: {key} must be a JSON {kind.__name__}, got {data[key]!r}")
     try:
         return CostProfile(**data).validate()
     except TypeError as e:

@@ -281,6 +281,12 @@ class NodeAgent:
         if self.reset_factory is None:
             raise RuntimeError("this agent was not started with --allow-reset")
         engine, alloc = self.reset_factory(emb_share, allocator)
+        # what the previous run left queued is failed, not served by the new engine: it would warm the
+        # cold caches and count in the next run's figures
+        self._drain()
+        while self._small or self._large:
+            job = (self._small or self._large).popleft()
+            job.loop.call_soon_threadsafe(_resolve, job.future, None, RuntimeError("node agent reset"))
         now = self.clock()
         with self._lock:
             self.engine = engine
@@ -421,7 +427,9 @@ class NodeAgent:
                     self.metrics.record_error()
             self._fail(jobs, RuntimeError(f"internal error while serving: {type(e).__name__}: {e}"))
             return
-        self._record_batch(jobs, resps, now, self.clock())
+        span = getattr(self.engine, "last_batch_span", None)
+        # an emulated device's batch on its own timeline (the host's lag is not the device's)
+        self._record_batch(jobs, resps, *(span if span is not None else (now, self.clock())))
         with self._lock:
             for r in resps:
                 self.metrics.record(r.finished_s, r.latency.total_us, emb_requested=r.emb_rows,
@@ -458,7 +466,9 @@ class NodeAgent:
                 if jobs:
                     t0 = self.clock()
                     self._serve(jobs)
-                    self.residency.note_served(self.clock() - t0, len(jobs))
+                    span = getattr(self.engine, "last_batch_span", None)
+                    self.residency.note_served(span[1] - span[0] if span is not None else self.clock() - t0,
+                                               len(jobs))
                 self._run_calls()
                 now = self.clock()
                 self.residency.collect(self.engine, now)

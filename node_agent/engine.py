@@ -182,6 +182,9 @@ class EngineConfig:
         m = self.model
         if self.emulation is not None:  # metadata only, sized as the profile's device (as the simulator's nodes)
             prof = self.emulation.resolve()
+            if prof.emb_row_bytes % 4 or prof.kv_bytes_per_token % 8:
+                raise ValueError(f"profile {prof.name}: emb_row_bytes ({prof.emb_row_bytes}) must be a multiple of 4 and "
+                                 f"kv_bytes_per_token ({prof.kv_bytes_per_token}) of 8 (whole float32 rows and K/V)")
             return MemoryConfig(
                 num_pages=self.num_pages, num_items=self.num_items, emb_dim=prof.emb_row_bytes // 4,
                 emb_dtype="float32",
@@ -545,6 +548,9 @@ class Engine:
         self.num_uncacheable = 0
         self.link_us_total = 0.0
         self._device_info: dict | None = None
+        # an emulated device's last batch on its own timeline (first pass's start, last pass's end);
+        # None on a real device, whose batches the caller times itself
+        self.last_batch_span: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------------- validation ---
     def validate(self, req: RecRequest) -> _Prepared:
@@ -610,6 +616,7 @@ class Engine:
         a request is invalid."""
         preps = [self.validate(r) for r in reqs]
         t0 = self.clock() if now_s is None else now_s
+        self._span_start: float | None = None
         out: list[RecResponse | None] = [None] * len(preps)
         # sub-batches in which each user appears once, in arrival order
         pending = list(range(len(preps)))
@@ -753,6 +760,8 @@ class Engine:
         # arrived, not when this host's thread got round to it (a late thread catches up, no wait)
         last_arrival = max((p.req.arrival_s if p.req.arrival_s is not None else t_batch) for p in preps)
         t_start = min(clock(), max(emu.free_at_s, last_arrival))
+        if self._span_start is None:  # the batch's first pass
+            self._span_start = t_start
         plans = [self._plan_kv(p) for p in preps]
         cands = [p.candidates if p.candidates is not None
                  else self.candidates.sample(p.user, len(p.items), p.num_candidates) for p in preps]
@@ -776,6 +785,7 @@ class Engine:
         c0, c1 = emu.demand_copy(t_copy, lk.num_unique_misses)
         t_end = c1 + comp_us * 1e-6
         emu.free_at_s = t_end
+        self.last_batch_span = (self._span_start, t_end)
         emu.wait_until(t_end)
         emu.busy_us += (t_end - t_start) * 1e6
         emb_us = (c1 - t_start) * 1e6
@@ -790,7 +800,7 @@ class Engine:
             kv_hit = min(plan.reuse_tokens, p.num_history)
             own = float(comp[j])
             lat = LatencyBreakdown(
-                queue_us=max(0.0, (t_batch - arrival) * 1e6), emb_lookup_us=emb_us, link_us=link_us,
+                queue_us=max(0.0, (self._span_start - arrival) * 1e6), emb_lookup_us=emb_us, link_us=link_us,
                 batch_wait_us=max(0.0, (t_end - t_start) * 1e6 - emb_us - own), kv_read_us=0.0,
                 prefill_us=own - float(rank[j]), kv_write_us=0.0, rank_us=float(rank[j]), compute_us=own,
                 total_us=(t_end - arrival) * 1e6)

@@ -213,3 +213,24 @@ def test_a_replay_can_send_the_simulators_candidates_so_both_rank_the_same_items
     assert "num_candidates" not in b0 and request_body(st, 1, 3, cands) == b1  # deterministic
     plain = request_body(st, 0, 3)
     assert plain["num_candidates"] == 6 and "candidates" not in plain
+
+
+def test_emulation_only_options_are_refused_without_emulate_and_a_profile_cannot_fake_its_types(tmp_path):
+    from types import SimpleNamespace
+
+    from node_agent.cli import _emulation
+
+    for extra in ({"time_scale": 2.0}, {"refill_link_fraction": 0.2}, {"allow_reset": True}):
+        args = SimpleNamespace(emulate=None, time_scale=1.0, refill_link_fraction=None, allow_reset=False)
+        for k, v in extra.items():
+            setattr(args, k, v)
+        with pytest.raises(ValueError, match="need --emulate"):
+            _emulation(args)
+    fake = tmp_path / "fake.json"
+    fake.write_text(json.dumps(A100_HSTU.to_json() | {"calibrated": "false"}))
+    with pytest.raises(ValueError, match="calibrated must be a JSON bool"):
+        get_profile(str(fake))
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(A100_HSTU.to_json() | {"kv_bytes_per_token": 12}))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        EngineConfig(num_items=100, num_pages=16, emulation=EmulationConfig(str(odd)))

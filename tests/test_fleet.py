@@ -476,3 +476,14 @@ def test_an_emulated_fleet_ab_says_so_judges_on_the_devices_time_and_compares_wi
         log = (out / "work" / f"agent{i}.log").read_text()
         assert log.count("serving on") == 1 and "emulated a100-hstu" in log
     assert "EMULATED" not in p.stdout  # --json: the table's banner is for the text output
+
+
+def test_across_workloads_refuses_benches_on_different_devices():
+    from bench.fleet_across import across
+
+    def res(mode, profile):
+        return {"device": {"mode": mode, "profile": profile},
+                "configs": [{"config": "0.5/least_load", "load": 0.5, "p99_ms": {"median": 1.0}}]}
+
+    with pytest.raises(ValueError, match="different devices"):
+        across({"a": res("emulated", "a100-hstu"), "b": res("cpu-compute", None)})
