@@ -793,7 +793,7 @@ class Engine:
         pop = self.candidates.weights
         out: list[RecResponse] = []
         for j, (p, plan, c) in enumerate(zip(preps, plans, cands)):
-            cached_after = self._record_kv(p, plan)
+            cached_after = self._write_kv(p, plan, None, None)
             w = pop[c]
             top = np.argsort(-w, kind="stable")[: p.top_k]
             arrival = p.req.arrival_s if p.req.arrival_s is not None else t_batch
@@ -815,59 +815,32 @@ class Engine:
                 batch_size=batch_size, finished_s=t_end, device=self.device_info()))
         return out
 
-    def _record_kv(self, p: _Prepared, plan: KVReuse) -> int:
-        """`_write_kv` without the K/V payload (an emulated device's pages hold no tensors): the
-        pages appended and the record of the cached tokens, exactly as `_write_kv` keeps them."""
+    def _write_kv(self, p: _Prepared, plan: KVReuse, new_kv: KVState | None, full: KVState | None) -> int:
+        """Append the request's new tokens to the user's pages; returns the tokens cached after.
+        ``full`` None: an emulated device's pages hold no K/V, only the pages and the record are kept."""
         mm = self.mm
         n = len(p.items)
         if n == 0:
             return 0
         have = mm.kv.num_tokens(p.user)
         if plan.reuse_tokens == n and have == n:
-            return n
-        if have == plan.reuse_tokens:
-            start = have
-        else:
-            if have:
-                mm.kv.evict(p.user)
-            self._seqs.pop(p.user, None)
-            start = 0
-        if mm.kv.append(p.user, n - start) is None:
-            self._seqs.pop(p.user, None)
-            self.num_uncacheable += 1
-            return 0
-        seq = self._seqs.get(p.user)
-        if seq is None or start == 0:
-            seq = _UserSeq()
-            self._seqs[p.user] = seq
-            start = 0
-        seq.set(p.items, p.ts, start)
-        return n
-
-    def _write_kv(self, p: _Prepared, plan: KVReuse, new_kv: KVState | None, full: KVState) -> int:
-        """Append the request's new tokens to the user's pages; returns the tokens cached after."""
-        mm = self.mm
-        n = len(p.items)
-        if n == 0:
-            return 0
-        have = mm.kv.num_tokens(p.user)
-        if new_kv is None and have == n:
             return n  # refresh: everything already cached
-        if have == plan.reuse_tokens and new_kv is not None:
-            start, k, v = have, new_kv.k, new_kv.v
+        if have == plan.reuse_tokens:
+            start, k, v = (have, None, None) if new_kv is None else (have, new_kv.k, new_kv.v)
         else:
             # the user was evicted meanwhile (by another request of the batch) or holds something
             # else: cache the whole sequence again from the K/V in hand
             if have:
                 mm.kv.evict(p.user)
             self._seqs.pop(p.user, None)
-            start, k, v = 0, full.k, full.v
+            start, k, v = (0, None, None) if full is None else (0, full.k, full.v)
         app = mm.kv.append(p.user, n - start)
         if app is None:  # the user's sequence does not fit in the KV pool at all
             self._seqs.pop(p.user, None)
             self.num_uncacheable += 1
             return 0
-        mm.kv.write_layers(p.user, start, list(k), list(v))
+        if k is not None:
+            mm.kv.write_layers(p.user, start, list(k), list(v))
         seq = self._seqs.get(p.user)
         if seq is None or start == 0:
             seq = _UserSeq()
