@@ -956,6 +956,12 @@ def run_fleet(args) -> dict:
     cap_cfg = next(c for c in parse_configs(CAPACITY_KEY))
     try:
         cap = _load(out_dir / "capacity.json")
+        if cap is None and args.capacity is not None:
+            cap = {"capacity_rps": round(args.capacity, 2), "given": True, "probes": []}
+            _save(out_dir / "capacity.json", cap)
+        elif cap is not None and args.capacity is not None and abs(cap["capacity_rps"] - args.capacity) > 1e-6:
+            raise SystemExit(f"{out_dir} holds capacity {cap['capacity_rps']:g} req/s, not --capacity "
+                             f"{args.capacity:g}; give another --out")
         if cap is None:
             def run_at(rate):
                 return run_once(fleet, cap_cfg, trace, f"steady:{steady_s:g}", rate, args.seed, args.slo_ms, sizing,
@@ -1063,6 +1069,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-start", type=float, default=None,
                    help="first rate of the capacity search (req/s; default 20, with --emulate 300)")
     p.add_argument("--capacity-iters", type=int, default=3, help="bisections of the capacity search (default 3)")
+    p.add_argument("--capacity", type=float, default=None, metavar="RPS",
+                   help="the steady capacity (req/s), given instead of searched: loads are fractions of it "
+                        "(a rerun of a bench whose capacity.json says the figure)")
     p.add_argument("--capacity-s", type=float, default=None, help="seconds of each capacity probe (default 20, quick 8)")
     p.add_argument("--emulate", default=None, metavar="PROFILE",
                    help="emulated agents (racer node-agent --emulate): the device's time charged from PROFILE (a100-hstu "
@@ -1113,6 +1122,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(str(e))
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.capacity is not None and not (math.isfinite(args.capacity) and args.capacity > 0):
+        p.error("--capacity must be a positive number of requests per second")
     if not args.nodes and args.num_nodes < 1:
         p.error("--num-nodes must be at least 1")
     if not (0.0 < args.arena_table < 1.0):

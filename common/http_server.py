@@ -38,6 +38,11 @@ plane checks the token first and then calls `read_body` with the route's cap. A 
 before the body was read closes the connection (`send_json` with ``close=True``), so the server
 never reads the rest.
 
+A request's head is bounded in size: past ``max_head_bytes`` (32 KiB by default, as nginx's four
+8-KiB header buffers) of a head not yet complete, the server answers 431 and closes the
+connection, so one huge header costs its first 32 KiB and one read more (uvicorn with httptools
+sets no limit of its own: a 100-MiB header was parsed whole).
+
 Connections are bounded in time (`HttpTimeouts`, set in uvicorn's connection hook): a request's
 head must arrive within ``header_timeout_s`` of the connection (or of the end of the previous
 answer) however slowly its bytes trickle in; a body must not stall for more than
@@ -225,25 +230,65 @@ class BodyLimit:
     (``{error_field: "request body of ... exceeds N bytes"}``) before the app parses it: a
     declared Content-Length over the limit without reading the body, a chunked one as soon as
     the bytes received pass it (`read_body`). The body (at most ``max_bytes``) is handed to the
-    app unchanged."""
+    app unchanged.
 
-    def __init__(self, app, max_bytes: int, error_field: str = "error") -> None:
+    ``budget_bytes``: the most body bytes held at once over every request in progress (read, or
+    in the app's hands); a request whose bytes would pass it gets 503, so many concurrent large
+    bodies cannot add up past it either."""
+
+    def __init__(self, app, max_bytes: int, error_field: str = "error", budget_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.error_field = error_field
+        self.budget_bytes = budget_bytes
+        self.held_bytes = 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.budget_bytes is None:
+            try:
+                body = await read_body(receive, self.max_bytes, scope)
+            except BodyTooLarge as e:
+                await send_json(send, 413, {self.error_field: str(e)}, close=True)
+                return
+            if body is None:  # the client went away: nobody to answer
+                return
+            await self.app(scope, replay_body(body, receive), send)
+            return
+        held = 0
+
+        async def counted():
+            nonlocal held
+            message = await receive()
+            n = len(message.get("body", b""))
+            if self.held_bytes + n > self.budget_bytes:
+                raise _OverBudget
+            held += n
+            self.held_bytes += n
+            return message
+
         try:
-            body = await read_body(receive, self.max_bytes, scope)
-        except BodyTooLarge as e:
-            await send_json(send, 413, {self.error_field: str(e)}, close=True)
-            return
-        if body is None:  # the client went away: nobody to answer
-            return
-        await self.app(scope, replay_body(body, receive), send)
+            try:
+                body = await read_body(counted, self.max_bytes, scope)
+            except BodyTooLarge as e:
+                await send_json(send, 413, {self.error_field: str(e)}, close=True)
+                return
+            except _OverBudget:
+                await send_json(send, 503, {self.error_field: f"busy: request bodies in progress hold "
+                                                              f"{self.budget_bytes} bytes; retry later"},
+                                close=True, headers=((b"retry-after", b"1"),))
+                return
+            if body is None:
+                return
+            await self.app(scope, replay_body(body, receive), send)
+        finally:
+            self.held_bytes -= held
+
+
+class _OverBudget(Exception):
+    pass
 
 
 class AllowedMethods:
@@ -365,13 +410,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 @dataclass(frozen=True)
 class HttpTimeouts:
-    """How long a server waits on a client (see the module docstring), s. `from_env` reads
-    ``RACER_HTTP_HEADER_TIMEOUT_S``, ``RACER_HTTP_BODY_IDLE_TIMEOUT_S`` and
-    ``RACER_HTTP_KEEP_ALIVE_S`` over these defaults."""
+    """How long a server waits on a client, s, and how much of a request head it reads (see the
+    module docstring). `from_env` reads ``RACER_HTTP_HEADER_TIMEOUT_S``,
+    ``RACER_HTTP_BODY_IDLE_TIMEOUT_S``, ``RACER_HTTP_KEEP_ALIVE_S`` and
+    ``RACER_HTTP_MAX_HEAD_BYTES`` over these defaults."""
 
     header_timeout_s: float = ranged(10.0, lo=0, lo_open=True, hi=3600, doc="a request head's deadline, s")
     body_idle_timeout_s: float = ranged(30.0, lo=0, lo_open=True, hi=3600, doc="most a body may stall, s")
     keep_alive_s: float = ranged(5.0, lo=0, lo_open=True, hi=3600, doc="an idle kept-alive connection's life, s")
+    max_head_bytes: int = ranged(32 * 1024, lo=1024, hi=1 << 20, integer=True, doc="most bytes of a request head (line and headers)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -382,11 +429,11 @@ class HttpTimeouts:
 
         env = os.environ if environ is None else environ
         kw = {}
-        for name in ("header_timeout_s", "body_idle_timeout_s", "keep_alive_s"):
+        for name in ("header_timeout_s", "body_idle_timeout_s", "keep_alive_s", "max_head_bytes"):
             raw = env.get(f"RACER_HTTP_{name.upper()}")
             if raw:
                 try:
-                    kw[name] = float(raw)
+                    kw[name] = int(raw) if name == "max_head_bytes" else float(raw)
                 except ValueError:
                     raise ValueError(f"RACER_HTTP_{name.upper()}: not a number: {raw!r}") from None
         return cls(**kw)
@@ -401,12 +448,21 @@ def _guarded_protocol(base, timeouts: HttpTimeouts):
     at the connection (head deadline), not moved by a trickle of head bytes, moved by each body
     read while the body is incomplete (idle deadline), stopped once the body is in (the app's
     turn). On expiry, a connection still waiting on its client is closed (the app, if it waits
-    on the body, sees a disconnect)."""
+    on the body, sees a disconnect).
+
+    The head's size: the bytes received while no request body is expected (before the first
+    head, between answers, or after the current request's last byte) are counted until a head
+    is complete; past ``max_head_bytes`` the connection gets 431 and is closed, so the parser
+    has seen at most the cap and one read more. A body is not counted here (the
+    app's `BodyLimit` / `read_body` bound it). Pipelined requests sent in one burst count
+    together until the first head is complete, so their heads share the cap."""
 
     header_s, body_s = timeouts.header_timeout_s, timeouts.body_idle_timeout_s
+    max_head = timeouts.max_head_bytes
 
     class GuardedProtocol(base):
         _racer_timer = None
+        _racer_head_bytes = 0
 
         def connection_made(self, transport) -> None:  # noqa: D401 - asyncio hook
             sock = transport.get_extra_info("socket")
@@ -435,9 +491,18 @@ def _guarded_protocol(base, timeouts: HttpTimeouts):
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            c = self.cycle
+            in_head = c is None or c.response_complete or not c.more_body  # no body expected: a head's bytes
             super().data_received(data)
             if self.transport.is_closing():
                 return
+            if self.cycle is not c:  # a head is complete: the next one counts afresh
+                self._racer_head_bytes = 0
+            elif in_head:  # still within one head
+                self._racer_head_bytes += len(data)
+                if self._racer_head_bytes > max_head:
+                    self._racer_refuse_head()
+                    return
             if self._racer_between_requests():  # (part of) a head: its deadline stands
                 if self._racer_timer is None:
                     self._racer_arm(header_s)
@@ -446,6 +511,15 @@ def _guarded_protocol(base, timeouts: HttpTimeouts):
             elif self._racer_timer is not None:  # the request is in: the app's turn
                 self._racer_timer.cancel()
                 self._racer_timer = None
+
+        def _racer_refuse_head(self) -> None:
+            if self.transport.is_closing():
+                return
+            body = (b'{"error": "request head exceeds %d bytes (request line and headers)"}' % max_head)
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                                 b"content-type: application/json\r\ncontent-length: %d\r\n"
+                                 b"connection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

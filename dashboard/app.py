@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import dash
@@ -167,28 +165,39 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     return app
 
 
+#: most bytes of one request body: a dropped upload (base64 in a JSON callback, 4/3 of the file)
+#: with room for the callback's other state; anything past it gets 413 before a worker sees it
+MAX_BODY_BYTES = policies_tab.MAX_UPLOAD_BYTES * 4 // 3 + 2 * 2**20
+#: the most body bytes held at once over every request in progress (503 past it)
+BODY_BUDGET_BYTES = 4 * MAX_BODY_BYTES
+#: WSGI worker threads (the Dash callbacks); requests past them wait their turn, their bodies read
+WORKERS = 16
+
+
+def asgi_app(app: dash.Dash):
+    """The Dash (Flask, WSGI) app as an ASGI app for `common.http_server.serve_forever`: its
+    callbacks run on ``WORKERS`` threads, each body bounded by ``MAX_BODY_BYTES`` before a worker
+    reads it (`BodyLimit` counts a chunked body's bytes as they come) and all of them together by
+    ``BODY_BUDGET_BYTES``."""
+    from a2wsgi import WSGIMiddleware
+
+    from common.http_server import BodyLimit
+
+    return BodyLimit(WSGIMiddleware(app.server, workers=WORKERS), MAX_BODY_BYTES, budget_bytes=BODY_BUDGET_BYTES)
+
+
 def run(control_plane_url: str, *, host: str = "127.0.0.1", port: int = 8050, refresh_s: float = 2.0,
         timeout_s: float = 3.0, slo_ms: float = 30.0, range_s: int = 900, ready=None) -> None:
-    """Serve the dashboard (``racer dashboard``): Flask's threaded server, request lines logged
-    at warning level only (they hold no token anyway)."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    app = create_app(control_plane_url, refresh_s=refresh_s, timeout_s=timeout_s, slo_ms=slo_ms, range_s=range_s)
-    from werkzeug.serving import make_server
+    """Serve the dashboard (``racer dashboard``) on the server the other processes use
+    (`common.http_server.serve_forever`: uvicorn, request heads capped, slow clients timed out,
+    SIGTERM a clean exit), the Flask app mounted through `asgi_app`. Call it from the main thread."""
+    from common.http_server import serve_forever
 
-    server = make_server(host, port, app.server, threaded=True)
-    print(f"racer dashboard: http://{host}:{server.server_port}/ (control plane {control_plane_url})", flush=True)
-    if ready is not None:
-        ready(host, server.server_port)
-    previous = None
-    if threading.current_thread() is threading.main_thread():  # SIGTERM (racer up's stop): a clean exit, status 0
-        def _on_term(signum, frame):
-            raise KeyboardInterrupt
-        previous = signal.signal(signal.SIGTERM, _on_term)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    app = create_app(control_plane_url, refresh_s=refresh_s, timeout_s=timeout_s, slo_ms=slo_ms, range_s=range_s)
+
+    def on_ready(h: str, bound: int) -> None:
+        print(f"racer dashboard: http://{h}:{bound}/ (control plane {control_plane_url})", flush=True)
+        if ready is not None:
+            ready(h, bound)
+
+    serve_forever(asgi_app(app), host, port, ready=on_ready)

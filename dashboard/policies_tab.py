@@ -37,7 +37,7 @@ from .client import ApiError, ControlPlaneClient, Unavailable
 
 ROLLOUT_BUTTONS = {"btn-ro-promote": "promote", "btn-ro-pause": "pause", "btn-ro-resume": "resume",
                    "btn-ro-rollback": "rollback"}
-MAX_UPLOAD_BYTES = 64 * 2**20
+MAX_UPLOAD_BYTES = 16 * 2**20  # an artifact is tens of KB; the shipped one 48 KB
 
 
 def _t(t_s) -> str:

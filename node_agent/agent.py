@@ -37,6 +37,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import queue
 import threading
 import traceback
@@ -162,6 +163,12 @@ def _run_call(fn: Callable[[], object], fut: concurrent.futures.Future) -> None:
         fut.set_result(fn())
     except BaseException as e:  # noqa: BLE001 - handed to the caller
         fut.set_exception(e)
+
+
+def _arrived(job: "_Job", cut: float) -> bool:
+    """Whether ``job`` arrived by ``cut`` (a job without an arrival time always has)."""
+    a = job.req.arrival_s
+    return a is None or a <= cut
 
 
 def _resolve(fut: asyncio.Future, value, exc: BaseException | None) -> None:
@@ -370,18 +377,36 @@ class NodeAgent:
             except queue.Empty:
                 return None
             self._drain()
-        if self._large and (not self._small or not self._last_was_large):
+        cut = self._cutoff()
+        small_ready = bool(self._small) and _arrived(self._small[0], cut)
+        if self._large and _arrived(self._large[0], cut) and (not small_ready or not self._last_was_large):
             job = self._pop_live(self._large)
             if job is not None:
                 self._last_was_large = True
                 self.num_large_batches += 1
                 return [job]
         self._last_was_large = False
-        return self._take_batch() or None
+        return self._take_batch(cut) or None
 
-    def _take_batch(self) -> list[_Job]:
+    def _cutoff(self) -> float:
+        """The latest arrival the next batch may take. A real device forms its next batch when it
+        is free (or when the first request after that arrives), from what has arrived by then;
+        on an emulated device this host's thread may get there late, with requests in its lanes
+        that arrived after that moment on the device's timeline: they wait for the following
+        batch, as on the device, so host lag does not change the batches. Otherwise no cut."""
+        emu = getattr(self.engine, "emu", None)
+        if emu is None:
+            return math.inf
+        heads = [lane[0].req.arrival_s for lane in (self._small, self._large)
+                 if lane and lane[0].req.arrival_s is not None]
+        if not heads:
+            return math.inf
+        return max(emu.free_at_s, min(heads)) + self.config.batch_window_us * 1e-6
+
+    def _take_batch(self, cut: float = math.inf) -> list[_Job]:
         """Up to ``max_batch`` small-lane jobs within ``max_prefill_tokens_per_batch`` (the
-        first always goes), waiting up to ``batch_window_us`` after the first for more."""
+        first always goes) that arrived by ``cut`` (`_cutoff`), waiting up to
+        ``batch_window_us`` after the first for more."""
         jobs: list[_Job] = []
         tokens = 0
         budget = self.config.max_prefill_tokens_per_batch
@@ -395,6 +420,8 @@ class NodeAgent:
                     self._small.popleft()
                     self.num_expired += 1
                     continue
+                if not _arrived(nxt, cut):
+                    break
                 if jobs and tokens + nxt.prefill_est > budget:
                     break
                 jobs.append(self._small.popleft())

@@ -234,3 +234,38 @@ def test_emulation_only_options_are_refused_without_emulate_and_a_profile_cannot
     odd.write_text(json.dumps(A100_HSTU.to_json() | {"kv_bytes_per_token": 12}))
     with pytest.raises(ValueError, match="multiple of 4"):
         EngineConfig(num_items=100, num_pages=16, emulation=EmulationConfig(str(odd)))
+
+
+def test_a_late_host_thread_forms_the_batches_the_device_would_have():
+    """The device is free at t=1.0; the host's worker gets round to it at t=1.3 with four
+    requests queued: the next batch takes those that had arrived by 1.0 (or by the first
+    arrival after it), and the ones that came later wait for the following batch, as on the
+    device. A real engine (no emulation) takes all of them."""
+    import asyncio
+
+    from node_agent.agent import NodeAgent, _Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        for emulated in (True, False):
+            clk = VClock(1.3)
+            eng = _engine(clk)
+            if not emulated:
+                eng.emu = None
+            else:
+                eng.emu.free_at_s = 1.0
+            agent = NodeAgent(eng, clock=clk)
+            for i, arrival in enumerate((0.90, 0.95, 1.05, 1.20)):
+                req = replace(_req(10 + i, range(4)), arrival_s=arrival)
+                agent._queue.put(_Job(req, loop, loop.create_future()))
+            first = agent._next_batch(0)
+            if not emulated:
+                assert len(first) == 4
+                continue
+            assert [j.req.arrival_s for j in first] == [0.90, 0.95]
+            eng.emu.free_at_s = 1.02  # the first batch's pass ended
+            assert [j.req.arrival_s for j in agent._next_batch(0)] == [1.05]  # the first arrival after it
+            eng.emu.free_at_s = 1.25
+            assert [j.req.arrival_s for j in agent._next_batch(0)] == [1.20]
+    finally:
+        loop.close()

@@ -8,7 +8,9 @@ processes (`racer node-agent`, `racer gateway --nodes`):
   the same header;
 - a body announced as ``text/plain`` gets 415 at the gateway and is never forwarded (the agent
   answers 415 too);
-- booleans are not numbers, and times and sizes are bounded (422, never a 200 or a 500).
+- booleans are not numbers, and times and sizes are bounded (422, never a 200 or a 500);
+- a request head past ``max_head_bytes`` (one huge header, sent in chunks, or trickled after a
+  request still being answered) gets 431 and a closed connection once past the cap, and a head under it is served.
 """
 
 from __future__ import annotations
@@ -165,14 +167,85 @@ def test_booleans_are_not_numbers_and_times_and_sizes_are_bounded(servers, which
     assert r.status_code == 422 and field in r.text, (field, value, r.status_code, r.text[:300])
 
 
+def _send_huge_header(port: int, chunk: int = 16 * 1024, total: int = 2**20, prefix: bytes = b"") -> tuple[int, bytes]:
+    """Send ``prefix``, then a request whose one header grows in ``chunk``-byte writes up to
+    ``total``, each followed by a short wait for an answer (so the server has read what was sent
+    and a refusal closes cleanly, not with a reset); returns (bytes of the header sent when the
+    server answered or closed, everything it answered)."""
+    import select
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sent = 0
+    try:
+        s.sendall(prefix + b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        part = b"a" * chunk
+        answer = b""
+        while sent < total:
+            try:
+                s.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += chunk
+            if select.select([s], [], [], 0.05)[0]:
+                try:
+                    b = s.recv(65536)
+                except ConnectionResetError:
+                    break
+                answer += b
+                if not b or b"431" in answer:
+                    break
+        s.settimeout(5)
+        try:
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                answer += b
+        except (ConnectionResetError, socket.timeout):
+            pass
+        return sent, answer
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("which", ["agent", "gateway"])
+def test_a_huge_request_head_gets_431_once_past_the_cap(servers, which):
+    from common.http_server import HttpTimeouts
+
+    port = int(servers[which].rsplit(":", 1)[1])
+    cap = HttpTimeouts().max_head_bytes
+    sent, answer = _send_huge_header(port)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"request head exceeds" in answer
+    assert sent <= cap + 2 * 16 * 1024, sent  # refused at the cap, not after the whole MiB
+    # a head under the cap is served, and the server is still there
+    r = httpx.get(servers[which] + "/healthz", headers={"X-Big": "a" * (cap // 2)}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_a_head_trickled_after_a_request_still_being_answered_is_counted(servers):
+    """The next head on a kept-alive connection counts from the current request's last byte,
+    not only once its answer is sent."""
+    port = int(servers["agent"].rsplit(":", 1)[1])
+    body = json.dumps(BODY).encode()
+    first = (b"POST /v1/recommend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sent, answer = _send_huge_header(port, prefix=first)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]  # the first request was answered
+    assert b"HTTP/1.1 431 " in answer, answer[-300:]
+    assert sent <= 32 * 1024 + 2 * 16 * 1024, sent
+
+
 def test_timeouts_from_the_environment_are_checked():
     from common.http_server import HttpTimeouts
 
     assert HttpTimeouts.from_env({}) == HttpTimeouts(10.0, 30.0, 5.0)
+    assert HttpTimeouts.from_env({"RACER_HTTP_MAX_HEAD_BYTES": "4096"}).max_head_bytes == 4096
     assert HttpTimeouts.from_env({"RACER_HTTP_HEADER_TIMEOUT_S": "2.5"}).header_timeout_s == 2.5
     for env in ({"RACER_HTTP_HEADER_TIMEOUT_S": "soon"}, {"RACER_HTTP_BODY_IDLE_TIMEOUT_S": "0"},
-                {"RACER_HTTP_KEEP_ALIVE_S": "-1"}, {"RACER_HTTP_KEEP_ALIVE_S": "inf"}):
-        with pytest.raises(ValueError, match="RACER_HTTP_|_s must be"):
+                {"RACER_HTTP_KEEP_ALIVE_S": "-1"}, {"RACER_HTTP_KEEP_ALIVE_S": "inf"},
+                {"RACER_HTTP_MAX_HEAD_BYTES": "1.5"}, {"RACER_HTTP_MAX_HEAD_BYTES": "10"}):
+        with pytest.raises(ValueError, match="RACER_HTTP_|_s must be|max_head_bytes"):
             HttpTimeouts.from_env(env)
 
 
