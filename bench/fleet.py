@@ -523,7 +523,7 @@ def run_once(fleet, cfg: FleetConfig, trace, schedule: str, rate_rps: float, see
     clock = time.monotonic if time_scale == 1.0 else modelled_clock(time_scale)
     url = fleet.start(cfg)
     try:
-        stats = ReplayStats(slo_ms, clock=clock)
+        stats = ReplayStats(slo_ms, clock=clock, wall_per_s=time_scale)
         sampler = ShareSampler(fleet.node_urls, every_s=0.5 * time_scale, clock=clock)
         sampler.start()
         pids = fleet.pids()

@@ -242,6 +242,13 @@ def test_replay_stats_split_the_slowest_one_percent_into_node_http_and_outside_t
     # the node's own P99 is of the node's time alone: 4 ms for 99 of the 100 answers that say
     assert rep["node_p99_ms"] == pytest.approx(4.0 + 0.01 * (30.0 - 4.0), abs=0.3)
     assert ReplayStats(10.0).report()["tail_ms"] is None and ReplayStats(10.0).report()["node_p99_ms"] is None
+    # emulated nodes (K = 5): the node's figures are modelled, the gateway's wall: divided by K
+    st = ReplayStats(1000.0, wall_per_s=5.0)
+    st.on_sent("steady", 0.0)
+    st.on_done("steady", 40.0, None, "n0", False, answer={"latency_us": {"queue_us": 10e3, "total_us": 30e3},
+                                                        "gateway": {"upstream_ms": 160.0, "gateway_ms": 175.0}})
+    assert st.report()["tail_ms"] == {"n": 1, "latency": 40.0, "queue": 10.0, "node": 30.0, "upstream": 32.0,
+                                      "gateway": 35.0, "outside": 5.0}
 
 
 def test_replay_stats_say_the_share_of_node_time_a_cache_decides():

@@ -369,8 +369,12 @@ class ReplayStats:
     """Outcome counts and latencies of a replay; safe to read (`snapshot`, `report`) from another
     thread while the replay's event loop writes it."""
 
-    def __init__(self, slo_ms: float, recent_window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, slo_ms: float, recent_window_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 wall_per_s: float = 1.0):
         self.slo_ms = slo_ms
+        # wall seconds per second of ``clock`` (emulated nodes: K): the gateway's own times in an
+        # answer are wall times, divided by it so every part of `_Tally.tail` is on one clock
+        self.wall_per_s = float(wall_per_s)
         self.recent_window_s = recent_window_s
         self.clock = clock
         self._lock = threading.Lock()
@@ -410,6 +414,8 @@ class ReplayStats:
         counts = _cache_counts(answer) if failure is None else None
         passes = _batch_passes(answer) if failure is None else None
         parts = _parts_ms(answer) if failure is None else None
+        if parts is not None and self.wall_per_s != 1.0:
+            parts = (parts[0], parts[1], parts[2] / self.wall_per_s, parts[3] / self.wall_per_s)
         service = _service_us(answer) if failure is None else None
         with self._lock:
             self.in_flight -= 1
@@ -601,7 +607,7 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
     k = config.time_scale
     if k != 1.0 and clock is time.monotonic:  # modelled seconds, as the emulated nodes' clocks
         clock = modelled_clock(k)
-    stats = stats or ReplayStats(config.slo_ms, clock=clock)
+    stats = stats or ReplayStats(config.slo_ms, clock=clock, wall_per_s=k)
     tasks: set[asyncio.Task] = set()
     counter = 0
 
