@@ -21,7 +21,9 @@ from __future__ import annotations
 import math
 import random
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
 
 from db import queries
 from db.models import ModelVersion, Node, Policy, Rollout, RolloutNode, RolloutStep
@@ -78,6 +80,15 @@ def _active(s: Session, kind: str):
     return queries.active_policy(s) if kind == "policy" else queries.active_model(s)
 
 
+def flush_or_conflict(s: Session, message: str) -> None:
+    """Write the session's changes now; a database "only one" index refusing them (a parallel
+    request got there first: migration 0009) is a `Conflict` with ``message``, not a 500."""
+    try:
+        s.flush()
+    except (IntegrityError, StaleDataError):
+        raise Conflict(message) from None
+
+
 def activate(s: Session, version: str, *, actor: str, reason: str, now_s: float, kind: str = "policy"):
     """Make ``version`` the active policy (or model, ``kind="model"``): every node not in a canary gets it."""
     p = s.get(_REGISTRY[kind], version)
@@ -86,9 +97,12 @@ def activate(s: Session, version: str, *, actor: str, reason: str, now_s: float,
     if queries.open_rollout(s, kind) is not None:
         raise Conflict(f"a {kind} rollout is in progress: promote, roll back or finish it before activating a {kind}")
     old = _active(s, kind)
+    busy = f"another {kind} activation or rollout changed the active {kind} at the same moment: read it again and retry"
     if old is not None and old.version != version:
         old.status = "retired"
+        flush_or_conflict(s, busy)  # the old one out before the new one in: one active at every step
     p.status = "active"
+    flush_or_conflict(s, busy)
     queries.audit(s, ts_s=now_s, actor=actor, action=f"{kind}.activate", target=f"{kind}:{version}",
                   before={"active": old.version if old else None}, after={"active": version}, reason=reason)
     return p
@@ -119,7 +133,7 @@ def create_rollout(s: Session, body, *, actor: str, now_s: float) -> Rollout:
                 state="pending", config=cfg,
                 created_by=actor, created_at_s=now_s, bake_started_s=None, updated_at_s=now_s, reason=body.reason)
     s.add(r)
-    s.flush()
+    flush_or_conflict(s, f"another {kind} rollout was started at the same moment (promote, roll back or finish it first)")
     nodes = [n for n in queries.list_nodes(s) if n.status == "up"]
     num_canary = 0 if not nodes else max(1, math.floor(body.canary_fraction * len(nodes) + 1e-9))
     if len(nodes) > 1 and body.canary_fraction < 1:
@@ -185,9 +199,12 @@ def _effects(s: Session, r: Rollout, to_state: str, now_s: float) -> None:
     cand = s.get(_REGISTRY[kind], r.policy_version if kind == "policy" else r.model_version)
     if to_state == "promoted":
         old = _active(s, kind)
+        busy = f"the active {kind} changed at the same moment: read it again and retry"
         if old is not None and old.version != cand.version:
             old.status = "retired"
+            flush_or_conflict(s, busy)
         cand.status = "active"
+        flush_or_conflict(s, busy)
     elif to_state == "rolled_back" and cand.status != "active":
         cand.status = "rolled_back"
 
@@ -203,6 +220,9 @@ def transition(s: Session, r: Rollout, event: str, *, actor: str, reason: str, n
     r.state, r.updated_at_s, r.reason = new.state.value, now_s, new.reason
     r.bake_started_s = new.bake_started_at_s
     r.paused_from = new.paused_from.value if new.paused_from else None
+    # written only where the row is still in ``before`` (`Rollout`'s version column): of two
+    # parallel events one wins, the other is a Conflict
+    flush_or_conflict(s, f"rollout {r.id} left {before} at the same moment: read it again and retry")
     _effects(s, r, r.state, now_s)
     _step(s, r, actor=actor, action=event, from_state=before, to_state=r.state, reason=new.reason, now_s=now_s,
           details=details)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, LargeBinary, MetaData,
-                        String, Table, Text, UniqueConstraint)
+                        String, Table, Text, UniqueConstraint, text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -256,7 +256,10 @@ class Override(Base):
     ``state``: "active", "cleared" (by an operator) or "expired" (by the expiry job)."""
 
     __tablename__ = "overrides"
-    __table_args__ = (Index(None, "state"),)
+    # one active override per node and one for the cluster (migration 0009)
+    __table_args__ = (Index(None, "state"),
+                      Index("uq_overrides_one_active", text("coalesce(node_id, '*')"), unique=True,
+                            sqlite_where=text("state = 'active'"), postgresql_where=text("state = 'active'")))
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_id: Mapped[str | None] = mapped_column(String(128))
     emb_share: Mapped[float]
@@ -274,6 +277,8 @@ class Policy(Base):
     "canary", "retired", "rolled_back"."""
 
     __tablename__ = "policies"
+    __table_args__ = (Index("uq_policies_one_active", "status", unique=True, sqlite_where=text("status = 'active'"),
+                            postgresql_where=text("status = 'active'")),)  # one active policy (0009)
     version: Mapped[str] = mapped_column(String(256), primary_key=True)
     digest: Mapped[str] = mapped_column(String(64))
     artifact: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # loaded when read: /summary's
@@ -291,6 +296,8 @@ class ModelVersion(Base):
     "canary", "retired", "rolled_back"."""
 
     __tablename__ = "models"
+    __table_args__ = (Index("uq_models_one_active", "status", unique=True, sqlite_where=text("status = 'active'"),
+                            postgresql_where=text("status = 'active'")),)  # one active model (0009)
     version: Mapped[str] = mapped_column(String(64), primary_key=True)
     digest: Mapped[str] = mapped_column(String(64))  # SHA-256 of the stored tar (what a node checks on download)
     artifact: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
@@ -307,7 +314,11 @@ class Rollout(Base):
     "rolled_back" (the last two are final); see `control_plane.rollout`."""
 
     __tablename__ = "rollouts"
-    __table_args__ = (Index(None, "state"),)
+    # one open rollout of each kind (0009)
+    __table_args__ = (Index(None, "state"),
+                      Index("uq_rollouts_one_open", "kind", unique=True,
+                            sqlite_where=text("state IN ('pending', 'baking', 'paused')"),
+                            postgresql_where=text("state IN ('pending', 'baking', 'paused')")))
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     kind: Mapped[str] = mapped_column(String(16), default="policy", server_default="policy")
     policy_version: Mapped[str | None] = mapped_column(ForeignKey("policies.version"))
@@ -322,6 +333,10 @@ class Rollout(Base):
     updated_at_s: Mapped[float]
     reason: Mapped[str] = mapped_column(Text, default="")
     verdict: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    # an UPDATE applies only where the row is still in the state it was read in (a parallel
+    # transition that got there first makes it a StaleDataError: one of the two wins)
+    __mapper_args__ = {"version_id_col": state, "version_id_generator": False}
 
 
 class RolloutNode(Base):

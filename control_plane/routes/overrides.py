@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from db import queries
 from db.models import Node, Override
 
+from ..rollout_service import flush_or_conflict
 from ..schemas import OverrideIn, OverrideOut, ReasonIn
 from .deps import OPERATOR, VIEWER, Id64, begin, errors, get_or_404, invalid, now_s, principal, roles, session, settings
 
@@ -40,7 +41,7 @@ def _expiry(body: OverrideIn, now: float, bounds: tuple[float, float]) -> float 
     return expires
 
 
-@router.post("/overrides", response_model=OverrideOut, status_code=201, responses=errors(404), **roles(OPERATOR))
+@router.post("/overrides", response_model=OverrideOut, status_code=201, responses=errors(404, 409), **roles(OPERATOR))
 def create_override(body: OverrideIn, request: Request, p: principal(OPERATOR)):
     now = now_s(request)
     expires = _expiry(body, now, settings(request).guard_bounds())
@@ -53,7 +54,8 @@ def create_override(body: OverrideIn, request: Request, p: principal(OPERATOR)):
         o = Override(node_id=body.node_id, emb_share=body.emb_share, reason=body.reason, created_by=p.name,
                      created_at_s=now, expires_at_s=expires, state="active")
         s.add(o)
-        s.flush()
+        flush_or_conflict(s, f"another override of {body.node_id or 'the cluster'} was set at the same moment: "
+                             f"read the overrides again and retry")
         queries.audit(s, ts_s=now, actor=p.name, action="override.create", target=f"override:{o.id}",
                       before=None if not replaced else {"replaced": [x.id for x in replaced],
                                                         "emb_share": replaced[0].emb_share},
