@@ -18,6 +18,7 @@ before any body is read.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from fastapi import HTTPException, Request
 
 from db import queries
+
+log = logging.getLogger("racer.control_plane.auth")
 
 ROLE_IMPLIES = {"operator": {"operator", "viewer"}, "viewer": {"viewer"}, "node": {"node"}, "router": {"router"}}
 
@@ -165,10 +168,16 @@ def ensure_admin_token(factory, *, admin_token: str | None, now_s: float) -> str
     not stored yet and return None."""
     with factory.begin() as s:
         if admin_token:
-            if queries.token_by_secret(s, admin_token) is None:
+            row = queries.token_by_secret(s, admin_token, revoked=None)
+            if row is None:
                 queries.add_token(s, name="admin", role="operator", secret=admin_token, now_s=now_s)
                 queries.audit(s, ts_s=now_s, actor="system", action="token.create", target="token:admin",
                               after={"role": "operator", "name": "admin"}, reason="RACER_ADMIN_TOKEN")
+            elif row.revoked:  # the revocation stands: the token grants nothing, the server still starts
+                others = queries.count_tokens(s, "operator", revoked=False)
+                log.warning("RACER_ADMIN_TOKEN is token %d, which was revoked: it grants nothing. %s", row.id,
+                            f"{others} other operator token(s) remain." if others else
+                            "No operator token remains: create one with `racer token create --role operator`.")
             return None
         if queries.count_tokens(s, "operator"):
             return None

@@ -85,8 +85,12 @@ def audit_page(session: Session, *, start_s: float | None, end_s: float | None, 
 
 
 # ---- tokens
-def token_by_secret(session: Session, secret: str) -> Token | None:
-    return session.scalar(select(Token).where(Token.token_sha256 == sha256_text(secret), Token.revoked.is_(False)))
+def token_by_secret(session: Session, secret: str, revoked: bool | None = False) -> Token | None:
+    """The token whose secret is ``secret``: not revoked (default), revoked (True) or either (None)."""
+    q = select(Token).where(Token.token_sha256 == sha256_text(secret))
+    if revoked is not None:
+        q = q.where(Token.revoked.is_(revoked))
+    return session.scalar(q)
 
 
 def add_token(session: Session, *, name: str, role: str, secret: str, now_s: float,
@@ -122,10 +126,13 @@ def tokens_by_id(session: Session, ids: Sequence[int] | None) -> list[Token]:
     return list(session.scalars(q).all())
 
 
-def count_tokens(session: Session, role: str | None = None) -> int:
+def count_tokens(session: Session, role: str | None = None, *, revoked: bool | None = None) -> int:
+    """Tokens of ``role`` (None: any): revoked or not (None), or only those that are (True) or not (False)."""
     q = select(func.count()).select_from(Token)
     if role:
         q = q.where(Token.role == role)
+    if revoked is not None:
+        q = q.where(Token.revoked.is_(revoked))
     return int(session.scalar(q) or 0)
 
 

@@ -83,3 +83,30 @@ def test_policy_push_registers_and_activates_an_artifact_and_reports_a_refusal(t
         assert out.returncode == 2 and "lacks" in out.stderr
     finally:
         cp.stop()
+
+
+def test_a_revoked_admin_token_stays_revoked_and_the_control_plane_still_starts(tmp_path):
+    """`racer up` starts the control plane with RACER_ADMIN_TOKEN; once an operator revokes that
+    token (it leaked), later starts with it must neither fail nor bring it back."""
+    url = f"sqlite:///{tmp_path}/cp.db"
+    leaked = "racer_leaked-admin-token"
+    cp = ControlPlane(url, tmp_path / "first.log", env={"RACER_ADMIN_TOKEN": leaked})
+    try:
+        assert httpx.get(cp.base + "/api/v1/whoami", headers={"Authorization": f"Bearer {leaked}"}).status_code == 200
+    finally:
+        cp.stop()
+    engine = make_engine(url)
+    with session_factory(engine)() as s:
+        tid = queries.token_by_secret(s, leaked).id
+    engine.dispose()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "racer", "token", "revoke", str(tid), "--db", url, "--reason", "leaked"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cp = ControlPlane(url, tmp_path / "second.log", env={"RACER_ADMIN_TOKEN": leaked})  # starts (it raised before)
+    try:
+        assert httpx.get(cp.base + "/api/v1/whoami", headers={"Authorization": f"Bearer {leaked}"}).status_code == 401
+    finally:
+        cp.stop()
+    log = (tmp_path / "second.log").read_text()
+    assert "RACER_ADMIN_TOKEN is token" in log and "revoked" in log and "racer token create" in log
