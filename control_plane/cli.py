@@ -111,9 +111,9 @@ def cmd_token_list(args) -> int:
 
 
 def _valid_node_id(text: str) -> bool:
-    import re
+    from common.ids import id_problem
 
-    return re.fullmatch(r"[A-Za-z0-9_.:\-]{1,128}", text) is not None
+    return id_problem(text) is None
 
 
 def add_control_plane_parser(sub) -> None:

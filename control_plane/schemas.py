@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.ids import ID_PATTERN
+
 from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS, MAX_DETAIL_TEXT_CHARS,
                                         MAX_PROPOSAL_ABS)
 
@@ -19,8 +21,9 @@ DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
-Version = Annotated[str, Field(min_length=1, max_length=256)]
+NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=ID_PATTERN)]
+PolicyId = Annotated[str, Field(min_length=1, max_length=128, pattern=ID_PATTERN)]
+Version = PolicyId  # a policy's version: its policy_id (common.ids; a model's digest fits it too)
 ModelDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a checkpoint's digest (its manifest's)
 # what a node's figures are (`node_agent.engine.Engine.device_info`): measured on a device, measured
 # with the EMB link's time emulated, or the time of an emulated device's cost profile (modelled)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.ids import id_problem
+
 from .features import FEATURE_NAMES, NUM_FEATURES, SCHEMA_VERSION
 
 MANIFEST_FORMAT = "racer-policy"
@@ -73,6 +75,9 @@ def check_manifest(manifest: object, schema: int = SCHEMA_VERSION, feature_names
     problems = [f"manifest lacks {k!r}" for k in REQUIRED_KEYS if k not in manifest]
     if problems:
         return problems
+    why = id_problem(manifest["policy_id"], "policy_id")
+    if why:
+        problems.append(why)
     if manifest["format"] != MANIFEST_FORMAT:
         problems.append(f"format is {manifest['format']!r}, expected {MANIFEST_FORMAT!r}")
     if manifest["format_version"] != MANIFEST_VERSION:

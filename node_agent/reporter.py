@@ -71,6 +71,7 @@ from pathlib import Path
 from urllib.parse import urljoin
 
 from common.config import ranged, require, validate
+from common.ids import path_segment
 from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS, MAX_DETAIL_TEXT_CHARS,
                                         MAX_PROPOSAL_ABS)
 
@@ -815,7 +816,7 @@ class Reporter:
         try:
             if alloc is None:
                 raise RuntimeError("no allocator on this node (start the agent with --policy or --control-plane)")
-            path = self._download(version, digest, pol.get("download_url") or f"{API}/policies/{version}/artifact")
+            path = self._download(version, digest, pol.get("download_url") or f"{API}/policies/{path_segment(version)}/artifact")
             alloc.load_policy(path, now_s=self.agent.clock())
         except Exception as e:  # noqa: BLE001 - any failure keeps the old policy
             error = f"{type(e).__name__}: {e}"
@@ -854,7 +855,7 @@ class Reporter:
         try:
             from .model.checkpoint import load_checkpoint
 
-            path = self._download(version, digest, md.get("download_url") or f"{API}/models/{version}/artifact",
+            path = self._download(version, digest, md.get("download_url") or f"{API}/models/{path_segment(version)}/artifact",
                                   kind="model")
             ecfg = self.agent.engine.config
             ck = load_checkpoint(path, digest=version, num_items=ecfg.num_items, config=ecfg.model)

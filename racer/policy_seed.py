@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from common.ids import path_segment
+
 ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
 CANDIDATE_LOGIT_SHIFT = -1.0
 _OUTPUT_BIAS = "head.bias"  # the last Gemm's bias, before the sigmoid that gives emb_share
@@ -131,7 +133,7 @@ def seed_policies(cp_url: str, token: str, shipped: Path, data_dir: Path,
     if active:
         out["active"] = active[0]
     else:
-        r = httpx.post(f"{api}/policies/{shipped_version}/activate", headers=auth, timeout=30.0,
+        r = httpx.post(f"{api}/policies/{path_segment(shipped_version)}/activate", headers=auth, timeout=30.0,
                        json={"reason": "racer up: the shipped policy, active from the start"})
         if r.status_code != 200:
             raise RuntimeError(f"activating {shipped_version} answered {r.status_code}: {r.text[:300]}")

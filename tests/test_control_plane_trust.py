@@ -303,3 +303,30 @@ def test_a_nodes_drop_count_from_its_newest_report_is_shown_on_the_node_and_in_m
     assert f'racer_node_reports_dropped{{node_id="{nid}"}} 3.0' in httpx.get(cp.base + "/metrics").text
     r = node.post(f"/nodes/{nid}/reports", json={"reports": [report(7, ts_s=1007.0, num_reports_dropped=-1)]})
     assert r.status_code == 422 and "num_reports_dropped" in r.text
+
+
+BAD_POLICY_IDS = ["a/b", "", "x?y#z", "pol-\u20ac", "a\r\nb", "..", ".hidden", "x" * 129, "sp ace", "a%2Fb"]
+
+
+@pytest.mark.parametrize("policy_id", BAD_POLICY_IDS)
+def test_a_policy_id_outside_the_id_grammar_is_refused_at_upload(cp, policy_id):
+    """One id grammar (common.ids) for every registry, enforced at upload: an id that could not be
+    one URL path segment is a 422 naming policy_id, and nothing is stored."""
+    from .cp_util import artifact_tar
+    from .test_control_plane_api import DEFAULT_POLICY
+
+    r = cp.admin.post("/policies", content=artifact_tar(DEFAULT_POLICY, policy_id=policy_id))
+    assert r.status_code == 422 and "policy_id" in r.text, (r.status_code, r.text[:300])
+    assert all(p["version"] != policy_id for p in cp.admin.get("/policies").json())
+
+
+def test_an_id_at_the_grammars_edge_round_trips_through_every_url(cp):
+    from .cp_util import artifact_tar
+    from .test_control_plane_api import DEFAULT_POLICY
+
+    pid = "Pol_1.2:3-" + "z" * 118  # 128 characters, every allowed punctuation mark
+    assert cp.admin.post("/policies", content=artifact_tar(DEFAULT_POLICY, policy_id=pid)).status_code in (200, 201)
+    assert cp.admin.get(f"/policies/{pid}").json()["version"] == pid
+    assert cp.admin.get(f"/policies/{pid}/artifact").status_code == 200
+    assert cp.admin.get("/policies/a%2Fb").status_code == 404  # no such path (the server decodes it to a/b)
+    assert cp.admin.get("/policies/" + "x" * 129).status_code == 422  # a path id outside the grammar

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from common.ids import path_segment
 from db import queries
 from db.models import Node
 
@@ -35,10 +36,10 @@ def directives(node_id: NodeId, request: Request):
                 scope="node" if ov.node_id else "cluster"),
             policy=None if pol is None else PolicyDirective(
                 version=pol.version, digest=pol.digest, rollout_id=rollout_id,
-                download_url=f"{API}/policies/{pol.version}/artifact"),
+                download_url=f"{API}/policies/{path_segment(pol.version)}/artifact"),
             model=None if mdl is None else ModelDirective(
                 version=mdl.version, digest=mdl.digest, rollout_id=model_rollout_id,
-                download_url=f"{API}/models/{mdl.version}/artifact"))
+                download_url=f"{API}/models/{path_segment(mdl.version)}/artifact"))
 
 
 @router.post("/nodes/{node_id}/policy", response_model=NodeOut, responses=errors(404, 409, 413), **roles(NODE))

@@ -20,7 +20,7 @@ from db.models import Policy
 
 from .. import rollout_service
 from ..rollout_service import Conflict
-from ..schemas import PolicyOut, ReasonIn
+from ..schemas import PolicyId, PolicyOut, ReasonIn
 from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, invalid, now_s, principal, roles, session
 
 ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
@@ -168,7 +168,7 @@ def policies(request: Request):
 
 
 @router.get("/policies/{version}", response_model=PolicyOut, responses=errors(404), **roles(OPERATOR, VIEWER))
-def policy(version: str, request: Request):
+def policy(version: PolicyId, request: Request):
     with session(request) as s:
         x = get_or_404(s, Policy, version)
         return _policy_out(x)
@@ -177,7 +177,7 @@ def policy(version: str, request: Request):
 @router.get("/policies/{version}/artifact", response_class=Response, responses={
     200: {"content": {"application/x-tar": {}}, "description": "the artifact's canonical tar"}, **errors(404)},
     **roles(NODE, OPERATOR, VIEWER))
-def policy_artifact(version: str, request: Request):
+def policy_artifact(version: PolicyId, request: Request):
     with session(request) as s:
         x = get_or_404(s, Policy, version)
         return Response(x.artifact, media_type="application/x-tar",
@@ -187,7 +187,7 @@ def policy_artifact(version: str, request: Request):
 
 @router.post("/policies/{version}/activate", response_model=PolicyOut, responses=errors(404, 409),
              **roles(OPERATOR))
-def activate_policy(version: str, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+def activate_policy(version: PolicyId, body: ReasonIn, request: Request, p: principal(OPERATOR)):
     with begin(request) as s:
         return _policy_out(rollout_service.activate(s, version, actor=p.name, reason=body.reason,
                                                     now_s=now_s(request)))
