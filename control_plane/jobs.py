@@ -118,15 +118,27 @@ def push_weights(factory, settings, metrics) -> dict:
     if w is None:
         return {"pushed": 0, "failed": 0}
     body = {"version": w.version, "computed_at_s": w.computed_at_s, "nodes": w.nodes}
-    results = {}
-    for url, push_token in routers:
+
+    def push(url: str, push_token: str | None) -> str | None:
+        """One push: None, or what failed (the status or the error's kind: never the answer's
+        body, which the control plane has no business showing its viewers)."""
         headers = {"Authorization": f"Bearer {push_token}"} if push_token else {}
         try:
             resp = httpx.post(url.rstrip("/") + "/v1/router/weights", json=body, headers=headers,
                               timeout=settings.push_timeout_s)
-            results[url] = None if resp.status_code < 300 else f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return None if resp.status_code < 300 else f"HTTP {resp.status_code}"
+        except httpx.TimeoutException:
+            return f"timeout after {settings.push_timeout_s:g} s"
         except httpx.HTTPError as e:
-            results[url] = f"{type(e).__name__}: {e}"
+            return type(e).__name__
+
+    results = {}
+    if routers:  # at once: a router that never answers costs one timeout, not one per router
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(16, len(routers)), thread_name_prefix="racer-weights-push") as pool:
+            for (url, _), err in zip(routers, pool.map(lambda r: push(*r), routers)):
+                results[url] = err
     now = time.time()
     with factory.begin() as s:
         for url, err in results.items():

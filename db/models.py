@@ -249,6 +249,7 @@ class Router(Base):
     pushed_version: Mapped[int | None] = mapped_column(Integer)
     last_push_s: Mapped[float | None]
     last_error: Mapped[str | None] = mapped_column(Text)
+    token_id: Mapped[int | None] = mapped_column(Integer)  # the router token that registered it (0009)
 
 
 class Override(Base):

@@ -784,17 +784,24 @@ def add_weights(session: Session, *, computed_at_s: float, nodes: dict, inputs: 
     return w
 
 
-def upsert_router(session: Session, url: str, now_s: float, push_token: str | None = None) -> tuple[Router, bool]:
-    """Register a router (again); a changed push token means the next push goes out again."""
+def upsert_router(session: Session, url: str, now_s: float, push_token: str | None = None,
+                  token_id: int | None = None) -> tuple[Router, bool]:
+    """Register a router (again) for the token ``token_id``; a changed push token means the next
+    push goes out again."""
     r = session.get(Router, url)
     if r is not None:
         if push_token != r.push_token:
             r.push_token, r.pushed_version = push_token, None
+        r.token_id = token_id
         return r, False
-    r = Router(url=url, registered_at_s=now_s, push_token=push_token)
+    r = Router(url=url, registered_at_s=now_s, push_token=push_token, token_id=token_id)
     session.add(r)
     session.flush()
     return r, True
+
+
+def count_routers(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Router)) or 0)
 
 
 def list_routers(session: Session) -> list[Router]:

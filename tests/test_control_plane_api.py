@@ -219,7 +219,9 @@ def test_router_weights_pushed_on_change_only_and_pullable(cp):
         for nid, kv in (("w1", 2.0), ("w2", 4.0)):
             register(nodes[nid], nid, kv_recompute_us_per_token=kv)
         url = f"http://127.0.0.1:{srv.server_address[1]}"
-        r = node.post("/routers", json={"url": url, "push_token": "gw-push-secret"})
+        assert node.post("/routers", json={"url": url}).status_code == 403  # a node token registers no router
+        gw = cp.client(cp.token("router", "gw-push-test"))
+        r = gw.post("/routers", json={"url": url, "push_token": "gw-push-secret"})
         assert r.status_code == 200 and r.json()["has_push_token"] and "push_token" not in r.json()
         alive.start()
         first = wait_for(lambda: [b for p, b in _Recorder.received if {"w1", "w2"} <= set(b["nodes"])])[0]

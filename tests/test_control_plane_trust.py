@@ -189,10 +189,11 @@ def test_every_body_is_capped_with_413_declared_or_chunked(cp):
     caps = {f"{API}/nodes/{{node_id}}/reports": 262144, f"{API}/policies": 131072, f"{API}/models": 131072}
     node_tok = cp.token("node", node_id="capped")
     register(cp.client(node_tok), "capped")
+    router_tok = cp.token("router", "capped-gw")
     routes = _mutating_routes(cp)
     assert len(routes) >= 15, routes
     for method, path, allowed in routes:
-        token = node_tok if "node" in allowed else cp.ADMIN
+        token = node_tok if "node" in allowed else cp.ADMIN if "operator" in allowed else router_tok
         url_path = path.replace("{node_id}", "capped").replace("{override_id}", "1").replace(
             "{rollout_id}", "1").replace("{version}", "v1")
         cap = caps.get(path, 16384)
@@ -330,3 +331,63 @@ def test_an_id_at_the_grammars_edge_round_trips_through_every_url(cp):
     assert cp.admin.get(f"/policies/{pid}/artifact").status_code == 200
     assert cp.admin.get("/policies/a%2Fb").status_code == 404  # no such path (the server decodes it to a/b)
     assert cp.admin.get("/policies/" + "x" * 129).status_code == 422  # a path id outside the grammar
+
+
+def test_only_router_tokens_register_routers_and_only_the_registrant_changes_one(cp):
+    """A node token once replaced the real gateway's push token; any URL could be registered and
+    the control plane echoed what it answered. Now: router tokens only, a URL bound to the token
+    that registered it, a cap on routers, and a failed push says its status and nothing more."""
+    from control_plane.routes.routers import MAX_ROUTERS
+
+    url = "http://127.0.0.1:9/trust-router"
+    node = cp.node("trust-router-node")
+    assert node.post("/routers", json={"url": url, "push_token": "stolen"}).status_code == 403
+    assert cp.admin.post("/routers", json={"url": url}).status_code == 403  # an operator deletes, never registers
+    first, second = (cp.client(cp.token("router", f"gw-{i}")) for i in (1, 2))
+    assert first.post("/routers", json={"url": url, "push_token": "mine"}).status_code == 200
+    r = second.post("/routers", json={"url": url, "push_token": "theirs"})
+    assert r.status_code == 403 and "another router token" in r.text
+    assert first.post("/routers", json={"url": url, "push_token": "mine-2"}).status_code == 200  # its own: fine
+    # the cap: registering past MAX_ROUTERS is refused
+    have = len(cp.admin.get("/routers").json())
+    extra = [f"http://127.0.0.1:9/cap-{i}" for i in range(MAX_ROUTERS - have)]
+    for u in extra:
+        assert first.post("/routers", json={"url": u}).status_code == 200
+    r = first.post("/routers", json={"url": "http://127.0.0.1:9/one-too-many"})
+    assert r.status_code == 409 and str(MAX_ROUTERS) in r.text
+    for u in [*extra, url]:
+        assert cp.admin.delete("/routers", params={"url": u}).status_code == 200
+
+
+def test_routers_that_never_answer_cost_one_push_timeout_not_one_each(tmp_path):
+    """20 registered URLs that accept and never answer stretched the weights job from 0.2 to
+    41.6 s (2 s each, one after another); pushed at once they cost about one timeout."""
+    import socket
+    import time
+
+    from control_plane.cp_metrics import ControlPlaneMetrics
+    from control_plane.jobs import push_weights
+    from control_plane.settings import Settings
+    from db import queries
+    from db.engine import make_engine, session_factory, upgrade
+
+    engine = make_engine(f"sqlite:///{tmp_path}/cp.db")
+    upgrade(engine)
+    factory = session_factory(engine)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # accepts (the kernel does) and never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    with factory.begin() as s:
+        queries.add_weights(s, computed_at_s=1.0, nodes={}, inputs={}, reason="test")
+        for i in range(20):
+            queries.upsert_router(s, f"{url}/r{i}", 1.0)
+    settings = Settings(push_timeout_s=0.5)
+    t = time.perf_counter()
+    out = push_weights(factory, settings, ControlPlaneMetrics())
+    took = time.perf_counter() - t
+    silent.close()
+    assert out["failed"] == 20 and took < 0.5 * 20 / 4, took  # at least 4x quicker than one after another
+    with factory() as s:
+        assert {r.last_error for r in queries.list_routers(s)} == {"timeout after 0.5 s"}
+    engine.dispose()

@@ -20,11 +20,27 @@ def _router_out(x: Router) -> RouterOut:
                      pushed_version=x.pushed_version, last_push_s=x.last_push_s, last_error=x.last_error)
 
 
-@router.post("/routers", response_model=RouterOut, **roles(NODE, OPERATOR, ROUTER))
-def register_router(body: RouterIn, request: Request, p: principal(NODE, OPERATOR, ROUTER)):
+#: the most registered routers: each costs a push per weights version (the registry is not a
+#: place to list arbitrary URLs for the control plane to call)
+MAX_ROUTERS = 64
+
+
+@router.post("/routers", response_model=RouterOut, responses=errors(403, 409), **roles(ROUTER))
+def register_router(body: RouterIn, request: Request, p: principal(ROUTER)):
+    """A gateway registers the URL it takes weight pushes on, with its router token: the URL is
+    then bound to that token (another router token may take it over only once the first is
+    revoked), and at most ``MAX_ROUTERS`` are registered."""
     now = now_s(request)
     with begin(request) as s:
-        rt, new = queries.upsert_router(s, body.url, now, body.push_token)
+        old = s.get(Router, body.url)
+        if (old is not None and old.token_id is not None and old.token_id != p.token_id
+                and queries.token_valid(s, old.token_id)):
+            raise HTTPException(403, f"router {body.url!r} was registered with another router token (id "
+                                     f"{old.token_id}, still valid): only that token changes it")
+        if old is None and queries.count_routers(s) >= MAX_ROUTERS:
+            raise HTTPException(409, f"{MAX_ROUTERS} routers are registered: delete one (DELETE /routers?url=...) "
+                                     f"before registering another")
+        rt, new = queries.upsert_router(s, body.url, now, body.push_token, token_id=p.token_id)
         if new:
             queries.audit(s, ts_s=now, actor=p.name, action="router.register", target=f"router:{body.url}",
                           after={"url": body.url, "has_push_token": body.push_token is not None}, reason="")

@@ -1,6 +1,7 @@
 """"only one" held by the database: at most one active policy, one active model, one open rollout
 of each kind and one active override per node (and one for the cluster), as partial unique
-indexes, so parallel requests cannot each see none and each add one.
+indexes, so parallel requests cannot each see none and each add one. And routers.token_id: the
+router token that registered a URL (only it changes that URL's push token while it is valid).
 
 Rows a race left behind before this revision are settled first: of several active policies
 (models) the one the control plane's own query returns stays active and the rest are retired; of
@@ -46,6 +47,8 @@ def _settle() -> None:
 
 def upgrade() -> None:
     _settle()
+    with op.batch_alter_table('routers') as batch_op:
+        batch_op.add_column(sa.Column('token_id', sa.Integer(), nullable=True))
     active = sa.text("status = 'active'")
     op.create_index("uq_policies_one_active", "policies", ["status"], unique=True,
                     sqlite_where=active, postgresql_where=active)
@@ -64,3 +67,5 @@ def downgrade() -> None:
     op.drop_index("uq_rollouts_one_open", "rollouts")
     op.drop_index("uq_models_one_active", "models")
     op.drop_index("uq_policies_one_active", "policies")
+    with op.batch_alter_table('routers') as batch_op:
+        batch_op.drop_column('token_id')
