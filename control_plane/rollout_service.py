@@ -134,7 +134,20 @@ def create_rollout(s: Session, body, *, actor: str, now_s: float) -> Rollout:
                 created_by=actor, created_at_s=now_s, bake_started_s=None, updated_at_s=now_s, reason=body.reason)
     s.add(r)
     flush_or_conflict(s, f"another {kind} rollout was started at the same moment (promote, roll back or finish it first)")
-    nodes = [n for n in queries.list_nodes(s) if n.status == "up"]
+    up = [n for n in queries.list_nodes(s) if n.status == "up"]
+    # a node whose split an operator pins measures the override, not the candidate: neither canary
+    # nor baseline (it keeps the active one); a cluster-wide override pins them all
+    pinned = {o.node_id: o for o in queries.active_overrides(s)}
+    if None in pinned and up:
+        o = pinned[None]
+        raise Conflict(f"override {o.id} pins every node's emb_share at {o.emb_share:g}: a canary would measure "
+                       f"the override; clear it (POST /overrides/{o.id}/clear) before a rollout")
+    excluded = {n.node_id: f"override {pinned[n.node_id].id} pins emb_share at {pinned[n.node_id].emb_share:g}"
+                for n in up if n.node_id in pinned}
+    nodes = [n for n in up if n.node_id not in excluded]
+    if up and not nodes:
+        raise Conflict(f"every live node is under a manual override ({', '.join(sorted(excluded))}): a canary "
+                       f"would measure the overrides; clear one before a rollout")
     num_canary = 0 if not nodes else max(1, math.floor(body.canary_fraction * len(nodes) + 1e-9))
     if len(nodes) > 1 and body.canary_fraction < 1:
         num_canary = min(num_canary, len(nodes) - 1)  # keep a baseline
@@ -147,10 +160,11 @@ def create_rollout(s: Session, body, *, actor: str, now_s: float) -> Rollout:
     if p.status in ("registered", "retired", "rolled_back"):
         p.status = "canary"
     _step(s, r, actor=actor, action="create", from_state=None, to_state="pending", reason=body.reason, now_s=now_s,
-          details={"canary": sorted(canary), "baseline": sorted(n.node_id for n in nodes if n.node_id not in canary)})
+          details={"canary": sorted(canary), "baseline": sorted(n.node_id for n in nodes if n.node_id not in canary),
+                   **({"excluded": excluded} if excluded else {})})
     queries.audit(s, ts_s=now_s, actor=actor, action="rollout.create", target=f"rollout:{r.id}",
                   after={"kind": kind, f"{kind}_version": p.version, "baseline_version": active.version, "config": cfg,
-                         "canary": sorted(canary)}, reason=body.reason)
+                         "canary": sorted(canary), **({"excluded": excluded} if excluded else {})}, reason=body.reason)
     s.flush()
     return r
 

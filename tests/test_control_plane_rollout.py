@@ -168,3 +168,29 @@ def test_rollout_needs_a_known_policy_and_one_at_a_time(env):
     r = cp.admin.post("/rollouts", json={"policy_version": "ro-d"})
     assert r.status_code == 409
     cp.admin.post(f"/rollouts/{ro['id']}/rollback", json={"reason": "cleanup"}).raise_for_status()
+
+
+def test_a_node_under_a_manual_override_is_neither_canary_nor_baseline(env):
+    """A canary once landed on a node pinned at 0.8 by hand, so the comparison measured the
+    override. Pinned nodes are left out (the step says why); a cluster-wide override refuses."""
+    cp, node = env
+    o = cp.admin.post("/overrides", json={"node_id": "n1", "emb_share": 0.8, "reason": "pinned by hand"}).json()
+    try:
+        r = cp.admin.post("/rollouts", json={"policy_version": "ro-b", "canary_fraction": 0.5, "bake_time_s": 3600,
+                                             "reason": "with a pinned node"})
+        assert r.status_code == 201, r.text
+        ro = r.json()
+        assert "n1" not in {x["node_id"] for x in ro["nodes"]}
+        assert {x["node_id"] for x in ro["nodes"]} == set(NODES) - {"n1"}
+        steps = cp.admin.get(f"/rollouts/{ro['id']}").json()["steps"]
+        assert "override" in steps[0]["details"]["excluded"]["n1"]
+        # n1 keeps the active policy
+        assert node["n1"].get("/nodes/n1/directives").json()["policy"]["version"] == cp.admin.get(
+            "/summary").json()["active_policy"]
+        cp.admin.post(f"/rollouts/{ro['id']}/rollback", json={"reason": "cleanup"}).raise_for_status()
+        c = cp.admin.post("/overrides", json={"node_id": None, "emb_share": 0.4, "reason": "everyone"}).json()
+        r = cp.admin.post("/rollouts", json={"policy_version": "ro-b", "reason": "under a cluster override"})
+        assert r.status_code == 409 and f"override {c['id']}" in r.json()["detail"]
+        cp.admin.post(f"/overrides/{c['id']}/clear", json={"reason": "cleanup"}).raise_for_status()
+    finally:
+        cp.admin.post(f"/overrides/{o['id']}/clear", json={"reason": "cleanup"})
