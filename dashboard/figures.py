@@ -36,6 +36,7 @@ Burst periods are shaded (`BURST_FILL`) on every time chart as layout shapes nam
 
 from __future__ import annotations
 
+import html as _html
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -390,11 +391,15 @@ def share_lines_figure(nodes: Mapping[str, Mapping], decisions: Sequence[Mapping
 
 
 def decision_hover(d: Mapping) -> str:
-    """A decision marker's hover text: node, source and the reason (wrapped, up to 12 lines)."""
-    return f"{d.get('node_id')} · {d.get('source')}<br>{_wrap(str(d.get('reason', '')), max_lines=12)}"
+    """A decision marker's hover text: node, source and the reason (wrapped, up to 12 lines), every
+    part escaped: a reason comes from a node, and plotly renders tags in hover text."""
+    return (f"{_html.escape(str(d.get('node_id')))} · {_html.escape(str(d.get('source')))}"
+            f"<br>{_wrap(str(d.get('reason', '')), max_lines=12)}")
 
 
 def _wrap(text: str, width: int = 80, max_lines: int = 4) -> str:
+    """``text`` in lines of about ``width`` characters joined by ``<br>``, HTML-escaped (the
+    only tags in the result are the line breaks)."""
     words, lines, cur = text.split(), [], ""
     for w in words:
         if cur and len(cur) + 1 + len(w) > width:
@@ -406,7 +411,7 @@ def _wrap(text: str, width: int = 80, max_lines: int = 4) -> str:
         lines.append(cur)
     if len(lines) > max_lines:
         lines = lines[:max_lines] + ["…"]
-    return "<br>".join(lines)
+    return "<br>".join(_html.escape(x) for x in lines)
 
 
 def split_bar_figure(nodes: Sequence[Mapping]) -> go.Figure:
@@ -470,7 +475,7 @@ def router_weights_figure(history: Sequence[Mapping], field: str = "service_time
     per_node: dict[str, dict[str, list]] = {}
     for entry in history:
         for node_id, w in (entry.get("nodes") or {}).items():
-            s = per_node.setdefault(str(node_id), {"x": [], "y": [], "text": []})
+            s = per_node.setdefault(str(node_id), {"x": [], "y": [], "text": []})  # (reasons escaped by _wrap)
             s["x"].append(to_x(entry["t_s"]))
             s["y"].append(w.get(field))
             s["text"].append(f"v{entry.get('version')}: {_wrap(str(w.get('reason', '')), 60, 3)}")

@@ -437,3 +437,14 @@ def test_the_nodes_table_and_kpis_say_which_figures_are_modelled():
     from dashboard.app import build_layout
 
     assert any(getattr(c, "id", None) == "kpi-device" for c in build_layout(1.0)._traverse())
+
+
+def test_a_reason_with_html_shows_as_text_in_hover_labels():
+    """A node's decision reason is its own text: plotly renders tags in hover text (a link was
+    clickable), so every part of a hover label is escaped; the line breaks are the only tags."""
+    from dashboard.figures import decision_hover
+
+    d = {"node_id": "n<1>", "source": "base", "reason": 'see <a href="http://evil">here</a> & <b>now</b> ' * 3}
+    text = decision_hover(d)
+    assert "<a" not in text and "<b>" not in text and "&lt;a href=" in text and "&amp;" in text
+    assert text.replace("<br>", "").count("<") == 0 and "n&lt;1&gt;" in text
