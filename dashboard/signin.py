@@ -22,34 +22,68 @@ class Session:
     name: str
     role: str
     created_s: float = field(default_factory=time.time)
+    last_used_s: float = 0.0
 
 
 class SessionStore:
-    """Server-side sign-ins: random session id -> `Session` (token, name, role). In memory."""
+    """Server-side sign-ins: random session id -> `Session` (token, name, role). In memory.
 
-    def __init__(self, max_sessions: int = 1000):
+    Bounded so one token cannot push the others' sessions out: at most ``max_per_token``
+    sessions per token (a new sign-in with the same token drops that token's oldest), at most
+    ``max_sessions`` in all (then the oldest session of the token holding the most goes). A
+    session ends after ``idle_s`` unused or ``max_age_s`` in all (sign in again)."""
+
+    def __init__(self, max_sessions: int = 1000, max_per_token: int = 16, idle_s: float = 12 * 3600,
+                 max_age_s: float = 7 * 86400, clock=time.time):
         self._by_id: dict[str, Session] = {}
         self._lock = threading.Lock()
-        self.max_sessions = max_sessions
+        self.max_sessions, self.max_per_token = max_sessions, max_per_token
+        self.idle_s, self.max_age_s, self.clock = idle_s, max_age_s, clock
 
     def add(self, session: Session) -> str:
         sid = secrets.token_urlsafe(24)
+        now = self.clock()
+        session.created_s = session.last_used_s = now
         with self._lock:
+            self._expire(now)
+            same = [k for k, v in self._by_id.items() if v.token == session.token]
+            if len(same) >= self.max_per_token:
+                del self._by_id[min(same, key=lambda k: self._by_id[k].created_s)]
             if len(self._by_id) >= self.max_sessions:
-                oldest = min(self._by_id, key=lambda k: self._by_id[k].created_s)
-                del self._by_id[oldest]
+                counts: dict[str, int] = {}
+                for v in self._by_id.values():
+                    counts[v.token] = counts.get(v.token, 0) + 1
+                top = max(counts, key=counts.get)
+                del self._by_id[min((k for k, v in self._by_id.items() if v.token == top),
+                                    key=lambda k: self._by_id[k].created_s)]
             self._by_id[sid] = session
         return sid
+
+    def _expire(self, now: float) -> None:
+        for k in [k for k, v in self._by_id.items()
+                  if now - v.last_used_s > self.idle_s or now - v.created_s > self.max_age_s]:
+            del self._by_id[k]
 
     def get(self, sid: str | None) -> Session | None:
         if not sid:
             return None
+        now = self.clock()
         with self._lock:
-            return self._by_id.get(sid)
+            s = self._by_id.get(sid)
+            if s is None:
+                return None
+            if now - s.last_used_s > self.idle_s or now - s.created_s > self.max_age_s:
+                del self._by_id[sid]
+                return None
+            s.last_used_s = now
+            return s
 
     def drop(self, sid: str | None) -> None:
         with self._lock:
             self._by_id.pop(sid or "", None)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
 
 
 def login_card() -> dbc.Card:

@@ -222,3 +222,28 @@ def test_bodies_in_progress_share_one_budget():
         gate = asyncio.Event()
         await main()
     asyncio.run(run())
+
+
+def test_one_token_cannot_push_the_others_sessions_out_and_sessions_expire():
+    """A viewer signed in 1,000 times in 6.6 s and pushed the operators' sessions out; sessions
+    never expired. Now a token holds at most ``max_per_token`` sessions, and idle or old ones end."""
+    from dashboard.signin import Session, SessionStore
+
+    t = [1000.0]
+    store = SessionStore(max_sessions=50, max_per_token=4, idle_s=60, max_age_s=600, clock=lambda: t[0])
+    op = store.add(Session("op-token", "admin", "operator"))
+    for _ in range(1000):
+        store.add(Session("viewer-token", "v", "viewer"))
+        t[0] += 0.001
+    assert store.get(op) is not None and store.get(op).role == "operator"
+    assert len(store) == 5  # the operator's one and the viewer's four
+    # idle past idle_s: gone; used within it: kept, until max_age_s in all
+    t[0] += 59
+    assert store.get(op) is not None
+    for _ in range(10):
+        t[0] += 50
+        assert store.get(op) is not None
+    t[0] += 50  # 610 s since sign-in
+    assert store.get(op) is None
+    t[0] += 61
+    assert store.add(Session("x", "x", "viewer")) and len(store) == 1  # the viewer's idle ones expired
