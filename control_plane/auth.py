@@ -96,6 +96,12 @@ class TokenCache:
         with self._lock:
             self._cache.clear()
 
+    def forget_id(self, token_id: int) -> None:
+        """Drop the cached lookups of token ``token_id`` (its revocation takes effect here at once)."""
+        with self._lock:
+            for secret in [k for k, (_t, p) in self._cache.items() if p.token_id == token_id]:
+                del self._cache[secret]
+
     def forget_node(self, node_id: str) -> None:
         """Drop the cached tokens bound to ``node_id`` (their revocation takes effect here at once)."""
         with self._lock:

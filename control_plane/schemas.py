@@ -534,6 +534,16 @@ class TokenOut(Out):
     replaced_token_ids: list[int] = Field(default_factory=list)  # revoked by ``replace``
 
 
+class TokenInfoOut(Out):
+    """A token as listed: never its secret or its hash."""
+    id: int
+    name: str
+    role: str
+    node_id: str | None = None
+    created_at_s: float
+    revoked: bool
+
+
 class SummaryOut(Out):
     now_s: float
     num_nodes: int

@@ -391,3 +391,22 @@ def test_routers_that_never_answer_cost_one_push_timeout_not_one_each(tmp_path):
     with factory() as s:
         assert {r.last_error for r in queries.list_routers(s)} == {"timeout after 0.5 s"}
     engine.dispose()
+
+
+def test_any_token_is_revoked_over_http_and_stops_at_once(cp):
+    """No HTTP revoke existed for operator, viewer or router tokens; a revoked one worked up to
+    5 s. Now an operator revokes any token, audited, and it stops on this process at once."""
+    for role in ("viewer", "router", "operator"):
+        secret = cp.token(role, f"leaky-{role}")
+        c = cp.client(secret)
+        tid = c.get("/whoami").json()["token_id"]  # cached now
+        listed = {t["id"]: t for t in cp.admin.get("/tokens").json()}
+        assert listed[tid]["role"] == role and not listed[tid]["revoked"] and "token" not in listed[tid]
+        r = cp.admin.post(f"/tokens/{tid}/revoke", json={"reason": "leaked"})
+        assert r.status_code == 200 and r.json()["revoked"], r.text
+        assert c.get("/whoami").status_code == 401  # at once, not after the cache's 5 s
+        assert cp.admin.post(f"/tokens/{tid}/revoke", json={"reason": "again"}).status_code == 409
+    assert cp.admin.post("/tokens/999999/revoke", json={"reason": "x"}).status_code == 404
+    audit = cp.admin.get("/audit", params={"action": "token.revoke"}).json()["items"]
+    assert len(audit) >= 3 and audit[0]["reason"] == "leaked"
+    assert cp.client(cp.token("viewer")).get("/tokens").status_code == 403

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Query, Request
 
-from db.models import ModelVersion, Node, Override, Policy, Rollout, Router
+from db.models import ModelVersion, Node, Override, Policy, Rollout, Router, Token
 
 from ..auth import Principal, Require
 from ..schemas import INT64_MAX, ErrorOut
@@ -72,7 +72,8 @@ def settings(request: Request):
 # 404 messages of the rows a route looks up by key (one wording per kind of row)
 _NOT_FOUND = {Node: "node_id {!r} is not registered", Router: "url {!r} is not a registered router",
               Override: "override_id {} does not exist", Policy: "policy version {!r} is not in the registry",
-              Rollout: "rollout_id {} does not exist", ModelVersion: "model version {!r} is not in the registry"}
+              Rollout: "rollout_id {} does not exist", ModelVersion: "model version {!r} is not in the registry",
+              Token: "token_id {} does not exist"}
 
 
 def get_or_404(s, model, key):

@@ -1,14 +1,17 @@
-"""Identity and tokens: who a token is (``GET /whoami``) and new tokens (``POST /tokens``)."""
+"""Identity and tokens: who a token is (``GET /whoami``), new tokens (``POST /tokens``), the list
+without secrets (``GET /tokens``) and revocation (``POST /tokens/{id}/revoke``)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
+from sqlalchemy import select
 
 from db import queries
+from db.models import Token
 
 from ..auth import new_secret
-from ..schemas import TokenIn, TokenOut, WhoAmIOut
-from .deps import NODE, OPERATOR, ROUTER, VIEWER, begin, errors, now_s, principal, roles
+from ..schemas import ReasonIn, TokenIn, TokenInfoOut, TokenOut, WhoAmIOut
+from .deps import NODE, OPERATOR, ROUTER, VIEWER, Id64, begin, errors, get_or_404, now_s, principal, roles, session
 
 router = APIRouter()
 
@@ -32,4 +35,35 @@ def create_token(body: TokenIn, request: Request, p: principal(OPERATOR)):
                        replaced_token_ids=replaced)
     if replaced:
         request.app.state.tokens.forget_node(body.node_id)
+    return out
+
+
+@router.get("/tokens", response_model=list[TokenInfoOut], **roles(OPERATOR))
+def tokens(request: Request):
+    """Every token, newest first: id, name, role, node, created, revoked (never a secret or a hash)."""
+    with session(request) as s:
+        return [TokenInfoOut(id=t.id, name=t.name, role=t.role, node_id=t.node_id, created_at_s=t.created_at_s,
+                             revoked=bool(t.revoked)) for t in s.scalars(select(Token).order_by(Token.id.desc()))]
+
+
+@router.post("/tokens/{token_id}/revoke", response_model=TokenInfoOut, responses=errors(404, 409),
+             **roles(OPERATOR))
+def revoke_token(token_id: Id64, body: ReasonIn, request: Request, p: principal(OPERATOR)):
+    """Revoke any token (a leaked operator, viewer, router or node token). It stops working at
+    once on this control-plane process and within the token cache's 5 s on the others. The last
+    valid operator token is not revoked (409): nobody could act afterwards."""
+    now = now_s(request)
+    with begin(request) as s:
+        t = get_or_404(s, Token, token_id)
+        if t.revoked:
+            raise HTTPException(409, f"token {token_id} is already revoked")
+        if t.role == "operator" and queries.count_tokens(s, "operator", revoked=False) <= 1:
+            raise HTTPException(409, f"token {token_id} is the last valid operator token: create another "
+                                     f"(POST /tokens) before revoking it")
+        t.revoked = True
+        queries.audit(s, ts_s=now, actor=p.name, action="token.revoke", target=f"token:{t.id}",
+                      before={"revoked": False}, after={"revoked": True}, reason=body.reason)
+        out = TokenInfoOut(id=t.id, name=t.name, role=t.role, node_id=t.node_id, created_at_s=t.created_at_s,
+                           revoked=True)
+    request.app.state.tokens.forget_id(token_id)
     return out
