@@ -465,7 +465,7 @@ class NodeAgent:
                                     kv_outcome=r.kv.outcome)
         for j, r in zip(jobs, resps):
             self.quality.observe(r.user_id, j.req.new_items if j.req.new_items is not None else (), r.items,
-                                 r.num_candidates)
+                                 r.num_candidates, j.req.candidates)
             j.loop.call_soon_threadsafe(_resolve, j.future, r, None)
 
     def _record_batch(self, jobs: list[_Job], resps: list[RecResponse], start_s: float, end_s: float) -> None:

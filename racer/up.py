@@ -1080,7 +1080,10 @@ class _Up:
                            duration_s=args.phase_s * len(args.schedule),
                            first_cycle_s=first_phase_s * len(args.schedule), slo_ms=args.slo_ms,
                            retries=1 if "gateway" in self.plan.missing and len(self.plan.targets) > 1 else 0,
-                           max_history_len=256)  # within the CPU agents' --max-history-len (CPU_AGENT_ARGS)
+                           max_history_len=256,  # within the CPU agents' --max-history-len (CPU_AGENT_ARGS)
+                           # each user's next item among the candidates: the nodes' model-quality signal
+                           # (what a model rollout is judged on) gets an observation per returning user
+                           explicit_candidates=True, plant_next_item=True)
         self.stats = ReplayStats(args.slo_ms)
         self.replayer = _Replayer(self.plan.targets, self.trace, cfg, self.stats)
         self.replayer.start()

@@ -329,3 +329,48 @@ def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says
         assert rep.model_digest == dg["b"]
     finally:
         rep.stop()
+
+
+def test_a_planted_next_item_ranked_below_the_top_k_is_a_zero_and_a_worse_model_scores_lower():
+    """The quality signal was null in every report of a `racer up` run: the user's next item was
+    almost never among the node's own candidates, and one below the returned top-k counted as
+    unknown. With the candidates named by the request (the replay plants the next item among
+    them), a candidate ranked below the top-k is a 0: the mean is a graded hit rate at top-k."""
+    from node_agent.model.quality import NextItemQuality
+
+    q = NextItemQuality()
+    cands = [5, 6, 7, 8, 9]
+    assert q.observe(1, [], [5, 6], 5, cands) is None
+    assert q.observe(1, [9], [5, 6], 5, cands) == 0.0  # 9 was a candidate, not in the top 2
+    assert q.observe(1, [5], [5, 6], 5, cands) == pytest.approx(1.0)
+    assert q.observe(1, [42], [5, 6], 5, cands) is None  # not a candidate: unknown
+    # a model that ranks the next item first vs one that ranks it last, over the same requests
+    good, bad = NextItemQuality(), NextItemQuality()
+    for u in range(50):
+        nxt = 100 + u
+        cs = [nxt, 1, 2, 3, 4, 5, 6, 7]
+        good.observe(u, [], [nxt, 1, 2], len(cs), cs)
+        bad.observe(u, [], [1, 2, 3], len(cs), cs)
+        good.observe(u, [nxt], [1], len(cs), cs)
+        bad.observe(u, [nxt], [1], len(cs), cs)
+    assert good.take_window() == (1.0, 50) and bad.take_window() == (0.0, 50)
+
+
+def test_the_replay_plants_each_users_next_item_among_its_candidates():
+    from workloads.candidates import StreamCandidates, next_request_of_user
+    from workloads.regimes import RegimeConfig, generate
+    from workloads.trace import synthetic_trace
+
+    trace = synthetic_trace(num_users=50, num_items=500, seed=3)
+    stream = generate(trace, RegimeConfig(regime="steady", rate_rps=50, duration_s=10, seed=1, num_candidates=16))
+    nxt = next_request_of_user(stream)
+    planted = StreamCandidates(stream, trace, seed=0, plant_next=True)
+    plain = StreamCandidates(stream, trace, seed=0)
+    returning = [i for i in range(len(stream)) if nxt[i] >= 0 and len(stream.new_items(int(nxt[i])))]
+    assert len(returning) > 20
+    for i in returning:
+        assert stream.new_items(int(nxt[i]))[0] in planted(i)
+        assert len(planted(i)) == len(plain(i))
+    for i in range(len(stream)):  # -1 exactly where the user does not come back
+        later = [j for j in range(i + 1, len(stream)) if stream.user[j] == stream.user[i]]
+        assert nxt[i] == (later[0] if later else -1)

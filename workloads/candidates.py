@@ -7,6 +7,12 @@ the previous request's stopped, after the stream's item shifts (a trend's drift,
 hot set; `RequestStream.shift_items`). The simulator's nodes (`simulator.cluster`) rank exactly
 these; a replay sends them in the request (``ReplayConfig.explicit_candidates``) so a node agent
 ranks the same items instead of drawing its own (`node_agent.engine.CandidateGenerator`).
+
+``plant_next`` (``ReplayConfig.plant_next_item``): each request's last candidate is replaced by the
+first new item of its user's next request in the stream (when there is one and it is not a
+candidate already), as a retrieval stage with full recall would offer it. Then every returning
+user gives the node's online quality signal an observation (`node_agent.model.quality`): whether
+the model ranked the item the user went to next within the top-k. The simulator never plants.
 """
 
 from __future__ import annotations
@@ -30,15 +36,31 @@ def candidate_pool(trace: Trace, seed: int) -> np.ndarray:
 class StreamCandidates:
     """``candidates(i)``: request ``i``'s candidate ids (see the module doc)."""
 
-    def __init__(self, stream: RequestStream, trace: Trace, seed: int) -> None:
+    def __init__(self, stream: RequestStream, trace: Trace, seed: int, plant_next: bool = False) -> None:
         self.stream = stream
         self.pool = candidate_pool(trace, seed)
         self.offsets = np.zeros(len(stream) + 1, dtype=np.int64)
         np.cumsum(stream.num_candidates.astype(np.int64), out=self.offsets[1:])
+        self.next_of = next_request_of_user(stream) if plant_next else None
 
     def __call__(self, i: int) -> np.ndarray:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         cands = self.pool[np.arange(a, b) % CAND_POOL]
-        if not self.stream.shifts_items:
-            return cands
-        return self.stream.shift_items(np.full(b - a, i, dtype=np.int64), cands, salt=1)
+        if self.stream.shifts_items:
+            cands = self.stream.shift_items(np.full(b - a, i, dtype=np.int64), cands, salt=1)
+        if self.next_of is not None and len(cands) and self.next_of[i] >= 0:
+            nxt = self.stream.new_items(int(self.next_of[i]))
+            if len(nxt) and not (cands == nxt[0]).any():
+                cands = cands.copy()
+                cands[-1] = nxt[0]
+        return cands
+
+
+def next_request_of_user(stream: RequestStream) -> np.ndarray:
+    """For each request, the index of its user's next request in ``stream`` (-1: none)."""
+    users = np.asarray(stream.user)
+    out = np.full(len(users), -1, dtype=np.int64)
+    order = np.lexsort((np.arange(len(users)), users))  # by user, then by position
+    same = users[order[1:]] == users[order[:-1]]
+    out[order[:-1][same]] = order[1:][same]
+    return out

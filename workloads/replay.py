@@ -77,7 +77,9 @@ class ReplayConfig:
     - ``retries``: client-side retries on the next target (0: leave retries to the gateway);
     - ``max_connections``: size of the client's connection pool;
     - ``explicit_candidates``: send each request's candidate ids (`workloads.candidates`, the ones
-      the simulator ranks) instead of a count the node draws its own for;
+      the simulator ranks) instead of a count the node draws its own for; ``plant_next_item``:
+      with them, each user's next item among them (`workloads.candidates`: the node's online
+      model-quality signal then has an observation per returning user);
     - ``time_scale``: wall seconds per modelled second, for emulated nodes (`node_agent.emulated`)
       whose clocks run ``time_scale`` times slower: each request is sent at its arrival time x
       ``time_scale`` and every latency is read on the same modelled clock (1: wall time).
@@ -102,6 +104,7 @@ class ReplayConfig:
     max_connections: int = ranged(256, lo=1, integer=True)
     time_scale: float = ranged(1.0, lo=1e-3, doc="wall seconds per modelled second (emulated nodes)")
     explicit_candidates: bool = False
+    plant_next_item: bool = False
     history_scale: float = ranged(1.0, lo=0, lo_open=True, hi=1000,
                                   doc="first histories scaled from the trace's lengths (workloads.regimes)")
 
@@ -635,7 +638,8 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
 
                 for ph in plan:
                     if id(ph.stream) not in cands:
-                        cands[id(ph.stream)] = StreamCandidates(ph.stream, trace, config.seed)
+                        cands[id(ph.stream)] = StreamCandidates(ph.stream, trace, config.seed,
+                                                                plant_next=config.plant_next_item)
             start = clock()
             if cycle == 0:
                 stats.started_s = start
