@@ -35,6 +35,8 @@ KINDS = ("policy", "model")
 _REGISTRY = {"policy": Policy, "model": ModelVersion}
 
 OPEN_STATES = ("pending", "baking", "paused")
+#: how far back a model rollout looks, when it starts, for reports that carry model_quality
+QUALITY_LOOKBACK_S = 120.0
 
 
 class Conflict(ValueError):
@@ -148,6 +150,15 @@ def create_rollout(s: Session, body, *, actor: str, now_s: float) -> Rollout:
     if up and not nodes:
         raise Conflict(f"every live node is under a manual override ({', '.join(sorted(excluded))}): a canary "
                        f"would measure the overrides; clear one before a rollout")
+    if kind == "model" and nodes:  # the judge reads model_quality: say now if the nodes do not report it
+        seen = queries.quality_windows(s, [n.node_id for n in nodes], since_s=now_s - QUALITY_LOOKBACK_S)
+        blind = sorted(n for n, (windows, with_q) in seen.items() if windows and not with_q)
+        if blind and 2 * len(blind) > len(seen):
+            raise Conflict(f"{len(blind)} of the {len(seen)} nodes with traffic in the last {QUALITY_LOOKBACK_S:g} s "
+                           f"reported no model_quality ({', '.join(blind[:8])}): the judge could not compare the "
+                           f"models' quality, only their latency. The signal needs requests whose candidates hold "
+                           f"the users' next items (the replay's plant_next_item) and new_items on the users' next "
+                           f"requests")
     num_canary = 0 if not nodes else max(1, math.floor(body.canary_fraction * len(nodes) + 1e-9))
     if len(nodes) > 1 and body.canary_fraction < 1:
         num_canary = min(num_canary, len(nodes) - 1)  # keep a baseline

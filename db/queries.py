@@ -733,6 +733,17 @@ def window_values(session: Session, node_ids: Sequence[str], *, since_s: float, 
     return out
 
 
+def quality_windows(session: Session, node_ids: Sequence[str], *, since_s: float) -> dict[str, tuple[int, int]]:
+    """Per node with traffic since ``since_s``: (its report windows with requests, those of them
+    that carry model_quality)."""
+    if not node_ids:
+        return {}
+    rows = session.execute(select(NodeReport.node_id, func.count(), func.count(NodeReport.model_quality))
+                           .where(NodeReport.node_id.in_(list(node_ids)), NodeReport.ts_s >= since_s,
+                                  NodeReport.num_requests > 0).group_by(NodeReport.node_id))
+    return {n: (int(w), int(q)) for n, w, q in rows}
+
+
 def recent_miss_costs(session: Session, since_s: float) -> dict[str, dict[str, float]]:
     """node_id -> median of the reported miss costs since ``since_s`` (nodes that reported any).
 

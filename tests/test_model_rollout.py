@@ -374,3 +374,25 @@ def test_the_replay_plants_each_users_next_item_among_its_candidates():
     for i in range(len(stream)):  # -1 exactly where the user does not come back
         later = [j for j in range(i + 1, len(stream)) if stream.user[j] == stream.user[i]]
         assert nxt[i] == (later[0] if later else -1)
+
+
+def test_a_model_rollout_that_could_not_see_quality_is_refused_at_the_start(env):
+    """The judge once found out only after the 300-s bake that no report carried model_quality,
+    and paused as inconclusive. Nodes with traffic but no quality signal: refused at once, saying why."""
+    import time as _time
+
+    cp, _, _, _, dg = env
+    if cp.admin.get(f"/models/{dg['a']}").json().get("status") != "active":
+        pytest.skip("needs the registry test's uploads")
+    nodes = ["blind1", "blind2"]
+    node = {n: cp.node(n) for n in nodes}
+    for n in nodes:
+        register(node[n], n)
+        reps = [report(k, ts_s=_time.time() - 5 + k, model_digest=dg["a"]) for k in range(5)]  # no model_quality
+        assert node[n].post(f"/nodes/{n}/reports", json={"reports": reps}).status_code == 200
+    try:
+        r = cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["b"], "reason": "blind"})
+        assert r.status_code == 409 and "model_quality" in r.json()["detail"], r.text
+    finally:
+        for n in nodes:
+            cp.admin.post(f"/nodes/{n}/retire", json={"reason": "cleanup"})
