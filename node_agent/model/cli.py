@@ -166,8 +166,8 @@ def cmd_model_push(args) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"model {out['version'][:16]} {'registered' if out['created'] else 'already registered'}, "
-              f"status {out['status']}")
+        print(f"model {out['version']} {'registered' if out['created'] else 'already registered'}, "
+              f"status {out['status']}")  # the whole digest: the API names a model by it
     return 0
 
 
