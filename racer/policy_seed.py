@@ -150,3 +150,36 @@ def seed_policies(cp_url: str, token: str, shipped: Path, data_dir: Path,
         f"candidate {out['candidate']} registered ({manifest['derived_from']['change'].split(' (')[0]} of "
         f"{shipped_version}), ready for a rollout from the dashboard's policies tab ({out['total_s']:g} s)")
     return out
+
+
+def seed_model(cp_url: str, token: str, model_dir: Path, log: Callable[[str], None]) -> dict:
+    """Register the checkpoint every node serves (``model_dir``) in the model registry and activate
+    it while no model is active, so the registry holds what the fleet runs and a model rollout has
+    its baseline from the start (an operator's active model survives a restart)."""
+    import httpx
+
+    from node_agent.registry_client import tar_files
+
+    api = f"{cp_url}/api/v1"
+    auth = {"Authorization": f"Bearer {token}"}
+    t0 = time.monotonic()
+    files = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
+    r = httpx.post(f"{api}/models", content=tar_files(model_dir, files), timeout=120.0,
+                   headers={**auth, "Content-Type": "application/x-tar"})
+    if r.status_code not in (200, 201):
+        raise RuntimeError(f"POST /models ({model_dir}) answered {r.status_code}: {r.text[:300]}")
+    version = str(r.json()["version"])
+    out = {"model": version}
+    active = [m["version"] for m in httpx.get(f"{api}/models", headers=auth, timeout=30.0).json()
+              if m.get("status") == "active"]
+    if active:
+        out["active"] = active[0]
+    else:
+        r = httpx.post(f"{api}/models/{path_segment(version)}/activate", headers=auth, timeout=30.0,
+                       json={"reason": "racer up: the checkpoint every node serves, active from the start"})
+        if r.status_code != 200:
+            raise RuntimeError(f"activating model {version} answered {r.status_code}: {r.text[:300]}")
+        out["active"], out["activated"] = version, True
+    out["total_s"] = round(time.monotonic() - t0, 2)
+    log(f"model: {out['active']} active{' (the one the nodes serve)' if out['active'] == version else ''}")
+    return out

@@ -1024,7 +1024,7 @@ class _Up:
             self.sup.start(dependants, wait=False)
 
     def _seed(self) -> None:
-        from .policy_seed import seed_policies
+        from .policy_seed import seed_model, seed_policies
 
         try:
             self.policies = seed_policies(self.plan.control_plane_url, self.operator_token, Path(self.args.policy),
@@ -1033,6 +1033,15 @@ class _Up:
             self.policies = {"error": f"{type(e).__name__}: {e}"}
             self.say(f"could not register the policies ({type(e).__name__}: {e}); the agents run "
                      f"{self.args.policy} locally", err=True)
+        model = resolve_model(getattr(self.args, "model", None), self.args.trace, self.args.path)
+        if model is not None:
+            try:
+                self.policies["model"] = seed_model(self.plan.control_plane_url, self.operator_token, Path(model),
+                                                    self.say)
+            except Exception as e:  # noqa: BLE001 - the nodes serve it anyway; say why the registry lacks it
+                self.policies["model"] = {"error": f"{type(e).__name__}: {e}"}
+                self.say(f"could not register the model ({type(e).__name__}: {e}); the agents serve {model} "
+                         f"locally", err=True)
 
     def policies_settled(self) -> bool:
         """The policy registration is done (or not asked for, or given up waiting on after

@@ -310,6 +310,10 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert rep["policies"]["active"] == shipped and rep["policies"]["candidate"] != shipped
     assert rep2["policies"]["active"] == shipped and rep2["policies"]["candidate"] == rep["policies"]["candidate"]
     assert "activated" not in rep2["policies"]  # already active: not activated again
+    # the checkpoint the nodes serve is the registry's active model (a model rollout's baseline)
+    model = rep["policies"]["model"]
+    assert model["active"] == model["model"] and len(model["model"]) == 64, model
+    assert rep2["policies"]["model"]["active"] == model["model"] and "activated" not in rep2["policies"]["model"]
 
 
 def test_soak_rss_growth_is_measured_after_warm_up():
