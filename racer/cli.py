@@ -72,6 +72,8 @@ COMMANDS: dict[str, Command] = {
     "control-plane": Command("control_plane.cli:add_control_plane_parser",
                              "run the control plane (API, SQL history, jobs)"),
     "token": Command("control_plane.cli:add_control_plane_parser", "manage control-plane bearer tokens"),
+    "override": Command("racer.ops:add_override_parser", "list, set and clear emb_share overrides (a running system)"),
+    "rollout": Command("racer.ops:add_rollout_parser", "start and steer policy and model rollouts (a running system)"),
 }
 
 
