@@ -42,7 +42,8 @@ def run_action(client, tok: str, pending: dict) -> str:
     if kind == "rollout":
         r = client.start_rollout(tok, **pending["payload"])
         return f"rollout #{r['id']} of {r['policy_version']} started ({r['state']})"
-    r = client.rollout_action(tok, pending["id"], pending["action"], f"{pending['action']} from the dashboard")
+    r = client.rollout_action(tok, pending["id"], pending["action"],
+                              pending.get("reason") or f"{pending['action']} from the dashboard")
     return f"rollout #{r['id']}: {pending['action']} → {r['state']}"
 
 

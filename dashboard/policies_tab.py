@@ -33,10 +33,14 @@ from dash import Input, Output, State, ctx, dcc, html, no_update
 
 from . import details as D
 from . import figures as F
+from control_plane.rollout import RolloutConfig
+
 from .client import ApiError, ControlPlaneClient, Unavailable
 
 ROLLOUT_BUTTONS = {"btn-ro-promote": "promote", "btn-ro-pause": "pause", "btn-ro-resume": "resume",
                    "btn-ro-rollback": "rollback"}
+#: the API's own rollout defaults (one source: the bake time the form shows is the API's)
+ROLLOUT_DEFAULTS = RolloutConfig()
 MAX_UPLOAD_BYTES = 16 * 2**20  # an artifact is tens of KB; the shipped one 48 KB
 
 
@@ -78,10 +82,11 @@ def layout(viewer: bool, graph, grid, col, time_col) -> html.Div:
                 dbc.Col([dbc.Label("canary fraction (0-1]", html_for="ro-fraction"),
                          dbc.Input(id="ro-fraction", type="number", value=0.25, min=0.01, max=1, step=0.05)], lg=2),
                 dbc.Col([dbc.Label("bake time (s)", html_for="ro-bake"),
-                         dbc.Input(id="ro-bake", type="number", value=600, min=0)], lg=2),
+                         dbc.Input(id="ro-bake", type="number", value=ROLLOUT_DEFAULTS.bake_time_s, min=0)], lg=2),
                 dbc.Col([dbc.Label("min samples", html_for="ro-min"),
                          dbc.Input(id="ro-min", type="number", value=10, min=3)], lg=2),
-                dbc.Col([dbc.Label("reason", html_for="ro-reason"), dbc.Input(id="ro-reason", placeholder="why")], lg=3),
+                dbc.Col([dbc.Label("reason", html_for="ro-reason"),
+                         dbc.Input(id="ro-reason", placeholder="why (required to promote or roll back)")], lg=3),
             ]),
             dbc.Button("Start rollout…", id="btn-ro-start", disabled=viewer, color="primary", className="mt-2"),
             html.Div(id="ro-error", className="text-danger small mt-2", role="status"),
@@ -248,7 +253,7 @@ def ask_start(ro_policy, ro_fraction, ro_bake, ro_min, ro_reason) -> dict:
         return _refused("choose a candidate policy first (upload one above if the list is empty)", "")
     try:
         fraction = float(ro_fraction if ro_fraction is not None else 0.25)
-        bake = float(ro_bake if ro_bake is not None else 600)
+        bake = float(ro_bake if ro_bake is not None else ROLLOUT_DEFAULTS.bake_time_s)
         min_samples = int(ro_min if ro_min is not None else 10)
     except (TypeError, ValueError):
         return _refused("fraction, bake time and min samples must be numbers", "")
@@ -267,7 +272,14 @@ def ask_start(ro_policy, ro_fraction, ro_bake, ro_min, ro_reason) -> dict:
                     f"Start a rollout of policy {ro_policy} to {100 * fraction:g}% of nodes (bake {bake:g} s)?")
 
 
-def ask_rollout_action(client: ControlPlaneClient, tok: str, action: str) -> dict:
+#: rollout actions that change what the fleet runs: a reason is required, as for activate, override and retire
+REASON_REQUIRED = ("promote", "rollback")
+
+
+def ask_rollout_action(client: ControlPlaneClient, tok: str, action: str, reason: str | None = None) -> dict:
+    reason = (reason or "").strip()
+    if action in REASON_REQUIRED and not reason:
+        return _refused(f"a reason is required to {action} (the rollout's reason field)", "")
     try:
         ro = current_rollout(client, tok)
     except (Unavailable, ApiError) as e:
@@ -275,8 +287,10 @@ def ask_rollout_action(client: ControlPlaneClient, tok: str, action: str) -> dic
     if not ro or action not in D.rollout_actions(ro["state"]):
         state = ro["state"] if ro else "none"
         return _refused(f"cannot {action}: the rollout is {state}", "")
-    return _confirm({"kind": "rollout_action", "id": ro["id"], "action": action},
-                    f"{action.capitalize()} rollout #{ro['id']} (policy {ro['policy_version']}, now {ro['state']})?")
+    return _confirm({"kind": "rollout_action", "id": ro["id"], "action": action,
+                     "reason": reason or f"{action} from the dashboard"},
+                    f"{action.capitalize()} rollout #{ro['id']} (policy {ro['policy_version']}, now {ro['state']})?"
+                    + (f" Reason: {reason}" if reason else ""))
 
 
 def upload_result(client: ControlPlaneClient, contents, filenames, s, acted) -> dict:
@@ -380,7 +394,7 @@ def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_ta
         if trig == "btn-ro-start":
             return ask_start(ro_policy, ro_fraction, ro_bake, ro_min, ro_reason)
         if trig in ROLLOUT_BUTTONS:
-            return ask_rollout_action(client, s.token, ROLLOUT_BUTTONS[trig])
+            return ask_rollout_action(client, s.token, ROLLOUT_BUTTONS[trig], ro_reason)
         return {k: no_update for k in ASK_OUTPUTS}
 
 

@@ -448,3 +448,16 @@ def test_a_reason_with_html_shows_as_text_in_hover_labels():
     text = decision_hover(d)
     assert "<a" not in text and "<b>" not in text and "&lt;a href=" in text and "&amp;" in text
     assert text.replace("<br>", "").count("<") == 0 and "n&lt;1&gt;" in text
+
+
+def test_promote_and_roll_back_ask_for_a_reason_as_activate_and_override_do():
+    from dashboard.policies_tab import ROLLOUT_DEFAULTS, ask_rollout_action
+
+    class NoCalls:  # the refusal comes before any call to the control plane
+        def __getattr__(self, name):
+            raise AssertionError(f"called {name}")
+
+    for action in ("promote", "rollback"):
+        out = ask_rollout_action(NoCalls(), "tok", action, "  ")
+        assert "reason is required" in str(out)
+    assert ROLLOUT_DEFAULTS.bake_time_s == 300.0  # the form's default is the API's
