@@ -1,7 +1,7 @@
 """Hostile clients beside a real one: does an attack without a token hurt the clients it shares a
 server with?
 
-    python -m bench.hostile [--json] [--seconds 8] [--rate 20]
+    python -m bench.hostile [--json] [--seconds 15] [--rate 20] [--attacks A,..] [--targets T,..]
 
 Starts a control plane (SQLite), one node agent, a gateway in front of it and the dashboard, all
 on 127.0.0.1. Per target (``gateway``, ``control_plane``, ``agent``, ``dashboard``) a client
@@ -9,14 +9,19 @@ sends ``--rate`` requests/s for ``--seconds`` with no attack, then the same with
 running against that target:
 
 - **huge headers**: four connections each send one request head whose one header grows in
-  1-MiB writes (up to 100 MiB a connection, reconnecting when the server closes);
-- **absurd chunk**: connections that send ``Transfer-Encoding: chunked`` with a chunk size of
-  ``ffffffffffffffffff`` and stream data after it;
-- **slow heads**: 200 connections that send part of a head and then nothing.
+  1-MiB writes (up to 100 MiB a connection; refused, it is reopened 0.1 s later);
+- **absurd chunk**: two connections that send ``Transfer-Encoding: chunked`` with a chunk size
+  of ``ffffffffffffffffff`` and stream data after it (reopened likewise);
+- **slow heads**: 200 connections that send part of a head and then nothing (each one the
+  server closes is replaced).
+
+The attacks run in a process of their own, the client in the bench's; the client's run under
+attack starts 3 s after the attack did.
 
 Per target it prints the client's P99 under attack over its P99 without, its failed requests,
-the attack's bytes the server took before refusing, and the target's peak RSS growth:
-``{"targets": {NAME: {"p99_ratio", "failed", "p99_ms", "p99_ms_base", "attack_mib_sent",
+the bytes the attack offered (written into its sockets, most of them never read by the server),
+and the target's peak RSS growth:
+``{"targets": {NAME: {"p99_ratio", "failed", "p99_ms", "p99_ms_base", "attack_mib_offered",
 "rss_growth_mb", ...}}}``. The targets' own limits are the defaults (32-KiB heads, 10-s head
 timeout).
 """
@@ -45,6 +50,11 @@ HEAD_CONNECTIONS = 4
 HEAD_TOTAL_BYTES = 100 * 2**20
 CHUNK_CONNECTIONS = 2
 SLOW_CONNECTIONS = 200
+ATTACKS = ("huge_head", "absurd_chunk", "slow_heads")
+#: the client measures once the attack has run this long: the sustained attack, not the attacker's
+#: own start-up (a Python process and 200 connections opened at once, on the same two cores)
+ATTACK_WARMUP_S = 3.0
+TARGETS = ("gateway", "control_plane", "agent", "dashboard")
 
 
 def _rss_mb(pid: int) -> float:
@@ -67,91 +77,114 @@ def _start(cmd: list[str], log: Path, url: str, env: dict | None = None) -> subp
 
 
 class Attack:
-    """The attacks on one ``port`` in background threads until `stop`."""
+    """The attacks on one ``port``, in a process of their own (so the client beside them measures
+    the server, not a shared interpreter), until `stop`. Each attacking connection is refused
+    and reopened after ``REOPEN_S``: a persistent attacker, not a connection flood."""
 
-    def __init__(self, port: int, path: str) -> None:
-        self.port, self.path = port, path
-        self.done = threading.Event()
-        self.sent = 0
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._huge_head, daemon=True) for _ in range(HEAD_CONNECTIONS)]
-        self.threads += [threading.Thread(target=self._absurd_chunk, daemon=True) for _ in range(CHUNK_CONNECTIONS)]
-        self.threads.append(threading.Thread(target=self._slow_heads, daemon=True))
+    def __init__(self, port: int, path: str, attacks: tuple[str, ...] = ATTACKS) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.done = ctx.Event()
+        self.sent = ctx.Value("q", 0)
+        self.proc = ctx.Process(target=_attack_main, args=(port, path, self.done, self.sent, attacks), daemon=True)
 
     def start(self) -> "Attack":
-        for t in self.threads:
-            t.start()
+        self.proc.start()
         return self
 
     def stop(self) -> None:
         self.done.set()
-        for t in self.threads:
-            t.join(15)
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
 
-    def _count(self, n: int) -> None:
-        with self.lock:
-            self.sent += n
+    @property
+    def sent_bytes(self) -> int:
+        return int(self.sent.value)
 
-    def _stream(self, head: bytes, part: bytes, total: int) -> None:
-        """One connection: ``head``, then ``part`` repeatedly until ``total`` bytes, the server
-        closes, or the attack ends."""
+
+#: an attacking connection, once refused, is reopened after this long
+REOPEN_S = 0.1
+
+
+def _attack_main(port: int, path: str, done, sent, attacks: tuple[str, ...]) -> None:
+    def count(n: int) -> None:
+        with sent.get_lock():
+            sent.value += n
+
+    def stream(head: bytes, part: bytes, total: int) -> None:
+        """One connection: ``head``, then ``part`` until ``total`` bytes, a refusal, or the end."""
         try:
-            s = socket.create_connection(("127.0.0.1", self.port), timeout=15)
+            s = socket.create_connection(("127.0.0.1", port), timeout=15)
         except OSError:
-            time.sleep(0.1)
+            done.wait(REOPEN_S)
             return
         try:
             s.sendall(head)
             n = 0
-            while n < total and not self.done.is_set():
+            while n < total and not done.is_set():
                 s.sendall(part)
                 n += len(part)
-                self._count(len(part))
+                count(len(part))
         except OSError:  # refused: closed or reset by the server
             pass
         finally:
             s.close()
+        done.wait(REOPEN_S)
 
-    def _huge_head(self) -> None:
-        part = b"a" * 2**20
-        while not self.done.is_set():
-            self._stream(f"GET {self.path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode(), part, HEAD_TOTAL_BYTES)
+    part = b"a" * 2**20
 
-    def _absurd_chunk(self) -> None:
-        part = b"a" * 2**20
-        while not self.done.is_set():
-            self._stream(f"POST {self.path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Transfer-Encoding: chunked\r\n\r\nffffffffffffffffff\r\n".encode(), part, HEAD_TOTAL_BYTES)
+    def huge_head() -> None:
+        while not done.is_set():
+            stream(f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode(), part, HEAD_TOTAL_BYTES)
 
-    def _slow_heads(self) -> None:
+    def absurd_chunk() -> None:
+        while not done.is_set():
+            stream(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Transfer-Encoding: chunked\r\n\r\nffffffffffffffffff\r\n".encode(), part, HEAD_TOTAL_BYTES)
+
+    def slow_heads() -> None:
         socks = []
         try:
-            while not self.done.is_set():
-                while len(socks) < SLOW_CONNECTIONS and not self.done.is_set():
+            while not done.is_set():
+                while len(socks) < SLOW_CONNECTIONS and not done.is_set():
                     try:
-                        s = socket.create_connection(("127.0.0.1", self.port), timeout=5)
-                        s.sendall(f"GET {self.path} HTTP/1.1\r\nHost: x\r\n".encode())
-                        socks.append(s)
+                        c = socket.create_connection(("127.0.0.1", port), timeout=5)
+                        c.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode())
+                        socks.append(c)
                     except OSError:
                         break
-                self.done.wait(0.5)
+                done.wait(0.5)
                 alive = []
-                for s in socks:  # the ones the server closed are replaced
-                    s.setblocking(False)
+                for c in socks:  # the ones the server closed are replaced
+                    c.setblocking(False)
                     try:
-                        closed = s.recv(1) == b""
+                        closed = c.recv(1) == b""
                     except BlockingIOError:
                         closed = False
                     except OSError:
                         closed = True
                     if closed:
-                        s.close()
+                        c.close()
                     else:
-                        alive.append(s)
+                        alive.append(c)
                 socks = alive
         finally:
-            for s in socks:
-                s.close()
+            for c in socks:
+                c.close()
+
+    threads = []
+    if "huge_head" in attacks:
+        threads += [threading.Thread(target=huge_head, daemon=True) for _ in range(HEAD_CONNECTIONS)]
+    if "absurd_chunk" in attacks:
+        threads += [threading.Thread(target=absurd_chunk, daemon=True) for _ in range(CHUNK_CONNECTIONS)]
+    if "slow_heads" in attacks:
+        threads.append(threading.Thread(target=slow_heads, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def client_run(request, seconds: float, rate: float, pid: int) -> dict:
@@ -185,7 +218,8 @@ def client_run(request, seconds: float, rate: float, pid: int) -> dict:
             "errors": sorted(set(errors))}
 
 
-def run(seconds: float, rate: float, progress=print) -> dict:
+def run(seconds: float, rate: float, progress=print, attacks: tuple[str, ...] = ATTACKS,
+        only: tuple[str, ...] = TARGETS) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="racer-hostile-"))
     procs: list[subprocess.Popen] = []
     admin = secrets.token_urlsafe(24)
@@ -216,9 +250,12 @@ def run(seconds: float, rate: float, progress=print) -> dict:
         }
         out = {}
         for name, (port, pid, path, request) in targets.items():
+            if name not in only:
+                continue
             client_run(request, 1.0, rate, pid)  # warm-up
             base = client_run(request, seconds, rate, pid)
-            attack = Attack(port, path).start()
+            attack = Attack(port, path, attacks).start()
+            time.sleep(ATTACK_WARMUP_S)  # the attack under way (its process started, its connections open)
             try:
                 hit = client_run(request, seconds, rate, pid)
             finally:
@@ -227,14 +264,16 @@ def run(seconds: float, rate: float, progress=print) -> dict:
             out[name] = {"p99_ratio": round(ratio, 3), "failed": hit["failed"], "p99_ms": hit["p99_ms"],
                          "p99_ms_base": base["p99_ms"], "p50_ms": hit["p50_ms"], "p50_ms_base": base["p50_ms"],
                          "failed_base": base["failed"], "requests": hit["requests"],
-                         "attack_mib_sent": round(attack.sent / 2**20, 1),
+                         "attack_mib_offered": round(attack.sent_bytes / 2**20, 1),
                          "rss_growth_mb": round(hit["peak_rss_mb"] - base["peak_rss_mb"], 1),
                          "errors": hit["errors"], "alive": os.path.exists(f"/proc/{pid}")}
             progress(f"bench hostile: {name}: P99 {base['p99_ms']} -> {hit['p99_ms']} ms (x{ratio:.2f}), "
-                     f"{hit['failed']} failed, attack sent {attack.sent / 2**20:.0f} MiB")
+                     f"{hit['failed']} failed, the attack offered {attack.sent_bytes / 2**20:.0f} MiB")
         return {"seconds": seconds, "rate_rps": rate,
-                "attacks": {"huge_head_connections": HEAD_CONNECTIONS, "absurd_chunk_connections": CHUNK_CONNECTIONS,
-                            "slow_head_connections": SLOW_CONNECTIONS},
+                "attacks": {"huge_head_connections": HEAD_CONNECTIONS * ("huge_head" in attacks),
+                            "absurd_chunk_connections": CHUNK_CONNECTIONS * ("absurd_chunk" in attacks),
+                            "slow_head_connections": SLOW_CONNECTIONS * ("slow_heads" in attacks),
+                            "reopen_s": REOPEN_S},
                 "targets": out,
                 "ok": all(v["failed"] == 0 and v["p99_ratio"] <= 2.0 for v in out.values())}
     finally:
@@ -245,18 +284,25 @@ def run(seconds: float, rate: float, progress=print) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--seconds", type=float, default=8.0, help="seconds of each client run (default 8)")
+    p.add_argument("--seconds", type=float, default=15.0, help="seconds of each client run (default 15)")
     p.add_argument("--rate", type=float, default=20.0, help="the client's requests per second (default 20)")
+    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)} (default all)")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)} (default all)")
     args = p.parse_args(argv)
     if not (0 < args.seconds <= 600 and 0 < args.rate <= 1000):
         p.error("--seconds must be in (0, 600] and --rate in (0, 1000]")
-    res = run(args.seconds, args.rate, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    attacks = tuple(a.strip() for a in args.attacks.split(",") if a.strip())
+    only = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    if not attacks or set(attacks) - set(ATTACKS) or not only or set(only) - set(TARGETS):
+        p.error(f"--attacks: some of {', '.join(ATTACKS)}; --targets: some of {', '.join(TARGETS)}")
+    res = run(args.seconds, args.rate, progress=lambda m: print(m, file=sys.stderr, flush=True), attacks=attacks,
+              only=only)
     if args.json:
         print(json.dumps(res))
     else:
         for name, v in res["targets"].items():
             print(f"{name:<14} P99 {v['p99_ms_base']} -> {v['p99_ms']} ms (x{v['p99_ratio']}), {v['failed']} failed, "
-                  f"attack {v['attack_mib_sent']} MiB sent, RSS +{v['rss_growth_mb']} MB")
+                  f"attack offered {v['attack_mib_offered']} MiB, RSS +{v['rss_growth_mb']} MB")
     return 0
 
 
