@@ -40,8 +40,9 @@ never reads the rest.
 
 A request's head is bounded in size: past ``max_head_bytes`` (32 KiB by default, as nginx's four
 8-KiB header buffers) of a head not yet complete, the server answers 431 and closes the
-connection, so one huge header costs its first 32 KiB and one read more (uvicorn with httptools
-sets no limit of its own: a 100-MiB header was parsed whole).
+connection: the parser is handed at most the cap's worth of a head (a read that crosses it is cut
+there), so one huge header costs its first 32 KiB (uvicorn with httptools sets no limit of its
+own: a 100-MiB header was parsed whole).
 
 Connections are bounded in time (`HttpTimeouts`, set in uvicorn's connection hook): a request's
 head must arrive within ``header_timeout_s`` of the connection (or of the end of the previous
@@ -452,8 +453,8 @@ def _guarded_protocol(base, timeouts: HttpTimeouts):
 
     The head's size: the bytes received while no request body is expected (before the first
     head, between answers, or after the current request's last byte) are counted until a head
-    is complete; past ``max_head_bytes`` the connection gets 431 and is closed, so the parser
-    has seen at most the cap and one read more. A body is not counted here (the
+    is complete; a read that would pass ``max_head_bytes`` is cut at the cap, and a head that
+    has not ended there gets 431 and a closed connection. A body is not counted here (the
     app's `BodyLimit` / `read_body` bound it). Pipelined requests sent in one burst count
     together until the first head is complete, so their heads share the cap."""
 
@@ -493,6 +494,17 @@ def _guarded_protocol(base, timeouts: HttpTimeouts):
         def data_received(self, data: bytes) -> None:
             c = self.cycle
             in_head = c is None or c.response_complete or not c.more_body  # no body expected: a head's bytes
+            room = max_head - self._racer_head_bytes
+            if in_head and len(data) > room:  # the parser gets the cap's worth; the head must end within it
+                super().data_received(data[:room])
+                if self.transport.is_closing():
+                    return
+                if self.cycle is c:
+                    self._racer_refuse_head()
+                    return
+                self._racer_head_bytes = 0
+                self.data_received(data[room:])  # the rest: a body, or the next head (counted afresh)
+                return
             super().data_received(data)
             if self.transport.is_closing():
                 return
@@ -500,9 +512,6 @@ def _guarded_protocol(base, timeouts: HttpTimeouts):
                 self._racer_head_bytes = 0
             elif in_head:  # still within one head
                 self._racer_head_bytes += len(data)
-                if self._racer_head_bytes > max_head:
-                    self._racer_refuse_head()
-                    return
             if self._racer_between_requests():  # (part of) a head: its deadline stands
                 if self._racer_timer is None:
                     self._racer_arm(header_s)
