@@ -337,7 +337,8 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
                         (["--emulate", "a100-hstu", "--nodes", "http://127.0.0.1:9"], "--nodes points at"),
                         (["--workload", "kv-light"], "--workload: unknown workload"),
                         (["--workload", "kv-heavy", "--schedule", "steady:3"], "give one"),
-                        (["--history-scale", "0"], "--history-scale")]:
+                        (["--history-scale", "0"], "--history-scale"),
+                        (["--capacity", "-5"], "--capacity must be a positive")]:
         p = subprocess.run([sys.executable, "-m", "racer", "bench", "fleet", *argv], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and words in p.stderr, (argv, p.stderr[-500:])
