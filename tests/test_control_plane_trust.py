@@ -410,3 +410,48 @@ def test_any_token_is_revoked_over_http_and_stops_at_once(cp):
     audit = cp.admin.get("/audit", params={"action": "token.revoke"}).json()["items"]
     assert len(audit) >= 3 and audit[0]["reason"] == "leaked"
     assert cp.client(cp.token("viewer")).get("/tokens").status_code == 403
+
+
+def _pax_tar(key_bytes: int, gz: bool) -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w", format=tarfile.PAX_FORMAT) as t:
+        info = tarfile.TarInfo("manifest.json")
+        info.pax_headers = {"comment": "a" * key_bytes}
+        info.size = 2
+        t.addfile(info, io.BytesIO(b"{}"))
+    return buf.getvalue()
+
+
+def _gnu_long_name_tar(name_bytes: int) -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        info = tarfile.TarInfo("d/" * (name_bytes // 2) + "manifest.json")
+        info.size = 2
+        t.addfile(info, io.BytesIO(b"{}"))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("body,words", [
+    (lambda: _pax_tar(64 * 1024, gz=False), "PAX header of"),
+    (lambda: _pax_tar(2 * 2**20, gz=True), "PAX header of"),
+    (lambda: _gnu_long_name_tar(100_000), "GNU long name of"),
+])
+def test_tar_extension_headers_past_a_small_size_are_refused_before_tarfile_reads_them(cp, body, words):
+    """Python's tarfile parses PAX headers with a regular expression whose cost grows with their
+    size (CVE-2024-6232): a 232-byte gzip froze the control plane 12.9 s. Such headers are refused
+    from a linear walk of the archive's blocks first, for policies and models alike."""
+    from control_plane.routes.policies import check_tar_headers
+
+    data = body()
+    for route in ("/policies", "/models"):
+        r = cp.admin.post(route, content=data, headers={"Content-Type": "application/x-tar"})
+        assert r.status_code in (413, 422) and (r.status_code == 413 or words in r.text), (route, r.status_code, r.text)
+    with pytest.raises(ValueError, match=words):
+        check_tar_headers(data, 2**28)
+    check_tar_headers(_pax_tar(100, gz=True), 2**28)  # a small one is fine

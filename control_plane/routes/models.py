@@ -123,7 +123,7 @@ async def upload_model(request: Request, p: principal(OPERATOR)):
     if not data:
         raise invalid(["body"], "body: empty; send a tar of the checkpoint directory")
     try:
-        files = unpack_checkpoint(data)
+        files = await anyio.to_thread.run_sync(unpack_checkpoint, data)  # off the event loop
         active = await anyio.to_thread.run_sync(_active_manifest, request)
         manifest = await anyio.to_thread.run_sync(verify_checkpoint, files, active)
     except ValueError as e:
