@@ -58,14 +58,15 @@ def replace_onnx(artifact: Path, dest: Path, model_bytes: bytes, fix_sha: bool =
 
 
 def nan_model_bytes() -> bytes:
-    """A valid graph of the right shape whose output is NaN for every input: (s - s) / (s - s)."""
+    """A valid graph of the right shape, of a policy's operators, whose output is NaN for every
+    input: ((x - x) / (x - x)) @ ones."""
     x = helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", NUM_FEATURES])
     y = helper.make_tensor_value_info("emb_share", TensorProto.FLOAT, ["batch", 1])
-    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [1])
-    nodes = [helper.make_node("ReduceSum", ["features", "axes"], ["s"], keepdims=1),
-             helper.make_node("Sub", ["s", "s"], ["d"]),
-             helper.make_node("Div", ["d", "d"], ["emb_share"])]
-    graph = helper.make_graph(nodes, "nan_policy", [x], [y], initializer=[axes])
+    ones = helper.make_tensor("ones", TensorProto.FLOAT, [NUM_FEATURES, 1], [1.0] * NUM_FEATURES)
+    nodes = [helper.make_node("Sub", ["features", "features"], ["d"]),
+             helper.make_node("Div", ["d", "d"], ["n"]),
+             helper.make_node("Gemm", ["n", "ones"], ["emb_share"])]
+    graph = helper.make_graph(nodes, "nan_policy", [x], [y], initializer=[ones])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)

@@ -455,3 +455,40 @@ def test_tar_extension_headers_past_a_small_size_are_refused_before_tarfile_read
     with pytest.raises(ValueError, match=words):
         check_tar_headers(data, 2**28)
     check_tar_headers(_pax_tar(100, gz=True), 2**28)  # a small one is fine
+
+
+def test_a_policy_graph_outside_the_allowlist_or_too_large_is_refused():
+    """A 40-KB policy with ConstantOfShape took 2 GiB to check; one with an ONNX Loop, once
+    active, raised node P50 from 6 to 2,319 ms. A policy is an MLP: its operators are
+    allowlisted, subgraphs refused, and its weights bounded, before any session runs it."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from node_agent.artifact import MAX_GRAPH_ELEMENTS, check_graph
+
+    def model(nodes, inits=()):
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["b", 22])],
+                              [helper.make_tensor_value_info("emb_share", TensorProto.FLOAT, ["b", 1])],
+                              initializer=list(inits))
+        return helper.make_model(g)
+
+    assert check_graph(onnx.load("policies/default/policy.onnx")) == []
+    cos = model([helper.make_node("ConstantOfShape", ["features"], ["emb_share"])])
+    assert "ConstantOfShape" in check_graph(cos)[0]
+    body = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "body", [], [])
+    loop = model([helper.make_node("Loop", ["", ""], ["emb_share"], body=body)])
+    problems = check_graph(loop)
+    assert any("Loop" in p for p in problems) and any("subgraph" in p for p in problems)
+    big = model([helper.make_node("Gemm", ["features", "w"], ["emb_share"])],
+                [numpy_helper.from_array(np.zeros((MAX_GRAPH_ELEMENTS // 22 + 1, 22), np.float32).T.copy(), "w")])
+    assert "weight and constant elements" in " ".join(check_graph(big))
+
+
+def test_a_model_config_field_past_its_cap_is_refused():
+    from node_agent.model.hstu import ModelConfig
+
+    for field, value in (("num_position_buckets", 2**27), ("num_position_buckets", 2**40), ("embedding_dim", 10**6),
+                         ("num_layers", 1000)):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig(**{field: value}).validate()

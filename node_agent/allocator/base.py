@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from node_agent.allocator.trace import LayerTrace
-from node_agent.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_outputs, probe_inputs, read_golden,
-                               read_manifest, read_onnx_bytes)
+from node_agent.artifact import (INPUT_NAME, OUTPUT_NAME, ArtifactError, check_graph, check_outputs, probe_inputs,
+                               read_golden, read_manifest, read_onnx_bytes)
 from node_agent.features import NUM_FEATURES
 
 
@@ -56,9 +56,14 @@ class OnnxPolicy:
         manifest = read_manifest(self.artifact_dir)
         data = read_onnx_bytes(self.artifact_dir, manifest)
         try:
-            onnx.checker.check_model(onnx.load_from_string(data), full_check=True)
+            model = onnx.load_from_string(data)
+            problems = check_graph(model)  # before the checker's shape inference and the session
+            if not problems:
+                onnx.checker.check_model(model, full_check=True)
         except Exception as e:  # DecodeError, ValidationError, ...
             raise ArtifactError(f"corrupt ONNX file {manifest['onnx_file']}: {type(e).__name__}: {e}") from None
+        if problems:
+            raise ArtifactError(f"{manifest['onnx_file']} is not a graph this runtime runs: {'; '.join(problems)}")
 
         use_cuda = device == "cuda" or (device == "auto" and cuda_available())
         available = ort.get_available_providers()

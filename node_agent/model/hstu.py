@@ -41,14 +41,16 @@ from common.config import validate as validate_fields
 class ModelConfig:
     """Shape of the model; `validate` checks ranges."""
 
-    embedding_dim: int = ranged(64, lo=1, integer=True, doc="item embedding / model width")
-    num_layers: int = ranged(2, lo=1, integer=True, doc="HSTU layers")
-    num_heads: int = ranged(2, lo=1, integer=True, doc="attention heads")
-    qk_dim: int = ranged(32, lo=1, integer=True)  # per head
-    v_dim: int = ranged(32, lo=1, integer=True)  # per head
-    num_actions: int = ranged(4, lo=1, integer=True)
-    num_position_buckets: int = ranged(32, lo=1, integer=True)
-    num_time_buckets: int = ranged(32, lo=1, integer=True)
+    # every field capped: a checkpoint's config.json comes from an upload, and a config of
+    # num_position_buckets 2^27 once cost the control plane 2.1 GiB to check (2^40: a 500)
+    embedding_dim: int = ranged(64, lo=1, hi=4096, integer=True, doc="item embedding / model width")
+    num_layers: int = ranged(2, lo=1, hi=64, integer=True, doc="HSTU layers")
+    num_heads: int = ranged(2, lo=1, hi=64, integer=True, doc="attention heads")
+    qk_dim: int = ranged(32, lo=1, hi=1024, integer=True)  # per head
+    v_dim: int = ranged(32, lo=1, hi=1024, integer=True)  # per head
+    num_actions: int = ranged(4, lo=1, hi=1024, integer=True)
+    num_position_buckets: int = ranged(32, lo=1, hi=4096, integer=True)
+    num_time_buckets: int = ranged(32, lo=1, hi=4096, integer=True)
     seed: int = 0
 
     def validate(self) -> "ModelConfig":
