@@ -128,6 +128,7 @@ class RegisterIn(In):
     device: Annotated[str, Field(min_length=1, max_length=128)]
     cost_profile: CostProfileIn
     policy_version: Version | None = None
+    started_at_s: ReportTime | None = None  # when the agent process started (wall s): a new one is a restart
 
 
 class RegisterOut(Out):
@@ -284,6 +285,9 @@ class NodeOut(Out):
     # from its latest report saying, else its registration (null: unknown)
     device_mode: str | None = None
     device_profile: str | None = None
+    # when the agent process now registered started (wall s) and the restarts seen so far
+    started_at_s: float | None = None
+    num_restarts: int = 0
 
 
 # ---- history

@@ -11,6 +11,9 @@ drawn in the browser from the node rows (`register`)."""
 
 from __future__ import annotations
 
+import math
+import time
+
 import dash_bootstrap_components as dbc
 from dash import Input, Output, Patch, html, no_update
 
@@ -43,8 +46,23 @@ def node_rows(nodes: list[dict]) -> list[dict]:
     return [{"node_id": n["node_id"], "status": n.get("status"), "device": n.get("device"),
              "emb_share": None if n.get("emb_share") is None else round(n["emb_share"], 2),
              "policy_version": n.get("policy_version"), "num_reports_dropped": n.get("num_reports_dropped"),
-             "model": model_label(n), "mode": mode_label(n)}
+             "model": model_label(n), "mode": mode_label(n), "started": started_label(n),
+             "num_restarts": n.get("num_restarts")}
             for n in sorted(nodes, key=lambda n: n["node_id"])]
+
+
+def started_label(node: dict) -> str | None:
+    """When the node's agent process started (UTC; a day back or more: with the date): a restart
+    shows as a new time beside a higher restart count. A time, not an uptime, so the row does not
+    change every second."""
+    t = node.get("started_at_s")
+    if not isinstance(t, (int, float)) or not math.isfinite(t):
+        return None
+    from datetime import datetime, timezone
+
+    d = datetime.fromtimestamp(float(t), tz=timezone.utc)
+    fmt = "%H:%M:%S" if abs(time.time() - float(t)) < 86400 else "%Y-%m-%d %H:%M"
+    return d.strftime(fmt) + " UTC"
 
 
 def mode_label(node: dict) -> str:
@@ -134,11 +152,13 @@ def register(app) -> None:
             const h = (type, props) => ({type: type, namespace: "dash_html_components", props: props});
             const cols = [["node_id", "node"], ["status", "status"], ["device", "device"],
                           ["emb_share", "emb_share"], ["policy_version", "policy"],
-                          ["mode", "mode"], ["model", "model"], ["num_reports_dropped", "reports dropped"]];
+                          ["mode", "mode"], ["model", "model"], ["started", "started"],
+                          ["num_restarts", "restarts"], ["num_reports_dropped", "reports dropped"]];
             const head = h("Thead", {children: h("Tr", {children: cols.map(c => h("Th", {children: c[1]}))})});
             const body = h("Tbody", {children: rows.map(r => h("Tr", {children: cols.map(c => h("Td", {
                 children: r[c[0]] === null || r[c[0]] === undefined ? "\u2013" : String(r[c[0]]),
-                className: c[0] === "num_reports_dropped" ? (r[c[0]] > 0 ? "text-danger fw-semibold" : undefined)
+                className: (c[0] === "num_reports_dropped" || c[0] === "num_restarts")
+                           ? (r[c[0]] > 0 ? "text-danger fw-semibold" : undefined)
                            : c[0] !== "status" ? undefined
                            : (r.status === "up" ? "text-success" : "text-danger fw-semibold")}))}))});
             return h("Table", {children: [head, body], id: "nodes-tbl",

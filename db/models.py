@@ -53,6 +53,10 @@ class Node(Base):
     # the model checkpoint the node confirmed it serves (its digest), and its last load failure
     model_digest: Mapped[str | None] = mapped_column(String(64))
     model_error: Mapped[str | None] = mapped_column(Text)
+    # when the agent process that registered last started (wall s; null: it did not say), and how
+    # many registrations came from a process started at another time than the one before (0010)
+    started_at_s: Mapped[float | None]
+    num_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class NodeReport(Base):

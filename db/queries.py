@@ -139,17 +139,24 @@ def count_tokens(session: Session, role: str | None = None, *, revoked: bool | N
 # ---- nodes and reports
 def upsert_node(session: Session, *, node_id: str, address: str, device: str, cost_profile: dict,
                 policy_version: str | None, now_s: float, report_interval_s: float,
-                token_id: int | None = None) -> tuple[Node, dict | None]:
+                token_id: int | None = None, started_at_s: float | None = None) -> tuple[Node, dict | None]:
     """Register (or re-register) a node, by token ``token_id``; returns the node and its
-    previous registration (or None). Whether that token may is the caller's check."""
+    previous registration (or None). Whether that token may is the caller's check. A process
+    started at another time (``started_at_s``) than the one registered before is a restart
+    (``num_restarts`` + 1)."""
     node = session.get(Node, node_id)
     before = None
     if node is None:
-        node = Node(node_id=node_id, registered_at_s=now_s)
+        node = Node(node_id=node_id, registered_at_s=now_s, num_restarts=0)
         session.add(node)
     else:
         before = {"address": node.address, "device": node.device, "cost_profile": node.cost_profile,
-                  "policy_version": node.policy_version, "status": node.status, "token_id": node.token_id}
+                  "policy_version": node.policy_version, "status": node.status, "token_id": node.token_id,
+                  "started_at_s": node.started_at_s}
+        if started_at_s is not None and node.started_at_s is not None and abs(started_at_s - node.started_at_s) > 1e-3:
+            node.num_restarts = (node.num_restarts or 0) + 1
+    if started_at_s is not None:
+        node.started_at_s = started_at_s
     node.address, node.device, node.cost_profile = address, device, cost_profile
     node.policy_version, node.status, node.last_seen_s = policy_version, "up", now_s
     node.report_interval_s = report_interval_s

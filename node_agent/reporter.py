@@ -78,6 +78,8 @@ from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_N
 log = logging.getLogger("racer.node_agent.reporter")
 
 API = "/api/v1"
+#: when this process started (wall s): each registration says it, so the control plane counts restarts
+PROCESS_STARTED_S = time.time()
 MAX_SEQ = 2**31 - 1
 MAX_REASON_CHARS = 2000
 #: what a node's figures are (`Engine.device_info`'s ``mode``)
@@ -633,7 +635,7 @@ class Reporter:
     def _register(self) -> bool:
         body = {"node_id": self.config.node_id, "address": self.config.advertise_url,
                 "device": self.device_label(), "cost_profile": self.registration_profile(),
-                "policy_version": self.policy_version}
+                "policy_version": self.policy_version, "started_at_s": PROCESS_STARTED_S}
         r = self._client.post(f"{API}/nodes/register", json=body)
         if r.status_code >= 300:
             self._error(f"register: HTTP {r.status_code}: {r.text[:500]}")

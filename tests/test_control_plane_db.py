@@ -29,7 +29,7 @@ def _row(nid, seq, ts, **kw):
 def test_migrations_make_every_table_and_are_idempotent(db):
     engine, _ = db
     upgrade(engine)  # second run: nothing to do
-    assert current_revision(engine) == "0009"
+    assert current_revision(engine) == "0010"
     names = set(inspect(engine).get_table_names())
     for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
               "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
@@ -60,7 +60,7 @@ def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
             c.execute(text("INSERT INTO nodes (node_id, address, device, cost_profile, status, registered_at_s, "
                            "last_seen_s, report_interval_s) VALUES ('n', 'http://x:1', 'cpu', '{}', 'up', 1, 1, 1)"))
         upgrade(engine)
-        assert current_revision(engine) == "0009"
+        assert current_revision(engine) == "0010"
         assert "node_id" in {c["name"] for c in inspect(engine).get_columns("tokens")}
         assert "ix_tokens__node_id" in {i["name"] for i in inspect(engine).get_indexes("tokens")}
         assert "token_id" in {c["name"] for c in inspect(engine).get_columns("nodes")}
@@ -231,7 +231,7 @@ def test_migration_0008_adds_the_report_device_columns_and_downgrades(backend, t
                            "VALUES ('n', 0, 1, 1, 1, 0.5, 0.5, 0, 0, 0, 0)"))
         assert "device_mode" not in {c["name"] for c in inspect(engine).get_columns("node_reports")}
         upgrade(engine)
-        assert current_revision(engine) == "0009"
+        assert current_revision(engine) == "0010"
         cols = {c["name"]: c for c in inspect(engine).get_columns("node_reports")}
         assert cols["device_mode"]["nullable"] and cols["device_profile"]["nullable"]
         with engine.connect() as c:
@@ -245,7 +245,7 @@ def test_migration_0008_adds_the_report_device_columns_and_downgrades(backend, t
         assert current_revision(engine) == "0007"
         assert "device_mode" not in {c["name"] for c in inspect(engine).get_columns("node_reports")}
         upgrade(engine)
-        assert current_revision(engine) == "0009"
+        assert current_revision(engine) == "0010"
     finally:
         engine.dispose()
         d.drop()

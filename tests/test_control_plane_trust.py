@@ -492,3 +492,25 @@ def test_a_model_config_field_past_its_cap_is_refused():
                          ("num_layers", 1000)):
         with pytest.raises(ValueError, match=field):
             ModelConfig(**{field: value}).validate()
+
+
+def test_a_node_whose_agent_restarted_shows_it_and_the_audit_says_when(cp):
+    """A kill -9 of an agent was invisible: the dashboard showed 3/1 for one refresh, no restart
+    count or event. Each registration says when its process started; another start time is a
+    restart, counted on the node and audited."""
+    from dashboard.overview_tab import node_rows
+
+    client = cp.node("restarty")
+    register(client, "restarty")  # an agent that does not say (an older one): nothing counted
+    for started in (1_000.0, 1_000.0, 2_000.0):
+        r = client.post("/nodes/register", json={
+            "node_id": "restarty", "address": "http://127.0.0.1:9", "device": "cpu", "started_at_s": started,
+            "cost_profile": {"kv_recompute_us_per_token": 2.0, "emb_transfer_us_per_row": 1.0,
+                             "service_time_us": 500.0, "queue_capacity": 64}})
+        assert r.status_code == 200, r.text
+    node = next(n for n in cp.admin.get("/nodes").json() if n["node_id"] == "restarty")
+    assert node["num_restarts"] == 1 and node["started_at_s"] == 2_000.0
+    ev = cp.admin.get("/audit", params={"action": "node.restart"}).json()["items"]
+    assert ev and ev[0]["target"] == "node:restarty" and ev[0]["after"]["started_at_s"] == 2_000.0
+    row = node_rows([node])[0]
+    assert row["num_restarts"] == 1 and row["started"].endswith("UTC")

@@ -40,7 +40,12 @@ def register(body: RegisterIn, request: Request, p: principal(NODE)):
         node, before = queries.upsert_node(s, node_id=body.node_id, address=body.address, device=body.device,
                                            cost_profile=body.cost_profile.model_dump(exclude_none=True),
                                            policy_version=body.policy_version, now_s=now,
-                                           report_interval_s=interval_s, token_id=p.token_id)
+                                           report_interval_s=interval_s, token_id=p.token_id,
+                                           started_at_s=body.started_at_s)
+        if before is not None and node.num_restarts and before.get("started_at_s") not in (None, body.started_at_s):
+            queries.audit(s, ts_s=now, actor=p.name, action="node.restart", target=f"node:{body.node_id}",
+                          before={"started_at_s": before["started_at_s"]},
+                          after={"started_at_s": body.started_at_s, "num_restarts": node.num_restarts}, reason="")
         if before is None or before["address"] != body.address or before["cost_profile"] != node.cost_profile:
             queries.audit(s, ts_s=now, actor=p.name, action="node.register", target=f"node:{body.node_id}",
                           before=before, after=body.model_dump(), reason="")
