@@ -215,6 +215,16 @@ STATE_TEXT = {"live": ("live: requests served", "text-success"), "idle": ("idle:
               "none": ("no gateway reports", "text-muted")}
 
 
+def range_slo(rows: list[dict]) -> float | None:
+    """The clients' SLO attainment over the reports ``rows`` (every gateway's, over the range
+    shown): weighted by each report's requests, as the clients experienced it, not a mean of
+    intervals or of nodes. None: no request in the range."""
+    pairs = [(float(r["slo_attainment"]), int(r.get("num_requests") or 0)) for r in rows
+             if r.get("slo_attainment") is not None]
+    n = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / n if n > 0 else None
+
+
 def card_values(s: dict) -> dict:
     """Card id -> text of `client_state`'s figures."""
     thr = s.get("throughput_rps")
@@ -225,7 +235,7 @@ def card_values(s: dict) -> dict:
             "cv-phase": s["load_phase"] or GAP}
 
 
-CARDS = (("cv-state", "clients"), ("cv-slo", "SLO attainment (clients)"), ("cv-p99", "P99 end to end"),
+CARDS = (("cv-state", "clients"), ("cv-slo", "SLO attainment (clients, over the range)"), ("cv-p99", "P99 end to end"),
          ("cv-p50", "P50 end to end"), ("cv-req", "requests (last interval)"), ("cv-errors", "errors (5xx)"),
          ("cv-503", "503 (no live node)"), ("cv-retries", "retried"), ("cv-phase", "load phase"))
 BESIDE = {"cv-slo": ("nv-slo", "nodes' own"), "cv-p99": ("nv-p99", "nodes' own (mean)")}
@@ -245,8 +255,10 @@ def section() -> html.Div:
     return html.Div([
         dbc.Alert(id="client-banner", color="danger", is_open=False, className="py-2 mb-2"),
         html.Div([html.Span("What clients see", className="fw-semibold me-2"),
-                  html.Span("(the gateways' last report interval; the nodes' own figures beside)",
-                            className="small text-muted", id="cv-note")], className="mb-1"),
+                  html.Span("(SLO attainment over the range shown, request-weighted; the other figures the "
+                            "gateways' last report interval; the nodes' own beside. A gateway times a request "
+                            "from reading it: the wait before that, in the client or the network, is not in "
+                            "these figures)", className="small text-muted", id="cv-note")], className="mb-1"),
         dbc.Row([_card(cid, label) for cid, label in CARDS], className="g-2 mb-2", id="client-cards"),
         html.Details([html.Summary("per node, as the gateways saw it (last interval)", className="small"),
                       html.Div(id="cv-nodes")], open=True, className="mb-2"),
@@ -288,6 +300,8 @@ def register(app, client, sessions) -> None:
             return [no_update] * (len(ids) + 6)  # the control plane's own banner says why
         st = client_state(gws)
         vals = card_values(st)
+        slo = range_slo([r for r in rows if r.get("ts_s", 0.0) >= now - range_s])
+        vals["cv-slo"] = _pct(slo)  # the headline: the clients' over the range, request-weighted
         banner = st["banner"]
         fig = no_update
         if changed or drawn != range_s:  # the whole figure once per page and range, then its data only

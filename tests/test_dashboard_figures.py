@@ -461,3 +461,15 @@ def test_promote_and_roll_back_ask_for_a_reason_as_activate_and_override_do():
         out = ask_rollout_action(NoCalls(), "tok", action, "  ")
         assert "reason is required" in str(out)
     assert ROLLOUT_DEFAULTS.bake_time_s == 300.0  # the form's default is the API's
+
+
+def test_the_clients_slo_headline_is_request_weighted_over_the_range():
+    """The KPI once showed the mean of the nodes (~100%) while the load generator saw 93-96%.
+    The headline is the gateways' reports over the range, weighted by their requests."""
+    from dashboard.client_cards import range_slo
+
+    rows = [{"ts_s": 1.0, "slo_attainment": 1.0, "num_requests": 10},
+            {"ts_s": 2.0, "slo_attainment": 0.5, "num_requests": 90},
+            {"ts_s": 3.0, "slo_attainment": None, "num_requests": 0}]
+    assert range_slo(rows) == pytest.approx((10 * 1.0 + 90 * 0.5) / 100)  # 0.55, where the mean of intervals is 0.75
+    assert range_slo([]) is None and range_slo(rows[2:]) is None
