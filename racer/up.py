@@ -1152,6 +1152,26 @@ class _Up:
             self.times.first_served_s = round(self.elapsed(), 1)
             self.say(f"first requests served ({self.times.first_served_s:g} s after start)")
 
+    def gateways_slo(self) -> dict | None:
+        """What the gateways reported over the load, for the summary beside the load generator's
+        own figure: ``{"slo_attainment", "num_requests"}``, request-weighted over every report
+        since the load started (None: no control plane, no load, or it did not answer)."""
+        if not (self.plan.control_plane_url and self.times.load_started_s is not None):
+            return None
+        import httpx
+
+        started = time.time() - (time.monotonic() - (self.t0 + self.times.load_started_s))
+        try:
+            rows = httpx.get(f"{self.plan.control_plane_url}/api/v1/gateway-reports", timeout=10.0,
+                             params={"start_s": started, "details": "false", "limit": 100_000},
+                             headers={"Authorization": f"Bearer {self.operator_token}"}).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        pairs = [(r["slo_attainment"], r["num_requests"]) for r in rows if isinstance(r, dict)
+                 and r.get("slo_attainment") is not None and r.get("num_requests")]
+        n = sum(w for _, w in pairs)
+        return None if not n else {"slo_attainment": round(sum(v * w for v, w in pairs) / n, 4), "num_requests": n}
+
     def close(self) -> dict[str, int | None]:
         if self._seeder is not None and self._seeder.is_alive():  # not mid-upload: let it finish first
             self._seeder.join(30.0)
@@ -1273,7 +1293,7 @@ def cmd_up(args) -> int:
         _run(up, args, rss)
         why = f"signal {signal.Signals(received[0]).name}" if received else "--duration reached"
         say(f"stopping ({why}): load generator first, then the processes")
-        report = {"stopped_by": why}
+        report = {"stopped_by": why, "gateways": up.gateways_slo()}
     except (UsageError, ValueError, OSError) as e:
         if made:
             raise UpError(f"{e}\n(this run made the data folder {data_dir}; its logs are in {data_dir / 'logs'})") \
@@ -1305,8 +1325,11 @@ def _final_report(up: _Up, args, report: dict, codes: dict, rss: dict, t_start: 
            "processes": {p.spec.name: {"restarts": p.restarts, "exits": p.exits, "exit_code": codes.get(p.spec.name)}
                          for p in up.sup.procs},
            "rss": {k: {"pid": v["pid"], "samples": v["samples"]} for k, v in rss.items()}}
+    gw = report.get("gateways") or {}
     print(f"racer up: served {rep['requests_served']} of {rep['requests_sent']} (failed {rep['requests_failed']}, "
-          f"lost {rep['requests_lost']}), P99 {rep['p99_ms']} ms, SLO attainment {rep['slo_attainment']}",
+          f"lost {rep['requests_lost']}), P99 {rep['p99_ms']} ms, SLO attainment {rep['slo_attainment']} as the load "
+          f"generator saw it" + (f", {gw['slo_attainment']} as the gateways reported it ({gw['num_requests']} "
+                                 f"requests; they do not see the time before they read a request)" if gw else ""),
           file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps(out))

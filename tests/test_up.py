@@ -275,6 +275,10 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     assert rep["requests_served"] + rep["requests_failed"] == rep["requests_sent"]
     assert set(rep["failures"]) <= {"connect", "timeout", "http_502", "http_503", "http_504"} or not rep["failures"]
     assert rep["requests_served"] >= 0.9 * rep["requests_sent"]
+    # the gateways' own SLO attainment over the load, printed beside the load generator's
+    gw = rep["gateways"]
+    assert gw is not None and 0 < gw["num_requests"] <= rep["requests_sent"] and 0 <= gw["slo_attainment"] <= 1, gw
+    assert "as the gateways reported it" in (tmp_path / "up.err").read_text()
     p1 = rep["processes"]["node-1"]
     assert p1["restarts"] == 1 and p1["exits"][0]["code"] == -signal.SIGKILL
     # every process stopped on SIGTERM (status 0 from its handler, or the signal's default action;
