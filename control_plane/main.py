@@ -50,8 +50,38 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    why = database_problem(settings.database_url)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     serve(settings, log_level=args.log_level)
     return 0
+
+
+def database_problem(url: str) -> str | None:
+    """Why the database at ``url`` cannot be used (one line: a corrupted file, an unreachable
+    server), or None. Checked before serving, so the answer is that line, not a traceback from
+    the server's start-up."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from db.engine import make_engine
+
+    try:
+        engine = make_engine(url)
+    except ValueError as e:
+        return str(e)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1")).first()
+            if engine.dialect.name == "sqlite":
+                conn.execute(text("SELECT count(*) FROM sqlite_master")).first()
+    except SQLAlchemyError as e:
+        orig = getattr(e, "orig", e)
+        return f"the database {engine.url.render_as_string(hide_password=True)} is not usable: {type(orig).__name__}: {orig}"
+    finally:
+        engine.dispose()
+    return None
 
 
 if __name__ == "__main__":

@@ -514,3 +514,55 @@ def test_a_node_whose_agent_restarted_shows_it_and_the_audit_says_when(cp):
     assert ev and ev[0]["target"] == "node:restarty" and ev[0]["after"]["started_at_s"] == 2_000.0
     row = node_rows([node])[0]
     assert row["num_restarts"] == 1 and row["started"].endswith("UTC")
+
+
+def test_a_corrupted_table_fails_healthz_and_a_corrupted_file_is_one_line(tmp_path):
+    """A corrupted table gave 500 on reads and 503 "retry later" on writes while /healthz said
+    ok; a corrupted header gave a 117-line traceback. Now /healthz reads every main table and
+    says which one failed (503), and a file that is no database is one line at start-up."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    import httpx
+
+    from .cp_util import REPO, ControlPlane
+
+    db = tmp_path / "cp.db"
+    cp = ControlPlane(f"sqlite:///{db}", tmp_path / "cp.log", scheduler=False)
+    try:
+        assert httpx.get(cp.base + "/healthz").json()["ok"] is True
+        register(cp.node("c1"), "c1")
+    finally:
+        cp.stop()
+    con = sqlite3.connect(db)
+    root = con.execute("SELECT rootpage FROM sqlite_master WHERE name = 'nodes'").fetchone()[0]
+    page = con.execute("PRAGMA page_size").fetchone()[0]
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    with open(db, "r+b") as f:  # the nodes table's root page overwritten
+        f.seek((root - 1) * page)
+        f.write(b"\xff" * page)
+    from .procs import free_port, spawn, stop
+
+    port = free_port()
+    proc = spawn([sys.executable, "-m", "control_plane.main", "--db", f"sqlite:///{db}", "--port", str(port),
+                  "--no-scheduler"], tmp_path / "cp2.log", env={"RACER_ADMIN_TOKEN": ControlPlane.ADMIN})
+    try:
+        r = None
+        for _ in range(300):
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, (tmp_path / "cp2.log").read_text()[-2000:]
+                __import__("time").sleep(0.2)
+        assert r is not None and r.status_code == 503 and r.json()["database"].startswith("nodes:"), r and r.text
+    finally:
+        stop(proc)
+    bad = tmp_path / "header.db"
+    bad.write_bytes(b"not a database at all" * 200)
+    p = subprocess.run([sys.executable, "-m", "control_plane.main", "--db", f"sqlite:///{bad}", "--port", "0"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, env={**__import__("os").environ,
+                                                                                  "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2 and "is not usable" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
