@@ -52,19 +52,21 @@ MAX_EXTENSION_BYTES = 4096
 _EXTENSION_TYPES = {b"x": "PAX header", b"g": "PAX global header", b"L": "GNU long name", b"K": "GNU long link"}
 
 
-def check_tar_headers(data: bytes, max_bytes: int, max_extension_bytes: int = MAX_EXTENSION_BYTES) -> None:
-    """Walk the archive's 512-byte headers (inflating a gzip'd one, at most ``max_bytes``) before
-    tarfile reads it: ValueError for an extension header past ``max_extension_bytes`` or an
-    archive that inflates past ``max_bytes``. Linear in the archive's size; anything else
-    (not a tar, truncated) is left to tarfile to refuse."""
+def check_tar_headers(data: bytes, max_bytes: int, max_extension_bytes: int = MAX_EXTENSION_BYTES,
+                      what: str = "policy artifact") -> None:
+    """Walk the archive's 512-byte headers (inflating a gzip'd one: at most ``max_bytes`` of
+    members and 1 MiB of headers and padding) before tarfile reads it: ValueError for an
+    extension header past ``max_extension_bytes`` or an archive that unpacks past that. Linear
+    in the archive's size; anything else (not a tar, truncated) is left to tarfile to refuse."""
     if data[:2] == b"\x1f\x8b":
         d = zlib.decompressobj(wbits=31)
+        limit = max_bytes + 2**20
         try:
-            raw = d.decompress(data, max_bytes + 1)
+            raw = d.decompress(data, limit + 1)
         except zlib.error:
             return  # tarfile says what is wrong
-        if len(raw) > max_bytes or d.unconsumed_tail:
-            raise ValueError(f"body: the archive inflates to more than {max_bytes} bytes")
+        if len(raw) > limit or d.unconsumed_tail:
+            raise ValueError(f"body: the archive unpacks to more than {max_bytes} bytes (a {what} is smaller)")
     else:
         raw = data
     pos = 0
@@ -94,7 +96,7 @@ def unpack_artifact(data: bytes, *, max_members: int = MAX_ARTIFACT_MEMBERS,
     not a tar, truncated, more than ``max_members`` members, or members whose sizes add up to more
     than ``max_bytes`` (a decompression bomb is refused from its headers, before its bytes are
     inflated). The model registry unpacks checkpoints with it too (``what``, ``writer``)."""
-    check_tar_headers(data, 2 * max_bytes)  # (the members' sizes are bounded by max_bytes below)
+    check_tar_headers(data, max_bytes, what=what)
     files: dict[str, bytes] = {}
     total = 0
     try:
