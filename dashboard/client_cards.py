@@ -403,7 +403,8 @@ class _History:
             h["keys"].add((r["gateway_id"], r["seq"]))
             h["rows"].append({"gateway_id": r["gateway_id"], "seq": r["seq"], "ts_s": r["ts_s"],
                               "interval_s": r.get("interval_s"), "p99_ms": r.get("p99_ms"),
-                              "num_failed": r.get("num_failed"), "load_phase": r.get("load_phase")})
+                              "num_failed": r.get("num_failed"), "load_phase": r.get("load_phase"),
+                              "slo_attainment": r.get("slo_attainment"), "num_requests": r.get("num_requests")})
             h["newest"] = r["ts_s"] if h["newest"] is None else max(h["newest"], r["ts_s"])
             g = h["held"].get(r["gateway_id"])
             if g is None or r["seq"] > g[0]:
