@@ -148,8 +148,10 @@ def clients_figure(rows: list[dict], now_s: float, range_s: float, slo_ms: float
                                  font=dict(size=14)),
                       xaxis=dict(type="date", title_text="time (UTC)"),
                       yaxis=dict(title_text="P99 (ms)", rangemode="tozero"),
+                      # a count: whole ticks, and 0-1 while nothing failed (not 0.254 / 0.508)
                       yaxis2=dict(title_text="failed", overlaying="y", side="right", rangemode="tozero",
-                                  showgrid=False),
+                                  showgrid=False, tickformat="d",
+                                  **({"range": [0, 1], "dtick": 1} if max((f or 0) for f in failed) == 0 else {})),
                       legend=dict(orientation="h", y=1.0, x=1, xanchor="right", yanchor="bottom"),
                       uirevision="clients", bargap=0.1)
     return fig

@@ -473,3 +473,14 @@ def test_the_clients_slo_headline_is_request_weighted_over_the_range():
             {"ts_s": 3.0, "slo_attainment": None, "num_requests": 0}]
     assert range_slo(rows) == pytest.approx((10 * 1.0 + 90 * 0.5) / 100)  # 0.55, where the mean of intervals is 0.75
     assert range_slo([]) is None and range_slo(rows[2:]) is None
+
+
+def test_the_clients_chart_counts_failures_in_whole_numbers():
+    from dashboard.client_cards import clients_figure
+
+    rows = [{"ts_s": 1000.0 + k, "p99_ms": 20.0, "num_failed": 0, "interval_s": 1.0} for k in range(30)]
+    fig = clients_figure(rows, now_s=1100.0, range_s=300.0)
+    y2 = fig.layout.yaxis2
+    assert y2.tickformat == "d" and list(y2.range) == [0, 1] and y2.dtick == 1
+    rows[3]["num_failed"] = 7
+    assert clients_figure(rows, now_s=1100.0, range_s=300.0).layout.yaxis2.range is None  # autoscaled to 7
