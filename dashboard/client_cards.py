@@ -318,6 +318,7 @@ def register(app, client, sessions) -> None:
                 fig["data"][1]["name"] = full.data[1].name
                 fig["data"][2]["showlegend"] = full.data[2].showlegend
                 fig["layout"]["shapes"] = [sh.to_plotly_json() for sh in full.layout.shapes]
+                fig["layout"]["yaxis2"] = full.layout.yaxis2.to_plotly_json()  # 0-1 until something fails
         return (*[vals[cid] for cid in ids], banner is not None, banner[0] if banner else no_update,
                 "fs-5 fw-semibold " + STATE_TEXT[st["state"]][1], fig, range_s, nodes_table(node_rows(gws)))
 
