@@ -82,7 +82,7 @@ def test_weights_are_deterministic_per_seed():
 
 
 def test_bad_config():
-    with pytest.raises(ValueError, match="num_heads must be a positive integer"):
+    with pytest.raises(ValueError, match=r"num_heads must be an integer in \[1, 64\]"):
         ModelConfig(num_heads=0).validate()
 
 
