@@ -25,8 +25,23 @@ from .trace import Trace
 CAND_POOL = 1 << 20
 
 
+_POOLS: dict[tuple, np.ndarray] = {}  # the last few pools drawn (a replay asks for one per phase and cycle)
+
+
 def candidate_pool(trace: Trace, seed: int) -> np.ndarray:
-    """``CAND_POOL`` item ids drawn with replacement in proportion to the trace's popularity."""
+    """``CAND_POOL`` item ids drawn with replacement in proportion to the trace's popularity
+    (the same trace and seed: the same pool, drawn once)."""
+    key = (id(trace), trace.name, trace.num_items, seed)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _draw_pool(trace, seed)
+        if len(_POOLS) >= 4:
+            _POOLS.pop(next(iter(_POOLS)))
+        _POOLS[key] = pool
+    return pool
+
+
+def _draw_pool(trace: Trace, seed: int) -> np.ndarray:
     pop = trace.item_popularity().astype(np.float64)
     rng = np.random.default_rng([seed, 7])
     cdf = np.cumsum(pop)

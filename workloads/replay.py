@@ -632,14 +632,7 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
             if plan is None or cycle:
                 plan = build_plan(trace, config, cycle)
             stats.cycle = cycle
-            cands = {}
-            if config.explicit_candidates:
-                from .candidates import StreamCandidates
-
-                for ph in plan:
-                    if id(ph.stream) not in cands:
-                        cands[id(ph.stream)] = StreamCandidates(ph.stream, trace, config.seed,
-                                                                plant_next=config.plant_next_item)
+            cands: dict = {}  # each phase stream's candidates, made when its first request goes
             start = clock()
             if cycle == 0:
                 stats.started_s = start
@@ -652,7 +645,15 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
                     delay = due - clock()
                     if delay > 0:
                         await asyncio.sleep(delay * k)
-                    body = request_body(phase.stream, i, config.top_k, cands.get(id(phase.stream)))
+                    sc = None
+                    if config.explicit_candidates:
+                        sc = cands.get(id(phase.stream))
+                        if sc is None:
+                            from .candidates import StreamCandidates
+
+                            sc = cands[id(phase.stream)] = StreamCandidates(phase.stream, trace, config.seed,
+                                                                            plant_next=config.plant_next_item)
+                    body = request_body(phase.stream, i, config.top_k, sc)
                     stats.on_sent(phase.regime, max(0.0, clock() - due) * 1e3, phase=phase.name)
                     task = asyncio.create_task(one(phase, body, due, counter))
                     counter += 1
