@@ -9,6 +9,9 @@ import tarfile
 from pathlib import Path
 from urllib.parse import quote
 
+#: the files of a model checkpoint directory that go to the registry (`racer model push`, racer up)
+CHECKPOINT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
+
 
 def tar_files(src: Path, names) -> bytes:
     """The named files of ``src`` that exist, as an uncompressed tar (mode 0644, USTAR)."""

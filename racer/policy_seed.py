@@ -120,25 +120,13 @@ def seed_policies(cp_url: str, token: str, shipped: Path, data_dir: Path,
     second racer up on the same database) is overridden by the shipped one. The window is one
     round trip at start-up; the audit log records both activations, and the operator's choice can
     be made again from the dashboard."""
-    import httpx
-
     api = f"{cp_url}/api/v1"
     t0 = time.monotonic()
     out: dict = {}
     shipped_version = upload(api, token, shipped)
     out["shipped"], out["upload_s"] = shipped_version, round(time.monotonic() - t0, 2)
-    auth = {"Authorization": f"Bearer {token}"}
-    rows = httpx.get(f"{api}/policies", headers=auth, timeout=30.0).json()
-    active = [str(p["version"]) for p in rows if p.get("status") == "active"]
-    if active:
-        out["active"] = active[0]
-    else:
-        r = httpx.post(f"{api}/policies/{path_segment(shipped_version)}/activate", headers=auth, timeout=30.0,
-                       json={"reason": "racer up: the shipped policy, active from the start"})
-        if r.status_code != 200:
-            raise RuntimeError(f"activating {shipped_version} answered {r.status_code}: {r.text[:300]}")
-        out["active"] = shipped_version
-        out["activated"] = True
+    out.update(activate_unless_one_is(api, token, "policies", shipped_version,
+                                      "racer up: the shipped policy, active from the start"))
     t1 = time.monotonic()
     candidate_dir = data_dir / "policies" / f"candidate-{shipped_version}"
     manifest = derive_candidate(shipped, candidate_dir)
@@ -158,28 +146,35 @@ def seed_model(cp_url: str, token: str, model_dir: Path, log: Callable[[str], No
     its baseline from the start (an operator's active model survives a restart)."""
     import httpx
 
-    from node_agent.registry_client import tar_files
+    from node_agent.registry_client import CHECKPOINT_FILES, tar_files
 
     api = f"{cp_url}/api/v1"
-    auth = {"Authorization": f"Bearer {token}"}
     t0 = time.monotonic()
-    files = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
-    r = httpx.post(f"{api}/models", content=tar_files(model_dir, files), timeout=120.0,
-                   headers={**auth, "Content-Type": "application/x-tar"})
+    r = httpx.post(f"{api}/models", content=tar_files(model_dir, CHECKPOINT_FILES), timeout=120.0,
+                   headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-tar"})
     if r.status_code not in (200, 201):
         raise RuntimeError(f"POST /models ({model_dir}) answered {r.status_code}: {r.text[:300]}")
     version = str(r.json()["version"])
-    out = {"model": version}
-    active = [m["version"] for m in httpx.get(f"{api}/models", headers=auth, timeout=30.0).json()
-              if m.get("status") == "active"]
-    if active:
-        out["active"] = active[0]
-    else:
-        r = httpx.post(f"{api}/models/{path_segment(version)}/activate", headers=auth, timeout=30.0,
-                       json={"reason": "racer up: the checkpoint every node serves, active from the start"})
-        if r.status_code != 200:
-            raise RuntimeError(f"activating model {version} answered {r.status_code}: {r.text[:300]}")
-        out["active"], out["activated"] = version, True
+    out = {"model": version, **activate_unless_one_is(
+        api, token, "models", version, "racer up: the checkpoint every node serves, active from the start")}
     out["total_s"] = round(time.monotonic() - t0, 2)
     log(f"model: {out['active']} active{' (the one the nodes serve)' if out['active'] == version else ''}")
     return out
+
+
+def activate_unless_one_is(api: str, token: str, kind: str, version: str, reason: str) -> dict:
+    """``{"active": ...}``: the registry's (``kind``: "policies" or "models") active version, or
+    ``version`` activated now (``"activated": True``) when none is, so an operator's choice
+    survives a restart. Check-then-act (the API has no conditional activate): see `seed_policies`."""
+    import httpx
+
+    auth = {"Authorization": f"Bearer {token}"}
+    active = [str(x["version"]) for x in httpx.get(f"{api}/{kind}", headers=auth, timeout=30.0).json()
+              if x.get("status") == "active"]
+    if active:
+        return {"active": active[0]}
+    r = httpx.post(f"{api}/{kind}/{path_segment(version)}/activate", headers=auth, timeout=30.0,
+                   json={"reason": reason})
+    if r.status_code != 200:
+        raise RuntimeError(f"activating {kind} {version} answered {r.status_code}: {r.text[:300]}")
+    return {"active": version, "activated": True}

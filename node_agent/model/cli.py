@@ -146,7 +146,7 @@ def cmd_model_push(args) -> int:
     import sys
     from pathlib import Path
 
-    from node_agent.registry_client import push, tar_files
+    from node_agent.registry_client import CHECKPOINT_FILES, push, tar_files
 
     from .checkpoint import load_checkpoint
 
@@ -155,7 +155,7 @@ def cmd_model_push(args) -> int:
     token = args.token or os.environ.get("RACER_TOKEN")
     if not token:
         raise ValueError("a token is needed: --token T or RACER_TOKEN (an operator token)")
-    body = tar_files(src, ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json"))
+    body = tar_files(src, CHECKPOINT_FILES)
     rc, out = push("models", body, control_plane=args.control_plane, token=token, activate=args.activate,
                    reason=args.reason, timeout_s=args.timeout_s, prog="racer model push")
     if rc:
