@@ -33,6 +33,7 @@ from .cp_metrics import ControlPlaneMetrics
 from .gate import RequestGate
 from .ingest import IngestWriter
 from .jobs import Scheduling
+from .quota import NodeQuota
 from .rollout_service import Conflict, NotFound
 from .routes import (audit, directives, gateways, health, history, models, nodes, overrides, policies, rollouts,
                      routers, tokens)
@@ -63,6 +64,8 @@ async def lifespan(app: FastAPI):
     app.state.known_nodes = set()
     app.state.reports_dropped = {}  # node_id -> (seq, num_reports_dropped) of its latest report saying
     app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows)
+    app.state.quota = NodeQuota(settings.node_reports_per_s, settings.node_burst_reports,
+                                settings.node_report_bytes_per_s, settings.node_burst_report_bytes)
     secret = ensure_admin_token(factory, admin_token=settings.admin_token, now_s=clock())
     if secret is not None:
         print(f"racer control plane: admin operator token (shown once): {secret}", flush=True)

@@ -25,6 +25,9 @@ class ControlPlaneMetrics:
                                        "Time of one group commit of report rows", buckets=_LAT, registry=r)
         self.ingest_commit_rows = Histogram("racer_cp_ingest_commit_rows", "Report rows per group commit",
                                             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000), registry=r)
+        self.reports_throttled = Counter("racer_cp_reports_throttled",
+                                         "Report batches refused 429: a node past its ingestion quota", ["what"],
+                                         registry=r)
         self.job_runs = Counter("racer_cp_job_runs", "Scheduled job runs", ["job", "outcome"], registry=r)
         self.job_duration = Histogram("racer_cp_job_duration_seconds", "Scheduled job run time", ["job"],
                                       buckets=_LAT, registry=r)

@@ -7,6 +7,11 @@ seq) DO NOTHING RETURNING`` (so a replayed report is stored once and the reply c
 duplicate), the decisions and bursts they carry, and each node's last-seen time. Under load many
 requests share one commit (one fsync); at low load a batch commits alone at once. If a group's
 transaction fails, each batch is retried in its own transaction, so one bad batch fails alone.
+
+A full disk (SQLite) is a failure of its own: after one, no batch is written until the WAL has
+been checkpointed into the database and truncated (`db.engine.reclaim_wal`), which is tried
+before each later batch; until it works the batches get 503 and their nodes keep them. Space
+freed on the disk then goes to the checkpoint first, not to a WAL that grows into it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from db import queries
+from db.engine import reclaim_wal
 
 log = logging.getLogger("racer.control_plane.ingest")
 
@@ -38,6 +44,7 @@ class Batch:
 class IngestWriter:
     def __init__(self, factory, metrics, max_rows: int = 5000):
         self.factory, self.metrics, self.max_rows = factory, metrics, max_rows
+        self.disk_full = False  # set by a full disk; cleared once the WAL is reclaimed
         self._q: queue.Queue[Batch | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="racer-ingest-writer", daemon=True)
         self._thread.start()
@@ -71,14 +78,39 @@ class IngestWriter:
                 group.append(nxt)
                 rows += len(nxt.reports)
             try:
+                self._reclaim()
                 self._write(group)
-            except Exception:  # noqa: BLE001 - retry one by one so one bad batch fails alone
+            except DiskFull as e:
+                for b in group:
+                    b.loop.call_soon_threadsafe(_set_exc, b.future, e)
+            except Exception as e:  # noqa: BLE001 - retry one by one so one bad batch fails alone
+                if _is_disk_full(e):
+                    self.disk_full = True
                 for b in group:
                     try:
+                        self._reclaim()
                         self._write([b])
                     except Exception as e:  # noqa: BLE001
+                        if _is_disk_full(e):
+                            self.disk_full = True
                         log.warning("report batch of %s refused: %s", b.node_id, e)
                         b.loop.call_soon_threadsafe(_set_exc, b.future, e)
+
+    def _reclaim(self) -> None:
+        """After a full disk: checkpoint and truncate the WAL before writing again (DiskFull until
+        that works)."""
+        if not self.disk_full:
+            return
+        engine = self.factory.kw["bind"]
+        try:
+            done = reclaim_wal(engine)
+        except Exception as e:  # noqa: BLE001 - still full, or busy
+            raise DiskFull(f"database or disk is full; the write-ahead log could not be reclaimed yet "
+                           f"({type(e).__name__}: {str(e)[:200]})") from None
+        if not done:
+            raise DiskFull("database or disk is full; the write-ahead log could not be reclaimed yet (busy)")
+        log.warning("write-ahead log reclaimed after a full disk: writing again")
+        self.disk_full = False
 
     def _write(self, group: list[Batch]) -> None:
         t0 = time.perf_counter()
@@ -98,6 +130,15 @@ class IngestWriter:
         for b in group:
             stored = sum(1 for r in b.reports if (r["node_id"], r["seq"]) in inserted)
             b.loop.call_soon_threadsafe(_set_result, b.future, (stored, len(b.reports) - stored))
+
+
+class DiskFull(RuntimeError):
+    """The disk was full and the WAL is not reclaimed yet: retry later (503)."""
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "disk is full" in text or "disk i/o error" in text or "no space left" in text
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -39,7 +39,11 @@ class Settings:
     - ``max_body_bytes``: most bytes of a request body (registration, tokens, overrides, rollouts,
       confirmations, any other route); ``max_report_body_bytes``: of a report batch;
       ``max_policy_body_bytes``: of a policy upload. A larger body gets 413, counted on the bytes
-      received (chunked bodies too), after the token is checked (`control_plane.gate`).
+      received (chunked bodies too), after the token is checked (`control_plane.gate`);
+    - ``node_reports_per_s`` / ``node_burst_reports`` and ``node_report_bytes_per_s`` /
+      ``node_burst_report_bytes``: each node's ingestion quota (`control_plane.quota`), sustained
+      and burst; past either, a batch gets 429 with ``Retry-After``. The bursts hold a full spool
+      flushed after an outage; the bytes burst is at least ``max_report_body_bytes``.
     """
 
     database_url: str | None = None
@@ -69,9 +73,18 @@ class Settings:
     max_body_bytes: int = ranged(2**20, lo=1024, integer=True)
     max_report_body_bytes: int = ranged(16 * 2**20, lo=1024, integer=True)
     max_policy_body_bytes: int = ranged(64 * 2**20, lo=1024, integer=True)
+    node_reports_per_s: float = ranged(20.0, lo=0, lo_open=True, doc="reports a node may store per second, sustained")
+    node_burst_reports: int = ranged(20_000, lo=1, integer=True, doc="reports a node may store at once")
+    node_report_bytes_per_s: float = ranged(256 * 2**10, lo=0, lo_open=True,
+                                            doc="report-batch body bytes a node may send per second, sustained")
+    node_burst_report_bytes: int = ranged(64 * 2**20, lo=1024, integer=True,
+                                          doc="report-batch body bytes a node may send at once")
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.node_burst_report_bytes < self.max_report_body_bytes:
+            raise ValueError(f"node_burst_report_bytes ({self.node_burst_report_bytes}) must be at least "
+                             f"max_report_body_bytes ({self.max_report_body_bytes}): a full batch would never pass")
 
     def guard_bounds(self) -> tuple[float, float]:
         from node_agent.allocator import GuardConfig

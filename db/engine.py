@@ -1,7 +1,7 @@
 """Engine and session factory; the schema is made by Alembic (``upgrade(engine)``).
 
-- ``make_engine(url)``: SQLite gets WAL, ``synchronous=NORMAL``, foreign keys and a busy timeout
-  on every connection; PostgreSQL URLs are normalised to psycopg 3 (``postgresql+psycopg://``).
+- ``make_engine(url)``: SQLite gets WAL, ``synchronous=NORMAL``, foreign keys, a busy timeout and
+  a `WAL_SIZE_LIMIT` on every connection (`reclaim_wal` after a full disk); PostgreSQL URLs are normalised to psycopg 3 (``postgresql+psycopg://``).
 - ``session_factory(engine)``: ``Session`` objects with ``expire_on_commit=False``; callers (the
   API routes, the jobs) own the transaction: ``with factory.begin() as s: queries.f(s, ...)``.
 - ``upgrade(engine)``: ``alembic upgrade head`` run in-process (the control plane calls it on
@@ -21,6 +21,10 @@ from sqlalchemy.orm import Session, sessionmaker
 DEFAULT_DATABASE_URL = "sqlite:///racer-control-plane.db"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 MIGRATION_LOCK_KEY = 0x52414345  # "RACE": advisory lock taken while migrating on PostgreSQL
+#: bytes a SQLite WAL file keeps after a checkpoint resets it (``journal_size_limit``), and past
+#: which the background checkpointer forces that reset (TRUNCATE) instead of a passive checkpoint:
+#: a WAL otherwise keeps its largest size for good, and on a full disk grows into whatever is freed
+WAL_SIZE_LIMIT = 64 * 2**20
 
 
 def normalize_url(url: str) -> str:
@@ -50,6 +54,7 @@ def make_engine(url: str | None = None, *, pool_size: int = 10, background_check
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             if background_checkpoint:
                 cur.execute("PRAGMA wal_autocheckpoint=0")
             cur.close()
@@ -75,13 +80,37 @@ def _start_checkpointer(engine: Engine, period_s: float = 1.0) -> None:
             if eng is None:
                 return
             try:
-                with eng.connect() as conn:
-                    conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+                if _wal_bytes(eng) > WAL_SIZE_LIMIT:
+                    reclaim_wal(eng)
+                else:
+                    with eng.connect() as conn:
+                        conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
             except Exception:  # noqa: BLE001 - a busy or disposed database: try again later
                 pass
             del eng
 
     threading.Thread(target=run, name="racer-sqlite-checkpoint", daemon=True).start()
+
+
+def _wal_bytes(engine: Engine) -> int:
+    path = engine.url.database
+    try:
+        return os.path.getsize(f"{path}-wal") if path and path != ":memory:" else 0
+    except OSError:
+        return 0
+
+
+def reclaim_wal(engine: Engine) -> bool:
+    """SQLite: copy the WAL into the database and truncate it to zero bytes (``wal_checkpoint
+    (TRUNCATE)``, waiting up to the busy timeout for readers and writers); True when it did.
+    After a full disk the WAL holds every page written since the last reset, and a write that
+    grew it would take the space freed before the checkpoint could use it. Other databases:
+    nothing to do (True)."""
+    if engine.dialect.name != "sqlite":
+        return True
+    with engine.connect() as conn:
+        busy, _, _ = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    return not busy
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -433,6 +433,7 @@ class Reporter:
         self._client = httpx.Client(base_url=config.control_plane_url, timeout=config.timeout_s, transport=transport,
                                     headers={"Authorization": f"Bearer {config.token}"})
         self._backoff_s = 0.0
+        self._retry_after_s = 0.0
         self._next_directives_s = 0.0
         self._applied_override: _AppliedOverride | None = None
         self._pending_confirm: dict | None = None
@@ -590,7 +591,8 @@ class Reporter:
                 wait = self._period()
             else:
                 self._backoff_s = min(self.config.max_backoff_s, max(0.1, self._backoff_s * 2))
-                wait = self._backoff_s
+                wait = max(self._backoff_s, self._retry_after_s)  # a 429's Retry-After: the quota's wait
+            self._retry_after_s = 0.0
             self._wake.wait(wait)
             self._wake.clear()
 
@@ -701,9 +703,24 @@ class Reporter:
                     continue
                 self._reject(batch[0], r)
                 continue
-            self._error(f"reports: HTTP {r.status_code}: {r.text[:500]}")
+            if r.status_code == 413 and len(batch) > 1:  # past the quota's burst: one at a time
+                for one in batch:
+                    if not self._send_one(one):
+                        return False
+                continue
+            self._refused(r)
             return False
         return True
+
+    def _refused(self, r) -> None:
+        """A batch not stored (kept in the spool); a 429 (this node is over its ingestion quota)
+        says how long to wait before sending again (``Retry-After``, at most 5 minutes)."""
+        if r.status_code == 429:
+            try:
+                self._retry_after_s = min(300.0, max(0.0, float(r.headers.get("retry-after", "1"))))
+            except ValueError:
+                self._retry_after_s = 1.0
+        self._error(f"reports: HTTP {r.status_code}: {r.text[:500]}")
 
     def _send_one(self, report: dict) -> bool:
         r = self._client.post(f"{API}/nodes/{self.config.node_id}/reports", json={"reports": [report]})
@@ -715,7 +732,7 @@ class Reporter:
         if r.status_code == 422:
             self._reject(report, r)
             return True
-        self._error(f"reports: HTTP {r.status_code}: {r.text[:500]}")
+        self._refused(r)
         return False
 
     def _reject(self, report: dict, r) -> None:

@@ -52,10 +52,10 @@ class ControlPlane:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self) -> None:
+    def start(self, **env_extra: str) -> None:
         self.starts += 1
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RACER_ADMIN_TOKEN": ADMIN, "PYTHONPATH": CP_PATH,
-               "RACER_REPORT_INTERVAL_S": str(INTERVAL_S), "RACER_OVERRIDE_PERIOD_S": "0.5"}
+               "RACER_REPORT_INTERVAL_S": str(INTERVAL_S), "RACER_OVERRIDE_PERIOD_S": "0.5", **env_extra}
         out = open(self.tmp / f"cp{self.starts}.out", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "control_plane.main", "--db", self.db, "--port",
                                       str(self.port)], cwd=CP_PATH, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -355,6 +355,36 @@ def test_a_node_that_lost_its_state_continues_numbering_above_the_stored_reports
     with cp.api() as api:
         rows = api.get("/reports", params={"node_id": "n-lost", "limit": 100}).json()
     assert sorted(r["seq"] for r in rows) == [0, 1, 2, 3, 4]
+
+
+def test_a_node_over_its_ingestion_quota_waits_as_told_and_loses_nothing(cluster):
+    """A control plane whose quota is half what the node sends (1 report/s against 2, a burst of
+    3: the spool is sent one report at a time) answers 429 with Retry-After: the agent keeps the
+    reports, waits as told, drops none; back on the default quota, every report arrives once."""
+    cp, base = cluster["cp"], cluster["agent"]
+    with Traffic(base):
+        wait_for(lambda: agent_status(base)["control_plane"]["num_buffered"] == 0, 20, "an empty spool")
+        cp.stop()
+        cp.start(RACER_NODE_REPORTS_PER_S="1", RACER_NODE_BURST_REPORTS="3")
+        try:
+            with cp.api() as api:
+                t0, n0 = time.monotonic(), len(stored_seqs(api))
+                time.sleep(8.0)
+                stored = len(stored_seqs(api)) - n0
+                elapsed = time.monotonic() - t0
+            st = agent_status(base)["control_plane"]
+            assert stored <= 3 + 1.0 * elapsed + 2, (stored, elapsed)  # the quota held
+            assert stored >= 0.5 * elapsed, (stored, elapsed)  # and the node kept sending within it
+            assert "429" in (st["last_error"] or "") and st["num_buffered"] > 0 and st["num_dropped"] == 0, st
+        finally:
+            cp.stop()
+            cp.start()
+        wait_for(lambda: agent_status(base)["control_plane"]["num_buffered"] == 0, 40, "the backlog sent")
+    with cp.api() as api:
+        seqs = stored_seqs(api)
+    st = agent_status(base)["control_plane"]
+    assert len(seqs) == len(set(seqs)) and sorted(seqs) == list(range(max(seqs) + 1)), "a report lost or twice"
+    assert st["num_dropped"] == 0 and st["num_rejected"] == 0
 
 
 def _full_tmpfs(path: Path) -> bool:

@@ -66,9 +66,9 @@ async def reports(node_id: NodeId, request: Request):
     """Store a batch of reports (idempotent on (node_id, seq)). The body is parsed by pydantic-core
     straight from the bytes (the hot path: one request per node per interval; `IngestFastPath`
     serves the same function without FastAPI's routing and dependency machinery)."""
-    status, body = await ingest_batch(request.app.state, node_id, await request.body(), request.app.state.clock,
-                                      request.scope.get("state", {}).get(PRINCIPAL_STATE))
-    return Response(body, status_code=status, media_type="application/json")
+    status, body, headers = await ingest_batch(request.app.state, node_id, await request.body(),
+                                               request.app.state.clock, request.scope.get("state", {}).get(PRINCIPAL_STATE))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 @router.get("/nodes", response_model=list[NodeOut], **roles(OPERATOR, VIEWER, ROUTER))

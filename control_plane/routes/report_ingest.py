@@ -6,6 +6,7 @@ machinery) both call it. Storage goes through the group-commit writer (`control_
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 
@@ -96,25 +97,47 @@ def _count(state, node_id: str, body: ReportBatchIn, last, num_rows: int, stored
     m.ingest_request.observe(time.perf_counter() - t0)
 
 
-async def ingest_batch(state, node_id: str, raw: bytes, clock, principal: Principal | None) -> tuple[int, bytes]:
+def _throttled(state, node_id: str, wait_s: float, what: str) -> tuple[int, bytes, dict]:
+    """429 for a batch past ``node_id``'s quota (`control_plane.quota`), with ``Retry-After``."""
+    state.metrics.reports_throttled.labels(what).inc()
+    q = state.quota
+    if math.isinf(wait_s):
+        return 413, _json({"detail": f"the batch is larger than node {node_id}'s ingestion burst "
+                                     f"({q.burst_rows:.0f} reports, {q.burst_bytes:.0f} bytes): send it in parts"}), {}
+    retry = max(1, math.ceil(wait_s))
+    return 429, _json({"detail": f"node {node_id} is over its ingestion quota ({q.rows_per_s:g} reports/s, "
+                                 f"{q.bytes_per_s:.0f} bytes/s sustained; {what}): retry in {retry} s"}), \
+        {"retry-after": str(retry)}
+
+
+async def ingest_batch(state, node_id: str, raw: bytes, clock,
+                       principal: Principal | None) -> tuple[int, bytes, dict[str, str]]:
     """Validate and store one report batch of ``node_id`` sent by ``principal`` (the token
     `control_plane.gate` checked before the body was read; checked again here: role node, bound
-    to ``node_id``); (HTTP status, JSON body)."""
+    to ``node_id``), within the node's quota (`control_plane.quota`: its bytes before the body is
+    parsed, its rows after); (HTTP status, JSON body, extra headers)."""
     t0 = time.perf_counter()
     if principal is None:
-        return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"})
+        return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"}), \
+            {"www-authenticate": "Bearer"}
     why = role_refusal(principal, (NODE,)) or node_route_refusal(principal, node_id)
     if why:
-        return 403, _json({"detail": why})
+        return 403, _json({"detail": why}), {}
+    wait = state.quota.take(node_id, nbytes=len(raw))
+    if wait:
+        return _throttled(state, node_id, wait, "bytes")
     try:
         body = ReportBatchIn.model_validate_json(raw)
     except ValidationError as e:
         errs = [{**x, "loc": ["body", *x["loc"]]} for x in e.errors(include_url=False, include_context=False)]
-        return 422, _json({"detail": jsonable_encoder(json_safe(errs))})
+        return 422, _json({"detail": jsonable_encoder(json_safe(errs))}), {}
+    wait = state.quota.take(node_id, rows=len(body.reports))
+    if wait:
+        return _throttled(state, node_id, wait, "reports")
     if node_id not in state.known_nodes:
         refused = await _known_node(state, node_id)
         if refused is not None:
-            return refused
+            return (*refused, {})
     now = clock()
     rows, decisions, bursts = _rows(node_id, body, now)
     last = max(body.reports, key=lambda x: x.seq)
@@ -122,11 +145,11 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock, principal: Princi
         stored, dup = await state.writer.submit(node_id, rows, decisions, bursts,
                                                 (now, last.seq, last.emb_share, last.policy_version))
     except (IntegrityError, DataError) as e:  # the batch itself is wrong: the node drops it and counts it
-        return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"})
+        return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"}), {}
     except Exception as e:  # noqa: BLE001 - database unreachable or failing: the node keeps the batch and retries
-        return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"})
+        return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"}), {}
     _count(state, node_id, body, last, len(rows), stored, dup, t0)
-    return 200, b'{"stored":%d,"duplicates":%d}' % (stored, dup)
+    return 200, b'{"stored":%d,"duplicates":%d}' % (stored, dup), {}
 
 
 class IngestFastPath:
@@ -150,11 +173,10 @@ class IngestFastPath:
                     chunks.append(msg.get("body", b""))
                     if not msg.get("more_body"):
                         break
-                status, body = await ingest_batch(self.state, m.group(1), b"".join(chunks), self.state.clock,
-                                                  scope.get("state", {}).get(PRINCIPAL_STATE))
+                status, body, extra = await ingest_batch(self.state, m.group(1), b"".join(chunks), self.state.clock,
+                                                         scope.get("state", {}).get(PRINCIPAL_STATE))
                 headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-                if status == 401:
-                    headers.append((b"www-authenticate", b"Bearer"))
+                headers += [(k.encode(), v.encode()) for k, v in extra.items()]
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
