@@ -66,13 +66,13 @@ class Proc:
     """A child process (``racer ...``) with its output in a log file, at CPU priority ``nice`` (0:
     the caller's); `kill` and `stop` by pid."""
 
-    def __init__(self, args: list[str], log_path: Path, port: int, nice: int = 0) -> None:
-        self.args, self.log_path, self.port, self.nice = args, log_path, port, nice
+    def __init__(self, args: list[str], log_path: Path, port: int, nice: int = 0, env: dict | None = None) -> None:
+        self.args, self.log_path, self.port, self.nice, self.env = args, log_path, port, nice, env or {}
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Proc":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **self.env}
         log = open(self.log_path, "a")
         nice = ["nice", "-n", str(self.nice)] if self.nice else []  # a lower CPU priority (Linux / POSIX nice)
         self.proc = subprocess.Popen([*nice, sys.executable, "-m", "racer", *self.args, "--port", str(self.port)],
@@ -120,14 +120,16 @@ def stop_all(procs: list[Proc], timeout_s: float = 10.0) -> None:
 
 
 def start_agents(n: int, workdir: Path, trace: str = "taobao", path: str | None = None,
-                 extra: list[str] | None = None, ports: list[int] | None = None) -> list[Proc]:
-    """``n`` node agents (small model), started in parallel and healthy on return."""
+                 extra: list[str] | None = None, ports: list[int] | None = None,
+                 env: dict | None = None) -> list[Proc]:
+    """``n`` node agents (small model), started in parallel and healthy on return (``env``: added
+    to their environment)."""
     agents = []
     for i in range(n):
         port = ports[i] if ports else free_port()
         args = ["node-agent", "--trace", trace, *(["--path", path] if path else []), *SMALL_AGENT,
                 "--seed", "1", *(extra or [])]
-        agents.append(Proc(args, workdir / f"agent{i}.log", port).start())
+        agents.append(Proc(args, workdir / f"agent{i}.log", port, env=env).start())
     try:
         for a in agents:
             a.wait_ready()
@@ -150,10 +152,11 @@ def measure_profile(workdir: Path) -> Path:
 
 
 def start_gateway(node_urls: list[str], workdir: Path, router: str = "racer", trace: str | None = "taobao",
-                  path: str | None = None, extra: list[str] | None = None, port: int | None = None) -> Proc:
+                  path: str | None = None, extra: list[str] | None = None, port: int | None = None,
+                  env: dict | None = None) -> Proc:
     args = ["gateway", "--nodes", ",".join(node_urls), "--router", router,
             *(["--trace", trace] if trace else []), *(["--path", path] if path else []), *(extra or [])]
-    g = Proc(args, workdir / f"gateway-{router}.log", port or free_port()).start()
+    g = Proc(args, workdir / f"gateway-{router}.log", port or free_port(), env=env).start()
     try:
         g.wait_ready()
     except Exception:

@@ -32,7 +32,7 @@ from .auth import TokenCache, ensure_admin_token
 from .cp_metrics import ControlPlaneMetrics
 from .gate import RequestGate
 from .ingest import IngestWriter
-from .jobs import Scheduling
+from .jobs import Scheduling, secret_key_of
 from .quota import NodeQuota
 from .rollout_service import Conflict, NotFound
 from .routes import (audit, directives, gateways, health, history, models, nodes, overrides, policies, rollouts,
@@ -66,6 +66,9 @@ async def lifespan(app: FastAPI):
     app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows)
     app.state.quota = NodeQuota(settings.node_reports_per_s, settings.node_burst_reports,
                                 settings.node_report_bytes_per_s, settings.node_burst_report_bytes)
+    if secret_key_of(settings, factory) is None:  # made now beside a SQLite file; else said once
+        print("racer control plane: no secret key (RACER_SECRET_KEY or --secret-key-file): weight pushes are "
+              "off, gateways pull the weights", flush=True)
     secret = ensure_admin_token(factory, admin_token=settings.admin_token, now_s=clock())
     if secret is not None:
         print(f"racer control plane: admin operator token (shown once): {secret}", flush=True)

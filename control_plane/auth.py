@@ -62,6 +62,52 @@ def new_secret() -> str:
     return "racer_" + secrets.token_urlsafe(32)
 
 
+# ---- the secret key: outside the database, the root of every router's push token
+MIN_SECRET_KEY_CHARS = 32
+
+
+def load_secret_key(secret_key: str | None, secret_key_file: str | None, database_url: str) -> bytes | None:
+    """The control plane's secret key: ``secret_key`` (``RACER_SECRET_KEY``), else the file
+    ``secret_key_file``, else ``<database file>.key`` beside a SQLite database (each made with a
+    new random key, mode 0600, when missing); None for another database without either (weight
+    pushes are then off: gateways pull). Replicas sharing a database must share the key."""
+    import os
+
+    if secret_key:
+        if len(secret_key) < MIN_SECRET_KEY_CHARS:
+            raise ValueError(f"RACER_SECRET_KEY: at least {MIN_SECRET_KEY_CHARS} characters (a random string)")
+        return secret_key.encode()
+    path = secret_key_file
+    if path is None and database_url.startswith("sqlite") and ":memory:" not in database_url:
+        db_path = database_url.split("///", 1)[-1].split("?", 1)[0]
+        path = db_path + ".key" if db_path else None
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        with open(path, "rb") as f:
+            key = f.read(4097).strip()
+        if len(key) < MIN_SECRET_KEY_CHARS:
+            raise ValueError(f"secret key file {path}: shorter than {MIN_SECRET_KEY_CHARS} characters") from None
+        return key
+    key = secrets.token_hex(32).encode()
+    with os.fdopen(fd, "wb") as f:
+        f.write(key + b"\n")
+    log.warning("secret key made in %s (mode 0600): it derives the routers' push tokens", path)
+    return key
+
+
+def push_token_for(key: bytes, url: str, token_id: int | None) -> str:
+    """The bearer the control plane's weight pushes to the router at ``url``, registered by the
+    router token ``token_id``, carry: an HMAC of both under the secret key (so the database holds
+    no push secret, and another registrant's URL gets another token)."""
+    import hashlib
+    import hmac
+
+    return "racer_push_" + hmac.new(key, f"router-push\n{url}\n{token_id}".encode(), hashlib.sha256).hexdigest()
+
+
 class TokenCache:
     def __init__(self, factory, ttl_s: float = 5.0, clock=time.monotonic):
         self.factory, self.ttl_s, self.clock = factory, ttl_s, clock

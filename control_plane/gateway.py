@@ -1,6 +1,6 @@
 """The gateway: the EMB-KV-aware router on the request path, in front of real node agents.
 
-    racer gateway --nodes http://h:p,http://h:p,... | --control-plane URL [--token T]
+    racer gateway --nodes http://h:p,http://h:p,... | --control-plane URL [--token-file F]
                   [--router racer] [--trace taobao [--path P]] [--port 8000]
 
     POST /v1/recommend       the node agent's body -> route -> forward -> the node's answer plus
@@ -63,6 +63,7 @@ from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from common.config import add_config_arguments, config_kwargs, ranged, validate
+from common.secrets_args import FLEET_TOKEN_ENV, add_secret_arguments, bearer_ok, read_secret, require_fleet_token
 from common.http_server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnly, finite_validation_errors,
                                json_content_type, may_have_body, read_body, send_json, unsupported_media_type)
 
@@ -196,6 +197,7 @@ def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
 
 _EMPTY = np.empty(0, dtype=np.int64)
 MAX_PENDING_CLIENT_REPORTS = 600  # reports kept while the control plane does not take them (oldest dropped)
+REREGISTER_S = 60.0  # a registered gateway registers again this often (its push token comes with the answer)
 CLIENT_REPORT_BATCH = 60
 _GATEWAY_ID_BAD = re.compile(r"[^A-Za-z0-9_.:\-]")
 
@@ -235,7 +237,8 @@ class Gateway:
     def __init__(self, nodes: Sequence[tuple[str, str]], config: GatewayConfig | None = None, *,
                  item_shard: np.ndarray | None = None, control_plane: str | None = None,
                  token: str | None = None, advertise_url: str | None = None, push_token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, gateway_id: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, gateway_id: str | None = None,
+                 fleet_token: str | None = None) -> None:
         self.config = config or GatewayConfig()
         self.health_policy = HealthPolicy(self.config.health_failures, self.config.health_successes)
         self.item_shard = None if item_shard is None else np.asarray(item_shard, dtype=np.int64)
@@ -245,9 +248,17 @@ class Gateway:
         self.control_plane = control_plane.rstrip("/") if control_plane else None
         self.token = token
         self.advertise_url = advertise_url.rstrip("/") if advertise_url else None
-        # the secret the control plane must send on pushes (given, or drawn when registering)
-        self.push_token = push_token or (secrets.token_urlsafe(24) if advertise_url else None)
+        if push_token and control_plane:
+            raise ValueError("a push token is given to a gateway without a control plane: one with a control plane "
+                             "is given its push token when it registers (POST /api/v1/routers)")
+        # the secret weight pushes must carry: given (no control plane), or the control plane's answer
+        # to the registration (derived from its secret key: the database holds none)
+        self.push_token = push_token
         self.registered = False
+        self.registered_at_s = -math.inf
+        #: shown to the agents' /v1/residency, and wanted on GET /v1/router (common.secrets_args)
+        self.fleet_token = fleet_token
+        self._fleet_headers = {"Authorization": f"Bearer {fleet_token}"} if fleet_token else {}
         self.clock = clock
         self.metrics = _Metrics()
         # what clients see (reported to the control plane); the id defaults to the advertised
@@ -527,7 +538,7 @@ class Gateway:
             params["epoch"] = link.epoch
         sent_s = self.clock()
         try:
-            r = await self.client.get(link.address + "/v1/residency", params=params,
+            r = await self.client.get(link.address + "/v1/residency", params=params, headers=self._fleet_headers,
                                       timeout=self.config.health_timeout_s * 4)
             r.raise_for_status()
             feed = r.json()
@@ -762,15 +773,20 @@ class Gateway:
                 await self._pull_residency_all()
 
     async def _register(self) -> None:
-        """Register this gateway for weight pushes (``POST /api/v1/routers {url}``) once."""
-        if self.registered or not self.advertise_url:
+        """Register this gateway for weight pushes (``POST /api/v1/routers {url}``), and again every
+        `REREGISTER_S`: the answer carries the push token (it changes if the control plane's key
+        does)."""
+        if not self.advertise_url or (self.registered and self.clock() - self.registered_at_s < REREGISTER_S):
             return
         try:
-            r = await self.client.post(self.control_plane + "/api/v1/routers",
-                                       json={"url": self.advertise_url, "push_token": self.push_token},
+            r = await self.client.post(self.control_plane + "/api/v1/routers", json={"url": self.advertise_url},
                                        headers=self._headers(), timeout=5.0)
-            if r.status_code < 300:
-                self.registered = True
+            try:
+                token = r.json().get("push_token") if r.status_code < 300 else None
+            except (ValueError, AttributeError):
+                token = None
+            if isinstance(token, str) and token:
+                self.push_token, self.registered, self.registered_at_s = token, True, self.clock()
             else:
                 log.warning(json.dumps({"event": "register_failed", "status": r.status_code, "error": r.text[:200]}))
         except httpx.HTTPError as e:
@@ -915,8 +931,12 @@ def create_app(gateway: Gateway) -> GatewayApp:
             explain=_explain_level(request.headers.get(EXPLAIN_HEADER)))
         return Response(content, status_code=status, headers=headers, media_type="application/json")
 
-    @app.get("/v1/router")
-    async def router_state(user: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None):
+    @app.get("/v1/router", responses=_errors({401: "the gateway has a fleet token and the request does not carry "
+                                                   "it (the view names node addresses and where a user's cache is)"}))
+    async def router_state(request: Request, user: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None):
+        if not bearer_ok(request.headers.get("authorization"), gateway.fleet_token):
+            return JSONResponse(status_code=401, headers={"www-authenticate": "Bearer"}, content={
+                "error": "this view needs the fleet token (Authorization: Bearer <RACER_FLEET_TOKEN>)"})
         return gateway.describe(user)
 
     @app.post("/v1/router/weights", responses={
@@ -928,8 +948,9 @@ def create_app(gateway: Gateway) -> GatewayApp:
     async def push_weights(request: Request):
         if not gateway.push_token:
             return JSONResponse(status_code=403, content={
-                "error": "weight pushes are disabled: the gateway was started without --push-token or --advertise-url"})
-        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {gateway.push_token}"):
+                "error": "weight pushes are disabled: the gateway has no push token (--push-token-file without a "
+                         "control plane; with one, --advertise-url and a registration the control plane answered)"})
+        if not bearer_ok(request.headers.get("authorization"), gateway.push_token):
             return JSONResponse(status_code=401, content={"error": "missing or wrong bearer token"})
         try:
             payload = json.loads(await request.body())
@@ -989,12 +1010,23 @@ def cmd_gateway(args) -> int:
         item_shard = load_trace(args.trace, args.path, num_shards=args.num_shards).item_shard
     if args.advertise_url and not args.control_plane:
         raise ValueError("--advertise-url applies with --control-plane only")
+    fleet_token = read_secret(args, "fleet-token", FLEET_TOKEN_ENV, prog="racer gateway")
+    require_fleet_token(fleet_token, args.host, "the gateway")
+    token = read_secret(args, "token", "RACER_GATEWAY_TOKEN", prog="racer gateway")
+    push_token = read_secret(args, "push-token", "RACER_GATEWAY_PUSH_TOKEN", prog="racer gateway")
+    if push_token and args.control_plane:
+        raise ValueError("--push-token-file / $RACER_GATEWAY_PUSH_TOKEN apply without --control-plane only: the "
+                         "control plane gives a registered gateway its push token")
     gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane,
-                 token=args.token or os.environ.get("RACER_GATEWAY_TOKEN") or None,
-                 advertise_url=args.advertise_url, push_token=args.push_token, gateway_id=args.gateway_id)
+                 token=token,
+                 advertise_url=args.advertise_url, push_token=push_token, gateway_id=args.gateway_id,
+                 fleet_token=fleet_token)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     def ready(host: str, port: int) -> None:
+        if not fleet_token:
+            print(f"racer gateway: no fleet token (${FLEET_TOKEN_ENV}): GET /v1/router is open to local callers",
+                  flush=True)
         if gw.gateway_id is None:
             gw.gateway_id = gateway_id_from(f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}")
         print(f"racer gateway: serving on http://{host}:{port} (router {cfg.router}, "
@@ -1020,13 +1052,16 @@ def add_gateway_parser(subparsers) -> None:
                                           "node agents, with residency feeds, health checks and retries.")
     g.add_argument("--nodes", default=None, help="node agent URLs, comma-separated (http://host:port,...)")
     g.add_argument("--control-plane", default=None, help="control plane URL: node list and weights from it")
-    g.add_argument("--token", default=None,
-                   help="bearer token sent to the control plane (an operator token: it lists nodes, reads weights "
-                        "and registers the gateway; default: $RACER_GATEWAY_TOKEN, which keeps it out of ps)")
-    g.add_argument("--push-token", default=None,
-                   help="secret weight pushes to this gateway must carry (Authorization: Bearer ...); given to the "
-                        "control plane when registering (default: drawn at random with --advertise-url, else pushes "
-                        "are refused)")
+    add_secret_arguments(g, "token", "RACER_GATEWAY_TOKEN",
+                         "bearer token sent to the control plane (a router token: it lists nodes, reads weights and "
+                         "registers the gateway)")
+    add_secret_arguments(g, "push-token", "RACER_GATEWAY_PUSH_TOKEN",
+                         "secret weight pushes to this gateway must carry, without --control-plane (with one, the "
+                         "control plane gives it when the gateway registers; without either, pushes are refused)",
+                         file_only=True)
+    add_secret_arguments(g, "fleet-token", FLEET_TOKEN_ENV,
+                         "token shown to the agents' /v1/residency and wanted on GET /v1/router (the same on every "
+                         "agent; needed to listen beyond loopback)", file_only=True)
     g.add_argument("--advertise-url", default=None,
                    help="this gateway's URL as the control plane reaches it: registered with POST /api/v1/routers "
                         "for weight pushes (default: none, weights are pulled only)")

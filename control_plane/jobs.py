@@ -32,6 +32,7 @@ from sqlalchemy import text
 from db import queries
 from db.models import Router, SchedulerLease
 
+from .auth import load_secret_key, push_token_for
 from . import rollout_service
 from .weights import CostProfile, derive_weights
 
@@ -109,14 +110,25 @@ def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
     return payload, inputs, "; ".join(changes)
 
 
+def secret_key_of(settings, factory) -> bytes | None:
+    """The control plane's secret key (`control_plane.auth.load_secret_key`) for the database
+    ``factory`` opens."""
+    url = factory.kw["bind"].url.render_as_string(hide_password=False)
+    return load_secret_key(settings.secret_key, settings.secret_key_file, url)
+
+
 def push_weights(factory, settings, metrics) -> dict:
     """POST the latest weights to every router that does not have them yet."""
     with factory() as s:
         w = queries.latest_weights(s)
-        routers = [(r.url, r.push_token) for r in queries.list_routers(s)
+        routers = [(r.url, r.token_id) for r in queries.list_routers(s)
                    if w is not None and r.pushed_version != w.version]
     if w is None:
         return {"pushed": 0, "failed": 0}
+    key = secret_key_of(settings, factory)
+    if key is None:  # no key: no push token to send; gateways pull the weights
+        return {"pushed": 0, "failed": 0, "version": w.version, "off": "no secret key"}
+    routers = [(url, push_token_for(key, url, token_id)) for url, token_id in routers]
     body = {"version": w.version, "computed_at_s": w.computed_at_s, "nodes": w.nodes}
 
     def push(url: str, push_token: str | None) -> str | None:

@@ -28,11 +28,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help=f"listen address (default $RACER_HOST or {host})")
     p.add_argument("--port", type=int, default=None, help=f"port (default $RACER_PORT or {port})")
     p.add_argument("--no-scheduler", action="store_true", help="serve the API only, never run the jobs")
+    p.add_argument("--secret-key-file", default=None, metavar="PATH",
+                   help="the key routers' push tokens are derived from (made, mode 0600, when missing; default "
+                        "$RACER_SECRET_KEY, else <database file>.key beside a SQLite database, else pushes are off)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def settings_from_args(args) -> Settings:
-    kw = dict(database_url=args.db, host=args.host, port=args.port)
+    kw = dict(database_url=args.db, host=args.host, port=args.port, secret_key_file=args.secret_key_file)
     if args.no_scheduler:
         kw["scheduler"] = False
     return Settings.from_env(**kw)

@@ -352,16 +352,20 @@ class BurstOut(Out):
 # ---- routers
 class RouterIn(In):
     url: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://")]
-    push_token: Annotated[str, Field(min_length=1, max_length=512)] | None = None  # sent as the push's bearer
 
 
 class RouterOut(Out):
     url: str
-    has_push_token: bool = False
     registered_at_s: float
     pushed_version: int | None
     last_push_s: float | None
     last_error: str | None
+
+
+class RouterRegisteredOut(RouterOut):
+    """The registration's answer, to the registrant only: the bearer the control plane's pushes
+    to ``url`` carry (derived from its secret key; never stored, never listed)."""
+    push_token: str
 
 
 class RouterWeightsOut(Out):

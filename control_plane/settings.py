@@ -36,6 +36,8 @@ class Settings:
     - ``ingest_max_rows``: most report rows one group commit writes;
     - ``push_timeout_s``: timeout of one weight push to a router;
     - ``admin_token``: the first operator token (``RACER_ADMIN_TOKEN``; else generated and printed once);
+    - ``secret_key`` / ``secret_key_file``: the key the routers' push tokens are derived from
+      (`control_plane.auth.load_secret_key`; default ``<database file>.key`` beside SQLite);
     - ``max_body_bytes``: most bytes of a request body (registration, tokens, overrides, rollouts,
       confirmations, any other route); ``max_report_body_bytes``: of a report batch;
       ``max_policy_body_bytes``: of a policy upload. A larger body gets 413, counted on the bytes
@@ -70,6 +72,8 @@ class Settings:
     ingest_max_rows: int = 5000
     push_timeout_s: float = _period(2.0)
     admin_token: str | None = None
+    secret_key: str | None = None
+    secret_key_file: str | None = None
     max_body_bytes: int = ranged(2**20, lo=1024, integer=True)
     max_report_body_bytes: int = ranged(16 * 2**20, lo=1024, integer=True)
     max_policy_body_bytes: int = ranged(64 * 2**20, lo=1024, integer=True)

@@ -242,13 +242,12 @@ class RouterWeightsVersion(Base):
 
 
 class Router(Base):
-    """A registered gateway; the weights job pushes each new version to ``url``, with
-    ``Authorization: Bearer <push_token>`` when the gateway gave one (a secret of its own choosing,
-    kept in clear because the control plane must send it; it grants nothing here)."""
+    """A registered gateway; the weights job pushes each new version to ``url`` with
+    ``Authorization: Bearer <push token>``, the token derived from the control plane's secret key,
+    the URL and ``token_id`` (`control_plane.auth.push_token_for`): no secret is stored here."""
 
     __tablename__ = "routers"
     url: Mapped[str] = mapped_column(String(512), primary_key=True)
-    push_token: Mapped[str | None] = mapped_column(String(512))
     registered_at_s: Mapped[float]
     pushed_version: Mapped[int | None] = mapped_column(Integer)
     last_push_s: Mapped[float | None]

@@ -802,17 +802,15 @@ def add_weights(session: Session, *, computed_at_s: float, nodes: dict, inputs: 
     return w
 
 
-def upsert_router(session: Session, url: str, now_s: float, push_token: str | None = None,
-                  token_id: int | None = None) -> tuple[Router, bool]:
-    """Register a router (again) for the token ``token_id``; a changed push token means the next
-    push goes out again."""
+def upsert_router(session: Session, url: str, now_s: float, token_id: int | None = None) -> tuple[Router, bool]:
+    """Register a router (again) for the token ``token_id``; another token (so another push token)
+    means the next push goes out again."""
     r = session.get(Router, url)
     if r is not None:
-        if push_token != r.push_token:
-            r.push_token, r.pushed_version = push_token, None
-        r.token_id = token_id
+        if token_id != r.token_id:
+            r.token_id, r.pushed_version = token_id, None
         return r, False
-    r = Router(url=url, registered_at_s=now_s, push_token=push_token, token_id=token_id)
+    r = Router(url=url, registered_at_s=now_s, token_id=token_id)
     session.add(r)
     session.flush()
     return r, True

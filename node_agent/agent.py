@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from common.config import ranged, validate
 from common.http_server import AllowedMethods, BodyLimit, JsonOnly, json_safe  # shared with the gateway and control plane
+from common.secrets_args import bearer_ok
 
 from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
 from .engine import Engine, RecRequest, RecResponse, RequestError
@@ -224,6 +225,8 @@ class NodeAgent:
         # called by the device worker with each control step's output (cheap, no I/O: see reporter.py)
         self.control_hooks: list[Callable[[dict], None]] = []
         self.reporter = None  # node_agent.reporter.Reporter when a control plane is configured
+        #: the gateway's bearer for /v1/residency and /v1/admin/reset (common.secrets_args); None: open
+        self.fleet_token: str | None = None
         # the online quality of the served model (worker thread only; the reporter takes a window's value)
         self.quality = NextItemQuality()
         # ``--allow-reset``: builds (engine, allocator) for a given split and allocator on/off (`reset`)
@@ -672,9 +675,19 @@ def create_app(agent: NodeAgent) -> FastAPI:
             return JSONResponse(status_code=500, content={"error": str(e)})
         return resp.to_dict()
 
+    def refused(request: Request) -> JSONResponse | None:
+        """401 unless the request carries the fleet token (when the agent has one)."""
+        if bearer_ok(request.headers.get("authorization"), agent.fleet_token):
+            return None
+        return JSONResponse(status_code=401, headers={"www-authenticate": "Bearer"}, content={
+            "error": "this view needs the fleet token (Authorization: Bearer <RACER_FLEET_TOKEN>)"})
+
     if agent.reset_factory is not None:  # --allow-reset only: benches on a local fleet
-        @app.post("/v1/admin/reset", responses={409: {"description": "the allocator asked for has no policy"}})
-        async def reset(body: ResetBody):
+        @app.post("/v1/admin/reset", responses={401: {"description": "no fleet token"},
+                                                409: {"description": "the allocator asked for has no policy"}})
+        async def reset(body: ResetBody, request: Request):
+            if (no := refused(request)) is not None:
+                return no
             try:
                 return await asyncio.wrap_future(agent.call_on_worker(
                     lambda: agent.reset(body.emb_share, body.allocator)))
@@ -690,8 +703,10 @@ def create_app(agent: NodeAgent) -> FastAPI:
     async def metrics():
         return agent.metrics_snapshot()
 
-    @app.get("/v1/residency")
-    async def residency(cursor: Annotated[int, Field(ge=0)] = 0, epoch: str | None = None):
+    @app.get("/v1/residency", responses={401: {"description": "no fleet token"}})
+    async def residency(request: Request, cursor: Annotated[int, Field(ge=0)] = 0, epoch: str | None = None):
+        if (no := refused(request)) is not None:
+            return no
         return {**agent.residency.since(cursor, epoch), "queue_depth": agent._queue.qsize(), "at_s": agent.clock()}
 
     @app.get("/metrics", response_class=PlainTextResponse,

@@ -20,6 +20,7 @@ import logging
 import sys
 
 from common.config import add_config_arguments, config_kwargs, default_of
+from common.secrets_args import FLEET_TOKEN_ENV, add_secret_arguments
 
 from .argtypes import port, positive_int
 
@@ -248,11 +249,11 @@ def _read_costs(path: str) -> dict:
 
 
 def _node_token(args) -> str:
-    import os
+    from common.secrets_args import read_secret
 
-    token = args.token or os.environ.get("RACER_NODE_TOKEN")
+    token = read_secret(args, "token", "RACER_NODE_TOKEN", prog="racer node-agent")
     if not token:
-        raise ValueError("--control-plane needs --token (or RACER_NODE_TOKEN): a token of role node")
+        raise ValueError("--control-plane needs --token-file (or RACER_NODE_TOKEN): a token of role node")
     return token
 
 
@@ -277,19 +278,25 @@ def reporter_config(args, host: str, port: int):
 def cmd_node_agent(args) -> int:
     from .agent import create_app
     from common.http_server import serve_forever
+    from common.secrets_args import read_secret, require_fleet_token
 
     def announce(msg: str) -> None:
         print(f"racer node-agent: {msg}", flush=True)
 
+    fleet_token = read_secret(args, "fleet-token", FLEET_TOKEN_ENV, prog="racer node-agent")
+    require_fleet_token(fleet_token, args.host, "the node agent")
     if args.control_plane:
         reporter_config(args, args.host, args.port or 1)  # refuse a bad option (token, ids, URLs) before loading
     agent = build_agent(args, announce=announce)
+    agent.fleet_token = fleet_token
     eng = agent.engine
 
     def ready(host: str, port: int) -> None:
         announce(f"serving on http://{host}:{port} (device {eng.device_info()['label']}, "
                  f"{eng.config.num_items} items, emb_share {eng.mm.emb_share:.3f}, "
                  f"allocator: {'on' if agent.allocator is not None else 'off'})")
+        if not fleet_token:
+            announce(f"no fleet token (${FLEET_TOKEN_ENV}): /v1/residency is open to local callers")
         mi = eng.model_info
         announce(f"model: checkpoint {mi['path']} (digest {mi['digest']})" if mi["kind"] == "checkpoint"
                  else f"model: random weights from seed {mi['seed']} (no --model)")
@@ -368,8 +375,10 @@ def add_node_parser(subparsers) -> None:
     g.add_argument("--control-plane", default=None, metavar="URL",
                    help="control plane base URL (http://host:port): register, report every control interval, "
                         "apply directives")
-    g.add_argument("--token", default=None,
-                   help="bearer token of role node (default: $RACER_NODE_TOKEN)")
+    add_secret_arguments(g, "token", "RACER_NODE_TOKEN", "bearer token of role node")
+    add_secret_arguments(g, "fleet-token", FLEET_TOKEN_ENV, "token the gateway shows to read this agent's residency "
+                         "feed (the same on the gateway and every agent; needed to listen beyond loopback)",
+                         file_only=True)
     g.add_argument("--node-id", default=None, help="this node's id (default: <hostname>-<port>)")
     g.add_argument("--advertise-url", default=None,
                    help="the agent's URL for gateways (default: http://<host>:<port>)")

@@ -1,4 +1,4 @@
-"""The node agent's side of the control plane (``racer node-agent --control-plane URL --token T``).
+"""The node agent's side of the control plane (``racer node-agent --control-plane URL --token-file F``).
 
 One `Reporter` per agent, on its own thread (the device worker never touches the network):
 

@@ -17,6 +17,7 @@ import argparse
 import json
 
 from node_agent.argtypes import positive_float
+from common.secrets_args import add_secret_arguments, read_secret
 
 
 def cmd_policy_export(args) -> int:
@@ -96,7 +97,6 @@ def cmd_policy_push(args) -> int:
     """Register an artifact with the control plane (``POST /api/v1/policies``, where the node
     agent's loader checks it), and activate it with ``--activate``. Exit status 1 when the control
     plane refuses it (its reason on stderr), 2 for a bad directory or option."""
-    import os
     from pathlib import Path
 
     from node_agent.registry_client import push, tar_files
@@ -107,9 +107,9 @@ def cmd_policy_push(args) -> int:
     missing = [f for f in PUSH_FILES if not (src / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{src}: lacks {', '.join(missing)} (an artifact has {', '.join(PUSH_FILES)})")
-    token = args.token or os.environ.get("RACER_TOKEN")
+    token = read_secret(args, "token", "RACER_TOKEN", prog="racer policy push")
     if not token:
-        raise ValueError("a token is needed: --token T or RACER_TOKEN (an operator token)")
+        raise ValueError("a token is needed: --token-file F or RACER_TOKEN (an operator token)")
     rc, out = push("policies", tar_files(src, PUSH_FILES), control_plane=args.control_plane, token=token,
                    activate=args.activate, reason=args.reason, timeout_s=args.timeout_s, prog="racer policy push")
     if rc:
@@ -172,7 +172,7 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
                                     "tab does the same.")
     pu.add_argument("artifact", help="artifact directory (manifest.json, policy.onnx, golden.npz)")
     pu.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://127.0.0.1:8400")
-    pu.add_argument("--token", default=None, help="operator token (default: $RACER_TOKEN)")
+    add_secret_arguments(pu, "token", "RACER_TOKEN", "operator token")
     pu.add_argument("--activate", action="store_true", help="activate it once registered")
     pu.add_argument("--reason", default="pushed with racer policy push", help="the audit log's reason")
     pu.add_argument("--timeout-s", type=positive_float, default=60.0, help="per request (default 60)")

@@ -43,7 +43,10 @@ environment, ``RACER_NODE_TOKEN``), ``router_token.<db hash>`` (mode 0600: the g
 ``router``, made through ``POST /api/v1/tokens`` once the control plane answers and checked with
 ``/api/v1/whoami`` on later runs; the gateway reports as ``racer-up-<hash of the data folder>``, one
 id per folder from run to run), ``agents/node-K/`` (each agent's
-report spool and downloaded policies), ``policies/candidate-<policy_id>/`` (the candidate derived
+report spool and downloaded policies), ``fleet_token`` (mode 0600: shared by the gateway and the
+agents as ``RACER_FLEET_TOKEN``; it guards the agents' residency feeds and the gateway's
+``GET /v1/router``), ``secret_key`` (mode 0600: the control plane's ``--secret-key-file``, the root of
+the routers' push tokens), ``policies/candidate-<policy_id>/`` (the candidate derived
 from the shipped policy, reused), ``processes.json`` (each process's pid, URL, restarts and log),
 ``up.lock``.
 """
@@ -468,6 +471,7 @@ class Plan:
     control_plane_url: str | None
     missing: list[str]  # pieces this build lacks
     node_urls: list[str]
+    fleet_token: str | None = None  # the gateway's and the agents' (common.secrets_args)
 
 
 def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], operator_token: str,
@@ -493,12 +497,16 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
     specs: list[ProcessSpec] = []
     missing = []
     env_tokens = {"RACER_ADMIN_TOKEN": operator_token}
+    # the gateway shows it to the agents' residency feeds, and racer up to the gateway's GET /v1/router
+    fleet = read_or_create_secret(data_dir / "fleet_token", "racer_fleet_")
     cp_url = None
     if "control-plane" in commands:
         port = ports.get("control-plane") or args.control_plane_port or draw()
         cp_url = f"http://{host}:{port}"
-        # the database URL (it may hold a password) and the token go in the environment, not argv
-        specs.append(ProcessSpec("control-plane", _racer("control-plane", "--port", str(port), "--host", host),
+        # the database URL (it may hold a password) and the tokens go in the environment, not argv;
+        # the secret key (the routers' push tokens come from it) in the data folder, whatever the database
+        specs.append(ProcessSpec("control-plane", _racer("control-plane", "--port", str(port), "--host", host,
+                                                         "--secret-key-file", str(data_dir / "secret_key")),
                                  {**env_tokens, "RACER_DATABASE_URL": db_url}, [f"{cp_url}/healthz"], url=cp_url))
     else:
         missing.append("control-plane")
@@ -520,6 +528,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
         if profile is not None:
             argv += ["--profile", str(profile)]
         env = node_envs.setdefault(f"node-{k}", {})  # its own RACER_NODE_TOKEN goes there once known
+        env["RACER_FLEET_TOKEN"] = fleet
         if cp_url:
             # the token goes in the environment: never in argv or a log; the node id is the one
             # its token is bound to
@@ -529,7 +538,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
 
     targets = list(node_urls)
     if "gateway" in commands:
-        gw_env: dict[str, str] = {}
+        gw_env: dict[str, str] = {"RACER_FLEET_TOKEN": fleet}
         port = ports.get("gateway") or args.gateway_port or draw()
         gw_url = f"http://{host}:{port}"
         argv = _racer("gateway", "--port", str(port), "--host", host)
@@ -538,7 +547,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
             # own router token there before it starts (`ensure_router_token`); it registers (its
             # advertised URL) for the control plane's weight pushes
             argv += ["--control-plane", cp_url, "--advertise-url", gw_url]
-            gw_env = {"RACER_GATEWAY_TOKEN": operator_token}
+            gw_env["RACER_GATEWAY_TOKEN"] = operator_token
         else:
             argv += ["--nodes", ",".join(node_urls)]
         argv += ["--trace", args.trace] + (["--path", args.path] if args.path else [])
@@ -547,7 +556,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
         # stalled one, and two folders sharing one --db do not report as one gateway
         argv += ["--slo-ms", f"{args.slo_ms:g}", "--gateway-id", gateway_id_for(data_dir)]
         specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
-                                 ready_check=lambda: gateway_routes_to(gw_url, node_urls)))
+                                 ready_check=lambda: gateway_routes_to(gw_url, node_urls, fleet)))
         targets = [gw_url]
     else:
         missing.append("gateway")
@@ -561,7 +570,7 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
         specs.append(ProcessSpec("dashboard", argv, {}, [f"{dash_url}/"], url=dash_url))
     else:
         missing.append("dashboard")
-    return Plan(specs, targets, dash_url, cp_url, missing, node_urls)
+    return Plan(specs, targets, dash_url, cp_url, missing, node_urls, fleet)
 
 
 def gateway_id_for(data_dir: Path) -> str:
@@ -642,13 +651,17 @@ def finish_token_create(data_dir: Path, db_url: str, node_ids: Sequence[str],
     return {n: t for n in node_ids if (t := _kept_token(data_dir, db_url, n)) is not None}
 
 
-def gateway_routes_to(gw_url: str, node_urls: Sequence[str]) -> bool:
-    """Whether the gateway has every one of this run's agents in rotation (GET /v1/router): on a
-    reused database the registry first holds the agents' old addresses, and the load must not
-    start before the gateway has caught up."""
+def _fleet_headers(fleet_token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {fleet_token}"} if fleet_token else {}
+
+
+def gateway_routes_to(gw_url: str, node_urls: Sequence[str], fleet_token: str | None = None) -> bool:
+    """Whether the gateway has every one of this run's agents in rotation (GET /v1/router, with the
+    fleet token): on a reused database the registry first holds the agents' old addresses, and the
+    load must not start before the gateway has caught up."""
     import httpx
 
-    nodes = httpx.get(f"{gw_url}/v1/router", timeout=2.0).json().get("nodes")
+    nodes = httpx.get(f"{gw_url}/v1/router", headers=_fleet_headers(fleet_token), timeout=2.0).json().get("nodes")
     if not isinstance(nodes, list):
         return True  # a gateway without that view: its /healthz is all we can ask
     live = {str(n.get("address", "")).rstrip("/") for n in nodes if n.get("live")}
@@ -1078,7 +1091,7 @@ class _Up:
                 self._gateway_ready_s = time.monotonic()
             return False
         return (time.monotonic() - self._gateway_ready_s >= self.LOAD_GRACE_S
-                and _gateway_routes_to_any(gw.spec.url, self.plan.node_urls))
+                and _gateway_routes_to_any(gw.spec.url, self.plan.node_urls, self.plan.fleet_token))
 
     def start_load(self) -> None:
         from workloads.replay import ReplayConfig, ReplayStats
@@ -1195,11 +1208,11 @@ def _get_ok(url: str) -> bool:
         return False
 
 
-def _gateway_routes_to_any(gw_url: str, node_urls: Sequence[str]) -> bool:
+def _gateway_routes_to_any(gw_url: str, node_urls: Sequence[str], fleet_token: str | None) -> bool:
     import httpx
 
     try:
-        nodes = httpx.get(f"{gw_url}/v1/router", timeout=2.0).json().get("nodes")
+        nodes = httpx.get(f"{gw_url}/v1/router", headers=_fleet_headers(fleet_token), timeout=2.0).json().get("nodes")
     except (httpx.HTTPError, ValueError, AttributeError):
         return False
     live = {str(n.get("address", "")).rstrip("/") for n in nodes or () if n.get("live")}

@@ -98,6 +98,8 @@ class ControlPlane:
         self.base = f"http://127.0.0.1:{self.port}"
         e = dict(os.environ, RACER_ADMIN_TOKEN=self.ADMIN, PYTHONPATH=str(REPO))
         e.update(FAST_JOBS)
+        if not db_url.startswith("sqlite"):  # SQLite keeps its key beside the file; another database needs one
+            e["RACER_SECRET_KEY"] = "racer_test_secret_key_0123456789abcdef"
         e.update(env or {})
         argv = [sys.executable, "-m", "control_plane.main", "--db", db_url, "--port", str(self.port)]
         if not scheduler:

@@ -174,10 +174,11 @@ def test_override_lifecycle_with_expiry_and_audit(cp):
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
     received: list = []
+    token = None  # the push token the control plane gave at registration
 
     def do_POST(self):  # noqa: N802
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Authorization") != "Bearer gw-push-secret":
+        if self.headers.get("Authorization") != f"Bearer {type(self).token}":
             self.send_response(401)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -221,8 +222,12 @@ def test_router_weights_pushed_on_change_only_and_pullable(cp):
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         assert node.post("/routers", json={"url": url}).status_code == 403  # a node token registers no router
         gw = cp.client(cp.token("router", "gw-push-test"))
-        r = gw.post("/routers", json={"url": url, "push_token": "gw-push-secret"})
-        assert r.status_code == 200 and r.json()["has_push_token"] and "push_token" not in r.json()
+        r = gw.post("/routers", json={"url": url})
+        assert r.status_code == 200 and r.json()["push_token"].startswith("racer_push_"), r.text
+        _Recorder.token = r.json()["push_token"]  # derived from the control plane's key: stored nowhere
+        assert "push_token" not in cp.admin.get("/routers").json()[0]
+        assert gw.post("/routers", json={"url": url}).json()["push_token"] == _Recorder.token  # the same again
+        assert gw.post("/routers", json={"url": url, "push_token": "mine"}).status_code == 422  # not chosen by it
         alive.start()
         first = wait_for(lambda: [b for p, b in _Recorder.received if {"w1", "w2"} <= set(b["nodes"])])[0]
         assert first["nodes"]["w2"]["kv_recompute_us_per_token"] == 4.0

@@ -29,7 +29,7 @@ def _row(nid, seq, ts, **kw):
 def test_migrations_make_every_table_and_are_idempotent(db):
     engine, _ = db
     upgrade(engine)  # second run: nothing to do
-    assert current_revision(engine) == "0010"
+    assert current_revision(engine) == "0011"
     names = set(inspect(engine).get_table_names())
     for t in ("nodes", "node_reports", "node_report_rollups", "decisions", "bursts", "router_weights", "routers",
               "overrides", "policies", "rollouts", "rollout_nodes", "rollout_steps", "audit_log", "tokens",
@@ -59,8 +59,13 @@ def test_migration_chain_upgrades_an_older_schema(backend, tmp_path):
                            "VALUES ('old', 'node', :h, 1.0, false)"), {"h": "ab" * 32})
             c.execute(text("INSERT INTO nodes (node_id, address, device, cost_profile, status, registered_at_s, "
                            "last_seen_s, report_interval_s) VALUES ('n', 'http://x:1', 'cpu', '{}', 'up', 1, 1, 1)"))
+            c.execute(text("INSERT INTO routers (url, push_token, registered_at_s, pushed_version) "
+                           "VALUES ('http://gw:1', 'a-secret-in-clear', 1.0, 3)"))
         upgrade(engine)
-        assert current_revision(engine) == "0010"
+        assert current_revision(engine) == "0011"
+        assert "push_token" not in {c["name"] for c in inspect(engine).get_columns("routers")}  # no secret kept
+        with engine.connect() as c:  # pushed again, with the token derived from the key
+            assert c.execute(text("SELECT url, pushed_version FROM routers")).all() == [("http://gw:1", None)]
         assert "node_id" in {c["name"] for c in inspect(engine).get_columns("tokens")}
         assert "ix_tokens__node_id" in {i["name"] for i in inspect(engine).get_indexes("tokens")}
         assert "token_id" in {c["name"] for c in inspect(engine).get_columns("nodes")}
@@ -231,7 +236,7 @@ def test_migration_0008_adds_the_report_device_columns_and_downgrades(backend, t
                            "VALUES ('n', 0, 1, 1, 1, 0.5, 0.5, 0, 0, 0, 0)"))
         assert "device_mode" not in {c["name"] for c in inspect(engine).get_columns("node_reports")}
         upgrade(engine)
-        assert current_revision(engine) == "0010"
+        assert current_revision(engine) == "0011"
         cols = {c["name"]: c for c in inspect(engine).get_columns("node_reports")}
         assert cols["device_mode"]["nullable"] and cols["device_profile"]["nullable"]
         with engine.connect() as c:
@@ -245,7 +250,7 @@ def test_migration_0008_adds_the_report_device_columns_and_downgrades(backend, t
         assert current_revision(engine) == "0007"
         assert "device_mode" not in {c["name"] for c in inspect(engine).get_columns("node_reports")}
         upgrade(engine)
-        assert current_revision(engine) == "0010"
+        assert current_revision(engine) == "0011"
     finally:
         engine.dispose()
         d.drop()

@@ -341,13 +341,29 @@ def test_only_router_tokens_register_routers_and_only_the_registrant_changes_one
 
     url = "http://127.0.0.1:9/trust-router"
     node = cp.node("trust-router-node")
-    assert node.post("/routers", json={"url": url, "push_token": "stolen"}).status_code == 403
+    assert node.post("/routers", json={"url": url}).status_code == 403
     assert cp.admin.post("/routers", json={"url": url}).status_code == 403  # an operator deletes, never registers
     first, second = (cp.client(cp.token("router", f"gw-{i}")) for i in (1, 2))
-    assert first.post("/routers", json={"url": url, "push_token": "mine"}).status_code == 200
-    r = second.post("/routers", json={"url": url, "push_token": "theirs"})
+    r = first.post("/routers", json={"url": url})
+    assert r.status_code == 200, r.text
+    push_token = r.json()["push_token"]  # what the control plane's pushes to that URL carry
+    from sqlalchemy import create_engine, text
+
+    from db.engine import normalize_url
+
+    engine = create_engine(normalize_url(cp.db_url))
+    try:  # the database holds no push secret: every column of the routers table, read back
+        with engine.connect() as c:
+            rows = [tuple(map(str, row)) for row in c.execute(text("SELECT * FROM routers")).all()]
+        assert rows and not any(push_token in v or push_token[len("racer_push_"):] in v for row in rows for v in row)
+    finally:
+        engine.dispose()
+    if cp.db_url.startswith("sqlite"):  # the key beside the file, readable by its owner only
+        key = __import__("pathlib").Path(cp.db_url.split("///", 1)[1] + ".key")
+        assert key.stat().st_mode & 0o777 == 0o600
+    r = second.post("/routers", json={"url": url})
     assert r.status_code == 403 and "another router token" in r.text
-    assert first.post("/routers", json={"url": url, "push_token": "mine-2"}).status_code == 200  # its own: fine
+    assert first.post("/routers", json={"url": url}).status_code == 200  # its own: fine
     # the cap: registering past MAX_ROUTERS is refused
     have = len(cp.admin.get("/routers").json())
     extra = [f"http://127.0.0.1:9/cap-{i}" for i in range(MAX_ROUTERS - have)]

@@ -281,10 +281,8 @@ def test_gateway_api_fuzz_in_front_of_a_real_node_agent(tmp_path):
     proc, base, log = start_agent(tmp_path, "agent", csv)
     try:
         wait_http(f"{base}/healthz", proc, log=log)
-        import inspect
-
-        push = ("push_token" if "push_token" in inspect.signature(Gateway).parameters else "token")
-        gw = Gateway([("node-0", base)], GatewayConfig(), **{push: "racer_fuzz_gateway_push_token"})
+        gw = Gateway([("node-0", base)], GatewayConfig(), push_token="racer_fuzz_gateway_push_token",
+                     fleet_token="racer_fuzz_gateway_push_token")
         calls = fuzz(schemathesis.openapi.from_asgi("/openapi.json", create_gw_app(gw)),
                      headers={"Authorization": "Bearer racer_fuzz_gateway_push_token"},
                      excluded=(positive_data_acceptance,))

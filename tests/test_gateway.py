@@ -30,8 +30,8 @@ def cluster(tmp_path_factory):
     gw = None
     try:
         gw = start_gateway([a.url for a in agents], wd, "racer", "taobao", extra=[
-            "--push-token", TOKEN, "--health-interval-s", str(HEALTH_S), "--health-timeout-s", "0.4",
-            "--report-interval-s", str(REPORT_S), "--request-timeout-s", "5"])
+            "--health-interval-s", str(HEALTH_S), "--health-timeout-s", "0.4",
+            "--report-interval-s", str(REPORT_S), "--request-timeout-s", "5"], env={"RACER_GATEWAY_PUSH_TOKEN": TOKEN})
         yield agents, gw, wd
     finally:
         if gw is not None:
@@ -382,8 +382,8 @@ def test_node_list_and_weights_from_a_control_plane(cluster, tmp_path):
         seen["auth"].add(request.headers.get("authorization"))
         body = await request.json()
         seen["routers"].append(body["url"])
-        seen["push_token"] = body.get("push_token")
-        return {"url": seen["routers"][-1]}
+        seen["register_body"] = body
+        return {"url": seen["routers"][-1], "push_token": "racer_push_given_by_the_control_plane"}
 
     cp_port = free_port()
     server = uvicorn.Server(uvicorn.Config(cp, host="127.0.0.1", port=cp_port, log_level="warning"))
@@ -399,9 +399,11 @@ def test_node_list_and_weights_from_a_control_plane(cluster, tmp_path):
         assert s["weights"]["version"] == 7 and s["weights"]["source"] == "control_plane"
         assert s["weights"]["nodes"]["n1"]["queue_capacity"] == 16 and s["registered_for_pushes"] is True
         assert seen["routers"] == [f"http://127.0.0.1:{gw_port}"] and seen["auth"] == {f"Bearer {TOKEN}"}
-        assert seen["push_token"] and seen["push_token"] != TOKEN  # a secret of the gateway's own
+        assert seen["register_body"] == {"url": f"http://127.0.0.1:{gw_port}"}  # it sends no secret of its own
+        assert httpx.post(gw.url + "/v1/router/weights", json={**weights, "version": 8},
+                          headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401
         push = httpx.post(gw.url + "/v1/router/weights", json={**weights, "version": 8},
-                          headers={"Authorization": f"Bearer {seen['push_token']}"})
+                          headers={"Authorization": "Bearer racer_push_given_by_the_control_plane"})
         assert push.status_code == 200 and state(gw)["weights"]["version"] == 8
         d = post(gw.url, {"user_id": 3, "history": [1, 2, 3], "new_items": [4], "top_k": 2}).json()
         assert d["served_by"] in ("n0", "n1")
@@ -413,7 +415,7 @@ def test_node_list_and_weights_from_a_control_plane(cluster, tmp_path):
 
 def test_gateway_with_the_real_control_plane(cluster, tmp_path):
     """The control plane process (control_plane.main, SQLite): nodes registered there are the
-    gateway's nodes; the gateway registers for pushes with its own push token and receives the
+    gateway's nodes; the gateway registers for pushes (the answer carries its push token) and gets the
     weights the control plane's job computes and pushes. A node an operator retires leaves the
     gateway's rotation at its next read of the node list; every request goes to the others."""
     from tests.cp_util import ControlPlane, Database, wait_for
@@ -437,7 +439,7 @@ def test_gateway_with_the_real_control_plane(cluster, tmp_path):
         gw.start().wait_ready()
         routers = wait_for(lambda: [r for r in cp.admin.get("/routers").json()
                                     if r["pushed_version"] is not None and r["last_error"] is None], 60)
-        assert routers[0]["url"] == f"http://127.0.0.1:{gw_port}" and routers[0]["has_push_token"]
+        assert routers[0]["url"] == f"http://127.0.0.1:{gw_port}" and "push_token" not in routers[0]
         s = state(gw)
         assert [n["node_id"] for n in s["nodes"]] == ["node-0", "node-1"] and s["registered_for_pushes"]
         assert s["weights"]["source"] == "control_plane" and s["weights"]["version"] >= routers[0]["pushed_version"]
@@ -537,3 +539,63 @@ def test_a_refused_client_report_costs_only_itself_and_the_bounds_match_the_cont
     for kw in ({"client_report_interval_s": 3600}, {"client_report_interval_s": 601}, {"slo_ms": 1e6 + 1}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             GatewayConfig(**kw)
+
+
+def test_the_fleet_token_guards_who_holds_which_user_and_secrets_stay_out_of_argv(tmp_path):
+    """Without a token, the gateway's GET /v1/router?user=N showed node addresses and which node
+    holds a user's cache, and an agent's /v1/residency listed user ids; tokens could only be given
+    on the command line (ps shows them). Now a fleet token, shared by the gateway and the agents
+    and read from a file or the environment, guards both views (401 without it); a gateway with
+    the wrong one reads no residency feed; without one, a process refuses to listen beyond
+    loopback; a token on the command line still works, with a warning."""
+    import subprocess
+    import sys
+
+    from tests.procs import REPO
+
+    fleet = "racer_fleet_test_0123456789abcdef"
+    token_file = tmp_path / "fleet"
+    token_file.write_text(fleet + "\n")
+    agents = start_agents(1, tmp_path, env={"RACER_FLEET_TOKEN": fleet})
+    gws = []
+    try:
+        node = agents[0].url
+        assert httpx.get(node + "/v1/residency").status_code == 401
+        assert httpx.get(node + "/v1/residency", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(node + "/v1/residency", headers={"Authorization": f"Bearer {fleet}"}).status_code == 200
+        gws.append(start_gateway([node], tmp_path, "racer", "taobao", extra=[
+            "--fleet-token-file", str(token_file), "--report-interval-s", "0.2"]))
+        gws.append(start_gateway([node], tmp_path, "least_load", "taobao", extra=["--report-interval-s", "0.2"],
+                                 env={"RACER_FLEET_TOKEN": "racer_fleet_wrong"}))
+        good, bad = gws
+        assert post(good.url, {"user_id": 42, "history": [1, 2, 3], "new_items": [4], "top_k": 2}).status_code == 200
+        for gw in gws:
+            r = httpx.get(gw.url + "/v1/router", params={"user": 42})
+            assert r.status_code == 401 and "fleet token" in r.json()["error"], r.text
+            assert "127.0.0.1" not in r.text
+        auth = {"Authorization": f"Bearer {fleet}"}
+
+        def holder():
+            s = httpx.get(good.url + "/v1/router", params={"user": 42}, headers=auth).json()
+            return s if s["nodes"][0]["kv_resident_users"] >= 1 else None
+
+        deadline = time.monotonic() + 20
+        while holder() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert holder() is not None  # the good gateway reads the feed: user 42's cache is on the node
+        wrong = httpx.get(bad.url + "/v1/router", headers={"Authorization": "Bearer racer_fleet_wrong"}).json()
+        assert "401" in (wrong["nodes"][0]["residency_feed"]["report_error"] or ""), wrong["nodes"][0]
+    finally:
+        for p in [*gws, *agents]:
+            p.stop()
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    env.pop("RACER_FLEET_TOKEN", None)
+    for cmd in (["gateway", "--nodes", "http://127.0.0.1:9", "--host", "0.0.0.0", "--port", "0"],
+                ["node-agent", "--trace", "taobao", "--host", "0.0.0.0", "--port", "0"]):
+        r = subprocess.run([sys.executable, "-m", "racer", *cmd], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and "without a fleet token" in r.stderr, (cmd, r.returncode, r.stderr[-500:])
+    r = subprocess.run([sys.executable, "-m", "racer", "gateway", "--control-plane", "http://127.0.0.1:9",
+                        "--token", "racer_on_argv", "--push-token-file", str(token_file), "--port", "0"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert "shows in ps" in r.stderr and "without --control-plane only" in r.stderr and r.returncode == 2, r.stderr

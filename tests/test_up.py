@@ -182,9 +182,10 @@ def _healthy(url: str) -> dict | None:
         return None
 
 
-def _gateway_live(gw_url: str, node_url: str) -> bool | None:
+def _gateway_live(gw_url: str, node_url: str, fleet_token: str) -> bool | None:
     try:
-        nodes = httpx.get(f"{gw_url}/v1/router", timeout=2.0).json().get("nodes", [])
+        nodes = httpx.get(f"{gw_url}/v1/router", headers={"Authorization": f"Bearer {fleet_token}"},
+                          timeout=2.0).json().get("nodes", [])
     except (httpx.HTTPError, ValueError):
         return None
     for n in nodes if isinstance(nodes, list) else []:
@@ -226,7 +227,9 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
         secrets_ = [(data / "operator_token").read_text().strip()]
         secrets_ += [p.read_text().strip() for p in data.glob("node_token.*")]
         secrets_ += [p.read_text().strip() for p in data.glob("router_token.*")]  # the gateway's own
-        assert len(secrets_) == 6
+        fleet = (data / "fleet_token").read_text().strip()  # the gateway's and the agents'
+        secrets_ += [fleet, (data / "secret_key").read_text().strip()]
+        assert len(secrets_) == 8
         for name, entry in state.items():
             try:
                 argv = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().decode(errors="replace")
@@ -246,10 +249,16 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
         node_url, old_pid = victim["url"], victim["pid"]
         gw_url = state.get("gateway", {}).get("url")
         assert _healthy(node_url)["status"] == "ok"
+        # who holds which user's cache, and the agents' addresses: the fleet token's views only
+        assert httpx.get(f"{node_url}/v1/residency", timeout=5).status_code == 401
+        if gw_url:
+            assert httpx.get(f"{gw_url}/v1/router", params={"user": 1}, timeout=5).status_code == 401
+            assert _gateway_live(gw_url, node_url, fleet) is True
         time.sleep(3)  # under load
         os.kill(old_pid, signal.SIGKILL)
         if gw_url:
-            _wait(lambda: _gateway_live(gw_url, node_url) is False, 15, "the gateway to take node-1 out of rotation")
+            _wait(lambda: _gateway_live(gw_url, node_url, fleet) is False, 15,
+                  "the gateway to take node-1 out of rotation")
         new = _wait(lambda: (s := _state(data)) and s["node-1"]["pid"] != old_pid and s["node-1"], 30,
                     "racer up to restart node-1")
         assert new["restarts"] == 1
@@ -257,7 +266,7 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
         # the load goes on after the restart: the new node-1 process serves several requests
         _wait(lambda: (h := _healthy(node_url)) and h["num_served"] >= 5, 90, "the restarted node-1 to serve")
         if gw_url:
-            _wait(lambda: _gateway_live(gw_url, node_url) is True, 30, "the gateway to put node-1 back")
+            _wait(lambda: _gateway_live(gw_url, node_url, fleet) is True, 30, "the gateway to put node-1 back")
         time.sleep(3)
         proc.send_signal(signal.SIGTERM)  # as Ctrl-C would
         out, _ = proc.communicate(timeout=180)

@@ -9,15 +9,17 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from db import queries
 from db.models import Router
 
-from ..schemas import RouterIn, RouterOut, RouterWeightsHistoryOut, RouterWeightsOut
+from ..auth import push_token_for
+from ..jobs import secret_key_of
+from ..schemas import RouterIn, RouterOut, RouterRegisteredOut, RouterWeightsHistoryOut, RouterWeightsOut
 from .deps import NODE, OPERATOR, ROUTER, VIEWER, begin, errors, get_or_404, now_s, principal, roles, session
 
 router = APIRouter()
 
 
 def _router_out(x: Router) -> RouterOut:
-    return RouterOut(url=x.url, has_push_token=x.push_token is not None, registered_at_s=x.registered_at_s,
-                     pushed_version=x.pushed_version, last_push_s=x.last_push_s, last_error=x.last_error)
+    return RouterOut(url=x.url, registered_at_s=x.registered_at_s, pushed_version=x.pushed_version,
+                     last_push_s=x.last_push_s, last_error=x.last_error)
 
 
 #: the most registered routers: each costs a push per weights version (the registry is not a
@@ -25,12 +27,17 @@ def _router_out(x: Router) -> RouterOut:
 MAX_ROUTERS = 64
 
 
-@router.post("/routers", response_model=RouterOut, responses=errors(403, 409), **roles(ROUTER))
+@router.post("/routers", response_model=RouterRegisteredOut, responses=errors(403, 409), **roles(ROUTER))
 def register_router(body: RouterIn, request: Request, p: principal(ROUTER)):
     """A gateway registers the URL it takes weight pushes on, with its router token: the URL is
     then bound to that token (another router token may take it over only once the first is
-    revoked), and at most ``MAX_ROUTERS`` are registered."""
+    revoked), and at most ``MAX_ROUTERS`` are registered. The answer carries the push token the
+    control plane's pushes to that URL will carry (derived from its secret key, never stored)."""
     now = now_s(request)
+    key = secret_key_of(request.app.state.settings, request.app.state.factory)
+    if key is None:
+        raise HTTPException(409, "weight pushes are off: this control plane has no secret key (RACER_SECRET_KEY or "
+                                 "--secret-key-file, the same on every replica); the gateway pulls the weights")
     with begin(request) as s:
         old = s.get(Router, body.url)
         if (old is not None and old.token_id is not None and old.token_id != p.token_id
@@ -40,11 +47,12 @@ def register_router(body: RouterIn, request: Request, p: principal(ROUTER)):
         if old is None and queries.count_routers(s) >= MAX_ROUTERS:
             raise HTTPException(409, f"{MAX_ROUTERS} routers are registered: delete one (DELETE /routers?url=...) "
                                      f"before registering another")
-        rt, new = queries.upsert_router(s, body.url, now, body.push_token, token_id=p.token_id)
+        rt, new = queries.upsert_router(s, body.url, now, token_id=p.token_id)
         if new:
             queries.audit(s, ts_s=now, actor=p.name, action="router.register", target=f"router:{body.url}",
-                          after={"url": body.url, "has_push_token": body.push_token is not None}, reason="")
-        return _router_out(rt)
+                          after={"url": body.url}, reason="")
+        return RouterRegisteredOut(**_router_out(rt).model_dump(),
+                                   push_token=push_token_for(key, body.url, p.token_id))
 
 
 @router.get("/routers", response_model=list[RouterOut], **roles(OPERATOR, VIEWER))

@@ -16,6 +16,7 @@ import json
 import sys
 
 from common.config import add_config_arguments, config_kwargs, default_of
+from common.secrets_args import add_secret_arguments, read_secret
 
 # `racer model train` options whose default, help and range are read from TrainConfig's fields
 TRAIN_FIELDS = ("max_seq_len", "max_epochs", "patience", "batch_size", "lr", "weight_decay", "dropout", "negatives",
@@ -142,7 +143,6 @@ def cmd_model_push(args) -> int:
     where the checkpoint loader verifies it) and activate it with ``--activate``. The checkpoint is
     verified here first. Exit status 1 when the control plane refuses it (its reason on stderr), 2
     for a bad directory or option."""
-    import os
     import sys
     from pathlib import Path
 
@@ -152,9 +152,9 @@ def cmd_model_push(args) -> int:
 
     src = Path(args.dir)
     ck = load_checkpoint(src)  # CheckpointError (a ValueError): exit 2 with its message
-    token = args.token or os.environ.get("RACER_TOKEN")
+    token = read_secret(args, "token", "RACER_TOKEN", prog="racer model push")
     if not token:
-        raise ValueError("a token is needed: --token T or RACER_TOKEN (an operator token)")
+        raise ValueError("a token is needed: --token-file F or RACER_TOKEN (an operator token)")
     body = tar_files(src, CHECKPOINT_FILES)
     rc, out = push("models", body, control_plane=args.control_plane, token=token, activate=args.activate,
                    reason=args.reason, timeout_s=args.timeout_s, prog="racer model push")
@@ -249,7 +249,7 @@ def add_model_parser(subparsers) -> None:
                                     "to a canary first with POST /api/v1/rollouts (kind model).")
     pu.add_argument("dir", help="checkpoint directory (the one `racer model train` wrote)")
     pu.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://127.0.0.1:8400")
-    pu.add_argument("--token", default=None, help="operator token (default: $RACER_TOKEN)")
+    add_secret_arguments(pu, "token", "RACER_TOKEN", "operator token")
     pu.add_argument("--activate", action="store_true", help="activate it once registered")
     pu.add_argument("--reason", default="pushed with racer model push", help="the audit log's reason")
     pu.add_argument("--timeout-s", type=_positive_float, default=120.0, help="per request (default 120)")
