@@ -38,7 +38,7 @@ from .rollout_service import Conflict, NotFound
 from .routes import (audit, directives, gateways, health, history, models, nodes, overrides, policies, rollouts,
                      routers, tokens)
 from .routes.deps import API, errors
-from .routes.policies import MAX_ARTIFACT_UNPACKED_BYTES, pack_artifact, unpack_artifact  # noqa: F401 (re-exported)
+from .artifacts import MAX_ARTIFACT_UNPACKED_BYTES, pack_artifact, unpack_artifact  # noqa: F401 (re-exported)
 from .routes.report_ingest import IngestFastPath
 from .schemas import ReportBatchIn
 from .settings import Settings

@@ -45,7 +45,10 @@ class Settings:
     - ``node_reports_per_s`` / ``node_burst_reports`` and ``node_report_bytes_per_s`` /
       ``node_burst_report_bytes``: each node's ingestion quota (`control_plane.quota`), sustained
       and burst; past either, a batch gets 429 with ``Retry-After``. The bursts hold a full spool
-      flushed after an outage; the bytes burst is at least ``max_report_body_bytes``.
+      flushed after an outage; the bytes burst is at least ``max_report_body_bytes``;
+    - ``artifact_check_memory_bytes``, ``artifact_check_cpu_s``, ``artifact_check_wall_s``: the
+      limits of the child process that unpacks and checks an uploaded policy or checkpoint
+      (`control_plane.artifacts.check_upload`): address space, CPU seconds, wall seconds.
     """
 
     database_url: str | None = None
@@ -83,6 +86,16 @@ class Settings:
                                             doc="report-batch body bytes a node may send per second, sustained")
     node_burst_report_bytes: int = ranged(64 * 2**20, lo=1024, integer=True,
                                           doc="report-batch body bytes a node may send at once")
+
+    artifact_check_memory_bytes: int = ranged(4 * 2**30, lo=64 * 2**20, integer=True,
+                                              doc="address space of an upload's check (torch needs about 1 GiB)")
+    artifact_check_cpu_s: int = ranged(60, lo=1, integer=True, doc="CPU seconds of an upload's check")
+    artifact_check_wall_s: float = ranged(120.0, lo=0, lo_open=True, doc="wall seconds of an upload's check")
+
+    def check_limits(self):
+        from .artifacts import CheckLimits
+
+        return CheckLimits(self.artifact_check_memory_bytes, self.artifact_check_cpu_s, self.artifact_check_wall_s)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -462,7 +462,7 @@ def test_tar_extension_headers_past_a_small_size_are_refused_before_tarfile_read
     """Python's tarfile parses PAX headers with a regular expression whose cost grows with their
     size (CVE-2024-6232): a 232-byte gzip froze the control plane 12.9 s. Such headers are refused
     from a linear walk of the archive's blocks first, for policies and models alike."""
-    from control_plane.routes.policies import check_tar_headers
+    from control_plane.artifacts import check_tar_headers
 
     data = body()
     for route in ("/policies", "/models"):
@@ -667,3 +667,34 @@ def test_a_full_disk_stops_ingestion_with_503_and_freed_space_restores_it(tmp_pa
         if cp is not None:
             cp.stop()
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_an_upload_is_checked_in_a_child_with_memory_and_time_limits(tmp_path):
+    """Artifacts were unpacked and checked inside the control plane (a crafted policy took 2 GiB
+    of its memory; a crafted tar froze it 10.9 s). Now a child process unpacks and checks each
+    upload under an address-space limit, a CPU limit and a wall-clock timeout: past one, the
+    upload gets a 422 naming the limit and the control plane is untouched. Here the limit is
+    300 MiB: the policy's check fits, the checkpoint's (torch) does not; a 0.2-s timeout stops any."""
+    from control_plane.artifacts import CheckLimits, check_upload, pack_artifact
+    from node_agent.registry_client import CHECKPOINT_FILES
+    from racer.policy_seed import ARTIFACT_FILES
+
+    from .cp_util import REPO
+
+    ckpt = REPO / "node_agent" / "model" / "checkpoints" / "taobao"
+    model = pack_artifact({f: (ckpt / f).read_bytes() for f in CHECKPOINT_FILES if (ckpt / f).exists()})
+    policy = pack_artifact({f: (REPO / "policies" / "default" / f).read_bytes() for f in ARTIFACT_FILES})
+    with pytest.raises(ValueError, match="more than 0.2 s"):
+        check_upload("policy", policy, limits=CheckLimits(wall_s=0.2))
+    cp = ControlPlane(f"sqlite:///{tmp_path}/cp.db", tmp_path / "cp.log", scheduler=False,
+                      env={"RACER_ARTIFACT_CHECK_MEMORY_BYTES": str(300 * 2**20)})
+    try:
+        rss0 = rss_bytes(cp.proc.pid)
+        r = cp.admin.post("/models", content=model)
+        assert r.status_code == 422 and "memory limit is 300 MiB" in r.text, r.text[:500]
+        r = cp.admin.post("/policies", content=policy)
+        assert r.status_code in (200, 201), r.text[:500]
+        assert httpx.get(cp.base + "/healthz").json()["ok"] is True
+        assert rss_bytes(cp.proc.pid) - rss0 < 100 * 2**20  # neither check's memory is the control plane's
+    finally:
+        cp.stop()

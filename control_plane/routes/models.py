@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import tempfile
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,59 +19,9 @@ from db import queries
 from db.models import ModelVersion
 
 from .. import rollout_service
+from ..artifacts import check_upload, pack_artifact
 from ..schemas import ModelOut, ReasonIn
 from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, invalid, now_s, principal, roles, session
-from .policies import pack_artifact, unpack_artifact
-
-CHECKPOINT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
-REQUIRED_FILES = ("manifest.json", "weights.pt", "config.json", "items.json")
-MAX_CHECKPOINT_MEMBERS = 32
-MAX_CHECKPOINT_UNPACKED_BYTES = 256 * 2**20
-
-
-def unpack_checkpoint(data: bytes, *, max_members: int = MAX_CHECKPOINT_MEMBERS,
-                      max_bytes: int = MAX_CHECKPOINT_UNPACKED_BYTES) -> dict[str, bytes]:
-    """A checkpoint's files from an uploaded tar (or tar.gz); ValueError says what is wrong."""
-    return unpack_artifact(data, max_members=max_members, max_bytes=max_bytes, names=CHECKPOINT_FILES,
-                           required=REQUIRED_FILES, what="model checkpoint", writer="racer model train")
-
-
-def verify_checkpoint(files: dict[str, bytes], active_manifest: dict | None) -> dict:
-    """Load the checkpoint as a node agent does (every digest checked); when a model is active,
-    the new one must have its item count, item mapping and model config. Returns the manifest."""
-    from node_agent.model.checkpoint import CheckpointError, load_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="racer-model-") as d:
-        for name, data in files.items():
-            with open(os.path.join(d, name), "wb") as f:
-                f.write(data)
-        try:
-            ck = load_checkpoint(d)
-        except CheckpointError as e:
-            raise ValueError(str(e).replace(d, "<upload>")) from None
-        m = dict(ck.manifest)
-    if active_manifest is not None:
-        a = active_manifest
-        if a.get("num_items") != m.get("num_items"):
-            raise ValueError(f"trained on {m.get('num_items')} items, the active model (and the nodes serving it) "
-                             f"on {a.get('num_items')}: train it on the trace the fleet serves")
-        if a.get("item_keys_sha256") != m.get("item_keys_sha256"):
-            raise ValueError("its item-id mapping differs from the active model's (another trace or item order)")
-        ca, cm = a.get("model_config"), _config(files.get("config.json"))
-        if ca is not None and cm is not None and ca != cm:
-            raise ValueError(f"its model config differs from the active model's ({cm} vs {ca}): the nodes' memory "
-                             "layout holds the active one")
-    return m
-
-
-def _config(raw: bytes | None) -> dict | None:
-    import json
-
-    try:
-        return json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
-
 
 router = APIRouter()
 
@@ -122,10 +70,11 @@ async def upload_model(request: Request, p: principal(OPERATOR)):
     data = await request.body()  # at most max_policy_body_bytes (the gate refuses more with 413)
     if not data:
         raise invalid(["body"], "body: empty; send a tar of the checkpoint directory")
-    try:
-        files = await anyio.to_thread.run_sync(unpack_checkpoint, data)  # off the event loop
+    try:  # in a child process with limits, awaited off the event loop
         active = await anyio.to_thread.run_sync(_active_manifest, request)
-        manifest = await anyio.to_thread.run_sync(verify_checkpoint, files, active)
+        files, manifest = await anyio.to_thread.run_sync(
+            functools.partial(check_upload, "model", data, active_manifest=active,
+                              limits=request.app.state.settings.check_limits()))
     except ValueError as e:
         raise invalid(["body"], f"model checkpoint refused: {e}") from None
     manifest["model_config"] = json.loads(files["config.json"])  # what a later upload must match
