@@ -9,17 +9,17 @@ these return; tests/test_dashboard_figures.py calls them directly.
 - node-local times in decision reasons rendered in UTC too (`clock_offset`, `reason_utc`);
 - one decision's drill-down: its fields, layers, features, miss costs and context
   (`decision_detail`);
-- an artifact's files as the tar the control plane's ``POST /policies`` takes (`pack_files`).
+- an artifact's files as the tar the control plane's ``POST /policies`` takes (`upload_body`).
 """
 
 from __future__ import annotations
 
-import io
 import math
 import re
-import tarfile
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
+
+from control_plane.artifacts import ARTIFACT_FILES, pack_artifact
 
 # What each operator action on a rollout is allowed from (the control plane's
 # `control_plane.rollout._ALLOWED`; a test checks that the two agree). A rollout in none of these
@@ -31,7 +31,6 @@ ROLLOUT_ACTIONS: dict[str, frozenset[str]] = {
     "resume": frozenset({"paused"}),
 }
 OPEN_ROLLOUT_STATES = frozenset({"pending", "baking", "paused"})
-ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
 
 
 def rollout_actions(state: str | None) -> set[str]:
@@ -261,17 +260,6 @@ def decision_detail(decision: Mapping, report: Mapping | None = None, bursts: Se
 # ----------------------------------------------------------------------------- uploads ---
 
 
-def pack_files(files: Mapping[str, bytes]) -> bytes:
-    """An artifact's files as a tar (sorted names), the body ``POST /api/v1/policies`` takes."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in sorted(files):
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(files[name]), 0, 0o644
-            tar.addfile(info, io.BytesIO(files[name]))
-    return buf.getvalue()
-
-
 def upload_body(named: Sequence[tuple[str, bytes]]) -> bytes:
     """What the policies tab sends for the files an operator chose: one tar (or tar.gz) as it is,
     else the artifact's files (``manifest.json``, ``policy.onnx``, ``golden.npz``) packed into one.
@@ -283,4 +271,4 @@ def upload_body(named: Sequence[tuple[str, bytes]]) -> bytes:
     if missing:
         raise ValueError(f"choose a .tar of the artifact or its three files ({', '.join(ARTIFACT_FILES)}); "
                          f"missing: {', '.join(missing)}")
-    return pack_files({f: files[f] for f in ARTIFACT_FILES})
+    return pack_artifact({f: files[f] for f in ARTIFACT_FILES})
