@@ -697,3 +697,53 @@ def test_an_upload_is_checked_in_a_child_with_memory_and_time_limits(tmp_path):
         assert rss_bytes(cp.proc.pid) - rss0 < 100 * 2**20  # neither check's memory is the control plane's
     finally:
         cp.stop()
+
+
+def test_a_policy_whose_control_step_is_slow_is_refused_at_load(tmp_path, monkeypatch):
+    """A policy runs on the node's serving thread once per control step. Within the allowlist and
+    the weight bound a graph can still be slow (one shared 1400 x 1400 weight used 200 times, 0.4
+    G multiply-adds, tens of ms here): the loader times a step (median of 5) and refuses one past
+    `MAX_POLICY_STEP_MS`; the shipped one takes microseconds. The bound is set to 5 ms here, so
+    that a faster CPU than this one still trips it."""
+    import hashlib
+    import json
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from node_agent.allocator import OnnxPolicy, PolicyLoadError
+    from node_agent.allocator.base import MAX_POLICY_STEP_MS
+
+    from .cp_util import REPO
+
+    shipped = OnnxPolicy(REPO / "policies" / "default", device="cpu")
+    assert shipped.step_ms < MAX_POLICY_STEP_MS / 100
+    monkeypatch.setattr("node_agent.allocator.base.MAX_POLICY_STEP_MS", 5.0)
+    d = tmp_path / "slow"
+    shutil.copytree(REPO / "policies" / "default", d)
+    m = onnx.load(str(d / "policy.onnx"))
+    g = m.graph
+    out = g.output[0].name
+    for node in g.node:  # the MLP's result becomes an input of one more Add
+        node.output[:] = ["base_out" if o == out else o for o in node.output]
+    width = 1400
+    g.initializer.extend([numpy_helper.from_array(np.zeros((22, width), np.float32), "side_in"),
+                          numpy_helper.from_array(np.zeros((width, width), np.float32), "side_w"),
+                          numpy_helper.from_array(np.zeros((width, 1), np.float32), "side_out"),
+                          numpy_helper.from_array(np.zeros((1,), np.float32), "zero")])
+    nodes = [helper.make_node("MatMul", [g.input[0].name, "side_in"], ["h0"])]
+    for i in range(200):  # zeros all the way: the output (and the golden parity) is the MLP's
+        nodes.append(helper.make_node("MatMul", [f"h{i}", "side_w"], [f"h{i + 1}"]))
+    nodes += [helper.make_node("MatMul", ["h200", "side_out"], ["side"]),
+              helper.make_node("Mul", ["side", "zero"], ["side0"]),
+              helper.make_node("Add", ["base_out", "side0"], [out])]
+    g.node.extend(nodes)
+    onnx.save(m, str(d / "policy.onnx"))
+    data = (d / "policy.onnx").read_bytes()
+    man = json.loads((d / "manifest.json").read_text())
+    man.update(onnx_sha256=hashlib.sha256(data).hexdigest(), onnx_bytes=len(data), policy_id="slow-step")
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(PolicyLoadError, match="one control step takes"):
+        OnnxPolicy(d, device="cpu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,10 @@ from node_agent.features import NUM_FEATURES
 class PolicyLoadError(ArtifactError):
     """A policy artifact was refused; the allocator keeps running its previous policy."""
 
+
+#: most ms one control step of a policy may take (the median of 5 at load; the shipped MLP takes
+#: tens of µs): it runs on the node's serving thread
+MAX_POLICY_STEP_MS = 20.0
 
 
 def cuda_available() -> bool:
@@ -34,7 +39,7 @@ class OnnxPolicy:
     the manifest (format, feature schema version and names, I/O spec), the ONNX file's sha256,
     ``onnx.checker``, the session's input/output names, ranks, element types and widths, then runs
     the golden inputs (finite, in [0, 1], within tolerance of the stored outputs) and the probe
-    inputs (finite, in [0, 1]).
+    inputs (finite, in [0, 1]), and times one control step (at most `MAX_POLICY_STEP_MS`).
 
     ``input_row`` (float32, NUM_FEATURES) is the bound input: write features there, call `run`.
     """
@@ -138,6 +143,17 @@ class OnnxPolicy:
         self.run()  # warm-up through the binding
         if not abs(float(self.output[0, 0]) - float(golden_out[0, 0])) <= tol:
             raise ArtifactError("the IOBinding path disagrees with the golden output")
+        # the policy runs on the thread that serves requests, once per control step: bounded in time
+        took = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            self.run()
+            took.append(time.perf_counter() - t0)
+        step_ms = 1000.0 * sorted(took)[2]
+        if step_ms > MAX_POLICY_STEP_MS:
+            raise ArtifactError(f"one control step takes {step_ms:.1f} ms (median of 5), more than "
+                                f"{MAX_POLICY_STEP_MS:g} ms: the policy runs on the node's serving thread")
+        self.step_ms = step_ms
 
     def run(self) -> float:
         """Run on ``input_row`` (already written) and return the emb_share the policy proposes."""
