@@ -272,6 +272,20 @@ class NodeAgent:
             self._calls.put((fn, fut))
         return fut
 
+    def restore_allocator(self, snap: dict) -> str:
+        """Resume the allocator from a snapshot a previous process of this node kept
+        (`SmartAllocator.restore`) and move the boundary to its split; on the worker (call through
+        `call_on_worker`). ValueError for a snapshot it cannot take."""
+        from .control import apply_target
+
+        if self.allocator is None or not hasattr(self.allocator, "restore"):
+            raise ValueError("this node runs no allocator that keeps state")
+        said = self.allocator.restore(snap)
+        share = snap.get("emb_share")
+        if share is not None:
+            apply_target(self.engine.mm, float(share), self.clock())
+        return said
+
     def swap_model(self, checkpoint) -> dict:
         """On the device worker: serve ``checkpoint`` from now on (`Engine.load_checkpoint`; a
         checkpoint it refuses leaves the current model serving) and forget the rankings of the old

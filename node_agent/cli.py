@@ -305,6 +305,9 @@ def cmd_node_agent(args) -> int:
 
             rep = Reporter(agent, reporter_config(args, host, port))
             agent.reporter = rep
+            resumed = rep.restore_allocator()  # what the previous process of this node had learned
+            if resumed:
+                announce(f"allocator resumed: {resumed}")
             agent.control_hooks.append(rep.on_control)
             rep.start()
             announce(f"reporting to {args.control_plane} as node {rep.config.node_id} "

@@ -17,6 +17,10 @@ One `Reporter` per agent, on its own thread (the device worker never touches the
   the disk refuses (full, read-only) is kept in memory, up to ``max_memory_reports``, and sent
   like the others; ``num_dropped`` travels in every report (``num_reports_dropped``), so the
   control plane and its dashboard show what a node lost;
+- **allocator state**: each control step's allocator snapshot (the split, the base policy's id,
+  the residual weights, the tuner offset) is kept in ``allocator.json`` in the state folder; a
+  restarted agent resumes from it (`restore_allocator`: the split always, the rest when the same
+  policy runs) instead of starting again at ``--emb-share``;
 - **directives**: ``GET /api/v1/nodes/{id}/directives`` every ``directives_period_s``:
   the override in force goes to `SmartAllocator.set_override` (its expiry converted from the
   control plane's clock, by the ``now_s`` of the answer, to the agent's; on an emulated device the
@@ -51,6 +55,7 @@ sends the device's label as ``device`` and `Engine.device_info` as ``cost_profil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -82,6 +87,8 @@ API = "/api/v1"
 PROCESS_STARTED_S = time.time()
 MAX_SEQ = 2**31 - 1
 MAX_REASON_CHARS = 2000
+#: the allocator's state in the state folder, kept at each control step, resumed by a restart
+ALLOCATOR_FILE = "allocator.json"
 #: what a node's figures are (`Engine.device_info`'s ``mode``)
 DEVICE_MODES = ("real", "link-emulated", "emulated")
 DEVICE_TIMES = ("measured", "modelled")
@@ -434,6 +441,8 @@ class Reporter:
                                     headers={"Authorization": f"Bearer {config.token}"})
         self._backoff_s = 0.0
         self._retry_after_s = 0.0
+        self._allocator_snapshot: dict | None = None
+        self._kept_snapshot: dict | None = None
         self._next_directives_s = 0.0
         self._applied_override: _AppliedOverride | None = None
         self._pending_confirm: dict | None = None
@@ -480,8 +489,45 @@ class Reporter:
         self._client.close()
 
     # ---- the device worker's hook (no I/O)
+    # ---- the allocator's state, kept across restarts (state_dir/allocator.json)
+    def restore_allocator(self) -> str | None:
+        """Resume the agent's allocator from the snapshot the previous process of this node kept
+        in the state folder (what it resumed, in words; None when there is none or no allocator).
+        A snapshot it cannot take is set aside as ``allocator.json.bad`` and said in the events."""
+        path = Path(self.config.state_dir) / ALLOCATOR_FILE
+        if self.agent.allocator is None or not path.exists():
+            return None
+        try:
+            snap = json.loads(path.read_text())
+            said = self.agent.call_on_worker(lambda: self.agent.restore_allocator(snap)).result(30)
+        except (OSError, ValueError, TypeError) as e:
+            with contextlib.suppress(OSError):
+                path.replace(path.with_name(ALLOCATOR_FILE + ".bad"))
+            self._event(f"allocator state in {path} not restored: {e}")
+            return None
+        self._event(f"allocator state restored after a restart: {said}")
+        return said
+
+    def _keep_allocator(self) -> None:
+        """Write the latest allocator snapshot (taken on the worker at each control step) when it
+        changed: whole (temporary file, rename)."""
+        snap = self._allocator_snapshot
+        if snap is None or snap == self._kept_snapshot:
+            return
+        path = Path(self.config.state_dir) / ALLOCATOR_FILE
+        tmp = path.with_name(ALLOCATOR_FILE + ".tmp")
+        try:
+            tmp.write_text(json.dumps(snap))
+            tmp.replace(path)
+            self._kept_snapshot = snap
+        except OSError as e:  # a full or read-only disk: the node runs on, a restart starts afresh
+            log.warning("could not keep the allocator state: %s", e)
+
     def on_control(self, out: dict) -> None:
         """Called by the device worker with each control step's output: queue one report."""
+        alloc = self.agent.allocator
+        if alloc is not None and hasattr(alloc, "snapshot"):
+            self._allocator_snapshot = alloc.snapshot()
         try:
             self._inbox.put(self._build_report(out))
         except Exception:  # noqa: BLE001 - never hurt the worker
@@ -580,6 +626,7 @@ class Reporter:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            self._keep_allocator()
             try:
                 ok = self._cycle()
             except Exception as e:  # noqa: BLE001 - the thread must keep going

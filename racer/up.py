@@ -1105,7 +1105,7 @@ class _Up:
                            max_history_len=256,  # within the CPU agents' --max-history-len (CPU_AGENT_ARGS)
                            # each user's next item among the candidates: the nodes' model-quality signal
                            # (what a model rollout is judged on) gets an observation per returning user
-                           explicit_candidates=True, plant_next_item=True)
+                           explicit_candidates=True, plant_next_item=True, seed=args.seed)
         self.stats = ReplayStats(args.slo_ms)
         self.replayer = _Replayer(self.plan.targets, self.trace, cfg, self.stats)
         self.replayer.start()
@@ -1393,6 +1393,7 @@ def add_up_parser(subparsers) -> None:
     up.add_argument("--first-phase-s", type=float, default=None,
                     help="seconds per regime in the first pass (default: 6, or --phase-s if shorter; the first "
                          "burst phase then starts 12 s into the load, after the nodes' 10 s warm-up)")
+    up.add_argument("--seed", type=int, default=0, help="the replay's seed: which users and bursts (default 0)")
     up.add_argument("--slo-ms", type=float, default=50.0, help="latency SLO, ms (default 50)")
     up.add_argument("--dashboard-port", type=int, default=8050, help="dashboard port (default 8050; 0: a free one)")
     up.add_argument("--control-plane-port", type=int, default=0, help="control plane port (default: a free one)")

@@ -535,3 +535,55 @@ def test_the_agents_prometheus_metrics_say_what_the_figures_are():
     assert 'racer_node_device_info{mode="real",profile="",time="measured",time_scale="1"} 1.0' in real
     help_line = next(x for x in real.splitlines() if x.startswith("# HELP racer_request_latency_seconds "))
     assert "(measured;" in help_line and "modelled" in help_line  # says what an emulated device's would be
+
+
+def test_a_restarted_node_resumes_its_allocator_state_and_sets_a_bad_one_aside(tmp_path):
+    """After a kill -9 the restarted node started again at --emb-share (0.5), its learned split,
+    residual weights and tuner offset lost. Now each control step's snapshot is kept in the state
+    folder and a restart resumes it: the split always (the boundary moves there at once), the
+    residual and the tuner when the same policy runs; a snapshot it cannot read is set aside."""
+    import json
+
+    import numpy as np
+
+    from node_agent.control import current_target
+    from node_agent.reporter import ALLOCATOR_FILE, Reporter, ReporterConfig
+
+    low = export_constant_policy(tmp_path / "p02", 0.2)
+    cfg = dict(control_plane_url="http://127.0.0.1:9", token="t", node_id="n-restart",
+               advertise_url="http://127.0.0.1:9", state_dir=str(tmp_path / "state"))
+    first = _agent_with_policy(low)
+    rep = Reporter(first, ReporterConfig(**cfg))
+    assert rep.restore_allocator() is None  # nothing kept yet
+    for k in range(40):
+        rep.on_control(first.control_step(first.clock()))
+    first.allocator.tuner.offset = -0.07  # as a tuner that had moved
+    first.allocator.residual.load_weights(np.linspace(-0.01, 0.01, len(first.allocator.residual._w)))
+    rep.on_control(first.control_step(first.clock()))
+    rep._keep_allocator()
+    kept = json.loads((tmp_path / "state" / ALLOCATOR_FILE).read_text())
+    assert kept["emb_share"] < 0.35 and kept["tuner_offset"] == -0.07, kept  # it had moved from 0.5
+    rep.stop()
+
+    second = _agent_with_policy(low)  # the restarted process: --emb-share 0.5 again
+    assert abs(current_target(second.engine.mm) - 0.5) < 0.01
+    rep2 = Reporter(second, ReporterConfig(**cfg))
+    said = rep2.restore_allocator()
+    assert said and "residual weights and tuner offset -0.070" in said, said
+    assert abs(current_target(second.engine.mm) - kept["emb_share"]) < 0.01
+    assert second.allocator.tuner.offset == -0.07
+    assert np.allclose(second.allocator.residual._w, kept["residual_weights"])
+    assert any("restored" in e["event"] for e in rep2.status()["events"])
+    rep2.stop()
+
+    other = _agent_with_policy(export_constant_policy(tmp_path / "p06", 0.6))  # another policy: the split only
+    said = Reporter(other, ReporterConfig(**cfg)).restore_allocator()
+    assert "start afresh" in said and other.allocator.tuner.offset == 0.0
+    assert abs(current_target(other.engine.mm) - kept["emb_share"]) < 0.01
+
+    (tmp_path / "state" / ALLOCATOR_FILE).write_text('{"version": 1, "emb_share": 7}')
+    third = _agent_with_policy(low)
+    rep3 = Reporter(third, ReporterConfig(**cfg))
+    assert rep3.restore_allocator() is None and abs(current_target(third.engine.mm) - 0.5) < 0.01
+    assert (tmp_path / "state" / (ALLOCATOR_FILE + ".bad")).exists()
+    assert any("not restored" in e["event"] for e in rep3.status()["events"])

@@ -132,6 +132,16 @@ class ResidualAdapter:
         self.num_skipped += 1
         return ResidualUpdate(False, reason)
 
+    def load_weights(self, w) -> None:
+        """Set the weights and bias (``NUM_FEATURES + 1`` finite values, bias last): a restart
+        resumes what the adapter had learned (`SmartAllocator.restore`)."""
+        a = np.asarray(w, dtype=np.float64)
+        if a.shape != self._w.shape or not np.isfinite(a).all():
+            raise ValueError(f"residual weights: {self._w.shape[0]} finite values expected")
+        self._w[:] = a
+        self._w32[:] = a[:-1]
+        self._b = float(a[-1])
+
     def reset(self, reason: str = "reset") -> None:
         self._w[:] = 0.0
         self._w32[:] = 0.0

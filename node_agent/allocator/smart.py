@@ -4,6 +4,7 @@ operator's override)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,10 @@ class PolicySwap:
     policy_id: str
     providers: list[str]
     now_s: float | None
+
+
+#: the format of `SmartAllocator.snapshot`
+SNAPSHOT_VERSION = 1
 
 
 class SmartAllocator:
@@ -218,6 +223,39 @@ class SmartAllocator:
         return ra.update(d.features, d.residual, outcome)
 
     # ---- reporting
+    # ---- what a restart resumes from
+    def snapshot(self) -> dict:
+        """The state a restarted node resumes from (`restore`): the split in force, the base
+        policy's id, the residual adapter's weights and the tuner's offset. The burst detector's
+        baselines are not kept: a restart learns them again within its warm-up."""
+        return {"version": SNAPSHOT_VERSION, "emb_share": self._share,
+                "policy_id": self._policy.policy_id if self._policy is not None else None,
+                "residual_weights": [float(v) for v in self.residual._w], "tuner_offset": float(self.tuner.offset)}
+
+    def restore(self, snap: dict) -> str:
+        """Resume from a `snapshot` (ValueError for one that is malformed): the split always, the
+        residual weights and the tuner offset only when the same base policy is loaded (they
+        corrected that policy). Returns what was restored, in words."""
+        if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"allocator snapshot: version {SNAPSHOT_VERSION} expected")
+        share = snap.get("emb_share")
+        if share is not None and not (isinstance(share, (int, float)) and 0.0 <= float(share) <= 1.0):
+            raise ValueError(f"allocator snapshot: emb_share {share!r} is not in [0, 1]")
+        offset = snap.get("tuner_offset", 0.0)
+        if not (isinstance(offset, (int, float)) and math.isfinite(offset) and abs(offset) <= 1.0):
+            raise ValueError(f"allocator snapshot: tuner_offset {offset!r} is not in [-1, 1]")
+        same = self._policy is not None and snap.get("policy_id") == self._policy.policy_id
+        if same:
+            self.residual.load_weights(snap.get("residual_weights"))
+            self.tuner.offset = float(offset)
+        if share is not None:
+            self._share = float(share)
+        said = "none" if share is None else f"{float(share):.4f}"
+        return (f"emb_share {said}" + (f", residual weights and tuner offset {float(offset):+.3f} (policy "
+                                       f"{snap.get('policy_id')})" if same else
+                                       f"; residual and tuner start afresh (they corrected policy "
+                                       f"{snap.get('policy_id')}, this node runs another)"))
+
     def state(self) -> dict:
         ov = self._override
         return {
