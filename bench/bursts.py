@@ -13,7 +13,9 @@ Labels: each gateway interval takes the regime most of its requests named; conse
 labelled ``burst`` are one burst phase. A detection is *true* when it starts inside a burst
 phase, or at most ``--lag-s`` (default 3: one control interval to close, one report) after its
 end; ``precision`` = true detections / detections (every node's detection counts); ``recall`` =
-burst phases with at least one true detection / burst phases. Prints one JSON object
+burst phases with at least one true detection / burst phases; ``time_precision`` = the share of
+the time the charts shade as a burst (each detection from its start to its end) that lies in a
+burst phase (+ the lag). Prints one JSON object
 (``{"precision": .., "recall": .., "detections": .., "burst_phases": .., "rule": ..}``).
 """
 
@@ -96,7 +98,16 @@ def score(intervals, bursts: list[dict], lag_s: float) -> dict:
         label = next((r for a, e, r in intervals if a <= b["start_s"] <= e), "after the load")
         if b not in true:
             by_label[label] = by_label.get(label, 0) + 1
+    # the time the charts shade: each detection from its start to its end (the load's end while open)
+    shaded = inside = 0.0
+    for b in seen:
+        a, e = b["start_s"], min(b["end_s"] if b["end_s"] is not None else last, last)
+        shaded += max(0.0, e - a)
+        inside += sum(max(0.0, min(e, pe + lag_s) - max(a, pa)) for pa, pe in phases)
     return {"precision": round(len(true) / len(seen), 3) if seen else None,
+            "time_precision": round(inside / shaded, 3) if shaded else None,
+            "median_burst_s": round(sorted(max(0.0, (b["end_s"] or last) - b["start_s"]) for b in seen)[len(seen) // 2],
+                                    1) if seen else None,
             "recall": round(len(found) / len(phases), 3) if phases else None,
             "detections": len(seen), "true_detections": len(true), "burst_phases": len(phases),
             "burst_phases_detected": len(found), "false_detections_by_phase": by_label,

@@ -130,7 +130,7 @@ class RecoveryConfig:
     Ratios compare the interval with slow EWMA baselines (time constant ``baseline_tau_s``, frozen
     during a burst). Enter when rate ratio >= ``enter_rate_ratio`` AND hot-user ratio ratio >=
     ``enter_hot_ratio`` (a spike of hot-user requests; not before ``warmup_s`` of baseline). Exit
-    when both are <= their ``exit_*`` thresholds (lower than the enter ones: hysteresis) on every
+    when either is <= its ``exit_*`` threshold (lower than the enter ones: hysteresis) on every
     interval for ``exit_confirm_s``, and at least ``min_hold_s`` after entry; a burst longer than
     ``max_burst_s`` is a new regime: the baselines jump to the current values and control returns.
     In a burst emb_share is capped at (split at entry - ``kv_shift``).

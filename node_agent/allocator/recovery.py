@@ -41,8 +41,8 @@ class RecoveryController:
     - idle windows (`idle`: under ``rate_floor_rps``, or nothing served) are skipped outside a
       burst: they neither seed nor move the baselines and do not count toward the warmup;
     - phase ``warmup`` until ``warmup_s`` of baseline exist; ``normal`` -> ``burst`` when both ratios
-      reach their enter thresholds; ``burst`` -> ``normal`` (hand back) when both ratios are at or
-      below the exit thresholds on every interval for ``exit_confirm_s``, and ``min_hold_s`` has
+      reach their enter thresholds; ``burst`` -> ``normal`` (hand back) when either ratio is at or
+      below its exit threshold on every interval for ``exit_confirm_s``, and ``min_hold_s`` has
       passed since entry; or after ``max_burst_s`` (a lasting shift, not a burst: the baselines
       are set to the current values);
     - in a burst the cap is ``max(0, entry_emb_share - kv_shift)`` with ``entry_emb_share`` the
@@ -110,7 +110,9 @@ class RecoveryController:
         self.hot_ratio = hot_ratio = hot_user_ratio / hb
         if self.phase == "burst":
             held = now_s - self.burst_started_s
-            below = rate_ratio <= c.exit_rate_ratio and hot_ratio <= c.exit_hot_ratio
+            # a burst is both at once (more requests, and more of them from hot users): it is over
+            # when either is back, so the time after the burst is not shaded as one
+            below = rate_ratio <= c.exit_rate_ratio or hot_ratio <= c.exit_hot_ratio
             if not below:
                 self._below_since_s = None
             elif self._below_since_s is None:
