@@ -145,6 +145,9 @@ class ControlPlaneClient:
     def policies(self, token: str) -> list[dict]:
         return self.get("/policies", token)
 
+    def models(self, token: str) -> list[dict]:
+        return self.get("/models", token)
+
     def rollouts(self, token: str) -> list[dict]:
         return self.get("/rollouts", token)
 

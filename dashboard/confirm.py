@@ -41,7 +41,8 @@ def run_action(client, tok: str, pending: dict) -> str:
         return f"policy {p['version']} is {p['status']}: every node loads it"
     if kind == "rollout":
         r = client.start_rollout(tok, **pending["payload"])
-        return f"rollout #{r['id']} of {r['policy_version']} started ({r['state']})"
+        what = f"model {(r.get('model_version') or '')[:12]}" if r.get("kind") == "model" else r["policy_version"]
+        return f"rollout #{r['id']} of {what} started ({r['state']})"
     r = client.rollout_action(tok, pending["id"], pending["action"],
                               pending.get("reason") or f"{pending['action']} from the dashboard")
     return f"rollout #{r['id']}: {pending['action']} → {r['state']}"

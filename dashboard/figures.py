@@ -512,13 +512,17 @@ def router_weights_figure(history: Sequence[Mapping], field: str = "service_time
 
 
 def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
-                   target: float | None = None) -> go.Figure:
-    """Canary vs baseline per evaluation window: P99 (ms, top) and SLO attainment (%, bottom).
+                   target: float | None = None, kind: str = "policy") -> go.Figure:
+    """Canary vs baseline per evaluation window: P99 (ms, top) and SLO attainment (%, bottom);
+    for a model rollout (``kind`` "model") the bottom panel is the online model quality its
+    judge reads (HR@k of the users' next items, %).
 
-    ``windows``: ``[{"t_s", "group": "canary"|"baseline", "p99_ms", "slo_attainment"}]``.
+    ``windows``: ``[{"t_s", "group": "canary"|"baseline", "p99_ms", "slo_attainment", "model_quality"}]``.
     """
+    model = kind == "model"
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=("P99 latency per window", "SLO attainment per window"))
+                        subplot_titles=("P99 latency per window", "model quality per window (judged)" if model
+                                        else "SLO attainment per window"))
     colors = {"canary": "#d62728", "baseline": "#1f77b4"}
     for group in ("baseline", "canary"):
         rows = sorted((w for w in windows if w.get("group") == group), key=lambda w: w["t_s"])
@@ -526,20 +530,22 @@ def rollout_figure(windows: Sequence[Mapping], slo_ms: float | None = None,
         fig.add_trace(go.Scatter(x=xs, y=_clean(w.get("p99_ms") for w in rows), mode="lines+markers",
                                    name=f"{group} P99", line=dict(color=colors[group]), legendgroup=group),
                       row=1, col=1)
-        att = [None if v is None else 100 * v for v in _clean(w.get("slo_attainment") for w in rows)]
-        fig.add_trace(go.Scatter(x=xs, y=att, mode="lines+markers", name=f"{group} attainment",
-                                   line=dict(color=colors[group], dash="dot"), legendgroup=group),
+        field = "model_quality" if model else "slo_attainment"
+        att = [None if v is None else 100 * v for v in _clean(w.get(field) for w in rows)]
+        fig.add_trace(go.Scatter(x=xs, y=att, mode="lines+markers",
+                                 name=f"{group} {'quality' if model else 'attainment'}",
+                                 line=dict(color=colors[group], dash="dot"), legendgroup=group),
                       row=2, col=1)
     if slo_ms is not None:
         fig.add_hline(y=slo_ms, line=dict(color="#555", dash="dash"), row=1, col=1,
                       annotation_text=f"SLO {slo_ms:g} ms", annotation_position="top left")
-    if target is not None:
+    if target is not None and not model:
         fig.add_hline(y=100 * target, line=dict(color="#555", dash="dash"), row=2, col=1,
                       annotation_text=f"target {100 * target:g}%", annotation_position="bottom left")
     fig.update_layout(title=dict(text="Rollout: canary vs baseline", x=0.01, font=dict(size=14)),
                       **{**_LAYOUT, "height": 460, "hovermode": "x unified"})
     fig.update_yaxes(title_text="P99 (ms)", row=1, col=1)
-    fig.update_yaxes(title_text="within SLO (%)", row=2, col=1)
+    fig.update_yaxes(title_text="HR@k of next items (%)" if model else "within SLO (%)", row=2, col=1)
     fig.update_xaxes(title_text="time (UTC)", type="date", row=2, col=1)
     fig.update_xaxes(type="date", row=1, col=1)
     ts = [w["t_s"] for w in windows]

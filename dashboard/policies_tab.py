@@ -8,11 +8,13 @@ the current rollout's live state with only the valid actions enabled.
   plane's reason.
 - **Activate**: select a registry row, give a reason, confirm: ``POST /policies/{v}/activate``
   (every node loads it; refused while a rollout is open).
-- **Start a rollout**: a candidate must be chosen (a message says so otherwise); refused while
-  another rollout is open (the button is disabled then).
-- **Current rollout**: the state badge, the judge's verdict (only while the rollout is open),
-  the per-metric judgement, the nodes with their role, what they confirmed, and the policy each
-  one *runs now* (from the nodes' own reports, so it is fresh after a rollback). Promote / Pause /
+- **Start a rollout**: a candidate must be chosen (a message says so otherwise): a registered
+  policy, or a model checkpoint from the model registry (``racer model push``), which the control
+  plane judges on the nodes' online quality; refused while another rollout is open (the button is
+  disabled then).
+- **Current rollout** (the newest, policy or model): the state badge, the judge's verdict (only
+  while the rollout is open), the per-metric judgement, the nodes with their role, what they
+  confirmed, and the policy (or checkpoint) each one *runs now* (from the nodes' own reports, so it is fresh after a rollback). Promote / Pause /
   Resume / Roll back are enabled only in the states the control plane accepts them in
   (`dashboard.details.ROLLOUT_ACTIONS`); a finished rollout has every one disabled.
 
@@ -77,7 +79,7 @@ def layout(viewer: bool, graph, grid, col, time_col) -> html.Div:
         dbc.Card(dbc.CardBody([
             html.H6("Start a rollout"),
             dbc.Row([
-                dbc.Col([dbc.Label("candidate policy", html_for="ro-policy"),
+                dbc.Col([dbc.Label("candidate policy or model", html_for="ro-policy"),
                          dcc.Dropdown(id="ro-policy", placeholder="version")], lg=3),
                 dbc.Col([dbc.Label("canary fraction (0-1]", html_for="ro-fraction"),
                          dbc.Input(id="ro-fraction", type="number", value=0.25, min=0.01, max=1, step=0.05)], lg=2),
@@ -106,25 +108,46 @@ def layout(viewer: bool, graph, grid, col, time_col) -> html.Div:
     ], className="pt-2")
 
 
+def candidate_of(ro: dict) -> str:
+    """What a rollout rolls out, in words: ``policy V`` or ``model <digest's first 12>``."""
+    if ro.get("kind") == "model":
+        return f"model {(ro.get('model_version') or '')[:12]}"
+    return f"policy {ro.get('policy_version')}"
+
+
 def rollout_windows(rows: list[dict], rollout: dict, step_s: float) -> list[dict]:
-    """Per bucket: canary vs baseline P99 (median over nodes) and SLO attainment (mean), from the
-    node reports since the rollout's bake started, grouped by the policy version each node ran."""
-    cand, base = rollout.get("policy_version"), rollout.get("baseline_version")
+    """Per bucket: canary vs baseline P99 (median over nodes), SLO attainment and model quality
+    (means), from the node reports since the rollout's bake started, grouped by what each node
+    ran (its policy version; for a model rollout, the checkpoint it served)."""
+    model = rollout.get("kind") == "model"
+    key = "model_digest" if model else "policy_version"
+    cand = rollout.get("model_version") if model else rollout.get("policy_version")
+    base = rollout.get("baseline_version")
     since = rollout.get("bake_started_s") or rollout.get("created_at_s") or 0.0
     groups: dict[tuple[str, float], list[dict]] = {}
     for r in rows:
         if r["ts_s"] < since:
             continue
-        g = "canary" if r.get("policy_version") == cand else "baseline" if r.get("policy_version") == base else None
+        g = "canary" if r.get(key) == cand else "baseline" if r.get(key) == base else None
         if g:
             groups.setdefault((g, math.floor(r["ts_s"] / step_s) * step_s), []).append(r)
     out = []
     for (g, t), rs in sorted(groups.items(), key=lambda kv: kv[0][1]):
         p99 = sorted(r["p99_ms"] for r in rs if r.get("p99_ms") is not None)
         att = [r["slo_attainment"] for r in rs if r.get("slo_attainment") is not None]
+        q = [r["model_quality"] for r in rs if r.get("model_quality") is not None]
         out.append({"t_s": t, "group": g, "p99_ms": p99[len(p99) // 2] if p99 else None,
-                    "slo_attainment": sum(att) / len(att) if att else None, "n": len(rs)})
+                    "slo_attainment": sum(att) / len(att) if att else None,
+                    "model_quality": sum(q) / len(q) if q else None, "n": len(rs)})
     return out
+
+
+def running(node: dict, ro: dict | None) -> str:
+    """What a rollout's node runs now, from its own reports: its policy, or for a model rollout the
+    checkpoint it serves."""
+    if ro and ro.get("kind") == "model":
+        return (node.get("model_version") or node.get("model_digest") or "–")[:12]
+    return node.get("policy_version") or "–"
 
 
 def current_rollout(client: ControlPlaneClient, tok: str) -> dict | None:
@@ -157,8 +180,10 @@ def rollout_card(ro: dict | None):
     else:
         info = f"  ended {_t(ro.get('updated_at_s'))} UTC"
         why = ro.get("reason") or ""
-    head = html.Div([html.Span(f"#{ro['id']} policy {ro['policy_version']} (baseline {ro.get('baseline_version') or '–'}) ",
-                               className="me-2"),
+    base = ro.get("baseline_version") or "–"
+    base = base[:12] if ro.get("kind") == "model" else base
+    head = html.Div([html.Span(f"#{ro['id']} {candidate_of(ro)} (baseline {base}) ", className="me-2",
+                               id="ro-candidate"),
                      dbc.Badge(ro["state"], id="ro-state", color=color),
                      html.Span(info, className="ms-3 small", id="ro-verdict")])
     rows = [html.Tr([html.Th(h) for h in ("metric", "verdict", "n canary", "n baseline", "median canary",
@@ -248,9 +273,14 @@ def ask_activate(selected, pol_reason) -> dict:
                     f"Reason: {pol_reason.strip()}")
 
 
+#: the value a model checkpoint has among the rollout's candidates (policies are their version)
+MODEL_PREFIX = "model:"
+
+
 def ask_start(ro_policy, ro_fraction, ro_bake, ro_min, ro_reason) -> dict:
     if not ro_policy:
-        return _refused("choose a candidate policy first (upload one above if the list is empty)", "")
+        return _refused("choose a candidate policy or model first (upload a policy above, or `racer model push` a "
+                        "checkpoint, if the list is empty)", "")
     try:
         fraction = float(ro_fraction if ro_fraction is not None else 0.25)
         bake = float(ro_bake if ro_bake is not None else ROLLOUT_DEFAULTS.bake_time_s)
@@ -266,10 +296,15 @@ def ask_start(ro_policy, ro_fraction, ro_bake, ro_min, ro_reason) -> dict:
         problems.append("min samples must be >= 3")
     if problems:
         return _refused("; ".join(problems), "")
-    payload = {"policy_version": ro_policy, "canary_fraction": fraction, "bake_time_s": bake,
+    model = str(ro_policy).startswith(MODEL_PREFIX)
+    which = ({"kind": "model", "model_version": str(ro_policy)[len(MODEL_PREFIX):]} if model
+             else {"policy_version": ro_policy})
+    payload = {**which, "canary_fraction": fraction, "bake_time_s": bake,
                "min_samples": min_samples, "reason": (ro_reason or "").strip() or "rollout from dashboard"}
+    what = f"model {str(ro_policy)[len(MODEL_PREFIX):][:12]} (judged on its online quality)" if model \
+        else f"policy {ro_policy}"
     return _confirm({"kind": "rollout", "payload": payload},
-                    f"Start a rollout of policy {ro_policy} to {100 * fraction:g}% of nodes (bake {bake:g} s)?")
+                    f"Start a rollout of {what} to {100 * fraction:g}% of nodes (bake {bake:g} s)?")
 
 
 #: rollout actions that change what the fleet runs: a reason is required, as for activate, override and retire
@@ -289,7 +324,7 @@ def ask_rollout_action(client: ControlPlaneClient, tok: str, action: str, reason
         return _refused(f"cannot {action}: the rollout is {state}", "")
     return _confirm({"kind": "rollout_action", "id": ro["id"], "action": action,
                      "reason": reason or f"{action} from the dashboard"},
-                    f"{action.capitalize()} rollout #{ro['id']} (policy {ro['policy_version']}, now {ro['state']})?"
+                    f"{action.capitalize()} rollout #{ro['id']} ({candidate_of(ro)}, now {ro['state']})?"
                     + (f" Reason: {reason}" if reason else ""))
 
 
@@ -327,7 +362,7 @@ def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_ta
         since = max(now - range_s, ro.get("bake_started_s") or ro.get("created_at_s") or 0.0)
         until = ro.get("updated_at_s") if ro.get("state") not in D.OPEN_ROLLOUT_STATES else None
         rows = client.history(tok, start_s=since, end_s=None if until is None else until + step, limit=100_000)
-        return F.rollout_figure(rollout_windows(rows, ro, step), slo_ms, slo_target)
+        return F.rollout_figure(rollout_windows(rows, ro, step), slo_ms, slo_target, kind=ro.get("kind") or "policy")
 
     @app.callback(output={**TABLE_OUTPUTS, "keys": Output("pol-keys", "data")},
                   inputs=dict(tab=Input("tabs", "value"), _tick=Input("tick-go", "data"),
@@ -346,14 +381,17 @@ def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_ta
         keys = dict(keys or {}) if ticking else {}
         try:
             pols = client.policies(tok)
+            models = client.models(tok)
             ro = current_rollout(client, tok)
             nodes = {n["node_id"]: n for n in client.nodes(tok)}
         except (Unavailable, ApiError):
             return dict(out, keys=no_update)
         out.update(registry=registry_rows(pols), card=rollout_card(ro),
                    candidates=[{"label": f"{p['version']} ({p['status']})", "value": p["version"]} for p in pols
-                               if p["status"] != "active"],
-                   ro_nodes=[{**dict(n), "running": (nodes.get(n["node_id"]) or {}).get("policy_version") or "–"}
+                               if p["status"] != "active"]
+                   + [{"label": f"model {m['version'][:12]} ({m['status']})", "value": MODEL_PREFIX + m["version"]}
+                      for m in models if m["status"] != "active"],
+                   ro_nodes=[{**dict(n), "running": running(nodes.get(n["node_id"]) or {}, ro)}
                              for n in (ro or {}).get("nodes", [])])
         if not ticking or (ro and ro["state"] in D.OPEN_ROLLOUT_STATES):
             try:

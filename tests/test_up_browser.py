@@ -3,7 +3,9 @@ dashboard in headless Chromium (Playwright, Debian's /usr/bin/chromium) signed i
 operator token `racer up` printed. It must show live EMB/KV splits of the four nodes, burst
 periods and SLO attainment, what clients see beside the nodes' own; then an operator uploads a
 policy, activates it, rolls out the candidate `racer up` registered and rolls it back, and opens
-one decision's drill-down; any console error fails it. The seconds from the command to each of them are printed and saved
+one decision's drill-down; then a far worse model (random weights) is pushed and rolled out from
+the dashboard, judged on the nodes' online quality and rolled back by the control plane by itself,
+shown with its own controls; any console error fails it. The seconds from the command to each of them are printed and saved
 with the screenshots under the test's temporary folder (``up-shots/``): a figure, not an assert
 (the machine is shared); the assert allows 240 s.
 
@@ -31,7 +33,7 @@ CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--no-first-run", "--disable-quic"]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 _MISSING = {"control-plane", "gateway", "dashboard"} - set(available_commands())
 
 
@@ -72,7 +74,7 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
     shots.mkdir()
     t0 = time.monotonic()
     # the README's first command after the install step (a fresh data folder: nothing measured yet)
-    cmd = [sys.executable, "-m", "racer", "up", "--data-dir", str(data), "--duration", "600", "--dashboard-port",
+    cmd = [sys.executable, "-m", "racer", "up", "--data-dir", str(data), "--duration", "900", "--dashboard-port",
            "0", "--json"]
     err = open(tmp_path / "up.err", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -153,6 +155,8 @@ def test_readme_first_command_shows_live_splits_bursts_and_slo_in_the_dashboard(
             page.screenshot(path=str(shots / "overview_with_burst.png"), full_page=True)
             _policy_path_and_a_drill_down(page, tmp_path / "up.err", token, shots)
             mark("policy_rolled_back_s")
+            _a_worse_model_is_rolled_back_on_quality(page, tmp_path, token, shots)
+            mark("model_rolled_back_s")
             browser.close()
             assert not console, "\n".join(console)
     finally:
@@ -229,6 +233,65 @@ def _policy_path_and_a_drill_down(page, up_err: Path, token: str, shots: Path) -
         assert section in body, body[:2000]
     page.screenshot(path=str(shots / "decision_drill_down.png"), full_page=True)
     page.keyboard.press("Escape")
+
+
+def _a_worse_model_is_rolled_back_on_quality(page, tmp_path: Path, token: str, shots: Path) -> None:
+    """A checkpoint with random weights for the shipped model's items and config (its HR@10 far
+    below the shipped one's), pushed to the registry; rolled out from the Policies tab to half the
+    nodes; while it bakes its Roll back is enabled; the judge reads the nodes' model quality and
+    rolls it back by itself: the panel says model and rolled_back, every action disabled."""
+    import httpx
+    import torch
+
+    from control_plane.artifacts import pack_artifact
+    from node_agent.model import HSTUModel
+    from node_agent.model.checkpoint import load_checkpoint, save_checkpoint
+    from node_agent.registry_client import CHECKPOINT_FILES
+    from node_agent.model.shipped import resolve_model
+
+    from .test_dashboard_browser import ROLLOUT_BUTTONS, choose, click_tab, wait_disabled, wait_text
+
+    shipped = load_checkpoint(resolve_model("auto", "taobao", None))
+    torch.manual_seed(7)
+    worse = save_checkpoint(tmp_path / "worse-model", HSTUModel(shipped.config),
+                            torch.randn(len(shipped.item_keys), shipped.config.embedding_dim), shipped.item_keys,
+                            trace={"path": "random weights: a model far worse than the shipped one"})
+    cp = next(line.split()[4] for line in (tmp_path / "up.err").read_text().splitlines()
+              if line.startswith("racer up: control plane http"))
+    auth = {"Authorization": f"Bearer {token}"}
+    body = pack_artifact({f: (tmp_path / "worse-model" / f).read_bytes() for f in CHECKPOINT_FILES
+                          if (tmp_path / "worse-model" / f).exists()})
+    r = httpx.post(f"{cp}/api/v1/models", content=body, headers={**auth, "Content-Type": "application/x-tar"},
+                   timeout=120)
+    assert r.status_code in (200, 201), r.text[:500]
+    digest = worse["digest"]
+    click_tab(page, "Policies")
+    choose(page, "ro-policy", f"model {digest[:12]}")
+    page.fill("#ro-fraction", "0.5")
+    page.fill("#ro-bake", "120")
+    page.fill("#ro-min", "5")
+    page.fill("#ro-reason", "racer up browser test: a worse model")
+    page.click("#btn-ro-start")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    assert "judged on its online quality" in page.inner_text("#confirm-modal")
+    page.click("#btn-confirm")
+    wait_text(page, "action-result", "started")
+    wait_text(page, "ro-candidate", f"model {digest[:12]}", timeout_s=30)
+    wait_disabled(page, ("#btn-ro-rollback", "#btn-ro-promote"), disabled=False, timeout_s=30)  # its own controls
+    page.screenshot(path=str(shots / "model_rollout_baking.png"), full_page=True)
+    deadline = time.monotonic() + 300
+    ro = None
+    while time.monotonic() < deadline:
+        ro = max(httpx.get(f"{cp}/api/v1/rollouts", headers=auth, timeout=30).json(), key=lambda x: x["id"])
+        if ro["state"] not in ("pending", "baking"):
+            break
+        time.sleep(3)
+    assert ro is not None and ro["kind"] == "model" and ro["state"] == "rolled_back", ro
+    judged = {j["metric"]: j["verdict"] for j in (ro.get("verdict") or {}).get("judgements") or []}
+    assert judged.get("model_quality") == "fail", ro.get("verdict")
+    wait_text(page, "ro-state", "rolled_back", timeout_s=30)
+    wait_disabled(page, ROLLOUT_BUTTONS, timeout_s=30)
+    page.screenshot(path=str(shots / "model_rolled_back.png"), full_page=True)
 
 
 def _wait(pred, t0: float, limit_s: float, what: str) -> None:
