@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     out = {**score(intervals, bursts, args.lag_s),
            "rule": (f"enter when the interval's arrival rate >= {c.enter_rate_ratio:g}x and its hot-user share >= "
                     f"{c.enter_hot_ratio:g}x their baselines (EWMAs, tau {c.baseline_tau_s:g} s, updated outside "
-                    f"bursts); exit below {c.exit_rate_ratio:g}x / {c.exit_hot_ratio:g}x for {c.exit_confirm_s:g} s "
-                    f"after {c.min_hold_s:g} s"),
+                    f"bursts); exit when either is at or below {c.exit_rate_ratio:g}x / {c.exit_hot_ratio:g}x for "
+                    f"{c.exit_confirm_s:g} s, at least {c.min_hold_s:g} s after entry, or after {c.max_burst_s:g} s"),
            "duration_s": args.duration if report is not None else None, "seed": args.seed,
            "requests_served": (report or {}).get("requests_served"), "wall_s": round(time.monotonic() - t0, 1)}
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))

@@ -23,6 +23,9 @@ For each metric the verdict is
   difference must be both real and large enough to matter. ``alpha`` is shared by the judged
   metrics (Bonferroni: each is tested at ``alpha / number of metrics``), so a canary no different from the baseline is failed with probability
   at most ``alpha``;
+- ``inconclusive`` too when the canary is worse by more than the guardrail but not significantly
+  (a regression is never passed for want of windows): the bake goes on for them, up to
+  ``max_bake_factor`` times ``bake_time_s``;
 - ``pass`` otherwise.
 
 The rollout's verdict is the worst of the metrics' (fail > inconclusive > pass, as Argo Rollouts
@@ -108,7 +111,10 @@ class RolloutConfig:
     - ``max_failed_canary_fraction``: the largest fraction of canary nodes that may fail to load the
       candidate before the rollout is rolled back (0: any load failure rolls back);
     - ``max_model_quality_drop``: the largest tolerated fall of the canary's mean window model
-      quality below the baseline's (absolute, quality is in [0, 1]; model rollouts only).
+      quality below the baseline's (absolute, quality is in [0, 1]; model rollouts only);
+    - ``max_bake_factor``: while the canary is worse past a guardrail but not significantly (a
+      pass would ship a regression, a pause would wait for an operator), the bake goes on, up to
+      ``bake_time_s`` times this, judged again every period; then it pauses.
     """
 
     bake_time_s: float = ranged(300.0, lo=0)
@@ -119,6 +125,7 @@ class RolloutConfig:
     load_timeout_s: float = ranged(120.0, lo=0)
     max_failed_canary_fraction: float = ranged(0.0, lo=0, hi=1)
     max_model_quality_drop: float = ranged(0.02, lo=0, hi=1)
+    max_bake_factor: float = ranged(4.0, lo=1)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -261,6 +268,9 @@ class MetricJudgement:
     change: float | None  # p99_ms: relative change of the medians in %; the others: drop of the means
     p_value: float | None  # one-sided, "canary worse"
     u: float | None
+    #: inconclusive because the canary is worse past the guardrail but not yet significantly:
+    #: the bake goes on (up to ``bake_time_s * max_bake_factor``) for the windows that decide it
+    worse_unproven: bool = False
 
 
 @dataclass(frozen=True)
@@ -346,9 +356,12 @@ def judge_metric(metric: str, canary: Sequence[float], baseline: Sequence[float]
     if significant and big:
         return MetricJudgement(verdict=Verdict.FAIL, **base, **figs_all,
                                reason=f"{metric}: canary worse: {effect}; {sig}; n={len(c)}/{len(b)}")
-    why = "not significant" if not significant else "within the guardrail"
+    if big:  # worse by more than the guardrail, not significant yet: never a pass
+        return MetricJudgement(verdict=Verdict.INCONCLUSIVE, **base, **figs_all, worse_unproven=True,
+                               reason=f"{metric}: canary worse past the guardrail but not significant yet: {effect}; "
+                                      f"{sig}; n={len(c)}/{len(b)}")
     return MetricJudgement(verdict=Verdict.PASS, **base, **figs_all,
-                           reason=f"{metric}: {why}: {effect}; {sig}; n={len(c)}/{len(b)}")
+                           reason=f"{metric}: within the guardrail: {effect}; {sig}; n={len(c)}/{len(b)}")
 
 
 def judge(canary: WindowSamples, baseline: WindowSamples, config: RolloutConfig,
@@ -418,6 +431,11 @@ def evaluate_rollout(stats: RolloutStats, now_s: float, config: RolloutConfig | 
                              bake_elapsed_s=elapsed, **common)
     verdict, js = judge(stats.canary, stats.baseline, config, stats.metrics)
     detail = "; ".join(j.reason for j in js if j.verdict is verdict)
+    longest = config.bake_time_s * config.max_bake_factor
+    if verdict is Verdict.INCONCLUSIVE and elapsed < longest and all(
+            j.worse_unproven for j in js if j.verdict is Verdict.INCONCLUSIVE):
+        return RolloutAction(Action.WAIT, None, f"baking on ({elapsed:.0f} s of at most {longest:g} s): {detail}",
+                             judgements=js, bake_elapsed_s=elapsed, **common)
     action = {Verdict.PASS: Action.PROMOTE, Verdict.FAIL: Action.ROLLBACK, Verdict.INCONCLUSIVE: Action.PAUSE}[verdict]
     return RolloutAction(action, verdict, f"{verdict.value}: {detail}", judgements=js, bake_elapsed_s=elapsed, **common)
 

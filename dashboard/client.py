@@ -149,7 +149,8 @@ class ControlPlaneClient:
         return self.get("/models", token)
 
     def rollouts(self, token: str) -> list[dict]:
-        return self.get("/rollouts", token)
+        """Every kind's rollouts (policies and models), newest first."""
+        return self.get("/rollouts", token, kind="all")
 
     def rollout(self, token: str, rollout_id: int) -> dict:
         return self.get(f"/rollouts/{int(rollout_id)}", token)

@@ -82,7 +82,7 @@ def layout(viewer: bool, graph, grid, col, time_col) -> html.Div:
                 dbc.Col([dbc.Label("candidate policy or model", html_for="ro-policy"),
                          dcc.Dropdown(id="ro-policy", placeholder="version")], lg=3),
                 dbc.Col([dbc.Label("canary fraction (0-1]", html_for="ro-fraction"),
-                         dbc.Input(id="ro-fraction", type="number", value=0.25, min=0.01, max=1, step=0.05)], lg=2),
+                         dbc.Input(id="ro-fraction", type="number", value=0.25, min=0.01, max=1, step=0.01)], lg=2),
                 dbc.Col([dbc.Label("bake time (s)", html_for="ro-bake"),
                          dbc.Input(id="ro-bake", type="number", value=ROLLOUT_DEFAULTS.bake_time_s, min=0)], lg=2),
                 dbc.Col([dbc.Label("min samples", html_for="ro-min"),

@@ -130,6 +130,7 @@ def read_or_create_secret(path: Path, prefix: str) -> str:
         if text:
             return text
     secret = prefix + secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, secret + "\n", mode=0o600)
     return secret
 

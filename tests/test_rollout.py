@@ -159,12 +159,24 @@ def test_significant_but_within_the_guardrail_passes():
     assert j.verdict is Verdict.PASS and "within the guardrail" in j.reason
 
 
-def test_large_but_not_significant_passes():
+def test_large_but_not_significant_is_never_a_pass_and_the_bake_goes_on_for_it():
+    """A random-weights model once reached promoted: its quality 0.115 against 0.246, a drop past
+    the guardrail, was not significant on 13 windows (p 0.115) and so passed. A change past the
+    guardrail that is not yet significant is inconclusive; the bake goes on (the judge asks again
+    each period) up to max_bake_factor times bake_time_s, then pauses for an operator."""
     base = [10.0 * k for k in range(1, 11)]  # median 55
     canary = [b + 8.0 for b in base]  # median 63: +14.5 %, but U = 55 of 100 pairs
     j = judge_metric("p99_ms", canary, base, CFG)
     assert j.u == 55.0 and j.change == pytest.approx(8 / 55 * 100)
-    assert j.p_value > 0.05 and j.verdict is Verdict.PASS and "not significant" in j.reason
+    assert j.p_value > 0.05 and j.verdict is Verdict.INCONCLUSIVE and j.worse_unproven
+    assert "past the guardrail but not significant yet" in j.reason
+    same = WindowSamples(slo_attainment=[0.99] * 10, p99_ms=base)
+    worse = WindowSamples(slo_attainment=[0.99] * 10, p99_ms=canary)
+    longest = CFG.bake_time_s * CFG.max_bake_factor
+    a = evaluate_rollout(baking(worse, same), 10.0 + CFG.bake_time_s + 1.0, CFG)  # the bake began at 10 s
+    assert a.action is Action.WAIT and "baking on" in a.reason
+    a = evaluate_rollout(baking(worse, same), 10.0 + longest + 1.0, CFG)
+    assert (a.action, a.verdict) == (Action.PAUSE, Verdict.INCONCLUSIVE)
 
 
 def test_no_traffic_is_inconclusive_and_pauses():

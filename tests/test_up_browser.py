@@ -279,14 +279,18 @@ def _a_worse_model_is_rolled_back_on_quality(page, tmp_path: Path, token: str, s
     wait_text(page, "ro-candidate", f"model {digest[:12]}", timeout_s=30)
     wait_disabled(page, ("#btn-ro-rollback", "#btn-ro-promote"), disabled=False, timeout_s=30)  # its own controls
     page.screenshot(path=str(shots / "model_rollout_baking.png"), full_page=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 540  # the bake (120 s), and as long again x3 while a regression is unproven
     ro = None
     while time.monotonic() < deadline:
-        ro = max(httpx.get(f"{cp}/api/v1/rollouts", headers=auth, timeout=30).json(), key=lambda x: x["id"])
+        ro = max(httpx.get(f"{cp}/api/v1/rollouts", params={"kind": "all"}, headers=auth, timeout=30).json(),
+                 key=lambda x: x["id"])
         if ro["state"] not in ("pending", "baking"):
             break
         time.sleep(3)
-    assert ro is not None and ro["kind"] == "model" and ro["state"] == "rolled_back", ro
+    assert ro is not None and ro["kind"] == "model" and ro["config"]["canary_fraction"] == 0.5
+    assert ro["state"] == "rolled_back", \
+        (ro and ro["state"], ro and ro.get("reason"), ro and [j.get("reason") for j in (ro.get("verdict") or {}).get(
+            "judgements") or []], ro and ro.get("steps"))
     judged = {j["metric"]: j["verdict"] for j in (ro.get("verdict") or {}).get("judgements") or []}
     assert judged.get("model_quality") == "fail", ro.get("verdict")
     wait_text(page, "ro-state", "rolled_back", timeout_s=30)
