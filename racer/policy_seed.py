@@ -99,15 +99,17 @@ def artifact_tar(artifact_dir: Path) -> bytes:
     return buf.getvalue()
 
 
-def upload(api: str, token: str, artifact_dir: Path, *, timeout_s: float = 60.0) -> str:
-    """Register an artifact (idempotent: a known digest answers 200); returns its version."""
+def upload(api: str, token: str, artifact_dir: Path, *, timeout_s: float = 60.0) -> tuple[str, str]:
+    """Register an artifact (idempotent: a known digest answers 200, with its status now);
+    returns (version, status)."""
     import httpx
 
     r = httpx.post(f"{api}/policies", content=artifact_tar(artifact_dir), timeout=timeout_s,
                    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-tar"})
     if r.status_code not in (200, 201):
         raise RuntimeError(f"POST /policies ({artifact_dir}) answered {r.status_code}: {r.text[:300]}")
-    return str(r.json()["version"])
+    d = r.json()
+    return str(d["version"]), str(d.get("status") or "registered")
 
 
 def seed_policies(cp_url: str, token: str, shipped: Path, data_dir: Path,
@@ -123,7 +125,7 @@ def seed_policies(cp_url: str, token: str, shipped: Path, data_dir: Path,
     api = f"{cp_url}/api/v1"
     t0 = time.monotonic()
     out: dict = {}
-    shipped_version = upload(api, token, shipped)
+    shipped_version, _ = upload(api, token, shipped)
     out["shipped"], out["upload_s"] = shipped_version, round(time.monotonic() - t0, 2)
     out.update(activate_unless_one_is(api, token, "policies", shipped_version,
                                       "racer up: the shipped policy, active from the start"))
@@ -131,12 +133,14 @@ def seed_policies(cp_url: str, token: str, shipped: Path, data_dir: Path,
     candidate_dir = data_dir / "policies" / f"candidate-{shipped_version}"
     manifest = derive_candidate(shipped, candidate_dir)
     out["derive_s"] = round(time.monotonic() - t1, 2)
-    out["candidate"] = upload(api, token, candidate_dir)
+    out["candidate"], status = upload(api, token, candidate_dir)
+    out["candidate_status"] = status
     out["candidate_dir"] = str(candidate_dir)
     out["total_s"] = round(time.monotonic() - t0, 2)
+    ready = ", ready for a rollout from the dashboard's policies tab" if status == "registered" else ""
     log(f"policies: {out['active']} active{' (the shipped one)' if out['active'] == shipped_version else ''}; "
-        f"candidate {out['candidate']} registered ({manifest['derived_from']['change'].split(' (')[0]} of "
-        f"{shipped_version}), ready for a rollout from the dashboard's policies tab ({out['total_s']:g} s)")
+        f"candidate {out['candidate']} {status} ({manifest['derived_from']['change'].split(' (')[0]} of "
+        f"{shipped_version}){ready} ({out['total_s']:g} s)")
     return out
 
 

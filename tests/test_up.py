@@ -581,3 +581,30 @@ def test_a_bad_model_is_refused_before_anything_starts(tmp_path, capsys):
     from racer.up import _validate
 
     _validate(_up_args(model=str(shipped_checkpoint("taobao"))))  # a good one passes
+
+
+def test_a_start_after_the_candidate_was_rolled_back_says_so(tmp_path):
+    """Every start said the candidate was "registered", even after an operator had rolled it
+    back; now the start line gives the candidate's status in the registry."""
+    import httpx
+
+    from racer.policy_seed import seed_policies
+
+    from .cp_util import ControlPlane
+
+    cp = ControlPlane(f"sqlite:///{tmp_path}/cp.db", tmp_path / "cp.log", scheduler=False)
+    try:
+        said: list[str] = []
+        first = seed_policies(cp.base, cp.ADMIN, REPO / "policies" / "default", tmp_path / "data", said.append)
+        assert first["candidate_status"] == "registered" and "ready for a rollout" in said[-1]
+        auth = {"Authorization": f"Bearer {cp.ADMIN}"}
+        ro = httpx.post(f"{cp.base}/api/v1/rollouts", headers=auth, timeout=30,
+                        json={"policy_version": first["candidate"], "reason": "a canary"}).json()
+        r = httpx.post(f"{cp.base}/api/v1/rollouts/{ro['id']}/rollback", headers=auth, timeout=30,
+                       json={"reason": "worse"})
+        assert r.status_code == 200, r.text
+        second = seed_policies(cp.base, cp.ADMIN, REPO / "policies" / "default", tmp_path / "data", said.append)
+        assert second["candidate"] == first["candidate"] and second["candidate_status"] == "rolled_back"
+        assert f"candidate {first['candidate']} rolled_back" in said[-1] and "ready for a rollout" not in said[-1]
+    finally:
+        cp.stop()
