@@ -458,7 +458,7 @@ def test_policy_from_upload_to_rolled_back_and_a_decision_drill_down_without_con
         wait_text(page, "kpi-policy", version, timeout_s=60)
     # a rollout without a candidate says so
     page.click("#btn-ro-start")
-    wait_text(page, "ro-error", "choose a candidate policy first")
+    wait_text(page, "ro-error", "choose a candidate policy or model first")
     assert not page.locator("#confirm-modal .modal-body").is_visible()
     choose(page, "ro-policy", stack.candidate)
     page.fill("#ro-fraction", "0.5")
