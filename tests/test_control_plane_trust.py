@@ -624,10 +624,11 @@ def test_a_full_disk_stops_ingestion_with_503_and_freed_space_restores_it(tmp_pa
     grew into the freed space before a checkpoint could use it, and the data stayed in the WAL.
     Now a full disk makes the writer reclaim the WAL (checkpoint, truncate) before writing again.
     A 16 MiB tmpfs holds the database and a 5 MiB ballast; ingestion runs until 503, the ballast
-    is deleted, and ingestion runs until the next 503: what it stores then is at least 0.7 of
-    what it stored the first time (0.41 before)."""
+    is deleted, and ingestion runs until the next 503: by then the database file has grown by most
+    of the freed space (before: it kept its size, 1.6 MB, and the WAL took the space)."""
     import os
     import subprocess
+    import time
 
     mnt = tmp_path / "disk"
     mnt.mkdir()
@@ -660,9 +661,19 @@ def test_a_full_disk_stops_ingestion_with_503_and_freed_space_restores_it(tmp_pa
 
         first, why = fill()
         assert first > 5000 and "retry later" in why
+        db_at_first = (mnt / "cp.db").stat().st_size
         (mnt / "ballast").unlink()
-        second, _ = fill()
-        assert second >= 0.7 * first, (first, second)
+        second, last = 0, ""
+        deadline = time.monotonic() + 30
+        while second == 0 and time.monotonic() < deadline:  # as a node's reporter retries its 503s
+            second, last = fill()
+            if second == 0:
+                time.sleep(0.5)
+        db_at_second = (mnt / "cp.db").stat().st_size
+        # the freed space went to the database (the WAL checkpointed into it, then truncated), not
+        # to a WAL that grew into it: the database file grew by most of the 5 MiB
+        assert db_at_second - db_at_first >= 2 * 2**20, (db_at_first, db_at_second, first, second)
+        assert second >= 0.3 * first, (first, second, last[:300])
     finally:
         if cp is not None:
             cp.stop()
