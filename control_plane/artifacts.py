@@ -17,6 +17,7 @@ the child starts quickly.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -28,6 +29,8 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from node_agent.registry_client import CHECKPOINT_FILES  # what `racer model push` sends
 
 
 # ------------------------------------------------------------------------------------ policies
@@ -135,24 +138,29 @@ def unpack_artifact(data: bytes, *, max_members: int = MAX_ARTIFACT_MEMBERS,
     return files
 
 
+@contextlib.contextmanager
+def _written(files: dict[str, bytes], prefix: str):
+    """A temporary directory holding ``files``, for a loader that reads a directory; a ValueError
+    raised inside names ``<upload>`` instead of the directory."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        for name, data in files.items():
+            (Path(d) / name).write_bytes(data)
+        try:
+            yield d
+        except ValueError as e:
+            raise ValueError(str(e).replace(d, "<upload>")) from None
+
+
 def verify_files(files: dict[str, bytes]) -> dict:
     """Check an artifact as the node agent does before using it (manifest, sha256, onnx.checker,
     I/O names/shapes/types, golden parity, finite probe outputs); returns the manifest."""
-    from node_agent.allocator import OnnxPolicy, PolicyLoadError
+    from node_agent.allocator import OnnxPolicy
 
-    with tempfile.TemporaryDirectory(prefix="racer-policy-") as d:
-        for name, data in files.items():
-            with open(os.path.join(d, name), "wb") as f:
-                f.write(data)
-        try:
-            pol = OnnxPolicy(d, device="cpu")
-        except PolicyLoadError as e:
-            raise ValueError(str(e).replace(d, "<upload>")) from None
-        return dict(pol.manifest)
+    with _written(files, "racer-policy-") as d:
+        return dict(OnnxPolicy(d, device="cpu").manifest)  # PolicyLoadError is a ValueError
 
 
 # --------------------------------------------------------------------------------- checkpoints
-CHECKPOINT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
 REQUIRED_FILES = ("manifest.json", "weights.pt", "config.json", "items.json")
 MAX_CHECKPOINT_MEMBERS = 32
 MAX_CHECKPOINT_UNPACKED_BYTES = 256 * 2**20
@@ -168,17 +176,10 @@ def unpack_checkpoint(data: bytes, *, max_members: int = MAX_CHECKPOINT_MEMBERS,
 def verify_checkpoint(files: dict[str, bytes], active_manifest: dict | None) -> dict:
     """Load the checkpoint as a node agent does (every digest checked); when a model is active,
     the new one must have its item count, item mapping and model config. Returns the manifest."""
-    from node_agent.model.checkpoint import CheckpointError, load_checkpoint
+    from node_agent.model.checkpoint import load_checkpoint
 
-    with tempfile.TemporaryDirectory(prefix="racer-model-") as d:
-        for name, data in files.items():
-            with open(os.path.join(d, name), "wb") as f:
-                f.write(data)
-        try:
-            ck = load_checkpoint(d)
-        except CheckpointError as e:
-            raise ValueError(str(e).replace(d, "<upload>")) from None
-        m = dict(ck.manifest)
+    with _written(files, "racer-model-") as d:
+        m = dict(load_checkpoint(d).manifest)  # CheckpointError is a ValueError
     if active_manifest is not None:
         a = active_manifest
         if a.get("num_items") != m.get("num_items"):
@@ -194,8 +195,6 @@ def verify_checkpoint(files: dict[str, bytes], active_manifest: dict | None) -> 
 
 
 def _config(raw: bytes | None) -> dict | None:
-    import json
-
     try:
         return json.loads(raw) if raw is not None else None
     except ValueError:
@@ -213,7 +212,7 @@ class CheckLimits:
     (RLIMIT_CPU); ``wall_s``: the wall-clock bound, after which it is killed."""
     memory_bytes: int = 4 * 2**30
     cpu_s: int = 60
-    wall_s: float = 90.0
+    wall_s: float = 120.0
 
 
 def _limit(limits: CheckLimits):
@@ -247,7 +246,7 @@ def check_upload(kind: str, data: bytes, *, active_manifest: dict | None = None,
         try:
             _, err = proc.communicate(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
-            with _suppress():
+            with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise ValueError(f"checking the {what} took more than {limits.wall_s:g} s (the check's time limit)") from None
@@ -257,27 +256,21 @@ def check_upload(kind: str, data: bytes, *, active_manifest: dict | None = None,
             files = {p.name: p.read_bytes() for p in sorted((root / "out").iterdir())}
             return files, manifest
         if rc == 1 and (root / "error.txt").exists():
-            why = (root / "error.txt").read_text()[:4000]
-            if any(m in why for m in _OUT_OF_MEMORY):  # an allocation inside a loader that the limit refused
-                why += f" (the check's memory limit is {limits.memory_bytes // 2**20} MiB)"
-            raise ValueError(why)
+            raise ValueError(_memory_noted((root / "error.txt").read_text()[:4000], limits))
         if rc == 3 or (rc < 0 and -rc in (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)):
             raise ValueError(f"checking the {what} ran out of its memory limit ({limits.memory_bytes // 2**20} MiB)")
         if rc < 0 and -rc == signal.SIGXCPU:
             raise ValueError(f"checking the {what} used more than {limits.cpu_s} s of CPU (the check's limit)")
         tail = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
-        why = f"checking the {what} failed (exit {rc}{': ' + tail[0][:300] if tail else ''})"
-        if tail and any(m in tail[0] for m in _OUT_OF_MEMORY):
-            why += f" (the check's memory limit is {limits.memory_bytes // 2**20} MiB)"
-        raise ValueError(why)
+        raise ValueError(_memory_noted(f"checking the {what} failed (exit {rc}{': ' + tail[0][:300] if tail else ''})",
+                                       limits))
 
 
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
+def _memory_noted(why: str, limits: CheckLimits) -> str:
+    """``why``, with the memory limit named when it tells of an allocation the limit refused."""
+    if any(m in why for m in _OUT_OF_MEMORY):
+        why += f" (the check's memory limit is {limits.memory_bytes // 2**20} MiB)"
+    return why
 
 
 def _child(kind: str, d: str) -> int:

@@ -66,10 +66,10 @@ def new_secret() -> str:
 MIN_SECRET_KEY_CHARS = 32
 
 
-def load_secret_key(secret_key: str | None, secret_key_file: str | None, database_url: str) -> bytes | None:
+def load_secret_key(secret_key: str | None, secret_key_file: str | None, sqlite_path: str | None) -> bytes | None:
     """The control plane's secret key: ``secret_key`` (``RACER_SECRET_KEY``), else the file
-    ``secret_key_file``, else ``<database file>.key`` beside a SQLite database (each made with a
-    new random key, mode 0600, when missing); None for another database without either (weight
+    ``secret_key_file``, else ``<sqlite_path>.key`` beside a SQLite database file (each made with
+    a new random key, mode 0600, when missing); None for another database without either (weight
     pushes are then off: gateways pull). Replicas sharing a database must share the key."""
     import os
 
@@ -78,9 +78,8 @@ def load_secret_key(secret_key: str | None, secret_key_file: str | None, databas
             raise ValueError(f"RACER_SECRET_KEY: at least {MIN_SECRET_KEY_CHARS} characters (a random string)")
         return secret_key.encode()
     path = secret_key_file
-    if path is None and database_url.startswith("sqlite") and ":memory:" not in database_url:
-        db_path = database_url.split("///", 1)[-1].split("?", 1)[0]
-        path = db_path + ".key" if db_path else None
+    if path is None and sqlite_path and sqlite_path != ":memory:":
+        path = sqlite_path + ".key"
     if not path:
         return None
     try:

@@ -78,23 +78,28 @@ class IngestWriter:
                 group.append(nxt)
                 rows += len(nxt.reports)
             try:
-                self._reclaim()
-                self._write(group)
+                self._attempt(group)
             except DiskFull as e:
                 for b in group:
                     b.loop.call_soon_threadsafe(_set_exc, b.future, e)
-            except Exception as e:  # noqa: BLE001 - retry one by one so one bad batch fails alone
-                if _is_disk_full(e):
-                    self.disk_full = True
+            except Exception:  # noqa: BLE001 - retry one by one so one bad batch fails alone
                 for b in group:
                     try:
-                        self._reclaim()
-                        self._write([b])
+                        self._attempt([b])
                     except Exception as e:  # noqa: BLE001
-                        if _is_disk_full(e):
-                            self.disk_full = True
                         log.warning("report batch of %s refused: %s", b.node_id, e)
                         b.loop.call_soon_threadsafe(_set_exc, b.future, e)
+
+    def _attempt(self, group: list[Batch]) -> None:
+        """`_write` ``group``, after reclaiming the WAL if the disk was full; a write that finds
+        the disk full marks it so."""
+        self._reclaim()
+        try:
+            self._write(group)
+        except Exception as e:
+            if _is_disk_full(e):
+                self.disk_full = True
+            raise
 
     def _reclaim(self) -> None:
         """After a full disk: checkpoint and truncate the WAL before writing again (DiskFull until

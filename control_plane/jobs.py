@@ -113,8 +113,9 @@ def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
 def secret_key_of(settings, factory) -> bytes | None:
     """The control plane's secret key (`control_plane.auth.load_secret_key`) for the database
     ``factory`` opens."""
-    url = factory.kw["bind"].url.render_as_string(hide_password=False)
-    return load_secret_key(settings.secret_key, settings.secret_key_file, url)
+    engine = factory.kw["bind"]
+    return load_secret_key(settings.secret_key, settings.secret_key_file,
+                           engine.url.database if engine.dialect.name == "sqlite" else None)
 
 
 def push_weights(factory, settings, metrics) -> dict:

@@ -18,14 +18,12 @@ import hashlib
 import io
 import json
 import shutil
-import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from common.ids import path_segment
 
-ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
 CANDIDATE_LOGIT_SHIFT = -1.0
 _OUTPUT_BIAS = "head.bias"  # the last Gemm's bias, before the sigmoid that gives emb_share
 
@@ -87,16 +85,11 @@ def derive_candidate(shipped: Path, out_dir: Path, logit_shift: float = CANDIDAT
 
 
 def artifact_tar(artifact_dir: Path) -> bytes:
-    """The artifact's files as one tar (the body ``POST /api/v1/policies`` takes). Reproducible: the
-    same files give the same bytes (no file times, owners or modes of this machine in the headers)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in ARTIFACT_FILES:
-            data = (artifact_dir / name).read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    """The artifact's files as one tar (the body ``POST /api/v1/policies`` takes): the control
+    plane's canonical tar (`pack_artifact`), so the same files give the same bytes."""
+    from control_plane.artifacts import ARTIFACT_FILES, pack_artifact
+
+    return pack_artifact({name: (artifact_dir / name).read_bytes() for name in ARTIFACT_FILES})
 
 
 def upload(api: str, token: str, artifact_dir: Path, *, timeout_s: float = 60.0) -> tuple[str, str]:

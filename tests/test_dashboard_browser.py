@@ -369,15 +369,7 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
     page = open_page(browser, stack, stack.admin)
     click_tab(page, "Policies")
     wait_text(page, "grid-policies", stack.candidate)
-    choose(page, "ro-policy", f"{stack.candidate} (registered)")
-    page.fill("#ro-fraction", "0.5")
-    page.fill("#ro-bake", "600")
-    page.fill("#ro-reason", "browser test rollout")
-    page.click("#btn-ro-start")
-    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
-    assert stack.candidate in page.inner_text("#confirm-body")
-    page.click("#btn-confirm")
-    wait_text(page, "action-result", "started")
+    assert stack.candidate in start_rollout(page, f"{stack.candidate} (registered)", "browser test rollout")
     state = wait_text(page, "ro-status", stack.candidate)
     assert "pending" in state or "baking" in state
     ros = stack.api("GET", "/rollouts")
@@ -404,6 +396,21 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
 
 
 ROLLOUT_BUTTONS = ("#btn-ro-promote", "#btn-ro-pause", "#btn-ro-resume", "#btn-ro-rollback")
+
+
+def start_rollout(page, option: str, reason: str) -> str:
+    """Start a rollout from the Policies tab: the candidate whose dropdown option reads ``option``,
+    half the nodes, a 600-s bake; returns what the confirmation said, once the page says started."""
+    choose(page, "ro-policy", option)
+    page.fill("#ro-fraction", "0.5")
+    page.fill("#ro-bake", "600")
+    page.fill("#ro-reason", reason)
+    page.click("#btn-ro-start")
+    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
+    said = page.inner_text("#confirm-body")
+    page.click("#btn-confirm")
+    wait_text(page, "action-result", "started")
+    return said
 
 
 def wait_disabled(page, selectors, disabled: bool = True, timeout_s: float = 30.0) -> None:
@@ -460,14 +467,7 @@ def test_policy_from_upload_to_rolled_back_and_a_decision_drill_down_without_con
     page.click("#btn-ro-start")
     wait_text(page, "ro-error", "choose a candidate policy or model first")
     assert not page.locator("#confirm-modal .modal-body").is_visible()
-    choose(page, "ro-policy", stack.candidate)
-    page.fill("#ro-fraction", "0.5")
-    page.fill("#ro-bake", "600")
-    page.fill("#ro-reason", "browser test: second rollout")
-    page.click("#btn-ro-start")
-    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
-    page.click("#btn-confirm")
-    wait_text(page, "action-result", "started")
+    start_rollout(page, stack.candidate, "browser test: second rollout")
     deadline = time.monotonic() + 30
     while page.inner_text("#ro-state") not in ("pending", "baking") and time.monotonic() < deadline:
         page.wait_for_timeout(250)

@@ -191,7 +191,7 @@ def _policy_path_and_a_drill_down(page, up_err: Path, token: str, shots: Path) -
 
     import httpx
 
-    from .test_dashboard_browser import POLICY_DIR, ROLLOUT_BUTTONS, choose, click_tab, wait_disabled, wait_text
+    from .test_dashboard_browser import POLICY_DIR, ROLLOUT_BUTTONS, click_tab, start_rollout, wait_disabled, wait_text
 
     cp = next(line.split()[4] for line in up_err.read_text().splitlines()
               if line.startswith("racer up: control plane http"))
@@ -217,14 +217,7 @@ def _policy_path_and_a_drill_down(page, up_err: Path, token: str, shots: Path) -
     pols = httpx.get(f"{cp}/api/v1/policies", headers=auth, timeout=30).json()
     items = pols["items"] if isinstance(pols, dict) else pols
     candidate = next(p["version"] for p in items if p["version"] != version and p["status"] != "active")
-    choose(page, "ro-policy", candidate)
-    page.fill("#ro-fraction", "0.5")
-    page.fill("#ro-bake", "600")
-    page.fill("#ro-reason", "racer up browser test: a rollout")
-    page.click("#btn-ro-start")
-    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
-    page.click("#btn-confirm")
-    wait_text(page, "action-result", "started")
+    start_rollout(page, candidate, "racer up browser test: a rollout")
     wait_disabled(page, ("#btn-ro-rollback",), disabled=False)
     page.click("#btn-ro-rollback")
     page.wait_for_selector("#confirm-modal .modal-body", state="visible")
@@ -254,13 +247,12 @@ def _a_worse_model_is_rolled_out_and_rolled_back_from_the_dashboard(page, tmp_pa
     import httpx
     import torch
 
-    from control_plane.artifacts import pack_artifact
     from node_agent.model import HSTUModel
     from node_agent.model.checkpoint import load_checkpoint, save_checkpoint
     from node_agent.model.shipped import resolve_model
-    from node_agent.registry_client import CHECKPOINT_FILES
+    from node_agent.registry_client import CHECKPOINT_FILES, tar_files
 
-    from .test_dashboard_browser import ROLLOUT_BUTTONS, choose, click_tab, wait_disabled, wait_text
+    from .test_dashboard_browser import ROLLOUT_BUTTONS, click_tab, start_rollout, wait_disabled, wait_text
 
     shipped = load_checkpoint(resolve_model("auto", "taobao", None))
     torch.manual_seed(7)
@@ -270,22 +262,14 @@ def _a_worse_model_is_rolled_out_and_rolled_back_from_the_dashboard(page, tmp_pa
     cp = next(line.split()[4] for line in (tmp_path / "up.err").read_text().splitlines()
               if line.startswith("racer up: control plane http"))
     auth = {"Authorization": f"Bearer {token}"}
-    body = pack_artifact({f: (tmp_path / "worse-model" / f).read_bytes() for f in CHECKPOINT_FILES
-                          if (tmp_path / "worse-model" / f).exists()})
+    body = tar_files(tmp_path / "worse-model", CHECKPOINT_FILES)
     r = httpx.post(f"{cp}/api/v1/models", content=body, headers={**auth, "Content-Type": "application/x-tar"},
                    timeout=120)
     assert r.status_code in (200, 201), r.text[:500]
     digest = worse["digest"]
     click_tab(page, "Policies")
-    choose(page, "ro-policy", f"model {digest[:12]}")
-    page.fill("#ro-fraction", "0.5")
-    page.fill("#ro-bake", "600")
-    page.fill("#ro-reason", "racer up browser test: a worse model")
-    page.click("#btn-ro-start")
-    page.wait_for_selector("#confirm-modal .modal-body", state="visible")
-    assert "judged on its online quality" in page.inner_text("#confirm-modal")
-    page.click("#btn-confirm")
-    wait_text(page, "action-result", "started")
+    said = start_rollout(page, f"model {digest[:12]}", "racer up browser test: a worse model")
+    assert "judged on its online quality" in said
     wait_text(page, "ro-candidate", f"model {digest[:12]}", timeout_s=30)
     wait_disabled(page, ("#btn-ro-rollback", "#btn-ro-promote"), disabled=False, timeout_s=30)  # its own controls
     ro = max(httpx.get(f"{cp}/api/v1/rollouts", params={"kind": "all"}, headers=auth, timeout=30).json(),
