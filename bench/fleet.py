@@ -1,6 +1,9 @@
 """The fleet A/B: the whole system on real node-agent processes against static splits.
 
     racer bench fleet --quick --json                   # local agents, about 30 minutes on 2 cores (63 runs)
+    racer bench fleet --emulate a100-hstu --quick --json   # emulated A100s: kv-heavy, emb-heavy, day at
+                                                       # loads 0.5, 0.75, 3 rounds each, then RACER against
+                                                       # the single best static over them (bench.fleet_across)
     python -m bench.fleet --out fleet_ab               # the full run (resumable)
     racer bench fleet --nodes http://a:8100,http://b:8100 --configs 0.5/least_load,0.5/racer
 
@@ -48,8 +51,8 @@ static configuration's in hindsight at that load), ``racer_over_default_pct`` (o
 ``0.5/round_robin``), ``racer_router_over_least_load_pct`` (``0.5/racer`` over
 ``0.5/least_load``) and, with an A/A copy, ``aa_over_original_pct`` (the copy over its original).
 ``verdicts`` judges the targets (RACER at most 5% above the best static, the racer router at most
-2% above least_load) with a 90% interval from the noise pooled over every configuration's runs,
-rounds as blocks (`block_interval`): met, not met or undecided, and the rounds a decision needs.
+2% above least_load) with a 90% interval from the pair's own round-to-round spread, rounds as
+blocks (`block_interval`): met, not met or undecided, and the rounds a decision needs.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ CAPACITY_KEY = "0.5/least_load"  # the capacity rule's configuration
 SCHEDULE = "steady:30,trend:30,burst:15,steady:30"
 SLO_MS = 100.0
 QUICK_SCHEDULE = "steady:4,trend:4,burst:3,steady:4"
+#: an emulated --quick without --workload runs each of these (their best splits differ:
+#: docs/workloads.md states their figures), 8 s of each (modelled)
+EMULATED_WORKLOADS = ("kv-heavy", "emb-heavy", "day")
+QUICK_EMULATED_WORKLOAD_S = 8.0
 #: local agents' nice: on a machine they share with the gateway and the load generator, equal
 #: priority lets a burst starve the gateway (the backlog then waits outside it, in no node's
 #: queue); below theirs, the backlog builds at the nodes, as on a fleet whose gateway has its own
@@ -691,55 +698,40 @@ def _pct(log_ratio: float) -> float:
     return round(100.0 * (math.exp(log_ratio) - 1.0), 2)
 
 
-def _block(runs, load: float) -> tuple[dict, float | None, int, int]:
-    """The runs at ``load`` as a complete block design: each configuration's mean log P99 over the
-    rounds that ran every configuration (a round is a block: the machine's drift between rounds
-    falls out), the residual standard deviation of one run's log P99 pooled over all of them
-    (None under 2 such rounds or 2 configurations), its degrees of freedom and the rounds."""
-    at = [r for r in runs if r["load"] == load and isinstance(r.get("p99_ms"), (int, float)) and r["p99_ms"] > 0]
-    keys = sorted({r["config"] for r in at})
-    cell = {(r["config"], r["round"]): math.log(float(r["p99_ms"])) for r in at}
-    rounds = sorted(k for k in {r["round"] for r in at} if all((c, k) in cell for c in keys))
-    if not rounds or not keys:
-        return {}, None, 0, 0
-    x = np.array([[cell[(c, k)] for k in rounds] for c in keys])
-    means = {c: float(x[i].mean()) for i, c in enumerate(keys)}
-    df = (len(keys) - 1) * (len(rounds) - 1)
-    if df < 1:
-        return means, None, 0, len(rounds)
-    res = x - x.mean(1, keepdims=True) - x.mean(0, keepdims=True) + x.mean()
-    return means, float(math.sqrt(float((res ** 2).sum()) / df)), df, len(rounds)
-
-
 def block_interval(runs, load: float, key: str, base: str, target_pct: float | None = None) -> dict | None:
-    """``key``'s P99 over ``base``'s at ``load`` with a 90% interval (each bound one-sided 95%):
-    the difference of their mean log P99 over the complete rounds (`_block`), its standard error
-    from the noise pooled over every configuration's runs at that load (``sd_log``: one run's),
-    Student's t on the pooled degrees of freedom. ``half_width_pct`` is the difference the rounds
-    run can resolve; ``rounds_for_width`` the rounds whose interval would be as narrow as the
-    target. With ``target_pct`` (``key`` at most that much above ``base``): ``verdict`` ``met``
-    (the upper bound within the target), ``not met`` (the lower bound above it) or ``undecided``.
-    None when either configuration has no complete round."""
-    means, sd, df, rounds = _block(runs, load)
-    if key not in means or base not in means:
+    """``key``'s P99 over ``base``'s at ``load`` with a 90% interval (each bound one-sided 95%),
+    rounds as blocks: the mean over the rounds that ran both of their log P99 difference (a
+    round's drift falls out), its standard error from the spread of those differences and
+    Student's t on rounds - 1 degrees of freedom. The noise is the pair's own, not pooled over
+    every configuration: near capacity some configurations' runs are bimodal (a backlog forms or
+    it does not) while others' agree within a percent, and a pooled spread would charge the
+    first kind's noise to every comparison. ``sd_log`` is one run's log P99 sd implied by the
+    differences (theirs over sqrt 2); ``half_width_pct`` the difference the rounds run can
+    resolve; ``rounds_for_width`` the rounds whose interval would be as narrow as the target.
+    With ``target_pct`` (``key`` at most that much above ``base``): ``verdict`` ``met`` (the
+    upper bound within the target), ``not met`` (the lower bound above it) or ``undecided``.
+    None when no round ran both."""
+    d = _paired_logs(runs, key, base, load, "p99_ms")
+    if not d:
         return None
-    d = means[key] - means[base]
-    out = {"base": base, "rounds": rounds, "pct": _pct(d), "sd_log": None if sd is None else round(sd, 4),
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n >= 2 else None
+    out = {"base": base, "rounds": n, "pct": _pct(mean), "sd_log": None if sd is None else round(sd / math.sqrt(2), 4),
            "lo_pct": None, "hi_pct": None, "half_width_pct": None}
     half = None
     if sd is not None:
-        half = _t95(df) * sd * math.sqrt(2.0 / rounds)
-        out.update(lo_pct=_pct(d - half), hi_pct=_pct(d + half), half_width_pct=_pct(half))
+        half = _t95(n - 1) * sd / math.sqrt(n)
+        out.update(lo_pct=_pct(mean - half), hi_pct=_pct(mean + half), half_width_pct=_pct(half))
     if target_pct is None:
         return out
     goal = math.log1p(target_pct / 100.0)
-    out["verdict"] = ("undecided" if half is None else "met" if d + half <= goal
-                      else "not met" if d - half > goal else "undecided")
+    out["verdict"] = ("undecided" if half is None else "met" if mean + half <= goal
+                      else "not met" if mean - half > goal else "undecided")
     need = None
-    if sd is not None:  # the same noise, more rounds (the pooled degrees of freedom grow with them)
-        per = df // max(1, rounds - 1)  # configurations - 1
+    if sd is not None:  # the same noise, more rounds
         need = 2 if sd == 0.0 else next((m for m in range(2, MAX_ROUNDS_FOR_WIDTH + 1)
-                                          if _t95(per * (m - 1)) * sd * math.sqrt(2.0 / m) <= goal), None)
+                                          if _t95(m - 1) * sd / math.sqrt(m) <= goal), None)
     out["rounds_for_width"] = need
     return out
 
@@ -1043,7 +1035,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
                    help="SPLIT/ROUTER,... (SPLIT an emb_share or racer; SPLIT/ROUTER#N, N in 2..9: an A/A copy "
                         "of SPLIT/ROUTER, the bench's own noise)")
-    p.add_argument("--loads", default="0.5,0.75,0.95", help="fractions of the steady capacity (default 0.5,0.75,0.95)")
+    p.add_argument("--loads", default=None,
+                   help="fractions of the steady capacity (default 0.5,0.75,0.95; emulated --quick 0.5,0.75)")
     p.add_argument("--agent-nice", type=int, default=None, choices=range(0, 20), metavar="N",
                    help=f"local agents' CPU priority, nice 0-19 (default {AGENT_NICE}): below the gateway's and "
                         f"the load generator's, as if those had cores of their own, so a burst's backlog builds "
@@ -1054,6 +1047,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None, metavar="NAME",
                    help="send one named workload's stream instead of --schedule (workloads.fleet_workloads: kv-heavy, "
                         "emb-heavy, day, trace-order); the capacity rule probes the same workload")
+    p.add_argument("--workloads", default=None, metavar="NAME,...",
+                   help=f"one bench per workload (each in OUT/NAME), then RACER against the single best static "
+                        f"configuration over them (bench.fleet_across); an emulated --quick without --workload runs "
+                        f"{','.join(EMULATED_WORKLOADS)}")
     p.add_argument("--workload-s", type=float, default=None,
                    help="seconds of a --workload run (default 60, quick 15)")
     p.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace (default taobao)")
@@ -1100,11 +1097,51 @@ MODE_DEFAULTS = {
 
 
 def resolve_defaults(args) -> None:
-    """Fill the options left unset with the defaults of the agents' kind (`MODE_DEFAULTS`)."""
-    mode = MODE_DEFAULTS["emulated" if getattr(args, "emulate", None) else "cpu"]
+    """Fill the options left unset with the defaults of the agents' kind (`MODE_DEFAULTS`); an
+    emulated ``--quick`` runs loads 0.5 and 0.75 (the verdicts' loads) and 8-s workloads."""
+    emulated = bool(getattr(args, "emulate", None))
+    mode = MODE_DEFAULTS["emulated" if emulated else "cpu"]
     for k, v in mode.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    quick = emulated and getattr(args, "quick", False)
+    if getattr(args, "loads", None) is None:
+        args.loads = "0.5,0.75" if quick else "0.5,0.75,0.95"
+    if getattr(args, "workload_s", None) is None and quick:
+        args.workload_s = QUICK_EMULATED_WORKLOAD_S
+
+
+def runs_every_workload(args) -> bool:
+    """``--workloads``, or an emulated ``--quick`` without ``--workload`` or ``--schedule``: one bench
+    per workload (`workload_list`) and RACER against the single best static configuration over them."""
+    return bool(getattr(args, "workloads", None)) or (
+        bool(args.emulate) and args.quick and args.workload is None and not args.schedule)
+
+
+def workload_list(args) -> tuple[str, ...]:
+    given = getattr(args, "workloads", None)
+    return tuple(w.strip() for w in given.split(",") if w.strip()) if given else EMULATED_WORKLOADS
+
+
+def run_workloads(args) -> dict:
+    """`run_fleet` on each workload of `workload_list` (default `EMULATED_WORKLOADS`) in turn, each in ``OUT/<workload>`` (each
+    resumes on its own), then `bench.fleet_across` over them: ``{"workloads": {name: result},
+    "across": ..., "out"}``. Each workload searches its own capacity."""
+    import copy
+
+    from bench.fleet_across import across
+
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="racer-bench-fleet-"))
+    results = {}
+    for name in workload_list(args):
+        a = copy.copy(args)
+        a.workload, a.workloads, a.out = name, None, str(base / name)
+        if args.progress:
+            print(f"bench fleet: workload {name} ({base / name})", file=sys.stderr, flush=True)
+        results[name] = run_fleet(a)
+    out = {"workloads": results, "across": across(results), "out": str(base)}
+    _save(base / "fleet_workloads.json", out)
+    return out
 
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
@@ -1145,6 +1182,22 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--workload-s must be a positive number of seconds")
     if args.emulate and args.nodes:
         p.error("--emulate starts emulated agents here; --nodes points at agents someone else runs")
+    if args.workloads is not None:
+        if args.workload is not None or args.schedule:
+            p.error("--workloads runs several workloads: not with --workload or --schedule")
+        from workloads.fleet_workloads import get_spec
+
+        names = workload_list(args)
+        try:
+            for name in names:
+                get_spec(name)
+        except ValueError as e:
+            p.error(f"--workloads: {e}")
+        if not names or len(set(names)) != len(names):
+            p.error("--workloads: give distinct workload names")
+    if runs_every_workload(args) and args.capacity is not None:
+        p.error(f"--capacity is one workload's: give --workload NAME with it (without, the bench runs "
+                f"{', '.join(workload_list(args))}, each searching its own capacity)")
     if not (math.isfinite(args.history_scale) and 0 < args.history_scale <= 1000):
         p.error("--history-scale must be in (0, 1000]")
     if args.max_history_len is not None and not 2 <= args.max_history_len <= 1 << 16:
@@ -1174,6 +1227,19 @@ def add_fleet_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_fleet(args) -> int:
+    if runs_every_workload(args):
+        res = run_workloads(args)
+        if args.json:
+            print(json.dumps(res))
+        else:
+            from bench.fleet_across import format_across
+
+            for name, r in res["workloads"].items():
+                print(f"== workload {name}")
+                print(format_rows(r))
+            print("== across the workloads")
+            print(format_across(res["across"]))
+        return 0
     res = run_fleet(args)
     if args.json:
         print(json.dumps(res))

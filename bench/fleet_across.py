@@ -95,20 +95,22 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         print(f"fleet-across: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(out))
-    else:
-        dev = next(iter(out["devices"].values()), None) or {}
-        if dev.get("mode") == "emulated":
-            print(f"EMULATED devices ({dev.get('profile')}): every figure in modelled time")
-        print(f"single best static over every workload: {out['single_static']} (worst {out['single_static_worst_ratio']}x "
-              f"the per-workload best)")
-        for name, loads in out["per_workload"].items():
-            for load, c in loads.items():
-                print(f"  {name} @ {load}: best {c['best_static']}; RACER {c['racer_over_best_static_pct']}% over it, "
-                      f"{c['racer_over_single_static_pct']}% over the single static, {c['racer_over_default_pct']}% "
-                      f"over the default")
+    print(json.dumps(out) if args.json else format_across(out))
     return 0
+
+
+def format_across(out: dict) -> str:
+    dev = next(iter(out["devices"].values()), None) or {}
+    lines = [f"EMULATED devices ({dev.get('profile')}): every figure in modelled time"] \
+        if dev.get("mode") == "emulated" else []
+    lines.append(f"single best static over every workload: {out['single_static']} (worst "
+                 f"{out['single_static_worst_ratio']}x the per-workload best)")
+    for name, loads in out["per_workload"].items():
+        for load, c in loads.items():
+            lines.append(f"  {name} @ {load}: best {c['best_static']}; RACER {c['racer_over_best_static_pct']}% over "
+                         f"it, {c['racer_over_single_static_pct']}% over the single static, "
+                         f"{c['racer_over_default_pct']}% over the default")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

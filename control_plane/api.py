@@ -62,7 +62,7 @@ async def lifespan(app: FastAPI):
     app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
     app.state.tokens = TokenCache(factory)
     app.state.known_nodes = set()
-    app.state.reports_dropped = {}  # node_id -> (seq, num_reports_dropped) of its latest report saying
+    app.state.reports_dropped = {}  # node_id -> (seq, num_reports_dropped, rose_at_s) of its latest report saying
     app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows)
     app.state.quota = NodeQuota(settings.node_reports_per_s, settings.node_burst_reports,
                                 settings.node_report_bytes_per_s, settings.node_burst_report_bytes)

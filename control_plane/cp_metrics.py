@@ -28,6 +28,8 @@ class ControlPlaneMetrics:
         self.reports_throttled = Counter("racer_cp_reports_throttled",
                                          "Report batches refused 429: a node past its ingestion quota", ["what"],
                                          registry=r)
+        for what in ("reports", "bytes"):  # both series from the start (an alert's increase() needs them)
+            self.reports_throttled.labels(what)
         self.job_runs = Counter("racer_cp_job_runs", "Scheduled job runs", ["job", "outcome"], registry=r)
         self.job_duration = Histogram("racer_cp_job_duration_seconds", "Scheduled job run time", ["job"],
                                       buckets=_LAT, registry=r)
@@ -38,6 +40,8 @@ class ControlPlaneMetrics:
         self.weight_pushes = Counter("racer_cp_router_weight_pushes", "Weight pushes to routers", ["outcome"],
                                      registry=r)
         self.overrides_active = Gauge("racer_cp_overrides_active", "Overrides in force", registry=r)
+        self.rollouts = Gauge("racer_cp_rollouts", "Rollouts by state (the rollout job's last count)", ["state"],
+                              registry=r)
         lbl = ["node_id"]
         self.node_emb_share = Gauge("racer_node_emb_share_ratio", "emb_share in use (0-1)", lbl, registry=r)
         self.node_emb_share_target = Gauge("racer_node_emb_share_target_ratio", "emb_share target (0-1)", lbl,

@@ -221,6 +221,11 @@ class _Metrics:
                                   buckets=(5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25))
         self.upstream = Histogram("racer_gateway_upstream_seconds", "Round trip to the serving node", registry=r,
                                   buckets=(1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0))
+        self.slo_requests = Counter("racer_gateway_slo_requests", "Requests answered within the clients' SLO or "
+                                    "not (failures are misses, 4xx answers left out): the SLO burn-rate alerts' input",
+                                    ("outcome",), registry=r)
+        for outcome in ("within", "missed"):  # both series from the start, so a rate over them is defined
+            self.slo_requests.labels(outcome)
         self.live_nodes = Gauge("racer_gateway_live_nodes", "Nodes in rotation", registry=r)
         self.weights_version = Gauge("racer_gateway_weights_version", "Version of the router weights in force",
                                      registry=r)
@@ -362,8 +367,11 @@ class Gateway:
         ``scores`` (`recommend`)."""
         t0 = time.perf_counter() if t0 is None else t0
         status, content, headers = await self.recommend(body, t0, explain)
-        self.client_view.record(status, time.perf_counter() - t0, retried=headers.get("x-racer-retried") == "1",
-                                phase=phase)
+        latency_s = time.perf_counter() - t0
+        self.client_view.record(status, latency_s, retried=headers.get("x-racer-retried") == "1", phase=phase)
+        if not 400 <= status < 500:  # as the client view counts: the client's own faults left out, failures missed
+            self.metrics.slo_requests.labels(
+                "within" if status < 300 and latency_s * 1e3 <= self.client_view.slo_ms else "missed").inc()
         return status, content, headers
 
     async def recommend(self, body: bytes, first_byte_s: float | None = None,

@@ -185,7 +185,10 @@ def job_router_weights(factory, settings, metrics, now_s: float) -> dict:
 
 def job_rollout_evaluation(factory, settings, metrics, now_s: float) -> dict:
     with factory.begin() as s:
-        return rollout_service.evaluate(s, now_s) or {"rollout_id": None}
+        out = rollout_service.evaluate(s, now_s) or {"rollout_id": None}
+        for state, n in queries.rollout_state_counts(s).items():
+            metrics.rollouts.labels(state).set(n)
+        return out
 
 
 def job_override_expiry(factory, settings, metrics, now_s: float) -> dict:

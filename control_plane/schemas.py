@@ -288,6 +288,8 @@ class NodeOut(Out):
     # when the agent process now registered started (wall s) and the restarts seen so far
     started_at_s: float | None = None
     num_restarts: int = 0
+    # the request rate of its latest report (req/s; null: no report yet)
+    throughput_rps: float | None = None
 
 
 # ---- history
@@ -405,6 +407,14 @@ class OverrideOut(Out):
 
 
 # ---- audit
+class AlertOut(Out):
+    alert: str  # one of control_plane.alerts.ALERTS
+    severity: str  # "page" or "ticket"
+    target: str  # "clients", "node:<id>" or "rollout:<id>"
+    since_s: float | None  # when the condition began, where known
+    summary: str
+
+
 class AuditOut(Out):
     id: int
     ts_s: float

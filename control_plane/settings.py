@@ -49,6 +49,10 @@ class Settings:
     - ``artifact_check_memory_bytes``, ``artifact_check_cpu_s``, ``artifact_check_wall_s``: the
       limits of the child process that unpacks and checks an uploaded policy or checkpoint
       (`control_plane.artifacts.check_upload`): address space, CPU seconds, wall seconds.
+    - ``slo_objective``, ``alert_window_s``, ``pinned_fraction``: the alerts (`control_plane.alerts`):
+      the clients' SLO objective whose error budget the burn-rate alerts watch, the window of the
+      pinned-at-a-bound and reports-dropped alerts, and the share of a window's decisions clamped
+      to one guard bound that counts as pinned.
     """
 
     database_url: str | None = None
@@ -78,6 +82,10 @@ class Settings:
     secret_key: str | None = None
     secret_key_file: str | None = None
     max_body_bytes: int = ranged(2**20, lo=1024, integer=True)
+    slo_objective: float = ranged(0.99, lo=0, hi=1, lo_open=True, hi_open=True,
+                                  doc="share of the clients' requests meant to meet the SLO (the alerts' budget)")
+    alert_window_s: float = _period(600.0)
+    pinned_fraction: float = ranged(0.5, lo=0, hi=1, lo_open=True)
     max_report_body_bytes: int = ranged(16 * 2**20, lo=1024, integer=True)
     max_policy_body_bytes: int = ranged(64 * 2**20, lo=1024, integer=True)
     node_reports_per_s: float = ranged(20.0, lo=0, lo_open=True, doc="reports a node may store per second, sustained")

@@ -26,7 +26,7 @@ import dash
 import dash_bootstrap_components as dbc
 from dash import dcc, html
 
-from . import bursts_tab, client_cards, confirm, decisions_tab, live, overview_tab, override_tab, policies_tab
+from . import alerts, bursts_tab, client_cards, confirm, decisions_tab, live, overview_tab, override_tab, policies_tab
 from . import routing_tab, signin, split_tab
 from . import figures as F
 from .client import ControlPlaneClient
@@ -94,7 +94,7 @@ def build_layout(refresh_s: float, range_s: int = 900) -> html.Div:
             signin.login_card(),
             dbc.Alert(id="banner", color="warning", is_open=False, className="py-2"),
             dbc.Alert(id="action-result", is_open=False, dismissable=True, className="py-2"),
-            html.Div([kpis, html.Div(id="kpi-device"), html.Div(id="role-note-policies"), html.Div(id="main-body")],
+            html.Div([alerts.section(), kpis, html.Div(id="kpi-device"), html.Div(id="role-note-policies"), html.Div(id="main-body")],
                      id="main",
                      style={"display": "none"}),
         ], fluid=True),
@@ -154,6 +154,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     app.server.config["RACER_CLIENT"] = client
     app.server.config["RACER_SESSIONS"] = deps.sessions
     client_cards.register(app, client, deps.sessions)
+    alerts.register(app, client, deps.sessions)
     policies_tab.register(app, client, deps.sessions, slo_ms=slo_ms, slo_target=slo_target, step_for=step_for,
                           default_range_s=range_s)
     decisions_tab.register(app, client, deps.sessions, default_range_s=range_s)

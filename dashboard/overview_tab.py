@@ -47,7 +47,8 @@ def node_rows(nodes: list[dict]) -> list[dict]:
              "emb_share": None if n.get("emb_share") is None else round(n["emb_share"], 2),
              "policy_version": n.get("policy_version"), "num_reports_dropped": n.get("num_reports_dropped"),
              "model": model_label(n), "mode": mode_label(n), "started": started_label(n),
-             "num_restarts": n.get("num_restarts")}
+             "num_restarts": n.get("num_restarts"),
+             "rate": None if n.get("throughput_rps") is None else f"{n['throughput_rps']:.1f}"}
             for n in sorted(nodes, key=lambda n: n["node_id"])]
 
 
@@ -151,7 +152,7 @@ def register(app) -> None:
             if (!rows) { return window.dash_clientside.no_update; }
             const h = (type, props) => ({type: type, namespace: "dash_html_components", props: props});
             const cols = [["node_id", "node"], ["status", "status"], ["device", "device"],
-                          ["emb_share", "emb_share"], ["policy_version", "policy"],
+                          ["emb_share", "emb_share"], ["rate", "req/s"], ["policy_version", "policy"],
                           ["mode", "mode"], ["model", "model"], ["started", "started"],
                           ["num_restarts", "restarts"], ["num_reports_dropped", "reports dropped"]];
             const head = h("Thead", {children: h("Tr", {children: cols.map(c => h("Th", {children: c[1]}))})});

@@ -204,9 +204,31 @@ def node_devices(session: Session, nodes: Sequence[Node]) -> dict[str, tuple[str
     return out
 
 
+def latest_throughputs(session: Session, nodes: Sequence[Node]) -> dict[str, float]:
+    """node_id -> the request rate (req/s) of its latest report (the one of its
+    ``last_report_seq``); nodes without a report are absent."""
+    out: dict[str, float] = {}
+    ids = [n.node_id for n in nodes if n.last_report_seq is not None]
+    for i in range(0, len(ids), 500):  # bounded IN lists
+        q = (select(NodeReport.node_id, NodeReport.throughput_rps)
+             .join(Node, and_(Node.node_id == NodeReport.node_id, Node.last_report_seq == NodeReport.seq))
+             .where(Node.node_id.in_(ids[i:i + 500])))
+        out.update({nid: float(v) for nid, v in session.execute(q)})
+    return out
+
+
 def node_status_counts(session: Session) -> dict[str, int]:
     """Nodes per status ({"up": n, "down": m}), counted in SQL (no ORM objects loaded)."""
     return {str(st): int(n) for st, n in session.execute(select(Node.status, func.count()).group_by(Node.status))}
+
+
+ROLLOUT_STATES = ("pending", "baking", "paused", "promoted", "rolled_back")
+
+
+def rollout_state_counts(session: Session) -> dict[str, int]:
+    """Rollouts per state, every state present (0 where none), counted in SQL."""
+    got = {str(st): int(n) for st, n in session.execute(select(Rollout.state, func.count()).group_by(Rollout.state))}
+    return {st: got.get(st, 0) for st in ROLLOUT_STATES}
 
 
 def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:

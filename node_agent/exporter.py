@@ -18,6 +18,7 @@ end in ``_ratio``, counters in ``_total``); every series carries no label but th
     racer_refill_bytes_total                   counter  bytes the EMB refill brought host -> device
     racer_decisions_total{source}              counter  allocator decisions by source
                                                         (base, residual, recovery, override, guard)
+    racer_decisions_at_bound_total{bound}      counter  of those, decisions clamped to the min or max emb_share
     racer_bursts_total                         counter  bursts the recovery controller entered
     racer_burst_active                         gauge    1 while a burst is in progress
     racer_override_active                      gauge    1 while an operator override is in force
@@ -118,6 +119,11 @@ class _AgentCollector:
         for src in DECISION_SOURCES:
             dec.add_metric([src], float(counts.get(src, 0)))
         yield dec
+        at = CounterMetricFamily("racer_decisions_at_bound", "allocator decisions the guard clamped to its min or max "
+                                 "emb_share", labels=["bound"])
+        for bound in ("min", "max"):
+            at.add_metric([bound], float(alloc.num_at_bound[bound] if alloc is not None else 0))
+        yield at
         rec = alloc.recovery if alloc is not None else None
         yield counter("racer_bursts", "bursts the recovery controller entered", rec.num_bursts if rec else 0)
         yield gauge("racer_burst_active", "1 while a burst is in progress", 1 if rec and rec.phase == "burst" else 0)

@@ -389,6 +389,11 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
     wait_text(page, "action-result", "rolled_back")
     wait_text(page, "ro-state", "rolled_back")
     assert stack.api("GET", "/rollouts")[0]["state"] == "rolled_back"
+    # the rollback raises its alert above every tab (GET /alerts), amber: a ticket, not a page
+    page.wait_for_selector(".alert-RacerRolloutRolledBack", timeout=30_000)
+    said = page.inner_text(".alert-RacerRolloutRolledBack")
+    assert "rolled back" in said and f"rollout:{ros[0]['id']}" in said
+    assert "alert-warning" in page.get_attribute(".alert-RacerRolloutRolledBack", "class")
     actions = [a["action"] for a in stack.api("GET", "/audit", params={"limit": 50})["items"]]
     assert any("rollout" in a for a in actions)
     page.screenshot(path=str(stack.shots / "policies.png"), full_page=True)

@@ -8,7 +8,7 @@ document); `control_plane.api.create_app` includes them in this order:
     nodes        POST /nodes/register, POST /nodes/{node_id}/reports, GET /nodes,
                  POST /nodes/{node_id}/retire, GET /nodes/{node_id}
     directives   GET /nodes/{node_id}/directives, POST /nodes/{node_id}/policy, POST /nodes/{node_id}/model
-    history      GET /reports, /decisions, /bursts, /summary, /jobs
+    history      GET /reports, /decisions, /bursts, /summary, /jobs, /alerts
     routers      POST, GET, DELETE /routers; GET /router/weights, /router/weights/history
     overrides    GET, POST /overrides; POST /overrides/{override_id}/clear
     audit        GET /audit

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from db import queries
 from db.models import SchedulerLease
 
-from ..schemas import BurstOut, DecisionPage, ReportOut, SummaryOut
+from ..schemas import AlertOut, BurstOut, DecisionPage, ReportOut, SummaryOut
 from .deps import OPERATOR, VIEWER, Offset, invalid, now_s, roles, session, settings
 from .rollouts import rollout_out
 
@@ -101,3 +101,16 @@ def jobs(request: Request, job: str | None = None, since_s: float | None = None,
     with session(request) as s:
         return [dict(job=j.job, instance=j.instance, started_s=j.started_s, duration_s=j.duration_s, ok=j.ok,
                      error=j.error, summary=j.summary) for j in queries.job_runs(s, job, since_s, limit)]
+
+
+@router.get("/alerts", response_model=list[AlertOut], **roles(OPERATOR, VIEWER))
+def alerts(request: Request):
+    """The alerts firing now (`control_plane.alerts`: the clients' SLO burn rate over two windows,
+    nodes down, nodes pinned at a guard bound, dropped reports, rollouts rolled back), pages
+    first; the same conditions ship as Prometheus rules in deploy/prometheus/racer-alerts.yml."""
+    from ..alerts import AlertConfig, evaluate
+
+    st = settings(request)
+    cfg = AlertConfig(st.slo_objective, st.alert_window_s, st.pinned_fraction)
+    with session(request) as s:
+        return [AlertOut(**a) for a in evaluate(s, now_s(request), cfg, dict(request.app.state.reports_dropped))]

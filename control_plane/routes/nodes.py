@@ -76,8 +76,8 @@ def nodes(request: Request, include_retired: Annotated[bool, Query(
         description="also the retired nodes (the gateway's list never has them)")] = False):
     with session(request) as s:
         ns = queries.list_nodes(s, include_retired=include_retired)
-        devices = queries.node_devices(s, ns)
-        return [node_out(request.app.state, n, devices[n.node_id]) for n in ns]
+        devices, rates = queries.node_devices(s, ns), queries.latest_throughputs(s, ns)
+        return [node_out(request.app.state, n, devices[n.node_id], rates.get(n.node_id)) for n in ns]
 
 
 @router.post("/nodes/{node_id}/retire", response_model=NodeOut, responses=errors(404, 409, 413), **roles(OPERATOR))
@@ -111,4 +111,5 @@ def retire_node(node_id: NodeId, body: ReasonIn, request: Request, p: principal(
 def node(node_id: NodeId, request: Request):
     with session(request) as s:
         n = get_or_404(s, Node, node_id)
-        return node_out(request.app.state, n, queries.node_devices(s, [n])[node_id])
+        return node_out(request.app.state, n, queries.node_devices(s, [n])[node_id],
+                        queries.latest_throughputs(s, [n]).get(node_id))

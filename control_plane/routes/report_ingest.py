@@ -25,11 +25,13 @@ from .deps import API, NODE
 INGEST_PATH = re.compile(r"^/api/v1/nodes/([A-Za-z0-9_.:\-]{1,128})/reports$")
 
 
-def node_out(state, node: Node, device: tuple[str | None, str | None] | None = None) -> NodeOut:
-    """A node as the API shows it: its row, the drop count its latest report gave, and what its
+def node_out(state, node: Node, device: tuple[str | None, str | None] | None = None,
+             throughput_rps: float | None = None) -> NodeOut:
+    """A node as the API shows it: its row, the drop count its latest report gave, what its
     figures are (``device``: (device_mode, device_profile) from `db.queries.node_devices`; None:
-    from its registration)."""
+    from its registration) and its latest report's request rate."""
     out = NodeOut.model_validate(node)
+    out.throughput_rps = throughput_rps
     out.device_mode, out.device_profile = device if device is not None else registered_device(node.cost_profile)
     dropped = state.reports_dropped.get(node.node_id)
     if dropped is not None:
@@ -79,14 +81,17 @@ def _rows(node_id: str, body: ReportBatchIn, now: float) -> tuple[list, list, li
     return rows, decisions, bursts
 
 
-def _count(state, node_id: str, body: ReportBatchIn, last, num_rows: int, stored: int, dup: int, t0: float) -> None:
-    """The metrics of a stored batch, and the node's drop count (from its newest report saying)."""
+def _count(state, node_id: str, body: ReportBatchIn, last, num_rows: int, stored: int, dup: int, t0: float,
+           now: float) -> None:
+    """The metrics of a stored batch, and the node's drop count (from its newest report saying)
+    with when it last rose (`control_plane.alerts`: the first count seen is the baseline)."""
     said = [x for x in body.reports if x.num_reports_dropped is not None]
     if said:
         newest = max(said, key=lambda x: x.seq)
         old = state.reports_dropped.get(node_id)
         if old is None or newest.seq >= old[0]:  # a replayed older report does not lower it
-            state.reports_dropped[node_id] = (newest.seq, newest.num_reports_dropped)
+            rose = now if old is not None and newest.num_reports_dropped > old[1] else (old[2] if old else None)
+            state.reports_dropped[node_id] = (newest.seq, newest.num_reports_dropped, rose)
             state.metrics.node_reports_dropped.labels(node_id).set(newest.num_reports_dropped)
     m = state.metrics
     m.reports_received.inc(num_rows)
@@ -148,7 +153,7 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock,
         return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"}), {}
     except Exception as e:  # noqa: BLE001 - database unreachable or failing: the node keeps the batch and retries
         return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"}), {}
-    _count(state, node_id, body, last, len(rows), stored, dup, t0)
+    _count(state, node_id, body, last, len(rows), stored, dup, t0, now)
     return 200, b'{"stored":%d,"duplicates":%d}' % (stored, dup), {}
 
 

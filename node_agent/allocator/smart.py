@@ -62,6 +62,7 @@ class SmartAllocator:
         self.last_decision: AllocatorDecision | None = None
         self.last_load_error: str | None = None
         self.num_decisions = {s: 0 for s in DECISION_SOURCES}
+        self.num_at_bound = {"min": 0, "max": 0}  # decisions the guard clamped to a bound (pinned-at-a-bound alert)
         self._lock = threading.Lock()  # serialises load_policy with itself (decide reads one reference)
         if policy_dir is not None:
             self.load_policy(policy_dir)
@@ -173,6 +174,8 @@ class SmartAllocator:
         layer_source = source
         share, t = guard_layer(proposal, prev, c.guard, source, source != "override")
         layers.append(t)
+        if t.acted and t.values[0] in self.num_at_bound:
+            self.num_at_bound[t.values[0]] += 1
         if t.acted:
             source = "guard"
             if layer_source == "residual":
@@ -268,5 +271,6 @@ class SmartAllocator:
             "recovery": self.recovery.state().to_dict(),
             "tuner": self.tuner.state().to_dict(),
             "num_decisions": dict(self.num_decisions),
+            "num_at_bound": dict(self.num_at_bound),
             "last_decision": self.last_decision.to_dict() if self.last_decision is not None else None,
         }
