@@ -508,6 +508,8 @@ def router_weights_figure(history: Sequence[Mapping], field: str = "service_time
     ys = [v for s in per_node.values() for v in _clean(s["y"]) if v is not None and v > 0]
     if ys and max(ys) / min(ys) > 50:  # nodes of very different speeds: a log axis keeps all readable
         fig.update_yaxes(type="log", title_text=y_title + ", log scale")
+    else:  # from zero: a flat line would get an axis a few thousandths wide (ticks 12.2885k, 12.289k)
+        fig.update_yaxes(rangemode="tozero")
     return fig
 
 

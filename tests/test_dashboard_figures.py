@@ -260,6 +260,10 @@ def test_router_weights_show_what_differs_between_nodes():
     mixed = F.router_weights_figure(hist({"a": [1.0, 2.0], "b": [1.0, 2.0], "c": [5.0, 5.0]}),
                                     "kv_recompute_us_per_token")
     assert [t.name for t in mixed.data] == ["a, b", "c"] and not mixed.layout.annotations
+    flat = F.router_weights_figure(hist({"a": [12288.5, 12288.5]}), "kv_recompute_us_per_token")
+    assert flat.layout.yaxis.rangemode == "tozero"  # not an axis 0.001 wide around a flat line
+    far = F.router_weights_figure(hist({"a": [1.0, 1.0], "b": [100.0, 100.0]}), "kv_recompute_us_per_token")
+    assert far.layout.yaxis.type == "log" and far.layout.yaxis.rangemode is None
 
 
 def test_rollout_actions_match_the_control_planes_state_machine():
