@@ -116,6 +116,11 @@ class CostProfileIn(In):
     queue_capacity: Annotated[int, Field(ge=1, le=MAX_QUEUE_CAPACITY, strict=True)] = 64
     # the HBM arena's size (shown by the dashboard; the weights do not use it), at most 1 PiB
     arena_bytes: Annotated[int, Field(ge=1, le=2**50, strict=True)] | None = None
+    # the device's memory as the node saw it at registration: its bookkeeping outside the arena,
+    # and where the device reports them (CUDA) its total and free bytes (absent: not reported)
+    metadata_bytes: Annotated[int, Field(ge=0, le=2**50, strict=True)] | None = None
+    device_total_bytes: Annotated[int, Field(ge=1, le=2**50, strict=True)] | None = None
+    device_free_bytes: Annotated[int, Field(ge=0, le=2**50, strict=True)] | None = None
     # the digest of the model checkpoint the node serves (racer node-agent --model; absent: random weights)
     model_digest: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
     # what the node's figures are (absent: an agent that does not say; unknown)

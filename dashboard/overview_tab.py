@@ -48,8 +48,27 @@ def node_rows(nodes: list[dict]) -> list[dict]:
              "policy_version": n.get("policy_version"), "num_reports_dropped": n.get("num_reports_dropped"),
              "model": model_label(n), "mode": mode_label(n), "started": started_label(n),
              "num_restarts": n.get("num_restarts"),
-             "rate": None if n.get("throughput_rps") is None else f"{n['throughput_rps']:.1f}"}
+             "rate": None if n.get("throughput_rps") is None else f"{n['throughput_rps']:.1f}",
+             "memory": memory_label(n.get("cost_profile") or {})}
             for n in sorted(nodes, key=lambda n: n["node_id"])]
+
+
+def _gib(b) -> str:
+    return f"{b / 2**30:.3g} GiB" if b >= 2**28 else f"{b / 2**20:.3g} MiB"
+
+
+def memory_label(profile: dict) -> str | None:
+    """A node's device memory as its registration gave it: "arena 1.2 GiB, metadata 40 MiB,
+    device 71 GiB free of 80 GiB" (the device's figures only where it reports them: CUDA)."""
+    parts = []
+    for key, name in (("arena_bytes", "arena"), ("metadata_bytes", "metadata")):
+        v = profile.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            parts.append(f"{name} {_gib(v)}")
+    total, free = profile.get("device_total_bytes"), profile.get("device_free_bytes")
+    if isinstance(total, int) and isinstance(free, int):
+        parts.append(f"device {_gib(free)} free of {_gib(total)}")
+    return ", ".join(parts) or None
 
 
 def started_label(node: dict) -> str | None:
@@ -154,7 +173,8 @@ def register(app) -> None:
             const cols = [["node_id", "node"], ["status", "status"], ["device", "device"],
                           ["emb_share", "emb_share"], ["rate", "req/s"], ["policy_version", "policy"],
                           ["mode", "mode"], ["model", "model"], ["started", "started"],
-                          ["num_restarts", "restarts"], ["num_reports_dropped", "reports dropped"]];
+                          ["num_restarts", "restarts"], ["num_reports_dropped", "reports dropped"],
+                          ["memory", "device memory (at registration)"]];
             const head = h("Thead", {children: h("Tr", {children: cols.map(c => h("Th", {children: c[1]}))})});
             const body = h("Tbody", {children: rows.map(r => h("Tr", {children: cols.map(c => h("Td", {
                 children: r[c[0]] === null || r[c[0]] === undefined ? "\u2013" : String(r[c[0]]),

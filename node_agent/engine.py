@@ -23,6 +23,13 @@ the second sees the first's K/V. Times are read from an injected clock (``clock`
 `serve_batch` takes ``now_s`` from the same clock. Every response carries its latency
 breakdown (µs), its KV decision with the reason, EMB counts, and whether the link is emulated.
 
+Synchronisation: the serving path never waits for the whole device. On CUDA the stages are
+timed with events recorded on the serving stream (`StageTimer`; none with
+``stage_timing=False``), and the host waits only where it needs a value (the answer's top-k, the
+lookup's miss ids), and then only for the serving stream. The EMB refill copies on its own
+stream, which waits for the serving stream's writes before it starts; the serving stream never
+waits for it (`node_agent.memory.emb_cache`).
+
 Candidates: a request may list its candidate item ids; otherwise `CandidateGenerator` draws
 ``num_candidates`` distinct items with probability proportional to ``popularity + 1``
 (the trace's interaction counts), from a generator seeded by ``(seed, user, sequence length)``,
@@ -126,6 +133,75 @@ def wait_until(clock: Callable[[], float], deadline_s: float) -> None:
             time.sleep(left - 5e-4)
 
 
+# ------------------------------------------------------------------------------ stage timing ---
+
+
+class StageTimer:
+    """Marks between a request's stages, and the µs between two marks.
+
+    This class is the CPU's: an op's work is done when its call returns, so a mark is a reading of
+    the engine's clock. `CudaStageTimer` records a timing event on the serving stream instead;
+    `NoStageTimer` (stage timing off) records nothing. None of them waits for another stream: a
+    refill chunk in flight on its own stream never delays an answer. `make_stage_timer` picks one.
+    """
+
+    enabled = True
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+
+    def mark(self):
+        return self.clock()
+
+    def elapsed_us(self, start, end) -> float:
+        return (end - start) * 1e6
+
+
+class CudaStageTimer(StageTimer):
+    """Timing events recorded on the serving stream (``stream``). ``elapsed_us`` waits for the
+    ``end`` event only, i.e. for the serving stream's work up to it, and reads the GPU's time
+    between the two events."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def mark(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.stream)
+        return ev
+
+    def elapsed_us(self, start, end) -> float:
+        end.synchronize()
+        return float(start.elapsed_time(end)) * 1e3  # ms
+
+
+class NoStageTimer(StageTimer):
+    """Stage timing off: no clock reading, no event, no wait; every stage reads 0 µs."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        pass
+
+    def mark(self):
+        return None
+
+    def elapsed_us(self, start, end) -> float:
+        return 0.0
+
+
+def make_stage_timer(device: torch.device, clock: Callable[[], float], enabled: bool = True,
+                     stream=None) -> StageTimer:
+    """The timer for a batch on ``device``: `NoStageTimer` when timing is off, else events on the
+    serving stream (``stream``; default: the calling thread's current stream of the device) on
+    CUDA and clock readings on the CPU."""
+    if not enabled:
+        return NoStageTimer()
+    if device.type == "cuda":
+        return CudaStageTimer(stream if stream is not None else torch.cuda.current_stream(device))
+    return StageTimer(clock)
+
+
 # ------------------------------------------------------------------------------------- config ---
 
 
@@ -143,6 +219,9 @@ class EngineConfig:
       ``max_candidates``: most candidates; ``default_num_candidates`` / ``default_top_k``: used
       when a request leaves them out;
     - ``link``: link emulation (`LinkEmulationConfig`); ``device``: ``auto``, ``cpu``, ``cuda[:N]``;
+    - ``stage_timing``: time each request's stages (`LatencyBreakdown`; on CUDA with timing events
+      on the serving stream); off, the stage fields read 0 and only ``queue_us``, ``link_us`` and
+      ``total_us`` are given, with no event recorded and no wait added;
     - ``ghost_probes``: the caches' ghost lists (`MemoryConfig.ghost_probes`; on by default here:
       the node agent reports the marginal utilities of memory in every control interval);
     - ``emulation``: an emulated device (`node_agent.emulated`): no model runs, the arena is
@@ -166,6 +245,7 @@ class EngineConfig:
     default_top_k: int = ranged(10, lo=1, integer=True, doc="top-k when a request gives none")
     link: LinkEmulationConfig = field(default_factory=LinkEmulationConfig)
     device: str = "auto"
+    stage_timing: bool = True
     ghost_probes: tuple[float, ...] = DEFAULT_GHOST_PROBES
     emulation: EmulationConfig | None = None
 
@@ -174,6 +254,7 @@ class EngineConfig:
         require(self, m.qk_dim == m.v_dim, f"the KV page layout stores K and V with one head size, so the model's "
                                            f"qk_dim ({m.qk_dim}) must equal v_dim ({m.v_dim})")
         validate(self)
+        require(self, isinstance(self.stage_timing, bool), f"stage_timing must be a bool, got {self.stage_timing!r}")
         require(self, self.default_num_candidates <= self.max_candidates,
                 f"default_num_candidates ({self.default_num_candidates}) exceeds max_candidates ({self.max_candidates})")
         self.memory_config()  # the arena's own checks (page size a whole number of rows, ...)
@@ -637,20 +718,26 @@ class Engine:
             out = [replace(r, batch_passes=passes) for r in out]
         return out  # type: ignore[return-value]
 
-    def _sync(self) -> None:
+    def _sync_serving(self) -> None:
+        """Wait for the work queued so far on this thread's serving stream (CUDA; nothing on the
+        CPU). Other streams, the EMB refill's among them, are not waited for."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _serve_group(self, preps: list[_Prepared], t_batch: float, batch_size: int,
                      first_pass: bool = True) -> list[RecResponse]:
         clock, mm, dev = self.clock, self.mm, self.device
+        # stage marks: clock readings on the CPU, events on the serving stream on CUDA; the host
+        # waits only where it needs a value (the answer's top-k), and only for the serving stream
+        timer = make_stage_timer(dev, clock, self.config.stage_timing)
+        us = timer.elapsed_us
         # 1. KV plan and reads (a copy of the reused K/V, so later appends may evict freely)
         plans: list[KVReuse] = []
         pasts: list[KVState | None] = []
-        read_us: list[float] = []
+        read_marks: list[tuple] = []
         cands: list[np.ndarray] = []
         for p in preps:
-            t = clock()
+            m_read = timer.mark()
             plan = self._plan_kv(p)
             past = None
             if plan.reuse_tokens:
@@ -658,8 +745,7 @@ class Engine:
                 if ks[0].dtype != torch.float32:
                     ks, vs = [k.float() for k in ks], [v.float() for v in vs]
                 past = KVState(ks, vs, torch.from_numpy(p.ts[: plan.reuse_tokens]).to(dev))
-            self._sync()
-            read_us.append((clock() - t) * 1e6)
+            read_marks.append((m_read, timer.mark()))
             plans.append(plan)
             pasts.append(past)
             cands.append(p.candidates if p.candidates is not None
@@ -670,7 +756,7 @@ class Engine:
             parts += [p.items[plan.reuse_tokens:], c]
             sizes.append(len(p.items) - plan.reuse_tokens + len(c))
         ids = torch.from_numpy(np.concatenate(parts)).to(dev)
-        t_emb = clock()
+        m_emb = timer.mark()
         hits_per_req = None
         if len(preps) > 1:
             hit = (mm.emb.item_to_slot.index_select(0, ids) != mm.emb.miss_slot).to(torch.int64)
@@ -680,12 +766,12 @@ class Engine:
         lk = mm.emb.lookup(ids)
         link_us = self.link.transfer_us(lk.bytes_transferred)
         if link_us > 0:
-            self._sync()
+            self._sync_serving()  # the emulated transfer starts once the lookup's own work is done
             wait_until(clock, clock() + link_us * 1e-6)
             self.link_us_total += link_us
-        self._sync()
-        t_emb_end = clock()
-        emb_us = (t_emb_end - t_emb) * 1e6
+        m_emb_end = timer.mark()
+        emb_us: float | None = None  # read once the first answer has waited for the serving stream
+        read_us: list[float] = []
         if hits_per_req is None:
             hits_per_req = [lk.num_hits]
         rows_all = lk.rows
@@ -693,7 +779,7 @@ class Engine:
         out: list[RecResponse] = []
         off = 0
         for j, (p, plan, past, c) in enumerate(zip(preps, plans, pasts, cands)):
-            t_start = clock()
+            m_start = timer.mark()
             n_new = len(p.items) - plan.reuse_tokens
             rows = rows_all[off: off + sizes[j]]
             off += sizes[j]
@@ -706,24 +792,27 @@ class Engine:
                 full = new_kv if new_kv is not None else self._empty_kv
             else:
                 full = past if new_kv is None else past.append(new_kv)
-            self._sync()
-            t_prefill = clock()
+            m_prefill = timer.mark()
             cached_after = self._write_kv(p, plan, new_kv, full)
-            self._sync()
-            t_write = clock()
+            m_write = timer.mark()
             scores = self.model.rank(cand_rows, full, now_ts=torch.tensor(p.now_ts, dtype=torch.float64, device=dev))
             top = torch.topk(scores, p.top_k)
-            top_scores = top.values.cpu().tolist()
+            m_end = timer.mark()
+            # the answer's host values: these copies wait for the serving stream (only)
             top_items = c[top.indices.cpu().numpy()].tolist()
+            top_scores = top.values.cpu().tolist()
             t_end = clock()
+            if emb_us is None:
+                emb_us = us(m_emb, m_emb_end)
+                read_us = [us(a, b) for a, b in read_marks]
+            prefill_us, rank_us = us(m_start, m_prefill), us(m_write, m_end)
             arrival = p.req.arrival_s if p.req.arrival_s is not None else t_batch
             kv_hit = min(plan.reuse_tokens, p.num_history)
             lat = LatencyBreakdown(
                 queue_us=max(0.0, (t_batch - arrival) * 1e6), emb_lookup_us=emb_us, link_us=link_us,
-                batch_wait_us=max(0.0, (t_start - t_emb_end) * 1e6),
-                kv_read_us=read_us[j], prefill_us=(t_prefill - t_start) * 1e6, kv_write_us=(t_write - t_prefill) * 1e6,
-                rank_us=(t_end - t_write) * 1e6, compute_us=(t_prefill - t_start + t_end - t_write) * 1e6,
-                total_us=(t_end - arrival) * 1e6)
+                batch_wait_us=max(0.0, us(m_emb_end, m_start)),
+                kv_read_us=read_us[j], prefill_us=prefill_us, kv_write_us=us(m_prefill, m_write),
+                rank_us=rank_us, compute_us=prefill_us + rank_us, total_us=(t_end - arrival) * 1e6)
             self.num_served += 1
             self.kv_outcomes[plan.outcome] += 1
             out.append(RecResponse(
@@ -881,8 +970,7 @@ class Engine:
         model.load_state_dict(checkpoint.model.state_dict())
         model = model.to(self.device)
         emb = self.mm.emb
-        self._sync()
-        emb.poll_refill()
+        emb.wait_refill()  # a chunk in flight holds the old table's rows: committed before the rewrite
         if emb.host_table is not None:
             emb.host_table.copy_(checkpoint.item_table)
             resident = torch.nonzero(emb.item_to_slot != emb.miss_slot).flatten()
@@ -893,7 +981,6 @@ class Engine:
         for u in list(self.mm.kv.users_lru()):
             self.mm.kv.evict(u)
         self._seqs.clear()
-        self._sync()
         self.model = model
         self.model_info = _model_info(checkpoint, self.config)
         return self.model_info

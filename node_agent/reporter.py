@@ -298,6 +298,24 @@ class ReportSpool:
 # ------------------------------------------------------------------------------- the reporter ---
 
 
+def device_memory(engine) -> dict:
+    """What the node tells the operators about its device's memory at registration: the
+    bookkeeping outside the arena (``metadata_bytes``), and, where the device reports it (CUDA),
+    its total and free bytes then (``device_total_bytes``, ``device_free_bytes``). A CPU or an
+    emulated device reports no device memory: the keys are absent."""
+    out = {}
+    mm = getattr(engine, "mm", None)
+    if mm is not None and hasattr(mm, "metadata_bytes"):
+        out["metadata_bytes"] = int(mm.metadata_bytes())
+    dev = getattr(mm, "arena", None) and mm.arena.device
+    if dev is not None and getattr(dev, "type", None) == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(dev)
+        out.update(device_total_bytes=int(total), device_free_bytes=int(free))
+    return out
+
+
 def cost_profile(miss_costs: dict | None, *, queue_capacity: int, service_time_us: float | None = None,
                  history_len: float = 512.0, num_candidates: int = 256, arena_bytes: int | None = None) -> dict:
     """The cost profile sent at registration (control_plane.weights.CostProfile fields).
@@ -715,6 +733,7 @@ class Reporter:
         prof = cost_profile(self.agent.miss_costs, queue_capacity=c.queue_capacity or self.agent.config.max_queue,
                             service_time_us=c.service_time_us,
                             num_candidates=getattr(ecfg, "default_num_candidates", 256), arena_bytes=arena)
+        prof.update(device_memory(self.agent.engine))
         digest = (getattr(self.agent.engine, "model_info", None) or {}).get("digest")
         if digest:  # the checkpoint this node serves, for the operators (random weights: none)
             prof["model_digest"] = digest

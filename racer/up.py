@@ -1,8 +1,9 @@
 """``racer up``: the whole system on this machine from one command.
 
 A supervisor starts the control plane (SQLite in the data folder unless ``--db``), N node agents
-(CPU unless a GPU is seen, each its own process, the shipped policy), the gateway and the
-dashboard; each process runs in its own process group with its log in ``DATA/logs/<name>.log``.
+(CPU unless a GPU is seen, each its own process, the shipped policy; ``--devices cuda:0,cuda:1``
+places them one per device, round robin), the gateway and the dashboard; each process runs in
+its own process group with its log in ``DATA/logs/<name>.log``.
 It then replays the Taobao trace through steady -> trend -> burst in a loop (`workloads.replay`,
 open loop) against the gateway, and prints one status line: requests served, P99 and SLO
 attainment over the last 30 s, the current regime, the processes up.
@@ -475,6 +476,24 @@ class Plan:
     fleet_token: str | None = None  # the gateway's and the agents' (common.secrets_args)
 
 
+def parse_devices(text: str) -> list[str]:
+    """``--devices``: comma-separated devices, each ``cpu``, ``cuda`` or ``cuda:N``."""
+    out = [d.strip() for d in text.split(",") if d.strip()]
+    if not out:
+        raise ValueError("--devices needs at least one device, e.g. cuda:0,cuda:1")
+    for d in out:
+        kind, _, index = d.partition(":")
+        if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+            raise ValueError(f"--devices: {d!r} is not a device (cpu, cuda or cuda:N)")
+    return out
+
+
+def node_device(k: int, devices: Sequence[str] | None) -> str | None:
+    """The device of agent ``node-k``: ``devices`` round robin; None (the agent's own choice:
+    CUDA when torch sees a GPU, else the CPU) without a list."""
+    return devices[k % len(devices)] if devices else None
+
+
 def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], operator_token: str,
                    node_envs: dict[str, dict[str, str]], profile: Path | None, db_url: str,
                    ports: dict[str, int] | None = None) -> Plan:
@@ -528,6 +547,9 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
             argv += ["--model", str(model)]
         if profile is not None:
             argv += ["--profile", str(profile)]
+        device = node_device(k, getattr(args, "devices", None))
+        if device is not None:
+            argv += ["--device", device]
         env = node_envs.setdefault(f"node-{k}", {})  # its own RACER_NODE_TOKEN goes there once known
         env["RACER_FLEET_TOKEN"] = fleet
         if cp_url:
@@ -1363,6 +1385,12 @@ def add_up_parser(subparsers) -> None:
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
+    def devices(text: str) -> list[str]:
+        try:
+            return parse_devices(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
     up = subparsers.add_parser(
         "up", help="run the whole system here: control plane, node agents, gateway, dashboard, trace replay",
         description="Start the control plane (SQLite in the data folder), N node agents with the shipped policy, "
@@ -1370,6 +1398,9 @@ def add_up_parser(subparsers) -> None:
                     "loop. Prints the dashboard URL and the operator token, and one status line. Ctrl-C or "
                     "SIGTERM stops everything.")
     up.add_argument("--nodes", type=int, default=4, help="node agents (default 4)")
+    up.add_argument("--devices", type=devices, default=None,
+                    help="devices for the agents, one agent per device round robin, e.g. cuda:0,cuda:1 (default: "
+                         "each agent's own choice, CUDA when torch sees a GPU, else the CPU)")
     up.add_argument("--trace", default="taobao", choices=sorted(LOADERS), help="trace to serve and replay (default "
                                                                                 "taobao, the bundled sample)")
     up.add_argument("--path", default=None, help="trace file (default: the sample under $RACER_DATA_DIR or "

@@ -443,6 +443,40 @@ def test_the_nodes_table_and_kpis_say_which_figures_are_modelled():
     assert any(getattr(c, "id", None) == "kpi-device" for c in build_layout(1.0)._traverse())
 
 
+def test_the_nodes_table_gives_each_nodes_request_rate_and_device_memory():
+    from dashboard.overview_tab import memory_label, node_rows
+
+    gpu = {"arena_bytes": 12 * 2**30, "metadata_bytes": 40 * 2**20, "device_total_bytes": 80 * 2**30,
+           "device_free_bytes": 7 * 2**30}
+    rows = node_rows([{"node_id": "g", "throughput_rps": 123.456, "cost_profile": gpu},
+                      {"node_id": "c", "cost_profile": {"arena_bytes": 3 * 2**20, "metadata_bytes": 0}},
+                      {"node_id": "n"}])
+    assert [(r["node_id"], r["rate"], r["memory"]) for r in rows] == [
+        ("c", None, "arena 3 MiB, metadata 0 MiB"),  # a CPU reports no device memory: not a made-up one
+        ("g", "123.5", "arena 12 GiB, metadata 40 MiB, device 7 GiB free of 80 GiB"),
+        ("n", None, None)]
+    assert memory_label({"device_total_bytes": 2**30}) is None  # total without free: said nowhere
+    assert memory_label({"arena_bytes": True}) is None
+
+
+def test_a_nodes_metadata_outside_the_arena_is_its_catalogue_sized_maps():
+    """`MemoryManager.metadata_bytes`: the EMB slab's per-item maps grow with the catalogue,
+    the arena's own storage and the host table are not counted."""
+    from node_agent.memory import KVLayout, MemoryConfig, MemoryManager
+
+    def meta(num_items: int, payload: bool = False) -> int:
+        import torch
+
+        host = torch.zeros(num_items, 4) if payload else None
+        return MemoryManager(MemoryConfig(num_pages=8, num_items=num_items, emb_dim=4, emb_dtype="float32",
+                                          kv=KVLayout(1, 1, 2, 4, "float32"), payload=payload,
+                                          device="cpu"), host_table=host).metadata_bytes()
+
+    small, big = meta(1000), meta(101_000)
+    assert small > 0 and 100_000 * 12 <= big - small <= 100_000 * 40  # int64 slot + float32 popularity (+ ghosts)
+    assert meta(1000, payload=True) == small  # the arena (and the host table beside it) is not metadata
+
+
 def test_a_reason_with_html_shows_as_text_in_hover_labels():
     """A node's decision reason is its own text: plotly renders tags in hover text (a link was
     clickable), so every part of a hover label is escaped; the line breaks are the only tags."""

@@ -71,6 +71,12 @@ def test_an_emulated_agent_says_so_in_answers_reports_metrics_and_the_nodes_tabl
         assert summary["num_emulated"] == 1
         row = next(r for r in node_rows(nodes) if r["node_id"] == "e0")
         assert "emulated a100-hstu" in row["mode"] and "uncalibrated" in row["mode"]
+        # its memory as registered: the arena and the bookkeeping beside it; an emulated device
+        # reports no device memory of its own
+        prof = node["cost_profile"]
+        assert prof["arena_bytes"] > 0 and prof["metadata_bytes"] > 0 and "device_total_bytes" not in prof
+        assert row["memory"].startswith("arena ") and "metadata" in row["memory"] and "device" not in row["memory"]
+        assert float(row["rate"]) >= 0
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -32,6 +32,20 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def session_providers(device: str, available: list[str], cuda: bool) -> list[str]:
+    """onnxruntime's providers for a policy on ``device``: ``cpu`` (the default) the CPU provider
+    only, ``cuda`` the CUDA provider first, ``auto`` CUDA first when ``cuda`` (torch sees a GPU).
+    One decision per control step takes tens of µs on the CPU; on the GPU it would queue behind
+    the serving kernels. ``available``: onnxruntime's providers (CUDA asked for and missing raises
+    `ArtifactError`)."""
+    if device not in ("cpu", "cuda", "auto"):
+        raise ArtifactError(f"policy device must be cpu, cuda or auto, got {device!r}")
+    use_cuda = device == "cuda" or (device == "auto" and cuda)
+    if use_cuda and "CUDAExecutionProvider" not in available:
+        raise ArtifactError(f"device {device!r} wants CUDA but onnxruntime offers only {available}")
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
+
+
 class OnnxPolicy:
     """A loaded, accepted base policy: an onnxruntime session with its I/O bound in advance.
 
@@ -42,9 +56,10 @@ class OnnxPolicy:
     inputs (finite, in [0, 1]), and times one control step (at most `MAX_POLICY_STEP_MS`).
 
     ``input_row`` (float32, NUM_FEATURES) is the bound input: write features there, call `run`.
+    ``device``: which provider runs it (`session_providers`; the CPU's unless asked otherwise).
     """
 
-    def __init__(self, artifact_dir: str | Path, *, device: str = "auto", intra_op_num_threads: int = 1,
+    def __init__(self, artifact_dir: str | Path, *, device: str = "cpu", intra_op_num_threads: int = 1,
                  golden_tolerance: float | None = None):
         self.artifact_dir = Path(artifact_dir)
         try:
@@ -70,11 +85,7 @@ class OnnxPolicy:
         if problems:
             raise ArtifactError(f"{manifest['onnx_file']} is not a graph this runtime runs: {'; '.join(problems)}")
 
-        use_cuda = device == "cuda" or (device == "auto" and cuda_available())
-        available = ort.get_available_providers()
-        if use_cuda and "CUDAExecutionProvider" not in available:
-            raise ArtifactError(f"device {device!r} wants CUDA but onnxruntime offers only {available}")
-        providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"])
+        providers = session_providers(device, ort.get_available_providers(), device != "cpu" and cuda_available())
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1

@@ -85,7 +85,56 @@ class _RefillChunk:
     items: torch.Tensor
     slots: torch.Tensor
     num_bytes: int
-    event: object | None  # torch.cuda.Event on CUDA; None when the copy already completed
+    event: object | None  # the copy's handle (``query``, ``synchronize``); None when it already completed
+
+
+class RefillStream:
+    """Copies a refill chunk's rows into the slab and hands back how to see the copy complete.
+
+    This class is the CPU's: the copy is done when ``copy`` returns, which returns ``None``.
+    `CudaRefillStream` copies on a stream of its own and returns a CUDA event. ``EmbCache``
+    keeps one in ``refill_stream``; anything with the same ``copy`` (returning ``None`` or an
+    object with ``query()`` and ``synchronize()``) may replace it."""
+
+    def copy(self, slab_rows: torch.Tensor, slots: torch.Tensor, host_table: torch.Tensor,
+             items_host: torch.Tensor):
+        slab_rows.index_copy_(0, slots, host_table.index_select(0, items_host))
+        return None
+
+
+class CudaRefillStream(RefillStream):
+    """The refill's high-priority CUDA stream and its pinned staging buffer.
+
+    ``copy`` gathers the rows on the host into the staging buffer (pinned on CUDA, grown as
+    needed; a chunk is issued only once the previous one completed, so one buffer serves), records
+    an event on the serving stream (the calling thread's current stream) after the rows'
+    reservation and any earlier use of their pages as KV, makes the refill stream wait for it, and
+    copies ``non_blocking`` on the refill stream. The serving stream never waits for this stream:
+    the chunk's rows are reserved, so no lookup reads or writes them until the commit."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device, priority=-100)
+        self.staging: torch.Tensor | None = None
+
+    def copy(self, slab_rows, slots, host_table, items_host):
+        k = items_host.numel()
+        if self.staging is None or self.staging.shape[0] < k:
+            self.staging = torch.empty((k, host_table.shape[1]), dtype=host_table.dtype,
+                                       pin_memory=self.device.type == "cuda")
+        staging = self.staging[:k]
+        torch.index_select(host_table, 0, items_host, out=staging)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            dev_rows = staging.to(self.device, non_blocking=True)
+            slab_rows.index_copy_(0, slots, dev_rows)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        if slots.is_cuda:
+            slots.record_stream(self.stream)  # allocated on the serving stream, read on this one
+        return done
 
 
 class EmbCache:
@@ -111,12 +160,14 @@ class EmbCache:
     **Refill** (``issue_refill`` / ``poll_refill``): when the slab grows, the uncached items with
     the most misses (ties: lower id first) are ranked once, as many as there are empty rows;
     each chunk then copies the next of them still uncached into the lowest empty rows. Rows are
-    reserved (``RESERVED_TICK``), copied (CUDA: gathered into a pinned staging buffer, copied
-    ``non_blocking`` on a separate high-priority stream; CPU: a plain copy), and committed to
-    the maps only once the copy has completed (``event.query()``), so a lookup never waits for a
-    refill and never sees a half-written row. Refilled rows enter as most recent. Items that a
-    demand miss cached meanwhile are skipped at commit and their rows go back to empty. Demand
-    misses take empty rows first too (tick 0), so the refill only fills what demand has not.
+    reserved (``RESERVED_TICK``), copied by ``refill_stream`` (CUDA: `CudaRefillStream`, on a
+    separate high-priority stream that waits for the serving stream, never the reverse; CPU: a
+    plain copy), and committed to the maps only once the copy has completed (``event.query()``),
+    so a lookup never waits for a refill and never sees a half-written row. The ranked candidates
+    are kept on the host as well, so issuing a chunk reads no item ids back from the device.
+    Refilled rows enter as most recent. Items that a demand miss cached meanwhile are skipped at
+    commit and their rows go back to empty. Demand misses take empty rows first too (tick 0), so
+    the refill only fills what demand has not.
 
     **Ghost list** (``config.ghost_probes``): the marginal utility of more rows. Every row that
     leaves the slab (an eviction, or an invalidation when the slab shrinks) stamps its item with
@@ -132,6 +183,10 @@ class EmbCache:
     overcount a little); for one id per call they are lower bounds of a larger slab's extra hits.
     It costs five tensor ops on calls with misses and two per eviction; the metadata lives on
     the device with the rest.
+
+    **Demand misses** on CUDA are gathered on the host into a pinned staging buffer (reused,
+    grown as needed) and copied ``non_blocking`` on the serving stream; the host waits for the
+    serving stream only, to read the missed ids and before it reuses the buffer.
 
     **Metadata-only mode** (``arena.payload is False``): the same code with no slab and no host
     table; ``rows`` is ``None`` and nothing is copied, every counter and decision is identical.
@@ -180,11 +235,14 @@ class EmbCache:
         self.stats.ghost_hits = (0,) * len(self.ghost_rows)
         # refill state
         self._refill_candidates = torch.empty(0, dtype=i64, device=dev)
+        self._refill_candidates_host = self._refill_candidates.cpu()
         self._refill_cursor = 0
         self._refill_stale = True
         self._inflight: _RefillChunk | None = None
-        self._refill_stream = None
-        self._staging: torch.Tensor | None = None
+        self.refill_stream: RefillStream | None = None
+        # demand misses on CUDA: pinned staging buffer, and the event after its last copy
+        self._demand_staging: torch.Tensor | None = None
+        self._demand_copied = None
         # host table
         self.host_table: torch.Tensor | None = None
         if self.payload:
@@ -201,7 +259,9 @@ class EmbCache:
             if self.device.type == "cuda":
                 if not host_table.is_pinned():
                     host_table = host_table.pin_memory()
-                self._refill_stream = torch.cuda.Stream(device=self.device, priority=-100)
+                self.refill_stream = CudaRefillStream(self.device)
+            else:
+                self.refill_stream = RefillStream()
             self.host_table = host_table.contiguous()
         elif host_table is not None:
             raise ValueError("a metadata-only EMB cache takes no host_table")
@@ -379,9 +439,32 @@ class EmbCache:
         return miss_ids[self.item_to_slot.index_select(0, miss_ids) == marks]
 
     def _host_rows(self, items: torch.Tensor) -> torch.Tensor:
+        """The host table's rows of ``items``, on the device."""
         if self.device.type == "cpu":
             return self.host_table.index_select(0, items)
-        return self.host_table.index_select(0, items.cpu()).to(self.device)
+        return self._staged_host_rows(items.cpu())  # the host reads the ids: waits for the serving stream
+
+    def _staged_host_rows(self, items_host: torch.Tensor) -> torch.Tensor:
+        """Rows of ``items_host`` (host ids) gathered into the demand staging buffer (pinned on
+        CUDA) and copied ``non_blocking`` on the serving stream (the current stream). Before the
+        buffer is rewritten the host waits for the event after its previous copy: the serving
+        stream's work up to there, nothing else."""
+        k = items_host.numel()
+        if self._demand_copied is not None:
+            self._demand_copied.synchronize()
+        buf = self._demand_staging
+        if buf is None or buf.shape[0] < k:
+            cap = max(k, 2 * buf.shape[0] if buf is not None else 0)
+            buf = torch.empty((cap, self.emb_dim), dtype=self.host_table.dtype,
+                              pin_memory=self.device.type == "cuda")
+            self._demand_staging = buf
+        staging = buf[:k]
+        torch.index_select(self.host_table, 0, items_host, out=staging)
+        rows = staging.to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._demand_copied = ev
+        return rows
 
     # ------------------------------------------------------------------------------ victims --
     def _invalidate_queue(self) -> None:
@@ -478,6 +561,7 @@ class EmbCache:
         self._refill_stale = False
         if num_empty == 0:
             self._refill_candidates = self._refill_candidates[:0]
+            self._refill_candidates_host = self._refill_candidates_host[:0]
             return self._refill_candidates
         score = self.popularity.masked_fill(self.item_to_slot != self.miss_slot, -1.0)
         k = min(num_empty, self.num_items)
@@ -490,6 +574,7 @@ class EmbCache:
             cand = torch.cat([above, ties])
         order = torch.argsort(-score.index_select(0, cand), stable=True)
         self._refill_candidates = cand.index_select(0, order)
+        self._refill_candidates_host = self._refill_candidates.cpu()  # the same tensor on the CPU
         return self._refill_candidates
 
     @property
@@ -513,53 +598,38 @@ class EmbCache:
         cur = self._refill_cursor
         if cur >= cand.numel():
             return 0
-        window = cand[cur: cur + max(4 * max_rows, 64)]
-        missing = (self.item_to_slot.index_select(0, window) == self.miss_slot).nonzero().squeeze(1)
+        hi = cur + max(4 * max_rows, 64)
+        window, window_host = cand[cur:hi], self._refill_candidates_host[cur:hi]
+        # which candidates are still uncached: one flag each read back; the ids come from the host list
+        missing = (self.item_to_slot.index_select(0, window) == self.miss_slot).cpu().nonzero().squeeze(1)
         if missing.numel() > max_rows:
             missing = missing[:max_rows]
             self._refill_cursor = cur + int(missing[-1]) + 1
         else:
             self._refill_cursor = cur + window.numel()
-        items = window.index_select(0, missing)
+        items_host = window_host.index_select(0, missing)
         empty = self._empty_rows()
-        k = min(items.numel(), empty.numel())
+        k = min(items_host.numel(), empty.numel())
         if empty.numel() == 0:
             self._refill_cursor = cand.numel()  # nothing left to fill until the slab grows
         if k == 0:
             return 0
-        items, slots = items[:k], empty[:k]
+        items_host, slots = items_host[:k], empty[:k]
         self.slot_tick.index_fill_(0, slots, RESERVED_TICK)
-        self._inflight = self._copy_chunk(items, slots)
+        self._inflight = self._copy_chunk(items_host.to(self.device), slots, items_host)
         self.poll_refill()
         return k
 
-    def _copy_chunk(self, items: torch.Tensor, slots: torch.Tensor) -> _RefillChunk:
-        k = items.numel()
-        nbytes = k * self.row_bytes
+    def _copy_chunk(self, items: torch.Tensor, slots: torch.Tensor,
+                    items_host: torch.Tensor | None = None) -> _RefillChunk:
+        """Copy ``items``' rows into the reserved rows ``slots`` through ``refill_stream``
+        (``items_host``: the same ids in host memory, read back from ``items`` when not given)."""
+        nbytes = items.numel() * self.row_bytes
         if not self.payload:
             return _RefillChunk(items, slots, nbytes, None)
-        rows_all = self.arena.all_rows()
-        if self.device.type == "cpu":
-            rows_all.index_copy_(0, slots, self.host_table.index_select(0, items))
-            return _RefillChunk(items, slots, nbytes, None)
-        # CUDA: gather into a pinned staging buffer, copy on the high-priority refill stream.
-        if self._staging is None or self._staging.shape[0] < k:
-            self._staging = torch.empty(
-                (k, self.emb_dim), dtype=self.host_table.dtype, pin_memory=True
-            )
-        staging = self._staging[:k]
-        torch.index_select(self.host_table, 0, items.cpu(), out=staging)
-        main = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(main)  # after the reservation and any earlier use of these pages as KV
-        stream = self._refill_stream
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            dev_rows = staging.to(self.device, non_blocking=True)
-            rows_all.index_copy_(0, slots, dev_rows)
-            done = torch.cuda.Event()
-            done.record(stream)
-        slots.record_stream(stream)
+        if items_host is None:
+            items_host = items.cpu()
+        done = self.refill_stream.copy(self.arena.all_rows(), slots, self.host_table, items_host)
         return _RefillChunk(items, slots, nbytes, done)
 
     def poll_refill(self) -> bool:

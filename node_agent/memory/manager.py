@@ -221,6 +221,27 @@ class MemoryManager:
             page_occupied=occ, min_emb_pages=c.min_emb_pages, min_kv_pages=c.min_kv_pages,
         )
 
+    def metadata_bytes(self) -> int:
+        """Bytes of the bookkeeping tensors on the arena's device outside the arena: the EMB slab's
+        per-item maps (slot, popularity, ghost order: catalogue-sized) and per-row ones, scratch
+        included; the host-side table and staging buffers are not on the device."""
+        import torch
+
+        arena = self.arena._storage
+        arena_ptr = arena.untyped_storage().data_ptr() if arena is not None else None
+        seen, total = set(), 0
+        for obj in (self.emb, self.kv):
+            for name, v in vars(obj).items():
+                if (not isinstance(v, torch.Tensor) or name in ("host_table", "_staging")
+                        or v.device != self.arena.device):
+                    continue
+                st = v.untyped_storage()
+                if st.data_ptr() in seen or st.data_ptr() == arena_ptr:
+                    continue
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        return total
+
     def stats(self) -> MemoryStats:
         target = self.plan.target_emb_pages if self._pending else self.arena.emb_pages
         return MemoryStats(
