@@ -21,6 +21,18 @@ Measured with the engine's own model and memory layout on the engine's device (m
 
 The keys ``kv_recompute_us_per_token``, ``emb_transfer_us_per_row`` and ``emb_hit_us_per_row`` are
 what ``simulator.profiles.from_node_profile`` and the router's weights read.
+
+``device_memory`` (`device_memory_budget`) is every device byte the profiled node holds, counted
+at the end of the run: ``arena_bytes`` (the one arena allocation: EMB slab + KV pages),
+``metadata_bytes`` (`MemoryManager.metadata_bytes`: the bookkeeping tensors on the device outside
+the arena, catalogue-sized maps), ``model_weights_bytes`` (the model's parameters and buffers on
+the device) and their sum ``node_bytes``; on CUDA also what the device itself says:
+``device_total_bytes`` / ``device_free_bytes`` (``torch.cuda.mem_get_info``, the node's tensors
+still held) and ``max_memory_allocated_bytes`` (``torch.cuda.max_memory_allocated``: the
+caching allocator's peak since the process started, activations included; in a
+``racer node profile`` process, the profile run's peak). A CPU reports none of the three: they
+are ``null``, not 0, and ``device_reports`` says why. The sizes are the profile run's own (its
+arena is sized for the measurement, not a serving config's ``--num-pages``).
 """
 
 from __future__ import annotations
@@ -189,7 +201,47 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
         "model_source": ({"kind": "random", "seed": m.seed, "digest": None} if checkpoint is None else
                          {"kind": "checkpoint", "digest": checkpoint.digest, "path": checkpoint.path}),
     })
+    out["device_memory"] = device_memory_budget(mm, model)
     _check_positive(out)
+    return out
+
+
+def _tensor_bytes(tensors, device: torch.device) -> int:
+    """Bytes of the distinct storages behind ``tensors`` that lie on ``device``."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t.device != device:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+def device_memory_budget(mm: MemoryManager, model: torch.nn.Module | None, cuda=None) -> dict:
+    """Every device byte a node holds (see the module doc): arena, metadata outside it, model
+    weights, their sum, and on CUDA the device's own total / free / peak-allocated figures (``None``
+    on a device that reports none). ``cuda``: the ``torch.cuda`` module (a stand-in in tests)."""
+    cuda = torch.cuda if cuda is None else cuda
+    dev = mm.arena.device
+    storage = mm.arena._storage
+    arena = int(storage.untyped_storage().nbytes()) if storage is not None else 0
+    meta = int(mm.metadata_bytes())
+    weights = 0 if model is None else _tensor_bytes(list(model.parameters()) + list(model.buffers()), dev)
+    out = {"device": str(dev), "arena_bytes": arena, "metadata_bytes": meta, "model_weights_bytes": weights,
+           "node_bytes": arena + meta + weights, "device_total_bytes": None, "device_free_bytes": None,
+           "max_memory_allocated_bytes": None}
+    if dev.type == "cuda":
+        free, total = cuda.mem_get_info(dev)
+        out.update(device_total_bytes=int(total), device_free_bytes=int(free),
+                   max_memory_allocated_bytes=int(cuda.max_memory_allocated(dev)),
+                   device_reports="torch.cuda.mem_get_info (the node's tensors held) and max_memory_allocated "
+                                  "(the caching allocator's peak since the process started)")
+    else:
+        out["device_reports"] = (f"none: the {dev.type} device reports no memory of its own (total, free and "
+                                 f"peak are null, not 0)")
     return out
 
 
