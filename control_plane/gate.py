@@ -42,7 +42,8 @@ def body_caps(settings: Settings) -> dict[str, tuple[int, str]]:
     ``max_body_bytes``."""
     return {f"{API}/nodes/{{node_id}}/reports": (settings.max_report_body_bytes, "max_report_body_bytes"),
             f"{API}/policies": (settings.max_policy_body_bytes, "max_policy_body_bytes"),
-            f"{API}/models": (settings.max_policy_body_bytes, "max_policy_body_bytes")}
+            f"{API}/models": (settings.max_policy_body_bytes, "max_policy_body_bytes"),
+            f"{API}/gateways/{{gateway_id}}/samples": (settings.max_sample_body_bytes, "max_sample_body_bytes")}
 
 
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")

@@ -32,6 +32,11 @@ outcomes, retries, 503s, per-node queueing before the node, the load phase clien
 plane did not take are kept (at most ``MAX_PENDING_CLIENT_REPORTS``) and sent again. See
 docs/gateway.md.
 
+With ``--sample-rate R`` (> 0; a key from ``--sample-key-file`` / ``$RACER_SAMPLE_KEY``) it also
+samples its traffic by user for a what-if replay (`control_plane.traffic_sample`: every request of
+a fraction R of the users, ids hashed with the key) and sends the samples every
+``sample_interval_s`` to ``POST /api/v1/gateways/{gateway_id}/samples``, as it sends its reports.
+
 The decisions (which node a failed request is retried on, a node's health transitions, what a new
 node list changes, whether a weights document applies, what to do with a client-report batch)
 are pure functions in `control_plane.gateway_decisions`; this module does the I/O around them.
@@ -68,6 +73,8 @@ from common.http_server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnl
                                json_content_type, may_have_body, read_body, send_json, unsupported_media_type)
 
 from .client_view import PHASE_HEADER, ClientView, clean_phase, node_total_us
+from .traffic_sample import DEFAULT_SAMPLE_MAX_ITEMS, MAX_SAMPLE_ITEMS, SAMPLE_KEY_ENV, Sampler
+from .traffic_sample import sample_key as traffic_sample_key
 from .gateway_decisions import (Attempt, HealthEvent, HealthPolicy, HealthState, RetrySnapshot, WeightsInForce,
                                 choose_retry, client_report_step, diff_registry, health_transition,
                                 profile_from_metrics, service_time_changed, weights_verdict)
@@ -129,6 +136,13 @@ class GatewayConfig:
     client_report_interval_s: float = ranged(1.0, lo=0.1, hi=MAX_CLIENT_REPORT_INTERVAL_S,
                                              doc="how often what clients see goes to the control plane, s; "
                                                  "with --control-plane")
+    sample_rate: float = ranged(0.0, lo=0, hi=1, doc="fraction of users whose every request is sampled for a "
+                                                     "what-if replay (0: off; > 0 needs --control-plane and a "
+                                                     "key: --sample-key-file or $RACER_SAMPLE_KEY)")
+    sample_max_items: int = ranged(DEFAULT_SAMPLE_MAX_ITEMS, lo=1, hi=MAX_SAMPLE_ITEMS, integer=True,
+                                   doc="most item ids a sample keeps of each list (the history's most recent, "
+                                       "the first new items and candidates); the history length is kept whole")
+    sample_interval_s: float = ranged(2.0, lo=0.05, hi=600, doc="how often samples go to the control plane, s")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -160,9 +174,7 @@ class BadRequest(ValueError):
     pass
 
 
-def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
-    """The router's view of a node-agent body; only the fields routing needs are checked here
-    (the node validates the rest and answers 4xx, which the gateway passes through)."""
+def _parse_body(body: bytes) -> dict:
     try:
         d = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -171,6 +183,17 @@ def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
         raise BadRequest("body: JSON nested too deeply") from None
     if not isinstance(d, dict):
         raise BadRequest("body: must be a JSON object")
+    return d
+
+
+def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
+    """The router's view of a node-agent body; only the fields routing needs are checked here
+    (the node validates the rest and answers 4xx, which the gateway passes through)."""
+    return _route_of(_parse_body(body), item_shard)
+
+
+def _route_of(d: dict, item_shard: np.ndarray | None) -> RouteRequest:
+    """`_route_request` of the parsed body ``d``."""
     user = d.get("user_id")
     if isinstance(user, bool) or not isinstance(user, int) or not 0 <= user < 2**63:
         raise BadRequest(f"user_id: must be an integer in [0, 2^63), got {user!r}")
@@ -197,6 +220,8 @@ def _route_request(body: bytes, item_shard: np.ndarray | None) -> RouteRequest:
 
 _EMPTY = np.empty(0, dtype=np.int64)
 MAX_PENDING_CLIENT_REPORTS = 600  # reports kept while the control plane does not take them (oldest dropped)
+SAMPLE_BATCH = 250  # traffic samples per batch (the control plane takes 500: traffic_sample.MAX_SAMPLE_BATCH)
+SAMPLE_BATCH_BYTES = 512 * 2**10  # and about this much JSON (its max_sample_body_bytes: 1 MiB by default)
 REREGISTER_S = 60.0  # a registered gateway registers again this often (its push token comes with the answer)
 CLIENT_REPORT_BATCH = 60
 _GATEWAY_ID_BAD = re.compile(r"[^A-Za-z0-9_.:\-]")
@@ -229,6 +254,11 @@ class _Metrics:
         self.live_nodes = Gauge("racer_gateway_live_nodes", "Nodes in rotation", registry=r)
         self.weights_version = Gauge("racer_gateway_weights_version", "Version of the router weights in force",
                                      registry=r)
+        self.samples_sent = Counter("racer_gateway_samples_sent", "Traffic samples the control plane stored",
+                                    registry=r)
+        self.samples_dropped = Counter("racer_gateway_samples_dropped", "Traffic samples dropped: buffer_full "
+                                       "(the oldest, past the gateway's bounds) or refused (for good, by the "
+                                       "control plane)", ("reason",), registry=r)
 
 
 class Gateway:
@@ -236,14 +266,15 @@ class Gateway:
 
     ``nodes``: ``[(node_id, address)]``; ``item_shard``: item -> shard map of the trace the nodes
     serve (``None``: the EMB term sees no items); ``control_plane``/``token``: where node lists and
-    weights come from (``None``: the ``nodes`` given, weights from the nodes' ``/v1/metrics``).
+    weights come from (``None``: the ``nodes`` given, weights from the nodes' ``/v1/metrics``);
+    ``sample_key``: the traffic samples' key (needed when ``config.sample_rate`` > 0).
     """
 
     def __init__(self, nodes: Sequence[tuple[str, str]], config: GatewayConfig | None = None, *,
                  item_shard: np.ndarray | None = None, control_plane: str | None = None,
                  token: str | None = None, advertise_url: str | None = None, push_token: str | None = None,
                  clock: Callable[[], float] = time.monotonic, gateway_id: str | None = None,
-                 fleet_token: str | None = None) -> None:
+                 fleet_token: str | None = None, sample_key: bytes | None = None) -> None:
         self.config = config or GatewayConfig()
         self.health_policy = HealthPolicy(self.config.health_failures, self.config.health_successes)
         self.item_shard = None if item_shard is None else np.asarray(item_shard, dtype=np.int64)
@@ -275,6 +306,21 @@ class Gateway:
         self.client_report_error: str | None = None
         self.client_reports_sent = 0
         self.client_reports_dropped = 0  # refused for good by the control plane (403, 413 or 422 alone)
+        # traffic samples for a what-if replay (control_plane.traffic_sample): None when off
+        self.sampler: Sampler | None = None
+        self.sample_error: str | None = None
+        self.samples_sent = 0
+        if self.config.sample_rate > 0:
+            if not sample_key:
+                raise ValueError(f"--sample-rate {self.config.sample_rate:g} needs the samples' key: "
+                                 f"--sample-key-file PATH or $RACER_SAMPLE_KEY (a random secret of at least 16 "
+                                 f"characters, the same on every gateway)")
+            if not self.control_plane:
+                raise ValueError("--sample-rate applies with --control-plane only: the samples are sent there")
+            self.sampler = Sampler(sample_key, self.config.sample_rate, max_items=self.config.sample_max_items,
+                                   on_drop=lambda n, reason: self.metrics.samples_dropped.labels(reason).inc(n))
+            for reason in ("buffer_full", "refused"):  # both series from the start
+                self.metrics.samples_dropped.labels(reason)
         self.weights_version = 0
         self.weights_source = "control_plane" if self.control_plane else "node_metrics"
         self.weights_computed_at_s: float | None = None
@@ -329,6 +375,9 @@ class Gateway:
                                                    name="registry"))
             self._tasks.append(asyncio.create_task(self._loop(c.client_report_interval_s, self.report_clients),
                                                    name="client-reports"))
+        if self.sampler is not None:
+            self._tasks.append(asyncio.create_task(self._loop(c.sample_interval_s, self.send_samples),
+                                                   name="traffic-samples"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -340,6 +389,9 @@ class Gateway:
         if self.control_plane and self.client is not None:  # the last interval, cut short
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.report_clients(), 2.0)
+            if self.sampler is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.send_samples(), 2.0)
         if self.client is not None:
             await self.client.aclose()
             self.client = None
@@ -387,10 +439,13 @@ class Gateway:
         first_byte_s = t0 if first_byte_s is None else first_byte_s
         m = self.metrics
         try:
-            rreq = _route_request(body, self.item_shard)
+            parsed = _parse_body(body)
+            rreq = _route_of(parsed, self.item_shard)
         except BadRequest as e:
             m.requests.labels("none", "bad_request", "none").inc()
             return 422, _dumps({"error": str(e)}), {}
+        # a sampled user's request is kept as answered (a 4xx, the client's own fault, is not)
+        sampled = self.sampler.pick(rreq.user) if self.sampler is not None else None
         router = self.router
         if router is None:
             return 503, _dumps({"error": "no nodes known to the gateway"}), {}
@@ -398,6 +453,8 @@ class Gateway:
             d = router.route(rreq, self.clock())
         except NoLiveNodeError:
             m.requests.labels("none", "no_live_node", "none").inc()
+            if sampled is not None:
+                self._sample(sampled, parsed, None, 503, first_byte_s)
             return 503, _dumps({"error": self._no_live_reason()}), {}
         source = d.source
         served = d.node_index
@@ -415,6 +472,8 @@ class Gateway:
             if choice.give_up:
                 m.requests.labels(self.links[served].node_id, "upstream_error", source).inc()
                 m.overhead.observe(max(time.perf_counter() - t0 - up_s, 0.0))
+                if sampled is not None:
+                    self._sample(sampled, parsed, self.links[served].node_id, choice.status, first_byte_s)
                 return choice.status, self._failed_body(tried, failed), (
                     {"x-racer-retried": "1"} if len(tried) > 1 else {})
             m.retries.labels(kind).inc()
@@ -442,10 +501,17 @@ class Gateway:
         tail = _dumps(extra)
         out = content[:-1] + b"," + tail[1:] if len(content) > 2 and content.endswith(b"}") else content
         m.requests.labels(nid, "ok", source).inc()
+        if sampled is not None:
+            self._sample(sampled, parsed, nid, status, first_byte_s)
         overhead = max(time.perf_counter() - t0 - up_s, 0.0)
         m.overhead.observe(overhead)
         m.upstream.observe(up_s)
         return status, out, headers
+
+    def _sample(self, user_hash: int, parsed: dict, node_id: str | None, status: int, first_byte_s: float) -> None:
+        """Keep a sampled user's request, timed at its arrival (wall clock)."""
+        self.sampler.record(user_hash, parsed, node_id=node_id, status=status,
+                            ts_s=time.time() - (time.perf_counter() - first_byte_s))
 
     async def _forward(self, i: int, body: bytes) -> tuple[int, bytes, float, str | None]:
         """One attempt on node ``i``: ``(status, content, round trip s, failure kind or None)``."""
@@ -734,6 +800,54 @@ class Gateway:
                                     "pending": len(self.client_reports)}))
         self.client_report_error = error
 
+    # ------------------------------------------------------------------ traffic samples ---
+    async def send_samples(self) -> None:
+        """Hash what was sampled since the last round (`Sampler.prepare`) and send every ready sample
+        to the control plane (batches of `SAMPLE_BATCH`, about `SAMPLE_BATCH_BYTES`), with the reports'
+        refusal handling (`client_report_step`): kept on no answer, 401, 409, 429 or 5xx (idempotent
+        there on gateway id and seq); a 413 or 422 batch sent again in halves; dropped and counted
+        (``refused``) when refused alone or with another 4xx."""
+        smp = self.sampler
+        if smp is None:
+            return
+        await smp.prepare()
+        if not self.control_plane or self.client is None:
+            return
+        if self.gateway_id is None:
+            self.gateway_id = gateway_id_from(f"{socket.gethostname()}-{os.getpid()}")
+        url = f"{self.control_plane}/api/v1/gateways/{self.gateway_id}/samples"
+        size = SAMPLE_BATCH
+        while smp.ready:
+            batch = smp.peek(size, SAMPLE_BATCH_BYTES)
+            content = await smp.body(batch)
+            try:
+                r = await self.client.post(url, content=content, timeout=10.0,
+                                           headers={**self._headers(), "content-type": "application/json"})
+            except httpx.HTTPError as e:
+                self._sample_failed(f"{type(e).__name__}: {e}")
+                return
+            step = client_report_step(r.status_code, len(batch), SAMPLE_BATCH)
+            if step.action == "keep":
+                self._sample_failed(f"{r.status_code}: {r.text[:200]}")
+                return
+            size = step.next_size or size
+            if step.action == "split":
+                continue
+            if step.action == "drop":
+                smp.drop(batch, "refused")
+                self._sample_failed(f"{r.status_code}: {r.text[:300]} ({len(batch)} samples dropped)")
+                continue
+            smp.pop(batch)
+            self.samples_sent += len(batch)
+            self.metrics.samples_sent.inc(len(batch))
+            self.sample_error = None
+
+    def _sample_failed(self, error: str) -> None:
+        if error != self.sample_error:  # an answer may echo what was sent: hashes, never a raw id
+            log.warning(json.dumps({"event": "traffic_samples_failed", "gateway_id": self.gateway_id, "error": error,
+                                    "pending": self.sampler.pending if self.sampler else 0}))
+        self.sample_error = error
+
     def describe_clients(self) -> dict:
         """The client-side view: the interval so far (not yet reported) and the reporting state."""
         v = self.client_view
@@ -743,7 +857,9 @@ class Gateway:
                 "pending_reports": len(self.client_reports), "reports_sent": self.client_reports_sent,
                 "reports_dropped": self.client_reports_dropped,
                 "report_error": self.client_report_error,
-                "reporting_to": self.control_plane}
+                "reporting_to": self.control_plane,
+                "samples": None if self.sampler is None else {**self.sampler.describe(), "sent": self.samples_sent,
+                                                              "error": self.sample_error}}
 
     # ------------------------------------------------------------------------- registry ---
     async def _refresh_registry(self, first: bool = False) -> None:
@@ -1025,10 +1141,11 @@ def cmd_gateway(args) -> int:
     if push_token and args.control_plane:
         raise ValueError("--push-token-file / $RACER_GATEWAY_PUSH_TOKEN apply without --control-plane only: the "
                          "control plane gives a registered gateway its push token")
+    sample_key = traffic_sample_key(read_secret(args, "sample-key", SAMPLE_KEY_ENV, prog="racer gateway"))
     gw = Gateway(nodes, cfg, item_shard=item_shard, control_plane=args.control_plane,
                  token=token,
                  advertise_url=args.advertise_url, push_token=push_token, gateway_id=args.gateway_id,
-                 fleet_token=fleet_token)
+                 fleet_token=fleet_token, sample_key=sample_key)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     def ready(host: str, port: int) -> None:
@@ -1048,7 +1165,7 @@ def cmd_gateway(args) -> int:
 #: the `GatewayConfig` fields the command line sets (``--router``, ``--report-interval-s``, ...)
 CLI_CONFIG_FIELDS = ("router", "num_shards", "report_interval_s", "health_interval_s", "health_timeout_s",
                      "health_failures", "health_successes", "request_timeout_s", "max_body_bytes", "slo_ms",
-                     "client_report_interval_s")
+                     "client_report_interval_s", "sample_rate", "sample_max_items", "sample_interval_s")
 
 
 def add_gateway_parser(subparsers) -> None:
@@ -1067,6 +1184,9 @@ def add_gateway_parser(subparsers) -> None:
                          "secret weight pushes to this gateway must carry, without --control-plane (with one, the "
                          "control plane gives it when the gateway registers; without either, pushes are refused)",
                          file_only=True)
+    add_secret_arguments(g, "sample-key", SAMPLE_KEY_ENV,
+                         "key of the traffic samples' keyed hash of user and item ids (--sample-rate > 0; a random "
+                         "secret of at least 16 characters, the same on every gateway)", file_only=True)
     add_secret_arguments(g, "fleet-token", FLEET_TOKEN_ENV,
                          "token shown to the agents' /v1/residency and wanted on GET /v1/router (the same on every "
                          "agent; needed to listen beyond loopback)", file_only=True)

@@ -224,6 +224,12 @@ def job_retention(factory, settings, metrics, now_s: float) -> dict:
                                        rollup_retention_s=settings.rollup_retention_s)
         # the gateways' reports (what clients saw) are kept as long as the nodes' raw reports
         out["gateway_reports_deleted"] = queries.prune_gateway_reports(s, before_s=now_s - settings.raw_retention_s)
+        # the gateways' traffic samples: their own retention, and a cap on their rows (the oldest go)
+        pruned = queries.prune_traffic_samples(s, before_s=now_s - settings.sample_retention_s,
+                                               max_rows=settings.sample_max_rows)
+        out["traffic_samples_deleted"] = pruned["expired"] + pruned["over_cap"]
+        out["traffic_samples_over_cap"] = pruned["over_cap"]
+        # a gateway forgotten (no report left, silent for raw_retention_s) takes its samples along
         out["gateways_deleted"] = queries.prune_gateways(s, before_s=now_s - settings.raw_retention_s)
         return out
 

@@ -592,3 +592,88 @@ class SummaryOut(Out):
 
 def finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
+
+
+# ---- traffic samples (control_plane.traffic_sample; POST /gateways/{gateway_id}/samples)
+from .traffic_sample import (MAX_SAMPLE_BATCH, MAX_SAMPLE_CANDIDATES, MAX_SAMPLE_HISTORY_LEN,  # noqa: E402
+                             MAX_SAMPLE_ITEMS)
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]  # a keyed hash (signed int64, as SQL BIGINT)
+HashedIds = Annotated[list[Int64], Field(max_length=MAX_SAMPLE_ITEMS)]
+
+
+class TrafficSampleIn(In):
+    """One request a gateway sampled: every id a keyed hash. ``items``: the history's most recent
+    ids (at most ``history_len``); ``candidates``: the explicit candidates (empty when the request
+    named a count); ``num_candidates`` null: the node's default; ``node_id`` null: none was live."""
+    seq: Annotated[int, Field(ge=0, le=INT64_MAX)]
+    ts_s: ReportTime
+    user_hash: Int64
+    history_len: Annotated[int, Field(ge=0, le=MAX_SAMPLE_HISTORY_LEN)]
+    items: HashedIds = Field(default_factory=list)
+    new_items: HashedIds = Field(default_factory=list)
+    candidates: HashedIds = Field(default_factory=list)
+    num_candidates: Annotated[int, Field(ge=1, le=MAX_SAMPLE_CANDIDATES)] | None = None
+    node_id: NodeId | None = None
+    status: Annotated[int, Field(ge=100, le=599)] | None = None
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode_text(cls, v):
+        """No free text here (``node_id`` has its pattern; the rest are numbers): the base class's
+        walk over every id of every list would cost more than the validation itself."""
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if len(self.items) > self.history_len:
+            raise ValueError(f"items: {len(self.items)} ids, more than history_len ({self.history_len})")
+        if self.candidates and self.num_candidates is not None and len(self.candidates) > self.num_candidates:
+            raise ValueError(f"candidates: {len(self.candidates)} ids, more than num_candidates "
+                             f"({self.num_candidates})")
+        return self
+
+
+class TrafficSampleBatchIn(In):
+    samples: Annotated[list[TrafficSampleIn], Field(min_length=1, max_length=MAX_SAMPLE_BATCH)]
+
+    @field_validator("samples")
+    @classmethod
+    def _distinct_seq(cls, v: list[TrafficSampleIn]) -> list[TrafficSampleIn]:
+        seqs = [r.seq for r in v]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("samples: seq values must be distinct within a batch")
+        return v
+
+
+class TrafficSampleBatchOut(Out):
+    stored: int
+    duplicates: int
+
+
+class TrafficSampleOut(Out):
+    """A stored traffic sample (every id a keyed hash; lists decoded from their packed int64)."""
+    id: int
+    gateway_id: str
+    seq: int
+    ts_s: float
+    received_s: float
+    user_hash: int
+    history_len: int
+    items: list[int]
+    new_items: list[int]
+    candidates: list[int]
+    num_candidates: int | None
+    node_id: str | None
+    status: int | None
+
+
+class TrafficSampleCursor(Out):
+    """Where the next page starts: after the sample at (``after_ts_s``, ``after_id``)."""
+    after_ts_s: float
+    after_id: int
+
+
+class TrafficSamplePage(Out):
+    samples: list[TrafficSampleOut]
+    next: TrafficSampleCursor | None

@@ -42,6 +42,9 @@ class Settings:
       confirmations, any other route); ``max_report_body_bytes``: of a report batch;
       ``max_policy_body_bytes``: of a policy upload. A larger body gets 413, counted on the bytes
       received (chunked bodies too), after the token is checked (`control_plane.gate`);
+      ``max_sample_body_bytes``: of a gateway's traffic-sample batch (413 beyond);
+    - ``sample_retention_s`` / ``sample_max_rows``: the gateways' traffic samples are kept this long
+      (by their time) and at most this many (the oldest stored deleted beyond it), by the retention job;
     - ``node_reports_per_s`` / ``node_burst_reports`` and ``node_report_bytes_per_s`` /
       ``node_burst_report_bytes``: each node's ingestion quota (`control_plane.quota`), sustained
       and burst; past either, a batch gets 429 with ``Retry-After``. The bursts hold a full spool
@@ -88,6 +91,10 @@ class Settings:
     pinned_fraction: float = ranged(0.5, lo=0, hi=1, lo_open=True)
     max_report_body_bytes: int = ranged(16 * 2**20, lo=1024, integer=True)
     max_policy_body_bytes: int = ranged(64 * 2**20, lo=1024, integer=True)
+    max_sample_body_bytes: int = ranged(2**20, lo=1024, integer=True,
+                                        doc="most bytes of a gateway's traffic-sample batch")
+    sample_retention_s: float = _period(7 * 86400.0, "how long the gateways' traffic samples are kept, s")
+    sample_max_rows: int = ranged(5_000_000, lo=1, integer=True, doc="most traffic samples kept (the oldest go)")
     node_reports_per_s: float = ranged(20.0, lo=0, lo_open=True, doc="reports a node may store per second, sustained")
     node_burst_reports: int = ranged(20_000, lo=1, integer=True, doc="reports a node may store at once")
     node_report_bytes_per_s: float = ranged(256 * 2**10, lo=0, lo_open=True,

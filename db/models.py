@@ -134,6 +134,32 @@ class GatewayReport(Base):
     details: Mapped[dict[str, Any]]
 
 
+class TrafficSample(Base):
+    """One request a gateway sampled for a what-if replay (`control_plane.traffic_sample`): no raw
+    id, only keyed hashes (signed int64). ``items`` (the history's most recent ids), ``new_items`` and
+    ``candidates`` are packed int64 little-endian (8 bytes an id); ``history_len`` is the whole
+    history's length; ``num_candidates`` null: the node's default count; ``node_id`` null: no node
+    was live. Idempotent on (gateway_id, seq); kept ``sample_retention_s`` by ``ts_s`` and at most
+    ``sample_max_rows`` rows."""
+
+    __tablename__ = "traffic_samples"
+    __table_args__ = (UniqueConstraint("gateway_id", "seq"), Index(None, "ts_s"))
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    gateway_id: Mapped[str] = mapped_column(ForeignKey("gateways.gateway_id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    ts_s: Mapped[float]
+    received_s: Mapped[float]
+    user_hash: Mapped[int] = mapped_column(BigInteger)
+    history_len: Mapped[int] = mapped_column(Integer)
+    items: Mapped[bytes] = mapped_column(LargeBinary)
+    new_items: Mapped[bytes] = mapped_column(LargeBinary)
+    candidates: Mapped[bytes] = mapped_column(LargeBinary)
+    num_candidates: Mapped[int | None] = mapped_column(Integer)
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    status: Mapped[int | None] = mapped_column(Integer)
+
+
 class NodeReportRollup(Base):
     """Downsampled history: per node, per ``step_s`` bucket, the mean of each figure (the
     downsampling job writes these before the retention job drops the raw rows)."""

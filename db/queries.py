@@ -15,7 +15,8 @@ from sqlalchemy.orm import Session
 from .models import (REPORT_FIGURES, REQUEST_WEIGHTED, AuditEntry, Burst, Decision, Gateway, GatewayReport,
                      HistoryRollupState, JobRun,
                      Node, NodeReport, NodeReportBucket, NodeReportRollup, Override, Policy, Router,
-                     RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token, bucket_sum_columns, ModelVersion)
+                     RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token, bucket_sum_columns, ModelVersion,
+                     TrafficSample)
 
 
 def bucket_figures():
@@ -1006,3 +1007,67 @@ def list_gateways(session: Session) -> list[tuple[Gateway, GatewayReport | None]
                               .order_by(GatewayReport.seq.desc()).limit(1))
         out.append((gw, last))
     return out
+
+
+# ---- gateways: traffic samples (a what-if replay's input; every id a keyed hash)
+def claim_gateway(session: Session, *, gateway_id: str, token_id: int | None, now_s: float) -> Gateway:
+    """The row of ``gateway_id``, made (claimed by ``token_id``) when it has none, or bound to
+    ``token_id`` (the caller has checked it may act as that gateway). A sample batch does not
+    touch ``last_seen_s``: a gateway's staleness is about its reports."""
+    gw = session.get(Gateway, gateway_id)
+    if gw is None:
+        gw = Gateway(gateway_id=gateway_id, token_id=token_id, first_seen_s=now_s, last_seen_s=now_s, last_seq=None,
+                     interval_s=1.0)
+        session.add(gw)
+    else:
+        gw.token_id = token_id
+    session.flush()
+    return gw
+
+
+def insert_traffic_samples(session: Session, rows: Sequence[dict]) -> int:
+    """Insert traffic-sample rows (one gateway's, distinct seq), skipping any (gateway_id, seq)
+    already stored; returns how many were inserted. Two identical batches at once: one of them
+    fails on the unique constraint (IntegrityError), and its sender sends it again."""
+    if not rows:
+        return 0
+    gateway_id = rows[0]["gateway_id"]
+    seqs = [r["seq"] for r in rows]
+    stored: set[int] = set()
+    for k in range(0, len(seqs), 500):
+        stored.update(session.scalars(select(TrafficSample.seq).where(TrafficSample.gateway_id == gateway_id,
+                                                                      TrafficSample.seq.in_(seqs[k:k + 500]))))
+    new = [r for r in rows if r["seq"] not in stored]
+    if new:
+        session.execute(TrafficSample.__table__.insert(), new)
+    return len(new)
+
+
+def traffic_samples(session: Session, *, gateway_id: str | None, start_s: float | None, end_s: float | None,
+                    after: tuple[float, int] | None, limit: int) -> list[TrafficSample]:
+    """Traffic samples with ``start_s <= ts_s < end_s``, in (ts_s, id) order, the first ``limit``
+    after the cursor ``after`` = (ts_s, id) of the last one read."""
+    conds = []
+    if gateway_id is not None:
+        conds.append(TrafficSample.gateway_id == gateway_id)
+    if start_s is not None:
+        conds.append(TrafficSample.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(TrafficSample.ts_s < end_s)
+    if after is not None:
+        conds.append(or_(TrafficSample.ts_s > after[0], and_(TrafficSample.ts_s == after[0],
+                                                             TrafficSample.id > after[1])))
+    return list(session.scalars(select(TrafficSample).where(*conds).order_by(TrafficSample.ts_s, TrafficSample.id)
+                                .limit(limit)).all())
+
+
+def prune_traffic_samples(session: Session, *, before_s: float, max_rows: int) -> dict[str, int]:
+    """Delete traffic samples with ``ts_s < before_s`` (``expired``), then the oldest stored (lowest
+    id) beyond the newest ``max_rows`` (``over_cap``)."""
+    expired = int(session.execute(delete(TrafficSample).where(TrafficSample.ts_s < before_s)).rowcount or 0)
+    over = 0
+    if int(session.scalar(select(func.count()).select_from(TrafficSample)) or 0) > max_rows:
+        cut = session.scalar(select(TrafficSample.id).order_by(TrafficSample.id.desc()).offset(max_rows).limit(1))
+        if cut is not None:
+            over = int(session.execute(delete(TrafficSample).where(TrafficSample.id <= cut)).rowcount or 0)
+    return {"expired": expired, "over_cap": over}

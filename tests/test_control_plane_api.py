@@ -135,7 +135,8 @@ def test_every_mutating_route_refuses_missing_wrong_token_and_wrong_role(cp):
     assert [p for p, ops in spec["paths"].items() for m, op in ops.items()
             if "router" in op.get("x-racer-roles", [])] == ["/api/v1/whoami", "/api/v1/nodes", "/api/v1/routers",
                                                              "/api/v1/router/weights",
-                                                             "/api/v1/gateways/{gateway_id}/reports"]
+                                                             "/api/v1/gateways/{gateway_id}/reports",
+                                                             "/api/v1/gateways/{gateway_id}/samples"]
 
 
 def test_override_lifecycle_with_expiry_and_audit(cp):

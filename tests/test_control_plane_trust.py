@@ -18,7 +18,7 @@ from .procs import send_streaming
 
 # small caps, so that the 413 tests send little
 CAPS = {"RACER_MAX_BODY_BYTES": "16384", "RACER_MAX_REPORT_BODY_BYTES": "262144",
-        "RACER_MAX_POLICY_BODY_BYTES": "131072"}
+        "RACER_MAX_SAMPLE_BODY_BYTES": "65536", "RACER_MAX_POLICY_BODY_BYTES": "131072"}
 API = "/api/v1"
 PROFILE = {"kv_recompute_us_per_token": 2.0, "emb_transfer_us_per_row": 1.0, "service_time_us": 500.0,
            "queue_capacity": 64}
@@ -186,7 +186,8 @@ def _mutating_routes(cp) -> list[tuple[str, str, list[str]]]:
 def test_every_body_is_capped_with_413_declared_or_chunked(cp):
     """Every route that takes a body, with a token it accepts: a Content-Length over its cap gets
     413 before a byte is sent, a chunked body 413 once the bytes received pass the cap."""
-    caps = {f"{API}/nodes/{{node_id}}/reports": 262144, f"{API}/policies": 131072, f"{API}/models": 131072}
+    caps = {f"{API}/nodes/{{node_id}}/reports": 262144, f"{API}/policies": 131072, f"{API}/models": 131072,
+            f"{API}/gateways/{{gateway_id}}/samples": 65536}
     node_tok = cp.token("node", node_id="capped")
     register(cp.client(node_tok), "capped")
     router_tok = cp.token("router", "capped-gw")

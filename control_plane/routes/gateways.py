@@ -3,6 +3,8 @@
     POST /api/v1/gateways/{gateway_id}/reports   a gateway's report batch (role router or operator)
     GET  /api/v1/gateways                        every reporting gateway, its newest report, staleness
     GET  /api/v1/gateway-reports                 the reports over a time range (the dashboard's history)
+    POST /api/v1/gateways/{gateway_id}/samples   a gateway's traffic samples (role router or operator)
+    GET  /api/v1/traffic-samples                 the samples over a time range, paged (a replay's input)
 
 A gateway (`control_plane.gateway`, with ``--control-plane``) sends one report per interval
 (`control_plane.client_view.ClientView`): end-to-end P50/P99, SLO attainment as clients see it,
@@ -12,22 +14,32 @@ seq): a batch replayed after a lost answer stores nothing twice. The first token
 a gateway id claims it: another token may not report as that id while the first is valid (as a
 node id is bound to its token). The body is capped by `control_plane.gate` before it is read
 (``max_body_bytes``) and every number has a physical range, so hostile input gets a 4xx.
+
+Traffic samples (`control_plane.traffic_sample`: requests of the users a gateway samples, every id
+a keyed hash) are bound to the gateway id the same way (the token whose first report or sample
+batch claimed it), idempotent on (gateway_id, seq), capped at ``max_sample_body_bytes`` (413), and
+refused (422) with a time more than `MAX_SAMPLE_AHEAD_S` ahead of the control plane's clock (so
+retention by time keeps its bound). The retention job keeps them ``sample_retention_s`` and at most
+``sample_max_rows`` (`control_plane.jobs.job_retention`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request
+import numpy as np
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from pydantic import Field, field_validator, model_validator
 from sqlalchemy.exc import IntegrityError
 
 from db import queries
-from db.models import GatewayReport
+from db.models import GatewayReport, TrafficSample
 
+from ..auth import Principal
 from ..client_view import MAX_NODES, MAX_PHASES, OUTCOMES
-from ..schemas import INT64_MAX, In, NodeId, Out, ReportTime, Unit
-from .deps import OPERATOR, ROUTER, VIEWER, errors, principal, roles
+from ..schemas import (INT64_MAX, In, NodeId, Out, ReportTime, TrafficSampleBatchIn, TrafficSampleBatchOut,
+                       TrafficSampleCursor, TrafficSampleOut, TrafficSamplePage, Unit)
+from .deps import OPERATOR, ROUTER, VIEWER, errors, invalid, principal, roles
 
 Count = Annotated[int, Field(ge=0, lt=2**31)]
 Ms = Annotated[float, Field(ge=0, le=1e7, allow_inf_nan=False)]  # up to ~3 hours
@@ -145,6 +157,17 @@ def _report_out(r: GatewayReport) -> GatewayReportOut:
     return GatewayReportOut.model_validate(r)
 
 
+def _refuse_another_token(s, gateway_id: str, p: Principal) -> None:
+    """403 when ``gateway_id`` is bound to another token that is still valid (its first report or
+    sample batch claimed it)."""
+    gw = queries.gateway(s, gateway_id)
+    if (gw is not None and gw.token_id is not None and gw.token_id != p.token_id
+            and queries.token_valid(s, gw.token_id)):
+        raise HTTPException(403, f"gateway id {gateway_id!r} reports with another token (id {gw.token_id}, "
+                                 f"still valid): this token (id {p.token_id}) may not report as it; give "
+                                 f"this gateway another --gateway-id, or revoke the other token")
+
+
 router = APIRouter()
 
 
@@ -163,12 +186,7 @@ def gateway_reports_in(gateway_id: GatewayId, body: GatewayReportBatchIn, reques
     last = max(body.reports, key=lambda x: x.seq)
     try:
         with request.app.state.factory.begin() as s:
-            gw = queries.gateway(s, gateway_id)
-            if (gw is not None and gw.token_id is not None and gw.token_id != p.token_id
-                    and queries.token_valid(s, gw.token_id)):
-                raise HTTPException(403, f"gateway id {gateway_id!r} reports with another token (id {gw.token_id}, "
-                                         f"still valid): this token (id {p.token_id}) may not report as it; give "
-                                         f"this gateway another --gateway-id, or revoke the other token")
+            _refuse_another_token(s, gateway_id, p)
             queries.touch_gateway(s, gateway_id=gateway_id, token_id=p.token_id, now_s=now, last_seq=last.seq,
                                   interval_s=last.interval_s)
             inserted = queries.insert_gateway_reports(s, rows)
@@ -208,3 +226,102 @@ def gateway_report_history(request: Request,
         for r in rows:
             r.details = {}
     return rows
+
+
+# ----------------------------------------------------------------------------- traffic samples ---
+#: a sample's time may run ahead of the control plane's clock by this much (clock skew), no more
+MAX_SAMPLE_AHEAD_S = 600.0
+#: most samples, and most hashed ids, one page of GET /traffic-samples returns
+MAX_SAMPLE_PAGE = 5000
+MAX_SAMPLE_PAGE_IDS = 1_000_000
+
+
+async def _sample_body_cap(request: Request) -> None:
+    """413 for a sample batch over ``max_sample_body_bytes`` (the gate has read it, at most
+    ``max_body_bytes``), before its JSON is validated."""
+    cap = request.app.state.settings.max_sample_body_bytes
+    n = len(await request.body())
+    if n > cap:
+        raise HTTPException(413, f"body: {n} bytes exceeds {cap} bytes (the control plane's max_sample_body_bytes, "
+                                 f"RACER_MAX_SAMPLE_BODY_BYTES)")
+
+
+def _pack(ids: list[int]) -> bytes:
+    return np.asarray(ids, dtype=np.int64).astype("<i8", copy=False).tobytes()
+
+
+def _unpack(blob: bytes | None) -> list[int]:
+    return np.frombuffer(blob or b"", dtype="<i8").tolist()
+
+
+def _sample_out(r: TrafficSample) -> TrafficSampleOut:
+    return TrafficSampleOut(id=r.id, gateway_id=r.gateway_id, seq=r.seq, ts_s=r.ts_s, received_s=r.received_s,
+                            user_hash=r.user_hash, history_len=r.history_len, items=_unpack(r.items),
+                            new_items=_unpack(r.new_items), candidates=_unpack(r.candidates),
+                            num_candidates=r.num_candidates, node_id=r.node_id, status=r.status)
+
+
+_SAMPLE_ROLES = roles(ROUTER, OPERATOR)
+
+
+@router.post("/gateways/{gateway_id}/samples", response_model=TrafficSampleBatchOut, responses=errors(409, 413),
+             dependencies=[*_SAMPLE_ROLES["dependencies"], Depends(_sample_body_cap)],
+             openapi_extra=_SAMPLE_ROLES["openapi_extra"])
+def traffic_samples_in(gateway_id: GatewayId, body: TrafficSampleBatchIn, request: Request,
+                       p: principal(ROUTER, OPERATOR)):
+    """Store a gateway's traffic samples (idempotent on (gateway_id, seq)); the first token that
+    reports or samples as ``gateway_id`` claims it. No raw id is taken: every id is a keyed hash."""
+    now = request.app.state.clock()
+    for i, smp in enumerate(body.samples):
+        if smp.ts_s > now + MAX_SAMPLE_AHEAD_S:
+            raise invalid(["body", "samples", i, "ts_s"], f"{smp.ts_s} is more than {MAX_SAMPLE_AHEAD_S:g} s ahead "
+                                                          f"of the control plane's clock ({now}): the gateway's "
+                                                          f"clock is wrong")
+    rows = [{"gateway_id": gateway_id, "seq": smp.seq, "ts_s": smp.ts_s, "received_s": now,
+             "user_hash": smp.user_hash, "history_len": smp.history_len, "items": _pack(smp.items),
+             "new_items": _pack(smp.new_items), "candidates": _pack(smp.candidates),
+             "num_candidates": smp.num_candidates, "node_id": smp.node_id, "status": smp.status}
+            for smp in body.samples]
+    try:
+        with request.app.state.factory.begin() as s:
+            _refuse_another_token(s, gateway_id, p)
+            queries.claim_gateway(s, gateway_id=gateway_id, token_id=p.token_id, now_s=now)
+            stored = queries.insert_traffic_samples(s, rows)
+    except IntegrityError:  # a new id claimed twice at once, or the same batch twice at once: the client retries
+        raise HTTPException(409, f"gateway id {gateway_id!r}: a concurrent write won; retry") from None
+    return TrafficSampleBatchOut(stored=stored, duplicates=len(rows) - stored)
+
+
+@router.get("/traffic-samples", response_model=TrafficSamplePage, responses=errors(422),
+            **roles(OPERATOR, VIEWER))
+def traffic_samples(request: Request,
+                    gateway_id: Annotated[str | None, Query(min_length=1, max_length=128,
+                                                            pattern=r"^[A-Za-z0-9_.:\-]+$")] = None,
+                    start_s: Annotated[float | None, Query(ge=0, le=1e11)] = None,
+                    end_s: Annotated[float | None, Query(ge=0, le=1e11)] = None,
+                    after_ts_s: Annotated[float | None, Query(ge=0, le=1e11, description="the cursor: the "
+                                                              "previous page's next.after_ts_s")] = None,
+                    after_id: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="the cursor: the "
+                                                          "previous page's next.after_id")] = None,
+                    limit: Annotated[int, Query(ge=1, le=MAX_SAMPLE_PAGE)] = 1000):
+    """Traffic samples with ``start_s <= ts_s < end_s`` in time order (then id), at most ``limit``
+    and about `MAX_SAMPLE_PAGE_IDS` hashed ids a page; ``next`` is the cursor of the next page
+    (null: none left)."""
+    if (after_ts_s is None) != (after_id is None):
+        raise invalid(["query", "after_id" if after_id is None else "after_ts_s"],
+                      "after_ts_s and after_id go together (the previous page's next)")
+    after = None if after_ts_s is None else (after_ts_s, after_id)
+    with request.app.state.factory() as s:
+        rows = queries.traffic_samples(s, gateway_id=gateway_id, start_s=start_s, end_s=end_s, after=after,
+                                       limit=limit + 1)
+    out, ids = [], 0
+    for r in rows[:limit]:
+        n = (len(r.items) + len(r.new_items) + len(r.candidates)) // 8
+        if out and ids + n > MAX_SAMPLE_PAGE_IDS:
+            break
+        out.append(_sample_out(r))
+        ids += n
+    more = len(out) < len(rows)
+    last = out[-1] if out else None
+    return TrafficSamplePage(samples=out, next=TrafficSampleCursor(after_ts_s=last.ts_s, after_id=last.id)
+                             if more and last is not None else None)
