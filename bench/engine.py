@@ -17,6 +17,19 @@ cache with link emulation where it applies, K/V read, prefill, K/V write, rankin
 (target >= 4; the arithmetic bound is about (2048 + 256) / (8 + 256)). Figures are medians and
 99th percentiles over the repetitions of a shared, noisy 2-core VM: compare, do not assert.
 
+**Batching** (``batching`` in the JSON; ``--no-batching`` skips it, ``--batching-only`` runs only
+it): the old path that computes a micro-batch's requests one after another
+(``EngineConfig.batched_compute=False``) and the batched path (the default), side by side in one
+process, at batch sizes 1, 8 and 16. Each batch is B returning users with ``BATCH_HISTORY`` cached
+tokens (a warm-up request, not timed, cached them), ``NEW_ITEMS`` new items and 256 candidates
+each: a KV hit, the common case. Per path and batch size: ``throughput_rps`` (requests over the
+summed wall time of `Engine.serve_batch`), ``p50_ms`` / ``p99_ms`` of the requests' latency (batch
+start to the request's answer; one after another, the first answer of a batch comes earlier),
+``batch_p99_ms`` (wall time of the whole batch), and ``kernels_per_batch``: the operators that
+compute (views excluded) in one batch, counted with a dispatch mode in an extra untimed batch;
+about the kernel launches on a GPU, and independent of the machine's load. The two paths alternate
+batch by batch (same requests, same noise). ``speedup`` is the batched throughput over the old.
+
 **HTTP** (``http`` in the JSON; ``--no-http`` skips it): a real ``racer node-agent`` process
 (small model, a synthetic Taobao-format trace written to a temporary folder) is started, and
 ``/healthz`` and a KV-hit ``POST /v1/recommend`` (128 cached history tokens, nothing new to
@@ -36,6 +49,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -100,6 +114,79 @@ def bench_length(engine: Engine, L: int, reps: int, rng: np.random.Generator, ne
         "kv_hit_speedup": round(float(np.median(miss_ms) / np.median(hit_ms)), 2),
         "breakdown_p50_us": {"hit": breakdown(hit_bd), "miss": breakdown(miss_bd)},
     }
+
+
+BATCH_SIZES = (1, 8, 16)
+BATCH_HISTORY = 512
+
+
+def _count_kernels(fn) -> int:
+    """Operators that compute (views excluded) while ``fn`` runs: about the kernel launches on a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def bench_batching(engines: dict[str, Engine], reps: int, rng: np.random.Generator,
+                   sizes: tuple[int, ...] = BATCH_SIZES, history: int = BATCH_HISTORY) -> dict:
+    """The old (one request after another) and the batched path on the same KV-hit batches; see
+    the module docstring."""
+    num_items = NUM_ITEMS
+    perm = rng.permutation(num_items)
+    users = {name: 10_000_000 for name in engines}
+    out: dict = {"history": history, "new_items": NEW_ITEMS, "num_candidates": NUM_CANDIDATES, "reps": reps,
+                 "sizes": {}}
+    for B in sizes:
+        lat = {name: [] for name in engines}
+        wall = {name: [] for name in engines}
+        kernels = {}
+        for r in range(reps + 1):  # the first: kernels counted, not timed
+            batch = []
+            for _ in range(B):
+                seq = perm[_zipf(rng, history + NEW_ITEMS, num_items)]
+                ts = 1.5e9 + np.cumsum(rng.exponential(300.0, size=history + NEW_ITEMS))
+                batch.append((seq, ts))
+            names = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            for name in names:
+                eng = engines[name]
+                u0 = users[name]
+                users[name] += B
+                eng.serve_batch([RecRequest(u0 + b, seq[:history], (), ts[:history], num_candidates=NUM_CANDIDATES)
+                                 for b, (seq, ts) in enumerate(batch)])  # warm-up: cache the history
+                reqs = [RecRequest(u0 + b, seq[:history], seq[history:], ts, num_candidates=NUM_CANDIDATES, top_k=10)
+                        for b, (seq, ts) in enumerate(batch)]
+                if r == 0:
+                    kernels[name] = _count_kernels(lambda: eng.serve_batch(reqs))
+                    continue
+                t0 = time.perf_counter()
+                resp = eng.serve_batch(reqs, now_s=t0)
+                wall[name].append((time.perf_counter() - t0) * 1e3)
+                if any(x.kv.outcome != "hit" for x in resp):
+                    raise RuntimeError(f"batch {B}: expected KV hits, got {[x.kv.outcome for x in resp]}")
+                lat[name] += [(x.finished_s - t0) * 1e3 for x in resp]
+        row = {}
+        for name in engines:
+            row[name] = {"throughput_rps": round(B * len(wall[name]) / (sum(wall[name]) / 1e3), 1),
+                         "p50_ms": _pct(lat[name], 50), "p99_ms": _pct(lat[name], 99),
+                         "batch_p99_ms": _pct(wall[name], 99), "kernels_per_batch": kernels[name]}
+        a, b = list(engines)
+        row["speedup"] = round(row[b]["throughput_rps"] / row[a]["throughput_rps"], 2)
+        out["sizes"][str(B)] = row
+    for eng in engines.values():
+        problems = eng.check_invariants()
+        if problems:
+            raise RuntimeError(f"engine invariants violated: {problems[:3]}")
+    return out
 
 
 def _write_trace(path, num_users: int = 50, num_items: int = 2000) -> None:
@@ -240,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (8 / 4)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--no-http", action="store_true", help="skip the node-agent HTTP figures")
+    ap.add_argument("--no-batching", action="store_true", help="skip the old-vs-batched figures")
+    ap.add_argument("--batching-only", action="store_true",
+                    help="only the old-vs-batched figures (batch sizes 1, 8, 16)")
+    ap.add_argument("--batch-reps", type=int, default=None,
+                    help="timed batches per size and path (default: --reps if given, else 20; --quick 6)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="a checkpoint (racer model train): measure it and random weights of its shape and item "
                          "count side by side, length by length, and print the ratios trained / random")
@@ -252,20 +344,35 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(cfg)
     rng = np.random.default_rng(0)
     next_user = [0]
-    # warm every code path once (first calls allocate)
-    bench_length(engine, 64, 2, rng, next_user)
     result: dict = {
         "device": str(engine.device),
+        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "batched_compute": cfg.batched_compute,
         "link_emulated": engine.link.enabled,
         "link_emulation": engine.link.to_dict(),
         "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "new_items": NEW_ITEMS,
         "num_candidates": NUM_CANDIDATES,
         "num_items": NUM_ITEMS,
         "lengths": {},
     }
+    if not args.no_batching:
+        # 4096 pages of 16 tokens: 16 users x 2 engines' worth of 520-token histories, with room to spare
+        bcfg = EngineConfig(model=ModelConfig(), num_items=NUM_ITEMS, num_pages=4096, emb_share=0.25,
+                            max_history_len=4096, device=args.device)
+        engines = {"one_at_a_time": Engine(replace(bcfg, batched_compute=False)), "batched": Engine(bcfg)}
+        reps = args.batch_reps or args.reps or (6 if args.quick else 20)
+        bench_batching(engines, 2, np.random.default_rng(1), sizes=(2,), history=64)  # warm both paths
+        result["batching"] = bench_batching(engines, reps, np.random.default_rng(2))
+        if args.batching_only:
+            result.pop("lengths")
+            _print(args, result)
+            return 0
+    # warm every code path once (first calls allocate)
+    bench_length(engine, 64, 2, rng, next_user)
     for L in LENGTHS:
         if args.reps:
             reps = args.reps
@@ -280,22 +387,36 @@ def main(argv: list[str] | None = None) -> int:
     result["emb_hit_rate"] = round(st.emb.hit_rate, 4)
     if not args.no_http:
         result["http"] = bench_http(device=args.device)
+    _print(args, result)
+    return 0
+
+
+def _print(args, result: dict) -> None:
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"device {result['device']}, link emulated: {result['link_emulated']}, "
-              f"{NEW_ITEMS} new items, {NUM_CANDIDATES} candidates")
+        return
+    print(f"device {result['device']} ({result['compute_dtype']}), link emulated: {result['link_emulated']}, "
+          f"{NEW_ITEMS} new items, {NUM_CANDIDATES} candidates, load average {result['load_average']}")
+    if "batching" in result:
+        bt = result["batching"]
+        print(f"batching: KV hits, {bt['history']} cached + {bt['new_items']} new tokens, "
+              f"{bt['num_candidates']} candidates, {bt['reps']} batches per size")
+        for B, r in bt["sizes"].items():
+            o, n = r["one_at_a_time"], r["batched"]
+            print(f"  batch {B:>2}  one at a time {o['throughput_rps']:8.1f} req/s p99 {o['p99_ms']:8.2f} ms "
+                  f"({o['kernels_per_batch']} kernels)   batched {n['throughput_rps']:8.1f} req/s p99 "
+                  f"{n['p99_ms']:8.2f} ms ({n['kernels_per_batch']} kernels)   x{r['speedup']}")
+    if "lengths" in result:
         for L, r in result["lengths"].items():
             print(f"  L={L:>5}  hit p50 {r['hit']['p50_ms']:8.2f} ms  p99 {r['hit']['p99_ms']:8.2f} ms   "
                   f"miss p50 {r['miss']['p50_ms']:8.2f} ms  p99 {r['miss']['p99_ms']:8.2f} ms   "
                   f"speedup {r['kv_hit_speedup']:.1f}x  ({r['reps']} reps)")
         print(f"kv_hit_speedup_2048 {result['kv_hit_speedup_2048']} (target >= 4)")
-        for name in ("healthz", "recommend_kv_hit"):
-            if "http" in result:
-                h = result["http"][name]
-                print(f"{name}: keep-alive p50 {h['keepalive_p50_ms']} ms, fresh connection p50 "
-                      f"{h['fresh_connection_p50_ms']} ms")
-    return 0
+    for name in ("healthz", "recommend_kv_hit"):
+        if "http" in result:
+            h = result["http"][name]
+            print(f"{name}: keep-alive p50 {h['keepalive_p50_ms']} ms, fresh connection p50 "
+                  f"{h['fresh_connection_p50_ms']} ms")
 
 
 if __name__ == "__main__":

@@ -7,16 +7,25 @@ the candidates to rank. `Engine.serve_batch` runs a micro-batch of them:
    timestamps of the tokens whose K/V the pool holds (the pages hold only K and V). A cached
    prefix is reused only when it *is* a prefix of the request's sequence, ids and timestamps
    alike, and the pool's own token count agrees; otherwise the user's K/V are evicted and the
-   whole sequence is recomputed. The reused K/V are read from the user's pages into a
-   contiguous `KVState` (a copy, so the pages may change afterwards).
+   whole sequence is recomputed. The reused K/V are read from the user's pages (a copy, so the
+   pages may change afterwards).
 2. **EMB lookup**: one `EmbCache.lookup` for the whole batch (the tokens to prefill and the
    candidates of every request; one cache tick and one host-to-device transfer). Misses are
    copied from the host table; with link emulation on, the batch then waits what the PCIe link
    would take for the missed bytes (`LinkEmulation`).
-3. **Per request**: incremental prefill of the tokens not cached (full prefill on a miss), the
-   new K/V appended to the user's pages, then the candidates ranked against the whole history
-   K/V (`HSTUModel.rank`: candidates attend to the history and themselves, not to each other)
-   and the top-k returned.
+3. **Compute**: incremental prefill of the tokens not cached (full prefill on a miss), the new
+   K/V appended to the users' pages, then the candidates ranked against the whole history K/V
+   (candidates attend to the history and themselves, not to each other) and the top-k returned.
+   With ``batched_compute`` (the default) the requests of a pass are computed together, padded:
+   `plan_chunks` groups them into chunks whose padding stays within a bound (requests of one
+   shape: one chunk), and per chunk the cached prefixes are gathered from the pages in one
+   `torch.index_select` straight into the model's layout (`KVBlock`), then one
+   `HSTUModel.prefill_batch`, one `HSTUModel.rank_batch` and one top-k run, whatever the number
+   of requests; the pads are masked, so each request attends to its own prefix and its own new
+   tokens only. The pages and records are updated in the pass's order, then each chunk's new
+   K/V is written in one scatter per block. ``batched_compute=False`` computes one request
+   after another (`HSTUModel.forward` / `rank` on contiguous `KVState` copies), the older path.
+   The model runs in ``compute_dtype`` (bfloat16 on CUDA, float32 on the CPU by default).
 
 Requests of one user inside a batch are served in arrival order in successive sub-batches, so
 the second sees the first's K/V. Times are read from an injected clock (``clock``, seconds);
@@ -51,7 +60,7 @@ from common.config import ranged, require, validate
 from .emulated import EmulatedDevice, EmulationConfig
 from .memory import DEFAULT_GHOST_PROBES, KVLayout, MemoryConfig, MemoryManager, RefillConfig
 from .memory.manager import BoundaryPlan, ManagerStep
-from .model import HSTUModel, KVState, ModelConfig
+from .model import HSTUModel, KVBlock, KVState, ModelConfig
 from .model.checkpoint import Checkpoint, CheckpointError
 
 # PCIe 4.0 x16: 16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s per direction (PCI-SIG); pinned
@@ -62,6 +71,7 @@ PCIE4_X16_LATENCY_US = 10.0
 
 LINK_MODES = ("auto", "on", "off")
 KV_OUTCOMES = ("hit", "miss", "mismatch")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class RequestError(ValueError):
@@ -226,7 +236,13 @@ class EngineConfig:
       the node agent reports the marginal utilities of memory in every control interval);
     - ``emulation``: an emulated device (`node_agent.emulated`): no model runs, the arena is
       metadata only with the profile's row and K/V token sizes, and the device's time is charged
-      from the profile (``None``: the real device).
+      from the profile (``None``: the real device);
+    - ``compute_dtype``: the model's weights and activations (``auto``: ``bfloat16`` on CUDA,
+      ``float32`` on the CPU; `resolve_compute_dtype`); the K/V pages keep ``kv_dtype``, the EMB
+      rows float32, timestamps float64;
+    - ``batched_compute``: compute the requests of a pass together (`plan_chunks`,
+      `HSTUModel.prefill_batch` / `rank_batch`); ``False``: one request after another (the
+      older path, kept for comparison: ``python -m bench.engine`` runs both).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -248,6 +264,9 @@ class EngineConfig:
     stage_timing: bool = True
     ghost_probes: tuple[float, ...] = DEFAULT_GHOST_PROBES
     emulation: EmulationConfig | None = None
+    compute_dtype: str = ranged("auto", choices=COMPUTE_DTYPES,
+                                doc="the model's float type: auto is bfloat16 on CUDA, float32 on the CPU")
+    batched_compute: bool = True
 
     def __post_init__(self) -> None:
         m = self.model.validate()
@@ -255,6 +274,8 @@ class EngineConfig:
                                            f"qk_dim ({m.qk_dim}) must equal v_dim ({m.v_dim})")
         validate(self)
         require(self, isinstance(self.stage_timing, bool), f"stage_timing must be a bool, got {self.stage_timing!r}")
+        require(self, isinstance(self.batched_compute, bool),
+                f"batched_compute must be a bool, got {self.batched_compute!r}")
         require(self, self.default_num_candidates <= self.max_candidates,
                 f"default_num_candidates ({self.default_num_candidates}) exceeds max_candidates ({self.max_candidates})")
         self.memory_config()  # the arena's own checks (page size a whole number of rows, ...)
@@ -280,6 +301,64 @@ class EngineConfig:
             initial_emb_share=self.emb_share, max_step_pages=self.max_step_pages, refill=self.refill,
             ghost_probes=tuple(self.ghost_probes), device=self.device,
         )
+
+
+def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``EngineConfig.compute_dtype`` on ``device``: ``auto`` is bfloat16 on CUDA (tensor cores, half
+    the bytes of K/V and activations) and float32 on the CPU (where bfloat16 matmuls are emulated
+    on most cores and slower)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+# A pass's requests are computed in chunks padded to the chunk's longest (`plan_chunks`): a chunk
+# takes a request while its padded work stays within CHUNK_PAD_RATIO x its real work plus
+# CHUNK_SLACK (so small requests always share a chunk), and its largest score tensor within
+# CHUNK_MAX_SCORES elements (heads x queries x keys: memory). CHUNK_LINEAR_KEYS: a token's
+# projections cost about as much as attending to this many keys (the default model's sizes).
+CHUNK_PAD_RATIO = 1.5
+CHUNK_SLACK = 1 << 16
+CHUNK_MAX_SCORES = 1 << 25
+CHUNK_LINEAR_KEYS = 64
+
+
+def plan_chunks(shapes: Sequence[tuple[int, int, int]], num_heads: int, *, pad_ratio: float = CHUNK_PAD_RATIO,
+                slack: int = CHUNK_SLACK, max_scores: int = CHUNK_MAX_SCORES,
+                linear_keys: int = CHUNK_LINEAR_KEYS) -> list[list[int]]:
+    """Pure: split a pass's requests, ``shapes[i] = (cached, new, candidates)`` tokens, into chunks
+    computed together (indices into ``shapes``; every index once).
+
+    A request's work is ``(new + candidates) * (cached + new + linear_keys)`` (queries times keys,
+    plus the projections); a chunk of ``k`` requests padded to its largest ``cached``, ``new`` and
+    ``candidates`` does ``k`` times the work of that padded shape. Requests are taken by new
+    tokens, then history length, longest first, and a request joins the current chunk while the
+    chunk's padded work stays within ``pad_ratio`` x its real work + ``slack`` and its largest
+    score tensor (``num_heads * k * max(new, candidates) * max(cached, new)``) within
+    ``max_scores``; else it starts the next chunk. Requests of one shape make one chunk (up to
+    the memory cap), whatever their number.
+    """
+    order = sorted(range(len(shapes)), key=lambda i: (-shapes[i][1], -(shapes[i][0] + shapes[i][1]), i))
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    top = (0, 0, 0)
+    for i in order:
+        p, n, c = shapes[i]
+        work = (n + c) * (p + n + linear_keys)
+        tp, tn, tc = max(top[0], p), max(top[1], n), max(top[2], c)
+        k = len(cur) + 1
+        padded = k * (tn + tc) * (tp + tn + linear_keys)
+        scores = num_heads * k * max(tn, tc) * max(tp, tn)
+        if cur and (padded > pad_ratio * (real + work) + slack or scores > max_scores):
+            chunks.append(cur)
+            cur, real, (tp, tn, tc) = [], 0, (p, n, c)
+        cur.append(i)
+        real += work
+        top = (tp, tn, tc)
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def make_item_table(num_items: int, dim: int, seed: int) -> torch.Tensor:
@@ -601,6 +680,7 @@ class Engine:
             host_table = make_item_table(config.num_items, mc.embedding_dim, config.item_seed)
         self.mm = MemoryManager(config.memory_config(), host_table, now_s=clock() if now_s is None else now_s)
         self.device = self.mm.arena.device
+        self.compute_dtype = resolve_compute_dtype(config.compute_dtype, self.device)
         self.emu: EmulatedDevice | None = None
         if emu is not None:  # no model: the device's time is charged from the profile
             waiter = getattr(clock, "wait_until", None) or (lambda t: wait_until(clock, t))
@@ -609,9 +689,9 @@ class Engine:
         elif checkpoint is not None:
             self.model = HSTUModel(mc)
             self.model.load_state_dict(checkpoint.model.state_dict())
-            self.model = self.model.to(self.device)
+            self.model = self.model.to(self.device, self.compute_dtype)
         else:
-            self.model = HSTUModel(mc).to(self.device)
+            self.model = HSTUModel(mc).to(self.device, self.compute_dtype)
         self.model_info = _model_info(checkpoint, config)
         # an emulated device charges its own link (EmulatedDevice); the CPU's link emulation is off
         self.link = (LinkEmulationConfig(mode="off") if emu is not None else config.link).resolve(self.device)
@@ -620,9 +700,10 @@ class Engine:
         self.candidates = CandidateGenerator(item_popularity, config.num_items, config.item_seed)
         self._seqs: dict[int, _UserSeq] = {}
         self._prune_at = 1024
+        cdt = self.compute_dtype
         self._empty_kv = KVState(
-            [torch.zeros(0, mc.num_heads, mc.qk_dim, device=self.device) for _ in range(mc.num_layers)],
-            [torch.zeros(0, mc.num_heads, mc.v_dim, device=self.device) for _ in range(mc.num_layers)],
+            [torch.zeros(0, mc.num_heads, mc.qk_dim, device=self.device, dtype=cdt) for _ in range(mc.num_layers)],
+            [torch.zeros(0, mc.num_heads, mc.v_dim, device=self.device, dtype=cdt) for _ in range(mc.num_layers)],
             torch.zeros(0, dtype=torch.float64, device=self.device))
         self.num_served = 0
         self.kv_outcomes = {k: 0 for k in KV_OUTCOMES}
@@ -709,7 +790,8 @@ class Engine:
             for i in pending:
                 (rest if preps[i].user in seen else group).append(i)
                 seen.add(preps[i].user)
-            serve = self._serve_group if self.emu is None else self._serve_group_emulated
+            serve = (self._serve_group_emulated if self.emu is not None
+                     else self._serve_group_batched if self.config.batched_compute else self._serve_group)
             for i, resp in zip(group, serve([preps[i] for i in group], t0, len(preps), passes == 1)):
                 out[i] = resp
             pending = rest
@@ -731,6 +813,7 @@ class Engine:
         # waits only where it needs a value (the answer's top-k), and only for the serving stream
         timer = make_stage_timer(dev, clock, self.config.stage_timing)
         us = timer.elapsed_us
+        cdt = self.compute_dtype
         # 1. KV plan and reads (a copy of the reused K/V, so later appends may evict freely)
         plans: list[KVReuse] = []
         pasts: list[KVState | None] = []
@@ -742,8 +825,8 @@ class Engine:
             past = None
             if plan.reuse_tokens:
                 ks, vs = mm.kv.read_layers(p.user, plan.reuse_tokens)
-                if ks[0].dtype != torch.float32:
-                    ks, vs = [k.float() for k in ks], [v.float() for v in vs]
+                if ks[0].dtype != cdt:
+                    ks, vs = [k.to(cdt) for k in ks], [v.to(cdt) for v in vs]
                 past = KVState(ks, vs, torch.from_numpy(p.ts[: plan.reuse_tokens]).to(dev))
             read_marks.append((m_read, timer.mark()))
             plans.append(plan)
@@ -751,29 +834,9 @@ class Engine:
             cands.append(p.candidates if p.candidates is not None
                          else self.candidates.sample(p.user, len(p.items), p.num_candidates))
         # 2. one EMB lookup for the group: tokens to prefill, then candidates, request by request
-        parts, sizes = [], []
-        for p, plan, c in zip(preps, plans, cands):
-            parts += [p.items[plan.reuse_tokens:], c]
-            sizes.append(len(p.items) - plan.reuse_tokens + len(c))
-        ids = torch.from_numpy(np.concatenate(parts)).to(dev)
-        m_emb = timer.mark()
-        hits_per_req = None
-        if len(preps) > 1:
-            hit = (mm.emb.item_to_slot.index_select(0, ids) != mm.emb.miss_slot).to(torch.int64)
-            bounds = np.cumsum([0] + sizes)
-            cs = torch.cat([hit.new_zeros(1), hit.cumsum(0)]).cpu().numpy()
-            hits_per_req = (cs[bounds[1:]] - cs[bounds[:-1]]).tolist()
-        lk = mm.emb.lookup(ids)
-        link_us = self.link.transfer_us(lk.bytes_transferred)
-        if link_us > 0:
-            self._sync_serving()  # the emulated transfer starts once the lookup's own work is done
-            wait_until(clock, clock() + link_us * 1e-6)
-            self.link_us_total += link_us
-        m_emb_end = timer.mark()
+        lk, sizes, hits_per_req, link_us, m_emb, m_emb_end = self._emb_lookup(preps, plans, cands, timer)
         emb_us: float | None = None  # read once the first answer has waited for the serving stream
         read_us: list[float] = []
-        if hits_per_req is None:
-            hits_per_req = [lk.num_hits]
         rows_all = lk.rows
         # 3. per request: prefill, write K/V, rank
         out: list[RecResponse] = []
@@ -783,7 +846,7 @@ class Engine:
             n_new = len(p.items) - plan.reuse_tokens
             rows = rows_all[off: off + sizes[j]]
             off += sizes[j]
-            new_rows, cand_rows = rows[:n_new], rows[n_new:]
+            new_rows, cand_rows = rows[:n_new].to(cdt), rows[n_new:].to(cdt)
             new_kv = None
             if n_new:
                 ts_new = torch.from_numpy(p.ts[plan.reuse_tokens:]).to(dev)
@@ -819,6 +882,224 @@ class Engine:
                 user_id=p.user, items=[int(i) for i in top_items], scores=[float(s) for s in top_scores],
                 num_candidates=len(c), num_history=p.num_history, kv=plan, kv_hit_tokens=kv_hit,
                 recomputed_tokens=p.num_history - kv_hit, prefill_tokens=n_new, kv_cached_after=cached_after,
+                emb_rows=sizes[j], emb_hits=int(hits_per_req[j]), emb_batch_miss_bytes=lk.bytes_transferred,
+                latency=lat, link_emulated=self.link.enabled, batch_size=batch_size, finished_s=t_end,
+                device=self.device_info()))
+        return out
+
+    def _emb_lookup(self, preps: list[_Prepared], plans: list[KVReuse], cands: list[np.ndarray], timer: StageTimer):
+        """One EMB lookup for a pass: the tokens to prefill, then the candidates, request by request.
+        Returns (lookup, rows per request, hits per request, link µs, start mark, end mark)."""
+        mm, clock = self.mm, self.clock
+        parts, sizes = [], []
+        for p, plan, c in zip(preps, plans, cands):
+            parts += [p.items[plan.reuse_tokens:], c]
+            sizes.append(len(p.items) - plan.reuse_tokens + len(c))
+        ids = torch.from_numpy(np.concatenate(parts)).to(self.device)
+        m_emb = timer.mark()
+        hits_per_req = None
+        if len(preps) > 1:
+            hit = (mm.emb.item_to_slot.index_select(0, ids) != mm.emb.miss_slot).to(torch.int64)
+            bounds = np.cumsum([0] + sizes)
+            cs = torch.cat([hit.new_zeros(1), hit.cumsum(0)]).cpu().numpy()
+            hits_per_req = (cs[bounds[1:]] - cs[bounds[:-1]]).tolist()
+        lk = mm.emb.lookup(ids)
+        link_us = self.link.transfer_us(lk.bytes_transferred)
+        if link_us > 0:
+            self._sync_serving()  # the emulated transfer starts once the lookup's own work is done
+            wait_until(clock, clock() + link_us * 1e-6)
+            self.link_us_total += link_us
+        m_emb_end = timer.mark()
+        if hits_per_req is None:
+            hits_per_req = [lk.num_hits]
+        return lk, sizes, hits_per_req, link_us, m_emb, m_emb_end
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Host arrays of one dtype onto the device in one copy (views of it, in order); on the CPU
+        the arrays themselves."""
+        if self.device.type == "cpu":
+            return [torch.from_numpy(a) for a in arrays]
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(self.device)
+        out, off = [], 0
+        for a in arrays:
+            out.append(flat[off: off + a.size].view(a.shape))
+            off += a.size
+        return out
+
+    def _read_past(self, preps: list[_Prepared], reuse: list[int]) -> KVBlock | None:
+        """The cached prefixes of a chunk's requests (``reuse[b]`` tokens of ``preps[b]``'s user) as
+        one padded `KVBlock`, read from the pages in one gather (`torch.index_select` of whole pages
+        into a new buffer in the model's layout: a copy, so later appends may evict freely), then
+        the pad tokens zeroed (one index_put, over the pads only). None when nothing is reused."""
+        pmax = max(reuse)
+        if pmax == 0:
+            return None
+        kv = self.mm.kv
+        T = kv.page_tokens
+        M = -(-pmax // T)
+        B, S = len(preps), M * T
+        page_idx = np.zeros((B, M), dtype=np.int64)  # pad pages: page 0, read then zeroed
+        ts = np.zeros((B, S), dtype=np.float64)
+        for b, (p, n) in enumerate(zip(preps, reuse)):
+            if n:
+                m = -(-n // T)
+                page_idx[b, :m] = kv.block_table(p.user)[:m]
+                ts[b, :n] = p.ts[:n]
+        lengths = np.asarray(reuse, dtype=np.int64)
+        pad_b, pad_s = np.nonzero(np.arange(S)[None, :] >= lengths[:, None])
+        page_idx_t, lengths_t, pad_b_t, pad_s_t = self._upload([page_idx.ravel(), lengths, pad_b, pad_s])
+        (ts_t,) = self._upload([ts])
+        pages = self.mm.arena.kv_pages()  # [pages, layers, 2, T, h, e]
+        L, _, _, H, E = pages.shape[1:]
+        buf = pages.new_empty(L, 2, H, B * M, T, E)
+        torch.index_select(pages.permute(1, 2, 4, 0, 3, 5), 3, page_idx_t, out=buf)
+        g = buf.view(L, 2, H, B, S, E)
+        if g.dtype != self.compute_dtype:
+            g = g.to(self.compute_dtype)
+        if len(pad_b):
+            g[:, :, :, pad_b_t, pad_s_t] = 0
+        return KVBlock(g[:, 0], g[:, 1], ts_t, lengths_t, torch.zeros_like(lengths_t))
+
+    def _write_pages(self, writes: list[tuple[int, int, int, int, KVBlock | None, int, KVBlock | None]]) -> None:
+        """The K/V of appended tokens into the users' pages, a block's tokens at a time (one gather
+        and one index_put per block, for K and for V; no per-request kernel). ``writes``: (user,
+        first token to write, tokens, tokens in the cached block, the chunk's cached block, the
+        request's row in the chunk, the chunk's new block). Token ``i`` comes from the cached block
+        when ``i`` is below its cached tokens (a rewrite after an eviction), else from the new one."""
+        if not writes:
+            return
+        kv = self.mm.kv
+        T = kv.page_tokens
+        pages = self.mm.arena.kv_pages()
+        dst = pages.permute(1, 2, 4, 0, 3, 5)  # [layers, 2, h, pages, T, e]
+        # per source block: rows b, token index in the block, destination page and offset
+        by_block: dict[int, tuple[KVBlock, list[np.ndarray]]] = {}
+        for user, start, n, plen, past, b, new in writes:
+            bt = np.asarray(kv.block_table(user), dtype=np.int64)
+            pos = np.arange(start, n)
+            for blk, sel, off in ((past, pos < plen, 0), (new, pos >= plen, plen)):
+                if blk is None or not sel.any():
+                    continue
+                ps = pos[sel]
+                entry = by_block.setdefault(id(blk), (blk, [[], [], [], []]))[1]
+                entry[0].append(np.full(len(ps), b, dtype=np.int64))
+                entry[1].append(ps - off)
+                entry[2].append(bt[ps // T])
+                entry[3].append(ps % T)
+        for blk, cols in by_block.values():
+            rb, tok, pg, off = self._upload([np.concatenate(c) for c in cols])
+            for j, src in enumerate((blk.k, blk.v)):
+                dst[:, j][:, :, pg, off] = src[:, :, rb, tok].to(pages.dtype)
+
+    def _serve_group_batched(self, preps: list[_Prepared], t_batch: float, batch_size: int,
+                             first_pass: bool = True) -> list[RecResponse]:
+        """One pass (each user once) computed in chunks of requests (`plan_chunks`): per chunk one
+        gather of the cached prefixes from the pages, one `HSTUModel.prefill_batch`, one
+        `HSTUModel.rank_batch` and one top-k, whatever the number of requests; the pages and
+        records updated in the pass's order, then the new K/V written per chunk. Each request
+        attends to its own cached prefix and its own new tokens only (the pads are masked), so
+        the answers are those of `_serve_group` within float rounding. The stage times are the
+        pass's (every request of the pass gets the same ones; ``batch_wait_us`` is ~0)."""
+        clock, dev, model = self.clock, self.device, self.model
+        cdt = self.compute_dtype
+        timer = make_stage_timer(dev, clock, self.config.stage_timing)
+        us = timer.elapsed_us
+        # 1. KV plans (in the pass's order: lookups touch the LRU), chunks, reads
+        m_read = timer.mark()
+        plans = [self._plan_kv(p) for p in preps]
+        cands = [p.candidates if p.candidates is not None
+                 else self.candidates.sample(p.user, len(p.items), p.num_candidates) for p in preps]
+        reuse = [pl.reuse_tokens for pl in plans]
+        n_new = [len(p.items) - r for p, r in zip(preps, reuse)]
+        chunks = plan_chunks([(r, n, len(c)) for r, n, c in zip(reuse, n_new, cands)], self.config.model.num_heads)
+        pasts = [self._read_past([preps[i] for i in ch], [reuse[i] for i in ch]) for ch in chunks]
+        m_read_end = timer.mark()
+        # 2. one EMB lookup for the pass
+        lk, sizes, hits_per_req, link_us, m_emb, m_emb_end = self._emb_lookup(preps, plans, cands, timer)
+        rows_all = lk.rows
+        row0 = np.cumsum([0] + sizes[:-1])  # request j's rows: new tokens, then candidates
+        # 3. prefill, chunk by chunk
+        m_start = timer.mark()
+        news: list[KVBlock | None] = []
+        for ch, past in zip(chunks, pasts):
+            nmax = max(n_new[i] for i in ch)
+            if nmax == 0:
+                news.append(None)
+                continue
+            B = len(ch)
+            t = np.arange(nmax)
+            lens = np.asarray([n_new[i] for i in ch], dtype=np.int64)
+            live = t[None, :] < lens[:, None]
+            rows = np.where(live, row0[ch][:, None] + t[None, :], 0)  # pads: row 0 (finite; masked)
+            ts = np.zeros((B, nmax), dtype=np.float64)
+            for b, i in enumerate(ch):
+                ts[b, : n_new[i]] = preps[i].ts[reuse[i]:]
+            rows_t, lens_t = self._upload([rows.astype(np.int64).ravel(), lens])
+            (ts_t,) = self._upload([ts])
+            x = model.tokens(rows_all.index_select(0, rows_t).to(cdt)).view(B, nmax, -1)
+            _, new = model.prefill_batch(x, ts_t, lens_t, past)
+            news.append(new)
+        m_prefill = timer.mark()
+        # 4. pages and records in the pass's order (an append may evict a user appended before it:
+        #    its K/V are then not written), then the K/V of every user still holding its pages
+        where = {i: (c, b) for c, ch in enumerate(chunks) for b, i in enumerate(ch)}
+        cached_after, pending = [], []
+        for j, (p, plan) in enumerate(zip(preps, plans)):
+            n_after, start = self._append_kv(p, plan)
+            cached_after.append(n_after)
+            if start is not None:
+                pending.append((j, start))
+        writes = []
+        for j, start in pending:
+            n = len(preps[j].items)
+            if self.mm.kv.num_tokens(preps[j].user) == n:
+                c, b = where[j]
+                writes.append((preps[j].user, start, n, reuse[j], pasts[c], b, news[c]))
+        self._write_pages(writes)
+        m_write = timer.mark()
+        # 5. rank and top-k, chunk by chunk
+        tops = []
+        for ch, past, new in zip(chunks, pasts, news):
+            B = len(ch)
+            cmax = max(len(cands[i]) for i in ch)
+            t = np.arange(cmax)
+            clens = np.asarray([len(cands[i]) for i in ch], dtype=np.int64)
+            live = t[None, :] < clens[:, None]
+            rows = np.where(live, (row0[ch] + np.asarray(n_new)[ch])[:, None] + t[None, :], 0)
+            now = np.asarray([preps[i].now_ts for i in ch], dtype=np.float64)
+            rows_t, pad_b, pad_c = self._upload([rows.astype(np.int64).ravel(), *np.nonzero(~live)])
+            (now_t,) = self._upload([now])
+            cand_rows = rows_all.index_select(0, rows_t).to(cdt).view(B, cmax, -1)
+            scores = model.rank_batch(cand_rows, [blk for blk in (past, new) if blk is not None], now_t)
+            if len(pad_b):
+                scores[pad_b, pad_c] = float("-inf")
+            tops.append(torch.topk(scores, max(preps[i].top_k for i in ch), dim=1))
+        m_end = timer.mark()
+        # the answers' host values: these copies wait for the serving stream (only)
+        host = [(top.indices.cpu().numpy(), top.values.float().cpu().numpy()) for top in tops]
+        t_end = clock()
+        emb_us = us(m_emb, m_emb_end)
+        read_us = us(m_read, m_read_end)
+        prefill_us, write_us, rank_us = us(m_start, m_prefill), us(m_prefill, m_write), us(m_write, m_end)
+        wait_us = max(0.0, us(m_emb_end, m_start))
+        out: list[RecResponse] = []
+        for j, (p, plan, c) in enumerate(zip(preps, plans, cands)):
+            ci, b = where[j]
+            idx, vals = host[ci]
+            top_items = c[idx[b, : p.top_k]].tolist()
+            top_scores = vals[b, : p.top_k].tolist()
+            arrival = p.req.arrival_s if p.req.arrival_s is not None else t_batch
+            kv_hit = min(plan.reuse_tokens, p.num_history)
+            lat = LatencyBreakdown(
+                queue_us=max(0.0, (t_batch - arrival) * 1e6), emb_lookup_us=emb_us, link_us=link_us,
+                batch_wait_us=wait_us, kv_read_us=read_us, prefill_us=prefill_us, kv_write_us=write_us,
+                rank_us=rank_us, compute_us=prefill_us + rank_us, total_us=(t_end - arrival) * 1e6)
+            self.num_served += 1
+            self.kv_outcomes[plan.outcome] += 1
+            out.append(RecResponse(
+                user_id=p.user, items=[int(i) for i in top_items], scores=[float(s) for s in top_scores],
+                num_candidates=len(c), num_history=p.num_history, kv=plan, kv_hit_tokens=kv_hit,
+                recomputed_tokens=p.num_history - kv_hit, prefill_tokens=n_new[j], kv_cached_after=cached_after[j],
                 emb_rows=sizes[j], emb_hits=int(hits_per_req[j]), emb_batch_miss_bytes=lk.bytes_transferred,
                 latency=lat, link_emulated=self.link.enabled, batch_size=batch_size, finished_s=t_end,
                 device=self.device_info()))
@@ -907,36 +1188,46 @@ class Engine:
     def _write_kv(self, p: _Prepared, plan: KVReuse, new_kv: KVState | None, full: KVState | None) -> int:
         """Append the request's new tokens to the user's pages; returns the tokens cached after.
         ``full`` None: an emulated device's pages hold no K/V, only the pages and the record are kept."""
+        cached_after, start = self._append_kv(p, plan)
+        if start is not None:
+            kv = new_kv if start == plan.reuse_tokens else full
+            if kv is not None:
+                self.mm.kv.write_layers(p.user, start, list(kv.k), list(kv.v))
+        return cached_after
+
+    def _append_kv(self, p: _Prepared, plan: KVReuse) -> tuple[int, int | None]:
+        """The pages and the record of the request's tokens: returns (tokens cached after, first
+        token whose K/V the caller must write, or None: nothing to write). The tokens to write are
+        ``[start, n)``: the new tokens (``start == plan.reuse_tokens``), or the whole sequence again
+        (``start`` 0) when the user was evicted meanwhile (by another request of the batch) or
+        holds something else."""
         mm = self.mm
         n = len(p.items)
         if n == 0:
-            return 0
+            return 0, None
         have = mm.kv.num_tokens(p.user)
         if plan.reuse_tokens == n and have == n:
-            return n  # refresh: everything already cached
+            return n, None  # refresh: everything already cached
         if have == plan.reuse_tokens:
-            start, k, v = (have, None, None) if new_kv is None else (have, new_kv.k, new_kv.v)
+            start = have
         else:
-            # the user was evicted meanwhile (by another request of the batch) or holds something
-            # else: cache the whole sequence again from the K/V in hand
             if have:
                 mm.kv.evict(p.user)
             self._seqs.pop(p.user, None)
-            start, k, v = (0, None, None) if full is None else (0, full.k, full.v)
+            start = 0
         app = mm.kv.append(p.user, n - start)
         if app is None:  # the user's sequence does not fit in the KV pool at all
             self._seqs.pop(p.user, None)
             self.num_uncacheable += 1
-            return 0
-        if k is not None:
-            mm.kv.write_layers(p.user, start, list(k), list(v))
+            return 0, None
         seq = self._seqs.get(p.user)
         if seq is None or start == 0:
             seq = _UserSeq()
             self._seqs[p.user] = seq
-            start = 0
-        seq.set(p.items, p.ts, start)
-        return n
+            seq.set(p.items, p.ts, 0)
+        else:
+            seq.set(p.items, p.ts, start)
+        return n, start
 
     def _prune_seqs(self) -> None:
         """Drop the records of users the pool evicted. Amortised: a pass runs only when the
@@ -968,7 +1259,7 @@ class Engine:
         _check_serves(checkpoint, self.config)
         model = HSTUModel(self.config.model)
         model.load_state_dict(checkpoint.model.state_dict())
-        model = model.to(self.device)
+        model = model.to(self.device, self.compute_dtype)
         emb = self.mm.emb
         emb.wait_refill()  # a chunk in flight holds the old table's rows: committed before the rewrite
         if emb.host_table is not None:
@@ -1040,6 +1331,8 @@ class Engine:
             "arena_bytes": c.num_pages * self.mm.config.page_bytes,
             "page_tokens": c.page_tokens,
             "kv_dtype": c.kv_dtype,
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "batched_compute": c.batched_compute,
             "max_history_len": c.max_history_len,
             "max_candidates": c.max_candidates,
             "link_emulation": self.link.to_dict(),

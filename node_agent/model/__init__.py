@@ -5,7 +5,7 @@ The names below load `hstu` (and torch) on first use, so ``racer model --help`` 
 
 from __future__ import annotations
 
-__all__ = ["HSTULayer", "HSTUModel", "KVState", "ModelConfig", "log_bucket"]
+__all__ = ["HSTULayer", "HSTUModel", "KVBlock", "KVState", "MASKED", "ModelConfig", "log_bucket"]
 
 
 def __getattr__(name: str):
