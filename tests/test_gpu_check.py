@@ -67,7 +67,9 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_says_so(tmp_path):
     assert inst["commands"][0].startswith("PIP_CONFIG_FILE=/dev/null ")
     # 2. the CUDA tests: collected and skipped on the CPU; no sync count given as a finding
     tests = steps["tests"]
-    assert tests["status"] == "ran" and tests["outcomes"] == {"skipped": len(tests["files"])} and tests["files"]
+    # (every CUDA-marked test skipped, at least one in each file that has the mark)
+    assert tests["status"] == "ran" and tests["files"] and set(tests["outcomes"]) == {"skipped"}
+    assert tests["outcomes"]["skipped"] >= len(tests["files"])
     assert tests["sync_debug_mode"] is None and tests["sync_warnings_total"] is None
     assert tests["sync_warnings_outside_tests"] is None
     counts = json.loads((out / "sync_warnings.json").read_text())
