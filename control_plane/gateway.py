@@ -769,8 +769,7 @@ class Gateway:
                                                           live=live))
         if not self.control_plane or self.client is None:
             return
-        if self.gateway_id is None:
-            self.gateway_id = gateway_id_from(f"{socket.gethostname()}-{os.getpid()}")
+        self._ensure_gateway_id()
         url = f"{self.control_plane}/api/v1/gateways/{self.gateway_id}/reports"
         size = CLIENT_REPORT_BATCH
         while self.client_reports:
@@ -796,6 +795,11 @@ class Gateway:
             self.client_reports_sent += len(batch)
             self.client_report_error = None
 
+    def _ensure_gateway_id(self) -> None:
+        """The id this gateway reports and samples under: given, else one from host and process."""
+        if self.gateway_id is None:
+            self.gateway_id = gateway_id_from(f"{socket.gethostname()}-{os.getpid()}")
+
     def _client_report_failed(self, error: str) -> None:
         if error != self.client_report_error:
             log.warning(json.dumps({"event": "client_report_failed", "gateway_id": self.gateway_id, "error": error,
@@ -815,8 +819,7 @@ class Gateway:
         await smp.prepare()
         if not self.control_plane or self.client is None:
             return
-        if self.gateway_id is None:
-            self.gateway_id = gateway_id_from(f"{socket.gethostname()}-{os.getpid()}")
+        self._ensure_gateway_id()
         url = f"{self.control_plane}/api/v1/gateways/{self.gateway_id}/samples"
         size = SAMPLE_BATCH
         while smp.ready:

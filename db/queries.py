@@ -968,16 +968,23 @@ def insert_gateway_reports(session: Session, rows: Sequence[dict]) -> set[tuple[
     return inserted
 
 
+def _gateway_window(model, gateway_id: str | None, start_s: float | None, end_s: float | None) -> list:
+    """WHERE terms of a read of a gateway's rows (``model``: `GatewayReport` or `TrafficSample`):
+    one gateway (None: all), ``start_s <= ts_s < end_s`` (None: open)."""
+    conds = []
+    if gateway_id is not None:
+        conds.append(model.gateway_id == gateway_id)
+    if start_s is not None:
+        conds.append(model.ts_s >= start_s)
+    if end_s is not None:
+        conds.append(model.ts_s < end_s)
+    return conds
+
+
 def gateway_reports(session: Session, *, gateway_id: str | None, start_s: float | None, end_s: float | None,
                     limit: int) -> list[GatewayReport]:
     """Gateway reports with ``start_s <= ts_s < end_s``, oldest first (the newest ``limit``)."""
-    conds = []
-    if gateway_id is not None:
-        conds.append(GatewayReport.gateway_id == gateway_id)
-    if start_s is not None:
-        conds.append(GatewayReport.ts_s >= start_s)
-    if end_s is not None:
-        conds.append(GatewayReport.ts_s < end_s)
+    conds = _gateway_window(GatewayReport, gateway_id, start_s, end_s)
     rows = session.scalars(select(GatewayReport).where(*conds).order_by(GatewayReport.ts_s.desc(),
                                                                          GatewayReport.id.desc()).limit(limit)).all()
     return list(reversed(rows))
@@ -1047,13 +1054,7 @@ def traffic_samples(session: Session, *, gateway_id: str | None, start_s: float 
                     after: tuple[float, int] | None, limit: int) -> list[TrafficSample]:
     """Traffic samples with ``start_s <= ts_s < end_s``, in (ts_s, id) order, the first ``limit``
     after the cursor ``after`` = (ts_s, id) of the last one read."""
-    conds = []
-    if gateway_id is not None:
-        conds.append(TrafficSample.gateway_id == gateway_id)
-    if start_s is not None:
-        conds.append(TrafficSample.ts_s >= start_s)
-    if end_s is not None:
-        conds.append(TrafficSample.ts_s < end_s)
+    conds = _gateway_window(TrafficSample, gateway_id, start_s, end_s)
     if after is not None:
         conds.append(or_(TrafficSample.ts_s > after[0], and_(TrafficSample.ts_s == after[0],
                                                              TrafficSample.id > after[1])))
