@@ -30,28 +30,15 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+# the bounds on what an artifact unpacks to, and the canonical tar the routes store
+from common.artifact_pack import (MAX_ARTIFACT_MEMBERS, MAX_ARTIFACT_UNPACKED_BYTES, MAX_CHECKPOINT_MEMBERS,
+                                  MAX_CHECKPOINT_UNPACKED_BYTES)
+from common.artifact_pack import pack_artifact  # noqa: F401 (re-exported)
 from node_agent.registry_client import CHECKPOINT_FILES  # what `racer model push` sends
 
 
 # ------------------------------------------------------------------------------------ policies
 ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
-
-
-def pack_artifact(files: dict[str, bytes]) -> bytes:
-    """The canonical tar of an artifact (sorted names, zero times and owners): same files, same bytes."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in sorted(files):
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(files[name]), 0, 0o644
-            tar.addfile(info, io.BytesIO(files[name]))
-    return buf.getvalue()
-
-
-# An artifact is three small files (a few KB to a few MB): bounds on what an upload may unpack to,
-# checked from the tar headers while streaming, before a member's bytes are decompressed.
-MAX_ARTIFACT_MEMBERS = 64
-MAX_ARTIFACT_UNPACKED_BYTES = 64 * 2**20
 
 
 #: most bytes of a tar extension header (a PAX ``x``/``g`` record set, a GNU ``L``/``K`` long name):
@@ -162,8 +149,6 @@ def verify_files(files: dict[str, bytes]) -> dict:
 
 # --------------------------------------------------------------------------------- checkpoints
 REQUIRED_FILES = ("manifest.json", "weights.pt", "config.json", "items.json")
-MAX_CHECKPOINT_MEMBERS = 32
-MAX_CHECKPOINT_UNPACKED_BYTES = 256 * 2**20
 
 
 def unpack_checkpoint(data: bytes, *, max_members: int = MAX_CHECKPOINT_MEMBERS,

@@ -3,27 +3,11 @@ model push`): the files as one tar, ``POST /api/v1/<kind>``, then, when asked, t
 
 from __future__ import annotations
 
-import io
 import sys
-import tarfile
-from pathlib import Path
 from urllib.parse import quote
 
 #: the files of a model checkpoint directory that go to the registry (`racer model push`, racer up)
 CHECKPOINT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
-
-
-def tar_files(src: Path, names) -> bytes:
-    """The named files of ``src`` that exist, as an uncompressed tar (mode 0644, USTAR)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in names:
-            if (src / name).is_file():
-                data = (src / name).read_bytes()
-                info = tarfile.TarInfo(name)
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def push(kind: str, body: bytes, *, control_plane: str, token: str, activate: bool, reason: str,

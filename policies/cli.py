@@ -99,7 +99,8 @@ def cmd_policy_push(args) -> int:
     plane refuses it (its reason on stderr), 2 for a bad directory or option."""
     from pathlib import Path
 
-    from node_agent.registry_client import push, tar_files
+    from common.artifact_pack import pack_directory
+    from node_agent.registry_client import push
 
     src = Path(args.artifact)
     if not src.is_dir():
@@ -110,7 +111,7 @@ def cmd_policy_push(args) -> int:
     token = read_secret(args, "token", "RACER_TOKEN", prog="racer policy push")
     if not token:
         raise ValueError("a token is needed: --token-file F or RACER_TOKEN (an operator token)")
-    rc, out = push("policies", tar_files(src, PUSH_FILES), control_plane=args.control_plane, token=token,
+    rc, out = push("policies", pack_directory(src, PUSH_FILES), control_plane=args.control_plane, token=token,
                    activate=args.activate, reason=args.reason, timeout_s=args.timeout_s, prog="racer policy push")
     if rc:
         return rc
@@ -179,8 +180,10 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
     pu.add_argument("--json", action="store_true", help="print one JSON object")
     pu.set_defaults(func=cmd_policy_push)
 
-    t = sub.add_parser("train", help="train the base policy with PPO on the cluster simulator",
-                       description="PPO (policies/train_ppo.py) on policies/env.py: one step is one control "
+    t = sub.add_parser("train", help="train the base policy on the cluster simulator: behaviour cloning, PPO or both",
+                       description="Behaviour cloning (--bc-data, --bc-episodes) then PPO (policies/train_ppo.py; "
+                                   "--total-steps 0: cloning alone, as the shipped policy was made) on "
+                                   "policies/env.py: one step is one control "
                                    "interval of the simulated cluster, every node an agent sharing the policy. "
                                    "Writes actor.pt (export it with `racer policy export`), curve.png/json/csv "
                                    "and evaluation.json to --out.")

@@ -143,11 +143,12 @@ def seed_model(cp_url: str, token: str, model_dir: Path, log: Callable[[str], No
     its baseline from the start (an operator's active model survives a restart)."""
     import httpx
 
-    from node_agent.registry_client import CHECKPOINT_FILES, tar_files
+    from common.artifact_pack import pack_directory
+    from node_agent.registry_client import CHECKPOINT_FILES
 
     api = f"{cp_url}/api/v1"
     t0 = time.monotonic()
-    r = httpx.post(f"{api}/models", content=tar_files(model_dir, CHECKPOINT_FILES), timeout=120.0,
+    r = httpx.post(f"{api}/models", content=pack_directory(model_dir, CHECKPOINT_FILES), timeout=120.0,
                    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-tar"})
     if r.status_code not in (200, 201):
         raise RuntimeError(f"POST /models ({model_dir}) answered {r.status_code}: {r.text[:300]}")

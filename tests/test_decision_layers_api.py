@@ -1,5 +1,5 @@
 """A decision's layer traces from the allocator to the control plane and back, over real HTTP:
-what the node agent's reporter sends (`node_agent.reporter._layers` of a real decision) is stored
+what the node agent's reporter sends (`node_agent.reports.report_layers` of a real decision) is stored
 and returned by GET /decisions; a hostile layers payload gets a 422 and nothing is stored."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from node_agent.allocator import AllocatorConfig, SmartAllocator
-from node_agent.reporter import _layers
+from node_agent.reports import report_layers
 from tests.test_allocator import window
 
 from .cp_util import REPO, ControlPlane, Database, register, report
@@ -37,7 +37,8 @@ def _decision(i: int) -> dict:
         d = alloc.decide(window(emb_marginal_us=50.0, kv_marginal_us=10.0), float(t))
     rec = json.loads(json.dumps(d.to_dict()))  # what the agent's /v1/metrics carries
     return {"source": rec["source"], "emb_share": rec["emb_share"], "reason": rec["reason"],
-            "prev_emb_share": rec["prev_emb_share"], "features": rec["features"], "layers": _layers(rec["layers"])}
+            "prev_emb_share": rec["prev_emb_share"], "features": rec["features"],
+            "layers": report_layers(rec["layers"])}
 
 
 def test_layers_are_stored_and_returned(cp):

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.reporter import Reporter, ReporterConfig, ReportSpool, cost_profile, unpack_artifact
+from node_agent.downloads import unpack_artifact
+from node_agent.registration import cost_profile
+from node_agent.reporter import Reporter, ReporterConfig
+from node_agent.spool import ReportSpool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,6 +173,58 @@ def test_unpack_artifact_refuses_paths_that_leave_it(tmp_path, name):
         unpack_artifact(_tar({name: b"x", "policy.onnx": b"y"}), tmp_path / "d")
     with pytest.raises(RuntimeError, match="neither a zip nor a tar"):
         unpack_artifact(b"garbage", tmp_path / "e")
+
+
+def _tar_with(kind: bytes, name: str = "policy.onnx") -> bytes:
+    """A tar holding one member of tar type ``kind`` (a link, a fifo) beside manifest.json."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        info = tarfile.TarInfo("manifest.json")
+        info.size = 2
+        t.addfile(info, io.BytesIO(b"{}"))
+        odd = tarfile.TarInfo(name)
+        odd.type, odd.linkname = kind, "/etc/passwd"
+        t.addfile(odd)
+    return buf.getvalue()
+
+
+def test_unpack_artifact_keeps_its_bounds_and_refuses_links_and_special_files(tmp_path):
+    many = {f"f{i}.bin": b"x" for i in range(5)}
+    unpack_artifact(_tar(many), tmp_path / "ok", max_members=5)
+    with pytest.raises(RuntimeError, match="more than 4 members"):
+        unpack_artifact(_tar(many), tmp_path / "count", max_members=4)
+    big = {"policy.onnx": b"x" * 600, "golden.npz": b"y" * 500}
+    with pytest.raises(RuntimeError, match="more than 1000 bytes"):
+        unpack_artifact(_tar(big), tmp_path / "size", max_bytes=1000)
+    zbuf = io.BytesIO()
+    with zipfile.ZipFile(zbuf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("policy.onnx", b"\0" * 5000)  # a few bytes packed, 5000 unpacked: refused from the header
+    with pytest.raises(RuntimeError, match="more than 1000 bytes"):
+        unpack_artifact(zbuf.getvalue(), tmp_path / "zip", max_bytes=1000)
+    for kind in (tarfile.SYMTYPE, tarfile.LNKTYPE):
+        with pytest.raises(RuntimeError, match="holds a link"):
+            unpack_artifact(_tar_with(kind), tmp_path / f"link{kind!r}")
+    with pytest.raises(RuntimeError, match="special file"):
+        unpack_artifact(_tar_with(tarfile.FIFOTYPE), tmp_path / "fifo")
+    assert not (tmp_path / "size").exists()  # a refused archive writes nothing
+
+
+def test_one_canonical_tar_that_both_readers_take(tmp_path):
+    from common.artifact_pack import pack_artifact, pack_directory
+    from control_plane.artifacts import unpack_artifact as control_plane_unpack
+
+    files = {"policy.onnx": b"onnx", "manifest.json": b"{}", "golden.npz": b"npz"}
+    tar = pack_artifact(files)
+    assert pack_artifact(dict(reversed(list(files.items())))) == tar  # names sorted: the same bytes
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        assert [(m.name, m.mtime, m.uid, m.gid, m.mode) for m in t.getmembers()] == [
+            ("golden.npz", 0, 0, 0, 0o644), ("manifest.json", 0, 0, 0, 0o644), ("policy.onnx", 0, 0, 0, 0o644)]
+    assert control_plane_unpack(tar) == files
+    unpack_artifact(tar, tmp_path / "node")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "node").iterdir()} == files
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    assert pack_directory(tmp_path, [*files, "weights.pt"]) == tar  # a missing file is left out
 
 
 def test_registration_cost_profile_from_the_node_profile():
@@ -340,7 +395,7 @@ def test_bursts_are_reported_when_they_start_and_when_they_end(tmp_path, file_se
             t[0] = now
             rate, hot = (300.0, 0.3) if 15 <= s < 24 else (100.0, 0.1)
             rec.update(rate, hot, now, 0.5)
-            seen.append((s, rep._bursts(now)))
+            seen.append((s, rep.reports.bursts(now)))
         sent = [(s, b) for s, bs in seen for b in bs]
         assert len(sent) == 2, sent
         (s0, start), (s1, end) = sent
@@ -369,7 +424,7 @@ def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_ser
             agent.metrics.record(now, r.latency.total_us, emb_requested=r.emb_rows, emb_hits=r.emb_hits,
                                  kv_tokens=r.num_history, kv_hit_tokens=r.kv_hit_tokens, user=u, history_len=10)
         busy = agent.control_step(agent.clock())
-        reports = [rep._build_report(o) for o in (empty, busy)]
+        reports = [rep.reports.build(o) for o in (empty, busy)]
         for i, r in enumerate(reports):
             schemas.ReportIn.model_validate({**r, "seq": i})
         assert reports[0]["p99_ms"] is None and reports[0]["slo_attainment"] is None
@@ -427,7 +482,7 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
         perf[0] += 100.0  # 100 wall seconds: 10 modelled ones
         now = clock()
         assert now == pytest.approx(1_010.0)
-        r = rep._build_report({"now_s": now, "window": {"interval_s": 1.0}})
+        r = rep.reports.build({"now_s": now, "window": {"interval_s": 1.0}})
         assert r["ts_s"] == pytest.approx(5_001_100.0)  # the wall clock's now (an offset would give 5_001_010)
         assert r["interval_s"] == 1.0 and (r["device_mode"], r["device_profile"]) == ("emulated", "a100-hstu")
         schemas.ReportIn.model_validate({**r, "seq": 0})
@@ -444,7 +499,7 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
     real = NodeAgent(small_engine(), AgentConfig(control_interval_s=1.0))
     rep = Reporter(real, ReporterConfig(**cfg, state_dir=str(tmp_path / "real")), wall_clock=lambda: 7_000.0)
     try:
-        r = rep._build_report({"now_s": real.clock(), "window": {"interval_s": 1.0}})
+        r = rep.reports.build({"now_s": real.clock(), "window": {"interval_s": 1.0}})
         assert r["ts_s"] == pytest.approx(7_000.0, abs=1.0)  # the agent's clock plus the offset fixed at start
         assert (r["device_mode"], r["device_profile"]) == ("real", None)
         assert rep.device_label() == "cpu" and rep.registration_profile()["device"]["mode"] == "real"
@@ -456,7 +511,7 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
     linked = NodeAgent(Engine(replace(small_engine().config, link=LinkEmulationConfig(mode="on"))), AgentConfig())
     rep = Reporter(linked, ReporterConfig(**cfg, state_dir=str(tmp_path / "link")))
     try:
-        r = rep._build_report({"now_s": linked.clock(), "window": {"interval_s": 1.0}})
+        r = rep.reports.build({"now_s": linked.clock(), "window": {"interval_s": 1.0}})
         assert (r["device_mode"], r["device_profile"]) == ("link-emulated", None)
         assert rep.device_label() == "cpu (EMB link emulated)"
     finally:
@@ -465,7 +520,7 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
     real.engine.device_info = None  # an engine that does not say (an older one, a test's fake)
     rep = Reporter(real, ReporterConfig(**cfg, state_dir=str(tmp_path / "mute")))
     try:
-        r = rep._build_report({"now_s": real.clock(), "window": {"interval_s": 1.0}})
+        r = rep.reports.build({"now_s": real.clock(), "window": {"interval_s": 1.0}})
         assert (r["device_mode"], r["device_profile"]) == (None, None)
         assert rep.device_label() == "cpu" and "device" not in rep.registration_profile()
         schemas.ReportIn.model_validate({**r, "seq": 0})
@@ -476,7 +531,7 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
 def test_device_info_is_bounded_and_unknown_when_the_engine_does_not_say():
     from types import SimpleNamespace
 
-    from node_agent.reporter import device_info
+    from node_agent.reports import device_info
 
     def eng(fn):
         return SimpleNamespace(device_info=fn)
@@ -538,10 +593,10 @@ def test_the_agents_prometheus_metrics_say_what_the_figures_are():
 
 
 def test_a_restarted_node_resumes_its_allocator_state_and_sets_a_bad_one_aside(tmp_path):
-    """After a kill -9 the restarted node started again at --emb-share (0.5), its learned split,
-    residual weights and tuner offset lost. Now each control step's snapshot is kept in the state
-    folder and a restart resumes it: the split always (the boundary moves there at once), the
-    residual and the tuner when the same policy runs; a snapshot it cannot read is set aside."""
+    """Each control step's allocator snapshot is kept in the state folder, and a restarted node
+    (after a kill -9 too) resumes it instead of starting again at --emb-share: the split always
+    (the boundary moves there at once), the residual and the tuner when the same policy runs; a
+    snapshot it cannot read is set aside."""
     import json
 
     import numpy as np

@@ -146,7 +146,8 @@ def cmd_model_push(args) -> int:
     import sys
     from pathlib import Path
 
-    from node_agent.registry_client import CHECKPOINT_FILES, push, tar_files
+    from common.artifact_pack import pack_directory
+    from node_agent.registry_client import CHECKPOINT_FILES, push
 
     from .checkpoint import load_checkpoint
 
@@ -155,7 +156,7 @@ def cmd_model_push(args) -> int:
     token = read_secret(args, "token", "RACER_TOKEN", prog="racer model push")
     if not token:
         raise ValueError("a token is needed: --token-file F or RACER_TOKEN (an operator token)")
-    body = tar_files(src, CHECKPOINT_FILES)
+    body = pack_directory(src, CHECKPOINT_FILES)
     rc, out = push("models", body, control_plane=args.control_plane, token=token, activate=args.activate,
                    reason=args.reason, timeout_s=args.timeout_s, prog="racer model push")
     if rc:
