@@ -8,19 +8,34 @@ whose miss costs the gateway's weights come from), starts 4 ``racer node-agent``
 (small model: 1 layer, 32-dim embeddings, 256 pages, histories up to 256 tokens) and one
 ``racer gateway`` process (router ``racer``), then measures:
 
-- **overhead** (closed loop, one request at a time, the same requests): for every request sent
-  through the gateway, the client's latency minus the gateway's round trip to the node for that
-  request (``gateway.upstream_ms`` in the answer), i.e. what the extra hop and the routing add on
-  top of the node's own service time as the gateway saw it (the client's own cost is in it too:
-  the client is `LoadClient`, the gateway's lean pooled HTTP/1.1 client, not httpx, whose ~1.5 ms
-  per request on this machine used to be most of the figure). ``overhead_p50_ms`` /
-  ``overhead_p99_ms``; ``gateway_internal_p50_ms`` is the gateway's own histogram (parse, route,
-  splice) for comparison. ``direct_p50_ms`` is the same requests sent straight to the agents.
-- **max_rps**: open-loop Poisson load at rising rates through the gateway; the highest rate whose
-  P99 stays within 2x the P99 at the lowest rate (and with no errors). ``direct_max_rps``: the
-  same sweep sent straight to the agents (requests spread round-robin), in the same run, level by
-  level interleaved with the gateway's (`sweep_both`: the lowest level runs for 200 requests, so
-  its P99 is a yardstick and not one outlier; a failing level is tried once more).
+Three paths to the same 4 agents, each named in the output (``paths``):
+
+- ``gateway_racer``: the client -> a ``racer gateway`` with router ``racer`` -> an agent;
+- ``gateway_round_robin``: the client -> a second ``racer gateway`` with router ``round_robin``;
+- ``direct_round_robin``: the client -> an agent, spread round-robin by the client (no gateway).
+
+Like is compared with like: ``gateway_racer`` against ``gateway_round_robin`` is the router's
+worth (the same hop, another choice of node); ``gateway_round_robin`` against
+``direct_round_robin`` is the hop's cost (the same choice of node, with and without a gateway).
+``gateway_racer`` against ``direct_round_robin`` mixes both and is not reported as a comparison.
+The paths share the agents and their caches, so each path's traffic also warms the others'.
+
+- **overhead** (closed loop, one request at a time, the same requests on every path, in chunks
+  that alternate the paths): for every request sent through the ``racer`` gateway, the client's
+  latency minus the gateway's round trip to the node for that request (``gateway.upstream_ms`` in
+  the answer), i.e. what the extra hop and the routing add on top of the node's own service time
+  as the gateway saw it (the client's own cost is in it too: the client is `LoadClient`, the
+  gateway's lean pooled HTTP/1.1 client, not httpx, whose ~1.5 ms per request on this machine
+  used to be most of the figure). ``overhead_p50_ms`` / ``overhead_p99_ms``;
+  ``gateway_internal_p50_ms`` is the gateway's own histogram (parse, route, splice) for
+  comparison. ``client_ms``: the client's latency P50 / P99 on each path.
+- **max_rps**: open-loop Poisson load at rising rates on each path; the highest rate whose P99
+  stays within 2x the P99 at the lowest rate (and with no errors): ``max_rps_by_path``
+  (``max_rps``: ``gateway_racer``'s). The paths' sweeps run in the same run, level by level
+  interleaved (`sweep_paths`); every level runs long enough for 100 requests (the lowest for
+  200, so its P99 is a yardstick and not one outlier), and a failing level is tried once more.
+
+Every P99 comes with its sample count and a flag when that count is under 100 (`bench.stats`).
 
 ``--routers`` mode replays the same request stream (a ``steady`` regime of the trace; candidates
 sampled by item popularity, sent explicitly so the gateway sees every looked-up item) through a
@@ -47,6 +62,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.stats import MIN_P99_SAMPLES, p99, pct
 from common.http_client import UpstreamError, UpstreamPool
 from common.http_server import tune_runtime
 
@@ -223,7 +239,8 @@ async def closed_loop(urls: list[str], bodies: list[bytes]) -> list[tuple[float,
 
 async def open_loop(urls: list[str], bodies: list[bytes], rate_rps: float, duration_s: float,
                     seed: int = 0, timeout_s: float = 10.0) -> dict:
-    """Poisson arrivals at ``rate_rps`` for ``duration_s``; latency percentiles and errors."""
+    """Poisson arrivals at ``rate_rps`` for ``duration_s``; latency percentiles (the P99 with
+    its sample count, `bench.stats.p99`) and errors."""
     rng = np.random.default_rng(seed)
     n = max(1, int(rate_rps * duration_s))
     gaps = rng.exponential(1.0 / rate_rps, n)
@@ -257,40 +274,48 @@ async def open_loop(urls: list[str], bodies: list[bytes], rate_rps: float, durat
         elapsed = time.perf_counter() - start
     finally:
         await c.close()
-    a = np.array(lat) * 1e3 if lat else np.array([np.inf])
+    ms = [x * 1e3 for x in lat]
     return {"offered_rps": rate_rps, "achieved_rps": round(len(lat) / elapsed, 1), "n": n, "errors": errors,
-            "p50_ms": round(float(np.percentile(a, 50)), 2), "p99_ms": round(float(np.percentile(a, 99)), 2)}
+            "p50_ms": pct(ms, 50, 2), **p99(ms, 2).fields("p99_ms")}
 
 
 BASELINE_SAMPLES = 200  # requests at the lowest rate: its P99 is the yardstick of every other level
 
 
-async def sweep_both(paths: dict[str, list[str]], bodies: list[bytes], rates: list[float],
-                     duration_s: float) -> dict[str, tuple[float, list]]:
-    """Open-loop sweeps of several paths (``{"direct": urls, "gateway": [url]}``), interleaved
-    level by level (the order alternates per level) so every path sees the same machine noise.
+def _within(row: dict, base_p99_ms: float | None) -> bool:
+    """No errors, and a P99 within 2x the lowest level's."""
+    return (row["errors"] == 0 and row["p99_ms"] is not None and base_p99_ms is not None
+            and row["p99_ms"] <= 2 * base_p99_ms)
 
-    A path's lowest level runs long enough for ``BASELINE_SAMPLES`` requests; a level passes when
-    it has no errors and its P99 is within 2x the lowest level's; a failing level is run once
-    more (a noisy neighbour can spoil one 5-s window) and the path stops at its first level that
-    fails twice. Returns ``{name: (highest passing rate, rows)}``."""
+
+async def sweep_paths(paths: dict[str, list[str]], bodies: list[bytes], rates: list[float],
+                      duration_s: float) -> dict[str, tuple[float, list]]:
+    """Open-loop sweeps of several paths (``{name: urls}``, the client spreading requests over a
+    path's urls round-robin), interleaved level by level (the order rotates per level) so every
+    path sees the same machine noise.
+
+    Every level runs for ``duration_s`` or long enough for ``MIN_P99_SAMPLES`` requests,
+    whichever is longer (the lowest for ``BASELINE_SAMPLES``); a level passes when it has no
+    errors and its P99 is within 2x the lowest level's; a failing level is run once more (a noisy
+    neighbour can spoil one 5-s window) and the path stops at its first level that fails twice.
+    Returns ``{name: (highest passing rate, rows)}``."""
     state = {name: {"best": 0.0, "rows": [], "base": None, "done": False} for name in paths}
     names = list(paths)
     for k, rate in enumerate(rates):
-        order = names if k % 2 == 0 else names[::-1]
+        order = names[k % len(names):] + names[:k % len(names)]
         for name in order:
             st = state[name]
             if st["done"]:
                 continue
-            dur = max(duration_s, BASELINE_SAMPLES / rate) if k == 0 else duration_s
+            dur = max(duration_s, (BASELINE_SAMPLES if k == 0 else MIN_P99_SAMPLES) / rate)
             row = await open_loop(paths[name], bodies[k * 1000:] + bodies, rate, dur, seed=k)
             if st["base"] is None:
                 st["base"] = row["p99_ms"]
-            ok = row["errors"] == 0 and row["p99_ms"] <= 2 * st["base"]
+            ok = _within(row, st["base"])
             if not ok and k > 0:
                 again = await open_loop(paths[name], bodies[k * 1000 + 500:] + bodies, rate, dur, seed=k + 100)
                 row["retry"] = again
-                ok = again["errors"] == 0 and again["p99_ms"] <= 2 * st["base"]
+                ok = _within(again, st["base"])
             row["within_2x_low_load_p99"] = ok
             st["rows"].append(row)
             if ok:
@@ -300,10 +325,6 @@ async def sweep_both(paths: dict[str, list[str]], bodies: list[bytes], rates: li
         if all(st["done"] for st in state.values()):
             break
     return {name: (st["best"], st["rows"]) for name, st in state.items()}
-
-
-def _pct(xs, q) -> float:
-    return round(float(np.percentile(xs, q)), 3)
 
 
 def _gateway_internal_p50_ms(url: str) -> float | None:
@@ -327,48 +348,66 @@ def _gateway_internal_p50_ms(url: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------- modes ---
+PATHS = {
+    "gateway_racer": "client -> racer gateway (router racer) -> agent",
+    "gateway_round_robin": "client -> racer gateway (router round_robin) -> agent",
+    "direct_round_robin": "client -> agent, the client spreading requests round-robin (no gateway)",
+}
+COMPARISONS = {  # like with like: (what differs, path, the path it is compared with)
+    "router": ("the gateway's choice of node, the same hop", "gateway_racer", "gateway_round_robin"),
+    "hop": ("the gateway in the path, the same round-robin choice", "gateway_round_robin", "direct_round_robin"),
+}
+
+
+def _client_ms(lat_ms: list[float]) -> dict:
+    return {"p50_ms": pct(lat_ms, 50), **p99(lat_ms).fields("p99_ms")}
+
+
 def run_overhead(args, workdir: Path) -> dict:
     load_at_start = os.getloadavg()[0]
     profile = ["--profile", str(measure_profile(workdir))]
     agents = start_agents(args.nodes, workdir, args.trace, args.path, extra=profile)
-    gw = None
+    gws: list[Proc] = []
     try:
         urls = [a.url for a in agents]
-        gw = start_gateway(urls, workdir, "racer", args.trace, args.path)
+        gws.append(start_gateway(urls, workdir, "racer", args.trace, args.path))
+        gws.append(start_gateway(urls, workdir, "round_robin", args.trace, args.path))
+        paths = {"gateway_racer": [gws[0].url], "gateway_round_robin": [gws[1].url], "direct_round_robin": urls}
         bodies = make_bodies(args.trace, args.path, args.requests + 6000, seed=1)
-        warm = bodies[:50]
-        asyncio.run(closed_loop([gw.url], warm))
-        asyncio.run(closed_loop(urls, warm))
+        for targets in paths.values():
+            asyncio.run(closed_loop(targets, bodies[:50]))
         reqs = bodies[50:50 + args.requests]
-        # alternate gateway and direct in chunks so both see the same machine noise
-        over, g_lat, d_lat = [], [], []
+        # the paths alternate in chunks of the same requests, so all see the same machine noise
+        over: list[float] = []
+        lat: dict[str, list[float]] = {name: [] for name in paths}
         for k in range(0, len(reqs), 50):
             chunk = reqs[k:k + 50]
-            for dt, ans in asyncio.run(closed_loop([gw.url], chunk)):
-                g_lat.append(dt * 1e3)
-                over.append(dt * 1e3 - ans["gateway"]["upstream_ms"])
-            for dt, _ in asyncio.run(closed_loop(urls, chunk)):
-                d_lat.append(dt * 1e3)
-        internal = _gateway_internal_p50_ms(gw.url)
+            for name, targets in paths.items():
+                for dt, ans in asyncio.run(closed_loop(targets, chunk)):
+                    lat[name].append(dt * 1e3)
+                    if name == "gateway_racer":
+                        over.append(dt * 1e3 - ans["gateway"]["upstream_ms"])
+        internal = _gateway_internal_p50_ms(gws[0].url)
         rates = [float(r) for r in args.rates.split(",")]
-        sweep_bodies = bodies[50 + args.requests:]
-        swept = asyncio.run(sweep_both({"direct": urls, "gateway": [gw.url]}, sweep_bodies, rates, args.duration))
-        (direct_max, direct_rows), (gw_max, gw_rows) = swept["direct"], swept["gateway"]
-        state = httpx.get(gw.url + "/v1/router", timeout=5.0).json()
+        swept = asyncio.run(sweep_paths(paths, bodies[50 + args.requests:], rates, args.duration))
+        best = {name: swept[name][0] for name in paths}
+        state = httpx.get(gws[0].url + "/v1/router", timeout=5.0).json()
         return {
             "num_nodes": args.nodes, "requests": len(reqs), "cpu_count": os.cpu_count(),
-            "load_average_at_start": load_at_start,
-            "overhead_p50_ms": _pct(over, 50), "overhead_p99_ms": _pct(over, 99),
+            "load_average_at_start": load_at_start, "paths": PATHS,
+            "overhead_p50_ms": pct(over, 50), **p99(over).fields("overhead_p99_ms"),
             "overhead_target_ms": {"p50": 1.0, "p99": 5.0},
             "gateway_internal_p50_ms": internal,
-            "gateway_p50_ms": _pct(g_lat, 50), "gateway_p99_ms": _pct(g_lat, 99),
-            "direct_p50_ms": _pct(d_lat, 50), "direct_p99_ms": _pct(d_lat, 99),
-            "max_rps": gw_max, "direct_max_rps": direct_max,
-            "sweep": {"gateway": gw_rows, "direct": direct_rows},
+            "client_ms": {name: _client_ms(xs) for name, xs in lat.items()},
+            "max_rps": best["gateway_racer"], "max_rps_by_path": best,
+            "compare": {name: {"differs": what, "max_rps": [best[a], best[b]], "paths": [a, b],
+                               "client_p50_ms": [pct(lat[a], 50), pct(lat[b], 50)]}
+                        for name, (what, a, b) in COMPARISONS.items()},
+            "sweep": {name: swept[name][1] for name in paths},
             "served_by": {n["node_id"]: n["kv_resident_users"] for n in state["nodes"]},
         }
     finally:
-        stop_all(([gw] if gw is not None else []) + agents)
+        stop_all(gws + agents)
 
 
 def run_routers(args, workdir: Path) -> dict:
@@ -394,7 +433,7 @@ def run_routers(args, workdir: Path) -> dict:
             for a in ok:
                 per_node[a["served_by"]] = per_node.get(a["served_by"], 0) + 1
             out["routers"][router] = {
-                "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99), "errors": len(answers) - len(ok),
+                "p50_ms": pct(lat, 50), **p99(lat).fields("p99_ms"), "errors": len(answers) - len(ok),
                 "kv_hit_rate": round(sum(a["kv"]["hit_tokens"] for a in ok) / max(hist, 1), 4),
                 "emb_hit_rate": round(sum(a["emb"]["hits"] for a in ok) / max(rows, 1), 4),
                 "retried": sum(a["retried"] for a in ok), "requests_per_node": per_node,

@@ -357,12 +357,10 @@ class VClock:
 
 
 def _pcts(xs: list[float]) -> dict:
-    import numpy as np
+    """P50 and P99 with the sample count (``n``) and, for fewer than 100, ``p99_ms_few_samples``."""
+    from bench.stats import p99, pct
 
-    if not xs:
-        return {"n": 0, "p50_ms": None, "p99_ms": None}
-    return {"n": len(xs), "p50_ms": round(float(np.percentile(xs, 50)), 4),
-            "p99_ms": round(float(np.percentile(xs, 99)), 4)}
+    return {"n": len(xs), "p50_ms": pct(xs, 50, 4), **p99(xs, 4).fields("p99_ms")}
 
 
 def _side_by_side(real: list[float], emu: list[float]) -> dict:

@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from bench.dashboard import _env, _wait_http, free_port, start_control_plane, start_dashboard, stop
+from bench.stats import few_samples_note, p99, pct
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD_CONNECTIONS = 4
@@ -212,9 +212,8 @@ def client_run(request, seconds: float, rate: float, pid: int) -> dict:
                 failed += 1
             if i % 10 == 0:
                 rss.append(_rss_mb(pid))
-    a = np.array(lat) if lat else np.array([float("nan")])
-    return {"requests": n, "failed": failed, "p50_ms": round(float(np.percentile(a, 50)), 2),
-            "p99_ms": round(float(np.percentile(a, 99)), 2), "peak_rss_mb": round(max(rss), 1),
+    return {"requests": n, "failed": failed, "p50_ms": pct(lat, 50, 2), **p99(lat, 2).fields("p99_ms"),
+            "peak_rss_mb": round(max(rss), 1),
             "errors": sorted(set(errors))}
 
 
@@ -260,15 +259,19 @@ def run(seconds: float, rate: float, progress=print, attacks: tuple[str, ...] = 
                 hit = client_run(request, seconds, rate, pid)
             finally:
                 attack.stop()
-            ratio = hit["p99_ms"] / base["p99_ms"] if base["p99_ms"] > 0 else float("nan")
+            ratio = (hit["p99_ms"] / base["p99_ms"] if hit["p99_ms"] is not None and base["p99_ms"]
+                     else float("nan"))
             out[name] = {"p99_ratio": round(ratio, 3), "failed": hit["failed"], "p99_ms": hit["p99_ms"],
                          "p99_ms_base": base["p99_ms"], "p50_ms": hit["p50_ms"], "p50_ms_base": base["p50_ms"],
+                         "p99_ms_samples": hit["p99_ms_samples"], "p99_ms_base_samples": base["p99_ms_samples"],
+                         "p99_ms_few_samples": hit["p99_ms_few_samples"] or base["p99_ms_few_samples"],
                          "failed_base": base["failed"], "requests": hit["requests"],
                          "attack_mib_offered": round(attack.sent_bytes / 2**20, 1),
                          "rss_growth_mb": round(hit["peak_rss_mb"] - base["peak_rss_mb"], 1),
                          "errors": hit["errors"], "alive": os.path.exists(f"/proc/{pid}")}
             progress(f"bench hostile: {name}: P99 {base['p99_ms']} -> {hit['p99_ms']} ms (x{ratio:.2f}), "
-                     f"{hit['failed']} failed, the attack offered {attack.sent_bytes / 2**20:.0f} MiB")
+                     f"{hit['failed']} failed, the attack offered {attack.sent_bytes / 2**20:.0f} MiB"
+                     f"{few_samples_note(min(hit['p99_ms_samples'], base['p99_ms_samples']))}")
         return {"seconds": seconds, "rate_rps": rate,
                 "attacks": {"huge_head_connections": HEAD_CONNECTIONS * ("huge_head" in attacks),
                             "absurd_chunk_connections": CHUNK_CONNECTIONS * ("absurd_chunk" in attacks),
@@ -302,7 +305,8 @@ def main(argv=None) -> int:
     else:
         for name, v in res["targets"].items():
             print(f"{name:<14} P99 {v['p99_ms_base']} -> {v['p99_ms']} ms (x{v['p99_ratio']}), {v['failed']} failed, "
-                  f"attack offered {v['attack_mib_offered']} MiB, RSS +{v['rss_growth_mb']} MB")
+                  f"attack offered {v['attack_mib_offered']} MiB, RSS +{v['rss_growth_mb']} MB"
+                  f"{few_samples_note(min(v['p99_ms_samples'], v['p99_ms_base_samples']))}")
     return 0
 
 

@@ -12,8 +12,9 @@ decisions one node sends a report (queue depth, a new hot-shard set, a few evict
 The figures are percentiles of the per-decision times: ``--rounds`` rounds of ``--decisions``
 timed decisions each, after a warm-up; each percentile printed is the median over rounds of that
 round's percentile, so one round disturbed by another process on a shared machine does not move
-it. ``batch_us_per_decision`` is the mean cost per decision of `Router.route_batch` over batches
-of 256 requests. Benchmarks print figures; no test asserts them.
+it (each round's P99 is from ``--decisions`` samples: ``p99_us_few_samples`` under 100).
+``batch_us_per_decision`` is the mean cost per decision of `Router.route_batch` over batches of
+256 requests. Benchmarks print figures; no test asserts them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import numpy as np
 
+from bench.stats import MIN_P99_SAMPLES, few_samples_note
 from control_plane import CostProfile, NodeReport, RequestBatch, RouteRequest, make_router
 from workloads import generate, synthetic_trace
 
@@ -122,6 +124,7 @@ def bench_nodes(num_nodes: int, requests: list[RouteRequest], *, num_users: int,
     return {
         "p50_us": round(float(np.median(p50s)), 2),
         "p99_us": round(float(np.median(p99s)), 2),
+        "p99_us_samples": decisions, "p99_us_few_samples": decisions < MIN_P99_SAMPLES,  # each round's
         "p90_us": round(float(np.median(p90s)), 2),
         "mean_us": round(float(np.median(means)), 2),
         "num_decisions": rounds * decisions,
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             r = result[f"nodes_{n}"]
             print(f"{n:>6} {r['p50_us']:>8} {r['p90_us']:>8} {r['p99_us']:>8} {r['mean_us']:>8} "
-                  f"{r['batch_us_per_decision']:>9}")
+                  f"{r['batch_us_per_decision']:>9}{few_samples_note(r['p99_us_samples'])}")
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.fleet import Emulation, FleetConfig, Sizing, parse_configs, replay_config, workload_plan
+from bench.stats import p99, pct
 
 
 def _phase_figs(lat_ms: np.ndarray, arrival: np.ndarray, phases) -> dict:
@@ -41,8 +42,7 @@ def _phase_figs(lat_ms: np.ndarray, arrival: np.ndarray, phases) -> dict:
     for ph in phases:
         m = (arrival >= ph.start_s) & (arrival < ph.end_s)
         x = lat_ms[m]
-        out[ph.name] = {"p99_ms": round(float(np.percentile(x, 99)), 3) if len(x) else None,
-                        "p50_ms": round(float(np.percentile(x, 50)), 3) if len(x) else None}
+        out[ph.name] = {**p99(x).fields("p99_ms"), "p50_ms": pct(x, 50)}
     return out
 
 

@@ -199,22 +199,35 @@ def measured_provenance(data: dict) -> tuple[str, bool]:
     return "+".join(parts), device.startswith("cuda") and not data.get("link_emulated")
 
 
+#: the words a derived profile's ``sources`` start with: where each field's figure came from
+ORIGINS = ("measured", "emulated", "assumed")
+
+
 def from_node_profile(path: str | Path, base: CostProfile = A100_HSTU) -> CostProfile:
-    """A profile measured by ``racer node profile --json`` (file), over ``base`` for sizes.
+    """A profile measured by ``racer node profile --json`` (file), over ``base`` for the rest.
 
     Reads ``kv_recompute_us_per_token`` (a mapping of history length -> µs, or a number),
     ``emb_transfer_us_per_row`` and, when present, ``emb_hit_us_per_row``. The name says how it
     was measured (`measured_provenance`: ``node-cpu [cpu+link-emulated]``), so a CPU figure or an
-    emulated link is never taken for a GPU's."""
+    emulated link is never taken for a GPU's. ``sources`` says where each field came from, in
+    words that start with one of `ORIGINS`: ``measured ...`` (this file's figure), ``emulated
+    ...`` (a figure of an emulated agent, or an EMB miss whose link time a link model charged),
+    or ``assumed ...``: ``assumed from <base>`` for the base profile's figures it keeps (the
+    batching and overhead figures, ``max_batch`` and every size), ``assumed equal to token_us``
+    for ``cand_us``."""
     p = Path(path)
     data = read_node_profile(p)
     kv = data["kv_recompute_us_per_token"]
+    lengths: list[float] = []
     if isinstance(kv, dict):
         pts = sorted((float(k), float(v)) for k, v in kv.items())
+        lengths = [x for x, _ in pts]
         if len(pts) >= 2:
+            # a prefill of L tokens from nothing costs a L + b L (L - 1) / 2 (the module docstring):
+            # a + b (L - 1) / 2 per token, a line in L of slope b / 2 through the shortest and longest
             (l0, c0), (l1, c1) = pts[0], pts[-1]
-            slope = max(0.0, (c1 - c0) / (l1 - l0)) / 2  # mean cost rises by slope/2 per context token
-            token = max(1e-6, c0 - slope * l0)
+            slope = max(0.0, 2 * (c1 - c0) / (l1 - l0))
+            token = max(1e-6, c0 - slope * (l0 - 1) / 2)
         else:
             token, slope = pts[0][1], 0.0
     else:
@@ -223,8 +236,31 @@ def from_node_profile(path: str | Path, base: CostProfile = A100_HSTU) -> CostPr
     prof = replace(base, name=f"{data.get('name', p.stem)} [{how}]", token_us=token, attn_us_per_ctx=slope,
                    cand_us=token, emb_transfer_us_per_row=float(data["emb_transfer_us_per_row"]),
                    emb_hit_us_per_row=float(data.get("emb_hit_us_per_row", base.emb_hit_us_per_row)),
-                   calibrated=calibrated, sources={"all": f"measured by racer node profile ({how}): {p}"})
+                   calibrated=calibrated, sources=_node_profile_sources(data, p, base, how, lengths))
     return prof.validate()
+
+
+def _node_profile_sources(data: dict, path: Path, base: CostProfile, how: str, lengths: list[float]) -> dict:
+    """Where each field of `from_node_profile`'s profile came from (see its docstring)."""
+    kind = "emulated" if data.get("emulated") else "measured"
+    by = f"by racer node profile ({how}), {path}"
+    lens = ", ".join(f"{x:g}" for x in lengths) or "one figure"
+    out = {f.name: f"assumed from {base.name}" + (f": {base.sources[f.name]}" if f.name in base.sources else "")
+           for f in fields(CostProfile) if f.name not in ("name", "sources", "calibrated")}
+    line = f"kv_recompute_us_per_token = a + b (L - 1) / 2 fitted through history lengths {lens}"
+    out["token_us"] = f"{kind} {by}: a, of {line}"
+    out["attn_us_per_ctx"] = (f"{kind} {by}: b, of {line}" if len(lengths) >= 2
+                              else f"assumed 0: {kind} at one history length only")
+    out["cand_us"] = (f"assumed equal to token_us ({kind}): a candidate costs one history token, as in "
+                      f"{base.name}; rank_us_per_candidate is not read")
+    if data.get("link_emulated") and kind == "measured":
+        out["emb_transfer_us_per_row"] = (f"emulated link over a measured gather {by}: emb_link_us_per_row "
+                                          "from the link model (link_emulation) plus the gather's measured time")
+    else:
+        out["emb_transfer_us_per_row"] = f"{kind} {by}"
+    if "emb_hit_us_per_row" in data:
+        out["emb_hit_us_per_row"] = f"{kind} {by}"
+    return out
 
 
 def cost_profile_json(path: str | Path) -> CostProfile | None:

@@ -14,15 +14,19 @@ keeps httpx for its background traffic (health checks, residency feeds, weights,
 
 Semantics:
 
-- responses with ``Content-Length``, ``Transfer-Encoding: chunked`` (trailers ignored) or, with
-  neither, a body read until the server closes; ``Connection: close`` from the server closes the
-  connection after the answer; 1xx interim answers are skipped;
+- answers are parsed by httptools' response parser (llhttp, the parser uvicorn serves with):
+  ``Content-Length``, ``Transfer-Encoding: chunked`` (trailers ignored) or, with neither, a body
+  read until the server closes; an answer that does not keep the connection alive
+  (``Connection: close``, HTTP/1.0) closes it after the answer, and so do bytes after the answer;
+  1xx interim answers are skipped; an answer that is not HTTP/1.x is refused;
+- bounds: the head at 64 KiB, the body at ``max_body_bytes`` (64 MiB unless given; a larger
+  ``Content-Length`` is refused before its body is read);
 - at most ``max_connections`` requests in flight (more wait for a connection);
 - a *reused* idle connection that the server closed before answering (keep-alive timeouts race
   with a new request) is retried once on a fresh connection: nothing of an answer was received;
 - errors: `UpstreamTimeout` (connect or answer took too long; the connection is dropped, since
   a late answer would otherwise be read as the next request's), `UpstreamConnectError` (refused,
-  reset, closed, malformed answer). Both are `UpstreamError`.
+  reset, closed, malformed or oversized answer). Both are `UpstreamError`.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ import re
 import socket
 from urllib.parse import urlsplit
 
+import httptools
+
 __all__ = ["UpstreamConnectError", "UpstreamError", "UpstreamPool", "UpstreamTimeout"]
 
 _MAX_HEAD = 64 * 1024
+_MAX_BODY = 64 * 2**20  # an answer's body, unless the pool says otherwise (max_body_bytes)
 _TOKEN_OK = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+").fullmatch  # an HTTP header name (RFC 9110 token)
 
 
@@ -50,23 +57,39 @@ class UpstreamConnectError(UpstreamError):
     """Refused, reset or closed connection, or an answer that is not HTTP/1.x."""
 
 
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection; `request` sends one request and awaits its full answer."""
+class _Extra(Exception):
+    """Bytes after a complete answer (pipelined, or after ``Connection: close``)."""
 
-    def __init__(self) -> None:
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; `request` sends one request and awaits its full answer.
+
+    Answers are read by one httptools response parser (llhttp) per connection, whose callbacks
+    are this object's ``on_*`` methods: it delimits the answer (``Content-Length``, chunked with
+    trailers, or the server's close), skips 1xx interim answers and says whether the connection
+    may be kept. What it does not bound is bounded here: the head at ``_MAX_HEAD`` bytes, the
+    body at ``max_body_bytes``. A callback stops the parser by raising `UpstreamConnectError` (or
+    `_Extra`), which httptools hands back as the context of its `HttpParserCallbackError`."""
+
+    def __init__(self, max_body_bytes: int = _MAX_BODY) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.used = False  # served at least one answer (so a failure before any byte may be a stale socket)
+        self.max_body_bytes = max_body_bytes
+        self._parser = httptools.HttpResponseParser(self)
         self._fut: asyncio.Future | None = None
-        self._reset()
+        self._begin_answer()
 
-    def _reset(self) -> None:
-        self._buf = bytearray()
+    def _begin_answer(self) -> None:
         self._status = 0
+        self._body = bytearray()
+        self._head_bytes = 0  # the head's bytes counted from the parser's callbacks (interim answers' too)
+        self._raw_bytes = 0  # bytes received while the final answer's head was incomplete
         self._head_done = False
+        self._complete = False
+        self._keep_alive = False
         self._length: int | None = None
         self._chunked = False
-        self._close_after = False
         self._got_bytes = False
 
     # ---- asyncio.Protocol
@@ -83,8 +106,8 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         fut = self._fut
         if fut is not None and not fut.done():
-            if self._head_done and self._length is None and not self._chunked:
-                fut.set_result((self._status, bytes(self._buf)))  # body delimited by the close
+            if self._head_done and not self._complete and self._length is None and not self._chunked:
+                fut.set_result((self._status, bytes(self._body)))  # body delimited by the close
             else:
                 err = UpstreamConnectError(f"connection closed by the node{'' if exc is None else f': {exc}'}")
                 err.before_answer = not self._got_bytes  # type: ignore[attr-defined]
@@ -95,75 +118,79 @@ class _Conn(asyncio.Protocol):
         if fut is None or fut.done():
             self.close()  # bytes nobody asked for: the connection is out of step
             return
-        self._got_bytes = True
-        self._buf += data
         try:
-            done = self._parse()
+            self._feed(data)
+        except _Extra:
+            self._keep_alive = False  # the answer stands; the connection is out of step
         except UpstreamConnectError as e:
             fut.set_exception(e)
             self.close()
             return
-        if done is not None:
-            fut.set_result(done)
+        if self._complete:
+            fut.set_result((self._status, bytes(self._body)))
 
-    # ---- parsing
-    def _parse(self) -> tuple[int, bytes] | None:
-        while not self._head_done:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > _MAX_HEAD:
-                    raise UpstreamConnectError("answer head over 64 KiB")
-                return None
-            head = bytes(self._buf[:end]).split(b"\r\n")
-            del self._buf[:end + 4]
-            parts = head[0].split(b" ", 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-                raise UpstreamConnectError(f"not an HTTP/1.x answer: {head[0][:80]!r}")
-            status = int(parts[1])
-            if 100 <= status < 200:
-                continue  # interim answer (100 Continue): the real one follows
-            self._status, self._head_done = status, True
-            for line in head[1:]:
-                name, _, value = line.partition(b":")
-                name = name.strip().lower()
-                value = value.strip().lower()
-                if name == b"content-length":
-                    if not value.isdigit():
-                        raise UpstreamConnectError(f"bad Content-Length {value[:40]!r}")
-                    self._length = int(value)
-                elif name == b"transfer-encoding" and b"chunked" in value:
-                    self._chunked = True
-                elif name == b"connection" and value == b"close":
-                    self._close_after = True
-            if status in (204, 304):
-                self._length = 0
-        if self._chunked:
-            return self._parse_chunked()
-        if self._length is not None and len(self._buf) >= self._length:
-            return self._status, bytes(self._buf[:self._length])
-        return None
+    # ---- parsing: httptools' callbacks
+    def on_message_begin(self) -> None:
+        if self._complete:
+            raise _Extra  # a second answer to one request
+        self._length, self._chunked = None, False
 
-    def _parse_chunked(self) -> tuple[int, bytes] | None:
-        body, pos, buf = bytearray(), 0, self._buf
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                return None
-            size_txt = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_txt, 16)
-            except ValueError:
-                raise UpstreamConnectError(f"bad chunk size {size_txt[:20]!r}") from None
-            if size == 0:
-                end = buf.find(b"\r\n\r\n", eol)  # trailers (usually none) end with an empty line
-                if end < 0 and buf[eol:eol + 4] != b"\r\n\r\n":
-                    return None
-                return self._status, bytes(body)
-            start = eol + 2
-            if len(buf) < start + size + 2:
-                return None
-            body += buf[start:start + size]
-            pos = start + size + 2
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_done:
+            return  # a chunked answer's trailers: ignored
+        self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self._head_bytes > _MAX_HEAD:
+            raise UpstreamConnectError(f"answer head over {_MAX_HEAD // 1024} KiB")
+        name = name.lower()
+        if name == b"content-length":
+            self._length = int(value)  # llhttp checked the digits
+            if self._length > self.max_body_bytes:
+                raise UpstreamConnectError(f"answer body of {self._length} bytes is over the "
+                                           f"{self.max_body_bytes}-byte limit")
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            self._chunked = True
+
+    def on_headers_complete(self) -> None:
+        p = self._parser
+        version = p.get_http_version()
+        if not version.startswith("1."):
+            raise UpstreamConnectError(f"not an HTTP/1.x answer: HTTP/{version}")
+        status = p.get_status_code()
+        if status >= 200:  # 1xx: an interim answer (100 Continue), the real one follows
+            self._status, self._head_done, self._keep_alive = status, True, p.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        if len(self._body) + len(body) > self.max_body_bytes:
+            raise UpstreamConnectError(f"answer body over the {self.max_body_bytes}-byte limit")
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        if self._head_done:
+            self._complete = True
+            self._keep_alive = self._keep_alive and self._parser.should_keep_alive()
+
+    def _feed(self, data: bytes) -> None:
+        """Parse ``data``; raises `UpstreamConnectError` for a malformed or oversized answer and
+        `_Extra` for bytes after a complete one."""
+        first = not self._got_bytes
+        self._got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            raise (e.__context__ if isinstance(e.__context__, (UpstreamConnectError, _Extra))
+                   else UpstreamConnectError(f"malformed answer from the node: {e}")) from None
+        except httptools.HttpParserUpgrade:
+            raise UpstreamConnectError("the node switched protocols (101); an HTTP/1.x answer was expected") from None
+        except httptools.HttpParserError as e:
+            if self._complete:
+                raise _Extra from None  # e.g. data after a `Connection: close` answer
+            if first and not data.startswith(b"HTTP/"):
+                raise UpstreamConnectError(f"not an HTTP/1.x answer: {bytes(data[:80])!r} ({e})") from None
+            raise UpstreamConnectError(f"malformed answer from the node: {e}") from None
+        if not self._head_done:
+            self._raw_bytes += len(data)
+            if self._raw_bytes > _MAX_HEAD:
+                raise UpstreamConnectError(f"answer head over {_MAX_HEAD // 1024} KiB")
 
     # ---- use
     async def request(self, raw: bytes, timeout_s: float) -> tuple[int, bytes]:
@@ -172,7 +199,7 @@ class _Conn(asyncio.Protocol):
             err.before_answer = True  # type: ignore[attr-defined]
             raise err
         loop = asyncio.get_running_loop()
-        self._reset()
+        self._begin_answer()
         self._fut = fut = loop.create_future()
         self.transport.write(raw)
         handle = loop.call_later(timeout_s, _expire, fut, timeout_s)
@@ -182,7 +209,7 @@ class _Conn(asyncio.Protocol):
             handle.cancel()
             self._fut = None
         self.used = True
-        if self._close_after:
+        if not (self._complete and self._keep_alive):
             self.close()
         return out
 
@@ -200,7 +227,8 @@ def _expire(fut: asyncio.Future, timeout_s: float) -> None:
 class UpstreamPool:
     """Keep-alive connections to one node (see the module docstring)."""
 
-    def __init__(self, base_url: str, *, max_connections: int = 64, connect_timeout_s: float = 1.0) -> None:
+    def __init__(self, base_url: str, *, max_connections: int = 64, connect_timeout_s: float = 1.0,
+                 max_body_bytes: int = _MAX_BODY) -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"upstream address must be http://host:port, got {base_url!r}")
@@ -208,6 +236,9 @@ class UpstreamPool:
         self.host, self.port = u.hostname, u.port or 80
         self._host_header = f"{self.host}:{self.port}" if u.port else self.host
         self.connect_timeout_s = connect_timeout_s
+        if max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
@@ -226,7 +257,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _t, conn = await loop.create_connection(_Conn, self.host, self.port)
+                _t, conn = await loop.create_connection(lambda: _Conn(self.max_body_bytes), self.host, self.port)
         except TimeoutError:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} took over {self.connect_timeout_s:g} s") from None
         except OSError as e:

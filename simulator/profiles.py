@@ -2,7 +2,11 @@
 definition the emulated node agent charges too) and the paper-scale setting (`PaperScale`).
 
 `CostProfile`, `A100_HSTU`, `PROFILES`, `from_node_profile` and `get_profile` are
-`common.device_model`'s, re-exported here.
+`common.device_model`'s, re-exported here. Every profile's ``sources`` says where each field came
+from (it is in its JSON): a preset's public source or arithmetic; for a profile derived from a
+node (`from_node_profile`) ``measured ...``, ``emulated ...`` or ``assumed ...`` (the fields it
+keeps from the preset, batching and overheads among them); for `PaperScale.profile` the four
+fields it scales.
 """
 
 from __future__ import annotations
@@ -107,10 +111,17 @@ class PaperScale:
     def profile(self, base: CostProfile = A100_HSTU) -> CostProfile:
         """``base`` with the scale model's byte sizes (K/V bytes per token, page, arena, link)."""
         self.validate(base)
+        f = f"1/{1 / self.scale:g}"
+        how = f"assumed from PaperScale (simulator/profiles.py) at scale {f}"
+        sources = dict(base.sources,
+                       kv_bytes_per_token=f"{how}: {base.name}'s x {f}, rounded",
+                       page_tokens=f"{how}: the smallest 16 x 2^k tokens whose page holds whole EMB rows",
+                       hbm_cache_bytes=f"{how}: 0.9 x 80 GiB - weights - activations, x {f}",
+                       link_bytes_per_s=f"{how}: {base.name}'s x {f}")
         return replace(base, name=f"{base.name}@paper-scale/{1 / self.scale:g}",
                        kv_bytes_per_token=self.kv_bytes_per_token(base), page_tokens=self.page_tokens(base),
                        hbm_cache_bytes=self.scaled_arena_bytes(), link_bytes_per_s=base.link_bytes_per_s * self.scale,
-                       sources=dict(base.sources, paper_scale="PaperScale in simulator/profiles.py")).validate()
+                       sources=sources).validate()
 
     def ratios(self, mean_history_tokens: float, base: CostProfile = A100_HSTU) -> dict:
         """The ratios the scale model keeps, at this scale (equal at every scale but for rounding)."""

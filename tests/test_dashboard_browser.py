@@ -27,8 +27,8 @@ import pytest
 
 from bench.dashboard import (CHROMIUM, free_port, launch_browser, plot_state, sign_in, start_control_plane,
                              start_dashboard, stop)
+from bench.synthetic_fleet import Fleet, FleetConfig
 from dashboard import figures as F
-from dashboard.fleet import Fleet, FleetConfig
 
 from .test_node_agent import write_taobao_csv
 
@@ -403,12 +403,12 @@ def test_operator_starts_and_rolls_back_a_rollout_and_a_viewer_can_do_neither(st
 ROLLOUT_BUTTONS = ("#btn-ro-promote", "#btn-ro-pause", "#btn-ro-resume", "#btn-ro-rollback")
 
 
-def start_rollout(page, option: str, reason: str) -> str:
+def start_rollout(page, option: str, reason: str, bake_s: float = 600) -> str:
     """Start a rollout from the Policies tab: the candidate whose dropdown option reads ``option``,
-    half the nodes, a 600-s bake; returns what the confirmation said, once the page says started."""
+    half the nodes, a ``bake_s`` bake; returns what the confirmation said, once the page says started."""
     choose(page, "ro-policy", option)
     page.fill("#ro-fraction", "0.5")
-    page.fill("#ro-bake", "600")
+    page.fill("#ro-bake", f"{bake_s:g}")
     page.fill("#ro-reason", reason)
     page.click("#btn-ro-start")
     page.wait_for_selector("#confirm-modal .modal-body", state="visible")

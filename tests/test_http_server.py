@@ -219,3 +219,113 @@ def test_finite_validation_errors_answers_422_for_every_non_finite_form():
         r = client.post("/x", content=f'{{"x": {text}}}', headers={"content-type": "application/json"})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "x"]
         assert r.json()["detail"][0]["input"] == text
+
+
+# ------------------------------------------------------------------ uvicorn's internals, pinned
+def _uvicorn_requirement():
+    """The uvicorn line of pyproject.toml's dependencies (read as text: tomllib is Python 3.11+)."""
+    import re
+
+    from packaging.requirements import Requirement
+
+    lines = re.findall(r'^\s*"(uvicorn[^"]*)",', (REPO / "pyproject.toml").read_text(), re.M)
+    assert len(lines) == 1, lines
+    return Requirement(lines[0])
+
+
+def test_uvicorn_is_pinned_to_a_range_and_the_installed_one_is_in_it():
+    import uvicorn
+
+    req = _uvicorn_requirement()
+    ops = {s.operator for s in req.specifier}
+    assert ">=" in ops and "<" in ops, f"uvicorn needs a floor and a ceiling: {req}"
+    assert req.specifier.contains(uvicorn.__version__), (uvicorn.__version__, str(req))
+
+
+CONTRACT_APP_BODY = 10  # bytes the contract test's request body has; it sends them in two parts
+
+
+async def _contract_app(scope, receive, send):
+    """Reads the whole body, then answers it back."""
+    body, more = b"", True
+    while more:
+        msg = await receive()
+        body, more = body + msg.get("body", b""), msg.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_the_uvicorn_internals_the_guarded_protocol_uses_behave_as_it_expects(http):
+    """`common.http_server._guarded_protocol` subclasses uvicorn's protocol and reads its state:
+    the constructor uvicorn's server calls, ``loop``, ``transport``, ``cycle`` (None before the
+    first request; ``more_body`` while a body is coming, ``response_complete`` after the
+    answer), the hooks it overrides (``connection_made``, ``data_received``,
+    ``on_response_complete``, ``connection_lost``) and uvicorn's own keep-alive timer
+    (``timeout_keep_alive_task``, armed by ``on_response_complete``). A uvicorn that changes any of
+    them fails here, on real sockets, before the servers' timeouts or head cap silently stop."""
+    import asyncio
+    import inspect
+    import socket as socketlib
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from common.http_server import HttpTimeouts, _guarded_protocol, listen_socket
+
+    config = uvicorn.Config(_contract_app, http=http, lifespan="off", log_level="warning", timeout_keep_alive=5)
+    config.load()
+    base = config.http_protocol_class
+    for hook in ("connection_made", "data_received", "on_response_complete", "connection_lost"):
+        assert hook in vars(base), f"{base.__name__} no longer defines {hook}"
+    assert list(inspect.signature(base.__init__).parameters)[1:] == ["config", "server_state", "app_state", "_loop"]
+    assert "sockets" in inspect.signature(uvicorn.Server.startup).parameters
+    assert inspect.iscoroutinefunction(uvicorn.Server.startup)
+    cls = _guarded_protocol(base, HttpTimeouts())
+    seen: dict = {}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        protos = []
+
+        def make():
+            protos.append(cls(config=config, server_state=ServerState(), app_state={}, _loop=loop))
+            return protos[-1]
+
+        sock = listen_socket("127.0.0.1", 0)
+        server = await loop.create_server(make, sock=sock)
+        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        try:
+            await asyncio.sleep(0.05)
+            p = protos[0]
+            seen["before"] = (p.loop is loop, p.transport is not None, p.cycle, p._racer_timer is not None)
+            writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\nhello" % CONTRACT_APP_BODY)
+            await writer.drain()
+            for _ in range(200):
+                if p.cycle is not None:
+                    break
+                await asyncio.sleep(0.01)
+            seen["during"] = (p.cycle.more_body, p.cycle.response_complete)
+            writer.write(b"world")
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            seen["answer"] = head.split(b"\r\n")[0], await reader.readexactly(CONTRACT_APP_BODY)
+            for _ in range(200):
+                if p.cycle.response_complete:
+                    break
+                await asyncio.sleep(0.01)
+            seen["after"] = (p.cycle.more_body, p.cycle.response_complete, p.timeout_keep_alive_task is not None,
+                             p._racer_timer)
+            nodelay = p.transport.get_extra_info("socket").getsockopt(socketlib.IPPROTO_TCP, socketlib.TCP_NODELAY)
+            seen["nodelay"] = bool(nodelay)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen["before"] == (True, True, None, True)  # the head deadline armed at the connection
+    assert seen["during"] == (True, False)  # a body is coming: the guard's idle timer applies
+    assert seen["answer"] == (b"HTTP/1.1 200 OK", b"helloworld")
+    assert seen["after"] == (False, True, True, None)  # uvicorn's keep-alive timer took over from the guard's
+    assert seen["nodelay"] is True

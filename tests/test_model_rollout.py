@@ -54,7 +54,9 @@ def ckpt_tar(d, gz: bool = False, edit=None) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def checkpoints(tmp_path_factory):
+    """The trace and its checkpoints: ``a``, ``b``, ``c`` (random weights, seeds 1-3), ``small``
+    (100 items) and ``wide`` (another embedding width); returns (folder, trace path, dirs, digests)."""
     tmp = tmp_path_factory.mktemp("mro")
     trace_path = write_sequential_trace(tmp / "walks.txt")
     trace = load_sequences(trace_path)
@@ -62,10 +64,39 @@ def env(tmp_path_factory):
     digests = {n: make_checkpoint(ck[n], trace, seed) for n, seed in (("a", 1), ("b", 2), ("c", 3))}
     digests["small"] = make_checkpoint(ck["small"], trace, 4, num_items=100)
     digests["wide"] = make_checkpoint(ck["wide"], trace, 5, cfg=dataclasses.replace(TINY, embedding_dim=24))
-    d = Database("sqlite", tmp)
-    cp = ControlPlane(d.url, tmp / "cp.log", env={"RACER_LIVENESS_MISSED_INTERVALS": "600"})
-    yield cp, tmp, trace_path, ck, digests
+    return tmp, trace_path, ck, digests
+
+
+def _control_plane(tmp):
+    return ControlPlane(Database("sqlite", tmp).url, tmp / "cp.log", env={"RACER_LIVENESS_MISSED_INTERVALS": "600"})
+
+
+@pytest.fixture
+def empty_registry(checkpoints, tmp_path):
+    """A control plane of its own with no model registered: (cp, folder, trace path, dirs, digests)."""
+    _, trace_path, ck, digests = checkpoints
+    cp = _control_plane(tmp_path)
+    yield cp, tmp_path, trace_path, ck, digests
     cp.stop()
+
+
+@pytest.fixture(scope="module")
+def env(checkpoints, tmp_path_factory):
+    """A control plane whose registry holds ``a`` (active), ``b`` and ``c``, uploaded here: each
+    test that uses it passes or fails on its own, in any order. Tests retire the nodes they
+    register, so a later test's rollout sees only its own nodes."""
+    _, trace_path, ck, digests = checkpoints
+    tmp = tmp_path_factory.mktemp("mro-cp")
+    cp = _control_plane(tmp)
+    try:
+        for n in ("a", "b", "c"):
+            r = cp.admin.post("/models", content=ckpt_tar(ck[n]))
+            assert r.status_code == 201, r.text
+        r = cp.admin.post(f"/models/{digests['a']}/activate", json={"reason": "the fixture's active model"})
+        assert r.status_code == 200 and r.json()["status"] == "active", r.text
+        yield cp, tmp, trace_path, ck, digests
+    finally:
+        cp.stop()
 
 
 # ------------------------------------------------------------------------------ quality signal
@@ -89,8 +120,8 @@ def test_next_item_quality_scores_the_previous_ranking_of_the_next_item():
 
 
 # ------------------------------------------------------------------------------------ registry
-def test_upload_list_download_activate_and_refusals(env):
-    cp, tmp, _, ck, dg = env
+def test_upload_list_download_activate_and_refusals(empty_registry):
+    cp, tmp, _, ck, dg = empty_registry
     r = cp.admin.post("/models", content=ckpt_tar(ck["a"], gz=True))
     assert r.status_code == 201, r.text
     assert r.json()["version"] == dg["a"] and r.json()["status"] == "registered"
@@ -144,58 +175,66 @@ def test_upload_list_download_activate_and_refusals(env):
     assert "model.upload" in audit and "model.activate" in audit
 
 
+def close_and_retire(cp, nodes) -> None:
+    """Roll back the test's rollout if it is still open and retire its nodes, passed or failed,
+    so the next test (in any order) starts from the fixture's registry and no live node."""
+    for ro in cp.admin.get("/rollouts", params={"kind": "model"}).json():
+        if ro["state"] not in ("rolled_back", "promoted"):
+            cp.admin.post(f"/rollouts/{ro['id']}/rollback", json={"reason": "test cleanup"})
+    for n in nodes:
+        cp.admin.post(f"/nodes/{n}/retire", json={"reason": "test cleanup"})
+
+
 # ------------------------------------------------------------------------- judged model rollout
 def test_a_worse_model_is_rolled_back_on_quality_and_audited(env):
     cp, _, _, _, dg = env
-    if cp.admin.get(f"/models/{dg['a']}").json().get("status") != "active":
-        pytest.skip("needs the registry test's uploads")
     nodes = ["q1", "q2", "q3", "q4"]
     node = {n: cp.node(n) for n in nodes}
     for n in nodes:
         register(node[n], n)
-    r = cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["b"], "canary_fraction": 0.5,
-                                         "bake_time_s": 2.0, "min_samples": 5, "load_timeout_s": 60.0,
-                                         "reason": "try b"})
-    assert r.status_code == 201, r.text
-    ro = r.json()
-    assert ro["kind"] == "model" and ro["model_version"] == dg["b"] and ro["baseline_version"] == dg["a"]
-    assert cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["c"]}).status_code == 409
-    canary = [x["node_id"] for x in ro["nodes"] if x["role"] == "canary"]
-    baseline = [x["node_id"] for x in ro["nodes"] if x["role"] == "baseline"]
-    assert len(canary) == 2 and len(baseline) == 2
-    for n in canary:
-        m = node[n].get(f"/nodes/{n}/directives").json()["model"]
-        assert (m["version"], m["rollout_id"]) == (dg["b"], ro["id"])
-        assert node[n].post(f"/nodes/{n}/model", json={"model_version": dg["b"], "status": "loaded"}).status_code == 200
-    for n in baseline:
-        assert node[n].get(f"/nodes/{n}/directives").json()["model"]["version"] == dg["a"]
-    wait_for(lambda: cp.admin.get(f"/rollouts/{ro['id']}").json()["state"] == "baking", timeout_s=30)
-    # the same latency on both sides; the canary ranks the next items far lower
-    for k in range(8):
-        for n in nodes:
-            mine = dg["b"] if n in canary else dg["a"]
-            q = 0.3 + 0.01 * k if n in canary else 0.8 + 0.01 * k
-            rep = report(k, p99_ms=10.0 + k % 3, slo_attainment=0.99, model_digest=mine, model_quality=q)
-            assert node[n].post(f"/nodes/{n}/reports", json={"reports": [rep]}).status_code == 200
-    done = wait_for(lambda: (lambda x: x if x["state"] == "rolled_back" else None)(
-        cp.admin.get(f"/rollouts/{ro['id']}").json()), timeout_s=30)
-    js = {j["metric"]: j for j in done["verdict"]["judgements"]}
-    assert js["model_quality"]["verdict"] == "fail" and js["p99_ms"]["verdict"] == "pass", js
-    assert [s["action"] for s in done["steps"]] == ["create", "bake", "rollback"]
-    for n in canary:  # back to the active model
-        assert node[n].get(f"/nodes/{n}/directives").json()["model"]["version"] == dg["a"]
-    assert cp.admin.get(f"/models/{dg['b']}").json()["status"] == "rolled_back"
-    assert ro["id"] not in [x["id"] for x in cp.admin.get("/rollouts").json()]  # policy rollouts only
-    assert ro["id"] in [x["id"] for x in cp.admin.get("/rollouts", params={"kind": "model"}).json()]
-    for n in nodes:
-        assert cp.admin.post(f"/nodes/{n}/retire", json={"reason": "done"}).status_code == 200
+    try:
+        r = cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["b"], "canary_fraction": 0.5,
+                                             "bake_time_s": 2.0, "min_samples": 5, "load_timeout_s": 60.0,
+                                             "reason": "try b"})
+        assert r.status_code == 201, r.text
+        ro = r.json()
+        assert ro["kind"] == "model" and ro["model_version"] == dg["b"] and ro["baseline_version"] == dg["a"]
+        assert cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["c"]}).status_code == 409
+        canary = [x["node_id"] for x in ro["nodes"] if x["role"] == "canary"]
+        baseline = [x["node_id"] for x in ro["nodes"] if x["role"] == "baseline"]
+        assert len(canary) == 2 and len(baseline) == 2
+        for n in canary:
+            m = node[n].get(f"/nodes/{n}/directives").json()["model"]
+            assert (m["version"], m["rollout_id"]) == (dg["b"], ro["id"])
+            r = node[n].post(f"/nodes/{n}/model", json={"model_version": dg["b"], "status": "loaded"})
+            assert r.status_code == 200, r.text
+        for n in baseline:
+            assert node[n].get(f"/nodes/{n}/directives").json()["model"]["version"] == dg["a"]
+        wait_for(lambda: cp.admin.get(f"/rollouts/{ro['id']}").json()["state"] == "baking", timeout_s=30)
+        # the same latency on both sides; the canary ranks the next items far lower
+        for k in range(8):
+            for n in nodes:
+                mine = dg["b"] if n in canary else dg["a"]
+                q = 0.3 + 0.01 * k if n in canary else 0.8 + 0.01 * k
+                rep = report(k, p99_ms=10.0 + k % 3, slo_attainment=0.99, model_digest=mine, model_quality=q)
+                assert node[n].post(f"/nodes/{n}/reports", json={"reports": [rep]}).status_code == 200
+        done = wait_for(lambda: (lambda x: x if x["state"] == "rolled_back" else None)(
+            cp.admin.get(f"/rollouts/{ro['id']}").json()), timeout_s=30)
+        js = {j["metric"]: j for j in done["verdict"]["judgements"]}
+        assert js["model_quality"]["verdict"] == "fail" and js["p99_ms"]["verdict"] == "pass", js
+        assert [s["action"] for s in done["steps"]] == ["create", "bake", "rollback"]
+        for n in canary:  # back to the active model
+            assert node[n].get(f"/nodes/{n}/directives").json()["model"]["version"] == dg["a"]
+        assert cp.admin.get(f"/models/{dg['b']}").json()["status"] == "rolled_back"
+        assert ro["id"] not in [x["id"] for x in cp.admin.get("/rollouts").json()]  # policy rollouts only
+        assert ro["id"] in [x["id"] for x in cp.admin.get("/rollouts", params={"kind": "model"}).json()]
+    finally:
+        close_and_retire(cp, nodes)
 
 
 # ---------------------------------------------------------------------------- real node agent
 def test_a_real_agent_loads_the_canary_model_confirms_and_rolls_back(env):
     cp, tmp, trace_path, ck, dg = env
-    if cp.admin.get(f"/models/{dg['a']}").json().get("status") != "active":
-        pytest.skip("needs the registry test's uploads")
     port = free_port()
     log = tmp / "agent.log"
     token = cp.token("node", "node-real", node_id="real")
@@ -243,6 +282,7 @@ def test_a_real_agent_loads_the_canary_model_confirms_and_rolls_back(env):
         assert [e["after"]["model"] for e in audit if e["action"] == "model.loaded"][-2:] == [dg["c"], dg["a"]]
     finally:
         stop(proc)
+        close_and_retire(cp, ["real"])
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -277,7 +317,7 @@ def test_migration_0007_upgrades_and_downgrades(backend, tmp_path):
         d.drop()
 
 
-def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says_why(env, tmp_path):
+def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says_why(checkpoints, tmp_path):
     """In process: a Reporter on a real engine, the control plane mocked. A checkpoint of another
     item count is refused by the loader (confirmed ``failed`` with the reason; the engine keeps its
     model, and the same version is not retried); a fitting one is swapped in and confirmed."""
@@ -287,7 +327,7 @@ def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says
     from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig
     from node_agent.reporter import Reporter, ReporterConfig
 
-    _, _, trace_path, ck, dg = env
+    _, trace_path, ck, dg = checkpoints
     trace = load_sequences(trace_path)
     engine = Engine(EngineConfig(model=TINY, num_items=trace.num_items, num_pages=64, page_tokens=4,
                                  max_history_len=32, max_candidates=trace.num_items, default_num_candidates=16,
@@ -382,8 +422,6 @@ def test_a_model_rollout_that_could_not_see_quality_is_refused_at_the_start(env)
     import time as _time
 
     cp, _, _, _, dg = env
-    if cp.admin.get(f"/models/{dg['a']}").json().get("status") != "active":
-        pytest.skip("needs the registry test's uploads")
     nodes = ["blind1", "blind2"]
     node = {n: cp.node(n) for n in nodes}
     for n in nodes:
@@ -394,5 +432,4 @@ def test_a_model_rollout_that_could_not_see_quality_is_refused_at_the_start(env)
         r = cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["b"], "reason": "blind"})
         assert r.status_code == 409 and "model_quality" in r.json()["detail"], r.text
     finally:
-        for n in nodes:
-            cp.admin.post(f"/nodes/{n}/retire", json={"reason": "cleanup"})
+        close_and_retire(cp, nodes)

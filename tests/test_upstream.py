@@ -220,3 +220,93 @@ def test_concurrent_requests_are_bounded_by_max_connections():
     got, conns = run(main())
     assert sorted(g[1] for g in got) == sorted(b"%d" % i for i in range(20))
     assert conns <= 3
+
+
+def test_a_chunked_answer_keeps_the_connection_and_an_http_1_0_answer_does_not():
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: t\r\n\r\n"
+
+    async def main(answer):
+        async with Server(lambda c, r, b: answer) as srv:
+            pool = UpstreamPool(srv.url)
+            got = [await pool.post("/x", b"{}", timeout_s=5) for _ in range(3)]
+            await pool.close()
+            return got, srv.connections
+
+    assert run(main(chunked)) == ([(200, b"ok")] * 3, 1)
+    assert run(main(b"HTTP/1.1 204 No Content\r\n\r\n")) == ([(204, b"")] * 3, 1)
+    http10 = b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"  # no keep-alive: a new connection each
+    assert run(main(http10)) == ([(200, b"ok")] * 3, 3)
+
+
+def test_bytes_after_the_answer_leave_the_answer_and_drop_the_connection():
+    async def main():
+        async with Server(lambda c, r, b: ok(b"c%d" % c) + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale") as srv:
+            pool = UpstreamPool(srv.url)
+            got = [await pool.post("/x", b"{}", timeout_s=5) for _ in range(2)]
+            await pool.close()
+            return got, srv.connections
+
+    assert run(main()) == ([(200, b"c0"), (200, b"c1")], 2)  # the unasked answer never reaches a request
+
+
+def test_an_oversized_head_or_body_and_a_malformed_answer_are_connect_errors():
+    big_head = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\nContent-Length: 0\r\n\r\n"
+    cases = [
+        (big_head, {}, "answer head over 64 KiB"),
+        (ok(b"x" * 2000), {"max_body_bytes": 1000}, "answer body of 2000 bytes is over the 1000-byte limit"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"x" * 1024 + b"\r\n" * 2,
+         {"max_body_bytes": 1000}, "answer body over the 1000-byte limit"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1x\r\n\r\n", {}, "malformed answer from the node"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", {}, "malformed answer from the node"),
+        (b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n", {}, "not an HTTP/1.x answer"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n", {}, "switched protocols"),
+    ]
+
+    async def main(answer, kw, match):
+        async with Server(lambda c, r, b: answer) as srv:
+            pool = UpstreamPool(srv.url, **kw)
+            with pytest.raises(UpstreamConnectError, match=match):
+                await pool.post("/x", b"{}", timeout_s=5)
+            await pool.close()
+
+    for answer, kw, match in cases:
+        run(main(answer, kw, match))
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        UpstreamPool("http://127.0.0.1:1", max_body_bytes=0)
+
+
+def test_a_head_that_arrives_in_pieces_is_parsed_and_one_that_never_ends_is_cut_at_64_kib():
+    class Trickle:
+        """Writes ``parts`` one at a time with a pause between them, then keeps the socket open."""
+
+        def __init__(self, parts):
+            self.parts = parts
+
+        async def handle(self, reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            for p in self.parts:
+                writer.write(p)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(1)
+            writer.close()
+
+    async def main(parts, expect):
+        t = Trickle(parts)
+        server = await asyncio.start_server(t.handle, "127.0.0.1", 0)
+        pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            if isinstance(expect, str):
+                with pytest.raises(UpstreamConnectError, match=expect):
+                    await pool.post("/x", b"{}", timeout_s=5)
+                return None
+            return await pool.post("/x", b"{}", timeout_s=5)
+        finally:
+            await pool.close()
+            server.close()
+
+    answer = ok(b'{"a":1}', b"X-One: 1\r\n")
+    assert run(main([answer[i:i + 7] for i in range(0, len(answer), 7)], None)) == (200, b'{"a":1}')
+    endless = [b"HTTP/1.1 200 OK\r\n"] + [b"X-Pad: " + b"p" * 8000 + b"\r\n"] * 9
+    run(main(endless, "answer head over 64 KiB"))

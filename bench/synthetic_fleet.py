@@ -1,6 +1,8 @@
 """A synthetic fleet that talks to the control plane exactly as node agents do (real HTTP, node
 tokens, ``POST /nodes/register`` then ``POST /nodes/{id}/reports`` batches): history for the
-dashboard's tests, its benchmark and its screenshots, without running 32 models.
+dashboard's tests (tests/test_dashboard_browser.py), its benchmark (bench/dashboard.py) and its
+screenshots, without running 32 models. Its figures are made up, not measured: its nodes
+register the device ``cuda:0 (synthetic)``, and a picture drawn from them says so.
 
 `seed_history` backfills ``duration_s`` of reports for ``num_nodes`` nodes (batches of up to 1000
 reports, as a node replaying its buffer would); `LiveFleet` keeps them reporting every interval
