@@ -101,7 +101,7 @@ class RolloutConfig:
     - ``bake_time_s``: how long the canary runs the candidate before it is judged;
     - ``min_samples``: fewest finite per-window values per side (canary, baseline) per metric;
     - ``alpha``: the chance of failing a canary that is no different from the baseline (each of the
-      two metrics' one-sided Mann-Whitney tests runs at ``alpha / 2``);
+      judged metrics' one-sided Mann-Whitney tests runs at ``alpha`` over their number);
     - ``max_p99_regression_pct``: the largest tolerated rise of the canary's median window P99 over
       the baseline's, in percent;
     - ``max_slo_attainment_drop``: the largest tolerated fall of the canary's mean window SLO
@@ -114,7 +114,11 @@ class RolloutConfig:
       quality below the baseline's (absolute, quality is in [0, 1]; model rollouts only);
     - ``max_bake_factor``: while the canary is worse past a guardrail but not significantly (a
       pass would ship a regression, a pause would wait for an operator), the bake goes on, up to
-      ``bake_time_s`` times this, judged again every period; then it pauses.
+      ``bake_time_s`` times this, judged again every period; then it pauses;
+    - ``warmup_s``: the first seconds of the bake whose windows are not judged, on either side: a
+      canary starts with cold caches (a new model drops every user's K/V; a new policy moves the
+      split), a cost of any change that would otherwise be charged to the candidate; None (the
+      default): a fifth of ``bake_time_s``. At most ``bake_time_s``.
     """
 
     bake_time_s: float = ranged(300.0, lo=0)
@@ -126,9 +130,18 @@ class RolloutConfig:
     max_failed_canary_fraction: float = ranged(0.0, lo=0, hi=1)
     max_model_quality_drop: float = ranged(0.02, lo=0, hi=1)
     max_bake_factor: float = ranged(4.0, lo=1)
+    warmup_s: float | None = ranged(None, lo=0, optional=True)
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.warmup_s is not None and self.warmup_s > self.bake_time_s:
+            raise ValueError(f"warmup_s ({self.warmup_s:g} s) must be at most bake_time_s ({self.bake_time_s:g} s): "
+                             "the bake would end before any window is judged")
+
+    @property
+    def warmup(self) -> float:
+        """Seconds from the start of the bake before windows are judged (`warmup_s`)."""
+        return self.bake_time_s / 5.0 if self.warmup_s is None else self.warmup_s
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,7 +260,8 @@ def stats_of(s: Session, r: Rollout, now_s: float) -> RolloutStats:
     nodes = queries.rollout_nodes(s, r.id)
     canary = [n for n in nodes if n.role == "canary"]
     base = [n.node_id for n in nodes if n.role == "baseline"]
-    since = r.bake_started_s if r.bake_started_s is not None else r.created_at_s
+    # the bake's windows after its warm-up (caches refilling after the change are not judged)
+    since = (r.bake_started_s + rollout_config(r).warmup) if r.bake_started_s is not None else r.created_at_s
     loaded = [n.node_id for n in canary if n.status == "loaded"]
     if r.kind == "model":
         cv = queries.window_values(s, loaded, since_s=since, until_s=now_s, model_digest=r.model_version)

@@ -474,6 +474,7 @@ class RolloutIn(In):
     max_failed_canary_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
     max_model_quality_drop: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.02
     max_bake_factor: Annotated[float, Field(ge=1, le=100, allow_inf_nan=False)] = 4.0
+    warmup_s: Annotated[float | None, Field(ge=0, allow_inf_nan=False)] = None
     auto: bool = True
     reason: Annotated[str, Field(min_length=1, max_length=2000)] = "rollout"
 

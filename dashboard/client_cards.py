@@ -111,12 +111,15 @@ def load_bursts(rows: list[dict]) -> list[tuple[float, float]]:
 def clients_figure(rows: list[dict], now_s: float, range_s: float, slo_ms: float | None = None) -> go.Figure:
     """P99 end to end (line, ms; the worst gateway's in each bucket) and failed requests (bars,
     5xx answers per bucket) from gateway reports (``ts_s``, ``p99_ms``, ``num_failed``) over
-    ``[now_s - range_s, now_s]``. A bucket with no report: no point and no bar (a gap); with
+    ``[now_s - range_s, now_s]``, from the first bucket with a report on. A bucket with no report: no point and no bar (a gap); with
     reports but nothing served: a bar and no P99. The load generator's burst phases (as clients
     named them) are shaded purple (shapes named ``load_burst``)."""
     step = bucket_step(range_s)
-    first = math.floor((now_s - range_s) / step) * step
-    n = int(math.ceil((now_s - first) / step))
+    # from the first bucket holding a report, as the nodes' charts start at their first report: an
+    # empty stretch before the first gateway report would give this chart another time axis
+    lo = now_s - range_s
+    first = math.floor(min((r["ts_s"] for r in rows if r["ts_s"] >= lo), default=lo) / step) * step
+    n = max(1, int(math.ceil((now_s - first) / step)))
     p99: list[float | None] = [None] * n
     failed: list[int | None] = [None] * n
     for r in rows:

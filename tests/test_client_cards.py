@@ -101,3 +101,18 @@ def test_a_report_stored_late_is_drawn():
     api.add("d", 1, now + 4.5)
     rows, _ = h.update("sid", 900.0, now + 5, api.fetch, api.gateways())
     assert ("d", 1) in {(r["gateway_id"], r["seq"]) for r in rows} and api.calls[-1][0] == now + 4.5 - 600.0
+
+
+def test_the_clients_chart_starts_at_its_first_report_as_the_nodes_charts_do():
+    """Two minutes of gateway reports in a 15-minute range: the chart's buckets start at the first
+    report's bucket (the nodes' charts start at their first report too), not 13 empty minutes
+    before it; with no report in the range it spans the range, every bucket a gap."""
+    now = 10_000.0
+    rows = [{"gateway_id": "g", "seq": k, "ts_s": now - 120 + k, "p99_ms": 5.0, "num_failed": 0} for k in range(120)]
+    rows.insert(0, {"gateway_id": "g", "seq": -1, "ts_s": now - 2000, "p99_ms": 9.0, "num_failed": 0})  # out of range
+    fig = clients_figure(rows, now, 900.0)
+    xs = list(fig.data[0].x)
+    assert xs[0] == int(round((now - 120) // 5 * 5 * 1000)) and len(xs) == 24
+    assert all(v is not None for v in fig.data[0].y)
+    empty = clients_figure([], now, 900.0)
+    assert len(empty.data[0].x) == 180 and set(empty.data[0].y) == {None}

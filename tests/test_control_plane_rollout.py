@@ -23,7 +23,7 @@ def env(tmp_path_factory):
     d = Database("sqlite", tmp)
     cp = ControlPlane(d.url, tmp / "cp.log", env={"RACER_LIVENESS_MISSED_INTERVALS": "600"})
     node = {n: cp.node(n) for n in NODES}  # each node its own token (bound to its id)
-    for v in ("ro-a", "ro-b", "ro-c", "ro-d", "ro-e"):
+    for v in ("ro-a", "ro-b", "ro-c", "ro-d", "ro-e", "ro-f"):
         r = cp.admin.post("/policies", content=artifact_tar(DEFAULT_POLICY, policy_id=v))
         assert r.status_code == 201, r.text
     assert cp.admin.post("/policies/ro-a/activate", json={"reason": "baseline"}).status_code == 200
@@ -34,8 +34,10 @@ def env(tmp_path_factory):
 
 
 def _start(cp, node, version, **cfg):
+    # no warm-up: these tests send their windows as soon as the bake starts (the warm-up's own test
+    # is below)
     body = {"policy_version": version, "canary_fraction": 0.5, "bake_time_s": 3.0, "min_samples": 5,
-            "load_timeout_s": 60.0, "reason": f"roll out {version}"}
+            "load_timeout_s": 60.0, "warmup_s": 0.0, "reason": f"roll out {version}"}
     body.update(cfg)
     r = cp.admin.post("/rollouts", json=body)
     assert r.status_code == 201, r.text
@@ -194,3 +196,30 @@ def test_a_node_under_a_manual_override_is_neither_canary_nor_baseline(env):
         cp.admin.post(f"/overrides/{c['id']}/clear", json={"reason": "cleanup"}).raise_for_status()
     finally:
         cp.admin.post(f"/overrides/{o['id']}/clear", json={"reason": "cleanup"})
+
+
+def test_the_warm_up_s_windows_are_not_judged_the_bake_s_later_ones_are(env):
+    """A canary much slower in its first seconds (cold caches after the change), then no different:
+    with a 4-s warm-up the judge reads only the later windows and promotes; a warm-up longer than
+    the bake is refused (422); the windows sent inside the warm-up stay stored."""
+    cp, node = env
+    r = cp.admin.post("/rollouts", json={"policy_version": "ro-f", "bake_time_s": 2.0, "warmup_s": 3.0,
+                                         "reason": "too long a warm-up"})
+    assert r.status_code in (409, 422) and "warmup_s" in r.text
+    ro, canary, baseline = _start(cp, node, "ro-f", bake_time_s=6.0, warmup_s=4.0)
+    _confirm(node, canary, "ro-f")
+    _wait_state(cp, ro["id"], {"baking"})
+    rng = np.random.default_rng(3)
+    for n in canary:  # the warm-up: 4x slower, far lower attainment
+        _send(node, n, "ro-f", rng.normal(40, 3, 10), rng.normal(0.80, 0.02, 10).clip(0, 1))
+    for n in baseline:
+        _send(node, n, ro["baseline_version"], rng.normal(10, 1, 10), rng.normal(0.99, 0.005, 10).clip(0, 1))
+    time.sleep(4.5)  # past the warm-up: the same distribution on both sides
+    for n in canary:
+        _send(node, n, "ro-f", rng.normal(10, 1, 10), rng.normal(0.99, 0.005, 10).clip(0, 1))
+    for n in baseline:
+        _send(node, n, ro["baseline_version"], rng.normal(10, 1, 10), rng.normal(0.99, 0.005, 10).clip(0, 1))
+    done = _wait_state(cp, ro["id"], {"rolled_back", "promoted", "paused"})
+    assert done["state"] == "promoted", done["verdict"]
+    judged = {j["metric"]: j for j in done["verdict"]["judgements"]}
+    assert judged["p99_ms"]["n_canary"] == 20 and judged["p99_ms"]["n_baseline"] == 20  # the later 10 a node

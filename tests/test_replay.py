@@ -318,3 +318,33 @@ def test_replay_timed_schedule_in_a_loop_one_stream_per_pass(agent, small_trace)
     assert rep["phases"]["burst[0.4-0.6s]"]["requests_sent"] == p0[1].num_requests
     assert rep["phases"]["steady[0-0.8s]"]["requests_sent"] >= p1[0].num_requests
     assert sum(r["requests_sent"] for r in rep["phases"].values()) == rep["requests_sent"]
+
+
+def test_a_users_last_request_of_a_pass_carries_its_first_new_item_of_the_next_pass():
+    """A looping replay plants each user's next item among the candidates across passes too: a
+    user's last request of one pass gets the first new item of that user's first request (with
+    new items) of the next pass, so a returning user scores the node's quality signal whichever
+    pass it returns in; without the next pass, that request gets none."""
+    from workloads import synthetic_trace
+    from workloads.candidates import StreamCandidates, first_request_by_user, next_request_of_user
+    from workloads.replay import _following_streams
+
+    trace = synthetic_trace(num_users=60, num_items=5000, seed=2)
+    cfg = ReplayConfig(schedule=("steady", "burst"), phase_s=(3.0, 3.0), duration_s=6.0, rate_rps=20,
+                       explicit_candidates=True, plant_next_item=True)
+    plan, ahead = build_plan(trace, cfg, 0), build_plan(trace, cfg, 1)
+    s, then = plan[0].stream, ahead[0].stream
+    assert _following_streams(plan, ahead) == {id(s): then} and _following_streams(plan, None) == {}
+    nxt, first = next_request_of_user(s), first_request_by_user(then)
+    lasts = [i for i in range(len(s)) if nxt[i] < 0 and int(s.user[i]) in first
+             and len(then.new_items(first[int(s.user[i])]))]
+    assert len(lasts) >= 10
+    planted = StreamCandidates(s, trace, seed=0, plant_next=True, then=then)
+    alone = StreamCandidates(s, trace, seed=0, plant_next=True)
+    got = [int(then.new_items(first[int(s.user[i])])[0]) in planted(i) for i in lasts]
+    assert all(got)
+    assert sum(int(then.new_items(first[int(s.user[i])])[0]) in alone(i) for i in lasts) < len(lasts) / 2
+    # regime names: a stream per phase, each followed by the next phase's, the last by the next pass's
+    named = ReplayConfig(schedule=("steady", "burst"), duration_s=4.0, rate_rps=20)
+    p0, p1 = build_plan(trace, named, 0), build_plan(trace, named, 1)
+    assert _following_streams(p0, p1) == {id(p0[0].stream): p0[1].stream, id(p0[1].stream): p1[0].stream}

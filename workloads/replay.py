@@ -227,6 +227,16 @@ def build_plan(trace: Trace, config: ReplayConfig, cycle: int = 0) -> list[Phase
             for (regime, a, b), first, stop in zip(stream.phases, firsts, stops)]
 
 
+def _following_streams(plan: Sequence[Phase], ahead: Sequence[Phase] | None) -> dict[int, RequestStream]:
+    """Each stream of ``plan`` (by id): the stream sent after it, in this pass or in ``ahead``
+    (the next pass; None: nothing follows the last one)."""
+    order: list[RequestStream] = []
+    for p in [*plan, *(ahead or ())]:
+        if not order or order[-1] is not p.stream:
+            order.append(p.stream)
+    return {id(a): b for a, b in zip(order, order[1:]) if any(p.stream is a for p in plan)}
+
+
 def modelled_clock(time_scale: float) -> Callable[[], float]:
     """``time.monotonic() / time_scale``: modelled seconds for a replay against emulated nodes."""
     k = float(time_scale)
@@ -627,10 +637,14 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
 
     sender = _Sender(targets, config)
     try:
-        cycle = 0
+        cycle, ahead = 0, None
         while True:
             if plan is None or cycle:
-                plan = build_plan(trace, config, cycle)
+                plan = ahead if ahead is not None else build_plan(trace, config, cycle)
+            # the next pass, built now when its users' first requests are planted in this one
+            plant_ahead = loop_forever and config.explicit_candidates and config.plant_next_item
+            ahead = build_plan(trace, config, cycle + 1) if plant_ahead else None
+            streams = _following_streams(plan, ahead)
             stats.cycle = cycle
             cands: dict = {}  # each phase stream's candidates, made when its first request goes
             start = clock()
@@ -651,8 +665,9 @@ async def run_replay(targets: Sequence[str], trace: Trace, config: ReplayConfig,
                         if sc is None:
                             from .candidates import StreamCandidates
 
-                            sc = cands[id(phase.stream)] = StreamCandidates(phase.stream, trace, config.seed,
-                                                                            plant_next=config.plant_next_item)
+                            sc = cands[id(phase.stream)] = StreamCandidates(
+                                phase.stream, trace, config.seed, plant_next=config.plant_next_item,
+                                then=streams.get(id(phase.stream)))
                     body = request_body(phase.stream, i, config.top_k, sc)
                     stats.on_sent(phase.regime, max(0.0, clock() - due) * 1e3, phase=phase.name)
                     task = asyncio.create_task(one(phase, body, due, counter))
