@@ -16,6 +16,16 @@ of the per-round medians. The paper's figure is 32 us per decision.
 The policy is ``--artifact`` when given, else ``policies/default`` when it exists, else a fresh
 untrained actor (seed 0) exported to a temporary directory: the network's size, not its weights,
 sets the cost.
+
+The decisions run with the caches' miss-ratio curves as the node agent hands them over
+(`node_agent.control.control_step` -> ``read_curves``): scripted `node_agent.memory.MissCurves`
+(a flat trade-off, a KV cliff, an EMB knee, in turn), so the curve layer runs in every decision;
+its arithmetic alone is the component ``curve`` and reading the curves off a memory manager
+(``MemoryManager.miss_curves``) the component ``curves_read``. Beside it, the curves' upkeep per
+request: a metadata-only memory manager serves a scripted request stream (a KV lookup and
+append, one EMB lookup of the history and 64 candidates) with the curves off and on, and the
+difference per request is ``curve_upkeep_us_per_request`` against ``memory_path_us_per_request``
+(the same path with the curves off).
 """
 
 from __future__ import annotations
@@ -76,6 +86,52 @@ def scripted_stats(num: int, seed: int = 0) -> list:
     return out
 
 
+def scripted_curves():
+    """Three curve shapes over the 19 shares of `CURVE_SHARES`: flat, a KV cliff above 0.3, an
+    EMB knee below 0.6."""
+    from node_agent.memory import CURVE_SHARES, MissCurves
+
+    sh = np.asarray(CURVE_SHARES)
+    flat = MissCurves(CURVE_SHARES, tuple(0.6 + 0.3 * sh), tuple(0.7 - 0.3 * sh), 5e3, 500.0, 0.1, 1.0, 400.0, 0.0)
+    cliff = MissCurves(CURVE_SHARES, tuple(0.5 + 0.4 * sh), tuple(np.where(sh <= 0.3, 0.8, 0.02)), 5e3, 500.0,
+                       0.1, 1.0, 400.0, 12.0)
+    knee = MissCurves(CURVE_SHARES, tuple(np.where(sh >= 0.6, 0.95, 0.3)), tuple(0.5 - 0.2 * sh), 5e3, 500.0, 0.1,
+                      1.0, 400.0, 0.0)
+    return [flat, cliff, knee]
+
+
+def curve_upkeep(num_requests: int = 3000, seed: int = 0) -> dict:
+    """The curves' cost per request on the memory path (see the module docstring)."""
+    import torch
+
+    from node_agent.memory import KVLayout, MemoryConfig, MemoryManager
+
+    rng = np.random.default_rng(seed)
+    users = (rng.zipf(1.2, size=num_requests) % 2000).astype(np.int64).tolist()
+    hist = [int(x) for x in rng.integers(50, 400, size=num_requests)]
+    ids = [torch.from_numpy((rng.zipf(1.05, size=h + 64) % 100_000).astype(np.int64)) for h in hist]
+    out = {}
+    for on in (False, True):
+        cfg = MemoryConfig(num_pages=512, num_items=100_000, emb_dim=64, kv=KVLayout(), initial_emb_share=0.5,
+                           payload=False, device="cpu", miss_curves=on)
+        mm = MemoryManager(cfg)
+        best = None
+        for _ in range(3):
+            t0 = time.perf_counter_ns()
+            for u, h, x in zip(users, hist, ids):
+                c = mm.kv.lookup(u, h)
+                if h + 1 > c:
+                    mm.kv.append(u, h + 1 - c)
+                mm.emb.lookup(x)
+            dt = (time.perf_counter_ns() - t0) / num_requests / 1000
+            best = dt if best is None else min(best, dt)
+        out[on] = best
+    return {"memory_path_us_per_request": round(out[False], 2),
+            "memory_path_with_curves_us_per_request": round(out[True], 2),
+            "curve_upkeep_us_per_request": round(out[True] - out[False], 2),
+            "upkeep_requests": num_requests}
+
+
 def _artifact(path: str | None, tmp: str) -> Path:
     if path:
         return Path(path)
@@ -113,6 +169,7 @@ def main(argv=None) -> dict:
         alloc = SmartAllocator(AllocatorConfig(intra_op_num_threads=1), policy_dir=artifact)
         policy = alloc.policy
         stats = scripted_stats(args.decisions)
+        curves = scripted_curves()
         decide_ns: list[int] = []
         observe_ns: list[int] = []
         round_p50: list[float] = []
@@ -127,6 +184,7 @@ def main(argv=None) -> dict:
                     alloc.set_override(0.4, now_s=now, expires_at_s=now + 20, reason="bench")
                 t0 = perf()
                 alloc.observe(s)
+                alloc.read_curves(curves[i % 3])
                 t1 = perf()
                 alloc.decide(s, now)
                 t2 = perf()
@@ -143,15 +201,37 @@ def main(argv=None) -> dict:
 
         # component medians (each timed alone, same inputs)
         row = policy.input_row
-        comp = {"features": [], "onnxruntime": [], "residual": [], "tuner": [], "recovery": [], "guard": []}
-        from node_agent.allocator import OperatingPointTuner, RecoveryController, guard_stage
+        comp = {"features": [], "onnxruntime": [], "residual": [], "tuner": [], "curve": [], "recovery": [],
+                "guard": []}
+        from node_agent.allocator import CurveGuard, OperatingPointTuner, RecoveryController, curve_layer, guard_stage
+        from node_agent.memory import KVLayout, MemoryConfig, MemoryManager
+
+        cguard = CurveGuard(alloc.config.curve)
+        mm = MemoryManager(MemoryConfig(num_pages=512, num_items=10_000, emb_dim=64, kv=KVLayout(), payload=False,
+                                        device="cpu", miss_curves=True))
+        import torch
+
+        rng = np.random.default_rng(1)
+        for _ in range(200):  # warm curves
+            u = int(rng.integers(0, 50))
+            mm.kv.lookup(u, 100)
+            mm.kv.append(u, 101 - mm.kv.num_tokens(u)) if mm.kv.num_tokens(u) <= 100 else None
+            mm.emb.lookup(torch.from_numpy(rng.integers(0, 10_000, size=200)))
+        read_ns = []
 
         tuner = OperatingPointTuner(alloc.config.tuner)  # spare ones: the allocator's state stays as it was
         recovery = RecoveryController(alloc.config.recovery)
         guard = alloc.config.guard
         prev = None
         t_s = 0.0
-        for s in stats:
+        for i, s in enumerate(stats):
+            ta = perf()
+            mm.miss_curves()
+            tb = perf()
+            curve_layer(cguard, curves[i % 3], s, 0.7, 0.5, guard)
+            tc = perf()
+            read_ns.append(tb - ta)
+            comp["curve"].append(tc - tb)
             t0 = perf()
             build_features(s, prev, out=row)
             t1 = perf()
@@ -181,6 +261,7 @@ def main(argv=None) -> dict:
 
         import onnxruntime as ort
 
+        upkeep = curve_upkeep()
         out = {
             "decision_us_p50": round(_pct(decide_ns, 50), 2),
             "decision_us_p99": round(_pct(decide_ns, 99), 2),
@@ -201,6 +282,10 @@ def main(argv=None) -> dict:
             # what a decision spends outside its components: composing the layers, their traces, the record
             "composition_us_p50": round(_pct(decide_ns, 50) - sum(_pct(v, 50) for v in comp.values()), 2),
             "observe_us_p50": round(_pct(observe_ns, 50), 2),
+            # reading the curves off the memory manager: on the node's control step, before decide
+            "curves_read_us_p50": round(_pct(read_ns, 50), 2),
+            "curve_actions": dict(alloc.curve.num_actions),
+            **upkeep,
             "timer_overhead_us_p50": round(_pct(empty, 50), 3),
             "num_decisions": len(decide_ns),
             "rounds": args.rounds,
@@ -225,6 +310,8 @@ def main(argv=None) -> dict:
               f"{out['components_over_onnxruntime_p50']}x (the floor of a decision made of them); composing them "
               f"{out['composition_us_p50']} us; decision / the components' sum {out['decision_over_components_p50']}x")
         print(f"decision sources: {out['decision_sources']}; policy {out['policy_id']} on {out['providers']}")
+        print(f"curves: read {out['curves_read_us_p50']} us per decision; upkeep {out['curve_upkeep_us_per_request']} us "
+              f"per request beside the memory path's {out['memory_path_us_per_request']} us per request (curves off)")
     return out
 
 

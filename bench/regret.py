@@ -23,9 +23,12 @@ counts settings.
 
 ``--quick``: short streams (sample settings: 8 nodes, 800 req/s, 4 s per regime, a 4+4+4+4 s
 schedule, histories x4; paper-scale: one node at scale 1/384, 20 s per regime, a 20+20+16+20 s
-schedule), shares 0.2 / 0.5 / 0.8. Default: 16 nodes, 2,000 req/s, 10 s per regime, a
+schedule), shares 0.1 .. 0.9 in steps of 0.1. Default: 16 nodes, 2,000 req/s, 10 s per regime, a
 10+10+5+10 s schedule, paper-scale on two nodes at scale 1/192, 20 s per regime, a 20+20+10+20 s
-schedule, shares 0.1 .. 0.9. ``--paper-regime-s S`` sets the paper-scale regime length (the
+schedule, shares 0.05 .. 0.95 in steps of 0.05. Why 0.1 with ``--quick``: the oracle forks every
+window once per grid share and every share is a static run of its own, so a setting costs about
+twice the grid's size in runs; 0.05 steps double the quick grid's time on the 2-core VM
+(``--share-step 0.05`` asks for them). ``--paper-regime-s S`` sets the paper-scale regime length (the
 schedule's phases in proportion; default 20): an adaptive allocator starts at 0.5 and the guards
 move the split at most 0.1 per 1-s interval, so a regime much shorter than that transient
 measures the start-up, not the allocator (docs/results.md, "5-s paper-scale regimes").
@@ -43,6 +46,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 REGIMES = ("steady", "trend", "burst", "schedule")
+
+
+def share_grid(step: float) -> tuple[float, ...]:
+    """The static splits and the oracle's choices: ``step``, ``2 step``, ... below 1 (0.1 -> 0.1 ..
+    0.9; 0.05 -> 0.05 .. 0.95)."""
+    if not (0.0 < step <= 0.5):
+        raise ValueError(f"share step must be in (0, 0.5], got {step!r}")
+    n = int(round(1.0 / step))
+    return tuple(round(k * step, 4) for k in range(1, n) if k * step < 1.0 - 1e-9)
+
+
+def default_share_step(quick: bool) -> float:
+    return 0.1 if quick else 0.05
 
 
 @dataclass(frozen=True)
@@ -76,10 +92,11 @@ _SCHEDULE_BURST = {True: 0.8, False: 0.5}
 
 
 def table_config(st: Setting, quick: bool, smart: tuple[str, ...], policy: str | None = None,
-                 paper_regime_s: float | None = None):
+                 paper_regime_s: float | None = None, share_step: float | None = None):
     """The `TableConfig` of one setting (racer router only, no other routers). ``paper_regime_s``
     sets the paper-scale settings' regime length (default `PAPER_REGIME_S`); their schedule's
-    phases scale with it."""
+    phases scale with it. ``share_step``: the grid of static splits and oracle choices
+    (`share_grid`; default `default_share_step`)."""
     from simulator.table import TableConfig
 
     common = dict(trace=st.trace, seed=st.seed, routers=("racer",), other_router_allocators=(),
@@ -98,9 +115,10 @@ def table_config(st: Setting, quick: bool, smart: tuple[str, ...], policy: str |
         else:
             cfg = TableConfig(num_nodes=16, rate_rps=2_000.0, duration_s=10.0, num_users=10_000, **common)
             sched = "steady:10,trend:10,burst:5,steady:10"
+    shares = share_grid(default_share_step(quick) if share_step is None else share_step)
     if st.regime == "schedule":
-        return replace(cfg, regimes=("schedule",), schedule=sched)
-    return replace(cfg, regimes=(st.regime,))
+        return replace(cfg, regimes=("schedule",), schedule=sched, shares=shares)
+    return replace(cfg, regimes=(st.regime,), shares=shares)
 
 
 # ------------------------------------------------------------------------------ the held-out grid
@@ -134,6 +152,7 @@ class HoldoutSetting:
 # settings' per-node rate (SLO attainment 100%, load under 0.2: the tail is service time),
 # "busy" about 5x that (load ~0.4-0.9 on the settings below: queueing starts to count).
 HOLDOUT_RATES = {"light": 60.0, "busy": 300.0}
+HOLDOUT_FAMILIES = ("kv-heavy", "emb-heavy", "cliff", "random", "file")
 HOLDOUT_SEED_BASE = 7_000  # synthetic traces' seeds: disjoint from every seed a training or tuning run used
 
 
@@ -151,10 +170,19 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
     - ``random-i``: a trace and cluster drawn from seed ``HOLDOUT_SEED_BASE + i``: users per node
       log-uniform in [20, 2000], items log-uniform in [5k, 150k], mean history 10-150 items,
       Zipf 0.8-1.3, history scale 1-5, arena 0.3-2x the table (log-uniform);
+    - ``cliff-a`` / ``cliff-b`` (by construction): a performance cliff. Two users per node, each
+      returning within a fraction of a second, with histories of 250 items x4 (1,000 tokens: 63
+      pages of the A100 profile's 16-token pages each; ~126 pages per node) over 20k items (Zipf
+      0.9): while the KV pool holds a node's users, their K/V are reused; below that, whole-user
+      LRU evicts the one about to return and every request recomputes its history. The arena is
+      0.85x the table (~177 pages) for ``cliff-a`` and 1.5x (~312 pages) for ``cliff-b``, sized
+      for cliffs near shares 0.29 and 0.6; the router's placement and the users' growing
+      histories put both between 0.1 and 0.2 on the busy trend (measured, docs/results.md).
+      Regimes ``steady`` and ``trend``;
     - ``extra_traces``: ``(kind, path)`` files the user holds out (e.g. a public sequence dataset
       never used in training), at 150 users per node, histories x4, the arena the table's size.
 
-    Regimes: the two constructed families run ``steady``, ``trend`` and ``burst``; the others
+    Regimes: the KV-heavy and EMB-heavy families run ``steady``, ``trend`` and ``burst``; the others
     ``steady`` and ``trend``. ``--quick``: 4 nodes, 20 s per run, 4 random settings; otherwise
     8 nodes, 30 s, 8 random settings. ``first_random`` (``--holdout-random-from``) starts the
     random settings at another index: a fresh draw, for a check on settings nobody has looked at."""
@@ -174,6 +202,9 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
         4.0, 1.0, ("steady", "trend", "burst"), "kv")
     add("emb-heavy", "synthetic", f"users=20000,items=60000,len=40,zipf=1.0,seed={HOLDOUT_SEED_BASE + 1}",
         20_000 // nodes, 4.0, 0.6, ("steady", "trend", "burst"), "emb")
+    for tag, cf, seed in (("a", 0.85, HOLDOUT_SEED_BASE + 2), ("b", 1.5, HOLDOUT_SEED_BASE + 3)):
+        add(f"cliff-{tag}", "synthetic", f"users={2 * nodes},items=20000,len=250,zipf=0.9,seed={seed}", 2, 4.0, cf,
+            ("steady", "trend"))
     for i in range(first_random, first_random + n_rand):
         rng = np.random.default_rng(HOLDOUT_SEED_BASE + 100 + i)
         upn = int(round(math.exp(rng.uniform(math.log(20), math.log(2000)))))
@@ -189,40 +220,50 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
     return out
 
 
-def holdout_config(st: HoldoutSetting, quick: bool, smart: tuple[str, ...], policy: str | None = None):
-    """The `TableConfig` of one held-out setting (racer router only, shares 0.2 / 0.5 / 0.8)."""
+def holdout_config(st: HoldoutSetting, quick: bool, smart: tuple[str, ...], policy: str | None = None,
+                   share_step: float | None = None):
+    """The `TableConfig` of one held-out setting (racer router only, the shares of `share_grid`:
+    0.1 .. 0.9 with ``quick``, 0.05 .. 0.95 without, unless ``share_step`` says)."""
     from simulator.table import TableConfig
 
+    shares = share_grid(default_share_step(quick) if share_step is None else share_step)
     return TableConfig(trace=st.trace, path=st.path, regimes=(st.regime,), num_nodes=st.num_nodes,
                        rate_rps=st.rate_rps_per_node * st.num_nodes, duration_s=20.0 if quick else 30.0,
                        num_users=st.users_per_node * st.num_nodes, history_scale=st.history_scale,
-                       cache_fraction=st.cache_fraction, shares=(0.2, 0.5, 0.8), routers=("racer",),
+                       cache_fraction=st.cache_fraction, shares=shares, routers=("racer",),
                        other_router_allocators=(), extra_allocators=smart, policy=policy, seed=st.seed, jobs=1)
 
 
 def holdout_findings(res: dict, settings: list[HoldoutSetting]) -> dict:
-    """What the held-out grid must show: per setting each allocator's regret, racer's worst, the
-    static splits' worst, and for the constructed families whether the oracle and racer land on
-    the known side."""
+    """What the held-out grid must show: per setting each allocator's regret against the best known
+    P99 (`best_known`), racer's worst and mean, the static splits' worst, the minimax static split,
+    and for the constructed families the known side."""
     by_name = {st.name: st for st in settings}
     statics = sorted(a for a in res["allocators"] if a.startswith("static:"))
     rows = []
     for r in res["per_setting"]:
-        o = r["p99_ms"].get("oracle")
+        best, best_by = best_known(r["p99_ms"])
         st = by_name.get(r["setting"])
-        row = {"setting": r["setting"], "oracle_p99_ms": o,
-               "regret_pct": {a: round(100.0 * (v / o - 1.0), 2) for a, v in r["p99_ms"].items()
-                              if a != "oracle" and v is not None and o},
+        row = {"setting": r["setting"], "oracle_p99_ms": r["p99_ms"].get("oracle"), "best_known_p99_ms": best,
+               "best_known_by": best_by,
+               "regret_pct": {a: round(100.0 * (v / best - 1.0), 2) for a, v in r["p99_ms"].items()
+                              if v is not None and best},
                "mean_share": r.get("mean_share", {}), "slo_attainment": r.get("slo_attainment", {}).get("oracle")}
         if st is not None and st.known is not None:
             row["known"] = st.known
         rows.append(row)
     racer = res["allocators"].get("racer")
+    mm = res["allocators"].get("minimax_static")
     worst_static = min((res["allocators"][a]["max_regret_pct"] for a in statics), default=None)
     return {"per_setting": rows,
             "racer_max_regret_pct": racer["max_regret_pct"] if racer else None,
             "racer_mean_regret_pct": racer["mean_regret_pct"] if racer else None,
             "static_max_regret_pct": {a: res["allocators"][a]["max_regret_pct"] for a in statics},
+            "minimax_static": mm,
+            "racer_max_within_5pct": racer is not None and racer["max_regret_pct"] <= 5.0,
+            "racer_below_minimax_static": (racer is not None and mm is not None
+                                           and racer["max_regret_pct"] < mm["max_regret_pct"]
+                                           and racer["mean_regret_pct"] < mm["mean_regret_pct"]),
             "racer_below_every_static_max": (racer is not None and worst_static is not None
                                              and racer["max_regret_pct"] < worst_static)}
 
@@ -245,27 +286,48 @@ def run_setting(args) -> dict:
             "wall_s": res["wall_s"]}
 
 
+def best_known(p99_ms: dict) -> tuple[float | None, str | None]:
+    """The best known P99 of one setting and who gave it: the lowest of the replay oracle's and
+    every static split's (the yardstick every allocator is judged against)."""
+    cands = [(v, a) for a, v in p99_ms.items() if v is not None and v > 0 and (a == "oracle" or a.startswith("static:"))]
+    if not cands:
+        return None, None
+    v, a = min(cands)
+    return v, a
+
+
 def regret(results: list[dict]) -> dict:
-    """Per allocator: regret = P99 / oracle P99 - 1 on each setting (%), its max and mean."""
+    """Per allocator: regret = P99 / best known P99 - 1 on each setting (%, `best_known`), its max
+    and mean; plus ``minimax_static``: the static split whose max regret is lowest (ties: the
+    lower mean), with ``share`` naming it. Only settings where every static split ran count for
+    the minimax choice."""
     per: dict[str, list[float]] = {}
     for r in results:
-        o = r["p99_ms"].get("oracle")
-        if not o:
+        best, _ = best_known(r["p99_ms"])
+        if not best:
             continue
         for name, v in r["p99_ms"].items():
-            if name == "oracle" or v is None:
+            if v is None:
                 continue
-            per.setdefault(name, []).append(100.0 * (v / o - 1.0))
-    return {name: {"max_regret_pct": round(max(v), 2), "mean_regret_pct": round(sum(v) / len(v), 2),
-                   "settings": len(v)} for name, v in sorted(per.items())}
+            per.setdefault(name, []).append(100.0 * (v / best - 1.0))
+    out = {name: {"max_regret_pct": round(max(v), 2), "mean_regret_pct": round(sum(v) / len(v), 2),
+                  "settings": len(v)} for name, v in sorted(per.items())}
+    statics = [a for a in out if a.startswith("static:")]
+    if statics:
+        n = max(out[a]["settings"] for a in statics)
+        full = [a for a in statics if out[a]["settings"] == n]
+        a = min(full, key=lambda a: (max(per[a]), sum(per[a]) / len(per[a]), a))
+        out["minimax_static"] = {**out[a], "share": float(a.split(":", 1)[1])}
+    return out
 
 
 def run_grid(settings: list[Setting], quick: bool, out: str | None, executor: str = "process", jobs: int = 0,
              address: str | None = None, smart=("racer", "ppo"), policy: str | None = None,
-             progress: bool = True, make_config=None, paper_regime_s: float | None = None) -> dict:
+             progress: bool = True, make_config=None, paper_regime_s: float | None = None,
+             share_step: float | None = None) -> dict:
     """Run ``settings`` (each a `run_table` with ``make_config(setting, quick, smart, policy)``,
-    `table_config` with ``paper_regime_s`` by default) on the executor; the figures of `regret`
-    and each setting's P99s."""
+    `table_config` with ``paper_regime_s`` and ``share_step`` by default) on the executor; the
+    figures of `regret` and each setting's P99s."""
     from tqdm import tqdm
 
     from simulator.cli import usable_smart_allocators
@@ -274,7 +336,7 @@ def run_grid(settings: list[Setting], quick: bool, out: str | None, executor: st
     smart = usable_smart_allocators(tuple(smart), policy) if smart else ()
     if make_config is None:
         def make_config(st, q, sm, pol):
-            return table_config(st, q, sm, pol, paper_regime_s)
+            return table_config(st, q, sm, pol, paper_regime_s, share_step)
     work = [(st.name, make_config(st, quick, smart, policy), out) for st in settings]
     bar = tqdm(total=len(work), desc="regret", unit="setting", disable=not progress)
     results = []
@@ -318,6 +380,7 @@ def run_grid(settings: list[Setting], quick: bool, out: str | None, executor: st
     return {"allocators": regret(results), "settings": len(results), "smart_allocators": list(smart),
             "per_setting": results, "quick": quick, "executor": executor,
             "paper_regime_s": PAPER_REGIME_S if paper_regime_s is None else paper_regime_s,
+            "share_step": default_share_step(quick) if share_step is None else share_step,
             "runs": {k: sum(r["runs"][k] for r in results) for k in ("total", "computed", "reused")},
             "wall_s": round(time.perf_counter() - t0, 1)}
 
@@ -356,11 +419,15 @@ def main(argv=None) -> int:
     p.add_argument("--holdout-trace", action="append", default=[], metavar="KIND:PATH",
                    help="with --holdout, a trace file you hold out too (repeatable), e.g. sequences:/data/beauty.txt")
     p.add_argument("--holdout-families", default=None, metavar="F,...",
-                   help="with --holdout, only these families (kv-heavy, emb-heavy, random, file)")
+                   help="with --holdout, only these families (kv-heavy, emb-heavy, cliff, random, file)")
     p.add_argument("--holdout-random-from", type=int, default=0, metavar="I",
                    help="with --holdout, draw the random settings from index I on (a fresh draw; default 0)")
+    p.add_argument("--share-step", type=float, default=None,
+                   help="grid of static splits and oracle choices (default 0.1 with --quick, else 0.05)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.share_step is not None and not (0.0 < args.share_step <= 0.5):
+        p.error(f"--share-step: want a step in (0, 0.5], got {args.share_step:g}")
     if args.paper_regime_s is not None and not (args.paper_regime_s > 0 and args.paper_regime_s < 1e5):
         p.error(f"--paper-regime-s: want a positive number of seconds, got {args.paper_regime_s:g}")
     regimes = tuple(x.strip() for x in args.regimes.split(",") if x.strip())
@@ -379,16 +446,21 @@ def main(argv=None) -> int:
         hsettings = holdout_grid(args.quick, tuple(extra), first_random=args.holdout_random_from)
         if args.holdout_families:
             fams = tuple(f.strip() for f in args.holdout_families.split(",") if f.strip())
-            bad = [f for f in fams if f not in ("kv-heavy", "emb-heavy", "random", "file")]
+            bad = [f for f in fams if f not in HOLDOUT_FAMILIES]
             if bad or not fams:
-                p.error(f"--holdout-families: unknown {', '.join(bad) or '(none)'}; choose from kv-heavy, emb-heavy, "
-                        "random, file")
+                p.error(f"--holdout-families: unknown {', '.join(bad) or '(none)'}; choose from "
+                        f"{', '.join(HOLDOUT_FAMILIES)}")
             hsettings = [st for st in hsettings if st.family.split("-")[0] in fams or st.family in fams]
             if not hsettings:
                 p.error("--holdout-families: no setting left")
+        step = args.share_step
+
+        def make_holdout(st, q, sm, pol):
+            return holdout_config(st, q, sm, pol, step)
+
         res = run_grid(hsettings, args.quick, args.out, args.executor, args.jobs, args.address,
                        () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,
-                       make_config=holdout_config)
+                       make_config=make_holdout, share_step=step)
         res["holdout"] = holdout_findings(res, hsettings)
         _print(res, args.json)
         return 0
@@ -399,7 +471,7 @@ def main(argv=None) -> int:
         p.error("the grid is empty")
     res = run_grid(settings, args.quick, args.out, args.executor, args.jobs, args.address,
                    () if args.no_smart else ("racer", "ppo"), args.policy, progress=not args.no_progress,
-                   paper_regime_s=args.paper_regime_s)
+                   paper_regime_s=args.paper_regime_s, share_step=args.share_step)
     _print(res, args.json)
     return 0
 
@@ -410,7 +482,7 @@ def _print(res: dict, as_json: bool) -> None:
         return
     h = res.get("holdout")
     if h:
-        names = [a for a in res["allocators"]]
+        names = [a for a in res["allocators"] if a != "minimax_static"]
         print(f"{'setting':>40} {'oracle share':>12} " + " ".join(f"{a:>12}" for a in names))
         for r in h["per_setting"]:
             print(f"{r['setting']:>40} {r['mean_share'].get('oracle', float('nan')):>12.2f} "
@@ -418,7 +490,8 @@ def _print(res: dict, as_json: bool) -> None:
         print()
     print(f"{'allocator':>14} {'max_regret_pct':>15} {'mean_regret_pct':>16} {'settings':>9}")
     for name, v in res["allocators"].items():
-        print(f"{name:>14} {v['max_regret_pct']:>15.2f} {v['mean_regret_pct']:>16.2f} {v['settings']:>9}")
+        label = f"minimax {v['share']:.2f}" if name == "minimax_static" else name
+        print(f"{label:>14} {v['max_regret_pct']:>15.2f} {v['mean_regret_pct']:>16.2f} {v['settings']:>9}")
     print(f"{res['settings']} settings in {res['wall_s']} s; runs {res['runs']}", file=sys.stderr)
 
 

@@ -9,7 +9,9 @@
 - Clicking a row opens the drill-down (`dashboard.details.decision_detail`): the full reason, the
   decision's fields, a key/value table per allocator layer where the stored decision has a
   ``layers`` list, the features the policy saw, the miss costs, and the node's report of that
-  control interval (hit rates, latency, load) as context.
+  control interval (hit rates, latency, load) as context; where the decision's curve layer ran,
+  the expected time per request against share from the caches' miss-ratio curves, with the
+  share chosen, the curve's minimum and the layers' proposal marked (`curve_figure`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,24 @@ def _kv_table(pairs, label: str) -> html.Table:
                       className="table table-sm small mb-2", **{"aria-label": label})
 
 
+def curve_figure(curve: dict):
+    """Expected time per request (µs) against emb_share from `dashboard.details.decision_curve`,
+    the chosen share (solid), the curve's minimum (dotted) and the proposal the curve layer got
+    (dashed) marked."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Scatter(x=curve["shares"], y=curve["cost_us"], mode="lines+markers", name="expected cost",
+                               hovertemplate="emb_share %{x:.2f}: %{y:.1f} µs<extra></extra>"))
+    for key, dash, label in (("chosen", "solid", "chosen"), ("min_share", "dot", "curve minimum"),
+                             ("proposal_in", "dash", "proposal in")):
+        x = curve.get(key)
+        if x is not None:
+            fig.add_vline(x=x, line_dash=dash, annotation_text=f"{label} {x:.2f}", annotation_position="top")
+    fig.update_layout(height=260, margin=dict(l=50, r=10, t=30, b=40), showlegend=False,
+                      xaxis_title="emb_share", yaxis_title="expected µs per request", xaxis_range=[0, 1])
+    return fig
+
+
 def detail_body(d: dict) -> list:
     """The drill-down's content from `dashboard.details.decision_detail`."""
     sec = [html.H6("Reason"), html.Pre(d["reason"] or "–", className="small", style={"whiteSpace": "pre-wrap"}),
@@ -80,6 +100,10 @@ def detail_body(d: dict) -> list:
                      dbc.Col([html.H6("Context at that moment (the node's report)"),
                               _kv_table(d["context"], "context") if d["context"]
                               else html.Div("no report of that interval", className="small text-muted")], lg=6)])]
+    if d.get("curve"):
+        c = d["curve"]
+        sec.append(html.H6(f"Expected cost against share (miss-ratio curves; action {c.get('action')})"))
+        sec.append(dcc.Graph(figure=curve_figure(c), config={"displayModeBar": False}, id="dec-curve"))
     if d["layers"]:
         sec.append(html.H6("Layers (in order)"))
         sec.append(dbc.Row([dbc.Col([html.Div(name, className="fw-semibold small"), _kv_table(pairs, f"layer {name}")],

@@ -4,11 +4,13 @@ No I/O, no clock, no Dash: `dashboard.app` fetches through `dashboard.client` an
 these return; tests/test_dashboard_figures.py calls them directly.
 
 - which rollout actions the control plane would accept in a state (`rollout_actions`);
-- a registry row's validation and evaluation as short text (`validation_text`, `flat_text`);
+- a registry row's validation, training and evaluation as short text (`validation_text`,
+  `training_text`, `flat_text`);
 - what the nodes run, for the "active policy" card (`node_policies_text`);
 - node-local times in decision reasons rendered in UTC too (`clock_offset`, `reason_utc`);
 - one decision's drill-down: its fields, layers, features, miss costs and context
-  (`decision_detail`);
+  (`decision_detail`), and the expected cost against share its curve layer used
+  (`decision_curve`);
 - an artifact's files as the tar the control plane's ``POST /policies`` takes (`upload_body`).
 """
 
@@ -77,6 +79,27 @@ def validation_text(manifest: Mapping | None) -> str:
     if m.get("opset") is not None:
         parts.append(f"opset {m['opset']}")
     return " · ".join(parts)
+
+
+def training_text(evaluation: Mapping | None) -> str:
+    """How an artifact's base policy was trained, from its manifest's ``evaluation``:
+    ``behaviour-cloned (13528 samples), no PPO update, from 254463a5cc71``, ``PPO: 50 updates
+    (7200 transitions), after cloning (900 samples)``, ``not trained: <why>`` for an artifact that
+    says it was derived, or ``training not recorded``."""
+    ev = evaluation or {}
+    im, updates, warm = ev.get("imitation") or {}, ev.get("num_updates"), ev.get("warm_start") or {}
+    if not im and updates is None:
+        skipped = str(ev.get("skipped") or "")
+        return f"not trained: {skipped[:80]}" if "not trained" in skipped else "training not recorded"
+    cloned = f"behaviour-cloned ({im.get('samples', '?')} samples)" if im else ""
+    if updates:
+        text = f"PPO: {updates} update{'s' if updates != 1 else ''} ({ev.get('transitions', '?')} transitions)"
+        text += f", after cloning ({im.get('samples', '?')} samples)" if im else ""
+    else:
+        text = (cloned or "untrained") + ", no PPO update"
+    if warm.get("policy_id"):
+        text += f", from {warm['policy_id']}"
+    return text
 
 
 def _leaves(d, prefix: str = ""):
@@ -254,7 +277,38 @@ def decision_detail(decision: Mapping, report: Mapping | None = None, bursts: Se
     other = [(str(k), _fmt(v)) for k, v in decision.items() if k not in DECISION_FIELDS]
     return {"title": f"Decision #{decision.get('id')} · {decision.get('node_id')} · {decision.get('source')}",
             "reason": reason_utc(str(decision.get("reason") or ""), offset_s), "summary": summary,
-            "layers": layers, "features": features, "miss_costs": miss, "context": context, "other": other}
+            "layers": layers, "features": features, "miss_costs": miss, "context": context, "other": other,
+            "curve": decision_curve(decision)}
+
+
+def decision_curve(decision: Mapping) -> dict | None:
+    """The expected time per request against share that the decision's curve layer used
+    (`node_agent.allocator.curve`): ``{"shares", "cost_us", "chosen", "min_share", "proposal_in",
+    "action"}``, or None when the decision has no curve layer with a curve (curves off, too little
+    evidence)."""
+    for layer in decision.get("layers") or []:
+        if not isinstance(layer, Mapping) or (layer.get("layer") or layer.get("name")) != "curve":
+            continue
+        det = layer.get("detail") if isinstance(layer.get("detail"), Mapping) else {}
+        pts = []
+        for pair in str(det.get("curve") or "").split():
+            a, sep, b = pair.partition(":")
+            try:
+                x, y = float(a), float(b)
+            except ValueError:
+                continue
+            if sep and math.isfinite(x) and math.isfinite(y):
+                pts.append((x, y))
+        if not pts:
+            return None
+
+        def num(v):
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+        return {"shares": [x for x, _ in pts], "cost_us": [y for _, y in pts], "chosen": num(decision.get("emb_share")),
+                "min_share": num(det.get("min_share")), "proposal_in": num(det.get("proposal_in")),
+                "action": det.get("action")}
+    return None
 
 
 # ----------------------------------------------------------------------------- uploads ---

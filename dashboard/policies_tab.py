@@ -218,7 +218,8 @@ def registry_rows(pols: list[dict]) -> list[dict]:
     return [{"version": p["version"], "status": p["status"], "digest": p["digest"][:12],
              "uploaded_by": p.get("uploaded_by"), "uploaded": _t(p.get("uploaded_at_s")),
              "validation": D.validation_text(p.get("manifest")),
-             "evaluation": D.flat_text(p.get("evaluation"))} for p in pols]
+             "evaluation": " · ".join(t for t in (D.training_text(p.get("evaluation")),
+                                                   D.flat_text(p.get("evaluation"))) if t)} for p in pols]
 
 
 def controls(operator: bool, ro: dict | None) -> dict:

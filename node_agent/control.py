@@ -251,6 +251,9 @@ def control_step(allocator: NodeAllocator | None, stats: WindowStats, manager, n
     window when ``allocator`` is None)."""
     if allocator is None:
         return ControlEffect(now_s, stats, None, False, current_target(manager))
+    read = getattr(allocator, "read_curves", None)  # the caches' miss-ratio curves, for allocators that use them
+    if read is not None:
+        read(manager.miss_curves() if hasattr(manager, "miss_curves") else None)
     d = decide_step(allocator, stats, now_s)
     plan = apply_target(manager, d.emb_share, now_s)
     return ControlEffect(now_s, stats, d, plan is not None, current_target(manager),

@@ -895,7 +895,8 @@ class Engine:
         for p, plan, c in zip(preps, plans, cands):
             parts += [p.items[plan.reuse_tokens:], c]
             sizes.append(len(p.items) - plan.reuse_tokens + len(c))
-        ids = torch.from_numpy(np.concatenate(parts)).to(self.device)
+        host_ids = np.concatenate(parts)
+        ids = torch.from_numpy(host_ids).to(self.device)
         m_emb = timer.mark()
         hits_per_req = None
         if len(preps) > 1:
@@ -903,7 +904,7 @@ class Engine:
             bounds = np.cumsum([0] + sizes)
             cs = torch.cat([hit.new_zeros(1), hit.cumsum(0)]).cpu().numpy()
             hits_per_req = (cs[bounds[1:]] - cs[bounds[:-1]]).tolist()
-        lk = mm.emb.lookup(ids)
+        lk = mm.emb.lookup(ids, host_ids=host_ids)
         link_us = self.link.transfer_us(lk.bytes_transferred)
         if link_us > 0:
             self._sync_serving()  # the emulated transfer starts once the lookup's own work is done
@@ -1108,7 +1109,7 @@ class Engine:
     def _plan_kv(self, p: _Prepared) -> KVReuse:
         """The request's KV plan from the pool and the engine's record (evicts on a mismatch)."""
         mm = self.mm
-        pool_tokens = mm.kv.lookup(p.user)
+        pool_tokens = mm.kv.lookup(p.user, history_tokens=p.num_history)
         seq = self._seqs.get(p.user)
         ci, ct = seq.view() if seq is not None else (None, None)
         plan = plan_kv_reuse(pool_tokens, ci, ct, p.items, p.ts)

@@ -67,6 +67,9 @@ class SimConfig:
     - ``ghost_probes``: the caches' ghost probes (`MemoryConfig.ghost_probes`); off by default
       here (they cost the simulator ~15% of its speed and change no decision of the caches);
       on, every `WindowStats` carries the nodes' marginal utilities of memory;
+    - ``miss_curves``: the caches' miss-ratio curves (`MemoryConfig.miss_curves`; None: on with
+      the ghost lists, as in the node agent); on, each node's control step hands them to its
+      allocator;
     - ``load_aware``: the scoring routers' rules under load (`control_plane.router.LoadAwareConfig`);
       ``None`` keeps the router's defaults; ``pass_while_queued`` is always off here, since a
       simulated node batches by slice, not from its queue;
@@ -88,6 +91,7 @@ class SimConfig:
     hot_shard_min_mass: float = ranged(0.5, lo=0, hi=1)
     queue_capacity: int = 64
     ghost_probes: tuple[float, ...] = ()
+    miss_curves: bool | None = None
     seed: int = 0
     load_aware: LoadAwareConfig | None = None
     router_seed: int | None = ranged(None, integer=True, optional=True)
@@ -185,7 +189,7 @@ def memory_config(trace_num_items: int, cfg: SimConfig) -> MemoryConfig:
         kv=kv, initial_emb_share=cfg.initial_emb_share,
         max_step_pages=max(1, int(cfg.max_step_fraction * num_pages)),
         refill=emulated_refill(prof, cfg.refill_limit_fraction, cfg.batch_window_ms),
-        ghost_probes=tuple(cfg.ghost_probes), payload=False, device="cpu",
+        ghost_probes=tuple(cfg.ghost_probes), miss_curves=cfg.miss_curves, payload=False, device="cpu",
     )
 
 
@@ -552,7 +556,7 @@ class ClusterSim:
         cached_l = []
         for u, lj, nj, ni in zip(users.tolist(), L.tolist(), nn.tolist(), snode.tolist()):
             kv = nodes[ni].mm.kv
-            cj = kv.lookup(u)
+            cj = kv.lookup(u, lj)
             if cj > lj + nj:
                 kv.evict(u)
                 cj = 0

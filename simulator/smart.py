@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from node_agent.allocator import AllocatorConfig, RecoveryConfig, ResidualConfig, SmartAllocator, TunerConfig
+from node_agent.allocator import AllocatorConfig, CurveConfig, RecoveryConfig, ResidualConfig, SmartAllocator, TunerConfig
 
 from .allocators import GHOST_SUFFIX, Allocator
 
@@ -59,6 +59,7 @@ def smart_config(spec: str, base: AllocatorConfig | None = None) -> AllocatorCon
         residual=ResidualConfig(**{**_fields(base.residual), "enabled": residual_on, "signal": signal}),
         recovery=RecoveryConfig(**{**_fields(base.recovery), "enabled": recovery_on}),
         tuner=TunerConfig(**{**_fields(base.tuner), "enabled": residual_on and base.tuner.enabled}),
+        curve=CurveConfig(**{**_fields(base.curve), "enabled": residual_on and base.curve.enabled}),
         initial_emb_share=base.initial_emb_share, device=base.device,
         intra_op_num_threads=base.intra_op_num_threads, golden_tolerance=base.golden_tolerance)
 

@@ -290,6 +290,14 @@ def test_registry_columns_and_the_active_policy_card_are_readable():
     text = D.validation_text(m)
     assert text.startswith("accepted by the agent's loader") and "parity passed" in text and "{" not in text
     assert D.flat_text({"a": {"b": 0.123456, "c": 0}, "d": "x"}) == "a.b 0.123 · d x"
+    # the shipped policy says how it was trained: cloned, no PPO update (its manifest's num_updates 0)
+    assert m["evaluation"]["num_updates"] == 0
+    assert D.training_text(m["evaluation"]).startswith("behaviour-cloned (") and "no PPO update" in \
+        D.training_text(m["evaluation"])
+    assert D.training_text({"num_updates": 1, "transitions": 144, "imitation": {"samples": 36}}) == \
+        "PPO: 1 update (144 transitions), after cloning (36 samples)"
+    assert D.training_text({"skipped": "derived by racer up; not trained or judged"}).startswith("not trained: ")
+    assert D.training_text({"slo_attainment": 0.99}) == "training not recorded"
     nodes = [{"node_id": "n1", "policy_version": "v1"}, {"node_id": "n2", "policy_version": "v1"},
              {"node_id": "n3", "policy_version": "v2"}, {"node_id": "n4", "policy_version": None}]
     assert D.node_policies_text(nodes, None) == "v1 on 2 of 3 nodes · v2 on 1"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from node_agent.allocator import AllocatorConfig, SmartAllocator
+from node_agent.allocator import LAYERS, AllocatorConfig, SmartAllocator
 from node_agent.reports import report_layers
 from tests.test_allocator import window
 
@@ -62,7 +62,7 @@ def test_layers_are_stored_and_returned(cp):
 
 
 @pytest.mark.parametrize("layers, loc", [
-    ([{"layer": "base", "acted": True}] * 6, ["layers"]),
+    ([{"layer": "base", "acted": True}] * (len(LAYERS) + 1), ["layers"]),
     ([{"layer": "oracle", "acted": True}], ["layers", 0, "layer"]),
     ([{"layer": "base", "proposal": 1e300}], ["layers", 0, "proposal"]),
     ([{"layer": "base", "detail": {f"k{i}": 1.0 for i in range(17)}}], ["layers", 0, "detail"]),

@@ -76,13 +76,43 @@ def test_regret_on_a_local_ray_instance_matches_the_process_pool(tmp_path, monke
     assert again["allocators"] == a and again["runs"]["reused"] == again["runs"]["total"]
 
 
-def test_regret_arithmetic():
-    from bench.regret import regret
+def test_regret_arithmetic_against_the_best_known_p99():
+    from bench.regret import best_known, regret
 
-    res = regret([{"p99_ms": {"oracle": 10.0, "static:0.50": 11.0, "racer": 10.0}},
-                  {"p99_ms": {"oracle": 20.0, "static:0.50": 20.0, "racer": 23.0}}])
-    assert res["static:0.50"] == {"max_regret_pct": 10.0, "mean_regret_pct": 5.0, "settings": 2}
-    assert res["racer"] == {"max_regret_pct": 15.0, "mean_regret_pct": 7.5, "settings": 2}
+    # setting 1: a static split beats the oracle (9 < 10): everyone is judged against 9
+    # setting 2: the oracle is best (20)
+    res = regret([{"p99_ms": {"oracle": 10.0, "static:0.20": 9.0, "static:0.50": 11.0, "racer": 10.0}},
+                  {"p99_ms": {"oracle": 20.0, "static:0.20": 30.0, "static:0.50": 21.0, "racer": 23.0}}])
+    assert best_known({"oracle": 10.0, "static:0.20": 9.0, "racer": 1.0}) == (9.0, "static:0.20")
+    assert res["oracle"] == {"max_regret_pct": 11.11, "mean_regret_pct": 5.56, "settings": 2}
+    assert res["static:0.20"] == {"max_regret_pct": 50.0, "mean_regret_pct": 25.0, "settings": 2}
+    assert res["static:0.50"] == {"max_regret_pct": 22.22, "mean_regret_pct": 13.61, "settings": 2}
+    assert res["racer"] == {"max_regret_pct": 15.0, "mean_regret_pct": 13.06, "settings": 2}
+    # the minimax static split: the lowest worst regret (0.5's 22.22 < 0.2's 50), named by its share
+    assert res["minimax_static"] == {**res["static:0.50"], "share": 0.5}
+
+
+def test_share_grid_and_the_cliff_family():
+    from bench.regret import holdout_config, holdout_grid, share_grid
+
+    assert share_grid(0.1) == (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    g = share_grid(0.05)
+    assert len(g) == 19 and g[0] == 0.05 and g[-1] == 0.95 and 0.25 in g
+    with pytest.raises(ValueError):
+        share_grid(0.0)
+    settings = holdout_grid(True)
+    cliffs = [st for st in settings if st.family.startswith("cliff-")]
+    assert sorted({st.family for st in cliffs}) == ["cliff-a", "cliff-b"]
+    assert {(st.load, st.regime) for st in cliffs} == {(ld, rg) for ld in ("light", "busy") for rg in ("steady", "trend")}
+    assert holdout_config(cliffs[0], True, ()).shares == share_grid(0.1)
+    assert holdout_config(cliffs[0], False, ()).shares == share_grid(0.05)
+    assert holdout_config(cliffs[0], True, (), share_step=0.05).shares == share_grid(0.05)
+    # the cliff's K/V working set: two users of 1,000 tokens (63 pages of 16 tokens) against the arena
+    from simulator.profiles import A100_HSTU as prof
+
+    pages = {st.family: st.cache_fraction * 20_000 * prof.emb_row_bytes / prof.page_bytes for st in cliffs}
+    need = 2 * 63
+    assert 0.2 < 1 - need / pages["cliff-a"] < 0.35 and 0.5 < 1 - need / pages["cliff-b"] < 0.7
 
 
 def test_paper_scale_regime_length_and_its_schedule():

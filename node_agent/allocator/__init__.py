@@ -10,7 +10,8 @@ layer's proposal and returns ``(proposal, LayerTrace)``; `SmartAllocator.decide`
 order, and the decision records every trace (``decision.layers``) and which layer set its value
 (``source``); its reason in words is rendered from the traces.
 
-1. ``base`` (`base.py`): the frozen PPO actor in onnxruntime (`OnnxPolicy`): CUDA provider only
+1. ``base`` (`base.py`): the frozen actor in onnxruntime (`OnnxPolicy`; the shipped one behaviour-cloned,
+   with no PPO update): CUDA provider only
    when ``torch.cuda.is_available()``, else CPU; one intra-op thread; input and output bound in
    advance (IOBinding) to preallocated numpy buffers, into which `build_features` writes directly.
 2. ``residual`` (`residual.py`, `tuner.py`): `ResidualAdapter`, a linear model of the features
@@ -19,13 +20,17 @@ order, and the decision records every trace (``decision.layers``) and which laye
    interval along the node's busy-time gradient measured by the caches' ghost lists, over the
    whole guard range: it finds a setting's operating point online where the base policy is far
    from it.
-3. ``recovery`` (`recovery.py`): `RecoveryController`, a burst detector with hysteresis over slow
+3. ``curve`` (`curve.py`): the caches' miss-ratio curves (`node_agent.memory.mrc`) as an expected
+   time per request at every share; moves the proposal to the curve's minimum when that saves
+   much, refuses a step over a cliff (source ``guard`` when it acts); runs only when the control
+   step handed it curves (`read_curves`).
+4. ``recovery`` (`recovery.py`): `RecoveryController`, a burst detector with hysteresis over slow
    EWMA baselines of the arrival rate and the hot-user ratio; in a burst it caps emb_share at the
    split in force when the burst began minus ``kv_shift`` (memory moves to the KV cache), then
    hands control back.
-4. ``override`` (`override.py`): an operator's emb_share (validated against the bounds when set),
+5. ``override`` (`override.py`): an operator's emb_share (validated against the bounds when set),
    which takes precedence over every layer until it expires (``expires_at_s``, against ``now_s``).
-5. ``guard`` (`guards.py`): the max step per decision (asymmetric: growing EMB needs a background
+6. ``guard`` (`guards.py`): the max step per decision (asymmetric: growing EMB needs a background
    refill, shrinking it is metadata-only) and then the [min, max] bounds; the source becomes
    ``guard`` when a guard changed the value, and also when the allocator had to hold the split
    (invalid stats, a non-finite base output, no policy loaded). When the step limit refuses part
@@ -35,8 +40,9 @@ Pure over snapshots: nothing here reads the clock; ``now_s`` comes with every ca
 """
 
 from node_agent.allocator.base import OnnxPolicy, PolicyLoadError, base_layer, cuda_available
-from node_agent.allocator.config import (DECISION_SOURCES, RESIDUAL_SIGNALS, AllocatorConfig, GuardConfig, RecoveryConfig,
-                                         ResidualConfig, TunerConfig)
+from node_agent.allocator.config import (DECISION_SOURCES, RESIDUAL_SIGNALS, AllocatorConfig, CurveConfig, GuardConfig,
+                                         RecoveryConfig, ResidualConfig, TunerConfig)
+from node_agent.allocator.curve import CURVE_ACTIONS, CurveGuard, curve_layer, expected_costs
 from node_agent.allocator.decision import AllocatorDecision
 from node_agent.allocator.guards import GUARD_ACTIONS, guard_layer, guard_stage
 from node_agent.allocator.override import Override, override_layer
@@ -47,7 +53,7 @@ from node_agent.allocator.smart import PolicySwap, SmartAllocator
 from node_agent.allocator.trace import LAYERS, LayerTrace
 from node_agent.allocator.tuner import TUNER_ACTIONS, OperatingPointTuner, TunerState
 
-__all__ = ["DECISION_SOURCES", "GUARD_ACTIONS", "LAYERS", "RESIDUAL_SIGNALS", "TUNER_ACTIONS", "AllocatorConfig",
+__all__ = ["CURVE_ACTIONS", "CurveConfig", "CurveGuard", "curve_layer", "expected_costs", "DECISION_SOURCES", "GUARD_ACTIONS", "LAYERS", "RESIDUAL_SIGNALS", "TUNER_ACTIONS", "AllocatorConfig",
            "AllocatorDecision", "GuardConfig", "LayerTrace", "OnnxPolicy", "OperatingPointTuner", "Override",
            "PolicyLoadError", "PolicySwap", "RecoveryConfig", "RecoveryController", "RecoveryState",
            "ResidualAdapter", "ResidualConfig", "ResidualState", "ResidualUpdate", "SmartAllocator", "TunerConfig",

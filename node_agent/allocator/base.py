@@ -1,4 +1,5 @@
-"""The base layer: the frozen PPO actor in onnxruntime (`OnnxPolicy`) and `base_layer`."""
+"""The base layer: the frozen actor in onnxruntime (`OnnxPolicy`; trained by behaviour cloning, PPO or
+both: the shipped one is behaviour-cloned) and `base_layer`."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from common.config import ranged, require, validate
@@ -161,6 +162,34 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class CurveConfig:
+    """The curve layer's settings (`node_agent.allocator.curve`: ``move_gain`` / ``hold_gain`` the
+    saving that moves the proposal to the curve's minimum / keeps it there, ``cliff_gain`` the
+    cost rise that refuses a step, ``rho_max`` the utilisation cap of the queueing term,
+    ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed)."""
+
+    enabled: bool = True
+    move_gain: float = 0.25
+    hold_gain: float = 0.1
+    cliff_gain: float = 0.25
+    rho_max: float = 0.95
+    min_emb_refs: float = 200.0
+    min_kv_lookups: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("move_gain", "hold_gain", "cliff_gain"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 < v < 10.0):
+                raise ValueError(f"CurveConfig.{name} must be in (0, 10), got {v!r}")
+        if self.hold_gain > self.move_gain:
+            raise ValueError("CurveConfig.hold_gain must be at most move_gain")
+        if not (0.0 < self.rho_max < 1.0):
+            raise ValueError(f"CurveConfig.rho_max must be in (0, 1), got {self.rho_max!r}")
+        if not (self.min_emb_refs >= 0 and self.min_kv_lookups >= 0):
+            raise ValueError("CurveConfig.min_emb_refs and min_kv_lookups must be >= 0")
+
+
+@dataclass(frozen=True)
 class AllocatorConfig:
     """The SmartAllocator's config: one block per layer plus the runtime's own settings.
 
@@ -176,6 +205,7 @@ class AllocatorConfig:
     residual: ResidualConfig = ranged(factory=ResidualConfig, kind=ResidualConfig)
     recovery: RecoveryConfig = ranged(factory=RecoveryConfig, kind=RecoveryConfig)
     tuner: TunerConfig = ranged(factory=TunerConfig, kind=TunerConfig)
+    curve: CurveConfig = ranged(factory=CurveConfig, kind=CurveConfig)
     initial_emb_share: float = ranged(0.5, lo=0, hi=1)
     device: str = ranged("cpu", choices=("auto", "cpu", "cuda"))
     intra_op_num_threads: int = ranged(1, lo=1, integer=True)

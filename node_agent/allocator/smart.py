@@ -14,6 +14,7 @@ import numpy as np
 from common.config import finite_number as _num
 from node_agent.allocator.base import OnnxPolicy, PolicyLoadError, base_layer
 from node_agent.allocator.config import DECISION_SOURCES, AllocatorConfig
+from node_agent.allocator.curve import CurveGuard, curve_layer
 from node_agent.allocator.decision import AllocatorDecision
 from node_agent.allocator.guards import guard_layer
 from node_agent.allocator.override import Override, override_layer
@@ -50,6 +51,8 @@ class SmartAllocator:
         self.residual = ResidualAdapter(self.config.residual)
         self.recovery = RecoveryController(self.config.recovery)
         self.tuner = OperatingPointTuner(self.config.tuner)
+        self.curve = CurveGuard(self.config.curve)
+        self._curves = None  # the memory's miss-ratio curves for the next decision (`read_curves`)
         self._policy: OnnxPolicy | None = None
         self._scratch = np.zeros(NUM_FEATURES, dtype=np.float32)  # feature buffer when no policy is loaded
         self._share: float | None = None
@@ -121,6 +124,12 @@ class SmartAllocator:
         self.tuner.reset(reason)
 
     # ---- the decision
+    def read_curves(self, curves) -> None:
+        """The node's miss-ratio curves (`node_agent.memory.MemoryManager.miss_curves`, or None)
+        for the next `decide`: the control step (`node_agent.control.control_step`) hands them
+        over with the window's stats. A decision uses them once."""
+        self._curves = curves
+
     def decide(self, stats: WindowStats, now_s: float) -> AllocatorDecision:
         """One decision for the coming interval from ``stats`` of the interval that just ended:
         the layers in order, each on the previous one's proposal, then the state they feed back
@@ -155,6 +164,12 @@ class SmartAllocator:
             layers.append(res_t)
             if res_t.acted:
                 source = "residual"
+        curves, self._curves = self._curves, None
+        if hold is None and c.curve.enabled and curves is not None:
+            proposal, t = curve_layer(self.curve, curves, stats, proposal, prev, c.guard)
+            layers.append(t)
+            if t.acted:
+                source, learnable = "guard", False
         if hold is None and c.recovery.enabled:
             proposal, t, note = recovery_layer(self.recovery, stats.arrival_rate_rps, stats.hot_user_ratio, now_s,
                                                prev, proposal, source)
@@ -270,6 +285,7 @@ class SmartAllocator:
             "residual": self.residual.state().to_dict(),
             "recovery": self.recovery.state().to_dict(),
             "tuner": self.tuner.state().to_dict(),
+            "curve": self.curve.state(),
             "num_decisions": dict(self.num_decisions),
             "num_at_bound": dict(self.num_at_bound),
             "last_decision": self.last_decision.to_dict() if self.last_decision is not None else None,

@@ -1,6 +1,6 @@
 """What each layer of a decision did: `LayerTrace`, one per layer that ran, in order.
 
-A decision composes the layers ``base -> residual -> recovery -> override -> guard``; each takes
+A decision composes the layers ``base -> residual -> curve -> recovery -> override -> guard``; each takes
 the previous layer's proposal and returns its own with a trace: the layer's name, the proposal it
 returned, whether it set the decision's source (``acted``) and ``detail``, the structured inputs
 and figures it used (JSON-able scalars). The reason in words is rendered from the traces when it
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LAYERS = ("base", "residual", "recovery", "override", "guard")
+LAYERS = ("base", "residual", "curve", "recovery", "override", "guard")
 
 # what a decision's traces may carry off the node: the reporter bounds them so
 # (`node_agent.reporter`), the control plane refuses more (`control_plane.schemas.LayerIn`); at most
@@ -28,6 +28,8 @@ DETAIL_FIELDS = {
     "base": ("policy_id", "output", "hold_reason"),
     "residual": ("correction", "offset", "tuner_action", "tuner_step", "tuner_gradient", "tuner_mean_gradient",
                  "tuner_gradient_se", "tuner_sign_test", "load"),
+    "curve": ("action", "min_share", "cost_min_us", "cost_proposal_us", "cost_prev_us", "gain", "emb_refs",
+              "kv_lookups", "kv_refused", "proposal_in", "curve"),
     "recovery": ("phase", "event", "cap", "capped", "rate_ratio", "hot_ratio", "burst_started_s", "entry_emb_share",
                  "kv_shift", "proposal_in", "source_in"),
     "override": ("active", "emb_share", "reason", "expires_at_s", "proposal_in", "source_in"),
@@ -58,7 +60,8 @@ class LayerTrace:
     def to_dict(self) -> dict:
         p = self.proposal
         return {"layer": self.layer, "proposal": None if p != p else p, "acted": self.acted,
-                "detail": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                "detail": {k: (None if isinstance(v, float) and not math.isfinite(v)
+                               else v if v is None or isinstance(v, (str, int, float, bool)) else str(v))
                            for k, v in self.detail.items()}}
 
 
@@ -76,6 +79,18 @@ def _residual_words(d: dict, inner: str) -> str:
                 f"{' (sign test)' if d['tuner_sign_test'] else ''}, at load {d['load']:.2f})")
     if d["correction"] != 0.0:
         return f"{inner} + residual {d['correction']:+.4f}"
+    return inner
+
+
+def _curve_words(d: dict, inner: str) -> str:
+    a = d["action"]
+    if a == "to_minimum":
+        return (f"miss-ratio curves: expected {d['cost_min_us']:.0f} us per request at {d['min_share']:.2f} against "
+                f"{d['cost_proposal_us']:.0f} at the proposal {d['proposal_in']:.4f} (saves {100 * d['gain']:.0f}%): "
+                f"to the curve's minimum ({inner})")
+    if a == "refuse_step":
+        return (f"miss-ratio curves: the step to {d['proposal_in']:.4f} costs {d['cost_proposal_us']:.0f} us per "
+                f"request against {d['cost_prev_us']:.0f} in force (a cliff): step refused ({inner})")
     return inner
 
 
@@ -117,7 +132,7 @@ def _guard_text(d: dict, inner: str) -> str:
     return r
 
 
-_RENDER = {"residual": _residual_words, "recovery": _recovery_words, "override": _override_words,
+_RENDER = {"residual": _residual_words, "curve": _curve_words, "recovery": _recovery_words, "override": _override_words,
            "guard": _guard_text}
 
 

@@ -24,6 +24,7 @@ from .manager import (
     MemoryStats,
     plan_boundary,
 )
+from .mrc import CURVE_SHARES, EmbReuse, KVReuse, MissCurves, ReuseSampler
 from .throttle import TokenBucket
 
 __all__ = [
@@ -31,5 +32,5 @@ __all__ = [
     "Arena", "ArenaSnapshot", "BoundaryPlan", "BoundaryStep", "BoundaryStepReport", "EmbCache",
     "EmbCacheStats", "EmbLookup", "KVAppend", "KVLayout", "KVPool", "KVPoolStats", "KVRelease",
     "ManagerStep", "MemoryConfig", "MemoryManager", "MemoryStats", "RefillConfig",
-    "ResidencyDelta", "TokenBucket", "plan_boundary", "resolve_device", "torch_dtype",
+    "ResidencyDelta", "TokenBucket", "CURVE_SHARES", "EmbReuse", "KVReuse", "MissCurves", "ReuseSampler", "plan_boundary", "resolve_device", "torch_dtype",
 ]

@@ -123,6 +123,10 @@ class MemoryConfig:
       cache that much larger would have served: a short miss-ratio curve of the memory it does
       not have (see `EmbCache` and `KVPool`), from which an allocator reads the marginal utility
       of moving the boundary.
+    - ``miss_curves``: each cache keeps a miss-ratio curve from sampled stack distances
+      (`node_agent.memory.mrc`, SHARDS): its hit rate at every share of the arena, in bounded
+      memory (at most 4,096 followed rows and 2,048 followed users) and bounded time per lookup.
+      ``None`` (the default): on exactly when the ghost lists are on.
     - ``payload``: False runs the same metadata logic with no arena tensor and no host table
       (the simulator's mode); hits, evictions and boundary moves are identical.
     - ``device``: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``.
@@ -140,6 +144,7 @@ class MemoryConfig:
     popularity_half_life_ids: float = ranged(1e6, lo=0, lo_open=True)
     ghost_probes: tuple[float, ...] = ranged((), lo=0, hi=1, lo_open=True, length=(0, None))
     refill: RefillConfig = field(default_factory=RefillConfig)
+    miss_curves: bool | None = None
     payload: bool = True
     device: str = "auto"
 
@@ -185,6 +190,11 @@ class MemoryConfig:
     def max_rows(self) -> int:
         """Rows the slab would have with every page in it."""
         return self.num_pages * self.rows_per_page
+
+    @property
+    def miss_curves_on(self) -> bool:
+        """Whether the caches keep miss-ratio curves (``miss_curves``; None: with the ghost lists)."""
+        return bool(self.ghost_probes) if self.miss_curves is None else bool(self.miss_curves)
 
     @property
     def ghost_probe_pages(self) -> tuple[int, ...]:

@@ -25,10 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .arena import Arena
 from .config import torch_dtype
+from .mrc import EmbReuse
 
 RESERVED_TICK = 1 << 62  # larger than any real tick; never a victim, never counted as a hit
 
@@ -233,6 +235,8 @@ class EmbCache:
         self._ghost_seq = (torch.zeros(num_items, dtype=i64, device=dev) if self.ghost_rows
                            else torch.empty(0, dtype=i64, device=dev))
         self.stats.ghost_hits = (0,) * len(self.ghost_rows)
+        # the miss-ratio curve (config.miss_curves): the slab's hits at every size (node_agent.memory.mrc)
+        self.reuse = EmbReuse(cfg.num_pages, cfg.rows_per_page) if cfg.miss_curves_on else None
         # refill state
         self._refill_candidates = torch.empty(0, dtype=i64, device=dev)
         self._refill_candidates_host = self._refill_candidates.cpu()
@@ -267,8 +271,19 @@ class EmbCache:
             raise ValueError("a metadata-only EMB cache takes no host_table")
 
     # ------------------------------------------------------------------------------ lookup ---
+    def _record_reuse(self, ids: torch.Tensor, counts: torch.Tensor | None, host_ids: np.ndarray | None) -> None:
+        """Feed the miss-ratio curve's sampler from host memory: ``host_ids`` (the same ids as the
+        caller had them before the copy to the device), or ``ids`` themselves on the CPU. Device
+        ids without a host copy are not sampled: reading them back would stall the serving path."""
+        if host_ids is None and ids.is_cuda:
+            return
+        if counts is not None and counts.is_cuda:
+            return
+        src = host_ids if host_ids is not None else ids.numpy()
+        self.reuse.record(np.asarray(src, dtype=np.int64), None if counts is None else counts.numpy())
+
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None,
-               counts: torch.Tensor | None = None) -> EmbLookup:
+               counts: torch.Tensor | None = None, host_ids: np.ndarray | None = None) -> EmbLookup:
         """Rows for ``ids`` (1-D item ids); misses are copied in from host memory (LRU).
 
         ``out`` (optional, ``[n, emb_dim]`` on the device) receives the rows instead of a new
@@ -278,7 +293,9 @@ class EmbCache:
         repeats of itself, as a GPU lookup deduplicates a batch before it queries the cache. The
         cache's state, the counters and the returned figures are exactly those of a call with
         every id repeated ``counts`` times (the repeats need not be adjacent: only the order of
-        first occurrences matters); rows are returned once per given id."""
+        first occurrences matters); rows are returned once per given id. ``host_ids`` (optional):
+        the same ids in host memory, for the miss-ratio curve's sampler (device ids without them
+        are not sampled: reading them back would stall the serving path)."""
         if ids.device != self.device or ids.dtype != torch.int64:
             ids = ids.to(device=self.device, dtype=torch.int64)
         if ids.dim() != 1:
@@ -295,6 +312,8 @@ class EmbCache:
                 raise ValueError("counts must be >= 1")
         stats = self.stats
         stats.num_calls += 1
+        if self.reuse is not None and n:
+            self._record_reuse(ids, counts, host_ids)
         if n == 0:
             rows = None
             if self.payload:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .arena import Arena
+from .mrc import KVReuse
 
 FREE = -1  # page_owner of a free KV page
 EMB = -2  # page_owner of a page in the EMB slab
@@ -140,6 +141,8 @@ class KVPool:
         self.stats.ghost_hits = self.stats.ghost_hit_tokens = (0,) * len(self.ghost_pages)
         self._evicted_pages = 0  # pages freed by evictions so far
         self._ghosts: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # user -> (evicted up to it, pages, tokens)
+        # the miss-ratio curve (config.miss_curves): the pool's hits at every size, refusals included
+        self.reuse = KVReuse(self.num_pages, self.page_tokens) if cfg.miss_curves_on else None
 
     # ------------------------------------------------------------------------ page lists ---
     def _pop_free(self) -> int:
@@ -234,8 +237,12 @@ class KVPool:
     def num_kv_pages(self) -> int:
         return self.num_pages - self.kv_start
 
-    def lookup(self, user_id: int) -> int:
-        """Tokens of ``user_id`` cached here (0: none); a hit makes the user most recent."""
+    def lookup(self, user_id: int, history_tokens: int | None = None) -> int:
+        """Tokens of ``user_id`` cached here (0: none); a hit makes the user most recent.
+        ``history_tokens`` (optional): the request's history length, the miss-ratio curve's
+        denominator (without it the curve counts the user's tokens after its append)."""
+        if self.reuse is not None:
+            self.reuse.lookup(user_id, history_tokens)
         st = self.stats
         st.num_lookups += 1
         entry = self._users.get(user_id)
@@ -283,6 +290,8 @@ class KVPool:
         total = start + num_tokens
         T = self.page_tokens
         need_pages = -(-total // T)
+        if self.reuse is not None:
+            self.reuse.append(user_id, total, refused=need_pages > self.num_kv_pages)
         if need_pages > self.num_kv_pages:
             self.stats.num_rejected += 1
             if entry is not None:

@@ -32,6 +32,7 @@ from .arena import Arena
 from .config import MemoryConfig
 from .emb_cache import EmbCache, EmbCacheStats
 from .kv_pool import KVPool, KVPoolStats
+from .mrc import CURVE_SHARES, MissCurves, miss_curves
 from .throttle import TokenBucket
 
 
@@ -258,6 +259,16 @@ class MemoryManager:
         probe larger would have saved (``config.ghost_probes``; empty tuples when off)."""
         return self.emb.stats.ghost_hits, self.kv.stats.ghost_hit_tokens
 
+    def miss_curves(self, shares=CURVE_SHARES) -> MissCurves | None:
+        """Both caches' predicted hit rates at each of ``shares`` (their EMB slab and KV pool in
+        whole pages, as `pages_for_share` plans them), from the miss-ratio curves; None when
+        ``config.miss_curves`` is off."""
+        if self.emb.reuse is None or self.kv.reuse is None:
+            return None
+        cfg = self.config
+        emb_pages = [cfg.pages_for_share(s) for s in shares]
+        return miss_curves(self.emb.reuse, self.kv.reuse, emb_pages, [cfg.num_pages - p for p in emb_pages], shares)
+
     def take_ghost_counts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """`ghost_counters` since the previous call (since start-up the first time): one
         control interval's counts, for whoever closes intervals (the node agent, the simulator)."""
@@ -343,6 +354,9 @@ class MemoryManager:
     def check_invariants(self) -> list[str]:
         out = self.arena.check_invariants() + self.emb.check_invariants()
         out += self.kv.check_invariants() + self.bucket.check_invariants()
+        for name, r in (("emb curve", self.emb.reuse), ("kv curve", self.kv.reuse)):
+            if r is not None:
+                out += [f"{name}: {v}" for v in r.check_invariants()]
         a = self.arena
         if self.emb.rows != a.emb_pages * a.rows_per_page:
             out.append(f"manager: slab rows {self.emb.rows} != emb pages x rows per page")

@@ -1,0 +1,150 @@
+"""The curve layer: the two caches' miss-ratio curves (`node_agent.memory.MissCurves`) turned into an
+expected time per request at every share, and a guard on the layers' proposal that sees the whole
+trade-off (utility-based cache partitioning's lookahead, Qureshi and Patt 2006; cliffs, Talus and
+Cliffhanger).
+
+Expected time at share ``s`` (`expected_costs`), from the node's window and its profiled miss
+costs:
+
+- KV recompute: ``tokens * (1 - kv_hit(s)) * kv_recompute_us_per_token`` per request (``tokens``:
+  the curve's mean history tokens per lookup);
+- EMB transfer: ``rows(s) * (1 - emb_hit(s)) * emb_transfer_us_per_row``, where ``rows(s)`` is
+  the window's embedding rows per request plus the history items that KV misses add at ``s``
+  over the split in force (a recomputed token looks its item up);
+- queueing from the node's load: the device's time per request ``S(s) = S_now + miss(s) -
+  miss(now)`` (``S_now``: the window's busy time per request) at utilisation
+  ``rho(s) = load * S(s) / S_now``, ``T(s) = S(s) / (1 - min(rho, rho_max))`` (M/M/1).
+
+The layer (`curve_layer`) compares ``T`` at the proposal with ``T`` at the curve's minimum over the
+guard range and at the split in force:
+
+- ``to_minimum``: the minimum saves at least ``move_gain`` of the proposal's ``T``: the proposal
+  becomes the minimum's share (the guards' step limit still paces the move); it stays there while
+  the saving is at least ``hold_gain`` (hysteresis);
+- ``refuse_step``: the proposal's ``T`` exceeds the split in force's by ``cliff_gain`` or more (a
+  step over a cliff): the proposal becomes the split in force;
+- otherwise the proposal passes (``pass``), as it does with too little evidence (``no_curve``:
+  curves off, or fewer followed references than ``min_emb_refs`` / ``min_kv_lookups``).
+
+Its trace carries the curve it used: ``curve``, the expected time per request at each grid share
+as text (``"0.05:812.3 0.10:790.1 ..."``, µs), which the dashboard draws.
+"""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+
+from node_agent.allocator.config import CurveConfig, GuardConfig
+from node_agent.allocator.trace import LayerTrace
+
+CURVE_ACTIONS = ("pass", "no_curve", "to_minimum", "refuse_step")
+
+
+def expected_costs(curves, stats, rho_max: float = 0.95) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(shares, T)``: the expected time per request (µs) at each of ``curves.shares`` (see the
+    module docstring), or None without requests or busy time in the window."""
+    n = stats.num_requests
+    if n <= 0 or stats.load <= 0.0:
+        return None
+    s_now = stats.load * stats.interval_s * 1e6 / n
+    shares = np.asarray(curves.shares, dtype=np.float64)
+    e_hit = np.asarray(curves.emb_hit_rate, dtype=np.float64)
+    k_hit = np.asarray(curves.kv_hit_rate, dtype=np.float64)
+    tokens = float(curves.kv_tokens_per_lookup)
+    kv_us, emb_us = stats.kv_recompute_us_per_token, stats.emb_transfer_us_per_row
+    e_now, k_now = np.interp(stats.emb_share, shares, e_hit), np.interp(stats.emb_share, shares, k_hit)
+    kv_miss = tokens * (1.0 - k_hit)
+    kv_miss_now = tokens * (1.0 - k_now)
+    rows = np.maximum(stats.emb_lookups_per_request + kv_miss - kv_miss_now, 0.0)
+    miss = kv_miss * kv_us + rows * (1.0 - e_hit) * emb_us
+    miss_now = kv_miss_now * kv_us + stats.emb_lookups_per_request * (1.0 - e_now) * emb_us
+    service = np.maximum(s_now + miss - miss_now, 0.05 * s_now)
+    rho = np.minimum(stats.load * service / s_now, rho_max)
+    return shares, service / (1.0 - rho)
+
+
+class CurveGuard:
+    """The curve layer's state: whether it holds the curve's minimum (hysteresis)."""
+
+    def __init__(self, config: CurveConfig | None = None) -> None:
+        self.config = config or CurveConfig()
+        self.holding = False
+        self.num_actions = {a: 0 for a in CURVE_ACTIONS}
+
+    def reset(self) -> None:
+        self.holding = False
+
+    def state(self) -> dict:
+        return {"enabled": self.config.enabled, "holding_minimum": self.holding, "num_actions": dict(self.num_actions)}
+
+
+class CostCurve:
+    """The expected time per request at each grid share, as the curve layer's trace keeps it: the
+    arrays, rendered as text (``"0.05:812.3 0.10:790.1 ..."``, µs) only when the record is read
+    (`LayerTrace.to_dict`), so a decision does not pay for formatting it."""
+
+    __slots__ = ("shares", "cost")
+
+    def __init__(self, shares, cost) -> None:
+        self.shares, self.cost = shares, cost
+
+    def __str__(self) -> str:
+        return " ".join(f"{s:.2f}:{c:.1f}" for s, c in zip(self.shares.tolist(), self.cost.tolist()))
+
+    def __len__(self) -> int:
+        return len(self.shares)
+
+
+def parse_curve_text(text: str) -> list[tuple[float, float]]:
+    """The ``curve`` detail back into ``[(share, µs)]`` (malformed pairs are skipped)."""
+    out = []
+    for pair in str(text or "").split():
+        a, sep, b = pair.partition(":")
+        try:
+            s, c = float(a), float(b)
+        except ValueError:
+            continue
+        if sep and math.isfinite(s) and math.isfinite(c):
+            out.append((s, c))
+    return out
+
+
+def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: float,
+                guard: GuardConfig) -> tuple[float, LayerTrace]:
+    """The curve layer (see the module docstring). Detail (`trace.DETAIL_FIELDS["curve"]`):
+    ``action``, ``min_share`` and ``cost_min_us`` (the curve's minimum over the guard range),
+    ``cost_proposal_us`` and ``cost_prev_us`` (``T`` at the proposal in and at the split in
+    force), ``gain`` (the minimum's saving over the proposal's ``T``), ``emb_refs`` /
+    ``kv_lookups`` (the evidence), ``kv_refused``, ``proposal_in`` and ``curve``."""
+    c = guard_state.config
+    nan = float("nan")
+    costs = None
+    if curves is not None and curves.emb_followed >= c.min_emb_refs and curves.kv_followed >= c.min_kv_lookups:
+        costs = expected_costs(curves, stats, c.rho_max)
+    if costs is None:
+        guard_state.holding = False
+        guard_state.num_actions["no_curve"] += 1
+        ev = (nan, nan, nan) if curves is None else (curves.emb_followed, curves.kv_followed, curves.kv_refused)
+        return proposal, LayerTrace("curve", proposal, False,
+                                    ("no_curve", nan, nan, nan, nan, nan, *ev, proposal, ""))
+    shares, cost = costs
+    inside = (shares >= guard.min_emb_share - 1e-9) & (shares <= guard.max_emb_share + 1e-9)
+    idx = np.flatnonzero(inside)
+    j = int(idx[np.argmin(cost[idx])])
+    s_min, t_min = float(shares[j]), float(cost[j])
+    p_in = min(max(proposal, guard.min_emb_share), guard.max_emb_share)
+    t_p = float(np.interp(p_in, shares, cost))
+    t_prev = float(np.interp(prev, shares, cost))
+    gain = (t_p - t_min) / t_p if t_p > 0 else 0.0
+    out, action = proposal, "pass"
+    if gain >= c.move_gain or (guard_state.holding and gain >= c.hold_gain):
+        out, action = s_min, "to_minimum"
+    elif t_prev > 0 and t_p >= t_prev * (1.0 + c.cliff_gain):
+        out, action = prev, "refuse_step"
+    guard_state.holding = action == "to_minimum"
+    guard_state.num_actions[action] += 1
+    acted = action != "pass" and out != proposal
+    return out, LayerTrace("curve", out, acted,
+                           (action, s_min, t_min, t_p, t_prev, round(gain, 6), curves.emb_followed, curves.kv_followed,
+                            curves.kv_refused, proposal, CostCurve(shares, cost)))

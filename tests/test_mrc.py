@@ -1,0 +1,196 @@
+"""Miss-ratio curves (node_agent/memory/mrc.py) against exact LRU caches, the KV pool's refusals on
+the curve, the bounded sampler, and the curve layer of the allocator (node_agent/allocator/curve.py)
+from the curves to the decision's trace."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from node_agent.allocator import AllocatorConfig, CurveConfig, CurveGuard, GuardConfig, SmartAllocator, curve_layer
+from node_agent.allocator.curve import expected_costs, parse_curve_text
+from node_agent.allocator.trace import DETAIL_FIELDS, LAYERS
+from node_agent.control import control_step
+from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, MissCurves
+from node_agent.memory.mrc import EmbReuse, KVReuse, key_hash
+from tests.test_allocator import constant_policy, window
+
+
+def _exact_emb_lru(batches, cap_rows):
+    """Hit fraction (repeats counted) of a row LRU that stamps a batch at once."""
+    lru, hits, tot = OrderedDict(), 0, 0
+    for b in batches:
+        for x in b.tolist():
+            tot += 1
+            hits += x in lru
+        for x in dict.fromkeys(b.tolist()):
+            if x in lru:
+                lru.move_to_end(x)
+            else:
+                lru[x] = 1
+                if len(lru) > cap_rows:
+                    lru.popitem(last=False)
+    return hits / tot
+
+
+def test_emb_curve_at_rate_one_is_the_exact_lru_hit_rate():
+    rng = np.random.default_rng(1)
+    batches = (rng.zipf(1.1, size=40_000) % 3_000).astype(np.int64).reshape(-1, 40)
+    e = EmbReuse(100, 10, max_keys=4_096, half_life=1e12)
+    for b in batches:
+        e.record(b)
+    assert e.rate == 1.0 and e.check_invariants() == []
+    for pages in (5, 20, 60):
+        # one lookup's rows share a stamp (their order within it is the slab's choice): the curve
+        # puts each at the middle of its lookup's rows, within 0.015 of the exact LRU
+        assert float(e.hit_fraction([pages])[0]) == pytest.approx(_exact_emb_lru(batches, pages * 10), abs=0.015)
+
+
+def test_emb_sampler_is_bounded_and_lowers_its_rate():
+    rng = np.random.default_rng(2)
+    e = EmbReuse(50, 8, max_keys=64)
+    for _ in range(200):
+        e.record(rng.integers(0, 5_000, size=30).astype(np.int64))
+    assert e.num_keys <= 64 and e.rate < 0.1 and e.check_invariants() == []
+    assert len(e.pos) == 64 and len(e.hits) == 257  # memory fixed by max_keys and num_bins
+    # every followed key hashes under the threshold; the same key is followed or not, always
+    keys = np.array(list(e._slot), dtype=np.int64)
+    assert (key_hash(keys) < np.uint64(e.threshold)).all()
+
+
+def test_kv_curve_shows_a_refused_user_as_a_cliff_at_its_size():
+    """One user of 40 tokens (3 pages of 16) returns every request; a pool of 2 pages refuses it
+    (KVPool.append -> None) and never caches it, yet its curve says 3 pages would hit."""
+    cfg = MemoryConfig(num_pages=10, num_items=100, emb_dim=4, kv=KVLayout(num_layers=1, num_heads=1, head_dim=4,
+                                                                            page_tokens=16),
+                       initial_emb_share=0.8, payload=False, device="cpu", miss_curves=True)
+    mm = MemoryManager(cfg)
+    assert mm.kv.num_kv_pages == 2
+    for _ in range(20):
+        cached = mm.kv.lookup(7, history_tokens=40)
+        assert cached == 0
+        assert mm.kv.append(7, 40) is None  # refused: 3 pages > 2
+    assert mm.kv.stats.num_rejected == 20 and mm.kv.reuse.num_refused > 19
+    k = mm.kv.reuse
+    assert k.hit_fraction([2.9])[0] < 0.1  # 2.9 pages: still a miss
+    assert k.hit_fraction([3.1])[0] > 0.9  # 19 of 20 lookups hit 40 of 40 tokens once it fits
+    curves = mm.miss_curves()
+    # share 0.6 leaves 4 pages to the pool, 0.8 leaves 2 (the curve's bins are 1/256 of the arena)
+    kv_at = dict(zip(curves.shares, curves.kv_hit_rate))
+    assert kv_at[0.6] > 0.9 and kv_at[0.8] == 0.0
+    assert mm.check_invariants() == []
+
+
+def test_kv_curve_matches_a_whole_user_lru_with_growing_users():
+    rng = np.random.default_rng(3)
+    users = (rng.zipf(1.3, size=6_000) % 200).tolist()
+    k = KVReuse(200, 16, half_life=1e12)
+    size: dict[int, int] = {}
+    for u in users:
+        h = size.get(u, 0)
+        k.lookup(u, h)
+        size[u] = h + 20 if h + 20 < 600 else 20
+        k.append(u, size[u])
+    for pool in (40, 120):
+        lru, used, hit, tot, sz = OrderedDict(), 0, 0, 0, {}
+        for u in users:
+            h = sz.get(u, 0)
+            tot += h
+            if u in lru:
+                hit += min(lru[u][1], h)
+                lru.move_to_end(u)
+            new = h + 20 if h + 20 < 600 else 20
+            sz[u] = new
+            if u in lru:
+                used -= lru.pop(u)[0]
+            pages = -(-new // 16)
+            if pages > pool:
+                continue
+            while used + pages > pool:
+                used -= lru.popitem(last=False)[1][0]
+            lru[u] = (pages, new)
+            used += pages
+        assert k.hit_fraction([pool])[0] == pytest.approx(hit / tot, abs=0.02)
+
+
+def _curves(kv_hit, emb_hit, tokens=400.0, shares=(0.1, 0.2, 0.3, 0.4, 0.5)):
+    return MissCurves(tuple(shares), tuple(emb_hit), tuple(kv_hit), 1e4, 1e3, 1.0, 1.0, tokens, 0.0)
+
+
+def test_expected_costs_and_the_curve_layer_refuse_a_step_over_a_cliff():
+    # the K/V fit up to share 0.3 and not above; EMB gains a little with share
+    cur = _curves(kv_hit=(0.9, 0.9, 0.9, 0.02, 0.02), emb_hit=(0.5, 0.55, 0.6, 0.65, 0.7), tokens=4000.0)
+    st = window(emb_share=0.3, load=0.5, num_requests=100, interval_s=1.0, emb_lookups_per_request=100.0,
+                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    shares, cost = expected_costs(cur, st)
+    assert list(shares) == [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert cost[3] > 2 * cost[2]  # over the cliff
+    g = GuardConfig()
+    state = CurveGuard(CurveConfig())
+    # a proposal over the cliff from 0.3: the minimum (0.3) saves > 25%: to the minimum
+    out, t = curve_layer(state, cur, st, 0.4, 0.3, g)
+    assert (out, t.acted, t.detail["action"], t.detail["min_share"]) == (0.3, True, "to_minimum", 0.3)
+    pairs = parse_curve_text(t.detail["curve"])
+    assert [s for s, _ in pairs] == [0.1, 0.2, 0.3, 0.4, 0.5] and pairs[3][1] == pytest.approx(cost[3], abs=0.1)
+    # a proposal at the minimum passes
+    out, t = curve_layer(CurveGuard(), cur, st, 0.3, 0.3, g)
+    assert (out, t.acted, t.detail["action"]) == (0.3, False, "pass")
+    # no evidence: the layer passes and says why
+    thin = MissCurves(cur.shares, cur.emb_hit_rate, cur.kv_hit_rate, 10.0, 2.0, 1.0, 1.0, 400.0, 0.0)
+    out, t = curve_layer(CurveGuard(), thin, st, 0.45, 0.3, g)
+    assert (out, t.acted, t.detail["action"]) == (0.45, False, "no_curve")
+
+
+def test_curve_layer_refuses_a_step_that_costs_more_without_a_large_saving():
+    # flat except for a bump at 0.4: the minimum saves < 25% of the proposal's cost, the step's rise > 25%
+    cur = _curves(kv_hit=(0.5, 0.5, 0.5, 0.3, 0.5), emb_hit=(0.5,) * 5)
+    st = window(emb_share=0.3, load=0.2, num_requests=100, interval_s=1.0, emb_lookups_per_request=50.0,
+                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    cfg = CurveConfig(move_gain=0.9, hold_gain=0.5, cliff_gain=0.1)
+    out, t = curve_layer(CurveGuard(cfg), cur, st, 0.4, 0.3, GuardConfig())
+    assert (out, t.detail["action"]) == (0.3, "refuse_step") and t.acted
+
+
+def test_smart_allocator_runs_the_curve_layer_from_the_control_step(tmp_path):
+    """`control_step` hands the manager's curves to the allocator; the decision's trace carries the
+    curve layer between residual and recovery; without curves the layer does not run."""
+    policy = constant_policy(tmp_path / "p", 0.6)
+    assert LAYERS.index("curve") == LAYERS.index("residual") + 1
+    assert len(DETAIL_FIELDS["curve"]) <= 16
+    cfg = MemoryConfig(num_pages=64, num_items=500, emb_dim=4,
+                       kv=KVLayout(num_layers=1, num_heads=1, head_dim=4, page_tokens=16),
+                       initial_emb_share=0.6, payload=False, device="cpu", miss_curves=True)
+    mm = MemoryManager(cfg)
+    import torch
+
+    rng = np.random.default_rng(4)
+    for i in range(400):  # users of 15 pages each that fit only in a pool of 45+ pages (share <= 0.3)
+        u = int(rng.integers(0, 3))
+        mm.kv.lookup(u, 240)
+        mm.kv.append(u, 240 - mm.kv.num_tokens(u)) if mm.kv.num_tokens(u) < 240 else None
+        mm.emb.lookup(torch.from_numpy(rng.integers(0, 500, size=20)))
+    alloc = SmartAllocator(AllocatorConfig(), policy_dir=policy)
+    st = window(emb_share=0.6, load=0.6, num_requests=400, emb_lookups_per_request=20.0, kv_hit_rate=0.0,
+                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    eff = control_step(alloc, st, mm, 1.0)
+    d = eff.decision
+    names = [t.layer for t in d.layers]
+    assert names[:3] == ["base", "residual", "curve"]
+    c = d.layer("curve").detail
+    assert c["action"] == "to_minimum" and c["min_share"] <= 0.3
+    assert d.source == "guard" and d.emb_share == pytest.approx(0.5)  # the step limit paces the move KV-ward
+    assert "miss-ratio curves" in d.reason
+    # a decision without curves has no curve layer
+    d2 = alloc.decide(st, 2.0)
+    assert "curve" not in [t.layer for t in d2.layers]
+    # the curve guard's state is in the allocator's state
+    assert alloc.state()["curve"]["num_actions"]["to_minimum"] == 1
+
+
+def test_curves_off_by_default_and_on_with_the_ghost_lists():
+    base = dict(num_pages=8, num_items=10, emb_dim=4, payload=False, device="cpu")
+    assert MemoryManager(MemoryConfig(**base)).miss_curves() is None
+    assert MemoryManager(MemoryConfig(**base, ghost_probes=(0.1,))).miss_curves() is not None
+    assert MemoryManager(MemoryConfig(**base, ghost_probes=(0.1,), miss_curves=False)).miss_curves() is None
