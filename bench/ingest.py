@@ -1,17 +1,31 @@
-"""Ingestion benchmark: a real control-plane process, N simulated nodes, real HTTP.
+"""Ingestion benchmark: real control-plane processes, N simulated nodes, real HTTP.
 
-    python -m bench.ingest --json --db sqlite          [--nodes 1000] [--duration-s 20]
+    python -m bench.ingest --json --db sqlite          [--nodes 1000] [--duration-s 20] [--runs 5]
     python -m bench.ingest --json --db postgresql      [--pg-url postgresql://postgres@127.0.0.1/]
+    python -m bench.ingest --json --db postgresql --replicas 2 --nodes 3000
+    python -m bench.ingest --json --db sqlite --runs 5 --baseline-rev REV   # REV's server beside this one
 
-Starts ``python -m control_plane.main`` on a fresh database (a temporary SQLite file, or a fresh
-PostgreSQL database ``racer_bench_ingest`` on the server of ``--pg-url``), creates one node token per simulated node (bound to its id),
-registers ``--nodes`` nodes, then each simulated node sends one report per second (a batch of
-one; phases spread over the second) as an HTTP/1.1 request on its own keep-alive connection (an
-asyncio client writing raw requests, so the client costs little CPU next to the server). After
-``--warmup-s`` it measures for ``--duration-s``: ``reports_per_s`` is the reports *stored*
-(acknowledged by the server) per second of the measured span, ``ingest_p99_ms`` the P99 of the
-client-side request latency (send to full response), over the measured requests. Errors (non-200
-replies, broken connections) are counted. Prints one JSON object with ``--json``.
+Starts ``--replicas`` control-plane processes (``python -m control_plane.main``; more than one
+only on PostgreSQL, each with the scheduler on, so the replicas elect its one leader) on a fresh
+database (a temporary SQLite file, or a fresh PostgreSQL database ``racer_bench_ingest`` on the
+server of ``--pg-url``), creates one node token per simulated node (bound to its id), registers
+``--nodes`` nodes, node i with replica i mod ``--replicas`` (as a load balancer spreading
+connections would), then each simulated node sends one report per second (a batch of one; phases
+spread over the second) as an HTTP/1.1 request on its own keep-alive connection (an asyncio client
+writing raw requests, so the client costs little CPU next to the server). After ``--warmup-s`` it
+measures for ``--duration-s``: ``reports_per_s`` is the reports *stored* (acknowledged by the
+server) per second of the measured span, ``ingest_p99_ms`` the P99 of the client-side request
+latency (send to full response), over the measured requests. Errors (non-200 replies, broken
+connections) are counted. Then the stored rows are read back from the database: ``rows_lost``
+counts reports acknowledged as stored that are not there, ``rows_doubled`` rows stored more than
+once, ``rows_unacknowledged`` rows stored whose request got no acknowledgement (a broken
+connection). CPU is read from /proc over the measured drive: the servers' per request, the
+client's, and a local PostgreSQL server's (all its processes) as shares of one core.
+
+``--runs K`` repeats the whole measurement K times in a row (a fresh database each) and adds a
+summary (each run's P99, the worst, CPU per report). ``--baseline-rev REV`` runs the server of
+git revision REV (its tree from ``git archive``, the same client) before each run of this tree's
+server, so the two stand side by side in one output. Prints one JSON object with ``--json``.
 """
 
 from __future__ import annotations
@@ -43,15 +57,17 @@ def free_port() -> int:
 
 
 def start_control_plane(db_url: str, port: int, admin: str, extra_env: dict | None = None,
-                        log_path: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, RACER_ADMIN_TOKEN=admin, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                        log_path: str | None = None, root: Path = ROOT) -> subprocess.Popen:
+    """A control-plane process of the tree at ``root`` (this one, or a baseline revision's)."""
+    env = dict(os.environ, RACER_ADMIN_TOKEN=admin,
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(extra_env or {})
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     cmd = os.environ.get("RACER_BENCH_SERVER_CMD")  # profiling hook: a script taking (db_url, port)
     argv = ([sys.executable, cmd, db_url, str(port)] if cmd else
             [sys.executable, "-m", "control_plane.main", "--db", db_url, "--port", str(port)])
     proc = subprocess.Popen(argv,
-                            cwd=str(ROOT), env=env, stdout=out, stderr=subprocess.STDOUT)
+                            cwd=str(root), env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 60
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -128,103 +144,188 @@ async def node_loop(node_id: str, port: int, token: str, t_start: float, t_end: 
                 stored = json.loads(data)["stored"]
             elif status:
                 errors.append(f"{node_id}: HTTP {status} {data[:200]!r}")
-            results.append((sent_at, dt, stored))
+            results.append((sent_at, dt, stored, node_id, seq))
             seq += 1
             next_t += 1.0
     finally:
         writer.close()
 
 
-async def drive(port: int, tokens: dict[str, str], node_ids: list[str], warmup_s: float, duration_s: float,
-                seed: int):
-    """Every node reports with its own token (a node token is bound to one node id)."""
+async def drive(ports: dict[str, int], tokens: dict[str, str], node_ids: list[str], warmup_s: float,
+                duration_s: float, seed: int):
+    """Every node reports with its own token (a node token is bound to one node id) to its
+    replica's port (``ports``: node id -> port)."""
     rng = random.Random(seed)
     t_start = time.time() + 1.0
     t_end = t_start + warmup_s + duration_s
     results: list = []
     errors: list = []
-    await asyncio.gather(*(node_loop(n, port, tokens[n], t_start, t_end, rng.random(), results, errors)
+    await asyncio.gather(*(node_loop(n, ports[n], tokens[n], t_start, t_end, rng.random(), results, errors)
                            for n in node_ids))
     return t_start, results, errors
 
 
+def stored_rows(url: str) -> list[tuple[str, int, int]]:
+    """(node_id, seq, copies) of every report stored in the database at ``url``."""
+    sql = "SELECT node_id, seq, count(*) FROM node_reports GROUP BY node_id, seq"
+    if url.startswith("sqlite:///"):
+        import sqlite3
+
+        with sqlite3.connect(url[len("sqlite:///"):]) as c:
+            return [tuple(r) for r in c.execute(sql)]
+    import psycopg
+
+    with psycopg.connect(url) as c:
+        return [tuple(r) for r in c.execute(sql)]
+
+
+def check_rows(url: str, results: list) -> dict:
+    """What the database holds against what the server acknowledged (see the module docstring)."""
+    acked = {(nid, seq) for _t, _dt, stored, nid, seq in results if stored}
+    rows = stored_rows(url)
+    have = {(nid, seq) for nid, seq, _n in rows}
+    return {"rows_stored": len(rows), "rows_acknowledged": len(acked), "rows_lost": len(acked - have),
+            "rows_doubled": sum(n - 1 for _a, _b, n in rows if n > 1), "rows_unacknowledged": len(have - acked)}
+
+
+def baseline_tree(rev: str) -> Path:
+    """The tree of git revision ``rev`` of this repository, unpacked in a temporary folder."""
+    out = Path(tempfile.mkdtemp(prefix="racer-baseline-"))
+    tar = subprocess.run(["git", "archive", "--format=tar", rev], cwd=str(ROOT), capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=tar, check=True)
+    return out
+
+
 def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, seed: int = 0,
-        keep_log: str | None = None) -> dict:
+        keep_log: str | None = None, replicas: int = 1, root: Path = ROOT) -> dict:
+    """One measurement (see the module docstring) of the server of the tree at ``root``."""
     admin = "bench-admin-token"
-    port = free_port()
+    if replicas > 1 and db != "postgresql":
+        raise ValueError("--replicas > 1 needs --db postgresql (SQLite: one process per database file)")
     tmp = tempfile.mkdtemp(prefix="racer-ingest-")
     if db == "sqlite":
         url = f"sqlite:///{tmp}/cp.db"
     else:
         url = fresh_pg_database(pg_url, "racer_bench_ingest")
-    log = keep_log or os.path.join(tmp, "control_plane.log")
-    proc = start_control_plane(url, port, admin, log_path=log,
-                               extra_env={"RACER_LIVENESS_MISSED_INTERVALS": "30"})
+    procs, ports = [], []
     try:
-        base = f"http://127.0.0.1:{port}/api/v1"
+        for k in range(replicas):
+            ports.append(free_port())
+            log = (keep_log + (f".{k}" if k else "")) if keep_log else os.path.join(tmp, f"control_plane.{k}.log")
+            procs.append(start_control_plane(url, ports[k], admin, log_path=log, root=root,
+                                             extra_env={"RACER_LIVENESS_MISSED_INTERVALS": "30"}))
+        ids = [f"bench-{i:05d}" for i in range(nodes)]
+        node_port = {nid: ports[i % replicas] for i, nid in enumerate(ids)}
+        tokens = {}
         with httpx.Client(timeout=30) as c:
-            ids = [f"bench-{i:05d}" for i in range(nodes)]
-            tokens = {}
             for nid in ids:
-                r = c.post(f"{base}/tokens", json={"role": "node", "name": f"bench {nid}", "node_id": nid},
+                r = c.post(f"http://127.0.0.1:{ports[0]}/api/v1/tokens",
+                           json={"role": "node", "name": f"bench {nid}", "node_id": nid},
                            headers={"Authorization": f"Bearer {admin}"})
                 r.raise_for_status()
                 tokens[nid] = r.json()["token"]
-                r = c.post(f"{base}/nodes/register", headers={"Authorization": f"Bearer {tokens[nid]}"}, json={
-                    "node_id": nid, "address": "http://127.0.0.1:1", "device": "cpu",
-                    "cost_profile": {"kv_recompute_us_per_token": 2.5, "emb_transfer_us_per_row": 0.8,
-                                     "service_time_us": 1000.0, "queue_capacity": 64}})
+                r = c.post(f"http://127.0.0.1:{node_port[nid]}/api/v1/nodes/register",
+                           headers={"Authorization": f"Bearer {tokens[nid]}"}, json={
+                               "node_id": nid, "address": "http://127.0.0.1:1", "device": "cpu",
+                               "cost_profile": {"kv_recompute_us_per_token": 2.5, "emb_transfer_us_per_row": 0.8,
+                                                "service_time_us": 1000.0, "queue_capacity": 64}})
                 r.raise_for_status()
-        cpu0, me0 = _cpu_s(proc.pid), _cpu_s(os.getpid())
+        cpu0, me0, pg0 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), _postgres_cpu_s()
         w0 = time.time()
         tune_runtime()  # the client's own collections would otherwise show up as server latency
-        t_start, results, errors = asyncio.run(drive(port, tokens, ids, warmup_s, duration_s, seed))
-        cpu1, me1, w1 = _cpu_s(proc.pid), _cpu_s(os.getpid()), time.time()
+        t_start, results, errors = asyncio.run(drive(node_port, tokens, ids, warmup_s, duration_s, seed))
+        cpu1, me1, w1, pg1 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), time.time(), _postgres_cpu_s()
+        load = round(os.getloadavg()[0], 2)
         m0, m1 = t_start + warmup_s, t_start + warmup_s + duration_s
-        meas = [(t, dt, st) for t, dt, st in results if m0 <= t < m1]
+        meas = [(t, dt, st) for t, dt, st, _n, _q in results if m0 <= t < m1]
         lat_ms = np.array([dt * 1e3 for _, dt, _ in meas]) if meas else np.array([np.nan])
         stored = sum(st for _, _, st in meas)
+        metrics = []
         with httpx.Client(timeout=30) as c:
-            metrics = c.get(f"http://127.0.0.1:{port}/metrics").text
-        rows = _hist_mean(metrics, "racer_cp_ingest_commit_rows")
-        commit_s = _hist_mean(metrics, "racer_cp_ingest_commit_duration_seconds")
-        handler_s = _hist_mean(metrics, "racer_cp_ingest_request_duration_seconds")
+            for port in ports:
+                metrics.append(c.get(f"http://127.0.0.1:{port}/metrics").text)
+        rows = _hists_mean(metrics, "racer_cp_ingest_commit_rows")
+        commit_s = _hists_mean(metrics, "racer_cp_ingest_commit_duration_seconds")
+        handler_s = _hists_mean(metrics, "racer_cp_ingest_request_duration_seconds")
         return {
-            "db": db, "nodes": nodes, "duration_s": duration_s, "warmup_s": warmup_s,
+            "db": db, "replicas": replicas, "nodes": nodes, "duration_s": duration_s, "warmup_s": warmup_s,
             "reports_per_s": round(stored / duration_s, 1),
             "requests": len(meas),
             "ingest_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
             "ingest_p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
             "ingest_max_ms": round(float(np.max(lat_ms)), 2),
             "errors": len(errors), "error_examples": errors[:3],
+            **check_rows(url, results),
             "server_cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / max(len(results), 1), 3),
             "server_cpu_share_of_one_core": round((cpu1 - cpu0) / (w1 - w0), 3),
             "client_cpu_ms_per_request": round((me1 - me0) * 1e3 / max(len(results), 1), 3),
-            "load_average_1m": round(os.getloadavg()[0], 2), "num_cpus": os.cpu_count(),
+            "client_cpu_share_of_one_core": round((me1 - me0) / (w1 - w0), 3),
+            # a local PostgreSQL server's processes (all of its databases), when there is one
+            "postgres_cpu_share_of_one_core": (round((pg1 - pg0) / (w1 - w0), 3)
+                                               if db == "postgresql" and pg0 is not None and pg1 is not None else None),
+            "load_average_1m": load, "num_cpus": os.cpu_count(),
             "mean_rows_per_commit": None if rows is None else round(rows, 2),
             "mean_commit_ms": None if commit_s is None else round(commit_s * 1e3, 3),
-            "commit_p99_bound_ms": _ms(_hist_quantile_bound(metrics, "racer_cp_ingest_commit_duration_seconds", 0.99)),
-            "handler_p99_bound_ms": _ms(_hist_quantile_bound(metrics, "racer_cp_ingest_request_duration_seconds",
+            "commit_p99_bound_ms": _ms(_hist_quantile_bound(metrics[0], "racer_cp_ingest_commit_duration_seconds",
+                                                            0.99)),
+            "handler_p99_bound_ms": _ms(_hist_quantile_bound(metrics[0], "racer_cp_ingest_request_duration_seconds",
                                                              0.99)),
             "mean_server_handler_ms": None if handler_s is None else round(handler_s * 1e3, 3),
-            "target": {"reports_per_s": ">= 1000", "ingest_p99_ms": "<= 50"},
+            "target": {"reports_per_s": f">= {nodes}", "ingest_p99_ms": "<= 50"},
         }
     finally:
-        proc.send_signal(2)  # SIGINT: uvicorn shuts down gracefully
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc in procs:
+            proc.send_signal(2)  # SIGINT: uvicorn shuts down gracefully
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def summary(runs: list[dict]) -> dict:
+    """Each run's P99 and CPU per report, the worst P99, the median CPU, and whether every run
+    held the targets (rate, P99, nothing lost or doubled)."""
+    p99 = [r["ingest_p99_ms"] for r in runs]
+    cpu = [r["server_cpu_ms_per_request"] for r in runs]
+    return {"ingest_p99_ms_each_run": p99, "ingest_p99_ms_worst": max(p99),
+            "server_cpu_ms_per_request_each_run": cpu,
+            "server_cpu_ms_per_request_median": round(float(np.median(cpu)), 3),
+            "reports_per_s_each_run": [r["reports_per_s"] for r in runs],
+            "load_average_1m_each_run": [r["load_average_1m"] for r in runs],
+            "rows_lost": sum(r["rows_lost"] for r in runs), "rows_doubled": sum(r["rows_doubled"] for r in runs),
+            "every_run_held": all(r["ingest_p99_ms"] <= 50 and r["reports_per_s"] >= 0.99 * r["nodes"]
+                                  and not r["rows_lost"] and not r["rows_doubled"] and not r["errors"]
+                                  for r in runs)}
 
 
 def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process, seconds (Linux /proc)."""
+def _postgres_cpu_s() -> float | None:
+    """CPU seconds of every process named ``postgres`` on this machine (a local server), with those
+    of its exited backends (their parent's reaped-children times), or None."""
+    total, found = 0.0, False
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (d / "comm").read_text().strip() != "postgres":
+                continue
+            total += _cpu_s(int(d.name), children=True)
+            found = True
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return total if found else None
+
+
+def _cpu_s(pid: int, children: bool = False) -> float:
+    """utime + stime of a process (with ``children``: plus those of its exited, reaped children),
+    seconds (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _hist_quantile_bound(text: str, name: str, q: float) -> float | None:
@@ -240,14 +341,16 @@ def _hist_quantile_bound(text: str, name: str, q: float) -> float | None:
     return next(le for le, c in buckets if c >= q * total)
 
 
-def _hist_mean(text: str, name: str) -> float | None:
-    s = c = None
-    for ln in text.splitlines():
-        if ln.startswith(name + "_sum "):
-            s = float(ln.split()[1])
-        elif ln.startswith(name + "_count "):
-            c = float(ln.split()[1])
-    return s / c if s is not None and c else None
+def _hists_mean(texts: list[str], name: str) -> float | None:
+    """The mean of histogram ``name`` over several processes' /metrics."""
+    s = c = 0.0
+    for text in texts:
+        for ln in text.splitlines():
+            if ln.startswith(name + "_sum "):
+                s += float(ln.split()[1])
+            elif ln.startswith(name + "_count "):
+                c += float(ln.split()[1])
+    return s / c if c else None
 
 
 def main(argv=None) -> int:
@@ -256,14 +359,32 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--replicas", type=int, default=1, help="control-plane processes on one database (PostgreSQL)")
+    p.add_argument("--runs", type=int, default=1, help="measurements in a row (each on a fresh database)")
+    p.add_argument("--baseline-rev", default=None, metavar="REV",
+                   help="also measure the server of git revision REV, before each run of this tree's")
     p.add_argument("--pg-url", default=os.environ.get("RACER_BENCH_PG_URL", "postgresql://postgres@127.0.0.1/"),
                    help="PostgreSQL server (a database racer_bench_ingest is created there)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.nodes < 1 or a.duration_s <= 0 or a.warmup_s < 0:
-        print("error: --nodes >= 1, --duration-s > 0, --warmup-s >= 0", file=sys.stderr)
+    if a.nodes < 1 or a.duration_s <= 0 or a.warmup_s < 0 or a.runs < 1 or a.replicas < 1:
+        print("error: --nodes >= 1, --duration-s > 0, --warmup-s >= 0, --runs >= 1, --replicas >= 1", file=sys.stderr)
         return 2
-    out = run(a.db, a.nodes, a.duration_s, a.warmup_s, a.pg_url)
+    if a.replicas > 1 and a.db != "postgresql":
+        print("error: --replicas > 1 needs --db postgresql", file=sys.stderr)
+        return 2
+    trees = {"current": ROOT}
+    if a.baseline_rev:
+        trees = {f"baseline {a.baseline_rev}": baseline_tree(a.baseline_rev), "current": ROOT}
+    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    for i in range(a.runs):
+        for name, root in trees.items():
+            runs[name].append(run(a.db, a.nodes, a.duration_s, a.warmup_s, a.pg_url, seed=i, replicas=a.replicas,
+                                  root=root))
+    if len(trees) == 1 and a.runs == 1:
+        out = runs["current"][0]
+    else:
+        out = {"runs": runs, "summary": {k: summary(v) for k, v in runs.items()}}
     print(json.dumps(out) if a.json else json.dumps(out, indent=2))
     return 0
 

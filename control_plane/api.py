@@ -36,7 +36,7 @@ from .jobs import Scheduling, secret_key_of
 from .quota import NodeQuota
 from .rollout_service import Conflict, NotFound
 from .routes import (audit, directives, gateways, health, history, models, nodes, overrides, policies, rollouts,
-                     routers, tokens)
+                     routers, tokens, whatif)
 from .routes.deps import API, errors
 from .artifacts import MAX_ARTIFACT_UNPACKED_BYTES, pack_artifact, unpack_artifact  # noqa: F401 (re-exported)
 from .routes.report_ingest import IngestFastPath
@@ -47,7 +47,7 @@ log = logging.getLogger("racer.control_plane")
 
 #: the API's routers, in the order their operations appear (and the gate matches them)
 API_ROUTERS = (tokens, nodes, directives, history, routers, overrides, audit, policies, models, rollouts,
-               gateways)
+               gateways, whatif)
 
 
 @asynccontextmanager
@@ -60,10 +60,11 @@ async def lifespan(app: FastAPI):
     factory = session_factory(engine)
     metrics = ControlPlaneMetrics()
     app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
-    app.state.tokens = TokenCache(factory)
+    app.state.tokens = TokenCache(factory, refresh_s=settings.token_refresh_s)
+    app.state.tokens.start()
     app.state.known_nodes = set()
     app.state.reports_dropped = {}  # node_id -> (seq, num_reports_dropped, rose_at_s) of its latest report saying
-    app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows)
+    app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows, settings.ingest_linger_s)
     app.state.quota = NodeQuota(settings.node_reports_per_s, settings.node_burst_reports,
                                 settings.node_report_bytes_per_s, settings.node_burst_report_bytes)
     if secret_key_of(settings, factory) is None:  # made now beside a SQLite file; else said once
@@ -81,6 +82,7 @@ async def lifespan(app: FastAPI):
         yield
     finally:
         app.state.scheduling.stop()
+        app.state.tokens.stop()
         app.state.writer.close()
         engine.dispose()
 
@@ -106,9 +108,27 @@ def openapi_document(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+class ControlPlaneApp(FastAPI):
+    """FastAPI whose HTTP requests pass `RequestGate` and `IngestFastPath` (``front``) before the
+    framework's own stack (its error handler, telemetry and body-limit wrappers, the routes): the
+    gate sees every request first, and a report batch is stored without a frame of that stack."""
+
+    front = None  # set by `create_app`
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.front is not None:
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def framework(self, scope, receive, send) -> None:
+        """The framework's stack (what ``front`` hands a request on to)."""
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     settings = settings or Settings.from_env()
-    app = FastAPI(title="RACER control plane", version="1", lifespan=lifespan,
+    app = ControlPlaneApp(title="RACER control plane", version="1", lifespan=lifespan,
                   description="Node registration, reports, directives, router weights, overrides, policy "
                               "registry and rollouts, audit log. See docs/control_plane.md.")
     app.state.settings, app.state.clock = settings, clock
@@ -119,11 +139,11 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     for module in API_ROUTERS:
         api.include_router(module.router)
     app.include_router(api)
-    # added last, so outermost: the gate checks the token and caps the body before the ingestion
-    # fast path or any route reads it
     app.add_middleware(AllowedMethods, routes=app.router.routes, error_field="detail")  # 405 / OPTIONS: full Allow
-    app.add_middleware(IngestFastPath, state=app.state)
-    app.add_middleware(RequestGate, openapi=lambda: app.openapi(), state=app.state, settings=settings)
+    # in front of everything: the gate checks the token and caps the body before the ingestion
+    # fast path or any route reads it
+    app.front = RequestGate(IngestFastPath(app.framework, state=app.state), openapi=lambda: app.openapi(),
+                            state=app.state, settings=settings)
     app.openapi = lambda: openapi_document(app)
     app.include_router(health.router)
     return app

@@ -5,9 +5,9 @@ slow hash buys nothing for random secrets). ``operator`` may do everything a ``v
 ``node`` is separate (register, report, directives, confirmations, router registration);
 ``router`` is what a gateway needs and nothing more (list the nodes, read the weights, register
 itself for weight pushes), so a gateway never holds an operator's power. A
-missing or unknown token gets 401, a known token of the wrong role 403. Lookups are cached for
-``ttl_s`` seconds (a revoked token stops working within that time on other replicas; the replica
-that revokes a node's tokens forgets them at once).
+missing or unknown token gets 401, a known token of the wrong role 403. Known tokens are cached
+(`TokenCache`: re-read together every ``token_refresh_s``, so a token revoked on another replica
+stops working within that time; the replica that revokes a token forgets it at once).
 
 A node token is bound to one node id (``Token.node_id``): on the node routes (``/api/v1/nodes/...``:
 register, reports, directives, policy confirmations) it acts as that node only
@@ -108,53 +108,130 @@ def push_token_for(key: bytes, url: str, token_id: int | None) -> str:
 
 
 class TokenCache:
-    def __init__(self, factory, ttl_s: float = 5.0, clock=time.monotonic):
-        self.factory, self.ttl_s, self.clock = factory, ttl_s, clock
-        self._cache: dict[str, tuple[float, Principal]] = {}
+    """The principals of the tokens this process has seen, by secret: a request finds its token
+    here without I/O, and the database is read once per ``refresh_s`` for all of them, not once
+    per token.
+
+    - A token not cached yet is looked up on its first request (a worker thread; an unknown or
+      revoked token is not cached, so it is read again on its next request).
+    - `refresh` re-reads every cached token in one query (per 500) by its sha256 and drops those
+      revoked or gone; `start` runs it every ``refresh_s`` on a thread of its own. A token
+      revoked by another process (another replica, ``racer token revoke``) therefore stops
+      working here within ``refresh_s`` plus one refresh's duration.
+    - An entry is trusted for ``max_age_s`` (default twice ``refresh_s``) after the read that last
+      confirmed it: while refreshes fail (the database unreachable), each request looks its token
+      up again, and fails closed (503) if that fails too. So a revocation elsewhere takes effect
+      here within ``max_age_s`` whatever happens.
+    - A revocation made by this process (`forget_id`, `forget_node`) takes effect here at once:
+      the entry is dropped, and a lookup or refresh that read the token before the revocation
+      does not put it back (``_gen`` counts the forgets; a read started under an older count is
+      not stored).
+    """
+
+    MAX_ENTRIES = 100_000  # past it, the cache is emptied (an attacker's tokens are never cached)
+
+    def __init__(self, factory, refresh_s: float = 5.0, max_age_s: float | None = None, clock=time.monotonic):
+        self.factory, self.refresh_s, self.clock = factory, refresh_s, clock
+        self.max_age_s = 2 * refresh_s if max_age_s is None else max_age_s
+        # secret -> (time of the read that confirmed it, principal, sha256 of the secret)
+        self._cache: dict[str, tuple[float, Principal, str]] = {}
         self._lock = threading.Lock()
+        self._gen = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def cached(self, secret: str) -> Principal | None:
-        """The cached principal of ``secret`` if fresh (no I/O), else None."""
+        """The cached principal of ``secret`` if confirmed within ``max_age_s`` (no I/O), else None."""
         hit = self._cache.get(secret)
-        if hit is not None and self.clock() - hit[0] < self.ttl_s:
+        if hit is not None and self.clock() - hit[0] < self.max_age_s:
             return hit[1]
         return None
 
     def lookup(self, secret: str) -> Principal | None:
-        now = self.clock()
-        with self._lock:
-            hit = self._cache.get(secret)
-        if hit is not None and now - hit[0] < self.ttl_s:
-            return hit[1]
-        with self.factory() as s:
-            t = queries.token_by_secret(s, secret)
-            p = None if t is None else Principal(t.id, t.name, t.role, t.node_id)
+        """The principal of ``secret`` from the cache, else from the database (then cached)."""
+        p = self.cached(secret)
         if p is not None:
-            with self._lock:
-                if len(self._cache) > 10_000:
+            return p
+        now, gen = self.clock(), self._gen
+        digest = queries.sha256_text(secret)
+        with self.factory() as s:
+            rows = queries.valid_tokens_by_sha256(s, [digest])
+        if not rows:
+            return None
+        _sha, tid, name, role, node_id = rows[0]
+        p = Principal(tid, name, role, node_id)
+        with self._lock:
+            if gen == self._gen:  # no revocation here since the read began
+                if len(self._cache) >= self.MAX_ENTRIES:
                     self._cache.clear()
-                self._cache[secret] = (now, p)
+                self._cache[secret] = (now, p, digest)
         return p
 
-    def clear(self) -> None:
-        """Forget every cached lookup (the next request of each token reads the database)."""
+    def refresh(self) -> dict:
+        """Re-read every cached token; drop the revoked and the deleted, confirm the others.
+        Returns counts (for tests and logs)."""
+        now, gen = self.clock(), self._gen
         with self._lock:
+            snapshot = {secret: digest for secret, (_t, _p, digest) in self._cache.items()}
+        if not snapshot:
+            return {"confirmed": 0, "dropped": 0}
+        with self.factory() as s:
+            rows = {r[0]: r for r in queries.valid_tokens_by_sha256(s, list(snapshot.values()))}
+        confirmed = dropped = 0
+        with self._lock:
+            for secret, digest in snapshot.items():
+                if secret not in self._cache:
+                    continue  # forgotten meanwhile
+                r = rows.get(digest)
+                if r is None:
+                    del self._cache[secret]
+                    dropped += 1
+                elif gen == self._gen:
+                    self._cache[secret] = (now, Principal(r[1], r[2], r[3], r[4]), digest)
+                    confirmed += 1
+        return {"confirmed": confirmed, "dropped": dropped}
+
+    def start(self) -> None:
+        """Run `refresh` every ``refresh_s`` on a daemon thread until `stop`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._refresh_loop, name="racer-token-refresh", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.refresh()
+            except Exception as e:  # noqa: BLE001 - the entries age out; requests then look up again
+                log.warning("token refresh failed: %s: %s", type(e).__name__, str(e)[:300])
+
+    def clear(self) -> None:
+        """Forget every cached token (the next request of each reads the database)."""
+        with self._lock:
+            self._gen += 1
             self._cache.clear()
 
     def forget_id(self, token_id: int) -> None:
-        """Drop the cached lookups of token ``token_id`` (its revocation takes effect here at once)."""
+        """Drop the cached token ``token_id`` (its revocation takes effect here at once)."""
         with self._lock:
-            for secret in [k for k, (_t, p) in self._cache.items() if p.token_id == token_id]:
+            self._gen += 1
+            for secret in [k for k, (_t, p, _d) in self._cache.items() if p.token_id == token_id]:
                 del self._cache[secret]
 
     def forget_node(self, node_id: str) -> None:
         """Drop the cached tokens bound to ``node_id`` (their revocation takes effect here at once)."""
         with self._lock:
-            for secret in [k for k, (_t, p) in self._cache.items() if p.node_id == node_id]:
+            self._gen += 1
+            for secret in [k for k, (_t, p, _d) in self._cache.items() if p.node_id == node_id]:
                 del self._cache[secret]
 
     async def principal(self, secret: str) -> Principal | None:
-        """`lookup` for the event loop: a fresh cache hit without I/O, else the lookup in a thread."""
+        """`lookup` for the event loop: a cache hit without I/O, else the lookup in a thread."""
         p = self.cached(secret)
         if p is None:
             import anyio.to_thread

@@ -280,6 +280,13 @@ def job_history_rollup(factory, settings, metrics, now_s: float) -> dict:
     return roll_up_history(factory, now_s=now_s, margin_s=settings.history_rollup_margin_s)
 
 
+def job_whatif(factory, settings, metrics, now_s: float) -> dict:
+    """The scheduled what-if over the last ``whatif_window_s`` (``whatif_period_s``; off by default)."""
+    from .whatif import scheduled
+
+    return scheduled(factory, settings, now_s)
+
+
 JOBS = {
     "router_weights": (job_router_weights, "weights_period_s"),
     "rollout_evaluation": (job_rollout_evaluation, "rollout_period_s"),
@@ -287,6 +294,7 @@ JOBS = {
     "node_liveness": (job_node_liveness, "liveness_period_s"),
     "retention": (job_retention, "retention_period_s"),
     "history_rollup": (job_history_rollup, "history_rollup_period_s"),
+    "whatif": (job_whatif, "whatif_period_s"),  # None: off
 }
 
 
@@ -381,6 +389,8 @@ class Scheduling:
                 lease.holder, lease.acquired_s, lease.renewed_s = self.instance, now, now
         sched = BackgroundScheduler(timezone="UTC")
         for name, (_, period_attr) in JOBS.items():
+            if getattr(self.settings, period_attr) is None:  # a job that is off
+                continue
             sched.add_job(self.run_job, "interval", args=[name], id=name, name=name,
                           seconds=getattr(self.settings, period_attr), max_instances=1, coalesce=True,
                           misfire_grace_time=None)

@@ -33,7 +33,11 @@ class Settings:
       (node_agent.allocator.GuardConfig defaults) outside which overrides are refused;
     - ``scheduler``: False runs the API without jobs (a replica that never schedules);
     - ``leader_poll_s``: how often a standby replica tries to become the scheduler leader;
-    - ``ingest_max_rows``: most report rows one group commit writes;
+    - ``ingest_max_rows``: most report rows one group commit writes; ``ingest_linger_s``: how long
+      after a batch arrives the writer waits for others to share its commit (`control_plane.ingest`);
+    - ``token_refresh_s``: how often the cached tokens are re-read together
+      (`control_plane.auth.TokenCache`): a token revoked on another replica stops working here
+      within this time (within twice it while the database cannot be read);
     - ``push_timeout_s``: timeout of one weight push to a router;
     - ``admin_token``: the first operator token (``RACER_ADMIN_TOKEN``; else generated and printed once);
     - ``secret_key`` / ``secret_key_file``: the key the routers' push tokens are derived from
@@ -56,6 +60,13 @@ class Settings:
       the clients' SLO objective whose error budget the burn-rate alerts watch, the window of the
       pinned-at-a-bound and reports-dropped alerts, and the share of a window's decisions clamped
       to one guard bound that counts as pinned.
+    - ``whatif_max_window_s``: the longest window a what-if may be asked to replay;
+      ``whatif_max_samples``: most traffic samples one what-if replays (a window holding more is cut
+      to its most recent ones, and the run says so); ``whatif_wall_s`` / ``whatif_memory_bytes``:
+      the time and address-space limits of the process that runs it (`control_plane.whatif`);
+      ``whatif_period_s``: the scheduled what-if over the last ``whatif_window_s`` (None: off, the
+      default; 86400: daily); ``whatif_shares``: the static split grid it runs, comma-separated
+      emb_share values in [0, 1] (the look-ahead oracle chooses among them too).
     """
 
     database_url: str | None = None
@@ -80,6 +91,8 @@ class Settings:
     scheduler: bool = True
     leader_poll_s: float = _period(2.0)
     ingest_max_rows: int = 5000
+    ingest_linger_s: float = ranged(0.005, lo=0, hi=1, doc="wait for other batches to share a commit, s")
+    token_refresh_s: float = _period(5.0, "how often the cached tokens are re-read (revocations elsewhere reach here)")
     push_timeout_s: float = _period(2.0)
     admin_token: str | None = None
     secret_key: str | None = None
@@ -102,6 +115,17 @@ class Settings:
     node_burst_report_bytes: int = ranged(64 * 2**20, lo=1024, integer=True,
                                           doc="report-batch body bytes a node may send at once")
 
+    whatif_max_window_s: float = _period(7 * 86400.0, "the longest window a what-if replays, s")
+    whatif_max_samples: int = ranged(200_000, lo=1, integer=True,
+                                     doc="most traffic samples one what-if replays (the most recent ones)")
+    whatif_wall_s: float = ranged(1800.0, lo=0, lo_open=True, doc="wall seconds one what-if may run")
+    whatif_memory_bytes: int = ranged(8 * 2**30, lo=256 * 2**20, integer=True,
+                                      doc="address space of the process that runs a what-if")
+    whatif_period_s: float | None = ranged(None, lo=60, optional=True,
+                                           doc="period of the scheduled what-if (None: off)")
+    whatif_window_s: float = _period(6 * 3600.0, "the window of the scheduled what-if, s")
+    whatif_shares: str = "0.1,0.3,0.5,0.7,0.9"  # the static split grid (and the look-ahead oracle's)
+
     artifact_check_memory_bytes: int = ranged(4 * 2**30, lo=64 * 2**20, integer=True,
                                               doc="address space of an upload's check (torch needs about 1 GiB)")
     artifact_check_cpu_s: int = ranged(60, lo=1, integer=True, doc="CPU seconds of an upload's check")
@@ -114,9 +138,21 @@ class Settings:
 
     def __post_init__(self) -> None:
         validate(self)
+        self.whatif_grid()
         if self.node_burst_report_bytes < self.max_report_body_bytes:
             raise ValueError(f"node_burst_report_bytes ({self.node_burst_report_bytes}) must be at least "
                              f"max_report_body_bytes ({self.max_report_body_bytes}): a full batch would never pass")
+
+    def whatif_grid(self) -> tuple[float, ...]:
+        """``whatif_shares`` as numbers; ValueError unless 1-21 distinct values in [0, 1]."""
+        try:
+            grid = tuple(sorted({float(x) for x in self.whatif_shares.split(",") if x.strip()}))
+        except ValueError:
+            grid = ()
+        if not 1 <= len(grid) <= 21 or any(not 0.0 <= g <= 1.0 for g in grid):
+            raise ValueError(f"whatif_shares must be 1 to 21 comma-separated emb_share values in [0, 1], got "
+                             f"{self.whatif_shares!r}")
+        return grid
 
     def guard_bounds(self) -> tuple[float, float]:
         from node_agent.allocator import GuardConfig

@@ -5,10 +5,10 @@
 Pages (tabs), one module each with its layout and its callbacks: Overview (`overview_tab`,
 with the clients' view from `client_cards`), EMB-KV split (`split_tab`), Bursts (`bursts_tab`),
 Decisions & routing (`decisions_tab` and `routing_tab`), Override (`override_tab`), Policies
-(`policies_tab`). What they share: `common` (builders, formatting), `signin` (sessions and the
-sign-in), `live` (the render and live-tick callbacks that hand the active page its part),
-`confirm` (the confirmation dialog every action goes through). This module builds the page
-shell and wires them together.
+(`policies_tab`), What-if (`whatif_tab`). What they share: `common` (builders, formatting),
+`signin` (sessions and the sign-in), `live` (the render and live-tick callbacks that hand the
+active page its part), `confirm` (the confirmation dialog every action goes through). This module
+builds the page shell and wires them together.
 
 Sign-in: the user pastes a control-plane token; the dashboard keeps it **server side**
 (`signin.SessionStore`); the browser holds only a random session id. A viewer sees everything
@@ -27,7 +27,7 @@ import dash_bootstrap_components as dbc
 from dash import dcc, html
 
 from . import alerts, bursts_tab, client_cards, confirm, decisions_tab, live, overview_tab, override_tab, policies_tab
-from . import routing_tab, signin, split_tab
+from . import routing_tab, signin, split_tab, whatif_tab
 from . import figures as F
 from .client import ControlPlaneClient
 from .common import (BUCKET_GRACE_S, DECISION_LIMIT, MAX_POINTS, RANGES, SLO_TARGET_DEFAULT, SLOW_MS, STEPS,
@@ -65,6 +65,7 @@ def build_tabs(viewer: bool) -> html.Div:
         dcc.Tab(label="Decisions & routing", value="decisions", children=decisions),
         dcc.Tab(label="Override", value="override", children=override_tab.layout(viewer)),
         dcc.Tab(label="Policies", value="policies", children=policies_tab.layout(viewer, graph, grid, col, time_col)),
+        dcc.Tab(label="What-if", value="whatif", children=whatif_tab.layout(viewer)),
     ])])
 
 
@@ -163,6 +164,7 @@ def create_app(control_plane_url: str, *, refresh_s: float = 2.0, timeout_s: flo
     overview_tab.register(app)
     override_tab.register(app, client, deps.sessions)
     confirm.register(app, client, deps.sessions)
+    whatif_tab.register(app, client, deps.sessions)
     return app
 
 

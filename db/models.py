@@ -454,3 +454,36 @@ class SchedulerLease(Base):
     holder: Mapped[str] = mapped_column(String(128))
     acquired_s: Mapped[float]
     renewed_s: Mapped[float]
+
+
+class WhatIfRun(Base):
+    """One what-if replay of a stored window of traffic samples through the simulator
+    (`control_plane.whatif`). ``state``: "running", "done" or "failed" (``error`` says why); at
+    most one running at a time (a partial unique index, 0013). ``progress`` (0..1) and
+    ``progress_note`` move while it runs, ``updated_s`` with them (a running row whose worker
+    stopped without a word is failed once it is older than the run's time limit). Versioned by
+    what made it: the window (``window_start_s`` / ``window_end_s``, and ``cut`` when the window
+    was cut to fit), the fleet and cost profile it ran on (``profile``), the code (``code_version``).
+    ``result``: the table per configuration, per phase, and the findings (`simulator.sampled`)."""
+
+    __tablename__ = "whatif_runs"
+    __table_args__ = (Index(None, "created_at_s"),
+                      Index("uq_whatif_runs_one_running", "state", unique=True,
+                            sqlite_where=text("state = 'running'"), postgresql_where=text("state = 'running'")))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    state: Mapped[str] = mapped_column(String(16))
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at_s: Mapped[float]
+    updated_s: Mapped[float]
+    finished_s: Mapped[float | None]
+    window_start_s: Mapped[float]
+    window_end_s: Mapped[float]
+    candidate: Mapped[str | None] = mapped_column(String(256))  # a policy version asked for by name
+    progress: Mapped[float] = mapped_column(default=0.0)
+    progress_note: Mapped[str] = mapped_column(Text, default="")
+    num_samples: Mapped[int | None] = mapped_column(Integer)
+    cut: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    profile: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    code_version: Mapped[str | None] = mapped_column(String(64))
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)

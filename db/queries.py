@@ -94,6 +94,18 @@ def token_by_secret(session: Session, secret: str, revoked: bool | None = False)
     return session.scalar(q)
 
 
+def valid_tokens_by_sha256(session: Session, digests: Sequence[str]) -> list[tuple[str, int, str, str, str | None]]:
+    """(token_sha256, id, name, role, node_id) of the tokens among ``digests`` that exist and are
+    not revoked (one query per 500 digests)."""
+    out = []
+    digests = list(digests)
+    for i in range(0, len(digests), 500):
+        out.extend(tuple(r) for r in session.execute(
+            select(Token.token_sha256, Token.id, Token.name, Token.role, Token.node_id)
+            .where(Token.token_sha256.in_(digests[i:i + 500]), Token.revoked.is_(False))))
+    return out
+
+
 def add_token(session: Session, *, name: str, role: str, secret: str, now_s: float,
               node_id: str | None = None) -> Token:
     """A new token (``node_id``: the node a node token is bound to)."""
@@ -549,8 +561,9 @@ def upsert_history_step_in_sql(session: Session, q) -> int:
 
 def history_step_rows(session: Session, q) -> list[tuple]:
     """The rows of a `history_step_select` (SQLite: read apart from the write, so the grouping
-    takes no lock that blocks the ingest writer)."""
-    return [tuple(r) for r in session.execute(q)]
+    takes no lock that blocks the ingest writer). Read on the session's connection: plain rows,
+    without the ORM's result machinery (a run reads every report received since the last one)."""
+    return [tuple(r) for r in session.connection().execute(q)]
 
 
 def upsert_history_buckets(session: Session, rows: Sequence[tuple]) -> None:
@@ -1072,3 +1085,67 @@ def prune_traffic_samples(session: Session, *, before_s: float, max_rows: int) -
         if cut is not None:
             over = int(session.execute(delete(TrafficSample).where(TrafficSample.id <= cut)).rowcount or 0)
     return {"expired": expired, "over_cap": over}
+
+
+# ---- what-if runs (a stored window of traffic samples replayed through the simulator)
+from .models import WhatIfRun  # noqa: E402 (kept with the functions that use it)
+
+
+def count_traffic_samples(session: Session, *, start_s: float, end_s: float) -> int:
+    """How many traffic samples have ``start_s <= ts_s < end_s`` (every gateway)."""
+    return int(session.scalar(select(func.count()).select_from(TrafficSample)
+                              .where(TrafficSample.ts_s >= start_s, TrafficSample.ts_s < end_s)) or 0)
+
+
+def traffic_sample_cut(session: Session, *, start_s: float, end_s: float, keep: int) -> float:
+    """The time from which the last ``keep`` samples of the window ``[start_s, end_s)`` run (the
+    window's start when it holds no more)."""
+    t = session.scalar(select(TrafficSample.ts_s).where(TrafficSample.ts_s >= start_s, TrafficSample.ts_s < end_s)
+                       .order_by(TrafficSample.ts_s.desc(), TrafficSample.id.desc()).offset(keep - 1).limit(1))
+    return start_s if t is None else float(t)
+
+
+def gateway_requests_between(session: Session, *, start_s: float, end_s: float) -> int:
+    """Requests the gateways reported in report windows whose time lies in ``[start_s, end_s)``."""
+    return int(session.scalar(select(func.coalesce(func.sum(GatewayReport.num_requests), 0))
+                              .where(GatewayReport.ts_s >= start_s, GatewayReport.ts_s < end_s)) or 0)
+
+
+def running_whatif(session: Session) -> WhatIfRun | None:
+    return session.scalar(select(WhatIfRun).where(WhatIfRun.state == "running").limit(1))
+
+
+def whatif_runs(session: Session, *, limit: int, state: str | None = None) -> list[WhatIfRun]:
+    """The newest what-if runs first (their results deferred to the caller's reads)."""
+    q = select(WhatIfRun).order_by(WhatIfRun.id.desc()).limit(limit)
+    if state is not None:
+        q = q.where(WhatIfRun.state == state)
+    return list(session.scalars(q).all())
+
+
+def latest_whatif(session: Session, *, state: str | None = None, candidate: str | None = None) -> WhatIfRun | None:
+    """The newest what-if run (of ``state``; naming policy ``candidate`` when given)."""
+    q = select(WhatIfRun).order_by(WhatIfRun.id.desc()).limit(1)
+    if state is not None:
+        q = q.where(WhatIfRun.state == state)
+    if candidate is not None:
+        q = q.where(WhatIfRun.candidate == candidate)
+    return session.scalar(q)
+
+
+def whatif_progress(session: Session, run_id: int, *, progress: float, note: str, now_s: float) -> bool:
+    """Record a running run's progress; False when it is no longer running (failed meanwhile)."""
+    n = session.execute(update(WhatIfRun).where(WhatIfRun.id == run_id, WhatIfRun.state == "running")
+                        .values(progress=progress, progress_note=note[:500], updated_s=now_s)).rowcount
+    return bool(n)
+
+
+def finish_whatif(session: Session, run_id: int, *, state: str, now_s: float, result: dict | None = None,
+                  error: str | None = None, **fields) -> bool:
+    """Mark a running run ``state`` ("done" or "failed"); False when it was not running."""
+    values = dict(state=state, finished_s=now_s, updated_s=now_s, result=result, error=error, **fields)
+    if state == "done":
+        values.update(progress=1.0)
+    n = session.execute(update(WhatIfRun).where(WhatIfRun.id == run_id, WhatIfRun.state == "running")
+                        .values(**values)).rowcount
+    return bool(n)

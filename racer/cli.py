@@ -56,7 +56,8 @@ COMMANDS: dict[str, Command] = {
                         "load traces, describe them, generate and plot request streams"),
     "replay": Command("racer.workload:add_replay_parser",
                       "open-loop load generator: replay a trace through regimes against a gateway"),
-    "policy": Command("policies.cli:add_policy_parser", "train, export and verify SmartAllocator policies"),
+    "policy": Command("racer.ops:add_policy_parser",
+                      "train, export and verify SmartAllocator policies; judge one offline (policy whatif)"),
     "node": Command("node_agent.cli:add_node_parser", "node-level tools: measure the device's cost profile"),
     "node-agent": Command("node_agent.cli:add_node_parser", "serve recommendations on this node over HTTP"),
     "model": Command("node_agent.model.cli:add_model_parser",
@@ -74,6 +75,8 @@ COMMANDS: dict[str, Command] = {
     "token": Command("control_plane.cli:add_control_plane_parser", "manage control-plane bearer tokens"),
     "override": Command("racer.ops:add_override_parser", "list, set and clear emb_share overrides (a running system)"),
     "rollout": Command("racer.ops:add_rollout_parser", "start and steer policy and model rollouts (a running system)"),
+    "whatif": Command("racer.ops:add_whatif_parser",
+                      "replay a window of the fleet's sampled traffic through the simulator (a running system)"),
 }
 
 

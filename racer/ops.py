@@ -1,4 +1,4 @@
-"""The operator's command line against a running system: overrides and rollouts.
+"""The operator's command line against a running system: overrides, rollouts and what-if runs.
 
     racer override list [--state active]
     racer override set (--node NODE | --cluster) --emb-share X [--ttl-s S] --reason TEXT
@@ -7,6 +7,9 @@
     racer rollout start (--policy VERSION | --model DIGEST) [--canary-fraction F] [--bake-time-s S]
                         [--manual] --reason TEXT
     racer rollout {promote,pause,resume,rollback} ID --reason TEXT
+    racer whatif (--from T --to T | --last DURATION) [--candidate VERSION] [--no-wait]
+    racer whatif --show [ID]
+    racer policy whatif CANDIDATE [--last DURATION] [--no-wait]
 
 Where: ``--control-plane URL``, else the control plane of the ``racer up`` whose data folder is
 ``--data-dir`` (default ``racer-data``: its ``processes.json``). Who: the token in ``RACER_TOKEN``,
@@ -53,8 +56,9 @@ def _where(args) -> tuple[str, str]:
     if url is None:
         state = data / "processes.json"
         try:
-            url = json.loads(state.read_text())["control-plane"]["url"]
-        except (OSError, ValueError, KeyError, TypeError):
+            procs = json.loads(state.read_text())
+            url = procs.get("processes", procs)["control-plane"]["url"]  # racer up nests them under "processes"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise OpsError(f"no --control-plane given and no control plane in {state} (is racer up running "
                            f"with --data-dir {args.data_dir}?)", 2) from None
     token = os.environ.get("RACER_TOKEN", "").strip() if args.token_file is None else ""
@@ -192,3 +196,193 @@ def add_rollout_parser(sub) -> None:
     for a in parsers:
         _common(a)
         a.set_defaults(func=_run(cmd_rollout), command="rollout")
+
+
+# --------------------------------------------------------------------------------------- what-if ---
+_UNITS = {"s": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """``"6h"``, ``"90min"``, ``"30s"``, ``"2d"`` or plain seconds -> seconds (> 0)."""
+    t = str(text).strip().lower()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if t.endswith(unit):
+            num, mult = t[: -len(unit)], _UNITS[unit]
+            break
+    else:
+        num, mult = t, 1.0
+    try:
+        v = float(num) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a duration such as 6h, 90min, 30s or 2d, got {text!r}") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
+    return v
+
+
+def parse_time(text: str, now_s: float | None = None) -> float:
+    """A time: Unix seconds, ISO 8601 (``2026-12-05T14:00:00Z``; no zone: UTC), ``now`` or ``now-6h``."""
+    import time
+    from datetime import datetime, timezone
+
+    t = str(text).strip()
+    now = time.time() if now_s is None else now_s
+    if t.lower() == "now":
+        return now
+    if t.lower().startswith("now-"):
+        return now - parse_duration(t[4:])
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    try:
+        d = datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a time: Unix seconds, ISO 8601 (2026-12-05T14:00:00Z), now or "
+                                         f"now-6h; got {text!r}") from None
+    if d.tzinfo is None:
+        d = d.replace(tzinfo=timezone.utc)
+    return d.timestamp()
+
+
+def whatif_table(run: dict) -> str:
+    """A finished run as text: one line per configuration (P99, SLO attainment, mean share), the
+    findings, and the sentence."""
+    res = run.get("result") or {}
+    lines = [f"what-if {run['id']}: window {run['window_start_s']:.0f} to {run['window_end_s']:.0f}, "
+             f"{run.get('num_samples')} samples, code {run.get('code_version')}"]
+    if run.get("cut"):
+        lines.append(f"  cut: {run['cut']['kept']} of {run['cut']['of']} samples, from {run['cut']['from_s']:.0f} "
+                     f"({run['cut']['why']})")
+    prof = run.get("profile") or {}
+    if prof:
+        lines.append(f"  fleet: {prof.get('simulated_nodes')} simulated node(s) for {prof.get('fleet_nodes')} "
+                     f"(sampled fraction {prof.get('sampled_fraction')}), profile {prof.get('name')}")
+    lines.append(f"  {'configuration':<28} {'P99 ms':>9} {'SLO att.':>9} {'mean share':>11}")
+    for r in res.get("rows", []):
+        name = r["config"] + (f" ({r['role']})" if r.get("role") else "")
+        if r.get("error"):
+            lines.append(f"  {name:<28} {r['error']}")
+            continue
+        lines.append(f"  {name:<28} {r['p99_ms']:>9.2f} {r['slo_attainment']:>9.4f} {r['mean_share']:>11.3f}")
+    f = res.get("findings") or {}
+    if "best_static_over_oracle_pct" in f:
+        lines.append(f"  best static ({f['best_static']}) over the look-ahead oracle: "
+                     f"{f['best_static_over_oracle_pct']:+.2f}% P99")
+    for name, g in (f.get("policy_regret") or {}).items():
+        lines.append(f"  regret of {name}: " + ", ".join(f"{k.replace('_pct', '').replace('_', ' ')} {v:+.2f}%"
+                                                         for k, v in g.items()))
+    if run.get("sentence"):
+        lines.append(run["sentence"])
+    return "\n".join(lines)
+
+
+def _follow(args, run: dict) -> dict:
+    """Poll the run until it ends, printing its progress on stderr."""
+    import time
+
+    last = None
+    while run["state"] == "running":
+        msg = f"{100 * run['progress']:5.1f}%  {run['progress_note']}"
+        if msg != last:
+            print(f"what-if {run['id']}: {msg}", file=sys.stderr, flush=True)
+            last = msg
+        time.sleep(args.poll_s)
+        run = _call(args, "GET", f"/whatif-runs/{run['id']}")
+    return run
+
+
+def _whatif(args, start_s: float, end_s: float, candidate: str | None) -> int:
+    body = {"start_s": start_s, "end_s": end_s}
+    if candidate:
+        body["candidate"] = candidate
+    run = _call(args, "POST", "/whatif-runs", body)
+    if not args.no_wait:
+        run = _follow(args, run)
+    if args.json:
+        print(json.dumps(run))
+    elif run["state"] == "running":
+        print(f"what-if {run['id']} started ({run['num_samples']} samples); follow it with: racer whatif --show "
+              f"{run['id']}")
+    elif run["state"] == "failed":
+        print(f"what-if {run['id']} failed: {run['error']}", file=sys.stderr)
+    else:
+        print(whatif_table(run))
+    return 0 if run["state"] != "failed" else 1
+
+
+def cmd_whatif(args) -> int:
+    import time
+
+    if args.show is not None:
+        run = _call(args, "GET", "/whatif-runs/latest" if args.show == "latest" else f"/whatif-runs/{int(args.show)}")
+        if not args.no_wait:
+            run = _follow(args, run)
+        print(json.dumps(run) if args.json else whatif_table(run) if run["state"] == "done"
+              else f"what-if {run['id']} {run['state']}: {run.get('error') or run['progress_note']}")
+        return 0 if run["state"] != "failed" else 1
+    now = time.time()
+    if args.last is not None:
+        if args.from_ is not None or args.to is not None:
+            raise OpsError("give --last or --from/--to, not both", 2)
+        return _whatif(args, now - args.last, now, args.candidate)
+    if args.from_ is None or args.to is None:
+        raise OpsError("give --from T --to T (or --last DURATION)", 2)
+    return _whatif(args, args.from_, args.to, args.candidate)
+
+
+def cmd_policy_whatif(args) -> int:
+    import time
+
+    now = time.time()
+    return _whatif(args, now - args.last, now, args.candidate)
+
+
+def _whatif_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-wait", action="store_true", help="return once the run has started")
+    p.add_argument("--poll-s", type=parse_duration, default=1.0, help="how often to read its progress (default 1 s)")
+    _common(p)
+
+
+def _show_arg(text: str) -> str:
+    if text != "latest" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"want a run id or latest, got {text!r}")
+    return text
+
+
+def add_whatif_parser(sub) -> None:
+    p = sub.add_parser("whatif", help="replay a window of the fleet's sampled traffic through the simulator",
+                       description="What would other splits or policies have given on the fleet's own traffic? "
+                                   "Replays a stored window of the gateways' traffic samples through the simulator "
+                                   "(static splits, the look-ahead oracle, the active policy, the candidates) and "
+                                   "prints the table and one sentence. See docs/whatif.md.")
+    p.add_argument("--from", dest="from_", type=parse_time, default=None, metavar="T",
+                   help="window start: Unix seconds, ISO 8601 (UTC unless a zone is given), or now-6h")
+    p.add_argument("--to", type=parse_time, default=None, metavar="T", help="window end (same forms; e.g. now)")
+    p.add_argument("--last", type=parse_duration, default=None, metavar="DURATION",
+                   help="the window that ends now, e.g. 6h (instead of --from/--to)")
+    p.add_argument("--candidate", default=None, metavar="VERSION",
+                   help="judge this registered policy (with the active one) instead of every candidate")
+    p.add_argument("--show", type=_show_arg, default=None, nargs="?", const="latest", metavar="ID",
+                   help="show a run (default the latest) instead of starting one")
+    _whatif_options(p)
+    p.set_defaults(func=_run(cmd_whatif), command="whatif")
+
+
+def add_policy_parser(sub):
+    """``racer policy`` (`policies.cli.add_policy_parser`) with ``whatif`` added: judge a registered
+    policy offline on the fleet's own last hours."""
+    from policies.cli import add_policy_parser as add_base
+
+    pol = add_base(sub)
+    acts = next(a for a in pol._actions if isinstance(a, argparse._SubParsersAction))
+    w = acts.add_parser("whatif", help="judge a registered policy offline on the fleet's last hours of traffic",
+                        description="Replay the fleet's sampled traffic of the last hours (default 6 h) through the "
+                                    "simulator with CANDIDATE, the active policy, static splits and the look-ahead "
+                                    "oracle: the candidate's regret before any canary. See docs/whatif.md.")
+    w.add_argument("candidate", metavar="CANDIDATE", help="the registered policy version")
+    w.add_argument("--last", type=parse_duration, default=6 * 3600.0, metavar="DURATION",
+                   help="the window that ends now (default 6h)")
+    _whatif_options(w)
+    w.set_defaults(func=_run(cmd_policy_whatif), command="policy whatif")
+    return pol

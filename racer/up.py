@@ -578,6 +578,8 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
         # run (its port may change), so the dashboard does not take the last run's gateway for a
         # stalled one, and two folders sharing one --db do not report as one gateway
         argv += ["--slo-ms", f"{args.slo_ms:g}", "--gateway-id", gateway_id_for(data_dir)]
+        if cp_url and getattr(args, "sample_rate", 0):  # traffic samples for what-if runs (docs/whatif.md)
+            argv += ["--sample-rate", f"{args.sample_rate:g}", "--sample-key-file", str(sample_key_file(data_dir))]
         specs.append(ProcessSpec("gateway", argv, gw_env, [f"{gw_url}/healthz"], url=gw_url,
                                  ready_check=lambda: gateway_routes_to(gw_url, node_urls, fleet)))
         targets = [gw_url]
@@ -594,6 +596,18 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
     else:
         missing.append("dashboard")
     return Plan(specs, targets, dash_url, cp_url, missing, node_urls, fleet)
+
+
+def sample_key_file(data_dir: Path) -> Path:
+    """``DATA/sample.key``, the gateway's traffic-sample key (made once, mode 0600, 32 random bytes in
+    hex): one key per data folder, so the hashes of a user stay the same from run to run."""
+    path = Path(data_dir) / "sample.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path
 
 
 def gateway_id_for(data_dir: Path) -> str:
@@ -1427,6 +1441,9 @@ def add_up_parser(subparsers) -> None:
                          "burst phase then starts 12 s into the load, after the nodes' 10 s warm-up)")
     up.add_argument("--seed", type=int, default=0, help="the replay's seed: which users and bursts (default 0)")
     up.add_argument("--slo-ms", type=float, default=50.0, help="latency SLO, ms (default 50)")
+    up.add_argument("--sample-rate", type=float, default=0.0,
+                    help="fraction of users whose requests the gateway samples for what-if runs (0: off, the "
+                         "default; the key is made once in DATA/sample.key)")
     up.add_argument("--dashboard-port", type=int, default=8050, help="dashboard port (default 8050; 0: a free one)")
     up.add_argument("--control-plane-port", type=int, default=0, help="control plane port (default: a free one)")
     up.add_argument("--gateway-port", type=int, default=0, help="gateway port (default: a free one)")

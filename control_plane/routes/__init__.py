@@ -19,6 +19,7 @@ document); `control_plane.api.create_app` includes them in this order:
     rollouts     POST, GET /rollouts (kind policy or model); GET /rollouts/{rollout_id};
                  POST /rollouts/{rollout_id}/{promote,pause,resume,rollback}
     gateways     POST /gateways/{gateway_id}/reports, GET /gateways, GET /gateway-reports
+    whatif       POST, GET /whatif-runs; GET /whatif-runs/latest, /whatif-runs/{run_id}
     health       GET /healthz, GET /metrics (outside /api/v1, no token)
 
 A route reaches the app's state through ``request.app.state`` (the session factory, the clock,
