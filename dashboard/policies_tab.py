@@ -163,10 +163,28 @@ def _fmt(v, nd: int = 4) -> str:
     return str(v)
 
 
-def rollout_card(ro: dict | None):
+def whatif_line(ro: dict | None, run: dict | None) -> str:
+    """The candidate's offline judgement beside the canary's: the newest finished what-if that
+    named the rollout's policy (`racer policy whatif`), its P99 over the best static and over the
+    look-ahead oracle on the fleet's sampled traffic; "" when the rollout is not a policy's or no
+    such run exists."""
+    if not ro or ro.get("kind", "policy") != "policy" or not run or not run.get("result"):
+        return ""
+    key = f"policy:{ro.get('policy_version')}"
+    f = run["result"].get("findings") or {}
+    g = (f.get("policy_regret") or {}).get(key)
+    if not g:
+        return ""
+    parts = [f"{k.replace('_pct', '').replace('_', ' ')} {v:+.2f}%" for k, v in g.items()]
+    window = run.get("window_end_s", 0) - run.get("window_start_s", 0)
+    return (f"what-if #{run['id']} on the fleet's last {window / 3600:.1f} h of sampled traffic (the simulator): "
+            f"{key.split(':', 1)[1]} P99 " + ", ".join(parts))
+
+
+def rollout_card(ro: dict | None, whatif: dict | None = None):
     """State badge and, while the rollout is open, the judge's verdict and next action; once it
     has ended, when and why. Per metric: sample sizes (windows) of canary and baseline, medians,
-    change and the Mann-Whitney p-value."""
+    change and the Mann-Whitney p-value; under them the candidate's what-if (`whatif_line`)."""
     if not ro:
         return html.Div("No rollout yet.", className="text-muted", id="ro-state")
     v = ro.get("verdict") or {}
@@ -195,7 +213,9 @@ def rollout_card(ro: dict | None):
                              html.Td(_fmt(j.get("p_value")))]))
     table = html.Table(rows, className="small", style={"borderCollapse": "collapse", "width": "100%"}) \
         if len(rows) > 1 else html.Div("no judgement yet (collecting windows)", className="small text-muted")
-    return html.Div([head, html.Div(why, className="small text-muted"), table], className="card card-body")
+    offline = whatif_line(ro, whatif)
+    return html.Div([head, html.Div(why, className="small text-muted"), table,
+                     html.Div(offline, className="small mt-1", id="ro-whatif")], className="card card-body")
 
 
 TABLE_OUTPUTS = {"registry": Output("grid-policies", "rowData"), "candidates": Output("ro-policy", "options"),
@@ -387,7 +407,13 @@ def register(app, client: ControlPlaneClient, sessions, *, slo_ms: float, slo_ta
             nodes = {n["node_id"]: n for n in client.nodes(tok)}
         except (Unavailable, ApiError):
             return dict(out, keys=no_update)
-        out.update(registry=registry_rows(pols), card=rollout_card(ro),
+        whatif = None
+        if ro and ro.get("kind", "policy") == "policy":
+            try:  # the candidate's offline judgement, when one was run (404: none)
+                whatif = client.get("/whatif-runs/latest", tok, state="done", candidate=ro["policy_version"])
+            except (Unavailable, ApiError):
+                whatif = None
+        out.update(registry=registry_rows(pols), card=rollout_card(ro, whatif),
                    candidates=[{"label": f"{p['version']} ({p['status']})", "value": p["version"]} for p in pols
                                if p["status"] != "active"]
                    + [{"label": f"model {m['version'][:12]} ({m['status']})", "value": MODEL_PREFIX + m["version"]}

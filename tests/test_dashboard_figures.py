@@ -530,3 +530,25 @@ def test_the_clients_chart_counts_failures_in_whole_numbers():
     assert y2.tickformat == "d" and list(y2.range) == [0, 1] and y2.dtick == 1
     rows[3]["num_failed"] = 7
     assert clients_figure(rows, now_s=1100.0, range_s=300.0).layout.yaxis2.range is None  # autoscaled to 7
+
+
+def test_a_policy_rollouts_card_shows_the_candidates_what_if_beside_the_canarys_judgement():
+    """The newest finished what-if that named the rollout's candidate: its P99 over the best static
+    and over the oracle on the fleet's sampled traffic, under the judge's table; nothing for a
+    model rollout, for a run that did not replay the candidate, or with no run."""
+    from dashboard.policies_tab import rollout_card, whatif_line
+
+    ro = {"id": 3, "kind": "policy", "policy_version": "cand-1", "baseline_version": "base-0", "state": "baking",
+          "verdict": None, "config": {}, "nodes": []}
+    run = {"id": 7, "window_start_s": 0.0, "window_end_s": 6 * 3600.0,
+           "result": {"findings": {"policy_regret": {"policy:cand-1": {"over_oracle_pct": 7.5,
+                                                                       "over_best_static_pct": -2.25},
+                                                     "policy:base-0": {"over_oracle_pct": 9.0}}}}}
+    line = whatif_line(ro, run)
+    assert line.startswith("what-if #7 on the fleet's last 6.0 h") and "cand-1 P99 over oracle +7.50%" in line
+    assert "over best static -2.25%" in line and "base-0" not in line
+    assert whatif_line({**ro, "kind": "model", "model_version": "ab" * 32}, run) == ""
+    assert whatif_line({**ro, "policy_version": "other"}, run) == "" and whatif_line(ro, None) == ""
+    card = rollout_card(ro, run)
+    shown = [c for c in card.children if getattr(c, "id", None) == "ro-whatif"]
+    assert len(shown) == 1 and shown[0].children == line
