@@ -194,3 +194,17 @@ def test_curves_off_by_default_and_on_with_the_ghost_lists():
     assert MemoryManager(MemoryConfig(**base)).miss_curves() is None
     assert MemoryManager(MemoryConfig(**base, ghost_probes=(0.1,))).miss_curves() is not None
     assert MemoryManager(MemoryConfig(**base, ghost_probes=(0.1,), miss_curves=False)).miss_curves() is None
+
+
+def test_one_lookup_with_more_new_ids_than_the_sampler_follows_lowers_the_rate_and_returns():
+    """A paper-scale lookup can bring more distinct sampled ids than the sampler has slots (4,096
+    rows) while it follows none yet: the threshold must fall by the incoming ids too (else the
+    make-room loop never ends); the bound and the invariants hold after it."""
+    from node_agent.memory.mrc import EmbReuse
+
+    r = EmbReuse(1024, 64)
+    assert r.record(np.arange(50_000, dtype=np.int64)) <= r.max_keys
+    assert r.num_keys <= r.max_keys and r.rate < 0.1 and r.check_invariants() == []
+    for k in range(5):
+        r.record(np.random.default_rng(k).integers(0, 10**6, 30_000))
+        assert r.num_keys <= r.max_keys and r.check_invariants() == []

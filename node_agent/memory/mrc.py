@@ -123,11 +123,14 @@ class ReuseSampler:
             self.recent = self.recent * f + n
             self.num_followed += n
 
-    def _shrink(self) -> None:
-        """Lower the threshold so that 7/8 of the followed keys stay; forget the others."""
+    def _shrink(self, incoming: np.ndarray | None = None) -> None:
+        """Lower the threshold so that 7/8 of the followed keys stay, counting ``incoming`` (the
+        hashes of keys about to be followed, which may alone outnumber the free slots); forget the
+        others."""
         live = self.pos >= 0
-        hs = np.sort(self.hash[live])
-        keep = max(1, (len(hs) * 7) // 8)
+        hs = self.hash[live] if incoming is None else np.concatenate((self.hash[live], incoming))
+        hs = np.sort(hs)
+        keep = max(1, (min(len(hs), self.max_keys) * 7) // 8)
         self.threshold = int(hs[keep]) if keep < len(hs) else self.threshold
         drop = np.flatnonzero(live & (self.hash >= np.uint64(self.threshold)))
         self._order = None
@@ -202,7 +205,7 @@ class EmbReuse(ReuseSampler):
         slots = np.fromiter(map(self._slot.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
         n_new = int((slots < 0).sum())
         while n_new > len(self._free):  # make room: lower the rate, drop the ids it no longer follows
-            self._shrink()
+            self._shrink(key_hash(uniq[slots < 0]))
             keep = key_hash(uniq) < np.uint64(self.threshold)
             uniq, wsum, slots = uniq[keep], wsum[keep], slots[keep]
             n_new = int((slots < 0).sum())
