@@ -361,7 +361,7 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
 @pytest.mark.timeout(900)
 def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_path):
     out = tmp_path / "fleet"
-    cmd = [sys.executable, "-m", "bench.fleet", "--num-nodes", "2", "--configs", "0.5/least_load,"
+    cmd = [sys.executable, "-m", "bench.fleet", "--num-nodes", "2", "--configs", "0.5/least_load,0.5/round_robin,"
            "0.5/racer,racer/racer,0.5/least_load#2", "--loads", "0.5", "--rounds", "1", "--schedule", "steady:3,burst:2",
            "--capacity-s", "3", "--capacity-start", "4", "--capacity-iters", "0", "--out", str(out), "--json",
            "--no-progress", "--slo-ms", "2000"]  # the mechanics, not the figure: a bound any loaded machine meets
@@ -370,7 +370,8 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
     assert res["capacity_rps"] >= 4 and res["loads"] == {"0.5": round(0.5 * res["capacity_rps"], 2)}
-    assert {r["config"] for r in res["configs"]} == {"0.5/least_load", "0.5/racer", "racer/racer", "0.5/least_load#2"}
+    assert {r["config"] for r in res["configs"]} == {"0.5/least_load", "0.5/round_robin", "0.5/racer", "racer/racer",
+                                                     "0.5/least_load#2"}
     for r in res["configs"]:
         assert r["rounds"] == 1 and r["p99_ms"]["median"] > 0 and r["requests_failed"]["median"] == 0
         assert 0.0 <= r["kv_hit_rate"]["median"] <= 1.0 and 0.0 <= r["emb_hit_rate"]["median"] <= 1.0
@@ -387,7 +388,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     f = res["findings"]
     # the best static configuration: any configuration whose split is static, whatever its router
     assert set(f["racer_over_best_static_pct"]) == {"0.5"} and f["best_static"]["0.5"] in (
-        "0.5/least_load", "0.5/racer")
+        "0.5/least_load", "0.5/round_robin", "0.5/racer")
     assert isinstance(f["racer_over_default_pct"]["0.5"], float)
     assert isinstance(f["racer_router_over_least_load_pct"]["0.5"], float)
     assert isinstance(f["racer_router_over_least_load_node_paired_pct"]["0.5"], float)
@@ -397,7 +398,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
         "undecided"}
     assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
     assert res["agent_nice"] == 10  # the agents below the gateway's and the load generator's priority
-    assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 4
+    assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 5
     # a second run of the same bench takes every run from disk: the same figures, nothing restarted
     q = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert q.returncode == 0, q.stderr[-3000:]
@@ -411,7 +412,7 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     r = subprocess.run(cmd + ["--rounds", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=800)
     assert r.returncode == 0, r.stderr[-3000:]
     assert {f.name: f.read_bytes() for f in (out / "runs").glob("r0_*.json")} == first
-    assert len(list((out / "runs").glob("r1_*.json"))) == 4
+    assert len(list((out / "runs").glob("r1_*.json"))) == 5
     more = json.loads(r.stdout)
     assert more["rounds"] == 2 and all(x["rounds"] == 2 for x in more["configs"])
     v = more["findings"]["verdicts"]["racer_over_best_static"]["by_load"]["0.5"]
