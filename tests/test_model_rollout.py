@@ -195,6 +195,7 @@ def test_a_worse_model_is_rolled_back_on_quality_and_audited(env):
     try:
         r = cp.admin.post("/rollouts", json={"kind": "model", "model_version": dg["b"], "canary_fraction": 0.5,
                                              "bake_time_s": 2.0, "min_samples": 5, "load_timeout_s": 60.0,
+                                             "warmup_s": 0.0,  # its windows come as the bake starts
                                              "reason": "try b"})
         assert r.status_code == 201, r.text
         ro = r.json()
