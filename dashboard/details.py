@@ -289,16 +289,10 @@ def decision_curve(decision: Mapping) -> dict | None:
     for layer in decision.get("layers") or []:
         if not isinstance(layer, Mapping) or (layer.get("layer") or layer.get("name")) != "curve":
             continue
+        from node_agent.allocator.curve import parse_curve_text  # the trace's own format, read where it is written
+
         det = layer.get("detail") if isinstance(layer.get("detail"), Mapping) else {}
-        pts = []
-        for pair in str(det.get("curve") or "").split():
-            a, sep, b = pair.partition(":")
-            try:
-                x, y = float(a), float(b)
-            except ValueError:
-                continue
-            if sep and math.isfinite(x) and math.isfinite(y):
-                pts.append((x, y))
+        pts = parse_curve_text(str(det.get("curve") or ""))
         if not pts:
             return None
 
