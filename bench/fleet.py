@@ -321,30 +321,27 @@ class LocalFleet:
 
     def start(self, cfg: FleetConfig) -> str:
         """Cold agents with ``cfg``'s split and a gateway with its router; the gateway's URL.
-        Emulated agents are started once and reset in place for every later run
-        (``POST /v1/admin/reset``: cold caches, the split, the allocator on or off), which cuts a
-        run's start from seconds per agent to one call each."""
+        The agents are started once and reset in place for every later run (``POST
+        /v1/admin/reset``: a new engine with cold caches, the split, the allocator on or off, no
+        metrics or control history), which cuts a run's start from seconds per agent (a process
+        that imports torch and loads the model) to one call each; an agent that exited is
+        started again with the rest."""
         from bench.gateway import Proc, free_port
 
         trace = ["--trace", self.trace_kind, *(["--path", self.path] if self.path else [])]
-        if self.emulation is not None and self.agents and all(a.proc.poll() is None for a in self.agents):
+        if self.agents and all(a.proc.poll() is None for a in self.agents):
             self.stop_gateway()
             self._reset_agents(cfg)
             return self._start_gateway(cfg, trace)
         self.stop()
-        if self.emulation is not None:  # every agent can run the allocator; a reset picks the configuration
-            split = ["--emb-share", "0.5", "--policy", self.policy, "--allow-reset"]
-        else:
-            split = (["--emb-share", "0.5", "--policy", self.policy] if cfg.split is None
-                     else ["--emb-share", format(cfg.split, "g")])
+        split = ["--emb-share", "0.5", "--policy", self.policy, "--allow-reset"]  # a reset picks the configuration
         for i in range(self.num_nodes):
             args = ["node-agent", *trace, *self.device_args, *split, "--slo-ms", format(self.slo_ms, "g"),
                     "--seed", "1", "--control-interval-s", "1"]
             self.agents.append(Proc(args, self.workdir / f"agent{i}.log", free_port(), nice=self.agent_nice).start())
         for a in self.agents:
             a.wait_ready()
-        if self.emulation is not None:
-            self._reset_agents(cfg)
+        self._reset_agents(cfg)
         return self._start_gateway(cfg, trace)
 
     def _start_gateway(self, cfg: FleetConfig, trace: list[str]) -> str:
@@ -375,11 +372,8 @@ class LocalFleet:
         self.gateway = None
 
     def end_run(self) -> None:
-        """After a run: emulated agents stay up for the next run's reset; the rest stops."""
-        if self.emulation is not None:
-            self.stop_gateway()
-        else:
-            self.stop()
+        """After a run: the agents stay up for the next run's reset; the gateway stops."""
+        self.stop_gateway()
 
     @property
     def node_urls(self) -> list[str]:

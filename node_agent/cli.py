@@ -222,9 +222,8 @@ def _emulation(args):
     """``--emulate`` / ``--time-scale``: (EmulationConfig, ScaledClock, RefillConfig), or Nones."""
     prof_name = getattr(args, "emulate", None)
     if not prof_name:
-        if getattr(args, "time_scale", 1.0) != 1.0 or getattr(args, "refill_link_fraction", None) is not None \
-                or getattr(args, "allow_reset", False):
-            raise ValueError("--time-scale, --refill-link-fraction and --allow-reset need --emulate PROFILE")
+        if getattr(args, "time_scale", 1.0) != 1.0 or getattr(args, "refill_link_fraction", None) is not None:
+            raise ValueError("--time-scale and --refill-link-fraction need --emulate PROFILE")
         return None, None, None
     from .emulated import EmulationConfig, ScaledClock, emulated_refill
     emu = EmulationConfig(prof_name, args.time_scale)
@@ -400,8 +399,8 @@ def add_node_parser(subparsers) -> None:
                    help="with --emulate: wall seconds per modelled second (default 1; a small machine running "
                         "many emulated agents needs more)")
     g.add_argument("--allow-reset", action="store_true",
-                   help="with --emulate: serve POST /v1/admin/reset {emb_share, allocator}, a cold start without "
-                        "restarting the process (for benches on a local fleet; off by default: no one else needs it)")
+                   help="serve POST /v1/admin/reset {emb_share, allocator}, a cold start without restarting the "
+                        "process (for benches on a local fleet; off by default: no one else needs it)")
     g.add_argument("--refill-link-fraction", type=float, default=None, metavar="F",
                    help="with --emulate: the background refill's byte budget as a fraction of the profile's link "
                         "(default 0.1, the simulator's)")

@@ -220,7 +220,7 @@ def test_emulation_only_options_are_refused_without_emulate_and_a_profile_cannot
 
     from node_agent.cli import _emulation
 
-    for extra in ({"time_scale": 2.0}, {"refill_link_fraction": 0.2}, {"allow_reset": True}):
+    for extra in ({"time_scale": 2.0}, {"refill_link_fraction": 0.2}):
         args = SimpleNamespace(emulate=None, time_scale=1.0, refill_link_fraction=None, allow_reset=False)
         for k, v in extra.items():
             setattr(args, k, v)

@@ -399,6 +399,9 @@ def test_a_small_fleet_ab_on_real_processes_prints_the_findings_and_resumes(tmp_
     assert res["sizing"]["arena_over_table"] == pytest.approx(0.014, rel=0.02)
     assert res["agent_nice"] == 10  # the agents below the gateway's and the load generator's priority
     assert (out / "fleet_p99.png").stat().st_size > 0 and len(list((out / "runs").glob("*.json"))) == 5
+    # the agents started once (--allow-reset) and were reset in place for every run: one start line each
+    for i in range(2):
+        assert (out / "work" / f"agent{i}.log").read_text().count("serving on") == 1
     # a second run of the same bench takes every run from disk: the same figures, nothing restarted
     q = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert q.returncode == 0, q.stderr[-3000:]

@@ -153,6 +153,56 @@ def test_curve_layer_refuses_a_step_that_costs_more_without_a_large_saving():
     assert (out, t.detail["action"]) == (0.3, "refuse_step") and t.acted
 
 
+def test_curve_layer_holds_the_split_in_a_flat_valley():
+    """The dead band: where the split in force is within ``flat_gain`` of the curve's minimum, a
+    proposal elsewhere is held at the split in force; ``flat_gain=0`` lets it pass."""
+    # the KV hit rises 0.400 -> 0.410 from 0.5 to 0.1: under 1% of the expected time per request
+    cur = _curves(kv_hit=(0.41, 0.4075, 0.405, 0.4025, 0.40), emb_hit=(0.5,) * 5)
+    st = window(emb_share=0.5, load=0.4, num_requests=100, interval_s=1.0, emb_lookups_per_request=50.0,
+                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    shares, cost = expected_costs(cur, st)
+    assert 0.0 < (cost[4] - cost[0]) / cost[4] < 0.01
+    out, t = curve_layer(CurveGuard(), cur, st, 0.45, 0.5, GuardConfig())
+    assert (out, t.acted, t.detail["action"]) == (0.5, True, "flat")
+    out, t = curve_layer(CurveGuard(CurveConfig(flat_gain=0.0)), cur, st, 0.45, 0.5, GuardConfig())
+    assert (out, t.acted, t.detail["action"]) == (0.45, False, "pass")
+    # the same valley made steeper (10x the recompute cost) is no longer flat: the step passes
+    steep = window(emb_share=0.5, load=0.4, num_requests=100, interval_s=1.0, emb_lookups_per_request=50.0,
+                   kv_recompute_us_per_token=20.0, emb_transfer_us_per_row=1.0)
+    out, t = curve_layer(CurveGuard(), cur, steep, 0.45, 0.5, GuardConfig())
+    assert (out, t.detail["action"]) == (0.45, "pass")
+    with pytest.raises(ValueError, match="flat_gain"):
+        CurveConfig(flat_gain=0.3)
+
+
+@pytest.mark.parametrize("flat_gain", [0.01, 0.0])
+def test_a_flat_curve_keeps_the_split_and_the_tuners_offset_does_not_wind_up(tmp_path, flat_gain):
+    """A tuner that reads a steady EMB-ward gradient on a flat curve: with the dead band the split
+    stays at the base's 0.5 and the tuner's step is taken back every interval (its offset stays 0);
+    without it the split walks EMB-ward."""
+    from node_agent.allocator import TunerConfig
+
+    policy = constant_policy(tmp_path / "p", 0.5)
+    cfg = AllocatorConfig(device="cpu", tuner=TunerConfig(confidence=0.0), curve=CurveConfig(flat_gain=flat_gain))
+    alloc = SmartAllocator(cfg, policy_dir=policy)
+    cur = _curves(kv_hit=(0.418, 0.418, 0.419, 0.419, 0.420, 0.420, 0.421, 0.421, 0.422),  # ~0.5% over the range
+                  emb_hit=(0.5,) * 9, shares=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
+    share = 0.5
+    for i in range(12):
+        alloc.read_curves(cur)
+        d = alloc.decide(window(emb_share=share, emb_marginal_us=400.0, kv_marginal_us=0.0, load=0.4,
+                                num_requests=1000, interval_s=1.0, emb_lookups_per_request=50.0,
+                                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0), float(i))
+        share = d.emb_share
+    if flat_gain:
+        assert share == pytest.approx(0.5) and alloc.tuner.offset == pytest.approx(0.0, abs=1e-9)
+        c = d.layer("curve").detail
+        assert c["action"] == "flat" and c["taken_back"] > 0 and d.tuner_offset == pytest.approx(0.0, abs=1e-9)
+        assert "dead band" in d.reason
+    else:
+        assert share > 0.6 and alloc.tuner.offset > 0.1
+
+
 def test_smart_allocator_runs_the_curve_layer_from_the_control_step(tmp_path):
     """`control_step` hands the manager's curves to the allocator; the decision's trace carries the
     curve layer between residual and recovery; without curves the layer does not run."""

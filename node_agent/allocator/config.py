@@ -165,13 +165,15 @@ class RecoveryConfig:
 class CurveConfig:
     """The curve layer's settings (`node_agent.allocator.curve`: ``move_gain`` / ``hold_gain`` the
     saving that moves the proposal to the curve's minimum / keeps it there, ``cliff_gain`` the
-    cost rise that refuses a step, ``rho_max`` the utilisation cap of the queueing term,
+    cost rise that refuses a step, ``flat_gain`` the dead band (the split in force within it of the
+    curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
     ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed)."""
 
     enabled: bool = True
     move_gain: float = 0.25
     hold_gain: float = 0.1
     cliff_gain: float = 0.25
+    flat_gain: float = 0.01
     rho_max: float = 0.95
     min_emb_refs: float = 200.0
     min_kv_lookups: float = 30.0
@@ -181,6 +183,8 @@ class CurveConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 < v < 10.0):
                 raise ValueError(f"CurveConfig.{name} must be in (0, 10), got {v!r}")
+        if not (isinstance(self.flat_gain, (int, float)) and 0.0 <= self.flat_gain < self.move_gain):
+            raise ValueError(f"CurveConfig.flat_gain must be in [0, move_gain), got {self.flat_gain!r}")
         if self.hold_gain > self.move_gain:
             raise ValueError("CurveConfig.hold_gain must be at most move_gain")
         if not (0.0 < self.rho_max < 1.0):

@@ -23,6 +23,9 @@ guard range and at the split in force:
   the saving is at least ``hold_gain`` (hysteresis);
 - ``refuse_step``: the proposal's ``T`` exceeds the split in force's by ``cliff_gain`` or more (a
   step over a cliff): the proposal becomes the split in force;
+- ``flat``: the split in force is within ``flat_gain`` of the curve's minimum (the valley is flat:
+  no share saves that much): the proposal becomes the split in force, a dead band that keeps a
+  noisy gradient from walking the split across a valley where it does not matter;
 - otherwise the proposal passes (``pass``), as it does with too little evidence (``no_curve``:
   curves off, or fewer followed references than ``min_emb_refs`` / ``min_kv_lookups``).
 
@@ -38,7 +41,7 @@ import numpy as np
 from node_agent.allocator.config import CurveConfig, GuardConfig
 from node_agent.allocator.trace import LayerTrace
 
-CURVE_ACTIONS = ("pass", "no_curve", "to_minimum", "refuse_step")
+CURVE_ACTIONS = ("pass", "no_curve", "to_minimum", "refuse_step", "flat")
 
 
 def expected_costs(curves, stats, rho_max: float = 0.95) -> tuple[np.ndarray, np.ndarray] | None:
@@ -116,7 +119,8 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
     ``action``, ``min_share`` and ``cost_min_us`` (the curve's minimum over the guard range),
     ``cost_proposal_us`` and ``cost_prev_us`` (``T`` at the proposal in and at the split in
     force), ``gain`` (the minimum's saving over the proposal's ``T``), ``emb_refs`` /
-    ``kv_lookups`` (the evidence), ``kv_refused``, ``proposal_in`` and ``curve``."""
+    ``kv_lookups`` (the evidence), ``kv_refused``, ``proposal_in``, ``curve`` and ``taken_back`` (the
+    part of the operating point's step a hold took back, filled in by `SmartAllocator.decide`)."""
     c = guard_state.config
     nan = float("nan")
     costs = None
@@ -127,7 +131,7 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
         guard_state.num_actions["no_curve"] += 1
         ev = (nan, nan, nan) if curves is None else (curves.emb_followed, curves.kv_followed, curves.kv_refused)
         return proposal, LayerTrace("curve", proposal, False,
-                                    ("no_curve", nan, nan, nan, nan, nan, *ev, proposal, ""))
+                                    ("no_curve", nan, nan, nan, nan, nan, *ev, proposal, "", 0.0))
     shares, cost = costs
     inside = (shares >= guard.min_emb_share - 1e-9) & (shares <= guard.max_emb_share + 1e-9)
     idx = np.flatnonzero(inside)
@@ -142,9 +146,11 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
         out, action = s_min, "to_minimum"
     elif t_prev > 0 and t_p >= t_prev * (1.0 + c.cliff_gain):
         out, action = prev, "refuse_step"
+    elif proposal != prev and t_prev > 0 and (t_prev - t_min) < c.flat_gain * t_prev:
+        out, action = prev, "flat"
     guard_state.holding = action == "to_minimum"
     guard_state.num_actions[action] += 1
     acted = action != "pass" and out != proposal
     return out, LayerTrace("curve", out, acted,
                            (action, s_min, t_min, t_p, t_prev, round(gain, 6), curves.emb_followed, curves.kv_followed,
-                            curves.kv_refused, proposal, CostCurve(shares, cost)))
+                            curves.kv_refused, proposal, CostCurve(shares, cost), 0.0))

@@ -110,17 +110,23 @@ class AllocatorDecision:
         v = self._values("residual")
         return v[4] if v is not None else 0.0
 
+    def _taken_back(self) -> float:
+        """The part of the tuner's step that later layers took back: a curve layer's hold and the
+        guards' step limit (the anti-windup)."""
+        c = self._values("curve")
+        return self.layers[-1].values[6] + (c[-1] if c is not None else 0.0)
+
     @property
     def tuner_offset(self) -> float:
         """The offset after this decision (the anti-windup's take-back included)."""
         v = self._values("residual")
-        return v[1] - self.layers[-1].values[6] if v is not None else 0.0
+        return v[1] - self._taken_back() if v is not None else 0.0
 
     @property
     def tuner_step(self) -> float:
         """How much this decision moved the offset (the anti-windup's take-back included)."""
         v = self._values("residual")
-        return v[3] - self.layers[-1].values[6] if v is not None else 0.0
+        return v[3] - self._taken_back() if v is not None else 0.0
 
     @property
     def reason(self) -> str:

@@ -166,10 +166,15 @@ class SmartAllocator:
                 source = "residual"
         curves, self._curves = self._curves, None
         if hold is None and c.curve.enabled and curves is not None:
+            proposal_in = proposal
             proposal, t = curve_layer(self.curve, curves, stats, proposal, prev, c.guard)
             layers.append(t)
             if t.acted:
                 source, learnable = "guard", False
+                if res_t is not None and t.values[0] in ("flat", "refuse_step"):  # the offset stays with the split
+                    back = self._take_back(proposal_in - proposal, res_t.values[3])
+                    if back != 0.0:
+                        t.values = t.values[:-1] + (back,)
         if hold is None and c.recovery.enabled:
             proposal, t, note = recovery_layer(self.recovery, stats.arrival_rate_rps, stats.hot_user_ratio, now_s,
                                                prev, proposal, source)
@@ -211,7 +216,14 @@ class SmartAllocator:
     def _anti_windup(self, refused: float, action: str, step: float) -> float:
         """Take back the part of the tuner's ``step`` that the guards' step limit refused (the
         offset never runs ahead of the split in force); returns the amount taken back (0: none)."""
-        if step == 0.0 or (action != "step_up" and action != "step_down") or (refused > 0) != (step > 0):
+        if action != "step_up" and action != "step_down":
+            return 0.0
+        return self._take_back(refused, step)
+
+    def _take_back(self, refused: float, step: float) -> float:
+        """Take back from the tuner the part of its ``step`` that a later layer ``refused`` (same
+        sign); returns the amount taken back (0: none)."""
+        if step == 0.0 or (refused > 0) != (step > 0):
             return 0.0
         back = min(refused, step) if step > 0 else max(refused, step)
         if back != 0.0:

@@ -29,7 +29,7 @@ DETAIL_FIELDS = {
     "residual": ("correction", "offset", "tuner_action", "tuner_step", "tuner_gradient", "tuner_mean_gradient",
                  "tuner_gradient_se", "tuner_sign_test", "load"),
     "curve": ("action", "min_share", "cost_min_us", "cost_proposal_us", "cost_prev_us", "gain", "emb_refs",
-              "kv_lookups", "kv_refused", "proposal_in", "curve"),
+              "kv_lookups", "kv_refused", "proposal_in", "curve", "taken_back"),
     "recovery": ("phase", "event", "cap", "capped", "rate_ratio", "hot_ratio", "burst_started_s", "entry_emb_share",
                  "kv_shift", "proposal_in", "source_in"),
     "override": ("active", "emb_share", "reason", "expires_at_s", "proposal_in", "source_in"),
@@ -91,6 +91,10 @@ def _curve_words(d: dict, inner: str) -> str:
     if a == "refuse_step":
         return (f"miss-ratio curves: the step to {d['proposal_in']:.4f} costs {d['cost_proposal_us']:.0f} us per "
                 f"request against {d['cost_prev_us']:.0f} in force (a cliff): step refused ({inner})")
+    if a == "flat":
+        return (f"miss-ratio curves: the split in force costs {d['cost_prev_us']:.0f} us per request, within the "
+                f"dead band of the minimum's {d['cost_min_us']:.0f} at {d['min_share']:.2f}: held, not moved to "
+                f"{d['proposal_in']:.4f} ({inner})")
     return inner
 
 
