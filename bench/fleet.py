@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from control_plane.router import POLICIES as ROUTERS  # the gateway's routers
+from gateway.router import POLICIES as ROUTERS  # the gateway's routers
 from simulator.capacity import bracket_and_bisect
 
 REPO = Path(__file__).resolve().parents[1]

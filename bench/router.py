@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from bench.stats import MIN_P99_SAMPLES, few_samples_note
-from control_plane import CostProfile, NodeReport, RequestBatch, RouteRequest, make_router
+from gateway import CostProfile, NodeReport, RequestBatch, RouteRequest, make_router
 from workloads import generate, synthetic_trace
 
 
@@ -57,7 +57,7 @@ def bench_nodes(num_nodes: int, requests: list[RouteRequest], *, num_users: int,
     node_ids = [f"node-{i:04d}" for i in range(num_nodes)]
     profile = CostProfile(kv_recompute_us_per_token=1.5, emb_transfer_us_per_row=4.0, service_time_us=2_000.0,
                           queue_capacity=64)
-    from control_plane.router import LOAD_AWARE_OFF, LoadAwareConfig
+    from gateway.router import LOAD_AWARE_OFF, LoadAwareConfig
 
     router = make_router("racer", node_ids, profile, now_s=0.0, num_shards=num_shards,
                          load_aware=LOAD_AWARE_OFF if plain else LoadAwareConfig(),

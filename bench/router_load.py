@@ -8,7 +8,7 @@ cluster at static split 0.5, side by side in one run. The router seeds are there
 moves with the router's own randomness alone (the printed ``least_load_router_seed_spread_pct``:
 one stream replayed by ``least_load`` with each router seed), so one run per stream cannot tell
 two routers 2% apart. ``racer`` is the
-shipped router (`control_plane.router.LoadAwareConfig` defaults); ``racer_plain`` the same
+shipped router (`gateway.router.LoadAwareConfig` defaults); ``racer_plain`` the same
 score without the load-aware rules (the paper's argmax of the expected time saved), to show
 what they change.
 
@@ -42,7 +42,7 @@ ROUTERS = ("least_load", "racer", "racer_plain")
 
 
 def _run_one(cfg, regime: str, router: str, router_seed: int) -> dict:
-    from control_plane.router import LoadAwareConfig
+    from gateway.router import LoadAwareConfig
     from simulator import StaticAllocator, simulate
     from simulator.table import _stream, sim_config
 

@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
 _PARTS = (
     ("emb_cache.lookup", "node_agent/memory/emb_cache.py", "lookup"),
     ("kv_pool.lookup+append", "node_agent/memory/kv_pool.py", ("lookup", "append", "evict")),
-    ("router.route_batch", "control_plane/router.py", "route_batch"),
+    ("router.route_batch", "gateway/router.py", "route_batch"),
     ("memory_manager.step", "node_agent/memory/manager.py", "step"),
     ("node reports", "simulator/cluster.py", "_report"),
     ("control windows (stats)", "simulator/cluster.py", "_window_stats"),

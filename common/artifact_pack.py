@@ -28,6 +28,12 @@ MAX_ARTIFACT_UNPACKED_BYTES = 64 * 2**20
 MAX_CHECKPOINT_MEMBERS = 32
 MAX_CHECKPOINT_UNPACKED_BYTES = 256 * 2**20
 
+#: a policy artifact's files (`racer policy export` writes them, `node_agent.artifact` reads them)
+ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
+#: the files of a model checkpoint directory that go to the registry (`racer model train` writes
+#: them; `racer model push` and racer up send them)
+CHECKPOINT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
+
 
 def pack_artifact(files: Mapping[str, bytes]) -> bytes:
     """The canonical tar of ``files`` (name -> bytes): sorted names, zero times and owners, mode 0644."""

@@ -25,8 +25,9 @@ from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
-from db.engine import make_engine, session_factory, upgrade
+from common.contract import API, ReportBatchIn
 from common.http_server import AllowedMethods, finite_validation_errors
+from db.engine import make_engine, session_factory, upgrade
 
 from .auth import TokenCache, ensure_admin_token
 from .cp_metrics import ControlPlaneMetrics
@@ -37,10 +38,8 @@ from .quota import NodeQuota
 from .rollout_service import Conflict, NotFound
 from .routes import (audit, directives, gateways, health, history, models, nodes, overrides, policies, rollouts,
                      routers, tokens, whatif)
-from .routes.deps import API, errors
-from .artifacts import MAX_ARTIFACT_UNPACKED_BYTES, pack_artifact, unpack_artifact  # noqa: F401 (re-exported)
+from .routes.deps import errors
 from .routes.report_ingest import IngestFastPath
-from .schemas import ReportBatchIn
 from .settings import Settings
 
 log = logging.getLogger("racer.control_plane")
@@ -142,7 +141,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     app.add_middleware(AllowedMethods, routes=app.router.routes, error_field="detail")  # 405 / OPTIONS: full Allow
     # in front of everything: the gate checks the token and caps the body before the ingestion
     # fast path or any route reads it
-    app.front = RequestGate(IngestFastPath(app.framework, state=app.state), openapi=lambda: app.openapi(),
+    app.front = RequestGate(IngestFastPath(app.framework, state=app.state), routes=app.router.routes,
                             state=app.state, settings=settings)
     app.openapi = lambda: openapi_document(app)
     app.include_router(health.router)

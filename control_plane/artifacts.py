@@ -1,6 +1,6 @@
 """Uploaded artifacts: policy artifacts (the three files `racer policy export` writes) and model
 checkpoints (the directory `racer model train` writes), each uploaded as a tar and stored as one
-canonical tar (`pack_artifact`: same files, same bytes, same digest).
+canonical tar (`common.artifact_pack.pack_artifact`: same files, same bytes, same digest).
 
 An upload is unpacked and checked in a child process with limits (`check_upload`): ``python -m
 control_plane.artifacts KIND DIR`` reads ``DIR/upload`` (the body as received), unpacks it
@@ -13,6 +13,12 @@ CPU-time limit and a wall-clock timeout (`CheckLimits`): a graph built to exhaus
 built to take quadratic time, or a checker that hangs costs the child, never the control plane,
 and the upload gets a 422 that says which limit it hit. This module imports no web framework, so
 the child starts quickly.
+
+The checks are the node agent's own loaders (`node_agent.allocator.OnnxPolicy`,
+`node_agent.model.checkpoint.load_checkpoint`), imported in the child only: an artifact the
+control plane accepts is one a node loads, with no second copy of the checks to drift from them.
+These are the control plane's only imports of node-agent code; what the two exchange over the
+network is `common.contract`.
 """
 
 from __future__ import annotations
@@ -30,17 +36,12 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-# the bounds on what an artifact unpacks to, and the canonical tar the routes store
-from common.artifact_pack import (MAX_ARTIFACT_MEMBERS, MAX_ARTIFACT_UNPACKED_BYTES, MAX_CHECKPOINT_MEMBERS,
-                                  MAX_CHECKPOINT_UNPACKED_BYTES)
-from common.artifact_pack import pack_artifact  # noqa: F401 (re-exported)
-from node_agent.registry_client import CHECKPOINT_FILES  # what `racer model push` sends
+# the files an artifact holds and the bounds on what it unpacks to
+from common.artifact_pack import (ARTIFACT_FILES, CHECKPOINT_FILES, MAX_ARTIFACT_MEMBERS, MAX_ARTIFACT_UNPACKED_BYTES,
+                                  MAX_CHECKPOINT_MEMBERS, MAX_CHECKPOINT_UNPACKED_BYTES)
 
 
 # ------------------------------------------------------------------------------------ policies
-ARTIFACT_FILES = ("manifest.json", "policy.onnx", "golden.npz")
-
-
 #: most bytes of a tar extension header (a PAX ``x``/``g`` record set, a GNU ``L``/``K`` long name):
 #: an artifact's names are short, and Python's tarfile parses these with a regular expression whose
 #: cost grows with their size (CVE-2024-6232 in Python before 3.12.6 / 3.11.10: a 232-byte gzip
@@ -141,7 +142,7 @@ def _written(files: dict[str, bytes], prefix: str):
 def verify_files(files: dict[str, bytes]) -> dict:
     """Check an artifact as the node agent does before using it (manifest, sha256, onnx.checker,
     I/O names/shapes/types, golden parity, finite probe outputs); returns the manifest."""
-    from node_agent.allocator import OnnxPolicy
+    from node_agent.allocator import OnnxPolicy  # the node's own loader (see the module docstring)
 
     with _written(files, "racer-policy-") as d:
         return dict(OnnxPolicy(d, device="cpu").manifest)  # PolicyLoadError is a ValueError
@@ -161,7 +162,7 @@ def unpack_checkpoint(data: bytes, *, max_members: int = MAX_CHECKPOINT_MEMBERS,
 def verify_checkpoint(files: dict[str, bytes], active_manifest: dict | None) -> dict:
     """Load the checkpoint as a node agent does (every digest checked); when a model is active,
     the new one must have its item count, item mapping and model config. Returns the manifest."""
-    from node_agent.model.checkpoint import load_checkpoint
+    from node_agent.model.checkpoint import load_checkpoint  # the node's own loader (see the module docstring)
 
     with _written(files, "racer-model-") as d:
         m = dict(load_checkpoint(d).manifest)  # CheckpointError is a ValueError

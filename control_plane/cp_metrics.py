@@ -76,7 +76,7 @@ class ControlPlaneMetrics:
                 self.node_bursts))
         return c
 
-    def observe_report(self, node_id: str, rep) -> None:  # rep: schemas.ReportIn
+    def observe_report(self, node_id: str, rep) -> None:  # rep: common.contract.ReportIn
         share, target, kv, emb, p50, p99, slo, thr, queue, refill, bursts = self._node(node_id)
         share.set(rep.emb_share)
         target.set(rep.emb_share_target)

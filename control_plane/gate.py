@@ -6,11 +6,11 @@ auth dependency alone lets a client with no token make the server buffer and par
 (and answers a malformed one 422 instead of 401). `RequestGate` is an ASGI middleware in front
 of the routes; for each HTTP request it:
 
-1. finds the operation the request will reach and the roles it declares (its ``x-racer-roles``),
-   from the app's OpenAPI document: each operation's path template as a pattern (a parameter is
-   one path segment, as the router matches it), in the document's order. The document, not the
-   router's objects: routes included from another router are nested objects that do not say
-   which route they hold, and an operation they hold would otherwise pass unchecked;
+1. finds the API route (under ``/api/v1``) the request will reach, as the router finds it: of
+   the app's routes in order (`fastapi.routing.iter_route_contexts`: an included router's
+   routes with their full paths), the first whose Starlette ``matches`` answers ``Match.FULL``
+   for the request's method and path. Its roles are the ``x-racer-roles`` it declares
+   (`routes.deps.roles`), its path parameters those of that match;
 2. checks the bearer token: 401 when it is missing, unknown or revoked; 403 when its role may
    not call the route, or when a node token calls a node route (``/api/v1/nodes/...``) for
    another node id or is bound to none (`control_plane.auth.node_route_refusal`). These answers
@@ -27,14 +27,14 @@ A path no route matches (404, 405) is passed on unauthenticated, its body capped
 
 from __future__ import annotations
 
-import re
+from fastapi.routing import iter_route_contexts
+from starlette.routing import Match
 
+from common.contract import API
 from common.http_server import BodyTooLarge, may_have_body, read_body, replay_body, send_json
 
 from .auth import MISSING_TOKEN, PRINCIPAL_STATE, UNKNOWN_TOKEN, bearer_secret, node_route_refusal, role_refusal
 from .settings import Settings
-
-API = "/api/v1"
 
 
 def body_caps(settings: Settings) -> dict[str, tuple[int, str]]:
@@ -46,66 +46,53 @@ def body_caps(settings: Settings) -> dict[str, tuple[int, str]]:
             f"{API}/gateways/{{gateway_id}}/samples": (settings.max_sample_body_bytes, "max_sample_body_bytes")}
 
 
-_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def path_pattern(template: str) -> re.Pattern:
-    """``/api/v1/nodes/{node_id}/reports`` -> a pattern whose groups are the parameters (one path
-    segment each)."""
-    out, pos = [], 0
-    for m in _PARAM.finditer(template):
-        out.append(re.escape(template[pos:m.start()]))
-        out.append(f"(?P<{m.group(1)}>[^/]+)")
-        pos = m.end()
-    out.append(re.escape(template[pos:]))
-    return re.compile("^" + "".join(out) + "$")
-
-
 class _RouteRule:
-    __slots__ = ("method", "path", "pattern", "roles", "cap", "cap_name", "node_route")
+    __slots__ = ("path", "matches", "roles", "cap", "cap_name", "node_route")
 
-    def __init__(self, method: str, path: str, roles: tuple[str, ...], cap: int, cap_name: str) -> None:
-        self.method, self.path, self.pattern = method, path, path_pattern(path)
+    def __init__(self, route, roles: tuple[str, ...], cap: int, cap_name: str) -> None:
+        self.path = route.path_format
+        self.matches = route.matches  # Starlette's: (Match, child scope with the path parameters)
         self.roles, self.cap, self.cap_name = roles, cap, cap_name
         # the routes a node calls as itself: a node token must be bound, to the id in the path
-        self.node_route = path.startswith(f"{API}/nodes/") and "node" in roles
+        self.node_route = self.path.startswith(f"{API}/nodes/") and "node" in roles
 
 
 class RequestGate:
-    """ASGI middleware (see the module docstring). ``openapi``: returns the app's OpenAPI
-    document (its operations are matched in order, as the router matches its routes);
-    ``state``: the app's state (its ``tokens`` cache); ``settings``: the body caps."""
+    """ASGI middleware (see the module docstring). ``routes``: the app's routes (``app.router.routes``,
+    read at the first request, so routes included after the gate is built count); ``state``: the
+    app's state (its ``tokens`` cache); ``settings``: the body caps."""
 
-    def __init__(self, app, openapi, state, settings: Settings) -> None:
+    def __init__(self, app, routes, state, settings: Settings) -> None:
         self.app = app
-        self.openapi = openapi
+        self.routes = routes
         self.state = state
         self.settings = settings
         self._rules: dict[str, list[_RouteRule]] | None = None
 
     def rules(self) -> dict[str, list[_RouteRule]]:
-        """Method -> the API's operations taking it, in the document's order."""
+        """Method -> the API's routes taking it, in the router's order."""
         if self._rules is None:  # the routes exist once the app is built, before it serves
             caps = body_caps(self.settings)
             default = (self.settings.max_body_bytes, "max_body_bytes")
             rules: dict[str, list[_RouteRule]] = {}
-            for path, item in self.openapi().get("paths", {}).items():
+            for route in iter_route_contexts(self.routes):
+                path = route.path_format or ""
                 if not path.startswith(API + "/"):
                     continue
-                for method, op in item.items():
-                    if not isinstance(op, dict):
-                        continue
-                    rules.setdefault(method.upper(), []).append(_RouteRule(
-                        method.upper(), path, tuple(op.get("x-racer-roles") or ()), *caps.get(path, default)))
+                roles = tuple((getattr(route, "openapi_extra", None) or {}).get("x-racer-roles") or ())
+                rule = _RouteRule(route, roles, *caps.get(path, default))
+                for method in route.methods or ():
+                    rules.setdefault(method, []).append(rule)
             self._rules = rules
         return self._rules
 
     def match(self, scope) -> tuple[_RouteRule, dict] | None:
-        path = scope["path"]
+        """The rule of the route the router will hand ``scope`` to, with its path parameters
+        (None: no route takes this method at this path)."""
         for rule in self.rules().get(scope["method"], ()):
-            m = rule.pattern.match(path)
-            if m is not None:
-                return rule, m.groupdict()
+            m, child = rule.matches(scope)
+            if m == Match.FULL:
+                return rule, child.get("path_params", {})
         return None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -113,7 +100,7 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         cap, cap_name = self.settings.max_body_bytes, "max_body_bytes"
-        hit = self.match(scope) if scope["path"].startswith(API + "/") else None
+        hit = self.match(scope)
         if hit is not None:
             rule, params = hit
             cap, cap_name = rule.cap, rule.cap_name

@@ -29,12 +29,12 @@ import traceback
 import httpx
 from sqlalchemy import text
 
+from common.weights import CostProfile, derive_weights
 from db import queries
 from db.models import Router, SchedulerLease
 
 from .auth import load_secret_key, push_token_for
 from . import rollout_service
-from .weights import CostProfile, derive_weights
 
 log = logging.getLogger("racer.control_plane.jobs")
 

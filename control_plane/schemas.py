@@ -1,80 +1,21 @@
 """The control-plane API's JSON shapes (pydantic v2). Inputs forbid unknown fields and check
-ranges, so a bad payload gets a 422 naming the field, and nothing is stored."""
+ranges, so a bad payload gets a 422 naming the field, and nothing is stored. What a node sends and
+is told (registration, reports, directives, confirmations) is the wire contract, `common.contract`,
+which these shapes build on."""
 
 from __future__ import annotations
 
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from common.ids import ID_PATTERN
-
-from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS, MAX_DETAIL_TEXT_CHARS,
-                                        MAX_PROPOSAL_ABS)
-
-from .weights import MAX_EMB_TRANSFER_US_PER_ROW, MAX_KV_RECOMPUTE_US_PER_TOKEN, MAX_QUEUE_CAPACITY, MAX_SERVICE_TIME_US
+from common.contract import INT64_MAX, Finite, In, ModelDigest, NodeId, Out, ReportTime, Version, distinct_seq
 
 ROLES = ("node", "operator", "viewer", "router")
-DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
-
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=ID_PATTERN)]
-PolicyId = Annotated[str, Field(min_length=1, max_length=128, pattern=ID_PATTERN)]
-Version = PolicyId  # a policy's version: its policy_id (common.ids; a model's digest fits it too)
-ModelDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a checkpoint's digest (its manifest's)
-# what a node's figures are (`node_agent.engine.Engine.device_info`): measured on a device, measured
-# with the EMB link's time emulated, or the time of an emulated device's cost profile (modelled)
-DeviceMode = Literal["real", "link-emulated", "emulated"]
-DEVICE_MODES = ("real", "link-emulated", "emulated")
-DeviceText = Annotated[str, Field(min_length=1, max_length=128)]  # a device's label, a cost profile's name
-# a report's time (Unix s): bounded so that bucketing it (floor(ts_s / step_s), step_s >= 1 ms) stays
-# within 64-bit integers on every database
-ReportTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
-
-
-def _check_text(v, depth: int = 0) -> None:
-    if isinstance(v, str):
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("must be valid Unicode text (a lone surrogate is not)") from None
-        if "\x00" in v:
-            raise ValueError("must not contain NUL (\\u0000)")
-    elif depth < 4 and isinstance(v, dict):
-        for k, x in v.items():
-            _check_text(k, depth + 1)
-            _check_text(x, depth + 1)
-    elif depth < 4 and isinstance(v, list):
-        for x in v:
-            if isinstance(x, (str, dict, list)):
-                _check_text(x, depth + 1)
-
-
-class In(BaseModel):
-    # strict: a boolean is not a number (nor a number a string); an integer is still a float
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _unicode_text(cls, v):
-        """A string, also as a key or value of a mapping or list, must be text that can be stored
-        and echoed: JSON's ``\\ud800`` (a lone surrogate) parses into one that cannot be encoded as
-        UTF-8, and PostgreSQL's text refuses NUL (``\\u0000``)."""
-        _check_text(v)
-        return v
-
-
-class Out(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
 
 
 # ---- errors
-INT64_MAX = 2**63 - 1  # the largest integer both databases store (SQLite and PostgreSQL BIGINT)
-
-
 class FieldError(BaseModel):
     """One refused input: where (``loc``, e.g. ``["body", "emb_share"]`` or ``["query", "step_s"]``),
     what is wrong (``msg``) and its kind (``type``); pydantic's validation errors have this shape."""
@@ -90,184 +31,6 @@ class ErrorOut(BaseModel):
 
 
 # ---- nodes
-def _cost(limit: float):
-    """A cost in µs: a number (not a boolean or a string), finite, in [0, limit] (a physical range)."""
-    return Annotated[float, Field(ge=0, le=limit, allow_inf_nan=False, strict=True)]
-
-
-class DeviceInfoIn(In):
-    """What a node's figures are (`node_agent.engine.Engine.device_info`, bounded by
-    `node_agent.reporter.device_info`): ``mode``; ``time`` measured or modelled; the ``label``
-    shown; an emulated device's cost ``profile``, its ``time_scale`` (wall seconds per modelled
-    second) and whether the profile was ``calibrated`` (measured on a device) or is a preset."""
-    mode: DeviceMode
-    time: Literal["measured", "modelled"] | None = None
-    label: DeviceText | None = None
-    profile: DeviceText | None = None
-    time_scale: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] | None = None
-    calibrated: bool | None = None
-
-
-class CostProfileIn(In):
-    """A node's cost profile, within physical ranges (`control_plane.weights.PROFILE_LIMITS`)."""
-    kv_recompute_us_per_token: _cost(MAX_KV_RECOMPUTE_US_PER_TOKEN)
-    emb_transfer_us_per_row: _cost(MAX_EMB_TRANSFER_US_PER_ROW)
-    service_time_us: _cost(MAX_SERVICE_TIME_US)
-    queue_capacity: Annotated[int, Field(ge=1, le=MAX_QUEUE_CAPACITY, strict=True)] = 64
-    # the HBM arena's size (shown by the dashboard; the weights do not use it), at most 1 PiB
-    arena_bytes: Annotated[int, Field(ge=1, le=2**50, strict=True)] | None = None
-    # the device's memory as the node saw it at registration: its bookkeeping outside the arena,
-    # and where the device reports them (CUDA) its total and free bytes (absent: not reported)
-    metadata_bytes: Annotated[int, Field(ge=0, le=2**50, strict=True)] | None = None
-    device_total_bytes: Annotated[int, Field(ge=1, le=2**50, strict=True)] | None = None
-    device_free_bytes: Annotated[int, Field(ge=0, le=2**50, strict=True)] | None = None
-    # the digest of the model checkpoint the node serves (racer node-agent --model; absent: random weights)
-    model_digest: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
-    # what the node's figures are (absent: an agent that does not say; unknown)
-    device: DeviceInfoIn | None = None
-
-
-class RegisterIn(In):
-    node_id: NodeId
-    address: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^https?://")]
-    device: Annotated[str, Field(min_length=1, max_length=128)]
-    cost_profile: CostProfileIn
-    policy_version: Version | None = None
-    started_at_s: ReportTime | None = None  # when the agent process started (wall s): a new one is a restart
-
-
-class RegisterOut(Out):
-    node_id: str
-    report_interval_s: float
-    last_report_seq: int | None = None  # highest seq stored for the node: a node that lost its state continues above it
-
-
-# one figure of an allocator layer's detail: a name, a flag, a finite number or nothing
-DetailValue = Annotated[str, Field(max_length=MAX_DETAIL_TEXT_CHARS)] | bool | Finite | None
-
-
-class LayerIn(In):
-    """One allocator layer's part in a decision (`node_agent.allocator.LayerTrace`): the layer,
-    the proposal it handed on (before the guards it may lie outside [0, 1]), whether it set the
-    decision's source, and its inputs and figures by name."""
-    layer: Literal[LAYERS]
-    proposal: Annotated[float, Field(ge=-MAX_PROPOSAL_ABS, le=MAX_PROPOSAL_ABS, allow_inf_nan=False)] | None = None
-    acted: bool = False
-    detail: Annotated[dict[Annotated[str, Field(max_length=MAX_DETAIL_NAME_CHARS)], DetailValue],
-                      Field(max_length=MAX_DETAIL_FIGURES)] = Field(default_factory=dict)
-
-
-class DecisionIn(In):
-    source: Literal["base", "residual", "recovery", "override", "guard"]
-    emb_share: Unit
-    reason: Annotated[str, Field(max_length=2000)] = ""
-    prev_emb_share: Unit | None = None
-    features: Annotated[dict[Annotated[str, Field(max_length=64)], Finite], Field(max_length=64)] = \
-        Field(default_factory=dict)
-    layers: Annotated[list[LayerIn], Field(max_length=len(LAYERS))] = Field(default_factory=list)
-
-
-class BurstIn(In):
-    start_s: Finite
-    end_s: Finite | None = None
-    magnitude: Finite = 0.0
-
-
-class ReportIn(In):
-    """One control interval of one node. Figures that had no requests in the window are null."""
-
-    seq: Annotated[int, Field(ge=0, lt=2**31)]
-    ts_s: ReportTime
-    interval_s: Annotated[float, Field(gt=0, allow_inf_nan=False)]
-    emb_share: Unit
-    emb_share_target: Unit
-    kv_hit_rate: Unit | None = None
-    emb_hit_rate: Unit | None = None
-    p50_ms: NonNeg | None = None
-    p99_ms: NonNeg | None = None
-    slo_attainment: Unit | None = None
-    throughput_rps: NonNeg = 0.0
-    num_requests: Annotated[int, Field(ge=0, lt=2**31)] = 0
-    queue_depth: NonNeg = 0.0
-    refill_bytes: Annotated[int, Field(ge=0, lt=2**31)] = 0
-    kv_recompute_us_per_token: _cost(MAX_KV_RECOMPUTE_US_PER_TOKEN) | None = None
-    emb_transfer_us_per_row: _cost(MAX_EMB_TRANSFER_US_PER_ROW) | None = None
-    policy_version: Version | None = None
-    decision: DecisionIn | None = None
-    bursts: Annotated[list[BurstIn], Field(max_length=100)] = Field(default_factory=list)
-    # reports the node has dropped so far (its spool's bound, an unreadable file, a disk that
-    # refused them beyond the in-memory bound): a counter, kept by the node across restarts
-    num_reports_dropped: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    # the checkpoint served in the window (null: random weights) and the window's online quality:
-    # mean of 1 - rank / num_candidates of the users' next items (null: none known)
-    model_digest: ModelDigest | None = None
-    model_quality: Unit | None = None
-    # what the figures are: measured (real, link-emulated) or modelled by an emulated device's
-    # cost profile (its name); null: the node does not say
-    device_mode: DeviceMode | None = None
-    device_profile: DeviceText | None = None
-
-
-class ReportBatchIn(In):
-    reports: Annotated[list[ReportIn], Field(min_length=1, max_length=1000)]
-
-    @field_validator("reports")
-    @classmethod
-    def _distinct_seq(cls, v: list[ReportIn]) -> list[ReportIn]:
-        seqs = [r.seq for r in v]
-        if len(set(seqs)) != len(seqs):
-            raise ValueError("reports: seq values must be distinct within a batch")
-        return v
-
-
-class ReportBatchOut(Out):
-    stored: int
-    duplicates: int
-
-
-class OverrideDirective(Out):
-    override_id: int
-    emb_share: float
-    expires_at_s: float | None
-    reason: str
-    scope: Literal["node", "cluster"]
-
-
-class PolicyDirective(Out):
-    version: str
-    digest: str
-    download_url: str
-    rollout_id: int | None = None
-
-
-class ModelDirective(Out):
-    version: str  # the checkpoint's digest
-    digest: str  # SHA-256 of the tar served at download_url
-    download_url: str
-    rollout_id: int | None = None
-
-
-class DirectivesOut(Out):
-    node_id: str
-    now_s: float
-    report_interval_s: float
-    override: OverrideDirective | None
-    policy: PolicyDirective | None
-    model: ModelDirective | None = None
-
-
-class ModelLoadedIn(In):
-    model_version: ModelDigest
-    status: Literal["loaded", "failed"]
-    error: Annotated[str, Field(max_length=4000)] | None = None
-
-
-class PolicyLoadedIn(In):
-    policy_version: Version
-    status: Literal["loaded", "failed"]
-    error: Annotated[str, Field(max_length=4000)] | None = None
-
-
 class NodeOut(Out):
     node_id: str
     address: str
@@ -595,8 +358,8 @@ def finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-# ---- traffic samples (control_plane.traffic_sample; POST /gateways/{gateway_id}/samples)
-from .traffic_sample import (MAX_SAMPLE_BATCH, MAX_SAMPLE_CANDIDATES, MAX_SAMPLE_HISTORY_LEN,  # noqa: E402
+# ---- traffic samples (gateway.traffic_sample; POST /gateways/{gateway_id}/samples)
+from common.contract import (MAX_SAMPLE_BATCH, MAX_SAMPLE_CANDIDATES, MAX_SAMPLE_HISTORY_LEN,  # noqa: E402
                              MAX_SAMPLE_ITEMS)
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]  # a keyed hash (signed int64, as SQL BIGINT)
@@ -641,10 +404,7 @@ class TrafficSampleBatchIn(In):
     @field_validator("samples")
     @classmethod
     def _distinct_seq(cls, v: list[TrafficSampleIn]) -> list[TrafficSampleIn]:
-        seqs = [r.seq for r in v]
-        if len(set(seqs)) != len(seqs):
-            raise ValueError("samples: seq values must be distinct within a batch")
-        return v
+        return distinct_seq("samples", v)
 
 
 class TrafficSampleBatchOut(Out):

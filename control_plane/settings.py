@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 
 from common.config import ranged, validate
+from common.contract import DEFAULT_MAX_EMB_SHARE, DEFAULT_MIN_EMB_SHARE
 
 
 def _period(default: float, doc: str = ""):
@@ -30,7 +31,8 @@ class Settings:
       current; ``history_rollup_margin_s``: how far behind its run time its watermark stays (a
       report committed up to this long after it was received is still picked up);
     - ``min_override_emb_share`` / ``max_override_emb_share``: the allocator's guard bounds
-      (node_agent.allocator.GuardConfig defaults) outside which overrides are refused;
+      (default: `common.contract.DEFAULT_MIN_EMB_SHARE` / ``DEFAULT_MAX_EMB_SHARE``, the allocator's
+      `GuardConfig` defaults) outside which overrides are refused;
     - ``scheduler``: False runs the API without jobs (a replica that never schedules);
     - ``leader_poll_s``: how often a standby replica tries to become the scheduler leader;
     - ``ingest_max_rows``: most report rows one group commit writes; ``ingest_linger_s``: how long
@@ -155,11 +157,8 @@ class Settings:
         return grid
 
     def guard_bounds(self) -> tuple[float, float]:
-        from node_agent.allocator import GuardConfig
-
-        g = GuardConfig()
-        lo = g.min_emb_share if self.min_override_emb_share is None else self.min_override_emb_share
-        hi = g.max_emb_share if self.max_override_emb_share is None else self.max_override_emb_share
+        lo = DEFAULT_MIN_EMB_SHARE if self.min_override_emb_share is None else self.min_override_emb_share
+        hi = DEFAULT_MAX_EMB_SHARE if self.max_override_emb_share is None else self.max_override_emb_share
         return float(lo), float(hi)
 
     @staticmethod

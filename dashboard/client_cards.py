@@ -336,7 +336,7 @@ PAGE_ROWS = 20_000  # reports per request (the API's newest `limit` of a time sp
 MAX_PAGES = 20  # requests for one read at most: 400,000 reports (24 h of 4 gateways at 1 s)
 LOOKBACK_INTERVALS = 10  # each tick re-reads this many report intervals before the newest held...
 MIN_LOOKBACK_S = 30.0  # ...and at least this long: a report stored late is drawn, not left a gap
-BACKLOG_REPORTS = 600  # the most a gateway keeps unsent (control_plane.gateway.MAX_PENDING_CLIENT_REPORTS)
+BACKLOG_REPORTS = 600  # the most a gateway keeps unsent (gateway.uplink.MAX_PENDING_CLIENT_REPORTS)
 
 
 def read_span(fetch, start_s: float, max_pages: int = MAX_PAGES, page_rows: int = PAGE_ROWS) -> tuple[list, bool]:

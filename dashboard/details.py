@@ -21,7 +21,8 @@ import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 
-from control_plane.artifacts import ARTIFACT_FILES, pack_artifact
+from common.artifact_pack import ARTIFACT_FILES, pack_artifact
+from common.contract import parse_curve_text  # the curve layer's trace as reports carry it
 
 # What each operator action on a rollout is allowed from (the control plane's
 # `control_plane.rollout._ALLOWED`; a test checks that the two agree). A rollout in none of these
@@ -283,14 +284,12 @@ def decision_detail(decision: Mapping, report: Mapping | None = None, bursts: Se
 
 def decision_curve(decision: Mapping) -> dict | None:
     """The expected time per request against share that the decision's curve layer used
-    (`node_agent.allocator.curve`): ``{"shares", "cost_us", "chosen", "min_share", "proposal_in",
-    "action"}``, or None when the decision has no curve layer with a curve (curves off, too little
-    evidence)."""
+    (`node_agent.allocator.curve`; its ``curve`` detail read by `common.contract.parse_curve_text`):
+    ``{"shares", "cost_us", "chosen", "min_share", "proposal_in", "action"}``, or None when the
+    decision has no curve layer with a curve (curves off, too little evidence)."""
     for layer in decision.get("layers") or []:
         if not isinstance(layer, Mapping) or (layer.get("layer") or layer.get("name")) != "curve":
             continue
-        from node_agent.allocator.curve import parse_curve_text  # the trace's own format, read where it is written
-
         det = layer.get("detail") if isinstance(layer.get("detail"), Mapping) else {}
         pts = parse_curve_text(str(det.get("curve") or ""))
         if not pts:

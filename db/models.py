@@ -135,7 +135,7 @@ class GatewayReport(Base):
 
 
 class TrafficSample(Base):
-    """One request a gateway sampled for a what-if replay (`control_plane.traffic_sample`): no raw
+    """One request a gateway sampled for a what-if replay (`gateway.traffic_sample`): no raw
     id, only keyed hashes (signed int64). ``items`` (the history's most recent ids), ``new_items`` and
     ``candidates`` are packed int64 little-endian (8 bytes an id); ``history_len`` is the whole
     history's length; ``num_candidates`` null: the node's default count; ``node_id`` null: no node

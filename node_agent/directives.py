@@ -23,13 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.contract import API, MAX_ERROR_CHARS
 from common.ids import path_segment
 
 from .downloads import download_artifact
 from .reports import WallTime, finite_or_none
-
-API = "/api/v1"
-MAX_ERROR_CHARS = 4000
 
 
 @dataclass

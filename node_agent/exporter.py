@@ -54,11 +54,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from common.contract import DECISION_SOURCES
+
 from .reporter import device_info
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0)
-DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
 
 
 def device_note(dev: dict | None) -> str:

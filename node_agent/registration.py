@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from .reports import MAX_DEVICE_TEXT_CHARS
+from common.contract import MAX_DEVICE_TEXT_CHARS
 
 #: when this process started (wall s): each registration says it, so the control plane counts restarts
 PROCESS_STARTED_S = time.time()
@@ -39,7 +39,7 @@ def device_memory(engine) -> dict:
 
 def cost_profile(miss_costs: dict | None, *, queue_capacity: int, service_time_us: float | None = None,
                  history_len: float = 512.0, num_candidates: int = 256, arena_bytes: int | None = None) -> dict:
-    """The cost profile sent at registration (control_plane.weights.CostProfile fields).
+    """The cost profile sent at registration (common.weights.CostProfile fields).
 
     ``kv_recompute_us_per_token`` is the profiled cost at the profiled history length nearest
     ``history_len``; ``service_time_us`` is the given figure, else an estimate of one request's

@@ -6,9 +6,6 @@ from __future__ import annotations
 import sys
 from urllib.parse import quote
 
-#: the files of a model checkpoint directory that go to the registry (`racer model push`, racer up)
-CHECKPOINT_FILES = ("manifest.json", "weights.pt", "config.json", "items.json", "figures.json")
-
 
 def push(kind: str, body: bytes, *, control_plane: str, token: str, activate: bool, reason: str,
          timeout_s: float, prog: str) -> tuple[int, dict | None]:

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ranged, require, validate
+from common.contract import API, MAX_REPORT_BATCH
 
-from .directives import API, Directives
+from .directives import Directives
 from .downloads import safe_name
 from .registration import device_label, registration_body, registration_profile
 from .reporter_status import ReporterStatus
@@ -69,7 +70,7 @@ class ReporterConfig:
     - ``max_buffered_reports``: spool bound; the oldest reports are dropped (and counted) beyond it;
     - ``max_memory_reports``: most reports kept in memory while the disk refuses them (full,
       read-only); the oldest of those are dropped (and counted) beyond it;
-    - ``batch_size``: most reports per POST (the API takes up to 1000);
+    - ``batch_size``: most reports per POST (the API takes up to ``common.contract.MAX_REPORT_BATCH``);
     - ``timeout_s``: per HTTP call; ``max_backoff_s``: longest wait between retries after an error;
     - ``directives_period_s``: how often directives are pulled (None: every control interval);
     - ``queue_capacity`` / ``service_time_us``: cost-profile figures sent at registration besides
@@ -87,7 +88,7 @@ class ReporterConfig:
     max_memory_reports: int = ranged(DEFAULT_MEMORY_REPORTS, lo=1, integer=True,
                                      doc="reports kept in memory when the disk refuses them (full, read-only) until "
                                          "they are sent; the oldest are dropped beyond, and counted")
-    batch_size: int = ranged(200, lo=1, hi=1000, integer=True)
+    batch_size: int = ranged(200, lo=1, hi=MAX_REPORT_BATCH, integer=True)
     timeout_s: float = ranged(5.0, lo=0, lo_open=True)
     max_backoff_s: float = ranged(2.0, lo=0, lo_open=True)
     directives_period_s: float | None = ranged(None, lo=0, lo_open=True, optional=True)

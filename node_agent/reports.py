@@ -25,19 +25,12 @@ import logging
 import math
 from collections.abc import Callable
 
-from node_agent.allocator.trace import (LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS, MAX_DETAIL_TEXT_CHARS,
-                                        MAX_PROPOSAL_ABS)
-
-from .spool import MAX_SEQ
+# what the control plane accepts (`common.contract.ReportIn`): each report is bounded so
+from common.contract import (DEVICE_MODES, DEVICE_TIMES, LAYERS, MAX_DETAIL_FIGURES, MAX_DETAIL_NAME_CHARS,
+                             MAX_DETAIL_TEXT_CHARS, MAX_DEVICE_TEXT_CHARS, MAX_PROPOSAL_ABS, MAX_REASON_CHARS, MAX_SEQ,
+                             MAX_TIME_SCALE)
 
 log = logging.getLogger("racer.node_agent.reports")
-
-MAX_REASON_CHARS = 2000
-#: what a node's figures are (`Engine.device_info`'s ``mode``)
-DEVICE_MODES = ("real", "link-emulated", "emulated")
-DEVICE_TIMES = ("measured", "modelled")
-MAX_DEVICE_TEXT_CHARS = 128  # a device's label and an emulated device's profile name
-MAX_TIME_SCALE = 1e6  # wall seconds per modelled second the control plane takes
 
 
 def finite_or_none(x) -> float | None:
@@ -54,7 +47,7 @@ def unit(x) -> float | None:
 
 
 def _detail_value(v):
-    """One figure of a layer's detail as the control plane accepts it (`control_plane.schemas.LayerIn`)."""
+    """One figure of a layer's detail as the control plane accepts it (`common.contract.LayerIn`)."""
     if v is None or isinstance(v, bool):
         return v
     if isinstance(v, str):
@@ -64,7 +57,7 @@ def _detail_value(v):
 
 def report_layers(layers) -> list[dict]:
     """The decision's layer traces (`AllocatorDecision.to_dict()["layers"]`), bounded as the
-    control plane accepts them (`node_agent.allocator.trace`'s limits)."""
+    control plane accepts them (`common.contract.LayerIn`)."""
     out = []
     for t in (layers or [])[:len(LAYERS)]:
         p = finite_or_none(t.get("proposal"))
@@ -78,7 +71,7 @@ def report_layers(layers) -> list[dict]:
 
 def device_info(engine) -> dict | None:
     """The engine's `Engine.device_info`, bounded as the control plane accepts it
-    (`control_plane.schemas.DeviceInfoIn`): ``mode``, ``time``, ``label``, and for an emulated
+    (`common.contract.DeviceInfoIn`): ``mode``, ``time``, ``label``, and for an emulated
     device ``profile``, ``time_scale`` and ``calibrated``. None when the engine has no such
     method, it fails, or its mode is not one of `DEVICE_MODES` (unknown)."""
     fn = getattr(engine, "device_info", None)

@@ -20,9 +20,10 @@ import os
 from collections import deque
 from pathlib import Path
 
+from common.contract import MAX_SEQ
+
 log = logging.getLogger("racer.node_agent.spool")
 
-MAX_SEQ = 2**31 - 1
 #: most reports kept in memory when the disk refuses them (``ReporterConfig.max_memory_reports``)
 DEFAULT_MEMORY_REPORTS = 2_000
 

@@ -62,7 +62,7 @@ COMMANDS: dict[str, Command] = {
     "node-agent": Command("node_agent.cli:add_node_parser", "serve recommendations on this node over HTTP"),
     "model": Command("node_agent.model.cli:add_model_parser",
                      "train and evaluate the GR model node agents serve; inspect and push checkpoints"),
-    "gateway": Command("control_plane.gateway:add_gateway_parser",
+    "gateway": Command("gateway.cli:add_gateway_parser",
                        "route recommendation requests to node agents (EMB-KV-aware)"),
     "up": Command("racer.up:add_up_parser",
                   "run the whole system here: control plane, node agents, gateway, dashboard, trace replay"),

@@ -87,7 +87,7 @@ def derive_candidate(shipped: Path, out_dir: Path, logit_shift: float = CANDIDAT
 def artifact_tar(artifact_dir: Path) -> bytes:
     """The artifact's files as one tar (the body ``POST /api/v1/policies`` takes): the control
     plane's canonical tar (`pack_artifact`), so the same files give the same bytes."""
-    from control_plane.artifacts import ARTIFACT_FILES, pack_artifact
+    from common.artifact_pack import ARTIFACT_FILES, pack_artifact
 
     return pack_artifact({name: (artifact_dir / name).read_bytes() for name in ARTIFACT_FILES})
 
@@ -143,8 +143,7 @@ def seed_model(cp_url: str, token: str, model_dir: Path, log: Callable[[str], No
     its baseline from the start (an operator's active model survives a restart)."""
     import httpx
 
-    from common.artifact_pack import pack_directory
-    from node_agent.registry_client import CHECKPOINT_FILES
+    from common.artifact_pack import CHECKPOINT_FILES, pack_directory
 
     api = f"{cp_url}/api/v1"
     t0 = time.monotonic()

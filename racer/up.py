@@ -1,9 +1,9 @@
 """``racer up``: the whole system on this machine from one command.
 
-A supervisor starts the control plane (SQLite in the data folder unless ``--db``), N node agents
-(CPU unless a GPU is seen, each its own process, the shipped policy; ``--devices cuda:0,cuda:1``
-places them one per device, round robin), the gateway and the dashboard; each process runs in
-its own process group with its log in ``DATA/logs/<name>.log``.
+A supervisor (`racer.supervisor`) starts the control plane (SQLite in the data folder unless
+``--db``), N node agents (CPU unless a GPU is seen, each its own process, the shipped policy;
+``--devices cuda:0,cuda:1`` places them one per device, round robin), the gateway and the
+dashboard; each process runs in its own process group with its log in ``DATA/logs/<name>.log``.
 It then replays the Taobao trace through steady -> trend -> burst in a loop (`workloads.replay`,
 open loop) against the gateway, and prints one status line: requests served, P99 and SLO
 attainment over the last 30 s, the current regime, the processes up.
@@ -27,13 +27,14 @@ group (SIGKILL after ``--stop-timeout-s``): nothing is left running, and the con
 last, closes its database itself. A second ``racer up`` on the same data folder reuses the
 database, the tokens and the cost profile; two at once on one folder are refused (a lock file).
 
-The supervisor is generic: a list of `ProcessSpec` (argv, environment, readiness URL). The pieces
-are the subcommands in racer.cli's table (`available_commands`, nothing imported): a build without
-``racer gateway`` replays straight to the node agents (round robin, one client retry); without
-``racer control-plane`` or ``racer dashboard`` those are left out and the start-up message says so.
+The supervisor is generic: a list of `ProcessSpec` (argv, environment, readiness URL), which
+`plan_processes` makes. The pieces are the subcommands in racer.cli's table (`available_commands`,
+nothing imported): a build without ``racer gateway`` replays straight to the node agents (round
+robin, one client retry); without ``racer control-plane`` or ``racer dashboard`` those are left
+out and the start-up message says so.
 
-Files in the data folder (written whole: temp file, fsync, rename; a write that fails leaves
-nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
+Files in the data folder (`racer.data_folder`: written whole, temp file, fsync, rename; a write
+that fails leaves nothing behind): ``operator_token`` (mode 0600; handed to the control plane as
 ``RACER_ADMIN_TOKEN``), ``node_profile.json`` (the
 miss costs every agent reads instead of measuring them again), ``racer.db`` (SQLite), ``logs/``,
 ``node_token.<db hash>.node-K`` (mode 0600: agent node-K's own token, bound to node id node-K, one
@@ -57,7 +58,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import json
 import math
 import os
@@ -69,14 +69,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from node_agent.model.shipped import resolve_model  # no torch there
 
-from .errors import UsageError
+from .data_folder import DataLock, check_data_dir, read_or_create_secret, write_atomic
+from .errors import UpError, UsageError
+from .supervisor import REPO, ProcessSpec, Supervisor, describe_exit, log_tail, rss_bytes
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY = REPO / "policies" / "default"
 
 # A small model per CPU node agent: four of them, the gateway, the control plane, the dashboard and
@@ -89,78 +90,7 @@ PROFILE_ARGS = ("--embedding-dim", "32", "--num-layers", "1", "--threads", "1", 
                 "--repeats", "3", "--num-candidates", "64")
 
 
-class UpError(UsageError):
-    """A problem the user can fix (bad option, unwritable data folder, busy folder or port); one line."""
-
-
-# ------------------------------------------------------------------------------ data folder ---
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to ``path`` whole or not at all (temp file in the same folder, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def check_data_dir(data_dir: Path) -> None:
-    """Create the folder if needed and prove it takes a real write (a probe of 64 KiB, fsynced):
-    a read-only or full folder raises `UpError` with the reason before anything starts."""
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        (data_dir / "logs").mkdir(exist_ok=True)
-        write_atomic(data_dir / ".write-probe", "x" * 65536)
-        os.unlink(data_dir / ".write-probe")
-    except OSError as e:
-        why = {errno.EROFS: "the file system is read-only", errno.ENOSPC: "no space left on the device",
-               errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}.get(e.errno, e.strerror)
-        raise UpError(f"data folder {data_dir} is not writable: {why} ({e.__class__.__name__}: {e}); "
-                      f"free space or choose another with --data-dir") from None
-
-
-def read_or_create_secret(path: Path, prefix: str) -> str:
-    if path.exists():
-        text = path.read_text().strip()
-        if text:
-            return text
-    secret = prefix + secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, secret + "\n", mode=0o600)
-    return secret
-
-
-class DataLock:
-    """One ``racer up`` per data folder: an exclusive flock on ``up.lock`` (released on exit, even
-    a kill -9)."""
-
-    def __init__(self, data_dir: Path) -> None:
-        import fcntl
-
-        self.path = data_dir / "up.lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            other = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self.fd)
-            raise UpError(f"another racer up (pid {other}) is using {data_dir}; stop it or pass another "
-                          f"--data-dir") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-
-# ------------------------------------------------------------------------------- supervisor ---
+# ------------------------------------------------------------------------------- ports ---
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -175,282 +105,6 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
-
-
-@dataclass
-class ProcessSpec:
-    """One supervised process: ``argv`` (run with ``env`` added to ours), ready when GET on one of
-    ``ready_urls`` answers 200 (no URL: ready when started)."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    ready_urls: list[str] = field(default_factory=list)
-    ready_timeout_s: float = 120.0
-    url: str | None = None
-    ready_check: Callable[[], bool] | None = None  # beyond the URL answering 200
-
-
-@dataclass
-class _Proc:
-    spec: ProcessSpec
-    popen: subprocess.Popen | None = None
-    started_s: float = 0.0
-    restarts: int = 0
-    next_start_s: float = 0.0
-    backoff_s: float = 1.0
-    exits: list = field(default_factory=list)
-    ready_s: float | None = None  # when it last answered its ready URL (None: not since it started)
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-class Supervisor:
-    """Start `ProcessSpec`s in order, restart those that exit, stop them all in reverse order.
-
-    Each process gets its own session (process group), so stopping it stops whatever it started;
-    its stdout and stderr are appended to ``log_dir/<name>.log``. ``report(line)`` receives every
-    event (start, exit, restart, stop)."""
-
-    def __init__(self, specs: Sequence[ProcessSpec], log_dir: Path, *, report: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.monotonic, max_backoff_s: float = 30.0,
-                 state_file: Path | None = None, secrets: Sequence[str] = (),
-                 cancel: threading.Event | None = None) -> None:
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"process names must be distinct: {names}")
-        self.procs = [_Proc(s) for s in specs]
-        self.log_dir = log_dir
-        self.report = report
-        self.clock = clock
-        self.max_backoff_s = max_backoff_s
-        self.state_file = state_file
-        self.secrets = [x for x in secrets if x]
-        self.cancel = cancel or threading.Event()  # set: stop waiting for readiness
-        self.stopping = False
-
-    def __getitem__(self, name: str) -> _Proc:
-        for p in self.procs:
-            if p.spec.name == name:
-                return p
-        raise KeyError(name)
-
-    def _spawn(self, p: _Proc) -> None:
-        log = open(self.log_dir / f"{p.spec.name}.log", "ab")
-        try:
-            shown = " ".join(p.spec.argv)
-            for secret in self.secrets:  # tokens never reach a log
-                shown = shown.replace(secret, "***")
-            log.write(f"\n==== racer up: starting {p.spec.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                      f"{shown}\n".encode())
-            log.flush()
-            p.popen = subprocess.Popen(p.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, cwd=REPO,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **p.spec.env})
-        finally:
-            log.close()
-        p.started_s = self.clock()
-        p.ready_s = None
-        self.write_state()
-
-    def write_state(self) -> None:
-        """``state_file``: each process's pid, URL and restarts (for operators and tests)."""
-        if self.state_file is None:
-            return
-        state = {p.spec.name: {"pid": p.popen.pid if p.popen else None, "url": p.spec.url, "restarts": p.restarts,
-                               "log": str(self.log_dir / f"{p.spec.name}.log")} for p in self.procs}
-        with contextlib.suppress(OSError):
-            write_atomic(self.state_file, json.dumps({"supervisor_pid": os.getpid(), "processes": state}) + "\n")
-
-    def start(self, names: Sequence[str] | None = None, *, wait: bool = True) -> None:
-        """Start the named processes (all by default) together, then wait until each is ready."""
-        group = [p for p in self.procs if names is None or p.spec.name in names]
-        for p in group:
-            self._spawn(p)
-        if wait:
-            for p in group:
-                self.wait_ready(p)
-
-    def wait_ready(self, p: _Proc) -> None:
-        """Wait until ``p`` answers on a ready URL; meanwhile restart any *other* process that
-        exits. ``p`` itself exiting is a start-up failure (`UpError` with the end of its log)."""
-        import httpx
-
-        if not p.spec.ready_urls:
-            return
-        deadline = self.clock() + p.spec.ready_timeout_s
-        while self.clock() < deadline and not self.stopping and not self.cancel.is_set():
-            self.poll(skip=p)
-            code = p.popen.poll()
-            if code is not None:
-                tail = _tail(self.log_dir / f"{p.spec.name}.log")
-                raise UpError(f"{p.spec.name} {describe_exit(code)} while starting; the end of its log "
-                              f"({self.log_dir / (p.spec.name + '.log')}):\n{tail}")
-            for url in p.spec.ready_urls:
-                try:
-                    if httpx.get(url, timeout=2.0).status_code == 200 and (
-                            p.spec.ready_check is None or p.spec.ready_check()):
-                        return
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                    pass
-            time.sleep(0.25)
-        if not self.stopping and not self.cancel.is_set():
-            raise UpError(f"{p.spec.name} was not ready within {p.spec.ready_timeout_s:g} s "
-                          f"(log: {self.log_dir / (p.spec.name + '.log')})")
-
-    def check_ready(self, p: _Proc, timeout_s: float = 1.0) -> bool:
-        """One look, without waiting: is ``p`` running and answering 200 on a ready URL (and its
-        ``ready_check``)? Remembers when it first was (``p.ready_s``) since its last start."""
-        import httpx
-
-        if p.popen is None or p.popen.poll() is not None:
-            return False
-        if p.ready_s is not None:
-            return True
-        ok = not p.spec.ready_urls
-        for url in p.spec.ready_urls:
-            try:
-                if httpx.get(url, timeout=timeout_s).status_code == 200 and (
-                        p.spec.ready_check is None or p.spec.ready_check()):
-                    ok = True
-                    break
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-                pass
-        if ok:
-            p.ready_s = self.clock()
-        return ok
-
-    def restart(self, p: _Proc, timeout_s: float = 20.0) -> None:
-        """Stop ``p`` (SIGTERM to its group, SIGKILL after ``timeout_s``) and start it again."""
-        if p.popen is not None and p.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.popen.pid, signal.SIGTERM)
-            try:
-                p.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait(10)
-        self._spawn(p)
-
-    def poll(self, skip: _Proc | None = None) -> list[str]:
-        """Restart every process that has exited (after its back-off); returns the events."""
-        events = []
-        now = self.clock()
-        for p in self.procs:
-            if self.stopping or p.popen is None or p is skip:
-                continue
-            code = p.popen.poll()
-            if code is None:
-                if p.backoff_s > 1.0 and now - p.started_s > 60.0:
-                    p.backoff_s = 1.0  # it stayed up: forget earlier crashes
-                continue
-            if p.next_start_s == 0.0:  # first time we see this exit
-                ran_s = now - p.started_s
-                p.exits.append({"at_s": now, "code": code, "ran_s": round(ran_s, 1)})
-                p.next_start_s = now + (p.backoff_s if ran_s < 10.0 else 0.0)
-                if ran_s < 10.0:
-                    p.backoff_s = min(self.max_backoff_s, p.backoff_s * 2)
-                ev = (f"{p.spec.name} (pid {p.popen.pid}) {describe_exit(code)} after {ran_s:.0f} s; "
-                      f"restarting{f' in {p.next_start_s - now:.0f} s' if p.next_start_s > now else ''} "
-                      f"(log: {self.log_dir / (p.spec.name + '.log')})")
-                events.append(ev)
-                self.report(ev)
-            if now >= p.next_start_s:
-                p.next_start_s = 0.0
-                p.restarts += 1
-                self._spawn(p)
-                ev = f"{p.spec.name} restarted (pid {p.popen.pid}, restart {p.restarts})"
-                events.append(ev)
-                self.report(ev)
-        return events
-
-    def alive(self) -> dict[str, bool]:
-        return {p.spec.name: p.popen is not None and p.popen.poll() is None for p in self.procs}
-
-    def stop(self, timeout_s: float = 20.0) -> dict[str, int | None]:
-        """SIGTERM every process group in reverse start order, each waited for up to ``timeout_s``,
-        then SIGKILL what is left. Returns each process's exit code."""
-        self.stopping = True
-        codes: dict[str, int | None] = {}
-        for p in reversed(self.procs):
-            if p.popen is None:
-                continue
-            pg = p.popen.pid
-            if p.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pg, signal.SIGTERM)
-                try:
-                    p.popen.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.report(f"{p.spec.name} did not stop within {timeout_s:g} s: SIGKILL")
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pg, signal.SIGKILL)
-                    p.popen.wait(10)
-            # whatever the process started and left in its group goes with it
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pg, signal.SIGKILL)
-            if not _wait_group_gone(pg, 5.0):
-                self.report(f"{p.spec.name}: a process of its group was still alive 5 s after SIGKILL")
-            codes[p.spec.name] = p.popen.returncode
-        return codes
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
-    """Wait until process group ``pgid`` has no live member left (SIGKILL is delivered
-    asynchronously: on a loaded machine a killed child can still be running a moment after
-    ``killpg`` returns). Zombies count as gone (their parent, possibly a container's init that
-    never reaps, owns them). True when the group is gone; False after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while _group_alive(pgid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a non-zombie process is in group ``pgid`` (Linux /proc; elsewhere ``killpg(pgid, 0)``)."""
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def rss_bytes(pid: int) -> int | None:
-    """Resident set size of ``pid`` (Linux /proc), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 # ------------------------------------------------------------------------ what `racer up` runs ---
@@ -536,28 +190,10 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
         port = draw()
         url = f"http://{host}:{port}"
         node_urls.append(url)
-        argv = _racer("node-agent", "--port", str(port), "--host", host, "--trace", args.trace, *CPU_AGENT_ARGS,
-                      "--seed", "0", "--slo-ms", str(args.slo_ms))
-        if args.path:
-            argv += ["--path", args.path]
-        if args.policy:
-            argv += ["--policy", str(args.policy)]
-        model = resolve_model(getattr(args, "model", None), args.trace, args.path)
-        if model is not None:
-            argv += ["--model", str(model)]
-        if profile is not None:
-            argv += ["--profile", str(profile)]
-        device = node_device(k, getattr(args, "devices", None))
-        if device is not None:
-            argv += ["--device", device]
         env = node_envs.setdefault(f"node-{k}", {})  # its own RACER_NODE_TOKEN goes there once known
         env["RACER_FLEET_TOKEN"] = fleet
-        if cp_url:
-            # the token goes in the environment: never in argv or a log; the node id is the one
-            # its token is bound to
-            argv += ["--control-plane", cp_url, "--node-id", f"node-{k}",
-                     "--state-dir", str(data_dir / "agents" / f"node-{k}")]
-        specs.append(ProcessSpec(f"node-{k}", argv, env, [f"{url}/healthz"], url=url))
+        specs.append(ProcessSpec(f"node-{k}", _agent_argv(args, k, host, port, data_dir, profile, cp_url), env,
+                                 [f"{url}/healthz"], url=url))
 
     targets = list(node_urls)
     if "gateway" in commands:
@@ -596,6 +232,33 @@ def plan_processes(args, data_dir: Path, commands: frozenset[str] | set[str], op
     else:
         missing.append("dashboard")
     return Plan(specs, targets, dash_url, cp_url, missing, node_urls, fleet)
+
+
+def _agent_argv(args, k: int, host: str, port: int, data_dir: Path, profile: Path | None,
+                cp_url: str | None) -> list[str]:
+    """The command line of agent ``node-K`` (its node id too): ``racer node-agent`` on ``port``
+    with the small CPU model, the trace, policy, model, cost profile and device asked for, and,
+    with a control plane, where to report and keep its spool."""
+    argv = _racer("node-agent", "--port", str(port), "--host", host, "--trace", args.trace, *CPU_AGENT_ARGS,
+                  "--seed", "0", "--slo-ms", str(args.slo_ms))
+    if args.path:
+        argv += ["--path", args.path]
+    if args.policy:
+        argv += ["--policy", str(args.policy)]
+    model = resolve_model(getattr(args, "model", None), args.trace, args.path)
+    if model is not None:
+        argv += ["--model", str(model)]
+    if profile is not None:
+        argv += ["--profile", str(profile)]
+    device = node_device(k, getattr(args, "devices", None))
+    if device is not None:
+        argv += ["--device", device]
+    if cp_url:
+        # the token goes in the environment: never in argv or a log; the node id is the one
+        # its token is bound to
+        argv += ["--control-plane", cp_url, "--node-id", f"node-{k}",
+                 "--state-dir", str(data_dir / "agents" / f"node-{k}")]
+    return argv
 
 
 def sample_key_file(data_dir: Path) -> Path:
@@ -681,8 +344,8 @@ def finish_token_create(data_dir: Path, db_url: str, node_ids: Sequence[str],
         except (ValueError, KeyError, TypeError):
             made = {}
         if proc.returncode != 0 or not made:
-            raise UpError(f"racer token create failed for {_safe_url(db_url)}; see "
-                          f"{data_dir / 'logs' / 'token-create.log'}:\n" + _tail(data_dir / "logs" / "token-create.log", 8))
+            log = data_dir / "logs" / "token-create.log"
+            raise UpError(f"racer token create failed for {_safe_url(db_url)}; see {log}:\n" + log_tail(log, 8))
         for node_id, secret in made.items():
             write_atomic(_token_path(data_dir, db_url, node_id), secret + "\n", mode=0o600)
     return {n: t for n in node_ids if (t := _kept_token(data_dir, db_url, n)) is not None}
@@ -826,7 +489,7 @@ def finish_profile(data_dir: Path, proc: subprocess.Popen | None) -> Path:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise UpError(f"racer node profile failed; see {data_dir / 'logs' / 'node-profile.log'}:\n"
-                      + _tail(data_dir / "logs" / "node-profile.log", 8))
+                      + log_tail(data_dir / "logs" / "node-profile.log", 8))
     os.replace(tmp, path)
     return path
 
@@ -1045,7 +708,7 @@ class _Up:
             if cp.popen is not None and cp.popen.poll() is not None and cp.restarts >= 2:
                 log = self.data_dir / "logs" / "control-plane.log"
                 raise UpError(f"the control plane {describe_exit(cp.popen.returncode)} while starting, three "
-                              f"times; the end of its log ({log}):\n{_tail(log)}")
+                              f"times; the end of its log ({log}):\n{log_tail(log)}")
             return
         import httpx
 

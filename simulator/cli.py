@@ -24,12 +24,14 @@ def _names(text: str) -> tuple[str, ...]:
     return vals
 
 
-def cmd_paper_table(args) -> int:
+def _table_config(args):
+    """The `TableConfig` of ``racer bench paper-table``'s options (checked first: ValueError says
+    which is wrong), before ``--load`` sets the rate."""
     from dataclasses import replace
 
     from workloads.regimes import REGIMES
 
-    from .table import ROUTERS, TableConfig, format_rows, run_table
+    from .table import ROUTERS, TableConfig
 
     bad = [r for r in args.regimes if r not in REGIMES]
     if args.schedule is not None and args.seeds is not None:
@@ -88,7 +90,15 @@ def cmd_paper_table(args) -> int:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     if args.schedule is not None and not args.allocators:
         kw["extra_allocators"] = kw["extra_allocators"] + ("oracle_lookahead",)
-    cfg = replace(base, **kw)
+    return replace(base, **kw)
+
+
+def cmd_paper_table(args) -> int:
+    from dataclasses import replace
+
+    from .table import format_rows, run_table
+
+    cfg = _table_config(args)
     load = None
     if args.load is not None:
         from .table import steady_capacity

@@ -3,7 +3,7 @@
 Every simulated node runs the node agent's own `node_agent.memory.MemoryManager` (EMB LRU slab,
 paged KV pool, bounded boundary moves, throttled refill) in metadata-only mode, so hit rates,
 evictions and boundary moves are exactly what the real structures do; the router is the real
-`control_plane.router`; each node's window statistics come from the node agent's own control
+`gateway.router`; each node's window statistics come from the node agent's own control
 core (`node_agent.control.WindowAccumulator`: the same `WindowStats` definitions, fed by the
 simulated batches), and at every window boundary each node runs the agent's own control step
 (`node_agent.control.control_step`: its allocator decides, `apply_target` applies the target by
@@ -31,14 +31,15 @@ import heapq
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from common.config import ranged, require
 from common.config import validate as validate_fields
-from control_plane.router import LoadAwareConfig, NodeReport, RequestBatch, make_router
-from control_plane.weights import CostProfile as RouterProfile
+from common.weights import CostProfile as RouterProfile
+from gateway.router import LoadAwareConfig, NodeReport, RequestBatch, make_router
 from node_agent.emulated import emulated_refill
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager
 from node_agent.control import MissCosts, WindowAccumulator, apply_target
@@ -70,7 +71,7 @@ class SimConfig:
     - ``miss_curves``: the caches' miss-ratio curves (`MemoryConfig.miss_curves`; None: on with
       the ghost lists, as in the node agent); on, each node's control step hands them to its
       allocator;
-    - ``load_aware``: the scoring routers' rules under load (`control_plane.router.LoadAwareConfig`);
+    - ``load_aware``: the scoring routers' rules under load (`gateway.router.LoadAwareConfig`);
       ``None`` keeps the router's defaults; ``pass_while_queued`` is always off here, since a
       simulated node batches by slice, not from its queue;
     - ``router_seed``: the seed of the router's tie-breaks (``None``: ``seed``); the same stream
@@ -291,6 +292,138 @@ def _progress(sim: "ClusterSim", progress: bool, desc: str):
             sim.bar.close()
 
 
+class _Inputs:
+    """Read-only per-run arrays (shared between forks): the stream's per-request columns, the
+    offsets of each request's new items and candidates, the candidate pool, the trace's item
+    shards and popularity; `ClusterSim` adds the slice and window bounds."""
+
+    def __init__(self, stream: RequestStream, seed: int) -> None:
+        trace = stream.trace
+        n_req = len(stream)
+        self.arrival = stream.arrival_s
+        self.users_all = stream.user
+        self.hist_all = stream.history_len.astype(np.int64)
+        self.nnew_all = stream.num_new_items.astype(np.int64)
+        self.ncand_all = stream.num_candidates.astype(np.int64)
+        _, self.new_items = stream.all_new_items()
+        self.new_off = np.zeros(n_req + 1, dtype=np.int64)
+        np.cumsum(self.nnew_all, out=self.new_off[1:])
+        self.cand_off = np.zeros(n_req + 1, dtype=np.int64)
+        np.cumsum(self.ncand_all, out=self.cand_off[1:])
+        self.pool = candidate_pool(trace, seed)
+        self.item_shard = trace.item_shard.astype(np.int64)
+        self.pop = trace.item_popularity().astype(np.float64)
+        self.shard_mass = np.bincount(self.item_shard, weights=self.pop, minlength=trace.num_shards)
+        self.offs, self.titems = trace.offsets, trace.items
+        self.base_user, self.rotation = stream.base_user, stream.rotation
+
+
+class _Batches(NamedTuple):
+    """A slice's requests grouped by node (arrival order within a node) and cut into micro-batches:
+    ``sidx`` the request indices in that order, ``snode`` their nodes, ``node_start`` where each
+    node's run begins, ``bstart`` / ``bsize`` each batch's first position and size, ``b_of`` each
+    position's batch."""
+
+    sidx: np.ndarray
+    snode: np.ndarray
+    node_start: np.ndarray
+    bstart: np.ndarray
+    bsize: np.ndarray
+    b_of: np.ndarray
+
+
+def _group_batches(idx: np.ndarray, routed: np.ndarray, max_batch: int) -> _Batches:
+    """Requests ``idx`` routed to ``routed``, grouped by node, in batches of at most ``max_batch``."""
+    order = np.argsort(routed, kind="stable")
+    sidx = idx[order]
+    snode = routed[order]
+    n = len(sidx)
+    node_start = np.flatnonzero(np.r_[True, snode[1:] != snode[:-1]])
+    pos_in_node = np.arange(n) - np.repeat(node_start, np.diff(np.r_[node_start, n]))
+    bstart = np.flatnonzero(pos_in_node % max_batch == 0)
+    bsize = np.diff(np.r_[bstart, n])
+    b_of = np.repeat(np.arange(len(bstart)), bsize)
+    return _Batches(sidx, snode, node_start, bstart, bsize, b_of)
+
+
+def _kv_pass(nodes, users: np.ndarray, L: np.ndarray, nn: np.ndarray, snode: np.ndarray) -> np.ndarray:
+    """The KV pool of each request's node, request by request (lookup, then append of the tokens
+    prefilled); returns the tokens each request reused.
+
+    A user's cached tokens are the first positions of its sequence (history, then new items), as
+    the node agent's engine keeps them (`node_agent.engine.plan_kv_reuse`: reused while they are a
+    prefix of the request's history + new items): the previous request's new items stay reusable
+    when the next history does not yet hold all of them; more cached tokens than the request's
+    whole sequence are no prefix (the history was capped since) and are evicted."""
+    cached_l = []
+    for u, lj, nj, ni in zip(users.tolist(), L.tolist(), nn.tolist(), snode.tolist()):
+        kv = nodes[ni].mm.kv
+        cj = kv.lookup(u, lj)
+        if cj > lj + nj:
+            kv.evict(u)
+            cj = 0
+        cached_l.append(cj)
+        t = lj + nj - cj
+        if t > 0:
+            kv.append(u, t)
+    return np.array(cached_l, dtype=np.int64)
+
+
+class _EmbIds(NamedTuple):
+    """A slice's embedding ids, batch after batch: batch ``j``'s are ``ids[seg[j]:seg[j + 1]]`` with
+    their repeat ``counts`` (passed to the lookup where ``repeated[j]``), its first ``hist_b[j]``
+    the recomputed history items."""
+
+    ids: np.ndarray
+    counts: np.ndarray
+    seg: np.ndarray
+    hist_b: np.ndarray
+    repeated: np.ndarray
+
+
+def _emb_ids(c: _Inputs, g: _Batches, users, cached, L, skip, nlook, nc, candidates: np.ndarray) -> _EmbIds:
+    """Each batch's embedding ids, laid out batch after batch: the recomputed history items of its
+    requests (positions ``[cached, L)``, item ``base[(p + rotation) % blen]``; a history longer
+    than its base cycles through it, so each distinct base position is looked up once with a
+    repeat count, `EmbCache.lookup(counts=)`), then their new items (the ``nlook`` after the
+    ``skip`` reused), then their ``candidates`` (the slice's, request by request)."""
+    bstart, b_of = g.bstart, g.b_of
+    n = len(g.sidx)
+    span = L - cached  # > 0: a KV miss, the span is recomputed
+    bu = c.base_user[users]
+    blen = c.offs[bu + 1] - c.offs[bu]
+    hcnt = np.where(span > 0, np.minimum(span, blen), 0)
+    per_req = hcnt + nlook + nc
+    tot_b = np.add.reduceat(per_req, bstart)
+    seg = np.zeros(len(bstart) + 1, dtype=np.int64)
+    np.cumsum(tot_b, out=seg[1:])
+    hist_b = np.add.reduceat(hcnt, bstart)
+    new_b = np.add.reduceat(nlook, bstart)
+
+    def within(x):  # exclusive prefix sums of x inside each batch
+        ex = np.cumsum(x) - x
+        return ex - ex[bstart][b_of]
+
+    base = seg[:-1][b_of]
+    ids = np.empty(int(seg[-1]), dtype=np.int64)
+    counts = np.ones(len(ids), dtype=np.int64)
+    hpos = _gather(base + within(hcnt), hcnt)
+    if len(hpos):
+        rq = np.repeat(np.arange(n), hcnt)
+        mc, bl = cached[rq], blen[rq]
+        p = _gather(cached, hcnt)
+        ids[hpos] = c.titems[c.offs[bu][rq] + (p + c.rotation[users][rq]) % bl]
+        sp = span[rq]
+        counts[hpos] = sp // bl + ((p - mc) < sp % bl)
+    ids[_gather(base + hist_b[b_of] + within(nlook), nlook)] = c.new_items[_gather(c.new_off[g.sidx] + skip, nlook)]
+    ids[_gather(base + (hist_b + new_b)[b_of] + within(nc), nc)] = candidates
+    repeated = np.zeros(len(bstart), dtype=bool)  # batches that pass repeat counts
+    nonempty = tot_b > 0
+    if nonempty.any():
+        repeated[nonempty] = np.maximum.reduceat(counts, seg[:-1][nonempty]) > 1
+    return _EmbIds(ids, counts, seg, hist_b, repeated)
+
+
 class ClusterSim:
     """The cluster's whole state on the virtual clock, advanced one control window at a time.
 
@@ -324,24 +457,7 @@ class ClusterSim:
                               seed=cfg.seed if cfg.router_seed is None else cfg.router_seed,
                               node_timeout_s=float("inf"), load_aware=la)
         n_req = len(stream)
-        # read-only inputs, shared by forks
-        c = self._c = _Inputs()
-        c.arrival = stream.arrival_s
-        c.users_all = stream.user
-        c.hist_all = stream.history_len.astype(np.int64)
-        c.nnew_all = stream.num_new_items.astype(np.int64)
-        c.ncand_all = stream.num_candidates.astype(np.int64)
-        _, c.new_items = stream.all_new_items()
-        c.new_off = np.zeros(n_req + 1, dtype=np.int64)
-        np.cumsum(c.nnew_all, out=c.new_off[1:])
-        c.cand_off = np.zeros(n_req + 1, dtype=np.int64)
-        np.cumsum(c.ncand_all, out=c.cand_off[1:])
-        c.pool = candidate_pool(trace, cfg.seed)
-        c.item_shard = trace.item_shard.astype(np.int64)
-        c.pop = trace.item_popularity().astype(np.float64)
-        c.shard_mass = np.bincount(c.item_shard, weights=c.pop, minlength=trace.num_shards)
-        c.offs, c.titems = trace.offsets, trace.items
-        c.base_user, c.rotation = stream.base_user, stream.rotation
+        c = self._c = _Inputs(stream, cfg.seed)  # read-only, shared by forks
 
         self.slice_s = slice_s = cfg.batch_window_ms / 1e3
         self.duration = stream.config.duration_s
@@ -530,91 +646,50 @@ class ClusterSim:
         of the slice run before the EMB lookups, each structure seeing its own operations in the
         order one batch after another would give it."""
         c = self._c
-        prof = self.prof
         nodes = self.nodes
-        # requests grouped by node, arrival order within a node; batches of at most max_batch
-        order = np.argsort(routed, kind="stable")
-        sidx = idx[order]
-        snode = routed[order]
-        n = len(sidx)
-        node_start = np.flatnonzero(np.r_[True, snode[1:] != snode[:-1]])
-        pos_in_node = np.arange(n) - np.repeat(node_start, np.diff(np.r_[node_start, n]))
-        bstart = np.flatnonzero(pos_in_node % prof.max_batch == 0)
-        bsize = np.diff(np.r_[bstart, n])
-        b_of = np.repeat(np.arange(len(bstart)), bsize)
-
-        # 1. the KV pool, request by request (lookup, then append what was prefilled)
+        g = _group_batches(idx, routed, self.prof.max_batch)
+        sidx = g.sidx
         users = c.users_all[sidx]
         L = c.hist_all[sidx]
         nn = c.nnew_all[sidx]
         nc = c.ncand_all[sidx]
-        # A user's cached tokens are the first positions of its sequence (history, then new items), as
-        # the node agent's engine keeps them (`node_agent.engine.plan_kv_reuse`: reused while they are a
-        # prefix of the request's history + new items): the previous request's new items stay reusable
-        # when the next history does not yet hold all of them; more cached tokens than the request's
-        # whole sequence are no prefix (the history was capped since) and are evicted.
-        cached_l = []
-        for u, lj, nj, ni in zip(users.tolist(), L.tolist(), nn.tolist(), snode.tolist()):
-            kv = nodes[ni].mm.kv
-            cj = kv.lookup(u, lj)
-            if cj > lj + nj:
-                kv.evict(u)
-                cj = 0
-            cached_l.append(cj)
-            t = lj + nj - cj
-            if t > 0:
-                kv.append(u, t)
-        cached = np.array(cached_l, dtype=np.int64)  # reused tokens: history, then new items
+        # 1. the KV pool, request by request (lookup, then append what was prefilled)
+        cached = _kv_pass(nodes, users, L, nn, g.snode)  # reused tokens: history, then new items
         skip = np.maximum(cached - L, 0)  # new items whose K/V are reused: neither prefilled nor looked up
         nlook = nn - skip
         cached_hist = np.minimum(cached, L)  # history tokens whose K/V were reused (the KV hit tokens)
-
-        # 2. each batch's embedding ids, laid out batch after batch: the recomputed history items
-        # of its requests (positions [cached, L), item base[(p + rotation) % blen]; a history
-        # longer than its base cycles through it, so each distinct base position is looked up
-        # once with a repeat count, `EmbCache.lookup(counts=)`), then their new items, then
-        # their candidates
-        span = L - cached  # > 0: a KV miss, the span is recomputed
-        bu = c.base_user[users]
-        blen = c.offs[bu + 1] - c.offs[bu]
-        hcnt = np.where(span > 0, np.minimum(span, blen), 0)
-        per_req = hcnt + nlook + nc
-        tot_b = np.add.reduceat(per_req, bstart)
-        seg = np.zeros(len(bstart) + 1, dtype=np.int64)
-        np.cumsum(tot_b, out=seg[1:])
-        hist_b = np.add.reduceat(hcnt, bstart)
-        new_b = np.add.reduceat(nlook, bstart)
-
-        def within(x):  # exclusive prefix sums of x inside each batch
-            ex = np.cumsum(x) - x
-            return ex - ex[bstart][b_of]
-
-        base = seg[:-1][b_of]
-        ids = np.empty(int(seg[-1]), dtype=np.int64)
-        counts = np.ones(len(ids), dtype=np.int64)
-        hpos = _gather(base + within(hcnt), hcnt)
-        if len(hpos):
-            rq = np.repeat(np.arange(n), hcnt)
-            mc, bl = cached[rq], blen[rq]
-            p = _gather(cached, hcnt)
-            ids[hpos] = c.titems[c.offs[bu][rq] + (p + c.rotation[users][rq]) % bl]
-            sp = span[rq]
-            counts[hpos] = sp // bl + ((p - mc) < sp % bl)
-        ids[_gather(base + hist_b[b_of] + within(nlook), nlook)] = c.new_items[_gather(c.new_off[sidx] + skip, nlook)]
-        ids[_gather(base + (hist_b + new_b)[b_of] + within(nc), nc)] = \
-            self._candidates(sidx, nc, _gather(c.cand_off[sidx], nc))
-        repeated = np.zeros(len(bstart), dtype=bool)  # batches that pass repeat counts
-        nonempty = tot_b > 0
-        if nonempty.any():
-            repeated[nonempty] = np.maximum.reduceat(counts, seg[:-1][nonempty]) > 1
-
+        # 2. each batch's embedding ids
+        cands = self._candidates(sidx, nc, _gather(c.cand_off[sidx], nc))
+        emb = _emb_ids(c, g, users, cached, L, skip, nlook, nc, cands)
         # 3. per batch: the EMB lookup, then its time on the node, one batch after another
+        starts, ends, emb_req, emb_hit = self._run_batches(g, emb, users, cached, L, nn, nc, t1)
+        # 4. latencies; the batches go to their nodes' control windows (node_agent.control)
+        lat = feed_batches([nd.acc for nd in nodes], g.snode[g.bstart], starts, ends, g.bstart, g.bsize,
+                           c.arrival[sidx], users, L, cached_hist, emb_req, emb_hit)
+        self.latency[sidx] = lat
+        totals = self.totals
+        totals["kv_tokens"] += int(L.sum())
+        totals["kv_hit_tokens"] += int(cached_hist.sum())
+        n = len(sidx)
+        for r0, r1 in zip(g.node_start.tolist(), np.r_[g.node_start[1:], n].tolist()):
+            node = nodes[int(g.snode[r0])]
+            node.win.n += r1 - r0
+            node.acc.add_arrivals(r1 - r0)
+
+    def _run_batches(self, g: _Batches, emb: _EmbIds, users, cached, L, nn, nc, t1: float):
+        """Each batch of the slice in turn: its EMB lookup, its modelled time on its node (from
+        ``max(t1, busy_until)``), its completion queued for the router. Returns per batch
+        ``(starts, ends, EMB rows requested, EMB hits)``."""
+        prof = self.prof
+        nodes = self.nodes
+        sidx, snode, bstart, bsize = g.sidx, g.snode, g.bstart, g.bsize
         comp = request_compute_us(prof, cached, L, nn, nc)
-        passes = user_passes(b_of, users)  # a user's later requests in a batch: passes of their own
+        passes = user_passes(g.b_of, users)  # a user's later requests in a batch: passes of their own
         later = np.maximum.reduceat(passes, bstart) > 0
         comp_first = np.where(passes == 0, comp, 0.0)
         comp_max = np.maximum.reduceat(comp_first, bstart)
-        ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts)
+        ids, seg, hist_b = emb.ids, emb.seg, emb.hist_b
+        ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(emb.counts)
         ends = np.empty(len(bstart))
         starts = np.empty(len(bstart))
         emb_req = np.empty(len(bstart), dtype=np.int64)
@@ -624,7 +699,7 @@ class ClusterSim:
         for j, (s0, s1) in enumerate(zip(seg[:-1].tolist(), seg[1:].tolist())):
             node = nodes[int(snode[bstart[j]])]
             mm = node.mm
-            lk = mm.emb.lookup(ids_t[s0:s1], counts=counts_t[s0:s1] if repeated[j] else None)
+            lk = mm.emb.lookup(ids_t[s0:s1], counts=counts_t[s0:s1] if emb.repeated[j] else None)
             size = int(bsize[j])
             r0 = int(bstart[j])
             start = max(t1, node.busy_until)
@@ -643,18 +718,7 @@ class ClusterSim:
             node.busy_until = end
             node.win.busy_us += dur_us
             heapq.heappush(completions, (end, node.index, size))
-
-        # 4. latencies; the batches go to their nodes' control windows (node_agent.control)
-        lat = feed_batches([nd.acc for nd in nodes], snode[bstart], starts, ends, bstart, bsize, c.arrival[sidx],
-                           users, L, cached_hist, emb_req, emb_hit)
-        self.latency[sidx] = lat
-        totals = self.totals
-        totals["kv_tokens"] += int(L.sum())
-        totals["kv_hit_tokens"] += int(cached_hist.sum())
-        for r0, r1 in zip(node_start.tolist(), np.r_[node_start[1:], n].tolist()):
-            node = nodes[int(snode[r0])]
-            node.win.n += r1 - r0
-            node.acc.add_arrivals(r1 - r0)
+        return starts, ends, emb_req, emb_hit
 
     def _window_stats(self, node: _Node) -> WindowStats:
         """Close the node's control window at the current boundary (`WindowAccumulator.close_window`)."""
@@ -721,10 +785,6 @@ class ClusterSim:
             extra={"arrival_s": arrival, "num_pages": mcfg.num_pages, "rows_per_page": mcfg.rows_per_page,
                    "page_tokens": mcfg.kv.page_tokens},
         )
-
-
-class _Inputs:
-    """Read-only per-run arrays (shared between forks)."""
 
 
 def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "racer", *, rel_tol: float = 0.01,

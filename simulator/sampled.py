@@ -121,6 +121,63 @@ def _phases(duration_s: float, num_phases: int) -> list[tuple[str, float, float]
     return [(f"part{k + 1}", edges[k], edges[k + 1]) for k in range(n)]
 
 
+def _user_sequences(user: np.ndarray, num_users: int, hl: np.ndarray, n_tail: np.ndarray, n_new: np.ndarray,
+                    tail_ids: np.ndarray, new_ids: np.ndarray, max_history_len: int):
+    """Each user's sequence rebuilt from the positions the samples name: ``(offsets, seq, drop)``,
+    user ``u``'s kept positions at ``seq[offsets[u]:offsets[u + 1]]`` (-1: named by no sample),
+    ``drop[u]`` the positions cut from its start (beyond ``max_history_len``). Request ``i`` names
+    its ``n_tail[i]`` last history items (``tail_ids``, concatenated) and its ``n_new[i]`` new items
+    (``new_ids``); a later sample overwrites an earlier one at the same position."""
+    n = len(user)
+    tot_tail, tot_new = int(n_tail.sum()), int(n_new.sum())
+    # per user: its sequence's length and the positions dropped from its start (beyond max_history_len)
+    seq_end = hl + n_new
+    user_len = np.zeros(num_users, dtype=np.int64)
+    np.maximum.at(user_len, user, seq_end)
+    drop = np.maximum(user_len - int(max_history_len), 0)
+    kept_len = np.maximum(user_len - drop, 1)  # a trace user has at least one interaction
+    offsets = np.zeros(num_users + 1, dtype=np.int64)
+    np.cumsum(kept_len, out=offsets[1:])
+    seq = np.full(int(offsets[-1]), -1, dtype=np.int64)
+
+    # the positions the samples name, in recorded order (later samples overwrite earlier ones)
+    def place(req_of: np.ndarray, pos: np.ndarray, ids: np.ndarray) -> None:
+        p = pos - drop[user[req_of]]
+        ok = p >= 0
+        seq[offsets[user[req_of[ok]]] + p[ok]] = ids[ok]
+
+    r_tail = np.repeat(np.arange(n), n_tail)
+    r_new = np.repeat(np.arange(n), n_new)
+    within_tail = np.arange(tot_tail) - np.repeat(np.cumsum(n_tail) - n_tail, n_tail)
+    within_new = np.arange(tot_new) - np.repeat(np.cumsum(n_new) - n_new, n_new)
+    # one array of every placement in recorded order, so the last sample's item wins a position
+    order_req = np.concatenate([r_tail, r_new])
+    order_pos = np.concatenate([hl[r_tail] - n_tail[r_tail] + within_tail, hl[r_new] + within_new])
+    order_ids = np.concatenate([tail_ids, new_ids])
+    o = np.lexsort((np.r_[np.zeros(tot_tail), np.ones(tot_new)], order_req))
+    place(order_req[o], order_pos[o], order_ids[o])
+    return offsets, seq, drop
+
+
+def _candidate_slots(num_candidates: np.ndarray, n_rec: np.ndarray, rec_ids: np.ndarray,
+                     default_num_candidates: int):
+    """``(ncand, cand_off, recorded)``: each request's candidate count (at least the recorded ones;
+    the sample's count, else ``default_num_candidates``), the offsets of its slots, and the item of
+    each slot where the sample recorded it (-1: the simulator draws it; None: none recorded)."""
+    n = len(n_rec)
+    ncand = np.where(n_rec > 0, np.maximum(num_candidates, n_rec),
+                     np.where(num_candidates >= 0, num_candidates, default_num_candidates)).astype(np.int64)
+    cand_off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(ncand, out=cand_off[1:])
+    recorded = None
+    if len(rec_ids):
+        recorded = np.full(int(cand_off[-1]), -1, dtype=np.int64)
+        r_rec = np.repeat(np.arange(n), n_rec)
+        within = np.arange(len(rec_ids)) - np.repeat(np.cumsum(n_rec) - n_rec, n_rec)
+        recorded[cand_off[r_rec] + within] = rec_ids
+    return ncand, cand_off, recorded
+
+
 def sampled_stream(reqs: SampledRequests, *, start_s: float | None = None, end_s: float | None = None,
                    num_phases: int = 4, max_history_len: int = MAX_HISTORY_LEN,
                    default_num_candidates: int = DEFAULT_NUM_CANDIDATES, num_shards: int = 64) -> SampledStream:
@@ -157,32 +214,7 @@ def sampled_stream(reqs: SampledRequests, *, start_s: float | None = None, end_s
     tot_tail, tot_new = int(n_tail.sum()), int(n_new.sum())
     tail_ids, new_ids, rec_ids = inv[:tot_tail], inv[tot_tail:tot_tail + tot_new], inv[tot_tail + tot_new:]
 
-    # per user: its sequence's length and the positions dropped from its start (beyond max_history_len)
-    seq_end = hl + n_new
-    user_len = np.zeros(num_users, dtype=np.int64)
-    np.maximum.at(user_len, user, seq_end)
-    drop = np.maximum(user_len - int(max_history_len), 0)
-    kept_len = np.maximum(user_len - drop, 1)  # a trace user has at least one interaction
-    offsets = np.zeros(num_users + 1, dtype=np.int64)
-    np.cumsum(kept_len, out=offsets[1:])
-    seq = np.full(int(offsets[-1]), -1, dtype=np.int64)
-
-    # the positions the samples name, in recorded order (later samples overwrite earlier ones)
-    def place(req_of: np.ndarray, pos: np.ndarray, ids: np.ndarray) -> None:
-        p = pos - drop[user[req_of]]
-        ok = p >= 0
-        seq[offsets[user[req_of[ok]]] + p[ok]] = ids[ok]
-
-    r_tail = np.repeat(np.arange(n), n_tail)
-    r_new = np.repeat(np.arange(n), n_new)
-    within_tail = np.arange(tot_tail) - np.repeat(np.cumsum(n_tail) - n_tail, n_tail)
-    within_new = np.arange(tot_new) - np.repeat(np.cumsum(n_new) - n_new, n_new)
-    # one array of every placement in recorded order, so the last sample's item wins a position
-    order_req = np.concatenate([r_tail, r_new])
-    order_pos = np.concatenate([hl[r_tail] - n_tail[r_tail] + within_tail, hl[r_new] + within_new])
-    order_ids = np.concatenate([tail_ids, new_ids])
-    o = np.lexsort((np.r_[np.zeros(tot_tail), np.ones(tot_new)], order_req))
-    place(order_req[o], order_pos[o], order_ids[o])
+    offsets, seq, drop = _user_sequences(user, num_users, hl, n_tail, n_new, tail_ids, new_ids, max_history_len)
     unknown = seq < 0
     num_unknown = int(unknown.sum())
     seq[unknown] = k_items + np.arange(num_unknown)  # named by no sample: an item of its own
@@ -190,16 +222,7 @@ def sampled_stream(reqs: SampledRequests, *, start_s: float | None = None, end_s
 
     # requests: history length as kept, new items, candidate counts
     h_kept = np.maximum(hl - drop[user], 0)
-    ncand = np.where(n_rec > 0, np.maximum(reqs.num_candidates, n_rec),
-                     np.where(reqs.num_candidates >= 0, reqs.num_candidates, default_num_candidates)).astype(np.int64)
-    cand_off = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(ncand, out=cand_off[1:])
-    recorded = None
-    if len(rec_ids):
-        recorded = np.full(int(cand_off[-1]), -1, dtype=np.int64)
-        r_rec = np.repeat(np.arange(n), n_rec)
-        within = np.arange(len(rec_ids)) - np.repeat(np.cumsum(n_rec) - n_rec, n_rec)
-        recorded[cand_off[r_rec] + within] = rec_ids
+    ncand, cand_off, recorded = _candidate_slots(reqs.num_candidates, n_rec, rec_ids, default_num_candidates)
     prev = np.full(n, -1, dtype=np.int64)
     last: dict[int, int] = {}
     for i, u in enumerate(user.tolist()):

@@ -483,59 +483,12 @@ def steady_capacity(cfg: TableConfig, *, duration_s: float = 20.0, share: float 
     return out
 
 
-def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: bool = True,
-              resume: bool = True) -> dict:
-    """Run the table for one trace; return ``{"rows": [...], ...}`` and write it (and plots) to
-    ``out_dir`` when given, with every finished run saved under ``out_dir/runs`` (`RunCache`);
-    ``resume``: reuse the runs saved there by the same code and settings (False: recompute all).
-    ``result["runs"]`` says how many were computed, reused and unreadable."""
-    from tqdm import tqdm
-
-    t0 = time.perf_counter()
-    for r in cfg.routers:
-        if r not in ROUTERS:
-            raise ValueError(f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
-    if not cfg.shares or any(not 0 <= s <= 1 for s in cfg.shares):
-        raise ValueError("shares must be a non-empty list of values in [0, 1]")
-    _stream(cfg, cfg.regimes[0])  # fail fast on a bad trace, regime, profile or policy, before the pool starts
-    sim_config(cfg).validate()
-    for spec in cfg.extra_allocators:
-        _make_allocator(spec, None, sim_config(cfg), cfg.policy)
-    n_other = len(cfg.routers) - (1 if "racer" in cfg.routers else 0)
-    n_runs = len(cfg.regimes) * (len(cfg.shares) + 2 + len(cfg.extra_allocators)
-                                 + len(cfg.other_router_allocators) * n_other)  # the oracle counts as one
-    cache = RunCache(cfg, out_dir, resume) if out_dir is not None else None
-    bar = tqdm(total=n_runs, desc=f"paper-table {cfg.trace}", unit="run", disable=not progress)
-    pool = _pool(cfg)
+def _table_rows(cfg: TableConfig, plans: dict, sweep: dict, done: dict) -> tuple[list[dict], dict]:
+    """The table's rows and each run's series (by ``(regime, allocator, router)``) from the finished
+    runs: per regime the static sweep, the best static split, the oracle, the heuristic, the extra
+    allocators, then the other routers; a schedule's rows give each phase, then the whole run."""
     rows: list[dict] = []
     series: dict = {}
-    try:
-        # 1. the static sweeps and the replay oracle (the longest job, first), every regime at once
-        first = [_Job(("oracle", rg, "racer"), rg, "oracle", "racer") for rg in cfg.regimes]
-        first += [_Job(("sweep", rg, s), rg, f"static:{s:.2f}", "racer") for rg in cfg.regimes for s in cfg.shares]
-        sweep = _map(pool, cfg, first, bar, cache)
-        plans = {}
-        jobs: list[_Job] = []
-        for rg in cfg.regimes:
-            by_share = {s: sweep[("sweep", rg, s)] for s in cfg.shares}
-            best = min(cfg.shares, key=lambda s: (by_share[s][0]["p99_ms"], by_share[s][0]["p50_ms"]))
-            sched = sweep[("oracle", rg, "racer")][1]["schedule"]
-            plans[rg] = (best, sched, by_share)
-            nw = len(sched)
-            jobs.append(_Job(("heuristic", rg, "racer"), rg, "heuristic", "racer"))
-            for spec in cfg.extra_allocators:
-                jobs.append(_Job((spec, rg, "racer"), rg, spec, "racer"))
-            for rt in cfg.routers:
-                if rt == "racer":
-                    continue
-                for a in cfg.other_router_allocators:
-                    jobs.append(_Job((a, rg, rt), rg, a, rt, [best] * nw if a == "best_static" else sched))
-        done = _map(pool, cfg, jobs, bar, cache)
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-        bar.close()
-
     for rg in cfg.regimes:
         best, sched, by_share = plans[rg]
         oracle = np.array(sched)
@@ -574,7 +527,61 @@ def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: boo
             expanded.append({**{k: None for k in r}, "trace": r["trace"], "regime": r["regime"],
                              "allocator": r["allocator"], "router": r["router"], "phase": ph, **f})
         expanded.append(r)
-    rows = expanded
+    return expanded, series
+
+
+def run_table(cfg: TableConfig, out_dir: str | Path | None = None, progress: bool = True,
+              resume: bool = True) -> dict:
+    """Run the table for one trace; return ``{"rows": [...], ...}`` and write it (and plots) to
+    ``out_dir`` when given, with every finished run saved under ``out_dir/runs`` (`RunCache`);
+    ``resume``: reuse the runs saved there by the same code and settings (False: recompute all).
+    ``result["runs"]`` says how many were computed, reused and unreadable."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    for r in cfg.routers:
+        if r not in ROUTERS:
+            raise ValueError(f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
+    if not cfg.shares or any(not 0 <= s <= 1 for s in cfg.shares):
+        raise ValueError("shares must be a non-empty list of values in [0, 1]")
+    _stream(cfg, cfg.regimes[0])  # fail fast on a bad trace, regime, profile or policy, before the pool starts
+    sim_config(cfg).validate()
+    for spec in cfg.extra_allocators:
+        _make_allocator(spec, None, sim_config(cfg), cfg.policy)
+    n_other = len(cfg.routers) - (1 if "racer" in cfg.routers else 0)
+    n_runs = len(cfg.regimes) * (len(cfg.shares) + 2 + len(cfg.extra_allocators)
+                                 + len(cfg.other_router_allocators) * n_other)  # the oracle counts as one
+    cache = RunCache(cfg, out_dir, resume) if out_dir is not None else None
+    bar = tqdm(total=n_runs, desc=f"paper-table {cfg.trace}", unit="run", disable=not progress)
+    pool = _pool(cfg)
+    try:
+        # 1. the static sweeps and the replay oracle (the longest job, first), every regime at once
+        first = [_Job(("oracle", rg, "racer"), rg, "oracle", "racer") for rg in cfg.regimes]
+        first += [_Job(("sweep", rg, s), rg, f"static:{s:.2f}", "racer") for rg in cfg.regimes for s in cfg.shares]
+        sweep = _map(pool, cfg, first, bar, cache)
+        plans = {}
+        jobs: list[_Job] = []
+        for rg in cfg.regimes:
+            by_share = {s: sweep[("sweep", rg, s)] for s in cfg.shares}
+            best = min(cfg.shares, key=lambda s: (by_share[s][0]["p99_ms"], by_share[s][0]["p50_ms"]))
+            sched = sweep[("oracle", rg, "racer")][1]["schedule"]
+            plans[rg] = (best, sched, by_share)
+            nw = len(sched)
+            jobs.append(_Job(("heuristic", rg, "racer"), rg, "heuristic", "racer"))
+            for spec in cfg.extra_allocators:
+                jobs.append(_Job((spec, rg, "racer"), rg, spec, "racer"))
+            for rt in cfg.routers:
+                if rt == "racer":
+                    continue
+                for a in cfg.other_router_allocators:
+                    jobs.append(_Job((a, rg, rt), rg, a, rt, [best] * nw if a == "best_static" else sched))
+        done = _map(pool, cfg, jobs, bar, cache)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        bar.close()
+
+    rows, series = _table_rows(cfg, plans, sweep, done)
     result = {
         "trace": cfg.trace,
         "setting": cfg.setting,

@@ -100,6 +100,18 @@ def fleet_profile(nodes: list) -> tuple[object, int | None, dict]:
     return prof, (int(arena) if arena else None), desc
 
 
+def _simulated_fleet(nodes: list, num_samples: int, served: int | None, slo_ms: float):
+    """``(profile, arena bytes or None, description, simulated node count)``: `fleet_profile` of the
+    nodes, and as many nodes as the sampled fraction of the traffic (``num_samples`` of the
+    ``served`` requests the gateways reported; at least one), so each carries a fleet node's load."""
+    profile, arena, desc = fleet_profile(nodes)
+    fraction = min(1.0, num_samples / served) if served else 1.0
+    num_nodes = max(1, int(round(len(nodes) * fraction)))
+    desc.update(fleet_nodes=len(nodes), simulated_nodes=num_nodes, sampled_fraction=round(fraction, 6),
+                gateway_requests=served, slo_ms=slo_ms)
+    return profile, arena, desc, num_nodes
+
+
 def _read_samples(s, start_s: float, end_s: float) -> list[dict]:
     from db import queries
 
@@ -114,10 +126,36 @@ def _read_samples(s, start_s: float, end_s: float) -> list[dict]:
         after = (page[-1].ts_s, page[-1].id)
 
 
+def _policies_to_run(s, candidate: str | None) -> list[tuple]:
+    """``(version, status, artifact)`` of the active policy, then (by version) the candidate named,
+    or without one every policy registered or in canary."""
+    from db import queries
+
+    return sorted(((p.version, p.status, p.artifact) for p in queries.list_policies(s)
+                   if p.status == "active" or (p.version == candidate if candidate else
+                                               p.status in ("registered", "canary"))),
+                  key=lambda x: (x[1] != "active", x[0]))  # the active one, then by version
+
+
+def _unpack_policies(policies: list[tuple], d: Path) -> tuple[dict, dict]:
+    """Each policy's artifact unpacked into its own folder under ``d``: ``(dirs, roles)``, by
+    configuration name (``policy:<version>``) its folder and its ``(role, version)``."""
+    from control_plane.artifacts import unpack_artifact
+
+    dirs, roles = {}, {}
+    for version_name, status, blob in policies:
+        pdir = d / f"p{len(dirs)}"
+        pdir.mkdir()
+        for name, data in unpack_artifact(blob).items():
+            (pdir / name).write_bytes(data)
+        dirs[f"policy:{version_name}"] = pdir
+        roles[f"policy:{version_name}"] = ("active" if status == "active" else "candidate", version_name)
+    return dirs, roles
+
+
 def run(run_id: int, url: str, args: dict) -> None:
     from sqlalchemy import select
 
-    from control_plane.artifacts import unpack_artifact
     from db import queries
     from db.engine import make_engine, session_factory
     from db.models import GatewayReport, WhatIfRun
@@ -153,10 +191,7 @@ def run(run_id: int, url: str, args: dict) -> None:
                 return
             start_s, end_s, candidate = r.window_start_s, r.window_end_s, r.candidate
             nodes = [n for n in queries.list_nodes(s) if n.status == "up"] or queries.list_nodes(s)
-            policies = sorted(((p.version, p.status, p.artifact) for p in queries.list_policies(s)
-                               if p.status == "active" or (p.version == candidate if candidate else
-                                                           p.status in ("registered", "canary"))),
-                              key=lambda x: (x[1] != "active", x[0]))  # the active one, then by version
+            policies = _policies_to_run(s, candidate)
             total = queries.count_traffic_samples(s, start_s=start_s, end_s=end_s)
             keep = int(args.get("max_samples") or total)
             cut_from = (queries.traffic_sample_cut(s, start_s=start_s, end_s=end_s, keep=keep) if total > keep
@@ -177,11 +212,7 @@ def run(run_id: int, url: str, args: dict) -> None:
         if total > len(rows):
             cut = {"from_s": cut_from, "kept": len(rows), "of": total, "kept_s": end_s - cut_from,
                    "why": f"at most {keep} samples a run (whatif_max_samples): the most recent ones"}
-        profile, arena, desc = fleet_profile(nodes)
-        fraction = min(1.0, total / served) if served else 1.0
-        num_nodes = max(1, int(round(len(nodes) * fraction)))
-        desc.update(fleet_nodes=len(nodes), simulated_nodes=num_nodes, sampled_fraction=round(fraction, 6),
-                    gateway_requests=served, slo_ms=float(slo or 30.0))
+        profile, arena, desc, num_nodes = _simulated_fleet(nodes, total, served, float(slo or 30.0))
         version = code_version()
         with factory.begin() as s:
             queries.whatif_progress(s, run_id, progress=0.01, note="building the stream", now_s=time.time())
@@ -194,14 +225,7 @@ def run(run_id: int, url: str, args: dict) -> None:
         stream = sampled_stream(SampledRequests.from_rows(rows), start_s=replay_from, end_s=replay_to)
         del rows
         with tempfile.TemporaryDirectory(prefix="racer-whatif-") as d:
-            dirs, roles = {}, {}
-            for version_name, status, blob in policies:
-                pdir = Path(d) / f"p{len(dirs)}"
-                pdir.mkdir()
-                for name, data in unpack_artifact(blob).items():
-                    (pdir / name).write_bytes(data)
-                dirs[f"policy:{version_name}"] = pdir
-                roles[f"policy:{version_name}"] = ("active" if status == "active" else "candidate", version_name)
+            dirs, roles = _unpack_policies(policies, Path(d))
             cfg = WhatIfConfig(num_nodes=num_nodes, profile=profile, cache_bytes=arena, policies=dirs,
                                slo_ms=float(slo or 30.0), shares=tuple(args.get("shares") or DEFAULT_SHARES))
             result = run_whatif(stream, cfg, progress=lambda f, note: progress(0.02 + 0.97 * f, note),

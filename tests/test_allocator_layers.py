@@ -9,10 +9,11 @@ import math
 
 import pytest
 
+from common.contract import DETAIL_FIELDS, LAYERS
 from node_agent.allocator import (AllocatorConfig, GuardConfig, OperatingPointTuner, Override, RecoveryConfig,
                                   RecoveryController, ResidualAdapter, ResidualConfig, SmartAllocator, TunerConfig,
                                   base_layer, guard_layer, override_layer, recovery_layer, residual_layer)
-from node_agent.allocator.trace import DETAIL_FIELDS, LAYERS, render_reason
+from node_agent.allocator.trace import render_reason
 from node_agent.features import NUM_FEATURES
 from tests.test_allocator import constant_policy, window
 

@@ -1,4 +1,4 @@
-"""What clients see: the gateway's per-interval figures (`control_plane.client_view`, pure, on a
+"""What clients see: the gateway's per-interval figures (`gateway.client_view`, pure, on a
 virtual clock), their API (``/api/v1/gateways``: stored idempotently, bound to the token that
 claimed the id, hostile input refused with a 4xx), migration 0005, and the dashboard's reading
 of them (`dashboard.client_cards`: gaps, not zeros; live, idle, failing, stalled)."""
@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
-from control_plane.client_view import ClientView, clean_phase, node_total_us, outcome_of
+from gateway.client_view import ClientView, clean_phase, node_total_us, outcome_of
 from dashboard.client_cards import client_state
 
 from .cp_util import Database, backends, migrated_db as db  # noqa: F401 - the fixture
@@ -310,7 +310,7 @@ def test_gateway_sends_its_reports_keeps_them_while_refused_and_halves_a_batch_o
 
     import httpx
 
-    from control_plane.gateway import Gateway
+    from gateway.gateway import Gateway
 
     seen: list[int] = []
     mode = {"status": 503}

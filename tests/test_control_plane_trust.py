@@ -687,8 +687,8 @@ def test_an_upload_is_checked_in_a_child_with_memory_and_time_limits(tmp_path):
     upload under an address-space limit, a CPU limit and a wall-clock timeout: past one, the
     upload gets a 422 naming the limit and the control plane is untouched. Here the limit is
     300 MiB: the policy's check fits, the checkpoint's (torch) does not; a 0.2-s timeout stops any."""
-    from control_plane.artifacts import ARTIFACT_FILES, CheckLimits, check_upload, pack_artifact
-    from node_agent.registry_client import CHECKPOINT_FILES
+    from common.artifact_pack import ARTIFACT_FILES, CHECKPOINT_FILES, pack_artifact
+    from control_plane.artifacts import CheckLimits, check_upload
 
     from .cp_util import REPO
 

@@ -267,12 +267,13 @@ def test_control_plane_api_fuzz_with_operator_and_node_tokens_keeps_the_database
 
 # ------------------------------------------------------------------------------------- gateway ---
 def test_gateway_api_fuzz_in_front_of_a_real_node_agent(tmp_path):
-    if not _has("control_plane.gateway"):
+    if not _has("gateway.gateway"):
         skip_or_fail("this build has no gateway")
     import httpx
 
-    from control_plane.gateway import Gateway, GatewayConfig
-    from control_plane.gateway import create_app as create_gw_app
+    from gateway.app import create_app as create_gw_app
+    from gateway.config import GatewayConfig
+    from gateway.gateway import Gateway
 
     from .procs import start_agent, stop, wait_http
     from .test_node_agent import write_taobao_csv

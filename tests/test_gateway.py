@@ -508,7 +508,9 @@ def test_a_refused_client_report_costs_only_itself_and_the_bounds_match_the_cont
     """A 422 on a batch of client reports halves it until the one report refused is alone: only
     that one is dropped (counted), the rest stored; an interval or SLO the control plane would
     refuse is refused at start-up."""
-    from control_plane.gateway import CLIENT_REPORT_BATCH, Gateway, GatewayConfig
+    from gateway.config import GatewayConfig
+    from gateway.gateway import Gateway
+    from gateway.uplink import CLIENT_REPORT_BATCH
 
     bad_seq = {}
     stored: list[int] = []

@@ -1,4 +1,4 @@
-"""The gateway's pure decisions (control_plane.gateway_decisions): scripted sequences over virtual
+"""The gateway's pure decisions (gateway.decisions): scripted sequences over virtual
 time, exact states and choices."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from control_plane.gateway_decisions import (Attempt, HealthEvent, HealthPolicy, HealthState, RetrySnapshot,
-                                             WeightsInForce, choose_retry, client_report_step, diff_registry,
-                                             health_transition, profile_from_metrics, service_time_changed,
-                                             weights_verdict)
-from control_plane.weights import CostProfile
+from common.weights import CostProfile
+from gateway.decisions import (Attempt, HealthEvent, HealthPolicy, HealthState, RetrySnapshot, WeightsInForce,
+                               choose_retry, client_report_step, diff_registry, health_transition,
+                               profile_from_metrics, service_time_changed, weights_verdict)
 
 IDS = ("a", "b", "c", "d")
 INF = math.inf
@@ -201,7 +200,8 @@ def test_gateway_command_line_reads_its_defaults_and_ranges_from_the_config(caps
     import argparse
 
     from common.config import config_kwargs
-    from control_plane.gateway import CLI_CONFIG_FIELDS, GatewayConfig, add_gateway_parser
+    from gateway.cli import CLI_CONFIG_FIELDS, add_gateway_parser
+    from gateway.config import GatewayConfig
 
     p = argparse.ArgumentParser()
     add_gateway_parser(p.add_subparsers())

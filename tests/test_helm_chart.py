@@ -71,7 +71,7 @@ COMBOS: dict[str, dict] = {
 #: the sources each process reads its environment in (besides the control plane's Settings)
 ENV_SOURCES = {
     "control-plane": ["common/http_server.py"],
-    "gateway": ["control_plane/gateway.py", "common/secrets_args.py", "workloads/loaders.py", "common/http_server.py"],
+    "gateway": ["gateway/cli.py", "common/secrets_args.py", "workloads/loaders.py", "common/http_server.py"],
     "node-agent": ["node_agent/cli.py", "common/secrets_args.py", "workloads/loaders.py", "common/http_server.py"],
     "dashboard": ["dashboard/cli.py", "dashboard/app.py", "common/http_server.py"],
 }

@@ -203,7 +203,7 @@ def test_racer_up_picks_the_shipped_checkpoint(tmp_path):
 def test_the_node_registers_its_model_digest_and_the_dashboard_shows_it(ckpt_setup, tmp_path):
     from pydantic import ValidationError
 
-    from control_plane.schemas import CostProfileIn
+    from common.contract import CostProfileIn
     from dashboard.app import _node_rows
     from node_agent.agent import AgentConfig, NodeAgent
     from node_agent.reporter import Reporter, ReporterConfig

@@ -9,9 +9,9 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
+from common.contract import DETAIL_FIELDS, LAYERS, parse_curve_text
 from node_agent.allocator import AllocatorConfig, CurveConfig, CurveGuard, GuardConfig, SmartAllocator, curve_layer
-from node_agent.allocator.curve import expected_costs, parse_curve_text
-from node_agent.allocator.trace import DETAIL_FIELDS, LAYERS
+from node_agent.allocator.curve import expected_costs
 from node_agent.control import control_step
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, MissCurves
 from node_agent.memory.mrc import EmbReuse, KVReuse, key_hash

@@ -407,8 +407,9 @@ def test_bursts_are_reported_when_they_start_and_when_they_end(tmp_path, file_se
 
 
 def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_server, policy_dir):
-    """The report `on_control` builds passes the control plane's own input model (once merged)."""
-    schemas = pytest.importorskip("control_plane.schemas")
+    """The report `on_control` builds passes the wire contract's input model, the one the control
+    plane validates it with."""
+    from common import contract
     from node_agent.engine import RecRequest
 
     url, _ = file_server
@@ -426,7 +427,7 @@ def test_a_control_step_report_is_valid_for_the_control_plane(tmp_path, file_ser
         busy = agent.control_step(agent.clock())
         reports = [rep.reports.build(o) for o in (empty, busy)]
         for i, r in enumerate(reports):
-            schemas.ReportIn.model_validate({**r, "seq": i})
+            contract.ReportIn.model_validate({**r, "seq": i})
         assert reports[0]["p99_ms"] is None and reports[0]["slo_attainment"] is None
         assert reports[1]["num_requests"] == 5 and reports[1]["p50_ms"] <= reports[1]["p99_ms"]
         assert reports[1]["decision"]["source"] in ("base", "residual", "guard")
@@ -467,7 +468,7 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
     registers its label as ``device`` and `Engine.device_info` in the cost profile, both taken by
     the control plane's input models. A real engine says real; an engine that does not say is
     unknown (null) and registers its device."""
-    schemas = pytest.importorskip("control_plane.schemas")
+    from common import contract
     from node_agent.agent import AgentConfig, NodeAgent
     from node_agent.emulated import ScaledClock
     from tests.test_node_agent import small_engine
@@ -485,14 +486,14 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
         r = rep.reports.build({"now_s": now, "window": {"interval_s": 1.0}})
         assert r["ts_s"] == pytest.approx(5_001_100.0)  # the wall clock's now (an offset would give 5_001_010)
         assert r["interval_s"] == 1.0 and (r["device_mode"], r["device_profile"]) == ("emulated", "a100-hstu")
-        schemas.ReportIn.model_validate({**r, "seq": 0})
+        contract.ReportIn.model_validate({**r, "seq": 0})
         assert rep.device_label() == "emulated a100-hstu (uncalibrated, modelled time, x10)"
         prof = rep.registration_profile()
         assert prof["device"] == agent.engine.device_info() == {
             "mode": "emulated", "profile": "a100-hstu", "time_scale": 10.0, "calibrated": False, "time": "modelled",
             "label": "emulated a100-hstu (uncalibrated, modelled time, x10)"}
-        assert schemas.CostProfileIn(**prof).device.mode == "emulated"
-        schemas.RegisterIn(node_id="n0", address="http://127.0.0.1:9", device=rep.device_label(), cost_profile=prof)
+        assert contract.CostProfileIn(**prof).device.mode == "emulated"
+        contract.RegisterIn(node_id="n0", address="http://127.0.0.1:9", device=rep.device_label(), cost_profile=prof)
     finally:
         rep.stop()
 
@@ -523,7 +524,7 @@ def test_reports_and_registration_say_what_the_figures_are(tmp_path):
         r = rep.reports.build({"now_s": real.clock(), "window": {"interval_s": 1.0}})
         assert (r["device_mode"], r["device_profile"]) == (None, None)
         assert rep.device_label() == "cpu" and "device" not in rep.registration_profile()
-        schemas.ReportIn.model_validate({**r, "seq": 0})
+        contract.ReportIn.model_validate({**r, "seq": 0})
     finally:
         rep.stop()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane import POLICIES, ROUTERS, CostProfile, NodeReport, RouteRequest, make_router
+from gateway import POLICIES, ROUTERS, CostProfile, NodeReport, RouteRequest, make_router
 
 NODES = ["n0", "n1", "n2", "n3"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane.router import LoadAwareConfig
-from control_plane import (CostProfile, KvResidency, NodeReport, RequestBatch, RouteRequest, RouterConfig,
-                           derive_weights, make_router)
+from gateway import (CostProfile, KvResidency, NodeReport, RequestBatch, RouteRequest, RouterConfig, derive_weights,
+                     make_router)
+from gateway.router import LoadAwareConfig
 
 PROF = CostProfile(kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=5.0, service_time_us=10.0)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane import CostProfile, NodeReport, RouteRequest, make_router
-from control_plane.router import LOAD_AWARE_OFF
+from gateway import CostProfile, NodeReport, RouteRequest, make_router
+from gateway.router import LOAD_AWARE_OFF
 
 ABS, REL = 8.0, 1.5
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from control_plane import CostProfile, NodeReport, RouteRequest, make_router
-from control_plane.router import LOAD_AWARE_OFF, LoadAwareConfig
+from gateway import CostProfile, NodeReport, RouteRequest, make_router
+from gateway.router import LOAD_AWARE_OFF, LoadAwareConfig
 
 KV_US, EMB_US, SVC_US, CAP = 2.0, 5.0, 100.0, 64
 INF = math.inf
@@ -142,7 +142,7 @@ def test_config_ranges(field, value):
 
 
 def test_batch_routing_equals_one_by_one_under_load():
-    from control_plane import RequestBatch
+    from gateway import RequestBatch
 
     rng = np.random.default_rng(3)
     reqs = [RouteRequest(int(u), int(h), rng.integers(0, 8, 5), 2) for u, h in
@@ -231,7 +231,7 @@ def test_a_users_request_still_queued_at_its_holder_costs_the_holder_a_pass(comp
 
 
 def test_the_last_dispatch_per_user_is_bounded_and_keeps_the_newest():
-    from control_plane import router as rt
+    from gateway import router as rt
 
     r = cluster()
     at(r, (0, 0, 0))

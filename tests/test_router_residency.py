@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane import CostProfile, KvResidency, NodeReport, NoLiveNodeError, RouteRequest, make_router
-from control_plane.residency import EMPTY, ENTRY_BYTES
+from gateway import CostProfile, KvResidency, NodeReport, NoLiveNodeError, RouteRequest, make_router
+from gateway.residency import EMPTY, ENTRY_BYTES
 
 
 def users_in_set(kv: KvResidency, set_index: int, count: int) -> list[int]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane import (CostProfile, NodeReport, RequestBatch, RouteRequest, expected_saving_us, make_router,
-                           score_nodes)
-from control_plane.router import LOAD_AWARE_OFF
+from gateway import (CostProfile, NodeReport, RequestBatch, RouteRequest, expected_saving_us, make_router,
+                     score_nodes)
+from gateway.router import LOAD_AWARE_OFF
 
 KV_US, EMB_US, SVC_US, CAP = 2.0, 5.0, 100.0, 64
 

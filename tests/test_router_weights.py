@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane import CostProfile, NodeReport, RouteRequest, derive_weights, expected_saving_us, make_router
-from control_plane.router import LOAD_AWARE_OFF
+from gateway import CostProfile, NodeReport, RouteRequest, derive_weights, expected_saving_us, make_router
+from gateway.router import LOAD_AWARE_OFF
 
 
 def profile(kv=2.0, emb=5.0, svc=100.0, cap=64):

@@ -149,7 +149,7 @@ def test_same_seed_same_result_other_seed_other_result(small):
     e = simulate(stream, cfg, StaticAllocator(0.4), "least_load")
     assert not np.array_equal(d.node, e.node)  # least_load's ties go elsewhere; the stream is the same
     # a simulated node batches by slice, so the router's queued-pass rule is off whatever the config says
-    from control_plane.router import LoadAwareConfig
+    from gateway.router import LoadAwareConfig
     sim = ClusterSim(stream, dataclasses.replace(cfg, load_aware=LoadAwareConfig(pass_while_queued=True)), "racer",
                      initial_share=0.4)
     assert sim.rt.config.load_aware.pass_while_queued is False and sim.rt.config.load_aware.same_batch_s == 0.01

@@ -1,5 +1,5 @@
 """Traffic samples for a what-if replay: the gateway samples its traffic by user (every request of
-the sampled users, none of the others), every id a keyed hash (`control_plane.traffic_sample`),
+the sampled users, none of the others), every id a keyed hash (`gateway.traffic_sample`),
 and the control plane stores them (``POST /api/v1/gateways/{gateway_id}/samples``: bound to the
 gateway's token, capped, strict) and keeps them for a retention and under a row cap.
 
@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from control_plane.traffic_sample import (MAX_SAMPLE_BATCH, MAX_SAMPLE_ITEMS, KeyedHash, Sampler, sample_key,
-                                          sampled)
+from common.contract import MAX_SAMPLE_BATCH, MAX_SAMPLE_ITEMS
+from gateway.traffic_sample import KeyedHash, Sampler, sample_key, sampled
 
 ADMIN = "racer_test_admin_traffic_samples"
 KEY = b"racer-test-sample-key-0123456789"
@@ -140,7 +140,7 @@ def test_lists_are_capped_hashed_with_reuse_kept_and_the_buffer_is_bounded():
 
 
 def test_a_cancelled_preparation_loses_nothing():
-    from control_plane import traffic_sample
+    from gateway import traffic_sample
 
     s = Sampler(KEY, 1.0, seq0=0)
     n = 3 * traffic_sample.PREPARE_CHUNK + 5
@@ -162,7 +162,8 @@ def test_a_cancelled_preparation_loses_nothing():
 
 
 def test_the_gateway_refuses_to_sample_without_a_key_and_sends_in_batches_dropping_only_the_refused():
-    from control_plane.gateway import Gateway, GatewayConfig
+    from gateway.config import GatewayConfig
+    from gateway.gateway import Gateway
     from prometheus_client import generate_latest
 
     cfg = GatewayConfig(sample_rate=1.0)

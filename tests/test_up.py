@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from racer.cli import main as racer_main
-from racer.up import ProcessSpec, Supervisor, UpError, check_data_dir, write_atomic
+from racer.data_folder import check_data_dir, write_atomic
+from racer.errors import UpError
+from racer.supervisor import ProcessSpec, Supervisor
 
 from .conftest import REPO
 from .procs import skip_or_fail
@@ -146,7 +148,7 @@ def test_full_data_folder_is_a_clear_error_and_nothing_is_half_written(tmpfs, ca
 
 
 def test_second_racer_up_on_the_same_folder_is_refused(tmp_path):
-    from racer.up import DataLock, UpError
+    from racer.data_folder import DataLock
 
     lock = DataLock(tmp_path)
     try:

@@ -248,11 +248,10 @@ def _a_worse_model_is_rolled_out_and_rolled_back_by_its_judge(page, tmp_path: Pa
     import httpx
     import torch
 
-    from common.artifact_pack import pack_directory
+    from common.artifact_pack import CHECKPOINT_FILES, pack_directory
     from node_agent.model import HSTUModel
     from node_agent.model.checkpoint import load_checkpoint, save_checkpoint
     from node_agent.model.shipped import resolve_model
-    from node_agent.registry_client import CHECKPOINT_FILES
 
     from .test_dashboard_browser import ROLLOUT_BUTTONS, click_tab, start_rollout, wait_disabled, wait_text
 

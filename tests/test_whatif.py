@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from control_plane.traffic_sample import Sampler
+from gateway.traffic_sample import Sampler
 
 from .cp_util import REPO, Database, artifact_tar, backends, wait_for
 

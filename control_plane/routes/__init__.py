@@ -1,8 +1,8 @@
 """The control plane's API routes, one module per resource (base path ``/api/v1``).
 
 Each module declares its routes at module level on its own ``router`` (a FastAPI `APIRouter`),
-with the roles each accepts (`deps.roles`, read by `control_plane.gate` from the OpenAPI
-document); `control_plane.api.create_app` includes them in this order:
+with the roles each accepts (`deps.roles`, read by `control_plane.gate` from each route);
+`control_plane.api.create_app` includes them in this order:
 
     tokens       GET /whoami, POST /tokens
     nodes        POST /nodes/register, POST /nodes/{node_id}/reports, GET /nodes,

@@ -1,6 +1,6 @@
 """What every route module shares: the roles a route accepts (its dependency and its OpenAPI
-marker, which `control_plane.gate` reads), the error responses it documents, and small helpers to
-reach the app's state (``request.app.state``) and look rows up."""
+marker, which `control_plane.gate` reads from the route), the error responses it documents, and
+small helpers to reach the app's state (``request.app.state``) and look rows up."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Query, Request
 
+from common.contract import INT64_MAX
 from db.models import ModelVersion, Node, Override, Policy, Rollout, Router, Token
 
 from ..auth import Principal, Require
-from ..schemas import INT64_MAX, ErrorOut
-
-API = "/api/v1"
+from ..schemas import ErrorOut
 
 NODE, OPERATOR, VIEWER, ROUTER = "node", "operator", "viewer", "router"
 

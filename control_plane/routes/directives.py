@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from common.contract import (API, DirectivesOut, ModelDirective, ModelLoadedIn, NodeId, OverrideDirective,
+                             PolicyDirective, PolicyLoadedIn)
 from common.ids import path_segment
 from db import queries
 from db.models import Node
 
 from .. import rollout_service
-from ..schemas import (DirectivesOut, ModelDirective, ModelLoadedIn, NodeId, NodeOut, OverrideDirective,
-                       PolicyDirective, PolicyLoadedIn)
-from .deps import API, NODE, begin, errors, get_or_404, now_s, roles, session, settings
+from ..schemas import NodeOut
+from .deps import NODE, begin, errors, get_or_404, now_s, roles, session, settings
 
 router = APIRouter()
 

@@ -6,16 +6,17 @@
     POST /api/v1/gateways/{gateway_id}/samples   a gateway's traffic samples (role router or operator)
     GET  /api/v1/traffic-samples                 the samples over a time range, paged (a replay's input)
 
-A gateway (`control_plane.gateway`, with ``--control-plane``) sends one report per interval
-(`control_plane.client_view.ClientView`): end-to-end P50/P99, SLO attainment as clients see it,
-outcomes (served, 4xx, 413, 503 no live node, 502, 504), retries, per-node attempts and queueing
-before the node, and the load phase its clients named. Storage is idempotent on (gateway_id,
-seq): a batch replayed after a lost answer stores nothing twice. The first token that reports as
-a gateway id claims it: another token may not report as that id while the first is valid (as a
-node id is bound to its token). The body is capped by `control_plane.gate` before it is read
-(``max_body_bytes``) and every number has a physical range, so hostile input gets a 4xx.
+A gateway (`gateway.gateway`, with ``--control-plane``) sends one report per interval
+(`gateway.client_view.ClientView`; the bounds both sides hold it to: `common.contract`):
+end-to-end P50/P99, SLO attainment as clients see it, outcomes (served, 4xx, 413, 503 no live node,
+502, 504), retries, per-node attempts and queueing before the node, and the load phase its clients
+named. Storage is idempotent on (gateway_id, seq): a batch replayed after a lost answer stores
+nothing twice. The first token that reports as a gateway id claims it: another token may not report
+as that id while the first is valid (as a node id is bound to its token). The body is capped by
+`control_plane.gate` before it is read (``max_body_bytes``) and every number has a physical range,
+so hostile input gets a 4xx.
 
-Traffic samples (`control_plane.traffic_sample`: requests of the users a gateway samples, every id
+Traffic samples (`gateway.traffic_sample`: requests of the users a gateway samples, every id
 a keyed hash) are bound to the gateway id the same way (the token whose first report or sample
 batch claimed it), idempotent on (gateway_id, seq), capped at ``max_sample_body_bytes`` (413), and
 refused (422) with a time more than `MAX_SAMPLE_AHEAD_S` ahead of the control plane's clock (so
@@ -32,13 +33,13 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from pydantic import Field, field_validator, model_validator
 from sqlalchemy.exc import IntegrityError
 
+from common.contract import INT64_MAX, MAX_NODES, MAX_PHASES, OUTCOMES, In, NodeId, Out, ReportTime, Unit, distinct_seq
 from db import queries
 from db.models import GatewayReport, TrafficSample
 
 from ..auth import Principal
-from ..client_view import MAX_NODES, MAX_PHASES, OUTCOMES
-from ..schemas import (INT64_MAX, In, NodeId, Out, ReportTime, TrafficSampleBatchIn, TrafficSampleBatchOut,
-                       TrafficSampleCursor, TrafficSampleOut, TrafficSamplePage, Unit)
+from ..schemas import (TrafficSampleBatchIn, TrafficSampleBatchOut, TrafficSampleCursor, TrafficSampleOut,
+                       TrafficSamplePage)
 from .deps import OPERATOR, ROUTER, VIEWER, errors, invalid, principal, roles
 
 Count = Annotated[int, Field(ge=0, lt=2**31)]
@@ -69,7 +70,7 @@ class GatewayNodeIn(In):
 
 
 class GatewayReportIn(In):
-    """One report interval of a gateway (see `control_plane.client_view`). Null: no data."""
+    """One report interval of a gateway (see `gateway.client_view`). Null: no data."""
     seq: Annotated[int, Field(ge=0, le=INT64_MAX)]
     ts_s: ReportTime
     interval_s: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)]
@@ -109,10 +110,7 @@ class GatewayReportBatchIn(In):
     @field_validator("reports")
     @classmethod
     def _distinct_seq(cls, v: list[GatewayReportIn]) -> list[GatewayReportIn]:
-        seqs = [r.seq for r in v]
-        if len(set(seqs)) != len(seqs):
-            raise ValueError("reports: seq values must be distinct within a batch")
-        return v
+        return distinct_seq("reports", v)
 
 
 class GatewayReportBatchOut(Out):

@@ -15,11 +15,12 @@ import hashlib
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from common.artifact_pack import pack_artifact
 from db import queries
 from db.models import ModelVersion
 
 from .. import rollout_service
-from ..artifacts import check_upload, pack_artifact
+from ..artifacts import check_upload
 from ..schemas import ModelOut, ReasonIn
 from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, invalid, now_s, principal, roles, session
 

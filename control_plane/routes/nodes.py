@@ -7,12 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import Response
 
+from common.contract import API, NodeId, RegisterIn, RegisterOut, ReportBatchOut
 from db import queries
 from db.models import Node
 
 from ..auth import PRINCIPAL_STATE, node_route_refusal
-from ..schemas import NodeId, NodeOut, ReasonIn, RegisterIn, RegisterOut, ReportBatchOut
-from .deps import (API, NODE, OPERATOR, ROUTER, VIEWER, begin, errors, get_or_404, now_s, principal, roles, session,
+from ..schemas import NodeOut, ReasonIn
+from .deps import (NODE, OPERATOR, ROUTER, VIEWER, begin, errors, get_or_404, now_s, principal, roles, session,
                    settings)
 from .report_ingest import ingest_batch, node_out
 

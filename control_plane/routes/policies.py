@@ -10,13 +10,15 @@ import hashlib
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from common.artifact_pack import pack_artifact
+from common.contract import PolicyId
 from db import queries
 from db.models import Policy
 
 from .. import rollout_service
-from ..artifacts import check_upload, pack_artifact
+from ..artifacts import check_upload
 from ..rollout_service import Conflict
-from ..schemas import PolicyId, PolicyOut, ReasonIn
+from ..schemas import PolicyOut, ReasonIn
 from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, invalid, now_s, principal, roles, session
 
 # --------------------------------------------------------------------------------------- routes

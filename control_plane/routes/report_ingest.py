@@ -14,13 +14,14 @@ from fastapi.encoders import jsonable_encoder
 from pydantic import ValidationError
 from sqlalchemy.exc import DataError, IntegrityError
 
+from common.contract import API, ReportBatchIn
+from common.http_server import json_safe
 from db.models import Node
 from db.queries import registered_device
-from common.http_server import json_safe
 
 from ..auth import PRINCIPAL_STATE, Principal, node_route_refusal, role_refusal
-from ..schemas import NodeOut, ReportBatchIn
-from .deps import API, NODE
+from ..schemas import NodeOut
+from .deps import NODE
 
 INGEST_PATH = re.compile(r"^/api/v1/nodes/([A-Za-z0-9_.:\-]{1,128})/reports$")
 

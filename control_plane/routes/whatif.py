@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import Field
 
+from common.contract import In, Out, ReportTime, Version
 from db import queries
 from db.models import WhatIfRun
 
-from ..schemas import In, Out, ReportTime, Version
 from ..whatif import EmptyWindow, WhatIfRunner, check_window, run_dict, start_run
 from .deps import OPERATOR, VIEWER, Id64, begin, errors, invalid, now_s, principal, roles, session, settings
 

@@ -39,9 +39,10 @@ order, and the decision records every trace (``decision.layers``) and which laye
 Pure over snapshots: nothing here reads the clock; ``now_s`` comes with every call.
 """
 
+from common.contract import DECISION_SOURCES, LAYERS
 from node_agent.allocator.base import OnnxPolicy, PolicyLoadError, base_layer, cuda_available
-from node_agent.allocator.config import (DECISION_SOURCES, RESIDUAL_SIGNALS, AllocatorConfig, CurveConfig, GuardConfig,
-                                         RecoveryConfig, ResidualConfig, TunerConfig)
+from node_agent.allocator.config import (RESIDUAL_SIGNALS, AllocatorConfig, CurveConfig, GuardConfig, RecoveryConfig,
+                                         ResidualConfig, TunerConfig)
 from node_agent.allocator.curve import CURVE_ACTIONS, CurveGuard, curve_layer, expected_costs
 from node_agent.allocator.decision import AllocatorDecision
 from node_agent.allocator.guards import GUARD_ACTIONS, guard_layer, guard_stage
@@ -50,7 +51,7 @@ from node_agent.allocator.recovery import RecoveryController, RecoveryState, rec
 from node_agent.allocator.residual import (ResidualAdapter, ResidualState, ResidualUpdate,
                                            residual_layer)
 from node_agent.allocator.smart import PolicySwap, SmartAllocator
-from node_agent.allocator.trace import LAYERS, LayerTrace
+from node_agent.allocator.trace import LayerTrace
 from node_agent.allocator.tuner import TUNER_ACTIONS, OperatingPointTuner, TunerState
 
 __all__ = ["CURVE_ACTIONS", "CurveConfig", "CurveGuard", "curve_layer", "expected_costs", "DECISION_SOURCES", "GUARD_ACTIONS", "LAYERS", "RESIDUAL_SIGNALS", "TUNER_ACTIONS", "AllocatorConfig",

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass
 
 from common.config import ranged, require, validate
-
-DECISION_SOURCES = ("base", "residual", "recovery", "override", "guard")
+from common.contract import DEFAULT_MAX_EMB_SHARE, DEFAULT_MIN_EMB_SHARE
 
 
 @dataclass(frozen=True)
@@ -22,8 +21,8 @@ class GuardConfig:
     The step limit applies first, then the bounds, so the bounds always hold.
     """
 
-    min_emb_share: float = ranged(0.05, lo=0, hi=1)
-    max_emb_share: float = ranged(0.95, lo=0, hi=1)
+    min_emb_share: float = ranged(DEFAULT_MIN_EMB_SHARE, lo=0, hi=1)
+    max_emb_share: float = ranged(DEFAULT_MAX_EMB_SHARE, lo=0, hi=1)
     max_step_up: float = ranged(0.05, lo=0, hi=1, lo_open=True)
     max_step_down: float = ranged(0.10, lo=0, hi=1, lo_open=True)
 

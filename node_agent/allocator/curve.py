@@ -35,9 +35,9 @@ as text (``"0.05:812.3 0.10:790.1 ..."``, µs), which the dashboard draws.
 
 from __future__ import annotations
 
-import math
 import numpy as np
 
+from common.contract import curve_text
 from node_agent.allocator.config import CurveConfig, GuardConfig
 from node_agent.allocator.trace import LayerTrace
 
@@ -84,8 +84,8 @@ class CurveGuard:
 
 class CostCurve:
     """The expected time per request at each grid share, as the curve layer's trace keeps it: the
-    arrays, rendered as text (``"0.05:812.3 0.10:790.1 ..."``, µs) only when the record is read
-    (`LayerTrace.to_dict`), so a decision does not pay for formatting it."""
+    arrays, rendered as text (`common.contract.curve_text`: ``"0.05:812.3 0.10:790.1 ..."``, µs) only
+    when the record is read (`LayerTrace.to_dict`), so a decision does not pay for formatting it."""
 
     __slots__ = ("shares", "cost")
 
@@ -93,24 +93,10 @@ class CostCurve:
         self.shares, self.cost = shares, cost
 
     def __str__(self) -> str:
-        return " ".join(f"{s:.2f}:{c:.1f}" for s, c in zip(self.shares.tolist(), self.cost.tolist()))
+        return curve_text(self.shares.tolist(), self.cost.tolist())
 
     def __len__(self) -> int:
         return len(self.shares)
-
-
-def parse_curve_text(text: str) -> list[tuple[float, float]]:
-    """The ``curve`` detail back into ``[(share, µs)]`` (malformed pairs are skipped)."""
-    out = []
-    for pair in str(text or "").split():
-        a, sep, b = pair.partition(":")
-        try:
-            s, c = float(a), float(b)
-        except ValueError:
-            continue
-        if sep and math.isfinite(s) and math.isfinite(c):
-            out.append((s, c))
-    return out
 
 
 def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: float,

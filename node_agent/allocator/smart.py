@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from common.config import finite_number as _num
+from common.contract import DECISION_SOURCES
 from node_agent.allocator.base import OnnxPolicy, PolicyLoadError, base_layer
-from node_agent.allocator.config import DECISION_SOURCES, AllocatorConfig
+from node_agent.allocator.config import AllocatorConfig
 from node_agent.allocator.curve import CurveGuard, curve_layer
 from node_agent.allocator.decision import AllocatorDecision
 from node_agent.allocator.guards import guard_layer

@@ -1,9 +1,11 @@
 """What each layer of a decision did: `LayerTrace`, one per layer that ran, in order.
 
-A decision composes the layers ``base -> residual -> curve -> recovery -> override -> guard``; each takes
+A decision composes the layers ``base -> residual -> curve -> recovery -> override -> guard``
+(`common.contract.LAYERS`); each takes
 the previous layer's proposal and returns its own with a trace: the layer's name, the proposal it
 returned, whether it set the decision's source (``acted``) and ``detail``, the structured inputs
-and figures it used (JSON-able scalars). The reason in words is rendered from the traces when it
+and figures it used (JSON-able scalars; their names per layer, and the bounds on what a report
+carries of them, are the wire contract's: `common.contract.DETAIL_FIELDS`). The reason in words is rendered from the traces when it
 is first read (`render_reason`), so the record is cheap and the dashboard can show one decision
 layer by layer.
 """
@@ -13,28 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LAYERS = ("base", "residual", "curve", "recovery", "override", "guard")
-
-# what a decision's traces may carry off the node: the reporter bounds them so
-# (`node_agent.reporter`), the control plane refuses more (`control_plane.schemas.LayerIn`); at most
-# one trace per layer
-MAX_DETAIL_FIGURES = 16
-MAX_DETAIL_NAME_CHARS = 64
-MAX_DETAIL_TEXT_CHARS = 500
-MAX_PROPOSAL_ABS = 10.0  # before the guards a proposal may lie outside [0, 1]
-
-# each layer's detail, by name, in the order of `LayerTrace.values` (documented at each layer's function)
-DETAIL_FIELDS = {
-    "base": ("policy_id", "output", "hold_reason"),
-    "residual": ("correction", "offset", "tuner_action", "tuner_step", "tuner_gradient", "tuner_mean_gradient",
-                 "tuner_gradient_se", "tuner_sign_test", "load"),
-    "curve": ("action", "min_share", "cost_min_us", "cost_proposal_us", "cost_prev_us", "gain", "emb_refs",
-              "kv_lookups", "kv_refused", "proposal_in", "curve", "taken_back"),
-    "recovery": ("phase", "event", "cap", "capped", "rate_ratio", "hot_ratio", "burst_started_s", "entry_emb_share",
-                 "kv_shift", "proposal_in", "source_in"),
-    "override": ("active", "emb_share", "reason", "expires_at_s", "proposal_in", "source_in"),
-    "guard": ("action", "limit", "prev", "proposal_in", "source_in", "step_limit", "taken_back"),
-}
+from common.contract import DETAIL_FIELDS  # each layer's detail by name, as reports carry it
 
 
 @dataclass(slots=True, eq=False)

@@ -146,8 +146,8 @@ def cmd_model_push(args) -> int:
     import sys
     from pathlib import Path
 
-    from common.artifact_pack import pack_directory
-    from node_agent.registry_client import CHECKPOINT_FILES, push
+    from common.artifact_pack import CHECKPOINT_FILES, pack_directory
+    from node_agent.registry_client import push
 
     from .checkpoint import load_checkpoint
 

@@ -5,7 +5,7 @@ length, the history's most recent ``max_items`` item ids, the new items and the 
 candidates (each list capped at ``max_items``), all hashed with the same key, so an item's reuse
 across requests and users is kept and its id is not; the candidate count, the node chosen and the
 status the client got. The gateway sends them in batches to ``POST
-/api/v1/gateways/{gateway_id}/samples`` (`control_plane.gateway.Gateway.send_samples`).
+/api/v1/gateways/{gateway_id}/samples`` (`gateway.uplink.Uplink.send_samples`).
 
 **Keyed hash** (`KeyedHash`): HMAC-SHA256(key, domain || id as 8 bytes little-endian two's
 complement), its first 8 bytes read as a little-endian signed int64 (SQL BIGINT). The domains
@@ -45,19 +45,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.contract import MAX_SAMPLE_CANDIDATES, MAX_SAMPLE_HISTORY_LEN, MAX_SAMPLE_ITEMS
+
 SAMPLE_KEY_ENV = "RACER_SAMPLE_KEY"
 MIN_KEY_CHARS = 16
-#: most hashed ids in one list of a sample (the control plane refuses more; the node's default
-#: max_history_len and max_candidates are 4096)
-MAX_SAMPLE_ITEMS = 4096
 #: the gateway's default cap on each list it keeps (the history's most recent ids)
 DEFAULT_SAMPLE_MAX_ITEMS = 1024
-#: most samples in one batch the control plane takes
-MAX_SAMPLE_BATCH = 500
-#: most history a sample may name (its ``history_len``; the node's requests are 4 MiB at most)
-MAX_SAMPLE_HISTORY_LEN = 1 << 24
-#: most candidates a sample may name (the node agent's own bound)
-MAX_SAMPLE_CANDIDATES = 1 << 20
 #: samples waiting in a gateway, and the memory their ids take (8 bytes an id once hashed, about
 #: `RAW_ID_BYTES` before), at most
 MAX_PENDING_SAMPLES = 20_000

@@ -1,4 +1,4 @@
-"""The gateway's decisions as pure functions over small snapshots; `control_plane.gateway` does
+"""The gateway's decisions as pure functions over small snapshots; `gateway.gateway.Gateway` does
 the I/O (HTTP to the nodes and the control plane, the router's state, metrics, logs) and calls
 these to decide. None reads the clock (``now_s`` is passed in), none mutates its inputs, and
 each answer carries its reason.
@@ -27,8 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from common.config import ranged, validate
-
-from .weights import CostProfile
+from common.weights import CostProfile
 
 __all__ = ["MAX_ATTEMPTS", "FAILURE_KINDS", "Attempt", "RetrySnapshot", "RetryChoice", "choose_retry",
            "HealthPolicy", "HealthState", "HealthEvent", "HealthTransition", "health_transition",

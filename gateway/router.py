@@ -1,7 +1,7 @@
 """The EMB-KV-aware request router and its baselines (pure logic; no HTTP, no clock).
 
 For a request and each live node ``n`` the scheduler computes (PAPER.md, "EMB-KV-Aware
-Scheduler"; derivation of the weights in docs/router.md and `control_plane.weights`)::
+Scheduler"; derivation of the weights in docs/router.md and `common.weights`)::
 
     score(n) = w_kv(n) * h_kv(n) + w_emb(n) * h_emb(n) + w_ld(n) * (1 - l(n)) + offset(n) + eps(n)
 
@@ -39,9 +39,9 @@ import numpy as np
 
 from common.config import problems, ranged
 from common.config import validate as validate_fields
+from common.weights import CostProfile, RouterWeights, derive_weights
 
 from .residency import EMPTY, MAX_USER, ArrayViews, HotShardTable, KvResidency, _as_users
-from .weights import CostProfile, RouterWeights, derive_weights
 
 POLICIES = ("round_robin", "least_load", "user_affinity", "kv_aware", "emb_aware", "racer")
 SOURCES = ("score", "spill", "guard", "round_robin", "least_load", "user_affinity")

@@ -1,4 +1,6 @@
-"""Router weights derived from profiled miss costs (see docs/router.md, "Weights").
+"""Router weights derived from profiled miss costs (see docs/router.md, "Weights"): a node's
+`CostProfile` as it registers it, the control plane validates and stores it, and the router
+(`gateway.router`) scores with it.
 
 The scheduler's score is ``w_kv * h_kv + w_emb * h_emb + w_ld * (1 - l) + eps``. The weights are
 not tuning knobs: they convert each hit fraction into the microseconds it saves *for this

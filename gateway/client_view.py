@@ -35,11 +35,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-OUTCOMES = ("ok", "client_error", "too_large", "no_live_node", "upstream_error", "upstream_timeout")
+from common.contract import MAX_NODES, MAX_PHASES, OUTCOMES
+
 PHASE_HEADER = "x-racer-load-phase"
 PHASE_RE = re.compile(r"^[A-Za-z0-9_.:+\[\]\- ]{1,64}$")
-MAX_PHASES = 16  # distinct phase names per interval; more are counted under "other"
-MAX_NODES = 256
 
 
 def outcome_of(status: int) -> str:
