@@ -18,3 +18,15 @@ def load_bench_trace(kind: str, path: str | None):
         raise MissingTraceError(f"the {kind} trace is not available ({e}); put the sample under ../shared/data "
                                 f"(or set RACER_DATA_DIR) or pass --path") from None
     return trace, trace.source_path
+
+
+def print_figures(out: dict, *, as_json: bool, width: int) -> None:
+    """A benchmark's figures: one JSON object (``--json``), else a line per figure, its name
+    padded to ``width``."""
+    import json
+
+    if as_json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:<{width}} {v}")

@@ -24,7 +24,6 @@ Figures (timings are medians over repetitions; these machines are shared and noi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from bench import print_figures
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, RefillConfig, resolve_device
 
 
@@ -301,11 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(bench_boundary(5 if q else 21))
     result.update(bench_refill(0.6 if q else 1.5))
     result.update(bench_kv(50_000 if q else 200_000))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:40s} {v}")
+    print_figures(result, as_json=args.json, width=40)
     return 0
 
 

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import print_figures
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -98,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(out["data_dir"], ignore_errors=True)
         out["data_dir"] = None
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:<22} {v}")
+    print_figures(out, as_json=args.json, width=22)
     return 0
 
 

@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench import print_figures
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
        "PYTHONUNBUFFERED": "1"}
@@ -159,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir is None and not args.keep:
         shutil.rmtree(Path(out["data_dir"]).parent, ignore_errors=True)
         out["data_dir"] = None
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:<18} {v}")
+    print_figures(out, as_json=args.json, width=18)
     return 0
 
 

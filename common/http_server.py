@@ -440,9 +440,10 @@ class HttpTimeouts:
         return cls(**kw)
 
 
-def _guarded_protocol(base, timeouts: HttpTimeouts):
-    """uvicorn's HTTP protocol class with ``TCP_NODELAY`` set on each new connection and the
-    `HttpTimeouts` request-head and body-idle timers (uvicorn arms the keep-alive one itself).
+class _ConnectionGuard:
+    """What `_guarded_protocol` puts over uvicorn's HTTP protocol class (a mixin ahead of it):
+    ``TCP_NODELAY`` set on each new connection and the `HttpTimeouts` request-head and body-idle
+    timers (uvicorn arms the keep-alive one itself).
 
     uvicorn's own keep-alive timer runs only after an answer, and data cancels it: a connection
     that never sends a whole request head was held forever. One timer per connection here: armed
@@ -464,89 +465,98 @@ def _guarded_protocol(base, timeouts: HttpTimeouts):
     pyproject.toml; tests/test_http_server.py checks each on real sockets, for both of uvicorn's
     HTTP implementations."""
 
-    header_s, body_s = timeouts.header_timeout_s, timeouts.body_idle_timeout_s
-    max_head = timeouts.max_head_bytes
+    _racer_header_s: float  # the limits, set by `_guarded_protocol` (`HttpTimeouts`)
+    _racer_body_s: float
+    _racer_max_head: int
+    _racer_timer = None
+    _racer_head_bytes = 0
 
-    class GuardedProtocol(base):
-        _racer_timer = None
-        _racer_head_bytes = 0
+    def connection_made(self, transport) -> None:  # noqa: D401 - asyncio hook
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                set_nodelay(sock)
+            except OSError:  # the peer may already be gone
+                pass
+        super().connection_made(transport)
+        self._racer_arm(self._racer_header_s)
 
-        def connection_made(self, transport) -> None:  # noqa: D401 - asyncio hook
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                try:
-                    set_nodelay(sock)
-                except OSError:  # the peer may already be gone
-                    pass
-            super().connection_made(transport)
-            self._racer_arm(header_s)
+    def _racer_arm(self, delay_s: float) -> None:
+        if self._racer_timer is not None:
+            self._racer_timer.cancel()
+        self._racer_timer = self.loop.call_later(delay_s, self._racer_expired)
 
-        def _racer_arm(self, delay_s: float) -> None:
-            if self._racer_timer is not None:
-                self._racer_timer.cancel()
-            self._racer_timer = self.loop.call_later(delay_s, self._racer_expired)
+    def _racer_between_requests(self) -> bool:
+        c = self.cycle
+        return c is None or c.response_complete
 
-        def _racer_between_requests(self) -> bool:
-            c = self.cycle
-            return c is None or c.response_complete
-
-        def _racer_expired(self) -> None:
-            self._racer_timer = None
-            c = self.cycle
-            waiting = self._racer_between_requests() or c.more_body
-            if waiting and not self.transport.is_closing():
-                self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            c = self.cycle
-            in_head = c is None or c.response_complete or not c.more_body  # no body expected: a head's bytes
-            room = max_head - self._racer_head_bytes
-            if in_head and len(data) > room:  # the parser gets the cap's worth; the head must end within it
-                super().data_received(data[:room])
-                if self.transport.is_closing():
-                    return
-                if self.cycle is c:
-                    self._racer_refuse_head()
-                    return
-                self._racer_head_bytes = 0
-                self.data_received(data[room:])  # the rest: a body, or the next head (counted afresh)
-                return
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            if self.cycle is not c:  # a head is complete: the next one counts afresh
-                self._racer_head_bytes = 0
-            elif in_head:  # still within one head
-                self._racer_head_bytes += len(data)
-            if self._racer_between_requests():  # (part of) a head: its deadline stands
-                if self._racer_timer is None:
-                    self._racer_arm(header_s)
-            elif self.cycle.more_body:  # the body is coming: it may not stall
-                self._racer_arm(body_s)
-            elif self._racer_timer is not None:  # the request is in: the app's turn
-                self._racer_timer.cancel()
-                self._racer_timer = None
-
-        def _racer_refuse_head(self) -> None:
-            if self.transport.is_closing():
-                return
-            body = (b'{"error": "request head exceeds %d bytes (request line and headers)"}' % max_head)
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                                 b"content-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n%s" % (len(body), body))
+    def _racer_expired(self) -> None:
+        self._racer_timer = None
+        c = self.cycle
+        waiting = self._racer_between_requests() or c.more_body
+        if waiting and not self.transport.is_closing():
             self.transport.close()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._racer_timer is not None:  # uvicorn's keep-alive timer takes over
-                self._racer_timer.cancel()
-                self._racer_timer = None
+    def data_received(self, data: bytes) -> None:
+        c = self.cycle
+        in_head = c is None or c.response_complete or not c.more_body  # no body expected: a head's bytes
+        room = self._racer_max_head - self._racer_head_bytes
+        if in_head and len(data) > room:  # the parser gets the cap's worth; the head must end within it
+            super().data_received(data[:room])
+            if self.transport.is_closing():
+                return
+            if self.cycle is c:
+                self._racer_refuse_head()
+                return
+            self._racer_head_bytes = 0
+            self.data_received(data[room:])  # the rest: a body, or the next head (counted afresh)
+            return
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self.cycle is not c:  # a head is complete: the next one counts afresh
+            self._racer_head_bytes = 0
+        elif in_head:  # still within one head
+            self._racer_head_bytes += len(data)
+        if self._racer_between_requests():  # (part of) a head: its deadline stands
+            if self._racer_timer is None:
+                self._racer_arm(self._racer_header_s)
+        elif self.cycle.more_body:  # the body is coming: it may not stall
+            self._racer_arm(self._racer_body_s)
+        elif self._racer_timer is not None:  # the request is in: the app's turn
+            self._racer_timer.cancel()
+            self._racer_timer = None
 
-        def connection_lost(self, exc) -> None:
-            if self._racer_timer is not None:
-                self._racer_timer.cancel()
-                self._racer_timer = None
-            super().connection_lost(exc)
+    def _racer_refuse_head(self) -> None:
+        if self.transport.is_closing():
+            return
+        body = (b'{"error": "request head exceeds %d bytes (request line and headers)"}' % self._racer_max_head)
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                             b"content-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._racer_timer is not None:  # uvicorn's keep-alive timer takes over
+            self._racer_timer.cancel()
+            self._racer_timer = None
+
+    def connection_lost(self, exc) -> None:
+        if self._racer_timer is not None:
+            self._racer_timer.cancel()
+            self._racer_timer = None
+        super().connection_lost(exc)
+
+
+def _guarded_protocol(base, timeouts: HttpTimeouts):
+    """uvicorn's HTTP protocol class ``base`` with `_ConnectionGuard` over it (``TCP_NODELAY``, the
+    head cap and the head and body-idle timers of ``timeouts``)."""
+
+    class GuardedProtocol(_ConnectionGuard, base):
+        _racer_header_s = timeouts.header_timeout_s
+        _racer_body_s = timeouts.body_idle_timeout_s
+        _racer_max_head = timeouts.max_head_bytes
 
     GuardedProtocol.__name__ = f"Guarded{base.__name__}"
     return GuardedProtocol

@@ -21,6 +21,7 @@ stored step).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -342,29 +343,27 @@ class Scheduling:
             log.error("could not record the run of job %s: %s", name, e)
 
     def _try_lead(self) -> bool:
+        return self._on_leader_conn("SELECT pg_try_advisory_lock(:k)", {"k": SCHEDULER_LOCK_KEY}, connect=True,
+                                    log_failure=functools.partial(log.warning, "leader election: %s"))
+
+    def _still_leader(self) -> bool:
+        return self._on_leader_conn("SELECT 1", {}, connect=False,
+                                    log_failure=functools.partial(log.error, "lost the leader connection: %s"))
+
+    def _on_leader_conn(self, sql: str, params: dict, *, connect: bool, log_failure) -> bool:
+        """``sql``'s one value, as a bool, on the connection that holds the scheduler lock (opened
+        first with ``connect``); always True off PostgreSQL. A failure is logged, the connection
+        dropped (and the lock with it), and the answer False."""
         if self.engine.dialect.name != "postgresql":
             return True
         try:
-            if self._conn is None:
+            if connect and self._conn is None:
                 self._conn = self.engine.connect()
-            got = bool(self._conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
-                                          {"k": SCHEDULER_LOCK_KEY}).scalar())
+            got = bool(self._conn.execute(text(sql), params).scalar())
             self._conn.commit()
             return got
         except Exception as e:  # noqa: BLE001
-            log.warning("leader election: %s", e)
-            self._drop_conn()
-            return False
-
-    def _still_leader(self) -> bool:
-        if self.engine.dialect.name != "postgresql":
-            return True
-        try:
-            self._conn.execute(text("SELECT 1"))
-            self._conn.commit()
-            return True
-        except Exception as e:  # noqa: BLE001
-            log.error("lost the leader connection: %s", e)
+            log_failure(e)
             self._drop_conn()
             return False
 

@@ -91,20 +91,35 @@ def flush_or_conflict(s: Session, message: str) -> None:
         raise Conflict(message) from None
 
 
-def activate(s: Session, version: str, *, actor: str, reason: str, now_s: float, kind: str = "policy"):
-    """Make ``version`` the active policy (or model, ``kind="model"``): every node not in a canary gets it."""
+def _registered_idle(s: Session, kind: str, version: str, *, missing: str, busy: str):
+    """The registry's ``version`` of ``kind``, when no rollout of that kind is open: `NotFound`
+    ("... is not in the registry" + ``missing``) or `Conflict` (``busy``) otherwise."""
     p = s.get(_REGISTRY[kind], version)
     if p is None:
-        raise NotFound(f"{kind}_version {version!r} is not in the registry")
+        raise NotFound(f"{kind}_version {version!r} is not in the registry{missing}")
     if queries.open_rollout(s, kind) is not None:
-        raise Conflict(f"a {kind} rollout is in progress: promote, roll back or finish it before activating a {kind}")
+        raise Conflict(busy)
+    return p
+
+
+def _make_active(s: Session, kind: str, new, busy: str):
+    """Retire the active ``kind`` (unless it is ``new``), then make ``new`` active; a parallel
+    change is `Conflict` (``busy``). Returns the one that was active (or None)."""
     old = _active(s, kind)
-    busy = f"another {kind} activation or rollout changed the active {kind} at the same moment: read it again and retry"
-    if old is not None and old.version != version:
+    if old is not None and old.version != new.version:
         old.status = "retired"
         flush_or_conflict(s, busy)  # the old one out before the new one in: one active at every step
-    p.status = "active"
+    new.status = "active"
     flush_or_conflict(s, busy)
+    return old
+
+
+def activate(s: Session, version: str, *, actor: str, reason: str, now_s: float, kind: str = "policy"):
+    """Make ``version`` the active policy (or model, ``kind="model"``): every node not in a canary gets it."""
+    p = _registered_idle(s, kind, version, missing="", busy=f"a {kind} rollout is in progress: promote, roll back "
+                                                              f"or finish it before activating a {kind}")
+    old = _make_active(s, kind, p, f"another {kind} activation or rollout changed the active {kind} at the same "
+                                   f"moment: read it again and retry")
     queries.audit(s, ts_s=now_s, actor=actor, action=f"{kind}.activate", target=f"{kind}:{version}",
                   before={"active": old.version if old else None}, after={"active": version}, reason=reason)
     return p
@@ -115,11 +130,8 @@ def create_rollout(s: Session, body, *, actor: str, now_s: float) -> Rollout:
     version = body.policy_version if kind == "policy" else body.model_version
     if version is None:
         raise Conflict(f"a {kind} rollout needs {kind}_version")
-    p = s.get(_REGISTRY[kind], version)
-    if p is None:
-        raise NotFound(f"{kind}_version {version!r} is not in the registry (upload it first)")
-    if queries.open_rollout(s, kind) is not None:
-        raise Conflict(f"another {kind} rollout is in progress (promote, roll back or finish it first)")
+    p = _registered_idle(s, kind, version, missing=" (upload it first)",
+                         busy=f"another {kind} rollout is in progress (promote, roll back or finish it first)")
     active = _active(s, kind)
     if active is None:
         raise Conflict(f"no active {kind} to serve as the baseline: activate one first "
@@ -223,13 +235,7 @@ def _effects(s: Session, r: Rollout, to_state: str, now_s: float) -> None:
     kind = r.kind or "policy"
     cand = s.get(_REGISTRY[kind], r.policy_version if kind == "policy" else r.model_version)
     if to_state == "promoted":
-        old = _active(s, kind)
-        busy = f"the active {kind} changed at the same moment: read it again and retry"
-        if old is not None and old.version != cand.version:
-            old.status = "retired"
-            flush_or_conflict(s, busy)
-        cand.status = "active"
-        flush_or_conflict(s, busy)
+        _make_active(s, kind, cand, f"the active {kind} changed at the same moment: read it again and retry")
     elif to_state == "rolled_back" and cand.status != "active":
         cand.status = "rolled_back"
 

@@ -21,6 +21,8 @@ import dash_bootstrap_components as dbc
 import plotly.graph_objects as go
 from dash import Input, Output, State, dcc, html, no_update
 
+from common.whatif_findings import findings_lines
+
 from .client import ApiError, Unavailable
 
 WINDOWS = {"last 15 min": 900, "last 1 h": 3600, "last 6 h": 6 * 3600, "last 24 h": 86400}
@@ -78,14 +80,7 @@ def table(result: dict | None) -> html.Div:
                                 html.Td(_fmt(r["slo_attainment"], 4)),
                                 html.Td(r["error"] if r["error"] else _fmt(r["mean_share"], 3))])
                        for r in rows])
-    f = (result or {}).get("findings") or {}
-    notes = []
-    if "best_static_over_oracle_pct" in f:
-        notes.append(f"best static ({f['best_static']}) over the look-ahead oracle: "
-                     f"{f['best_static_over_oracle_pct']:+.2f}% P99 (what a dynamic split was worth)")
-    for name, g in (f.get("policy_regret") or {}).items():
-        notes.append(f"regret of {name}: " + ", ".join(f"{k.replace('_pct', '').replace('_', ' ')} {v:+.2f}%"
-                                                       for k, v in g.items()))
+    notes = findings_lines((result or {}).get("findings"), explain=True)
     return html.Div([dbc.Table([head, body], id="wi-table-grid", bordered=False, striped=True, size="sm",
                                className="mb-1"),
                      html.Ul([html.Li(n) for n in notes], className="small", id="wi-findings")])

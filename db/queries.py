@@ -368,17 +368,23 @@ def mark_down(session: Session, *, now_s: float, missed_intervals: float) -> lis
     return list(stale)
 
 
-def _report_conds(node_id: str | None, start_s: float | None, end_s: float | None) -> list:
-    """WHERE terms of a raw-report read: one node (None: all), ``start_s <= ts_s < end_s``
-    (None: open)."""
+def _window_conds(key_col, key: str | None, ts_col, start_s: float | None, end_s: float | None) -> list:
+    """WHERE terms of a read of one source's rows in a window: ``key_col == key`` (None: every
+    source), ``start_s <= ts_col < end_s`` (None: open)."""
     conds = []
-    if node_id:
-        conds.append(NodeReport.node_id == node_id)
+    if key is not None:
+        conds.append(key_col == key)
     if start_s is not None:
-        conds.append(NodeReport.ts_s >= start_s)
+        conds.append(ts_col >= start_s)
     if end_s is not None:
-        conds.append(NodeReport.ts_s < end_s)
+        conds.append(ts_col < end_s)
     return conds
+
+
+def _report_conds(node_id: str | None, start_s: float | None, end_s: float | None) -> list:
+    """WHERE terms of a raw-report read: one node (None or empty: all), ``start_s <= ts_s < end_s``
+    (None: open)."""
+    return _window_conds(NodeReport.node_id, node_id or None, NodeReport.ts_s, start_s, end_s)
 
 
 def _raw_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
@@ -984,14 +990,7 @@ def insert_gateway_reports(session: Session, rows: Sequence[dict]) -> set[tuple[
 def _gateway_window(model, gateway_id: str | None, start_s: float | None, end_s: float | None) -> list:
     """WHERE terms of a read of a gateway's rows (``model``: `GatewayReport` or `TrafficSample`):
     one gateway (None: all), ``start_s <= ts_s < end_s`` (None: open)."""
-    conds = []
-    if gateway_id is not None:
-        conds.append(model.gateway_id == gateway_id)
-    if start_s is not None:
-        conds.append(model.ts_s >= start_s)
-    if end_s is not None:
-        conds.append(model.ts_s < end_s)
-    return conds
+    return _window_conds(model.gateway_id, gateway_id, model.ts_s, start_s, end_s)
 
 
 def gateway_reports(session: Session, *, gateway_id: str | None, start_s: float | None, end_s: float | None,

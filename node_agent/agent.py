@@ -13,10 +13,10 @@ step's output through ``control_hooks`` and does the network I/O (docs/control_p
 
 One **device worker** thread owns the engine (the device): HTTP handlers validate a request
 (pydantic, then `Engine.validate`), put it on a bounded queue and await its result. The worker
-admits queued requests into two lanes by estimated prefill tokens (large KV misses apart, see
-"Admission" in docs/engine.md) and serves a large miss alone or the small lane's waiting
-requests (up to ``max_batch`` and ``max_prefill_tokens_per_batch``; optionally waiting
-``batch_window_us`` for more) as one micro-batch, the two lanes alternating. Between
+admits queued requests into two lanes by estimated prefill tokens (`AdmissionLanes`; large KV
+misses apart, see "Admission" in docs/engine.md) and serves a large miss alone or the small
+lane's waiting requests (up to ``max_batch`` and ``max_prefill_tokens_per_batch``; optionally
+waiting ``batch_window_us`` for more) as one micro-batch, the two lanes alternating. Between
 batches, and at least every 50 ms when idle, it calls `Engine.maintenance` (one bounded boundary
 step and one throttled refill chunk); every ``control_interval_s`` it runs the control step of
 the shared control core (`node_agent.control`, the same code the simulator runs): the served
@@ -37,7 +37,6 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import math
 import queue
 import threading
 import traceback
@@ -55,10 +54,12 @@ from common.config import ranged, validate
 from common.http_server import AllowedMethods, BodyLimit, JsonOnly, json_safe  # shared with the gateway and control plane
 from common.secrets_args import bearer_ok
 
+from .admission import AdmissionLanes, Job
 from .control import ControlEffect, MissCosts, WindowAccumulator, control_step, cost_at  # noqa: F401 (cost_at: re-exported for older callers)
-from .engine import Engine, RecRequest, RecResponse, RequestError
+from .engine import Engine
 from .metrics import MetricsConfig, RollingMetrics
 from .model.quality import NextItemQuality
+from .rec_request import RecRequest, RecResponse, RequestError
 from .residency_feed import ResidencyFeed
 
 log = logging.getLogger("racer.node_agent")
@@ -149,14 +150,6 @@ class QueueFull(Exception):
     pass
 
 
-@dataclass
-class _Job:
-    req: RecRequest
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    prefill_est: int = 0  # tokens to prefill, estimated when the worker admits the job
-
-
 def _run_call(fn: Callable[[], object], fut: concurrent.futures.Future) -> None:
     if not fut.set_running_or_notify_cancel():
         return
@@ -166,23 +159,9 @@ def _run_call(fn: Callable[[], object], fut: concurrent.futures.Future) -> None:
         fut.set_exception(e)
 
 
-def _arrived(job: "_Job", cut: float) -> bool:
-    """Whether ``job`` arrived by ``cut`` (a job without an arrival time always has)."""
-    a = job.req.arrival_s
-    return a is None or a <= cut
-
-
-def _resolve(fut: asyncio.Future, value, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(value)
-
-
 class NodeAgent:
-    """The device worker, the metrics and the control step around one `Engine`."""
+    """The device worker, the metrics and the control step around one `Engine`; its admission and
+    batching are ``lanes`` (`AdmissionLanes`)."""
 
     def __init__(self, engine: Engine, config: AgentConfig | None = None, *, allocator=None,
                  miss_costs: dict | None = None, clock: Callable[[], float] | None = None,
@@ -191,21 +170,17 @@ class NodeAgent:
         self.residency = residency or ResidencyFeed()
         self.config = config or AgentConfig()
         self.clock = clock or engine.clock
-        # wall seconds per second of ``clock`` (an emulated device's `ScaledClock`: K), for the waits
-        # on queues, which count wall time
-        self._wall_per_s = float(getattr(self.clock, "time_scale", 1.0))
         self.allocator = allocator
         self.miss_costs = miss_costs  # {"kv_recompute_us_per_token": ..., "emb_transfer_us_per_row": ...}
         self.info = dict(info or {})
         self.metrics = RollingMetrics(MetricsConfig(slo_ms=self.config.slo_ms, window_s=self.config.metrics_window_s),
                                       link_emulated=engine.link.enabled)
-        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=self.config.max_queue)
-        # the device worker's lanes (only the worker touches them; see "Admission" in docs/engine.md)
-        self._small: collections.deque[_Job] = collections.deque()
-        self._large: collections.deque[_Job] = collections.deque()
-        self._last_was_large = True  # so the small lane goes first
-        self.num_large_batches = 0
-        self.num_expired = 0  # jobs whose caller had given up (504) before the device reached them
+        # the arrival queue the handlers put on, and the device worker's lanes (only the worker takes),
+        # on the agent's clock as it is at each call; the waits on the queue count wall time: wall
+        # seconds per second of ``clock`` (an emulated device's `ScaledClock`: K)
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=self.config.max_queue)
+        self.lanes = AdmissionLanes(self._queue, self.config, lambda: self.clock(),
+                                    float(getattr(self.clock, "time_scale", 1.0)))
         self._lock = threading.Lock()  # guards metrics and the published snapshots
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,15 +223,12 @@ class NodeAgent:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        self._drain()
-        while self._small or self._large:  # fail whatever is still queued
-            job = (self._small or self._large).popleft()
-            job.loop.call_soon_threadsafe(_resolve, job.future, None, RuntimeError("node agent stopping"))
+        self.lanes.fail_all(self.engine, RuntimeError("node agent stopping"))  # whatever is still queued
 
     @property
     def queue_depth(self) -> int:
         """Requests waiting for the device (the arrival queue and both lanes)."""
-        return self._queue.qsize() + len(self._small) + len(self._large)
+        return self.lanes.depth
 
     @property
     def worker_alive(self) -> bool:
@@ -307,10 +279,7 @@ class NodeAgent:
         engine, alloc = self.reset_factory(emb_share, allocator)
         # what the previous run left queued is failed, not served by the new engine: it would warm the
         # cold caches and count in the next run's figures
-        self._drain()
-        while self._small or self._large:
-            job = (self._small or self._large).popleft()
-            job.loop.call_soon_threadsafe(_resolve, job.future, None, RuntimeError("node agent reset"))
+        self.lanes.fail_all(self.engine, RuntimeError("node agent reset"))
         now = self.clock()
         with self._lock:
             self.engine = engine
@@ -324,7 +293,7 @@ class NodeAgent:
         self.window = WindowAccumulator(now)
         self.started_s = self._last_control_s = now
         self._arrivals_at_control = self._arrivals
-        self.num_large_batches = self.num_expired = self.num_control_steps = 0
+        self.lanes.num_large_batches = self.lanes.num_expired = self.num_control_steps = 0
         self.last_effect, self.last_window = None, None
         self.recent_effects.clear()
         self._memory = self._memory_snapshot()
@@ -347,113 +316,13 @@ class NodeAgent:
         if self.queue_depth >= self.config.max_queue:
             raise QueueFull(f"the node's queue is full ({self.config.max_queue} requests waiting)")
         try:
-            self._queue.put_nowait(_Job(req, loop, fut))
+            self._queue.put_nowait(Job(req, loop, fut))
         except queue.Full:
             raise QueueFull(f"the node's queue is full ({self.config.max_queue} requests waiting)") from None
         self._arrivals += 1
         return await asyncio.wait_for(fut, self.config.request_timeout_s)
 
-    # ------------------------------------------------------------------------- admission ---
-    def _admit(self, job: _Job) -> None:
-        """Estimate the job's prefill tokens from its user's cached K/V and put it in a lane."""
-        req = job.req
-        nh = len(req.history) if req.history is not None else 0
-        nn = len(req.new_items) if req.new_items is not None else 0
-        cached = self.engine.mm.kv.num_tokens(int(req.user_id))
-        job.prefill_est = nh + nn - min(cached, nh)
-        (self._large if job.prefill_est >= self.config.large_prefill_tokens else self._small).append(job)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                self._admit(self._queue.get_nowait())
-            except queue.Empty:
-                return
-
-    def _pop_live(self, lane: collections.deque) -> _Job | None:
-        """The lane's next job whose caller still waits (a 504'd job is dropped, not served)."""
-        while lane:
-            job = lane.popleft()
-            if not job.future.done():
-                return job
-            self.num_expired += 1
-        return None
-
-    def _next_batch(self, wait_s: float) -> list[_Job] | None:
-        """The next micro-batch, waiting up to ``wait_s`` for a first request (None: none came).
-
-        Two lanes: large misses (estimated prefill >= ``large_prefill_tokens``) are served one
-        per batch, alternating with the small lane: a large one goes when the small lane is
-        empty or the previous batch was small, so a small request waits for at most one large
-        miss, never for a queue of them."""
-        self._drain()
-        if not self._small and not self._large:
-            try:
-                self._admit(self._queue.get(timeout=wait_s * self._wall_per_s) if wait_s > 0
-                            else self._queue.get_nowait())
-            except queue.Empty:
-                return None
-            self._drain()
-        cut = self._cutoff()
-        small_ready = bool(self._small) and _arrived(self._small[0], cut)
-        if self._large and _arrived(self._large[0], cut) and (not small_ready or not self._last_was_large):
-            job = self._pop_live(self._large)
-            if job is not None:
-                self._last_was_large = True
-                self.num_large_batches += 1
-                return [job]
-        self._last_was_large = False
-        return self._take_batch(cut) or None
-
-    def _cutoff(self) -> float:
-        """The latest arrival the next batch may take. A real device forms its next batch when it
-        is free (or when the first request after that arrives), from what has arrived by then;
-        on an emulated device this host's thread may get there late, with requests in its lanes
-        that arrived after that moment on the device's timeline: they wait for the following
-        batch, as on the device, so host lag does not change the batches. Otherwise no cut."""
-        emu = getattr(self.engine, "emu", None)
-        if emu is None:
-            return math.inf
-        heads = [lane[0].req.arrival_s for lane in (self._small, self._large)
-                 if lane and lane[0].req.arrival_s is not None]
-        if not heads:
-            return math.inf
-        return max(emu.free_at_s, min(heads)) + self.config.batch_window_us * 1e-6
-
-    def _take_batch(self, cut: float = math.inf) -> list[_Job]:
-        """Up to ``max_batch`` small-lane jobs within ``max_prefill_tokens_per_batch`` (the
-        first always goes) that arrived by ``cut`` (`_cutoff`), waiting up to
-        ``batch_window_us`` after the first for more."""
-        jobs: list[_Job] = []
-        tokens = 0
-        budget = self.config.max_prefill_tokens_per_batch
-        deadline = self.clock() + self.config.batch_window_us * 1e-6
-        while len(jobs) < self.config.max_batch:
-            if not self._small:
-                self._drain()
-            if self._small:
-                nxt = self._small[0]
-                if nxt.future.done():
-                    self._small.popleft()
-                    self.num_expired += 1
-                    continue
-                if not _arrived(nxt, cut):
-                    break
-                if jobs and tokens + nxt.prefill_est > budget:
-                    break
-                jobs.append(self._small.popleft())
-                tokens += nxt.prefill_est
-                continue
-            left = deadline - self.clock()
-            if not jobs or left <= 0:
-                break
-            try:
-                self._admit(self._queue.get(timeout=left * self._wall_per_s))
-            except queue.Empty:
-                break
-        return jobs
-
-    def _serve(self, jobs: list[_Job]) -> None:
+    def _serve(self, jobs: list[Job]) -> None:
         now = self.clock()
         try:
             resps = self.engine.serve_batch([j.req for j in jobs], now)
@@ -483,9 +352,9 @@ class NodeAgent:
         for j, r in zip(jobs, resps):
             self.quality.observe(r.user_id, j.req.new_items if j.req.new_items is not None else (), r.items,
                                  r.num_candidates, j.req.candidates)
-            j.loop.call_soon_threadsafe(_resolve, j.future, r, None)
+            j.answer(r)
 
-    def _record_batch(self, jobs: list[_Job], resps: list[RecResponse], start_s: float, end_s: float) -> None:
+    def _record_batch(self, jobs: list[Job], resps: list[RecResponse], start_s: float, end_s: float) -> None:
         """The agent's feed of the control core: one served batch, the device busy over
         ``[start_s, end_s]``; each request's latency is its batch's end (when the worker hands the
         results back) minus its arrival, as in the simulator."""
@@ -496,9 +365,9 @@ class NodeAgent:
                               sum(r.emb_hits for r in resps))
 
     @staticmethod
-    def _fail(jobs: list[_Job], exc: BaseException) -> None:
+    def _fail(jobs: list[Job], exc: BaseException) -> None:
         for j in jobs:
-            j.loop.call_soon_threadsafe(_resolve, j.future, None, exc)
+            j.fail(exc)
 
     def _run(self) -> None:
         interval = self.config.control_interval_s
@@ -506,7 +375,7 @@ class NodeAgent:
         try:
             while not self._stop.is_set():
                 wait = min(0.05, max(0.0, next_control - self.clock()))
-                jobs = self._next_batch(wait)
+                jobs = self.lanes.next_batch(wait, self.engine)
                 if jobs:
                     t0 = self.clock()
                     self._serve(jobs)
@@ -596,13 +465,13 @@ class NodeAgent:
             "link_emulated": self.engine.link.enabled,
             "link_emulation": self.engine.link.to_dict(),
             "engine": {"num_served": self.engine.num_served, "kv_outcomes": dict(self.engine.kv_outcomes),
-                       "num_uncacheable": self.engine.num_uncacheable,
+                       "num_uncacheable": self.engine.paged_kv.num_uncacheable,
                        "emulated_link_us_total": round(self.engine.link_us_total, 1)},
             "queue_depth": self.queue_depth,
             "admission": {"large_prefill_tokens": self.config.large_prefill_tokens,
                           "max_prefill_tokens_per_batch": self.config.max_prefill_tokens_per_batch,
-                          "large_lane_depth": len(self._large), "num_large_batches": self.num_large_batches,
-                          "num_expired": self.num_expired},
+                          "large_lane_depth": len(self.lanes.large), "num_large_batches": self.lanes.num_large_batches,
+                          "num_expired": self.lanes.num_expired},
             "control": {"interval_s": self.config.control_interval_s, "num_steps": self.num_control_steps,
                         "last_window": self.last_window},
             "allocator": {"enabled": self.allocator is not None, **(alloc or {})},

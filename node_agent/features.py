@@ -49,6 +49,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from common.shares import top_share  # noqa: F401  (the window statistics' hot-user ratio)
+
 SCHEMA_VERSION = 3  # the feature contract's version (docs/allocator.md, "Feature contract")
 SCHEMA_PREFIX = {2: 16}  # an older schema whose features are this schema's first N, unchanged
 
@@ -225,18 +227,6 @@ FEATURE_NAMES: tuple[str, ...] = tuple(s.name for s in FEATURE_SPECS)
 NUM_FEATURES = len(FEATURE_NAMES)
 FEATURE_LOW = np.array([s.low for s in FEATURE_SPECS], dtype=np.float32)
 FEATURE_HIGH = np.array([s.high for s in FEATURE_SPECS], dtype=np.float32)
-
-
-def top_share(ids: np.ndarray, fraction: float = 0.01) -> float:
-    """Share of ``ids`` taken by the top ``fraction`` of its distinct values (at least one): the
-    hot-user ratio of a window's users. (The trace generator, `workloads.regimes.top_share`,
-    has its own copy so the runtime never imports it; a test checks that they agree.)"""
-    if len(ids) == 0:
-        return 0.0
-    counts = np.unique(ids, return_counts=True)[1]
-    k = max(1, int(np.ceil(fraction * len(counts))))
-    top = np.partition(counts, len(counts) - k)[len(counts) - k:]
-    return float(top.sum()) / len(ids)
 
 
 def miss_costs_us(stats: WindowStats) -> tuple[float, float]:

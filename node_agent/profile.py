@@ -95,6 +95,64 @@ def profile_steps(cfg: ProfileConfig) -> int:
     return cfg.repeats * (len(cfg.lengths) + 5)
 
 
+def _profile_memory(cfg: ProfileConfig) -> MemoryConfig:
+    """The profile run's memory: KV pages for the hit history (at least 64), and an EMB slab of ~4
+    lookup batches over an item table of ~64 batches, so a sweep of fresh ids always misses."""
+    m = cfg.model
+    mem = MemoryConfig(
+        num_pages=max(64, 4 * (cfg.hit_history_len // cfg.page_tokens + 1)), num_items=1024, emb_dim=m.embedding_dim,
+        kv=KVLayout(m.num_layers, m.num_heads, m.qk_dim, cfg.page_tokens, cfg.kv_dtype),
+        initial_emb_share=0.0, device=cfg.device)
+    rows_per_page = mem.rows_per_page
+    b = cfg.emb_batch_rows
+    emb_pages = -(-4 * b // rows_per_page)
+    num_items = 64 * b
+    num_pages = emb_pages + mem.num_pages
+    return MemoryConfig(num_pages=num_pages, num_items=num_items, emb_dim=m.embedding_dim, kv=mem.kv,
+                        initial_emb_share=emb_pages / num_pages, device=cfg.device)
+
+
+def _emb_lookup_us(mm: MemoryManager, b: int, num_items: int, timed: Callable[[Callable[[], object]], float]
+                   ) -> tuple[float, float]:
+    """(hit, miss) µs per row of an `EmbCache.lookup` of ``b`` ids: the same ``b`` ids again, and
+    a sweep of fresh ids over the ``num_items`` of the item table that must all miss."""
+    dev = mm.arena.device
+    hot = torch.arange(b, dtype=torch.int64, device=dev)
+    mm.emb.lookup(hot)
+    hit_us = timed(lambda: mm.emb.lookup(hot)) / b
+    sweep = {"next": b}
+
+    def miss_lookup() -> None:
+        start = sweep["next"]
+        if start + b > num_items:
+            start = b
+        sweep["next"] = start + b
+        lk = mm.emb.lookup(torch.arange(start, start + b, dtype=torch.int64, device=dev))
+        if lk.num_hits:
+            raise RuntimeError("profile: a miss sweep hit the EMB cache")
+
+    return hit_us, timed(miss_lookup) / b
+
+
+def _hit_path_us(model: HSTUModel, mm: MemoryManager, history, cfg: ProfileConfig,
+                 timed: Callable[[Callable[[], object]], float]) -> tuple[float, float, float]:
+    """The KV hit path after a ``hit_history_len``-token history (``history(n)`` draws one):
+    (K/V read from pages, µs per token; incremental prefill, µs per new token; ranking, µs per
+    candidate)."""
+    L = cfg.hit_history_len
+    rows, ts = history(L + cfg.new_tokens)
+    _, kv = model(model.tokens(rows[:L]), ts[:L])
+    mm.kv.append(0, L)
+    mm.kv.write_layers(0, 0, kv.k, kv.v)
+    read_us = timed(lambda: mm.kv.read_layers(0)) / L
+    new_x = model.tokens(rows[L:])
+    inc_us = timed(lambda: model(new_x, ts[L:], past=kv)) / cfg.new_tokens
+    cands = history(cfg.num_candidates)[0]
+    now = ts[-1]
+    rank_us = timed(lambda: model.rank(cands, kv, now_ts=now)) / cfg.num_candidates
+    return read_us, inc_us, rank_us
+
+
 def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.perf_counter,
                     progress: Callable[[], None] | None = None, checkpoint=None) -> dict:
     """Measure the profile on ``cfg.device``; returns the JSON-able profile (see the module doc).
@@ -107,18 +165,9 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
     if checkpoint is not None and checkpoint.config != m:
         raise ValueError(f"profile: the checkpoint's model config {asdict(checkpoint.config)} differs from the "
                          f"profile's {asdict(m)}")
-    mem = MemoryConfig(
-        num_pages=max(64, 4 * (cfg.hit_history_len // cfg.page_tokens + 1)), num_items=1024, emb_dim=m.embedding_dim,
-        kv=KVLayout(m.num_layers, m.num_heads, m.qk_dim, cfg.page_tokens, cfg.kv_dtype),
-        initial_emb_share=0.0, device=cfg.device)
-    rows_per_page = mem.rows_per_page
-    # EMB: a slab of ~4 batches and an item table of ~64 batches, so a sweep of fresh ids always misses
+    mem = _profile_memory(cfg)
     b = cfg.emb_batch_rows
-    emb_pages = -(-4 * b // rows_per_page)
-    num_items = 64 * b
-    num_pages = emb_pages + mem.num_pages
-    mem = MemoryConfig(num_pages=num_pages, num_items=num_items, emb_dim=m.embedding_dim, kv=mem.kv,
-                       initial_emb_share=emb_pages / num_pages, device=cfg.device)
+    num_items = mem.num_items
     host = make_item_table(num_items, m.embedding_dim, cfg.seed)
     if checkpoint is not None:  # the trained rows, repeated to the sweep's size
         t = checkpoint.item_table
@@ -134,6 +183,9 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+    def timed(fn: Callable[[], object]) -> float:
+        return _median_us(fn, cfg.repeats, sync, clock, tick)
 
     gen = torch.Generator().manual_seed(cfg.seed)
 
@@ -152,37 +204,10 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
     for n in cfg.lengths:
         rows, ts = history(n)
         x = model.tokens(rows)
-        recompute[str(n)] = _median_us(lambda: model(x, ts), cfg.repeats, sync, clock, tick) / n
-    # EMB hit and miss lookups
-    hot = torch.arange(b, dtype=torch.int64, device=dev)
-    mm.emb.lookup(hot)
-    hit_us = _median_us(lambda: mm.emb.lookup(hot), cfg.repeats, sync, clock, tick) / b
-    sweep = {"next": b}
-
-    def miss_lookup() -> None:
-        start = sweep["next"]
-        if start + b > num_items:
-            start = b
-        sweep["next"] = start + b
-        lk = mm.emb.lookup(torch.arange(start, start + b, dtype=torch.int64, device=dev))
-        if lk.num_hits:
-            raise RuntimeError("profile: a miss sweep hit the EMB cache")
-
-    miss_us = _median_us(miss_lookup, cfg.repeats, sync, clock, tick) / b
+        recompute[str(n)] = timed(lambda: model(x, ts)) / n
+    hit_us, miss_us = _emb_lookup_us(mm, b, num_items, timed)
     link_us = link.transfer_us(b * mem.row_bytes) / b
-    # hit path: K/V read from pages, incremental prefill, ranking
-    L = cfg.hit_history_len
-    rows, ts = history(L + cfg.new_tokens)
-    _, kv = model(model.tokens(rows[:L]), ts[:L])
-    mm.kv.append(0, L)
-    mm.kv.write_layers(0, 0, kv.k, kv.v)
-    read_us = _median_us(lambda: mm.kv.read_layers(0), cfg.repeats, sync, clock, tick) / L
-    new_x = model.tokens(rows[L:])
-    inc_us = _median_us(lambda: model(new_x, ts[L:], past=kv), cfg.repeats, sync, clock, tick) / cfg.new_tokens
-    cands = history(cfg.num_candidates)[0]
-    now = ts[-1]
-    rank_us = _median_us(lambda: model.rank(cands, kv, now_ts=now), cfg.repeats, sync, clock, tick) \
-        / cfg.num_candidates
+    read_us, inc_us, rank_us = _hit_path_us(model, mm, history, cfg, timed)
     out.update({
         "kv_recompute_us_per_token": {k: _sig(v) for k, v in recompute.items()},
         "emb_transfer_us_per_row": _sig(miss_us + link_us),
@@ -194,9 +219,10 @@ def measure_profile(cfg: ProfileConfig, *, clock: Callable[[], float] = time.per
         "link_emulated": link.enabled,
         "link_emulation": link.to_dict(),
         "settings": {"lengths": list(cfg.lengths), "repeats": cfg.repeats, "emb_batch_rows": b,
-                     "emb_row_bytes": mem.row_bytes, "hit_history_len": L, "new_tokens": cfg.new_tokens,
-                     "num_candidates": cfg.num_candidates, "page_tokens": cfg.page_tokens,
-                     "kv_dtype": cfg.kv_dtype, "torch_threads": torch.get_num_threads()},
+                     "emb_row_bytes": mem.row_bytes, "hit_history_len": cfg.hit_history_len,
+                     "new_tokens": cfg.new_tokens, "num_candidates": cfg.num_candidates,
+                     "page_tokens": cfg.page_tokens, "kv_dtype": cfg.kv_dtype,
+                     "torch_threads": torch.get_num_threads()},
         "model": asdict(m),
         "model_source": ({"kind": "random", "seed": m.seed, "digest": None} if checkpoint is None else
                          {"kind": "checkpoint", "digest": checkpoint.digest, "path": checkpoint.path}),

@@ -17,7 +17,7 @@ import argparse
 import json
 
 from node_agent.argtypes import positive_float
-from common.secrets_args import add_secret_arguments, read_secret
+from node_agent.registry_client import add_push_arguments
 
 
 def cmd_policy_export(args) -> int:
@@ -100,7 +100,7 @@ def cmd_policy_push(args) -> int:
     from pathlib import Path
 
     from common.artifact_pack import pack_directory
-    from node_agent.registry_client import push
+    from node_agent.registry_client import push_from_args
 
     src = Path(args.artifact)
     if not src.is_dir():
@@ -108,11 +108,7 @@ def cmd_policy_push(args) -> int:
     missing = [f for f in PUSH_FILES if not (src / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{src}: lacks {', '.join(missing)} (an artifact has {', '.join(PUSH_FILES)})")
-    token = read_secret(args, "token", "RACER_TOKEN", prog="racer policy push")
-    if not token:
-        raise ValueError("a token is needed: --token-file F or RACER_TOKEN (an operator token)")
-    rc, out = push("policies", pack_directory(src, PUSH_FILES), control_plane=args.control_plane, token=token,
-                   activate=args.activate, reason=args.reason, timeout_s=args.timeout_s, prog="racer policy push")
+    rc, out = push_from_args("policies", pack_directory(src, PUSH_FILES), args, prog="racer policy push")
     if rc:
         return rc
     if args.json:
@@ -172,12 +168,7 @@ def add_policy_parser(subparsers) -> argparse.ArgumentParser:
                                     "--activate, make it the active policy. For scripts; the dashboard's Policies "
                                     "tab does the same.")
     pu.add_argument("artifact", help="artifact directory (manifest.json, policy.onnx, golden.npz)")
-    pu.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://127.0.0.1:8400")
-    add_secret_arguments(pu, "token", "RACER_TOKEN", "operator token")
-    pu.add_argument("--activate", action="store_true", help="activate it once registered")
-    pu.add_argument("--reason", default="pushed with racer policy push", help="the audit log's reason")
-    pu.add_argument("--timeout-s", type=positive_float, default=60.0, help="per request (default 60)")
-    pu.add_argument("--json", action="store_true", help="print one JSON object")
+    add_push_arguments(pu, prog="racer policy push", timeout_s=60.0)
     pu.set_defaults(func=cmd_policy_push)
 
     t = sub.add_parser("train", help="train the base policy on the cluster simulator: behaviour cloning, PPO or both",

@@ -13,12 +13,13 @@ cluster's mean features (`critic_input`). The reward is a team reward (`policies
 so the critic must see the cluster to predict it; the actor, which is exported and runs on one
 node, sees only that node's features.
 
-The loop is flat: collect a rollout (auto-reset at episode ends, bootstrapping the truncated
-episode's final observation), `compute_gae`, then ``update_epochs`` passes of minibatch SGD on
-`ppo_loss`. Everything is seeded (``seed``: the actor's and critic's init, the action noise, the
-episodes); torch runs on one thread. Outputs in ``out``: ``actor.pt`` (`policies.actor`'s
-checkpoint format, with the training config and the evaluation figures inside), ``curve.json``
-and ``curve.csv`` (one row per update), ``curve.png`` (the learning curve), ``evaluation.json``.
+The loop is flat: collect a rollout (`collect_rollout`: auto-reset at episode ends,
+bootstrapping the truncated episode's final observation), `compute_gae` (`rollout_advantages`),
+then ``update_epochs`` passes of minibatch SGD on `ppo_loss` (`ppo_update`). Everything is
+seeded (``seed``: the actor's and critic's init, the action noise, the episodes); torch runs on
+one thread. Outputs in ``out``: ``actor.pt`` (`policies.actor`'s checkpoint format, with the
+training config and the evaluation figures inside), ``curve.json`` and ``curve.csv`` (one row per
+update), ``curve.png`` (the learning curve), ``evaluation.json``.
 
 Imitation warm start (``bc_episodes > 0`` or ``bc_data``, `policies.imitation`): before PPO the
 actor is cloned from the simulator's replay oracle on that many episodes (drawn like the
@@ -515,6 +516,171 @@ def write_curve(rows: list[dict], episodes: list[dict], out: Path, plot: bool = 
 # --------------------------------------------------------------------------------------------- training
 
 
+@dataclass
+class RolloutBuffers:
+    """One rollout's tensors, time first: ``[T, nodes, ...]`` per transition, ``terminated`` and
+    ``episode_end`` ``[T]`` (the environment's episode is the cluster's). Allocated once, refilled
+    by every rollout."""
+
+    obs: torch.Tensor
+    critic_obs: torch.Tensor
+    z: torch.Tensor
+    logprob: torch.Tensor
+    reward: torch.Tensor
+    value: torch.Tensor
+    next_value: torch.Tensor
+    terminated: torch.Tensor
+    episode_end: torch.Tensor
+
+    @classmethod
+    def zeros(cls, T: int, n: int) -> "RolloutBuffers":
+        return cls(obs=torch.zeros((T, n, NUM_FEATURES)), critic_obs=torch.zeros((T, n, 2 * NUM_FEATURES)),
+                   z=torch.zeros((T, n)), logprob=torch.zeros((T, n)), reward=torch.zeros((T, n)),
+                   value=torch.zeros((T, n)), next_value=torch.zeros((T, n)), terminated=torch.zeros(T),
+                   episode_end=torch.zeros(T))
+
+
+EPISODE_KEYS = ("global_step", "trace", "regime", "stream_seed", "rate_rps", "initial_share", "mean_reward",
+                "mean_target_share", "p99_ms", "slo_attainment", "mean_share")
+
+
+def collect_rollout(env, actor: Actor, critic: Critic, obs: torch.Tensor, buf: RolloutBuffers, gen: torch.Generator,
+                    *, reward_scale: float, global_step: int, episodes: list[dict], bar
+                    ) -> tuple[torch.Tensor, int, list[dict]]:
+    """Fill ``buf`` with one rollout from ``obs``: the logit sampled with ``gen``'s noise, rewards
+    times ``reward_scale``, an episode's end bootstrapped from its final observation and followed
+    by a reset. Each finished episode's summary is appended to ``episodes``. Returns (the
+    observation after the last step, the global step, the episodes this rollout finished)."""
+    done_eps: list[dict] = []
+    for t in range(buf.z.shape[0]):
+        buf.obs[t] = obs
+        with torch.no_grad():
+            mean = actor.logit(obs).squeeze(-1)
+            std = actor.log_std.exp()
+            z = mean + std * torch.randn(mean.shape, generator=gen)
+            buf.logprob[t] = torch.distributions.Normal(mean, std).log_prob(z)
+            buf.critic_obs[t] = critic_input(obs)
+            buf.value[t] = critic(buf.critic_obs[t])
+        buf.z[t] = z
+        action = torch.sigmoid(z).double().numpy()
+        next_np, reward, term, trunc, info = env.step(action)
+        global_step += 1
+        buf.reward[t] = torch.from_numpy(reward) * reward_scale
+        buf.terminated[t] = float(term)
+        buf.episode_end[t] = float(term or trunc)
+        next_obs = torch.from_numpy(next_np)
+        if term or trunc:
+            with torch.no_grad():
+                buf.next_value[t] = critic(critic_input(next_obs))  # bootstrap the final observation (zeroed if terminated)
+            ep = info["episode"]
+            ep["global_step"] = global_step
+            done_eps.append(ep)
+            episodes.append({k: ep[k] for k in EPISODE_KEYS} | {"setting_name": ep.get("setting_name", "sample")})
+            next_np, _ = env.reset()
+            next_obs = torch.from_numpy(next_np)
+        obs = next_obs
+        bar.update(1)
+    return obs, global_step, done_eps
+
+
+def rollout_advantages(buf: RolloutBuffers, critic: Critic, obs: torch.Tensor, gamma: float, gae_lambda: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compute_gae` over the rollout in ``buf``, once the steps inside an episode have their
+    ``next_value``: the value of the next step's observation (after the last step: of ``obs``)."""
+    T, n = buf.value.shape
+    with torch.no_grad():
+        last_val = critic(critic_input(obs))
+    # next_values[t] = V(obs after step t): values[t + 1] inside an episode
+    for t in range(T):
+        if buf.episode_end[t] == 0:
+            buf.next_value[t] = buf.value[t + 1] if t + 1 < T else last_val
+    return compute_gae(buf.reward, buf.value, buf.next_value, buf.terminated[:, None].expand(T, n),
+                       buf.episode_end[:, None].expand(T, n), gamma, gae_lambda)
+
+
+def ppo_update(args: Args, actor: Actor, critic: Critic, optimizer: torch.optim.Optimizer, params: list,
+               buf: RolloutBuffers, adv: torch.Tensor, ret: torch.Tensor, gen: torch.Generator,
+               clone: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, list[float]]:
+    """``update_epochs`` passes of minibatch SGD on `ppo_loss` over the rollout (minibatch order
+    from ``gen``; the passes stop once a pass ends past ``target_kl``). ``clone``: the imitation
+    samples ``(X, y)``, whose clone loss every minibatch keeps at ``bc_coef``. Returns each
+    diagnostic's values, one per minibatch."""
+    batch = buf.z.numel()
+    minibatch = batch // args.num_minibatches
+    b_obs = buf.obs.reshape(-1, NUM_FEATURES)
+    b_cobs = buf.critic_obs.reshape(-1, 2 * NUM_FEATURES)
+    b_z, b_logp = buf.z.reshape(-1), buf.logprob.reshape(-1)
+    b_adv, b_ret, b_val = adv.reshape(-1), ret.reshape(-1), buf.value.reshape(-1)
+    if clone is not None:
+        from .imitation import clone_loss
+    stats: dict[str, list[float]] = {}
+    for _epoch in range(args.update_epochs):
+        perm = torch.randperm(batch, generator=gen)
+        for start in range(0, batch - minibatch + 1, minibatch):
+            mb = perm[start:start + minibatch]
+            dist = actor.logit_distribution(b_obs[mb])
+            new_logp = dist.log_prob(b_z[mb][:, None]).squeeze(-1)
+            entropy = dist.entropy().squeeze(-1)
+            mb_adv = b_adv[mb]
+            if args.norm_adv:
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+            loss, st = ppo_loss(new_logp, b_logp[mb], mb_adv, critic(b_cobs[mb]), b_val[mb], b_ret[mb], entropy,
+                                clip_coef=args.clip_coef, vf_coef=args.vf_coef, ent_coef=args.ent_coef,
+                                clip_vloss=args.clip_vloss)
+            if clone is not None and args.bc_coef > 0:  # keep what was cloned (DQfD-style)
+                bc_X, bc_y = clone
+                bi = torch.randint(len(bc_y), (minibatch,), generator=gen)
+                bc = clone_loss(actor, bc_X[bi], bc_y[bi])
+                loss = loss + args.bc_coef * bc
+                st["clone_loss"] = float(bc.detach())
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            for k, v in st.items():
+                stats.setdefault(k, []).append(v)
+        if args.target_kl is not None and stats["approx_kl"][-1] > args.target_kl:
+            break
+    return stats
+
+
+def imitation_warm_start(args: Args, actor: Actor, env_cfg: EnvConfig, out: Path
+                         ) -> tuple[dict | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """With ``bc_episodes`` or ``bc_data``: clone the replay oracle into ``actor`` (module doc),
+    write ``imitation.json``; returns (the cloning's figures, the samples ``(X, y)``), else
+    ``(None, None)``."""
+    if not (args.bc_episodes or args.bc_data):
+        return None, None
+    from .imitation import behaviour_clone, collect_oracle_data, load_oracle_data
+
+    if args.bc_data:
+        data = load_oracle_data(args.bc_data)
+    else:
+        data = collect_oracle_data(env_cfg, args.bc_episodes, args.bc_shares, seed=args.bc_seed,
+                                   progress=args.progress)
+    imitation = behaviour_clone(actor, data, epochs=args.bc_epochs, lr=args.bc_lr, seed=args.seed)
+    imitation.update({"collect_wall_s": data["wall_s"], "oracle_episodes": data["episodes"]})
+    (out / "imitation.json").write_text(json.dumps(imitation, indent=1))
+    return imitation, (torch.from_numpy(data["X"]).float(), torch.from_numpy(data["y"]).float())
+
+
+def final_evaluation(args: Args, actor: Actor, env_cfg: EnvConfig, imitation: dict | None,
+                     warm_start: dict | None) -> dict:
+    """The held-out evaluation of the trained actor (or why it was skipped), with the cloning's
+    and the warm start's figures beside it."""
+    if args.evaluate:
+        evaluation = evaluate(actor, env_cfg, seed=args.eval_seed, static_shares=tuple(args.eval_static_shares),
+                              progress=args.progress)
+    else:
+        evaluation = {"by_regime": {}, "skipped": "--no-eval: judge the exported policy with python -m bench.regret "
+                                                  "--policy DIR"}
+    if imitation is not None:
+        evaluation["imitation"] = {k: v for k, v in imitation.items() if k != "oracle_episodes"}
+    if warm_start is not None:
+        evaluation["warm_start"] = warm_start
+    return evaluation
+
+
 def train(args: Args, env=None) -> dict:
     """Train, evaluate, save; return a summary (paths, figures). ``env``: an environment with
     `AllocatorEnv`'s interface to train on instead of ``AllocatorEnv(args.env_config())`` (tests
@@ -533,37 +699,13 @@ def train(args: Args, env=None) -> dict:
                                                       init_log_std=args.init_log_std)).train()
     critic = Critic(tuple(args.hidden_sizes), torch.Generator().manual_seed(args.seed + 1))
     warm_start = load_policy_weights(actor, args.init_policy) if args.init_policy else None
-    imitation = None
-    bc_X = bc_y = None
-    if args.bc_episodes or args.bc_data:
-        from .imitation import behaviour_clone, clone_loss, collect_oracle_data, load_oracle_data
-
-        if args.bc_data:
-            data = load_oracle_data(args.bc_data)
-        else:
-            data = collect_oracle_data(env_cfg, args.bc_episodes, args.bc_shares, seed=args.bc_seed,
-                                       progress=args.progress)
-        imitation = behaviour_clone(actor, data, epochs=args.bc_epochs, lr=args.bc_lr, seed=args.seed)
-        imitation.update({"collect_wall_s": data["wall_s"], "oracle_episodes": data["episodes"]})
-        (out / "imitation.json").write_text(json.dumps(imitation, indent=1))
-        bc_X, bc_y = torch.from_numpy(data["X"]).float(), torch.from_numpy(data["y"]).float()
+    imitation, clone = imitation_warm_start(args, actor, env_cfg, out)
     params = list(actor.parameters()) + list(critic.parameters())
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5)
 
     T = args.num_steps
     num_updates = max(1, args.total_steps // T) if args.total_steps else 0  # 0: imitation only
-    batch = T * n
-    minibatch = batch // args.num_minibatches
-    obs_buf = torch.zeros((T, n, NUM_FEATURES))
-    cobs_buf = torch.zeros((T, n, 2 * NUM_FEATURES))
-    z_buf = torch.zeros((T, n))
-    logp_buf = torch.zeros((T, n))
-    rew_buf = torch.zeros((T, n))
-    val_buf = torch.zeros((T, n))
-    next_val_buf = torch.zeros((T, n))
-    term_buf = torch.zeros(T)
-    end_buf = torch.zeros(T)
-
+    buf = RolloutBuffers.zeros(T, n)
     wall0 = time.perf_counter()
     if num_updates:
         obs_np, _ = env.reset(seed=args.seed)
@@ -576,86 +718,19 @@ def train(args: Args, env=None) -> dict:
         lr = args.learning_rate * (1.0 - (update - 1) / num_updates if args.anneal_lr else 1.0)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        done_eps: list[dict] = []
-        for t in range(T):
-            obs_buf[t] = obs
-            with torch.no_grad():
-                mean = actor.logit(obs).squeeze(-1)
-                std = actor.log_std.exp()
-                z = mean + std * torch.randn(mean.shape, generator=gen)
-                logp_buf[t] = torch.distributions.Normal(mean, std).log_prob(z)
-                cobs_buf[t] = critic_input(obs)
-                val_buf[t] = critic(cobs_buf[t])
-            z_buf[t] = z
-            action = torch.sigmoid(z).double().numpy()
-            next_np, reward, term, trunc, info = env.step(action)
-            global_step += 1
-            rew_buf[t] = torch.from_numpy(reward) * args.reward_scale
-            term_buf[t] = float(term)
-            end_buf[t] = float(term or trunc)
-            next_obs = torch.from_numpy(next_np)
-            if term or trunc:
-                with torch.no_grad():
-                    next_val_buf[t] = critic(critic_input(next_obs))  # bootstrap the final observation (zeroed if terminated)
-                ep = info["episode"]
-                ep["global_step"] = global_step
-                done_eps.append(ep)
-                episodes.append({k: ep[k] for k in ("global_step", "trace", "regime", "stream_seed", "rate_rps",
-                                                    "initial_share", "mean_reward", "mean_target_share", "p99_ms",
-                                                    "slo_attainment", "mean_share")}
-                                | {"setting_name": ep.get("setting_name", "sample")})
-                next_np, _ = env.reset()
-                next_obs = torch.from_numpy(next_np)
-            obs = next_obs
-            bar.update(1)
-        with torch.no_grad():
-            last_val = critic(critic_input(obs))
-        # next_values[t] = V(obs after step t): values[t + 1] inside an episode
-        for t in range(T):
-            if end_buf[t] == 0:
-                next_val_buf[t] = val_buf[t + 1] if t + 1 < T else last_val
-        adv, ret = compute_gae(rew_buf, val_buf, next_val_buf, term_buf[:, None].expand(T, n),
-                               end_buf[:, None].expand(T, n), args.gamma, args.gae_lambda)
-
-        b_obs = obs_buf.reshape(-1, NUM_FEATURES)
-        b_cobs = cobs_buf.reshape(-1, 2 * NUM_FEATURES)
-        b_z, b_logp = z_buf.reshape(-1), logp_buf.reshape(-1)
-        b_adv, b_ret, b_val = adv.reshape(-1), ret.reshape(-1), val_buf.reshape(-1)
-        stats: dict[str, list[float]] = {}
-        for _epoch in range(args.update_epochs):
-            perm = torch.randperm(batch, generator=gen)
-            for start in range(0, batch - minibatch + 1, minibatch):
-                mb = perm[start:start + minibatch]
-                dist = actor.logit_distribution(b_obs[mb])
-                new_logp = dist.log_prob(b_z[mb][:, None]).squeeze(-1)
-                entropy = dist.entropy().squeeze(-1)
-                mb_adv = b_adv[mb]
-                if args.norm_adv:
-                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                loss, st = ppo_loss(new_logp, b_logp[mb], mb_adv, critic(b_cobs[mb]), b_val[mb], b_ret[mb], entropy,
-                                    clip_coef=args.clip_coef, vf_coef=args.vf_coef, ent_coef=args.ent_coef,
-                                    clip_vloss=args.clip_vloss)
-                if bc_X is not None and args.bc_coef > 0:  # keep what was cloned (DQfD-style)
-                    bi = torch.randint(len(bc_y), (minibatch,), generator=gen)
-                    bc = clone_loss(actor, bc_X[bi], bc_y[bi])
-                    loss = loss + args.bc_coef * bc
-                    st["clone_loss"] = float(bc.detach())
-                optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                optimizer.step()
-                for k, v in st.items():
-                    stats.setdefault(k, []).append(v)
-            if args.target_kl is not None and stats["approx_kl"][-1] > args.target_kl:
-                break
+        obs, global_step, done_eps = collect_rollout(env, actor, critic, obs, buf, gen, reward_scale=args.reward_scale,
+                                                     global_step=global_step, episodes=episodes, bar=bar)
+        adv, ret = rollout_advantages(buf, critic, obs, args.gamma, args.gae_lambda)
+        stats = ppo_update(args, actor, critic, optimizer, params, buf, adv, ret, gen, clone)
         row = {
             "update": update, "global_step": global_step, "transitions": global_step * n, "episodes": len(episodes),
             "episode_reward": (round(float(np.mean([e["mean_reward"] for e in done_eps])), 6) if done_eps else None),
-            "rollout_reward": round(float(rew_buf.mean()) / args.reward_scale, 6),
-            "mean_action": round(float(torch.sigmoid(z_buf).mean()), 5),
+            "rollout_reward": round(float(buf.reward.mean()) / args.reward_scale, 6),
+            "mean_action": round(float(torch.sigmoid(buf.z).mean()), 5),
             "action_std": round(float(actor.log_std.detach().exp()), 5), "learning_rate": lr,
             **{k: round(float(np.mean(v)), 6) for k, v in stats.items()},
-            "explained_variance": round(explained_variance(b_val.numpy(), b_ret.numpy()), 5),
+            "explained_variance": round(explained_variance(buf.value.reshape(-1).numpy(), ret.reshape(-1).numpy()),
+                                        5),
             "wall_s": round(time.perf_counter() - wall0, 1),
         }
         rows.append(row)
@@ -666,16 +741,7 @@ def train(args: Args, env=None) -> dict:
     train_wall_s = time.perf_counter() - wall0
 
     actor.eval()
-    if args.evaluate:
-        evaluation = evaluate(actor, env_cfg, seed=args.eval_seed, static_shares=tuple(args.eval_static_shares),
-                              progress=args.progress)
-    else:
-        evaluation = {"by_regime": {}, "skipped": "--no-eval: judge the exported policy with python -m bench.regret "
-                                                  "--policy DIR"}
-    if imitation is not None:
-        evaluation["imitation"] = {k: v for k, v in imitation.items() if k != "oracle_episodes"}
-    if warm_start is not None:
-        evaluation["warm_start"] = warm_start
+    evaluation = final_evaluation(args, actor, env_cfg, imitation, warm_start)
     evaluation.update({"train_wall_s": round(train_wall_s, 1), "num_updates": num_updates,
                        "num_episodes": len(episodes), "transitions": global_step * n,
                        "train_reward_by_regime": training_progress(episodes)})

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from common.ids import path_segment
+from common.whatif_findings import findings_lines
 
 ROLLOUT_EVENTS = ("promote", "pause", "resume", "rollback")
 
@@ -106,6 +107,12 @@ def _rollout_line(r: dict) -> str:
             f" canary {canary}")
 
 
+def _answer(args, out, lines: list[str]) -> int:
+    """Print the API's answer (``--json``) or its lines ("(none)" for none); exit status 0."""
+    print(json.dumps(out) if args.json else "\n".join(lines) if lines else "(none)")
+    return 0
+
+
 def cmd_override(args) -> int:
     if args.action == "list":
         out = _call(args, "GET", "/overrides", params={"state": args.state} if args.state else None)
@@ -119,8 +126,7 @@ def cmd_override(args) -> int:
     else:
         out = _call(args, "POST", f"/overrides/{args.id}/clear", {"reason": args.reason})
         lines = ["cleared " + _override_line(out)]
-    print(json.dumps(out) if args.json else "\n".join(lines) if lines else "(none)")
-    return 0
+    return _answer(args, out, lines)
 
 
 def cmd_rollout(args) -> int:
@@ -138,8 +144,7 @@ def cmd_rollout(args) -> int:
     else:
         out = _call(args, "POST", f"/rollouts/{args.id}/{path_segment(args.action)}", {"reason": args.reason})
         lines = [f"{args.action}: " + _rollout_line(out)]
-    print(json.dumps(out) if args.json else "\n".join(lines) if lines else "(none)")
-    return 0
+    return _answer(args, out, lines)
 
 
 def _run(fn):
@@ -265,13 +270,7 @@ def whatif_table(run: dict) -> str:
             lines.append(f"  {name:<28} {r['error']}")
             continue
         lines.append(f"  {name:<28} {r['p99_ms']:>9.2f} {r['slo_attainment']:>9.4f} {r['mean_share']:>11.3f}")
-    f = res.get("findings") or {}
-    if "best_static_over_oracle_pct" in f:
-        lines.append(f"  best static ({f['best_static']}) over the look-ahead oracle: "
-                     f"{f['best_static_over_oracle_pct']:+.2f}% P99")
-    for name, g in (f.get("policy_regret") or {}).items():
-        lines.append(f"  regret of {name}: " + ", ".join(f"{k.replace('_pct', '').replace('_', ' ')} {v:+.2f}%"
-                                                         for k, v in g.items()))
+    lines += ["  " + x for x in findings_lines(res.get("findings"))]
     if run.get("sentence"):
         lines.append(run["sentence"])
     return "\n".join(lines)

@@ -351,7 +351,7 @@ def _kv_pass(nodes, users: np.ndarray, L: np.ndarray, nn: np.ndarray, snode: np.
     prefilled); returns the tokens each request reused.
 
     A user's cached tokens are the first positions of its sequence (history, then new items), as
-    the node agent's engine keeps them (`node_agent.engine.plan_kv_reuse`: reused while they are a
+    the node agent's engine keeps them (`node_agent.paged_kv.plan_kv_reuse`: reused while they are a
     prefix of the request's history + new items): the previous request's new items stay reusable
     when the next history does not yet hold all of them; more cached tokens than the request's
     whole sequence are no prefix (the history was capped since) and are evicted."""

@@ -1,4 +1,5 @@
-"""Shared pytest set-up: CUDA-marked tests run only where torch sees a GPU; paths to sample data."""
+"""Shared pytest set-up: CUDA-marked tests run only where torch sees a GPU; paths to sample data;
+`one_thread` for modules that run the model on the CPU."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ AMAZON_SAMPLE = SHARED_DATA / "amazon_video_games" / "Amazon_Video_Games.inter"
 # to run on a substitute: bench.MissingTraceError)
 needs_samples = pytest.mark.skipif(not (TAOBAO_SAMPLE.exists() and AMAZON_SAMPLE.exists()),
                                    reason="../shared/data (the sample traces) not present")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): on
+    these shared 2-core VMs a 2-thread OpenMP region stalls for ms."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _cuda_available() -> bool:

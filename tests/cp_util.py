@@ -188,6 +188,19 @@ def artifact_tar(src: Path, policy_id: str | None = None, corrupt_onnx: bool = F
     return buf.getvalue()
 
 
+def token_maker(client, admin_token: str):
+    """``token(role, **fields) -> headers``: a new token of ``role`` (named after it) made with
+    ``admin_token`` through ``client`` (an in-process `TestClient`), as an Authorization header."""
+
+    def token(role: str, **kw) -> dict:
+        r = client.post("/api/v1/tokens", json={"role": role, "name": role, **kw},
+                        headers={"Authorization": f"Bearer {admin_token}"})
+        assert r.status_code == 201, r.text
+        return {"Authorization": f"Bearer {r.json()['token']}"}
+
+    return token
+
+
 def wait_for(fn, timeout_s: float = 20.0, interval_s: float = 0.1):
     """Poll ``fn`` until it returns a truthy value; return it (or fail with the last value)."""
     deadline = time.time() + timeout_s

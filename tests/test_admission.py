@@ -7,19 +7,12 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 
 from node_agent.agent import AgentConfig, NodeAgent
 from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig, RecRequest
 from node_agent.model import ModelConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def engine() -> Engine:
@@ -96,7 +89,7 @@ def test_a_request_that_timed_out_in_the_queue_is_not_served():
         r = asyncio.run(run())
     finally:
         agent.stop()
-    assert r.batch_size == 1 and agent.num_expired == 1 and agent.engine.num_served == 1
+    assert r.batch_size == 1 and agent.lanes.num_expired == 1 and agent.engine.num_served == 1
 
 
 def test_admission_config_is_checked():

@@ -19,7 +19,7 @@ from control_plane.settings import Settings
 from db.models import Rollout
 
 from .conftest import REPO
-from .cp_util import report
+from .cp_util import report, token_maker
 
 ADMIN = "admin-token-for-alerts-0123456789"
 RULES = REPO / "deploy" / "prometheus" / "racer-alerts.yml"
@@ -49,10 +49,7 @@ def test_each_alert_fires_on_its_condition_and_clears_when_it_ends(tmp_path):
     with TestClient(app) as c:
         admin = {"Authorization": f"Bearer {ADMIN}"}
 
-        def token(role: str, **kw) -> dict:
-            r = c.post("/api/v1/tokens", json={"role": role, "name": role, **kw}, headers=admin)
-            assert r.status_code == 201, r.text
-            return {"Authorization": f"Bearer {r.json()['token']}"}
+        token = token_maker(c, ADMIN)
 
         def firing() -> set:
             r = c.get("/api/v1/alerts", headers=admin)
@@ -187,10 +184,7 @@ def test_the_rules_read_metrics_the_processes_export_and_a_pinned_node_fires(tmp
     cp.start()
     agent = gateway = None
     try:
-        with cp.api() as api:
-            r = api.post("/tokens", json={"role": "node", "name": "node-p0", "node_id": "p0"})
-            assert r.status_code == 201, r.text
-            token = r.json()["token"]
+        token = cp.node_token("p0")
         csv = write_taobao_csv(tmp_path / "UserBehavior_small.csv")
         policy = export_constant_policy(tmp_path / "p001", 0.01)
         aport, gport = free_port(), free_port()

@@ -15,7 +15,7 @@ from sqlalchemy import inspect
 from gateway.client_view import ClientView, clean_phase, node_total_us, outcome_of
 from dashboard.client_cards import client_state
 
-from .cp_util import Database, backends, migrated_db as db  # noqa: F401 - the fixture
+from .cp_util import Database, backends, migrated_db as db, token_maker  # noqa: F401 - the fixture
 
 ADMIN = "racer_test_admin_client_view"
 
@@ -100,12 +100,7 @@ def api(tmp_path):
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'cp.db'}", scheduler=False, admin_token=ADMIN),
                      clock=lambda: now[0])
     with TestClient(app) as c:
-        def token(role: str, **kw) -> dict:
-            r = c.post("/api/v1/tokens", json={"role": role, "name": role, **kw},
-                       headers={"Authorization": f"Bearer {ADMIN}"})
-            assert r.status_code == 201, r.text
-            return {"Authorization": f"Bearer {r.json()['token']}"}
-        yield c, token, now, app
+        yield c, token_maker(c, ADMIN), now, app
 
 
 def test_gateway_reports_are_stored_once_bound_to_their_token_and_read_back(api):

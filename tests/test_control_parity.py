@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.agent import AgentConfig, NodeAgent, _Job
+from node_agent.admission import Job
+from node_agent.agent import AgentConfig, NodeAgent
 from node_agent.allocator import AllocatorConfig, SmartAllocator, TunerConfig
 from node_agent.control import WindowAccumulator, current_target, stats_differences
 from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig, RecRequest
@@ -120,7 +121,7 @@ def run_parity(agent_cls, policy_dir, num_windows: int = 3, seed: int = 0):
                     arrival = t_before - float(rng.uniform(0.0, 0.02))
                     reqs.append(RecRequest(u, list(hist), new, top_k=3, arrival_s=arrival))
                     histories[u] = (hist + new) if len(hist) < 50 else new
-                jobs = [_Job(r, loop, loop.create_future()) for r in reqs]
+                jobs = [Job(r, loop, loop.create_future()) for r in reqs]
                 agent._arrivals += len(jobs)  # what NodeAgent.submit counts
                 resps_box = {}
                 real_serve = eng.serve_batch
@@ -229,12 +230,16 @@ def test_pending_batches_count_when_they_end_and_busy_time_by_overlap():
     assert asdict(acc.close_window(3.0, mm, _costs(), 30.0))["num_requests"] == 0
 
 
-def test_top_share_agrees_with_the_trace_generator():
-    from node_agent.features import top_share
+def test_the_window_statistics_and_the_trace_generator_share_one_top_share():
+    from common.shares import top_share
+    from node_agent.features import top_share as runtime_top_share
     from workloads.regimes import top_share as gen_top_share
 
+    assert runtime_top_share is top_share and gen_top_share is top_share
     rng = np.random.default_rng(1)
-    for n in (0, 1, 7, 500):
+    assert top_share(np.array([], dtype=np.int64)) == 0.0
+    ids = np.array([3] * 6 + [1, 2, 4, 5])  # 5 distinct values: the top 1% is one value, the top 40% two
+    assert top_share(ids, 0.01) == pytest.approx(0.6) and top_share(ids, 0.4) == pytest.approx(0.7)
+    for n in (1, 7, 500):
         ids = rng.zipf(1.5, n) % 97
-        assert top_share(ids, 0.01) == gen_top_share(ids, 0.01)
-        assert top_share(ids, 0.1) == gen_top_share(ids, 0.1)
+        assert 0.0 < top_share(ids, 0.01) <= top_share(ids, 0.1) <= 1.0

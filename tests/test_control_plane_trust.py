@@ -404,7 +404,8 @@ def test_routers_that_never_answer_cost_one_push_timeout_not_one_each(tmp_path):
     out = push_weights(factory, settings, ControlPlaneMetrics())
     took = time.perf_counter() - t
     silent.close()
-    assert out["failed"] == 20 and took < 0.5 * 20 / 4, took  # at least 4x quicker than one after another
+    # at once, not one after another (10 s): at least 2x quicker, a bound a loaded 2-core host meets
+    assert out["failed"] == 20 and took < 0.5 * 20 / 2, took
     with factory() as s:
         assert {r.last_error for r in queries.list_routers(s)} == {"timeout after 0.5 s"}
     engine.dispose()

@@ -243,7 +243,8 @@ def test_a_late_host_thread_forms_the_batches_the_device_would_have():
     device. A real engine (no emulation) takes all of them."""
     import asyncio
 
-    from node_agent.agent import NodeAgent, _Job
+    from node_agent.admission import Job
+    from node_agent.agent import NodeAgent
 
     loop = asyncio.new_event_loop()
     try:
@@ -257,15 +258,15 @@ def test_a_late_host_thread_forms_the_batches_the_device_would_have():
             agent = NodeAgent(eng, clock=clk)
             for i, arrival in enumerate((0.90, 0.95, 1.05, 1.20)):
                 req = replace(_req(10 + i, range(4)), arrival_s=arrival)
-                agent._queue.put(_Job(req, loop, loop.create_future()))
-            first = agent._next_batch(0)
+                agent._queue.put(Job(req, loop, loop.create_future()))
+            first = agent.lanes.next_batch(0, eng)
             if not emulated:
                 assert len(first) == 4
                 continue
             assert [j.req.arrival_s for j in first] == [0.90, 0.95]
             eng.emu.free_at_s = 1.02  # the first batch's pass ended
-            assert [j.req.arrival_s for j in agent._next_batch(0)] == [1.05]  # the first arrival after it
+            assert [j.req.arrival_s for j in agent.lanes.next_batch(0, eng)] == [1.05]  # the first arrival after it
             eng.emu.free_at_s = 1.25
-            assert [j.req.arrival_s for j in agent._next_batch(0)] == [1.20]
+            assert [j.req.arrival_s for j in agent.lanes.next_batch(0, eng)] == [1.20]
     finally:
         loop.close()

@@ -30,10 +30,7 @@ def test_an_emulated_agent_says_so_in_answers_reports_metrics_and_the_nodes_tabl
     cp.start()
     proc = None
     try:
-        with cp.api() as api:
-            r = api.post("/tokens", json={"role": "node", "name": "node-e0", "node_id": "e0"})
-            assert r.status_code == 201, r.text
-            token = r.json()["token"]
+        token = cp.node_token("e0")
         csv = write_taobao_csv(tmp_path / "UserBehavior_small.csv")
         port = free_port()
         base = f"http://127.0.0.1:{port}"

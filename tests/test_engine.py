@@ -7,21 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.engine import (CandidateGenerator, Engine, EngineConfig, KVReuse, LinkEmulationConfig,
-                               RecRequest, RequestError, plan_kv_reuse)
+from node_agent.engine import CandidateGenerator, Engine, EngineConfig, LinkEmulationConfig, RecRequest
+from node_agent.memory import CachedSequence
+from node_agent.paged_kv import KVReuse, plan_kv_reuse
+from node_agent.rec_request import RequestError
 from node_agent.memory import RefillConfig
 from node_agent.model import KVState, ModelConfig
 
 NUM_ITEMS = 500
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: on these shared 2-core VMs a 2-thread OpenMP region stalls for ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 MODEL = ModelConfig(embedding_dim=16, num_layers=2, num_heads=2, qk_dim=8, v_dim=8, seed=3)
 
@@ -50,7 +46,7 @@ def reference_scores(engine: Engine, items: np.ndarray, ts: np.ndarray, cands: n
     if len(items):
         _, kv = model(model.tokens(table[torch.from_numpy(items)]), torch.from_numpy(ts))
     else:
-        kv = engine._empty_kv
+        kv = engine.passes.empty_kv
     now = float(ts[-1]) if now_ts is None and len(ts) else (now_ts or 0.0)
     scores = model.rank(table[torch.from_numpy(cands)], kv, now_ts=torch.tensor(now, dtype=torch.float64))
     return scores, kv
@@ -121,7 +117,7 @@ def test_mismatch_evicts_and_recomputes():
     assert r.kv.reason == f"cached token 3 is item {items[3]}, the request has item {other[3]} there"
     assert r.prefill_tokens == 20 and r.kv_cached_after == 20
     check_against_reference(eng, r, other, ts, cands, 5)
-    assert eng.cached_sequence(2)[0].tolist() == other.tolist()
+    assert eng.mm.kv.recorded_tokens(2)[0].tolist() == other.tolist()
     # timestamps are part of the check
     ts2 = ts.copy()
     ts2[5] += 1.0
@@ -139,11 +135,16 @@ def test_mismatch_evicts_and_recomputes():
 def test_plan_kv_reuse_is_pure_and_explains_itself():
     items = np.array([5, 6, 7, 8])
     ts = np.zeros(4)
-    assert plan_kv_reuse(0, None, None, items, ts) == KVReuse("miss", 0, 4, "no K/V cached for the user")
-    assert plan_kv_reuse(2, items[:2], ts[:2], items, ts) == KVReuse("hit", 2, 2, "2 cached tokens reused, 2 prefilled")
-    assert plan_kv_reuse(3, None, None, items, ts) == KVReuse(
-        "mismatch", 0, 4, "the pool holds 3 tokens but the engine has no record")
-    assert plan_kv_reuse(3, items[:2], ts[:2], items, ts).outcome == "mismatch"
+    assert plan_kv_reuse(CachedSequence(0), items, ts) == KVReuse("miss", 0, 4, "no K/V cached for the user")
+    assert plan_kv_reuse(CachedSequence(0, evicted=True), items, ts) == KVReuse(
+        "miss", 0, 4, "the user's K/V were evicted")
+    assert plan_kv_reuse(CachedSequence(2, items[:2], ts[:2]), items, ts) == KVReuse(
+        "hit", 2, 2, "2 cached tokens reused, 2 prefilled")
+    assert plan_kv_reuse(CachedSequence(3), items, ts) == KVReuse(
+        "mismatch", 0, 4, "the pool holds 3 tokens but no record of their items")
+    other = np.array([5, 9, 7])
+    assert plan_kv_reuse(CachedSequence(3, other, ts[:3]), items, ts) == KVReuse(
+        "mismatch", 0, 4, "cached token 1 is item 9, the request has item 6 there")
 
 
 def test_eviction_by_other_users_is_handled():
@@ -162,13 +163,16 @@ def test_eviction_by_other_users_is_handled():
     # a user whose sequence cannot fit in the pool at all is served without caching
     big, tbig = sequence(60, 3)
     r = eng.serve(RecRequest(3, big[:50], big[50:], tbig, candidates=cands))
-    assert r.kv_cached_after == 0 and 3 not in eng.mm.kv and eng.num_uncacheable == 1
+    assert r.kv_cached_after == 0 and 3 not in eng.mm.kv and eng.paged_kv.num_uncacheable == 1
     check_against_reference(eng, r, big, tbig, cands, 5)
     assert eng.check_invariants() == []
-    # the engine's records of evicted users are dropped (amortised)
-    eng._prune_at = 0
+    # the pool forgets which users it evicted (amortised, after a batch): a later miss is a plain one
+    assert 2 not in eng.mm.kv and eng.mm.kv.records.evicted == {2}
+    eng.mm.kv.records._forget_at = 0
     eng.serve(RecRequest(4, a[:3], (), ta[:3]))
-    assert sorted(eng._seqs) == sorted(u for u in (1, 2, 4) if u in eng.mm.kv)
+    assert eng.mm.kv.records.evicted == set()
+    r = eng.serve(RecRequest(2, b[:26], b[26:], tb, candidates=cands))
+    assert r.kv.outcome == "miss" and r.kv.reason == "no K/V cached for the user"
 
 
 def test_micro_batch_with_evictions_inside_and_a_repeated_user():

@@ -21,40 +21,25 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import node_agent.engine as engine_module
-from node_agent.engine import (Engine, EngineConfig, LinkEmulationConfig, RecRequest, plan_chunks,
-                               resolve_compute_dtype)
+import node_agent.passes as passes_module
+from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig, RecRequest, resolve_compute_dtype
+from node_agent.passes import plan_chunks
 from node_agent.memory import RefillConfig
 from node_agent.model import MASKED, HSTUModel, KVBlock, KVState, ModelConfig
+
+# the model (qk_dim != v_dim: its batched paths do not depend on the engine's page layout) and the
+# sequences of the model's own tests
+from .test_model import model, seq  # noqa: F401
 
 NUM_ITEMS = 500
 MODEL = ModelConfig(embedding_dim=16, num_layers=2, num_heads=2, qk_dim=8, v_dim=8, seed=3)
 F32_ATOL = 1e-5
 BF16_ATOL, BF16_RTOL = 0.05, 0.02
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------- the model ---
-
-
-@pytest.fixture(scope="module")
-def model():
-    # qk_dim != v_dim: the model's batched paths do not depend on the engine's page layout
-    return HSTUModel(ModelConfig(embedding_dim=32, num_layers=3, num_heads=2, qk_dim=16, v_dim=8, seed=5))
-
-
-def seq(n, d=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randn(n, d, generator=g)
-    ts = torch.cumsum(torch.rand(n, generator=g, dtype=torch.float64) * 500, 0) + 1.5e9
-    return rows, ts
 
 
 def block(model: HSTUModel, states: list[KVState | None], lengths: list[int], start: list[int], size: int) -> KVBlock:
@@ -206,7 +191,7 @@ def assert_same_state(eng: Engine, ref: Engine, users, atol: float = F32_ATOL) -
     assert eng.check_invariants() == [] and ref.check_invariants() == []
     for u in users:
         assert eng.mm.kv.num_tokens(u) == ref.mm.kv.num_tokens(u)
-        got, want = eng.cached_sequence(u), ref.cached_sequence(u)
+        got, want = eng.mm.kv.recorded_tokens(u), ref.mm.kv.recorded_tokens(u)
         assert (got is None) == (want is None)
         if got is not None:
             assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
@@ -215,7 +200,7 @@ def assert_same_state(eng: Engine, ref: Engine, users, atol: float = F32_ATOL) -
             kb, vb = ref.mm.kv.read_layers(u)
             for x, y in zip(ka + va, kb + vb):
                 assert torch.allclose(x.float(), y.float(), atol=atol)
-    assert eng.kv_outcomes == ref.kv_outcomes and eng.num_uncacheable == ref.num_uncacheable
+    assert eng.kv_outcomes == ref.kv_outcomes and eng.paged_kv.num_uncacheable == ref.paged_kv.num_uncacheable
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
@@ -255,7 +240,7 @@ def test_any_split_into_chunks_gives_the_same_answers(monkeypatch):
 
     ref = make_engine(False)
     eng = make_engine(True)
-    monkeypatch.setattr(engine_module, "plan_chunks", scrambled)
+    monkeypatch.setattr(passes_module, "plan_chunks", scrambled)
     for reqs in mixed_batches():
         for a, b in zip(eng.serve_batch(reqs), ref.serve_batch(reqs)):
             assert_same(a, b)
@@ -331,8 +316,8 @@ def test_plan_chunks():
     big = [(0, 2056, 256)] * 16
     chunks = plan_chunks(big, 2)
     check(chunks, 16)
-    assert all(2 * len(ch) * 2056 * 2056 <= engine_module.CHUNK_MAX_SCORES for ch in chunks)
-    assert len(chunks) == -(-16 // (engine_module.CHUNK_MAX_SCORES // (2 * 2056 * 2056)))
+    assert all(2 * len(ch) * 2056 * 2056 <= passes_module.CHUNK_MAX_SCORES for ch in chunks)
+    assert len(chunks) == -(-16 // (passes_module.CHUNK_MAX_SCORES // (2 * 2056 * 2056)))
     assert plan_chunks([], 2) == []
 
 

@@ -16,13 +16,7 @@ from simulator.profiles import from_node_profile
 SMALL = ["--embedding-dim", "16", "--num-heads", "2", "--head-dim", "8", "--num-layers", "1", "--lengths", "16,64",
          "--repeats", "1", "--emb-batch-rows", "64", "--num-candidates", "16", "--no-progress"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_profile_keys_are_positive_numbers():

@@ -295,7 +295,7 @@ def test_plan_refill_ranks_uncached_items_by_misses_ties_by_lower_id():
     # misses so far: 9 x3 + 1, 4, 6 x2, 8 x2, 2, 12 ; cached: 9, 12
     c.arena.set_emb_pages(4)
     c.grow(4)
-    cand = c.plan_refill()
+    cand = c.refill.plan()
     assert cand.tolist() == [6, 8]  # two empty rows: 6 and 8 (2 misses each), not 2 or 4
     assert c.popularity_of(ids(6, 2, 9)).tolist() == [2.0, 1.0, 4.0]
 
@@ -307,17 +307,17 @@ def test_refill_fills_empty_rows_lowest_first_and_skips_items_cached_since():
     c.arena.set_emb_pages(4)
     c.grow(4)
     # two empty rows: 6 (2 misses), then the lowest id of those with 1 miss (3, 4, 5, 7)
-    assert c.plan_refill().tolist() == [6, 3]
+    assert c.refill.plan().tolist() == [6, 3]
     c.lookup(ids(6))  # a demand miss takes 6 into the lowest empty row (2) first
     assert slots(c) == [1, 2, 6, -1]
-    n = c.issue_refill(max_rows=8)  # CPU: copied and committed now
+    n = c.refill.issue(max_rows=8)  # CPU: copied and committed now
     ok(c)
     assert n == 1
     assert slots(c) == [1, 2, 6, 3]  # 6 skipped (cached), 3 into the last empty row
     assert c.stats.num_refill_rows == 1
     assert c.arena.slab()[3, 0].item() == 3.0
-    assert c.issue_refill(max_rows=8) == 0  # no empty row left
-    assert not c.refill_pending()
+    assert c.refill.issue(max_rows=8) == 0  # no empty row left
+    assert not c.refill.pending()
 
 
 def test_refilled_rows_enter_as_most_recent():
@@ -326,7 +326,7 @@ def test_refilled_rows_enter_as_most_recent():
     c.lookup(ids(1, 2, 3, 3, 3))  # 3 bypassed, 3 misses
     c.arena.set_emb_pages(3)
     c.grow(3)
-    assert c.issue_refill(4) == 1
+    assert c.refill.issue(4) == 1
     assert c.lru_items().tolist() == [1, 2, 3]
     r = c.lookup(ids(5))  # the LRU victim is row 0 (item 1), not the refilled row
     assert r.evicted_items.tolist() == [1]
@@ -342,13 +342,13 @@ def test_a_chunk_in_flight_reserves_its_rows_and_commit_discards_items_cached_me
     c.grow(4)
     items, rows = ids(7, 8), ids(2, 3)
     c.slot_tick.index_fill_(0, rows, RESERVED_TICK)
-    c._inflight = c._copy_chunk(items, rows)
+    c.refill._inflight = c.refill._copy_chunk(items, rows)
     ok(c)
     r = c.lookup(ids(8, 9))  # reserved rows 2, 3 are not victims: rows 0, 1 are
     assert r.evicted_items.tolist() == [1, 2]
     assert slots(c) == [8, 9, -1, -1]
     ok(c)
-    assert c.poll_refill()
+    assert c.refill.poll()
     ok(c)
     assert slots(c) == [8, 9, 7, -1]  # 8 already cached: its row goes back to empty
     assert (c.stats.num_refill_rows, c.stats.num_refill_discarded) == (1, 1)
@@ -363,11 +363,11 @@ def test_shrink_waits_for_the_chunk_in_flight():
     c.arena.set_emb_pages(4)
     c.grow(4)
     c.slot_tick.index_fill_(0, ids(2), RESERVED_TICK)
-    c._inflight = c._copy_chunk(ids(3), ids(2))
+    c.refill._inflight = c.refill._copy_chunk(ids(3), ids(2))
     assert c.shrink(2) == 1  # commits 3 into row 2 first, then drops rows 2, 3
     c.arena.set_emb_pages(2)
     ok(c)
-    assert not c.refill_inflight
+    assert not c.refill.inflight
     assert slots(c) == [1, 2]
 
 
@@ -409,8 +409,8 @@ def test_cuda_lookup_and_refill_match_host_rows():
     c.grow(8 * cfg.rows_per_page)
     for i in range(40):
         c.lookup(torch.tensor([50 + i % 10], device="cuda"))
-    issued = c.issue_refill(8)
+    issued = c.refill.issue(8)
     assert issued > 0
-    c.wait_refill()
-    assert not c.refill_inflight
+    c.refill.wait()
+    assert not c.refill.inflight
     assert c.check_invariants() == []

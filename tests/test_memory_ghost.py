@@ -26,7 +26,7 @@ def one(i: int) -> torch.Tensor:
 
 def test_emb_ghost_hits_are_the_misses_just_past_the_slab():
     c = emb_cache(4, (0.5,))  # 4 rows, ghost reach 2 rows
-    assert c.ghost_rows == (2,)
+    assert c.ghosts.rows == (2,)
     for i in range(7):  # 0..3 fill the slab; 4, 5, 6 evict 0, 1, 2 (LRU)
         c.lookup(one(i))
     assert c.stats.ghost_hits[0] == 0
@@ -96,7 +96,7 @@ def kv_pool(kv_pages: int, probes: tuple[float, ...]) -> KVPool:
 
 def test_kv_ghost_hits_are_users_evicted_within_the_reach():
     p = kv_pool(6, (0.25,))  # 8 pages: ghost reach 2 pages; every user below takes 2 pages
-    assert p.ghost_pages == (2,)
+    assert p.ghosts.pages == (2,)
     for u in (1, 2, 3, 4, 5):  # 4 evicts 1, 5 evicts 2
         p.lookup(u)
         p.append(u, 4)
@@ -142,7 +142,7 @@ def test_kv_ghost_distance_counts_only_the_pages_the_eviction_was_short_of():
 def test_each_probe_counts_what_a_slab_that_much_larger_would_have_hit():
     rows = 8
     small = emb_cache(rows, (0.25, 0.5, 1.0))  # probes of 2, 4 and 8 rows
-    assert small.ghost_rows == (2, 4, 8)
+    assert small.ghosts.rows == (2, 4, 8)
     bigger = {g: emb_cache(rows + g, ()) for g in (2, 4, 8)}
     rng = random.Random(5)
     seq = [rng.randrange(rows + 6) if rng.random() < 0.7 else rng.randrange(40) for _ in range(4000)]

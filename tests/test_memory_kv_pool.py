@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from node_agent.memory import EMB, FREE, Arena, KVLayout, KVPool, MemoryConfig, ResidencyDelta
+from node_agent.memory import EMB, FREE, Arena, CachedSequence, KVLayout, KVPool, MemoryConfig, ResidencyDelta
 
 LAYOUT = KVLayout(num_layers=2, num_heads=1, head_dim=4, page_tokens=2)  # page: [2, 2, 2, 1, 4]
 
@@ -38,6 +39,65 @@ def test_pages_are_allocated_highest_first_and_extended_as_tokens_grow():
     assert (a.start_token, a.new_pages) == (4, (4,))
     assert p.block_table(1) == (7, 6, 4)
     assert (p.num_tokens(1), p.num_used, p.num_free) == (5, 4, 2)
+    ok(p)
+
+
+def ids(*xs: int):
+    return np.asarray(xs, dtype=np.int64)
+
+
+def times(*xs: float):
+    return np.asarray(xs, dtype=np.float64)
+
+
+def test_the_pool_records_which_tokens_its_pages_hold():
+    p = make_pool()  # 6 KV pages of 2 tokens
+    assert p.lookup_sequence(1) == CachedSequence(0)
+    p.append(1, 3, ids(5, 6, 7), times(1, 2, 3))
+    p.append(1, 2, ids(8, 9), times(4, 5))
+    got = p.lookup_sequence(1)
+    assert got.num_tokens == 5 and not got.evicted
+    assert got.items.tolist() == [5, 6, 7, 8, 9] and got.ts.tolist() == [1, 2, 3, 4, 5]
+    items, ts = p.recorded_tokens(1)
+    assert items.tolist() == [5, 6, 7, 8, 9] and ts.tolist() == [1, 2, 3, 4, 5]
+    p.append(2, 1)  # no ids: not recorded
+    assert p.lookup_sequence(2) == CachedSequence(1) and p.recorded_tokens(2) is None
+    p.append(1, 1)  # more tokens without their ids: user 1 is no longer recorded
+    assert p.lookup_sequence(1) == CachedSequence(6) and p.records.num_recorded == 0
+    with pytest.raises(ValueError, match="the 2 new tokens"):
+        p.append(3, 2, ids(1), times(1))
+    ok(p)
+
+
+def test_a_recorded_user_evicted_is_told_once_and_forgotten_amortised():
+    p = make_pool()  # 6 KV pages of 2 tokens
+    p.append(1, 4, ids(1, 2, 3, 4), times(0, 0, 0, 0))  # pages 7, 6
+    p.append(2, 4, ids(5, 6, 7, 8), times(0, 0, 0, 0))  # 5, 4
+    p.append(3, 4)  # 3, 2: not recorded
+    assert p.append(4, 2, ids(9, 9), times(0, 0)).evicted_users == (1,)  # LRU
+    assert p.append(5, 8).evicted_users == (2, 3)
+    assert p.records.evicted == {1, 2}  # 3 was not recorded
+    ok(p)
+    assert p.lookup_sequence(1) == CachedSequence(0, evicted=True)
+    assert p.lookup_sequence(1) == CachedSequence(0)  # told once
+    p.append(2, 2, ids(1, 2), times(0, 0))  # back in the pool: no longer an evicted user
+    assert p.records.evicted == set()
+    p.evict(2)  # an eviction by the caller is remembered too ...
+    assert p.records.evicted == {2}
+    p.append(2, 2, ids(1, 2), times(0, 0))
+    p.evict(2, forget=True)  # ... unless the caller found the K/V stale
+    assert p.lookup_sequence(2) == CachedSequence(0)
+    p.append(2, 2, ids(1, 2), times(0, 0))
+    p.evict(2)
+    assert p.records.num_recorded == 1 and p.records.evicted == {2}  # user 4 recorded, 2 remembered
+    p.records.forget()  # 2 < 1024: nothing forgotten yet
+    assert p.records.evicted == {2}
+    p.records._forget_at = 1
+    p.records.forget()
+    assert p.records.evicted == set() and p.records._forget_at == 2 * 1 + 1024
+    p.append(6, 2, ids(1, 2), times(0, 0))
+    p.evict_all()  # every user dropped, none remembered
+    assert (p.users_lru(), p.records.num_recorded, p.records.evicted) == ([], 0, set())
     ok(p)
 
 
@@ -280,12 +340,12 @@ def test_bulk_page_allocation_matches_one_page_at_a_time(seed):
         extra = need - have
         while extra > single.num_free:
             single._evict_lru(protect=user)
-        expected = [single._pop_free() for _ in range(extra)]
+        expected = [single.free.pop(single.kv_start) for _ in range(extra)]
         assert list(a.new_pages) == expected
         # bring the reference to the same state through the public path
         for p in expected:
             single.page_owner[p] = FREE
-            single._push_free([p])
+            single.free.push([p])
         single.append(user, tokens)
         assert bulk.page_owner.tolist() == single.page_owner.tolist()
         assert bulk.check_invariants() == [] and single.check_invariants() == []

@@ -302,7 +302,7 @@ def test_cuda_manager_moves_boundary_and_refills():
     for _ in range(50):
         t += 0.02
         mm.step(t)
-    mm.emb.wait_refill()
+    mm.emb.refill.wait()
     assert mm.emb.stats.num_refill_rows > 0
     assert mm.check_invariants() == []
     mm.set_target(0.25, t)

@@ -166,6 +166,12 @@ def test_curve_layer_holds_the_split_in_a_flat_valley():
     assert (out, t.acted, t.detail["action"]) == (0.5, True, "flat")
     out, t = curve_layer(CurveGuard(CurveConfig(flat_gain=0.0)), cur, st, 0.45, 0.5, GuardConfig())
     assert (out, t.acted, t.detail["action"]) == (0.45, False, "pass")
+    # it holds the split it chose, not one a later layer forced: after a burst's cap put the split
+    # in force at 0.3, the dead band still holds 0.5, so the split goes back when the cap ends
+    g = CurveGuard()
+    assert curve_layer(g, cur, st, 0.5, 0.5, GuardConfig())[0] == 0.5 and g.anchor == 0.5
+    out, t = curve_layer(g, cur, st, 0.45, 0.3, GuardConfig())
+    assert (out, t.detail["action"]) == (0.5, "flat")
     # the same valley made steeper (10x the recompute cost) is no longer flat: the step passes
     steep = window(emb_share=0.5, load=0.4, num_requests=100, interval_s=1.0, emb_lookups_per_request=50.0,
                    kv_recompute_us_per_token=20.0, emb_transfer_us_per_row=1.0)

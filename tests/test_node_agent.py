@@ -27,13 +27,7 @@ from workloads import generate, load_trace
 
 from .conftest import REPO
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_taobao_csv(path: Path, num_users: int = 40, num_items: int = 300, seed: int = 0) -> Path:
@@ -213,11 +207,11 @@ def test_control_step_runs_the_allocator_and_moves_the_boundary(tmp_path):
     agent = NodeAgent(eng, AgentConfig(), allocator=alloc, clock=lambda: t[0],
                       miss_costs={"kv_recompute_us_per_token": {"128": 5.0, "512": 9.0}, "emb_transfer_us_per_row": 0.3})
     loop = asyncio.new_event_loop()
-    from node_agent.agent import _Job
+    from node_agent.admission import Job
 
     for u in range(6):  # served through the device worker's code, one batch each, 0.1 s busy
         t[0] = 0.3 + 0.1 * u
-        job = _Job(RecRequest(u, list(range(u, u + 12)), [], top_k=2, arrival_s=0.25), loop, loop.create_future())
+        job = Job(RecRequest(u, list(range(u, u + 12)), [], top_k=2, arrival_s=0.25), loop, loop.create_future())
         agent._arrivals += 1
         clock_reads = iter([t[0], t[0] + 0.1])
         agent.clock = lambda: next(clock_reads)

@@ -83,6 +83,13 @@ class ControlPlane:
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=f"{self.url}/api/v1", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
 
+    def node_token(self, node_id: str) -> str:
+        """A new node token bound to ``node_id`` (named ``node-NODE_ID``)."""
+        with self.api() as api:
+            r = api.post("/tokens", json={"role": "node", "name": f"node-{node_id}", "node_id": node_id})
+            assert r.status_code == 201, r.text
+            return r.json()["token"]
+
 
 class Traffic:
     """Requests to the agent from a thread, a few per control interval, until stopped."""
@@ -128,10 +135,7 @@ def cluster(tmp_path_factory):
     cp.start()
     agent_proc = None
     try:
-        with cp.api() as api:
-            r = api.post("/tokens", json={"role": "node", "name": "node-n0", "node_id": "n0"})
-            assert r.status_code == 201, r.text
-            node_token = r.json()["token"]
+        node_token = cp.node_token("n0")
         csv = write_taobao_csv(tmp / "UserBehavior_small.csv")
         profile = tmp / "node_profile.json"
         profile.write_text('{"device": "cpu", "kv_recompute_us_per_token": {"128": 2.0, "512": 2.5}, '

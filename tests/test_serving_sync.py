@@ -14,24 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-import node_agent.engine as engine_module
-from node_agent.engine import (CudaStageTimer, Engine, EngineConfig, LinkEmulationConfig, NoStageTimer,
-                               RecRequest, StageTimer, make_stage_timer)
+import node_agent.passes as passes_module
+from node_agent.device_io import CudaStageTimer, NoStageTimer, StageTimer, make_stage_timer, sync_serving
+from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig, RecRequest
 from node_agent.memory import Arena, EmbCache, KVLayout, MemoryConfig, RefillConfig
-from node_agent.memory.emb_cache import CudaRefillStream, RefillStream
+from node_agent.memory.emb_refill import CudaRefillStream, RefillStream
 from node_agent.model import ModelConfig
 
 NUM_ITEMS = 500
 MODEL = ModelConfig(embedding_dim=16, num_layers=2, num_heads=2, qk_dim=8, v_dim=8, seed=3)
 DIM = 4
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ fake CUDA ---
@@ -158,7 +152,7 @@ def test_the_engine_times_stages_with_serving_stream_events_and_never_syncs_the_
     """The engine's CUDA timing path run on the CPU: every mark is an event on the serving
     stream, every read waits for one event, and the answers match the wall-clock path's."""
     log, serving, _ = fake_cuda
-    monkeypatch.setattr(engine_module, "make_stage_timer",
+    monkeypatch.setattr(passes_module, "make_stage_timer",
                         lambda device, clock, enabled=True, stream=None: CudaStageTimer(serving))
     eng, ref = make_engine(), make_engine()
     for reqs in (requests(3, 1), requests(3, 1)):  # misses, then KV hits
@@ -171,15 +165,14 @@ def test_the_engine_times_stages_with_serving_stream_events_and_never_syncs_the_
             assert lat.total_us >= lat.emb_lookup_us + lat.compute_us
     assert log and {e[0] for e in log} == {"serving"}  # nothing on or for another stream
     assert {e[1] for e in log} == {"record", "event_synchronize"}
-    eng.device = torch.device("cuda")  # the host wait's CUDA branch, on the fakes: the serving stream only
-    eng._sync_serving()
+    sync_serving(torch.device("cuda"))  # the host wait's CUDA branch, on the fakes: the serving stream only
     assert log[-1] == ("serving", "synchronize")
 
 
 def test_stage_timing_off_records_nothing_and_keeps_queue_and_total(monkeypatch):
     made = []
-    real = engine_module.make_stage_timer
-    monkeypatch.setattr(engine_module, "make_stage_timer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    real = passes_module.make_stage_timer
+    monkeypatch.setattr(passes_module, "make_stage_timer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     eng = make_engine(stage_timing=False)
     t0 = eng.clock()
     r = eng.serve(RecRequest(1, [3, 4, 5], [6], candidates=[7, 8, 9], arrival_s=t0 - 0.01))
@@ -229,16 +222,16 @@ def test_the_cuda_refill_waits_for_the_serving_stream_and_never_the_reverse(fake
 def test_demand_misses_go_through_a_reused_staging_buffer_on_the_serving_stream(fake_cuda):
     log, serving, _ = fake_cuda
     c = make_cache()
-    rows = c._staged_host_rows(torch.tensor([5, 7, 9]))
+    rows = c.demand.staged_rows(torch.tensor([5, 7, 9]))
     assert torch.equal(rows, host_table(64)[[5, 7, 9]])
-    buf = c._demand_staging
+    buf = c.demand.staging
     assert log == [("serving", "record")]  # the copy's event, on the serving stream
-    rows = c._staged_host_rows(torch.tensor([2]))
-    assert torch.equal(rows, host_table(64)[[2]]) and c._demand_staging is buf
+    rows = c.demand.staged_rows(torch.tensor([2]))
+    assert torch.equal(rows, host_table(64)[[2]]) and c.demand.staging is buf
     # before the buffer is rewritten: the previous copy's event, nothing else
     assert log[1:] == [("serving", "event_synchronize"), ("serving", "record")]
-    c._staged_host_rows(torch.arange(10))
-    assert c._demand_staging.shape[0] >= 10
+    c.demand.staged_rows(torch.arange(10))
+    assert c.demand.staging.shape[0] >= 10
     assert {e[0] for e in log} == {"serving"}
 
 
@@ -251,11 +244,11 @@ def test_a_chunk_is_issued_from_the_host_candidate_list():
             got.append(items_host.clone())
             return super().copy(slab_rows, slots, table, items_host)
 
-    c.refill_stream = Recorder()
+    c.refill.stream = Recorder()
     c.lookup(torch.tensor([1, 2, 3, 3, 4, 4, 4]))  # 1, 2 cached; 3, 4 bypassed
     c.arena.set_emb_pages(8)
     c.grow(8)
-    assert c.issue_refill(8) == 2
+    assert c.refill.issue(8) == 2
     assert [t.tolist() for t in got] == [[4, 3]]
     assert c.check_invariants() == []
 
@@ -306,14 +299,14 @@ def test_a_demand_miss_does_not_wait_for_a_refill_chunk_in_flight():
     c.arena.set_emb_pages(16)
     c.grow(16)
     tl: list = []
-    c.refill_stream = slow = SlowRefill(tl)
-    assert c.issue_refill(8) == 3 and c.refill_inflight
+    c.refill.stream = slow = SlowRefill(tl)
+    assert c.refill.issue(8) == 3 and c.refill.inflight
     r = c.lookup(torch.tensor([40, 41, 1]))  # two demand misses while the chunk is in flight
     tl.append(("demand done", time.perf_counter()))
     assert torch.equal(r.rows, host_table(64)[[40, 41, 1]]) and r.num_unique_misses == 2
-    assert c.refill_inflight and not c.poll_refill()  # the chunk is still in flight
+    assert c.refill.inflight and not c.refill.poll()  # the chunk is still in flight
     slow.release.set()
-    c.wait_refill()
+    c.refill.wait()
     assert first(tl, "refill issued") < first(tl, "demand done") < first(tl, "refill done")
     assert first(tl, "demand done") < first(tl, "refill waited for")  # only the explicit wait waited
     assert c.check_invariants() == []
@@ -327,21 +320,21 @@ def test_an_engine_answers_while_a_refill_chunk_is_in_flight():
         eng.serve(req)
     emb = eng.mm.emb
     tl: list = []
-    emb.refill_stream = slow = SlowRefill(tl)
+    emb.refill.stream = slow = SlowRefill(tl)
     now = 10.0
     eng.set_emb_share(0.75, now)
     for _ in range(200):
         now += 0.05
         eng.maintenance(now)
-        if emb.refill_inflight:
+        if emb.refill.inflight:
             break
-    assert emb.refill_inflight
+    assert emb.refill.inflight
     r = eng.serve(RecRequest(99, [450, 451, 452], [453], candidates=[460, 461, 462, 463]))
     tl.append(("demand done", time.perf_counter()))
     assert r.emb_hits < r.emb_rows  # it had misses to copy
-    assert emb.refill_inflight  # answered with the chunk still in flight
+    assert emb.refill.inflight  # answered with the chunk still in flight
     slow.release.set()
-    emb.wait_refill()
+    emb.refill.wait()
     assert first(tl, "refill issued") < first(tl, "demand done") < first(tl, "refill done")
     assert first(tl, "demand done") < first(tl, "refill waited for")
     assert eng.check_invariants() == []

@@ -30,6 +30,8 @@ from fastapi.testclient import TestClient
 from common.contract import MAX_SAMPLE_BATCH, MAX_SAMPLE_ITEMS
 from gateway.traffic_sample import KeyedHash, Sampler, sample_key, sampled
 
+from .cp_util import token_maker
+
 ADMIN = "racer_test_admin_traffic_samples"
 KEY = b"racer-test-sample-key-0123456789"
 
@@ -229,12 +231,7 @@ def api(tmp_path):
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'cp.db'}", scheduler=False, admin_token=ADMIN,
                               max_sample_body_bytes=256 * 2**10), clock=lambda: now[0])
     with TestClient(app) as c:
-        def token(role: str, **kw) -> dict:
-            r = c.post("/api/v1/tokens", json={"role": role, "name": role, **kw},
-                       headers={"Authorization": f"Bearer {ADMIN}"})
-            assert r.status_code == 201, r.text
-            return {"Authorization": f"Bearer {r.json()['token']}"}
-        yield c, token, now, app
+        yield c, token_maker(c, ADMIN), now, app
 
 
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}

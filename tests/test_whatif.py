@@ -29,7 +29,7 @@ from fastapi.testclient import TestClient
 
 from gateway.traffic_sample import Sampler
 
-from .cp_util import REPO, Database, artifact_tar, backends, wait_for
+from .cp_util import REPO, Database, artifact_tar, backends, token_maker, wait_for
 
 ADMIN = "racer_test_admin_whatif"
 KEY = b"racer-test-whatif-key-0123456789"
@@ -125,12 +125,7 @@ def api(request, tmp_path):
                      clock=lambda: now[0])
     try:
         with TestClient(app) as c:
-            def token(role: str, **kw) -> dict:
-                r = c.post("/api/v1/tokens", json={"role": role, "name": role, **kw}, headers=_h(ADMIN))
-                assert r.status_code == 201, r.text
-                return _h(r.json()["token"])
-
-            yield c, token, now, app
+            yield c, token_maker(c, ADMIN), now, app
             app.state.whatif.join(600) if getattr(app.state, "whatif", None) else None
     finally:
         d.drop()
@@ -265,9 +260,7 @@ def test_a_window_longer_than_the_cap_is_cut_to_its_most_recent_samples(tmp_path
                               max_sample_body_bytes=64 * 2**20, whatif_max_samples=200, whatif_shares="0.5"),
                      clock=lambda: T0 + 600.0)
     with TestClient(app) as c:
-        def token(role: str, **kw) -> dict:
-            r = c.post("/api/v1/tokens", json={"role": role, "name": role, **kw}, headers=_h(ADMIN))
-            return _h(r.json()["token"])
+        token = token_maker(c, ADMIN)
 
         _register(c, token, 1, _arena(cfg))
         _post_samples(c, token, rows)
@@ -302,9 +295,7 @@ def test_whatif_figures_are_within_the_router_seed_spread_of_the_paper_table(tmp
                               max_sample_body_bytes=64 * 2**20, whatif_shares="0.1,0.5,0.9"),
                      clock=lambda: T0 + 600.0)
     with TestClient(app) as c:
-        def token(role: str, **kw) -> dict:
-            r = c.post("/api/v1/tokens", json={"role": role, "name": role, **kw}, headers=_h(ADMIN))
-            return _h(r.json()["token"])
+        token = token_maker(c, ADMIN)
 
         _register(c, token, cfg.num_nodes, _arena(cfg))
         _post_samples(c, token, _samples_of(stream))

@@ -67,6 +67,7 @@ import numpy as np
 
 from common.config import ranged, require
 from common.config import validate as validate_fields
+from common.shares import top_share
 
 from .trace import Trace
 
@@ -294,17 +295,6 @@ class RequestStream:
             "burst_request_share": round(float(burst.mean()), 4) if len(self) else 0.0,
             "config": asdict(self.config),
         }
-
-
-def top_share(ids: np.ndarray, fraction: float = 0.01) -> float:
-    """Share of ``ids`` taken by the top ``fraction`` of its distinct values (at least one): the
-    hot-user ratio of a window's users, the top-1% items' share of its item lookups."""
-    if len(ids) == 0:
-        return 0.0
-    counts = np.unique(ids, return_counts=True)[1]
-    k = max(1, int(np.ceil(fraction * len(counts))))
-    top = np.partition(counts, len(counts) - k)[len(counts) - k :]
-    return float(top.sum()) / len(ids)
 
 
 def _poisson_times(rng: np.random.Generator, rate: float, start: float, end: float) -> np.ndarray:

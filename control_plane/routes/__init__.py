@@ -26,5 +26,6 @@ A route reaches the app's state through ``request.app.state`` (the session facto
 the settings, the token cache, the ingest writer, the metrics) and owns its transaction
 (``with begin(request) as s``: commit on success, rollback on an exception); the `db.queries`
 functions it calls take that session and never commit. `report_ingest` holds the report
-ingestion the ``/nodes/{node_id}/reports`` route and its ASGI fast path share.
+ingestion the ``/nodes/{node_id}/reports`` route and its ASGI fast path share; `registry` the
+upload, storing and download the policies and models routes share.
 """

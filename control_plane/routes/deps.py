@@ -45,6 +45,7 @@ def invalid(loc: list, msg: str) -> HTTPException:
 
 Id64 = Annotated[int, Path(ge=0, le=INT64_MAX, description="an id (0 <= id < 2^63)")]
 Offset = Annotated[int, Query(ge=0, le=INT64_MAX)]
+PageLimit = Annotated[int, Query(ge=1, le=1000)]  # rows of one page of a list
 
 
 def begin(request: Request):

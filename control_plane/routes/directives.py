@@ -45,21 +45,23 @@ def directives(node_id: NodeId, request: Request):
 
 @router.post("/nodes/{node_id}/policy", response_model=NodeOut, responses=errors(404, 409, 413), **roles(NODE))
 def policy_loaded(node_id: NodeId, body: PolicyLoadedIn, request: Request):
-    now = now_s(request)
-    with begin(request) as s:
-        node = get_or_404(s, Node, node_id)
-        rollout_service.node_confirmed(s, node, version=body.policy_version, status=body.status,
-                                       error=body.error, now_s=now)
-        return NodeOut.model_validate(node)
+    return _loaded(request, node_id, rollout_service.node_confirmed, body.policy_version, body)
 
 
 @router.post("/nodes/{node_id}/model", response_model=NodeOut, responses=errors(404, 409, 413), **roles(NODE))
 def model_loaded(node_id: NodeId, body: ModelLoadedIn, request: Request):
+    return _loaded(request, node_id, rollout_service.node_model_confirmed, body.model_version, body, audited="model")
+
+
+def _loaded(request: Request, node_id: str, confirm, version: str, body, *, audited: str | None = None) -> NodeOut:
+    """A node's answer to a directive (``confirm``: `rollout_service.node_confirmed` or
+    `node_model_confirmed`), in the audit log as ``AUDITED.<status>`` when ``audited`` is given."""
     now = now_s(request)
     with begin(request) as s:
         node = get_or_404(s, Node, node_id)
-        rollout_service.node_model_confirmed(s, node, version=body.model_version, status=body.status,
-                                             error=body.error, now_s=now)
-        queries.audit(s, ts_s=now, actor=f"node:{node_id}", action=f"model.{body.status}", target=f"node:{node_id}",
-                      after={"model": body.model_version, "error": body.error}, reason="node confirmation")
+        confirm(s, node, version=version, status=body.status, error=body.error, now_s=now)
+        if audited:
+            queries.audit(s, ts_s=now, actor=f"node:{node_id}", action=f"{audited}.{body.status}",
+                          target=f"node:{node_id}", after={audited: version, "error": body.error},
+                          reason="node confirmation")
         return NodeOut.model_validate(node)

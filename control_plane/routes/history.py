@@ -11,7 +11,7 @@ from db import queries
 from db.models import SchedulerLease
 
 from ..schemas import AlertOut, BurstOut, DecisionPage, ReportOut, SummaryOut
-from .deps import OPERATOR, VIEWER, Offset, invalid, now_s, roles, session, settings
+from .deps import OPERATOR, VIEWER, Offset, PageLimit, invalid, now_s, roles, session, settings
 from .rollouts import rollout_out
 
 router = APIRouter()
@@ -45,7 +45,7 @@ def decisions(request: Request, node_id: str | None = None,
               source: Annotated[str | None, Query(pattern="^(base|residual|recovery|override|guard)$")] = None,
               q: Annotated[str | None, Query(max_length=200, description="text in the reason or node id")] = None,
               start_s: float | None = None, end_s: float | None = None,
-              offset: Offset = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+              offset: Offset = 0, limit: PageLimit = 100):
     with session(request) as s:
         total, rows = queries.decisions_page(s, node_id=node_id, source=source, q=q, start_s=start_s,
                                              end_s=end_s, offset=offset, limit=limit)

@@ -9,20 +9,16 @@ refuses anything else) or it is refused at upload."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from common.artifact_pack import pack_artifact
 from db import queries
 from db.models import ModelVersion
 
 from .. import rollout_service
-from ..artifacts import check_upload
 from ..schemas import ModelOut, ReasonIn
-from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, invalid, now_s, principal, roles, session
+from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, now_s, principal, roles, session
+from .registry import checked_upload, stored_upload, tar_download
 
 router = APIRouter()
 
@@ -66,25 +62,11 @@ _UPLOAD_OPENAPI = {"x-racer-roles": [OPERATOR], "requestBody": {
 async def upload_model(request: Request, p: principal(OPERATOR)):
     import json
 
-    import anyio.to_thread
-
-    data = await request.body()  # at most max_policy_body_bytes (the gate refuses more with 413)
-    if not data:
-        raise invalid(["body"], "body: empty; send a tar of the checkpoint directory")
-    try:  # in a child process with limits, awaited off the event loop
-        active = await anyio.to_thread.run_sync(_active_manifest, request)
-        files, manifest = await anyio.to_thread.run_sync(
-            functools.partial(check_upload, "model", data, active_manifest=active,
-                              limits=request.app.state.settings.check_limits()))
-    except ValueError as e:
-        raise invalid(["body"], f"model checkpoint refused: {e}") from None
+    files, manifest = await checked_upload(request, "model", empty="a tar of the checkpoint directory",
+                                           refused="model checkpoint", active_manifest=_active_manifest)
     manifest["model_config"] = json.loads(files["config.json"])  # what a later upload must match
-    packed = pack_artifact(files)
-    digest = hashlib.sha256(packed).hexdigest()
-    out, created = await anyio.to_thread.run_sync(functools.partial(
-        _store, request, version=str(manifest["digest"]), digest=digest, packed=packed, manifest=manifest,
-        actor=p.name, now=now_s(request)))
-    return JSONResponse(out.model_dump(), status_code=201 if created else 200)
+    return await stored_upload(request, _store, version=str(manifest["digest"]), files=files, manifest=manifest,
+                               actor=p.name)
 
 
 @router.get("/models", response_model=list[ModelOut], **roles(OPERATOR, VIEWER))
@@ -104,10 +86,7 @@ def model(version: str, request: Request):
     **roles(NODE, OPERATOR, VIEWER))
 def model_artifact(version: str, request: Request):
     with session(request) as s:
-        x = get_or_404(s, ModelVersion, version)
-        return Response(x.artifact, media_type="application/x-tar",
-                        headers={"X-Racer-Digest": x.digest,
-                                 "Content-Disposition": f'attachment; filename="model-{version[:16]}.tar"'})
+        return tar_download(get_or_404(s, ModelVersion, version), f"model-{version[:16]}.tar")
 
 
 @router.post("/models/{version}/activate", response_model=ModelOut, responses=errors(404, 409), **roles(OPERATOR))

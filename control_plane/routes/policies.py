@@ -4,22 +4,18 @@ An artifact is the three files `racer policy export` writes, stored as one canon
 
 from __future__ import annotations
 
-import functools
-import hashlib
-
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from common.artifact_pack import pack_artifact
 from common.contract import PolicyId
 from db import queries
 from db.models import Policy
 
 from .. import rollout_service
-from ..artifacts import check_upload
 from ..rollout_service import Conflict
 from ..schemas import PolicyOut, ReasonIn
-from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, invalid, now_s, principal, roles, session
+from .deps import NODE, OPERATOR, VIEWER, begin, errors, get_or_404, now_s, principal, roles, session
+from .registry import checked_upload, stored_upload, tar_download
 
 # --------------------------------------------------------------------------------------- routes
 router = APIRouter()
@@ -62,24 +58,10 @@ _UPLOAD_OPENAPI = {"x-racer-roles": [OPERATOR], "requestBody": {
                                                                 "the stored policy"}},
     **{**roles(OPERATOR), "openapi_extra": _UPLOAD_OPENAPI})
 async def upload_policy(request: Request, p: principal(OPERATOR)):
-    import anyio.to_thread
-
-    data = await request.body()  # at most max_policy_body_bytes (the gate refuses more with 413)
-    if not data:
-        raise invalid(["body"], "body: empty; send a tar of the artifact's files")
-    try:  # in a child process with limits, awaited off the event loop
-        files, manifest = await anyio.to_thread.run_sync(functools.partial(
-            check_upload, "policy", data, limits=request.app.state.settings.check_limits()))
-    except ValueError as e:
-        raise invalid(["body"], f"policy artifact refused: {e}") from None
-    packed = pack_artifact(files)
-    digest = hashlib.sha256(packed).hexdigest()
-    version = str(manifest["policy_id"])
-    now = now_s(request)
-
-    out, created = await anyio.to_thread.run_sync(functools.partial(
-        _store, request, version=version, digest=digest, packed=packed, manifest=manifest, actor=p.name, now=now))
-    return JSONResponse(out.model_dump(), status_code=201 if created else 200)
+    files, manifest = await checked_upload(request, "policy", empty="a tar of the artifact's files",
+                                           refused="policy artifact")
+    return await stored_upload(request, _store, version=str(manifest["policy_id"]), files=files, manifest=manifest,
+                               actor=p.name)
 
 
 @router.get("/policies", response_model=list[PolicyOut], **roles(OPERATOR, VIEWER))
@@ -100,10 +82,7 @@ def policy(version: PolicyId, request: Request):
     **roles(NODE, OPERATOR, VIEWER))
 def policy_artifact(version: PolicyId, request: Request):
     with session(request) as s:
-        x = get_or_404(s, Policy, version)
-        return Response(x.artifact, media_type="application/x-tar",
-                        headers={"X-Racer-Digest": x.digest,
-                                 "Content-Disposition": f'attachment; filename="{version}.tar"'})
+        return tar_download(get_or_404(s, Policy, version), f"{version}.tar")
 
 
 @router.post("/policies/{version}/activate", response_model=PolicyOut, responses=errors(404, 409),

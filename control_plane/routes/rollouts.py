@@ -4,16 +4,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 
 from db import queries
 from db.models import Rollout
 
 from .. import rollout_service
 from ..schemas import ReasonIn, RolloutIn, RolloutOut
-from .deps import OPERATOR, VIEWER, Id64, begin, errors, get_or_404, now_s, principal, roles, session
+from .deps import OPERATOR, VIEWER, Id64, PageLimit, begin, errors, get_or_404, now_s, principal, roles, session
 
 router = APIRouter()
 
@@ -33,7 +33,7 @@ def create_rollout(body: RolloutIn, request: Request, p: principal(OPERATOR)):
 
 
 @router.get("/rollouts", response_model=list[RolloutOut], **roles(OPERATOR, VIEWER))
-def list_rollouts(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+def list_rollouts(request: Request, limit: PageLimit = 50,
                   kind: Literal["policy", "model", "all"] = "policy"):
     with session(request) as s:
         return [rollout_out(s, x) for x in queries.rollouts(s, limit, None if kind == "all" else kind)]

@@ -12,7 +12,7 @@ from db.models import Router
 from ..auth import push_token_for
 from ..jobs import secret_key_of
 from ..schemas import RouterIn, RouterOut, RouterRegisteredOut, RouterWeightsHistoryOut, RouterWeightsOut
-from .deps import NODE, OPERATOR, ROUTER, VIEWER, begin, errors, get_or_404, now_s, principal, roles, session
+from .deps import NODE, OPERATOR, ROUTER, VIEWER, PageLimit, begin, errors, get_or_404, now_s, principal, roles, session
 
 router = APIRouter()
 
@@ -85,6 +85,6 @@ def router_weights(request: Request):
 
 
 @router.get("/router/weights/history", response_model=list[RouterWeightsHistoryOut], **roles(OPERATOR, VIEWER))
-def router_weights_history(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+def router_weights_history(request: Request, limit: PageLimit = 100):
     with session(request) as s:
         return [RouterWeightsHistoryOut.model_validate(w) for w in queries.weights_history(s, limit)]

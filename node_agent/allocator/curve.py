@@ -23,9 +23,12 @@ guard range and at the split in force:
   the saving is at least ``hold_gain`` (hysteresis);
 - ``refuse_step``: the proposal's ``T`` exceeds the split in force's by ``cliff_gain`` or more (a
   step over a cliff): the proposal becomes the split in force;
-- ``flat``: the split in force is within ``flat_gain`` of the curve's minimum (the valley is flat:
-  no share saves that much): the proposal becomes the split in force, a dead band that keeps a
-  noisy gradient from walking the split across a valley where it does not matter;
+- ``flat``: the split the layer last chose (``anchor``; at first the split in force) is within
+  ``flat_gain`` of the curve's minimum (the valley is flat: no share saves that much): the
+  proposal becomes that split, a dead band that keeps a noisy gradient from walking the split
+  across a valley where it does not matter. It holds the layer's own choice, not the split in
+  force, so a burst's KV-ward cap (the recovery layer, after this one) is undone when the burst
+  ends instead of ratcheting the split down;
 - otherwise the proposal passes (``pass``), as it does with too little evidence (``no_curve``:
   curves off, or fewer followed references than ``min_emb_refs`` / ``min_kv_lookups``).
 
@@ -68,15 +71,19 @@ def expected_costs(curves, stats, rho_max: float = 0.95) -> tuple[np.ndarray, np
 
 
 class CurveGuard:
-    """The curve layer's state: whether it holds the curve's minimum (hysteresis)."""
+    """The curve layer's state: whether it holds the curve's minimum (hysteresis), and the split
+    its dead band holds (``anchor``: the layer's own last output, so a cap a later layer put on
+    the split, a burst's or an override's, is not held after it ends)."""
 
     def __init__(self, config: CurveConfig | None = None) -> None:
         self.config = config or CurveConfig()
         self.holding = False
+        self.anchor: float | None = None
         self.num_actions = {a: 0 for a in CURVE_ACTIONS}
 
     def reset(self) -> None:
         self.holding = False
+        self.anchor = None
 
     def state(self) -> dict:
         return {"enabled": self.config.enabled, "holding_minimum": self.holding, "num_actions": dict(self.num_actions)}
@@ -114,6 +121,7 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
         costs = expected_costs(curves, stats, c.rho_max)
     if costs is None:
         guard_state.holding = False
+        guard_state.anchor = proposal
         guard_state.num_actions["no_curve"] += 1
         ev = (nan, nan, nan) if curves is None else (curves.emb_followed, curves.kv_followed, curves.kv_refused)
         return proposal, LayerTrace("curve", proposal, False,
@@ -132,9 +140,14 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
         out, action = s_min, "to_minimum"
     elif t_prev > 0 and t_p >= t_prev * (1.0 + c.cliff_gain):
         out, action = prev, "refuse_step"
-    elif proposal != prev and t_prev > 0 and (t_prev - t_min) < c.flat_gain * t_prev:
-        out, action = prev, "flat"
+    else:
+        held = prev if guard_state.anchor is None else min(max(guard_state.anchor, guard.min_emb_share),
+                                                            guard.max_emb_share)
+        t_held = float(np.interp(held, shares, cost))
+        if proposal != held and t_held > 0 and (t_held - t_min) < c.flat_gain * t_held:
+            out, action = held, "flat"
     guard_state.holding = action == "to_minimum"
+    guard_state.anchor = out
     guard_state.num_actions[action] += 1
     acted = action != "pass" and out != proposal
     return out, LayerTrace("curve", out, acted,

@@ -73,8 +73,8 @@ def _curve_words(d: dict, inner: str) -> str:
         return (f"miss-ratio curves: the step to {d['proposal_in']:.4f} costs {d['cost_proposal_us']:.0f} us per "
                 f"request against {d['cost_prev_us']:.0f} in force (a cliff): step refused ({inner})")
     if a == "flat":
-        return (f"miss-ratio curves: the split in force costs {d['cost_prev_us']:.0f} us per request, within the "
-                f"dead band of the minimum's {d['cost_min_us']:.0f} at {d['min_share']:.2f}: held, not moved to "
+        return (f"miss-ratio curves: the split last chosen is within the dead band of the minimum's "
+                f"{d['cost_min_us']:.0f} us per request at {d['min_share']:.2f}: held there, not moved to "
                 f"{d['proposal_in']:.4f} ({inner})")
     return inner
 

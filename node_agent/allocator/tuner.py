@@ -127,92 +127,12 @@ class OperatingPointTuner:
         the action (one of `TUNER_ACTIONS`); ``last_gradient`` (the interval's reading),
         ``mean_gradient`` / ``gradient_se`` (the estimate) and ``last_step`` hold the figures.
         ``hold_at``: the offset that keeps the split in force (the start-up hold, class doc)."""
-        c = self.config
         if self.held != 0.0:  # last interval's start-up hold is released (this interval may hold again)
             self.offset -= self.held
             self.held = 0.0
-        n = stats.num_requests
-        em = stats.emb_marginal_us
-        km = stats.kv_marginal_us
-        rho = stats.load
-        if n <= 0 or rho <= 0.0 or em + km <= 0.0:
-            self.num_holds += 1
-            self.last_gradient = self.last_step = 0.0
-            action = "no_evidence"
-            off = self.offset
-        else:
-            g = (em - km) * n / (rho * stats.interval_s * 1e6)
-            a = c.smoothing
-            r = self._readings
-            dd = self._diffs  # |r[i] - r[i-1]| of the readings in the window, kept beside them
-            if r:
-                mean = self.mean_gradient + a * (g - self.mean_gradient)
-                dd.append(g - r[-1] if g > r[-1] else r[-1] - g)
-            else:
-                mean = g
-            r.append(g)
-            self._num_readings += 1
-            if g > 0.0:
-                self._num_pos += 1
-            elif g < 0.0:
-                self._num_neg += 1
-            if len(r) > c.noise_window:
-                old = r.pop(0)
-                dd.pop(0)
-                if old > 0.0:
-                    self._num_pos -= 1
-                elif old < 0.0:
-                    self._num_neg -= 1
-            self.mean_gradient = mean
-            if len(r) >= 4:
-                self.gradient_se = _median(dd) * self._se_factor
-            else:
-                self.gradient_se = 0.0
-            self.sign_test = False
-            sg = c.strong_gradient
-            if mean >= sg or mean <= -sg or (g >= sg and mean > 0.0) or (g <= -sg and mean < 0.0):
-                est = mean  # a strong reading or mean: a regime change, not noise
-            elif len(r) < 4 and c.confidence > 0.0:  # no noise estimate yet: only a strong reading moves
-                est = 0.0
-            else:
-                cut = c.confidence * self.gradient_se
-                est = mean - cut if mean > cut else (mean + cut if mean < -cut else 0.0)
-                if est == 0.0 and c.sign_confidence > 0.0 and rho <= c.sign_test_max_load:
-                    est = self._sign_estimate(r, self._num_pos, self._num_neg, c.sign_confidence)
-                    self.sign_test = est != 0.0
-            headroom = 1.0 - rho
-            if headroom < c.headroom_floor:
-                headroom = c.headroom_floor
-            self.last_gradient = g
-            self.num_updates += 1
-            if est == 0.0:
-                self.last_step = 0.0
-                action = "uncertain"
-                off = self.offset
-            else:
-                step = c.gain * est / headroom
-                m = c.max_rate
-                step = m if step > m else (-m if step < -m else step)
-                if -c.deadband < step < c.deadband:
-                    self.last_step = 0.0
-                    action = "deadband"
-                    off = self.offset
-                else:
-                    self.last_step = step
-                    action = "emb_ward" if step > 0 else "kv_ward"
-                    off = self.offset + step
-        nr = len(self._readings)
-        absorbed = 0.0
-        if hold_at is not None and HOLD_MIN_READINGS <= self._num_readings <= c.noise_window:
-            # start-up: every reading so far points one way and the base moves the other way
-            neg, pos = self._num_neg == nr, self._num_pos == nr
-            if (neg and off > hold_at) or (pos and off < hold_at):
-                if (action == "kv_ward" and neg) or (action == "emb_ward" and pos):
-                    absorbed = hold_at - self.offset  # confirmed: the hold becomes the offset's own,
-                    off = hold_at + self.last_step  # and the step is taken from there
-                else:  # not yet judged: held for this interval (the split stays)
-                    own = off
-                    off, action = hold_at, "hold"
+        action, off = self._propose(stats)
+        own = off  # the tuner's own proposal (a start-up hold replaces it for this interval)
+        off, action, absorbed = self._start_up_hold(off, action, hold_at)
         if hi < 0.0:  # the bounds clip the offset's own push only; a base output beyond them is the guard's
             hi = 0.0
         if lo > 0.0:
@@ -227,6 +147,106 @@ class OperatingPointTuner:
         self.offset = off
         self.last_action = action
         return action
+
+    def _propose(self, stats: WindowStats) -> tuple[str, float]:
+        """The interval's reading and step: ``(action, the offset it proposes)``, before the start-up
+        hold and the bounds; counts the interval (``num_holds`` or ``num_updates``) and sets
+        ``last_gradient`` and ``last_step``."""
+        c = self.config
+        n = stats.num_requests
+        em = stats.emb_marginal_us
+        km = stats.kv_marginal_us
+        rho = stats.load
+        if n <= 0 or rho <= 0.0 or em + km <= 0.0:
+            self.num_holds += 1
+            self.last_gradient = self.last_step = 0.0
+            return "no_evidence", self.offset
+        g = (em - km) * n / (rho * stats.interval_s * 1e6)
+        mean = self._record_reading(g)
+        est = self._estimate(g, mean, rho)
+        headroom = 1.0 - rho
+        if headroom < c.headroom_floor:
+            headroom = c.headroom_floor
+        self.last_gradient = g
+        self.num_updates += 1
+        if est == 0.0:
+            self.last_step = 0.0
+            return "uncertain", self.offset
+        step = c.gain * est / headroom
+        m = c.max_rate
+        step = m if step > m else (-m if step < -m else step)
+        if -c.deadband < step < c.deadband:
+            self.last_step = 0.0
+            return "deadband", self.offset
+        self.last_step = step
+        return ("emb_ward" if step > 0 else "kv_ward"), self.offset + step
+
+    def _record_reading(self, g: float) -> float:
+        """Take the reading ``g`` into the window (its successive differences and sign counts beside
+        it) and the EWMA; sets ``mean_gradient`` and ``gradient_se`` and returns the mean."""
+        c = self.config
+        a = c.smoothing
+        r = self._readings
+        dd = self._diffs  # |r[i] - r[i-1]| of the readings in the window, kept beside them
+        if r:
+            mean = self.mean_gradient + a * (g - self.mean_gradient)
+            dd.append(g - r[-1] if g > r[-1] else r[-1] - g)
+        else:
+            mean = g
+        r.append(g)
+        self._num_readings += 1
+        if g > 0.0:
+            self._num_pos += 1
+        elif g < 0.0:
+            self._num_neg += 1
+        if len(r) > c.noise_window:
+            old = r.pop(0)
+            dd.pop(0)
+            if old > 0.0:
+                self._num_pos -= 1
+            elif old < 0.0:
+                self._num_neg -= 1
+        self.mean_gradient = mean
+        if len(r) >= 4:
+            self.gradient_se = _median(dd) * self._se_factor
+        else:
+            self.gradient_se = 0.0
+        return mean
+
+    def _estimate(self, g: float, mean: float, rho: float) -> float:
+        """The gradient the step is taken on (class doc): the mean when it or the reading ``g`` is
+        strong, else the mean less its noise, else the sign test's median (sets ``sign_test``)."""
+        c = self.config
+        r = self._readings
+        self.sign_test = False
+        sg = c.strong_gradient
+        if mean >= sg or mean <= -sg or (g >= sg and mean > 0.0) or (g <= -sg and mean < 0.0):
+            return mean  # a strong reading or mean: a regime change, not noise
+        if len(r) < 4 and c.confidence > 0.0:  # no noise estimate yet: only a strong reading moves
+            return 0.0
+        cut = c.confidence * self.gradient_se
+        est = mean - cut if mean > cut else (mean + cut if mean < -cut else 0.0)
+        if est == 0.0 and c.sign_confidence > 0.0 and rho <= c.sign_test_max_load:
+            est = self._sign_estimate(r, self._num_pos, self._num_neg, c.sign_confidence)
+            self.sign_test = est != 0.0
+        return est
+
+    def _start_up_hold(self, off: float, action: str, hold_at: float | None) -> tuple[float, str, float]:
+        """The start-up hold (class doc) on the proposal ``off``: ``(offset, action, absorbed)``, where
+        ``absorbed`` is the part of a confirmed hold that becomes the offset's own."""
+        c = self.config
+        nr = len(self._readings)
+        absorbed = 0.0
+        if hold_at is not None and HOLD_MIN_READINGS <= self._num_readings <= c.noise_window:
+            # start-up: every reading so far points one way and the base moves the other way
+            neg, pos = self._num_neg == nr, self._num_pos == nr
+            if (neg and off > hold_at) or (pos and off < hold_at):
+                if (action == "kv_ward" and neg) or (action == "emb_ward" and pos):
+                    absorbed = hold_at - self.offset  # confirmed: the hold becomes the offset's own,
+                    off = hold_at + self.last_step  # and the step is taken from there
+                else:  # not yet judged: held for this interval (the split stays)
+                    off, action = hold_at, "hold"
+        return off, action, absorbed
 
     @staticmethod
     def _sign_estimate(readings: list[float], pos: int, neg: int, z: float) -> float:

@@ -16,7 +16,7 @@ Metadata (all device tensors, apart from the slab itself; see ``EmbCache``):
 A lookup of ``n`` ids is a fixed sequence of tensor ops (no per-id Python): gather slots, stamp
 them, find misses, gather rows. Only a batch with misses pays for deduplication (a
 first-occurrence ``scatter_reduce`` into ``item_to_slot`` itself, not a sort), victim selection
-(amortised, see ``EmbCache``) and the host-to-device copy. About 15 torch ops per call (50 with
+(amortised, see ``VictimQueue``) and the host-to-device copy. About 15 torch ops per call (50 with
 misses), so small batches cost tens of microseconds of Python and large ones are memory bound.
 """
 
@@ -30,9 +30,9 @@ import torch
 
 from .arena import Arena
 from .config import torch_dtype
+from .emb_refill import RESERVED_TICK, CudaRefillStream, EmbRefill, RefillStream
+from .ghosts import EmbGhostList
 from .mrc import EmbReuse
-
-RESERVED_TICK = 1 << 62  # larger than any real tick; never a victim, never counted as a hit
 
 
 class EmbLookup(NamedTuple):
@@ -82,61 +82,114 @@ class EmbCacheStats:
         return self.num_hits / self.num_requested_ids if self.num_requested_ids else 0.0
 
 
-@dataclass
-class _RefillChunk:
-    items: torch.Tensor
-    slots: torch.Tensor
-    num_bytes: int
-    event: object | None  # the copy's handle (``query``, ``synchronize``); None when it already completed
+class VictimQueue:
+    """Victims of the slab in eviction order, amortised.
+
+    The eligible rows (tick below the current call's) are sorted by ``(tick, slot)`` once into a
+    queue; later calls take victims from its head, skipping entries whose row was touched since
+    (its tick changed). Ticks only grow, so the valid entries stay the least recent rows in
+    order; anything that can lower a tick (growing the slab, a refill discarding a row) must
+    `invalidate` the queue. ``slot_tick`` is the cache's tensor, shared."""
+
+    def __init__(self, slot_tick: torch.Tensor) -> None:
+        self.slot_tick = slot_tick
+        self._slots = torch.empty(0, dtype=torch.int64, device=slot_tick.device)
+        self._ticks = torch.empty(0, dtype=torch.int64, device=slot_tick.device)
+        self._head = 0
+
+    def invalidate(self) -> None:
+        self._head = self._slots.numel()
+
+    def _rebuild(self, tick: int, rows: int) -> None:
+        """All rows of ``[0, rows)`` with a tick below ``tick``, in increasing (tick, slot)."""
+        t = self.slot_tick[:rows]
+        order = torch.argsort(t, stable=True)
+        sorted_ticks = t.index_select(0, order)
+        eligible = int(torch.searchsorted(sorted_ticks, tick))
+        self._slots = order[:eligible]
+        self._ticks = sorted_ticks[:eligible]
+        self._head = 0
+
+    def take(self, k: int, tick: int, rows: int) -> torch.Tensor:
+        """Up to ``k`` victim rows of ``[0, rows)`` in eviction order, stamped with ``tick``."""
+        if k <= 0:
+            return self._slots[:0]
+        taken: list[torch.Tensor] = []
+        need = k
+        rebuilt = False
+        while need > 0:
+            size = self._slots.numel()
+            head = self._head
+            if head >= size:
+                if rebuilt:
+                    break  # every eligible row is taken
+                self._rebuild(tick, rows)
+                rebuilt = True
+                continue
+            w = min(size - head, need + need // 4 + 64)  # the queue head is mostly valid
+            qs = self._slots[head: head + w]
+            valid = self.slot_tick.index_select(0, qs) == self._ticks[head: head + w]
+            vpos = valid.nonzero().squeeze(1)
+            if vpos.numel() >= need:
+                vpos = vpos[:need]
+                self._head = head + int(vpos[-1]) + 1
+            else:
+                self._head = head + w
+            got = qs.index_select(0, vpos)
+            if got.numel():
+                self.slot_tick.index_fill_(0, got, tick)
+                taken.append(got)
+                need -= got.numel()
+        if not taken:
+            return self._slots[:0]
+        return taken[0] if len(taken) == 1 else torch.cat(taken)
+
+    def points_past(self, rows: int) -> bool:
+        """Whether a queued entry still to be read names a row at or past ``rows``."""
+        head = self._head
+        return head < self._slots.numel() and int(self._slots[head:].max()) >= rows
 
 
-class RefillStream:
-    """Copies a refill chunk's rows into the slab and hands back how to see the copy complete.
+class DemandCopies:
+    """The host table's rows of demand misses, on the device.
 
-    This class is the CPU's: the copy is done when ``copy`` returns, which returns ``None``.
-    `CudaRefillStream` copies on a stream of its own and returns a CUDA event. ``EmbCache``
-    keeps one in ``refill_stream``; anything with the same ``copy`` (returning ``None`` or an
-    object with ``query()`` and ``synchronize()``) may replace it."""
+    On CUDA the rows are gathered on the host into a pinned staging buffer (reused, grown as
+    needed) and copied ``non_blocking`` on the serving stream; the host waits for the serving
+    stream only, to read the missed ids and before it reuses the buffer. On the CPU a gather."""
 
-    def copy(self, slab_rows: torch.Tensor, slots: torch.Tensor, host_table: torch.Tensor,
-             items_host: torch.Tensor):
-        slab_rows.index_copy_(0, slots, host_table.index_select(0, items_host))
-        return None
-
-
-class CudaRefillStream(RefillStream):
-    """The refill's high-priority CUDA stream and its pinned staging buffer.
-
-    ``copy`` gathers the rows on the host into the staging buffer (pinned on CUDA, grown as
-    needed; a chunk is issued only once the previous one completed, so one buffer serves), records
-    an event on the serving stream (the calling thread's current stream) after the rows'
-    reservation and any earlier use of their pages as KV, makes the refill stream wait for it, and
-    copies ``non_blocking`` on the refill stream. The serving stream never waits for this stream:
-    the chunk's rows are reserved, so no lookup reads or writes them until the commit."""
-
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, host_table: torch.Tensor, device: torch.device) -> None:
+        self.host_table = host_table
         self.device = device
-        self.stream = torch.cuda.Stream(device=device, priority=-100)
         self.staging: torch.Tensor | None = None
+        self._copied = None  # the event after the staging buffer's last copy
 
-    def copy(self, slab_rows, slots, host_table, items_host):
+    def rows(self, items: torch.Tensor) -> torch.Tensor:
+        """The host table's rows of ``items``, on the device."""
+        if self.device.type == "cpu":
+            return self.host_table.index_select(0, items)
+        return self.staged_rows(items.cpu())  # the host reads the ids: waits for the serving stream
+
+    def staged_rows(self, items_host: torch.Tensor) -> torch.Tensor:
+        """Rows of ``items_host`` (host ids) gathered into the staging buffer (pinned on CUDA) and
+        copied ``non_blocking`` on the serving stream (the current stream). Before the buffer is
+        rewritten the host waits for the event after its previous copy: the serving stream's work
+        up to there, nothing else."""
         k = items_host.numel()
-        if self.staging is None or self.staging.shape[0] < k:
-            self.staging = torch.empty((k, host_table.shape[1]), dtype=host_table.dtype,
-                                       pin_memory=self.device.type == "cuda")
-        staging = self.staging[:k]
-        torch.index_select(host_table, 0, items_host, out=staging)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            dev_rows = staging.to(self.device, non_blocking=True)
-            slab_rows.index_copy_(0, slots, dev_rows)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        if slots.is_cuda:
-            slots.record_stream(self.stream)  # allocated on the serving stream, read on this one
-        return done
+        if self._copied is not None:
+            self._copied.synchronize()
+        buf = self.staging
+        if buf is None or buf.shape[0] < k:
+            cap = max(k, 2 * buf.shape[0] if buf is not None else 0)
+            buf = torch.empty((cap, self.host_table.shape[1]), dtype=self.host_table.dtype,
+                              pin_memory=self.device.type == "cuda")
+            self.staging = buf
+        staging = buf[:k]
+        torch.index_select(self.host_table, 0, items_host, out=staging)
+        rows = staging.to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._copied = ev
+        return rows
 
 
 class EmbCache:
@@ -153,42 +206,12 @@ class EmbCache:
 
     Why this order: a tick per batch, as FBGEMM's LRU cache does, keeps the bookkeeping a single
     scatter per batch; the slot tie-break makes the order deterministic, so tests can script it.
+    Victim selection is amortised (`VictimQueue`, ``victims``).
 
-    **Victim selection** is amortised: the eligible rows are sorted by ``(tick, slot)`` once into
-    a queue; later calls take victims from its head, skipping entries whose row was touched since
-    (its tick changed). Ticks only grow, so the valid entries stay the least recent rows in order;
-    anything that can lower a tick (growing the slab, a refill discarding a row) drops the queue.
-
-    **Refill** (``issue_refill`` / ``poll_refill``): when the slab grows, the uncached items with
-    the most misses (ties: lower id first) are ranked once, as many as there are empty rows;
-    each chunk then copies the next of them still uncached into the lowest empty rows. Rows are
-    reserved (``RESERVED_TICK``), copied by ``refill_stream`` (CUDA: `CudaRefillStream`, on a
-    separate high-priority stream that waits for the serving stream, never the reverse; CPU: a
-    plain copy), and committed to the maps only once the copy has completed (``event.query()``),
-    so a lookup never waits for a refill and never sees a half-written row. The ranked candidates
-    are kept on the host as well, so issuing a chunk reads no item ids back from the device.
-    Refilled rows enter as most recent. Items that a demand miss cached meanwhile are skipped at
-    commit and their rows go back to empty. Demand misses take empty rows first too (tick 0), so
-    the refill only fills what demand has not.
-
-    **Ghost list** (``config.ghost_probes``): the marginal utility of more rows. Every row that
-    leaves the slab (an eviction, or an invalidation when the slab shrinks) stamps its item with
-    a running count of such departures (``ghost_seq``). A missed item that left ``d`` departures
-    ago (``d = 1``: the last one) is among the ``d`` rows just past the slab's end in LRU order,
-    so a slab at least ``d`` rows larger would have held it (LRU's stack property, as in ARC's
-    ghost lists and utility-based cache partitioning); for each probe of ``r`` rows
-    (``ghost_rows``) the call counts its distinct missed ids with ``d <= r``: row copies that
-    much more memory would have saved. A shrink stamps its rows highest first, so the rows just
-    past the new end are the nearest ghosts (a slab shrunk less would still hold them). The
-    counts are estimates: items that left twice within reach count twice as distance (an
-    undercount), and rows stamped in the same call tie in LRU order (batches of several ids can
-    overcount a little); for one id per call they are lower bounds of a larger slab's extra hits.
-    It costs five tensor ops on calls with misses and two per eviction; the metadata lives on
-    the device with the rest.
-
-    **Demand misses** on CUDA are gathered on the host into a pinned staging buffer (reused,
-    grown as needed) and copied ``non_blocking`` on the serving stream; the host waits for the
-    serving stream only, to read the missed ids and before it reuses the buffer.
+    Parts: ``refill`` (`EmbRefill`: the background refill of empty rows with the most missed
+    items; the cache commits its rows in `admit_refilled`), ``ghosts`` (`EmbGhostList`, with
+    ``config.ghost_probes``: the misses a larger slab would have served), ``demand``
+    (`DemandCopies`: the rows of demand misses from host memory; ``None`` in metadata-only mode).
 
     **Metadata-only mode** (``arena.payload is False``): the same code with no slab and no host
     table; ``rows`` is ``None`` and nothing is copied, every counter and decision is identical.
@@ -224,31 +247,15 @@ class EmbCache:
         self._arange32 = torch.arange(0, dtype=torch.int32, device=dev)
         self._ones = torch.ones(0, dtype=torch.float32, device=dev)
         self._tick = 0
-        self._q_slots = torch.empty(0, dtype=i64, device=dev)
-        self._q_ticks = torch.empty(0, dtype=i64, device=dev)
-        self._q_head = 0
+        self.victims = VictimQueue(self.slot_tick)
         self.stats = EmbCacheStats()
-        # ghost list: ghost_seq[item] = departures counted when the item left the slab (0: never)
-        self.ghost_rows = tuple(p * cfg.rows_per_page for p in cfg.ghost_probe_pages)
-        self._ghost_limits = torch.tensor(self.ghost_rows, dtype=i64, device=dev)
-        self._departures = 0
-        self._ghost_seq = (torch.zeros(num_items, dtype=i64, device=dev) if self.ghost_rows
-                           else torch.empty(0, dtype=i64, device=dev))
-        self.stats.ghost_hits = (0,) * len(self.ghost_rows)
+        self.ghosts = EmbGhostList(tuple(p * cfg.rows_per_page for p in cfg.ghost_probe_pages), num_items, dev)
+        self.stats.ghost_hits = (0,) * len(self.ghosts.rows)
         # the miss-ratio curve (config.miss_curves): the slab's hits at every size (node_agent.memory.mrc)
         self.reuse = EmbReuse(cfg.num_pages, cfg.rows_per_page) if cfg.miss_curves_on else None
-        # refill state
-        self._refill_candidates = torch.empty(0, dtype=i64, device=dev)
-        self._refill_candidates_host = self._refill_candidates.cpu()
-        self._refill_cursor = 0
-        self._refill_stale = True
-        self._inflight: _RefillChunk | None = None
-        self.refill_stream: RefillStream | None = None
-        # demand misses on CUDA: pinned staging buffer, and the event after its last copy
-        self._demand_staging: torch.Tensor | None = None
-        self._demand_copied = None
-        # host table
         self.host_table: torch.Tensor | None = None
+        self.demand: DemandCopies | None = None
+        stream = None
         if self.payload:
             if host_table is None:
                 raise ValueError("a payload EMB cache needs host_table [num_items, emb_dim]")
@@ -263,12 +270,14 @@ class EmbCache:
             if self.device.type == "cuda":
                 if not host_table.is_pinned():
                     host_table = host_table.pin_memory()
-                self.refill_stream = CudaRefillStream(self.device)
+                stream = CudaRefillStream(self.device)
             else:
-                self.refill_stream = RefillStream()
+                stream = RefillStream()
             self.host_table = host_table.contiguous()
+            self.demand = DemandCopies(self.host_table, self.device)
         elif host_table is not None:
             raise ValueError("a metadata-only EMB cache takes no host_table")
+        self.refill = EmbRefill(self, stream)
 
     # ------------------------------------------------------------------------------ lookup ---
     def _record_reuse(self, ids: torch.Tensor, counts: torch.Tensor | None, host_ids: np.ndarray | None) -> None:
@@ -334,46 +343,16 @@ class EmbCache:
             num_miss = int(miss_counts.sum()) if num_miss_pos else 0
 
         u = a = num_evicted = 0
-        evicted = None
-        bypass_pos = None
-        ghost = None
+        evicted = bypass_pos = ghost = None
         if num_miss:
-            miss_ids = ids.index_select(0, miss_pos)
-            self._count_misses(miss_ids, miss_counts)
-            uniq = self._mark_first_occurrences(miss_ids)
-            u = uniq.numel()
-            if self.ghost_rows and self._departures:
-                ghost = self._count_ghost_hits(uniq)
-            victims = self._take_victims(min(u, self.rows), tick)
-            a = victims.numel()
-            if a:
-                admitted = uniq[:a] if a < u else uniq
-                old = self.slot_to_item.index_select(0, victims)
-                evicted = old[old >= 0]
-                num_evicted = evicted.numel()
-                if num_evicted:
-                    self.item_to_slot.index_fill_(0, evicted, self.miss_slot)
-                    self._record_departures(evicted)
-                else:
-                    evicted = None
-                self.item_to_slot.index_copy_(0, admitted, victims)
-                self.slot_to_item.index_copy_(0, victims, admitted)
-                if self.payload:
-                    self.arena.all_rows().index_copy_(0, victims, self._host_rows(admitted))
-            if a < u:
-                self.item_to_slot.index_fill_(0, uniq[a:], self.miss_slot)
-            if self.payload:  # the rows' slots (metadata-only mode returns no rows)
-                new_slots = self.item_to_slot.index_select(0, miss_ids)
-                slots.index_copy_(0, miss_pos, new_slots)
-                if a < u:
-                    bypass_pos = miss_pos[new_slots == self.miss_slot]
-                    slots.index_fill_(0, bypass_pos, 0)  # any in-bounds row; overwritten below
+            u, a, evicted, bypass_pos, ghost = self._insert_misses(ids, slots, miss_pos, miss_counts, tick)
+            num_evicted = 0 if evicted is None else evicted.numel()
 
         rows = None
         if self.payload:
             rows = torch.index_select(self.arena.all_rows(), 0, slots, out=out)
             if bypass_pos is not None:
-                rows.index_copy_(0, bypass_pos, self._host_rows(ids.index_select(0, bypass_pos)))
+                rows.index_copy_(0, bypass_pos, self.demand.rows(ids.index_select(0, bypass_pos)))
 
         self._decay_popularity(n_total)
         num_hits = n_total - num_miss
@@ -390,6 +369,44 @@ class EmbCache:
         return EmbLookup(rows, n_total, num_hits, num_distinct_hits + u, u, u - a, num_evicted,
                          bytes_moved, evicted)
 
+    def _insert_misses(self, ids: torch.Tensor, slots: torch.Tensor, miss_pos: torch.Tensor,
+                       miss_counts: torch.Tensor | None, tick: int):
+        """A call's misses (at ``miss_pos`` of ``ids``): counted (popularity, ghost list), the
+        distinct ones admitted into victim rows in order of first occurrence (their items
+        evicted), the rest bypassed; in payload mode ``slots`` gets the misses' new rows (bypassed
+        ones: row 0, to be overwritten). Returns (distinct misses, admitted, evicted items or
+        None, positions bypassed or None, ghost hits per probe or None)."""
+        miss_ids = ids.index_select(0, miss_pos)
+        self._count_misses(miss_ids, miss_counts)
+        uniq = self._mark_first_occurrences(miss_ids)
+        u = uniq.numel()
+        ghost = self.ghosts.hits(uniq)
+        victims = self.victims.take(min(u, self.rows), tick, self.rows)
+        a = victims.numel()
+        evicted = bypass_pos = None
+        if a:
+            admitted = uniq[:a] if a < u else uniq
+            old = self.slot_to_item.index_select(0, victims)
+            evicted = old[old >= 0]
+            if evicted.numel():
+                self.item_to_slot.index_fill_(0, evicted, self.miss_slot)
+                self.ghosts.record_departures(evicted)
+            else:
+                evicted = None
+            self.item_to_slot.index_copy_(0, admitted, victims)
+            self.slot_to_item.index_copy_(0, victims, admitted)
+            if self.payload:
+                self.arena.all_rows().index_copy_(0, victims, self.demand.rows(admitted))
+        if a < u:
+            self.item_to_slot.index_fill_(0, uniq[a:], self.miss_slot)
+        if self.payload:  # the rows' slots (metadata-only mode returns no rows)
+            new_slots = self.item_to_slot.index_select(0, miss_ids)
+            slots.index_copy_(0, miss_pos, new_slots)
+            if a < u:
+                bypass_pos = miss_pos[new_slots == self.miss_slot]
+                slots.index_fill_(0, bypass_pos, 0)  # any in-bounds row; overwritten below
+        return u, a, evicted, bypass_pos, ghost
+
     def _count_misses(self, miss_ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Popularity of uncached items: each miss (with repeats) adds one; counts halve every
         ``popularity_half_life_ids`` requested ids."""
@@ -399,21 +416,6 @@ class EmbCache:
                 self._ones = torch.ones(max(k, 2 * self._ones.numel()), device=self.device)
             weights = self._ones[:k]
         self.popularity.scatter_add_(0, miss_ids, weights.to(self.popularity.dtype))
-
-    def _count_ghost_hits(self, uniq: torch.Tensor) -> list[int]:
-        """Per probe, the distinct missed ids that left the slab within that many departures."""
-        seq = self._ghost_seq.index_select(0, uniq)
-        dist = torch.where(seq > 0, self._departures + 1 - seq, RESERVED_TICK)  # never left: out of reach
-        return (dist.unsqueeze(1) <= self._ghost_limits).sum(0).tolist()
-
-    def _record_departures(self, items: torch.Tensor) -> None:
-        """Stamp items leaving the slab (in order) for the ghost list."""
-        if not self.ghost_rows:
-            return
-        k = items.numel()
-        self._ghost_seq.index_copy_(0, items, torch.arange(self._departures + 1, self._departures + k + 1,
-                                                           dtype=torch.int64, device=self.device))
-        self._departures += k
 
     def _decay_popularity(self, n: int) -> None:
         self._ids_since_decay += n
@@ -457,82 +459,6 @@ class EmbCache:
         self.item_to_slot.scatter_reduce_(0, miss_ids, marks, "amin", include_self=False)
         return miss_ids[self.item_to_slot.index_select(0, miss_ids) == marks]
 
-    def _host_rows(self, items: torch.Tensor) -> torch.Tensor:
-        """The host table's rows of ``items``, on the device."""
-        if self.device.type == "cpu":
-            return self.host_table.index_select(0, items)
-        return self._staged_host_rows(items.cpu())  # the host reads the ids: waits for the serving stream
-
-    def _staged_host_rows(self, items_host: torch.Tensor) -> torch.Tensor:
-        """Rows of ``items_host`` (host ids) gathered into the demand staging buffer (pinned on
-        CUDA) and copied ``non_blocking`` on the serving stream (the current stream). Before the
-        buffer is rewritten the host waits for the event after its previous copy: the serving
-        stream's work up to there, nothing else."""
-        k = items_host.numel()
-        if self._demand_copied is not None:
-            self._demand_copied.synchronize()
-        buf = self._demand_staging
-        if buf is None or buf.shape[0] < k:
-            cap = max(k, 2 * buf.shape[0] if buf is not None else 0)
-            buf = torch.empty((cap, self.emb_dim), dtype=self.host_table.dtype,
-                              pin_memory=self.device.type == "cuda")
-            self._demand_staging = buf
-        staging = buf[:k]
-        torch.index_select(self.host_table, 0, items_host, out=staging)
-        rows = staging.to(self.device, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        self._demand_copied = ev
-        return rows
-
-    # ------------------------------------------------------------------------------ victims --
-    def _invalidate_queue(self) -> None:
-        self._q_head = self._q_slots.numel()
-
-    def _rebuild_queue(self, tick: int) -> None:
-        """All rows with a tick below ``tick``, in increasing (tick, slot)."""
-        t = self.slot_tick[: self.rows]
-        order = torch.argsort(t, stable=True)
-        sorted_ticks = t.index_select(0, order)
-        eligible = int(torch.searchsorted(sorted_ticks, tick))
-        self._q_slots = order[:eligible]
-        self._q_ticks = sorted_ticks[:eligible]
-        self._q_head = 0
-
-    def _take_victims(self, k: int, tick: int) -> torch.Tensor:
-        """Up to ``k`` victim rows in eviction order, stamped with ``tick``."""
-        if k <= 0:
-            return self._q_slots[:0]
-        taken: list[torch.Tensor] = []
-        need = k
-        rebuilt = False
-        while need > 0:
-            size = self._q_slots.numel()
-            head = self._q_head
-            if head >= size:
-                if rebuilt:
-                    break  # every eligible row is taken
-                self._rebuild_queue(tick)
-                rebuilt = True
-                continue
-            w = min(size - head, need + need // 4 + 64)  # the queue head is mostly valid
-            qs = self._q_slots[head: head + w]
-            valid = self.slot_tick.index_select(0, qs) == self._q_ticks[head: head + w]
-            vpos = valid.nonzero().squeeze(1)
-            if vpos.numel() >= need:
-                vpos = vpos[:need]
-                self._q_head = head + int(vpos[-1]) + 1
-            else:
-                self._q_head = head + w
-            got = qs.index_select(0, vpos)
-            if got.numel():
-                self.slot_tick.index_fill_(0, got, tick)
-                taken.append(got)
-                need -= got.numel()
-        if not taken:
-            return self._q_slots[:0]
-        return taken[0] if len(taken) == 1 else torch.cat(taken)
-
     # ------------------------------------------------------------------------ boundary moves -
     def grow(self, new_rows: int) -> None:
         """Extend the slab to ``new_rows`` (metadata only: rows past the slab are kept empty)."""
@@ -541,8 +467,8 @@ class EmbCache:
         if new_rows == self.rows:
             return
         self.rows = new_rows
-        self._invalidate_queue()  # new empty rows rank before every queued row
-        self._refill_stale = True
+        self.victims.invalidate()  # new empty rows rank before every queued row
+        self.refill.mark_stale()
 
     def shrink(self, new_rows: int) -> int:
         """Cut the slab to ``new_rows``: the top rows' items are invalidated (metadata only).
@@ -551,141 +477,36 @@ class EmbCache:
             raise ValueError(f"shrink to {new_rows} rows from {self.rows}")
         if new_rows == self.rows:
             return 0
-        self.wait_refill()
+        self.refill.wait()
         top = self.slot_to_item[new_rows: self.rows]
         items = top[top >= 0]
         if items.numel():
             self.item_to_slot.index_fill_(0, items, self.miss_slot)
             # highest row first: the rows just past the new end are the most recent departures,
             # as a slab shrunk less would still hold them
-            self._record_departures(items.flip(0))
+            self.ghosts.record_departures(items.flip(0))
         top.fill_(-1)
         self.slot_tick[new_rows: self.rows].fill_(0)
         self.rows = new_rows
-        self._invalidate_queue()
+        self.victims.invalidate()
         self.stats.num_invalidations += items.numel()
         return items.numel()
 
-    # ------------------------------------------------------------------------------ refill ---
-    def _empty_rows(self) -> torch.Tensor:
-        """Empty, unreserved rows of the slab, lowest first."""
-        t = self.slot_tick[: self.rows]
-        return ((self.slot_to_item[: self.rows] < 0) & (t != RESERVED_TICK)).nonzero().squeeze(1)
-
-    def plan_refill(self) -> torch.Tensor:
-        """The most popular uncached items, as many as there are empty rows, hottest first
-        (ties: lower item id first); items never requested are left out."""
-        num_empty = self._empty_rows().numel()
-        self._refill_cursor = 0
-        self._refill_stale = False
-        if num_empty == 0:
-            self._refill_candidates = self._refill_candidates[:0]
-            self._refill_candidates_host = self._refill_candidates_host[:0]
-            return self._refill_candidates
-        score = self.popularity.masked_fill(self.item_to_slot != self.miss_slot, -1.0)
-        k = min(num_empty, self.num_items)
-        kth = float(torch.topk(score, k, sorted=False).values.min())
-        if kth <= 0.0:
-            cand = (score > 0).nonzero().squeeze(1)
-        else:
-            above = (score > kth).nonzero().squeeze(1)
-            ties = (score == kth).nonzero().squeeze(1)[: k - above.numel()]
-            cand = torch.cat([above, ties])
-        order = torch.argsort(-score.index_select(0, cand), stable=True)
-        self._refill_candidates = cand.index_select(0, order)
-        self._refill_candidates_host = self._refill_candidates.cpu()  # the same tensor on the CPU
-        return self._refill_candidates
-
-    @property
-    def refill_inflight(self) -> bool:
-        return self._inflight is not None
-
-    def refill_pending(self) -> bool:
-        """True while a refill has work: a chunk in flight, a stale plan or candidates left."""
-        return (self._inflight is not None or self._refill_stale
-                or self._refill_cursor < self._refill_candidates.numel())
-
-    def issue_refill(self, max_rows: int) -> int:
-        """Start copying up to ``max_rows`` candidate rows into empty rows; returns the rows
-        issued (0 while a chunk is in flight, or when there is nothing to fill)."""
-        self.poll_refill()
-        if self._inflight is not None or max_rows <= 0:
-            return 0
-        if self._refill_stale:
-            self.plan_refill()
-        cand = self._refill_candidates
-        cur = self._refill_cursor
-        if cur >= cand.numel():
-            return 0
-        hi = cur + max(4 * max_rows, 64)
-        window, window_host = cand[cur:hi], self._refill_candidates_host[cur:hi]
-        # which candidates are still uncached: one flag each read back; the ids come from the host list
-        missing = (self.item_to_slot.index_select(0, window) == self.miss_slot).cpu().nonzero().squeeze(1)
-        if missing.numel() > max_rows:
-            missing = missing[:max_rows]
-            self._refill_cursor = cur + int(missing[-1]) + 1
-        else:
-            self._refill_cursor = cur + window.numel()
-        items_host = window_host.index_select(0, missing)
-        empty = self._empty_rows()
-        k = min(items_host.numel(), empty.numel())
-        if empty.numel() == 0:
-            self._refill_cursor = cand.numel()  # nothing left to fill until the slab grows
-        if k == 0:
-            return 0
-        items_host, slots = items_host[:k], empty[:k]
-        self.slot_tick.index_fill_(0, slots, RESERVED_TICK)
-        self._inflight = self._copy_chunk(items_host.to(self.device), slots, items_host)
-        self.poll_refill()
-        return k
-
-    def _copy_chunk(self, items: torch.Tensor, slots: torch.Tensor,
-                    items_host: torch.Tensor | None = None) -> _RefillChunk:
-        """Copy ``items``' rows into the reserved rows ``slots`` through ``refill_stream``
-        (``items_host``: the same ids in host memory, read back from ``items`` when not given)."""
-        nbytes = items.numel() * self.row_bytes
-        if not self.payload:
-            return _RefillChunk(items, slots, nbytes, None)
-        if items_host is None:
-            items_host = items.cpu()
-        done = self.refill_stream.copy(self.arena.all_rows(), slots, self.host_table, items_host)
-        return _RefillChunk(items, slots, nbytes, done)
-
-    def poll_refill(self) -> bool:
-        """Commit the chunk in flight if its copy has completed (never waits)."""
-        ch = self._inflight
-        if ch is None:
-            return False
-        if ch.event is not None and not ch.event.query():
-            return False
-        self._inflight = None
-        self._commit(ch)
-        return True
-
-    def wait_refill(self) -> None:
-        """Wait for the chunk in flight and commit it (only boundary shrinks call this)."""
-        ch = self._inflight
-        if ch is None:
-            return
-        if ch.event is not None:
-            ch.event.synchronize()
-        self._inflight = None
-        self._commit(ch)
-
-    def _commit(self, ch: _RefillChunk) -> None:
-        ok = self.item_to_slot.index_select(0, ch.items) == self.miss_slot
-        ok_items, ok_slots = ch.items[ok], ch.slots[ok]
+    def admit_refilled(self, items: torch.Tensor, slots: torch.Tensor) -> int:
+        """Commit a refill chunk whose rows ``slots`` (reserved) now hold ``items``' rows: the
+        items still uncached take their rows as most recent (one tick); the others' rows go back
+        to empty. Returns the rows admitted."""
+        ok = self.item_to_slot.index_select(0, items) == self.miss_slot
+        ok_items, ok_slots = items[ok], slots[ok]
         self._tick += 1
         self.item_to_slot.index_copy_(0, ok_items, ok_slots)
         self.slot_to_item.index_copy_(0, ok_slots, ok_items)
         self.slot_tick.index_fill_(0, ok_slots, self._tick)
         n_ok = ok_items.numel()
-        if n_ok < ch.items.numel():
-            self.slot_tick.index_fill_(0, ch.slots[~ok], 0)
-            self._invalidate_queue()  # rows went back to empty (tick 0)
-        self.stats.num_refill_rows += n_ok
-        self.stats.num_refill_discarded += ch.items.numel() - n_ok
-        self.stats.refill_bytes += ch.num_bytes
+        if n_ok < items.numel():
+            self.slot_tick.index_fill_(0, slots[~ok], 0)
+            self.victims.invalidate()  # rows went back to empty (tick 0)
+        return n_ok
 
     # ----------------------------------------------------------------------------- queries ---
     @property
@@ -747,16 +568,15 @@ class EmbCache:
         if bool(((et != 0) & ~reserved).any()):
             out.append("emb: an empty row carries a tick")
         n_res = int(reserved.sum())
-        n_inflight = 0 if self._inflight is None else self._inflight.slots.numel()
+        n_inflight = self.refill.num_inflight_rows
         if n_res != n_inflight:
             out.append(f"emb: {n_res} rows reserved but {n_inflight} in flight")
         ot = ticks[occ]
         if ot.numel() and (int(ot.min()) < 1 or int(ot.max()) > self._tick):
             out.append("emb: an occupied row's tick is outside [1, tick]")
-        head = self._q_head
-        if head < self._q_slots.numel() and int(self._q_slots[head:].max()) >= rows:
+        if self.victims.points_past(rows):
             out.append("emb: the victim queue points past the slab")
-        if self.payload and self._inflight is None and items.numel():
+        if self.payload and not self.refill.inflight and items.numel():
             if not torch.equal(self.arena.all_rows()[occ.to(self.device)].cpu(),
                                self.host_table[items]):
                 out.append("emb: a cached row differs from the host table")

@@ -3,12 +3,13 @@ style: the pool manages page ids, owners and LRU order; the arena owns the tenso
 
 A page holds ``page_tokens`` tokens of K and V for every layer; its view is
 ``[num_layers, 2, page_tokens, num_heads, head_dim]`` (axis 1: 0 = K, 1 = V). Token ``t`` of a
-user sits in page ``block_table[t // page_tokens]`` at offset ``t % page_tokens``.
+user sits in page ``block_table[t // page_tokens]`` at offset ``t % page_tokens``. The pages hold
+only K and V: which tokens they are (item ids and timestamps) is recorded beside the block table
+(`CachedSequence`), so the pool alone says what a user's pages hold.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -16,10 +17,9 @@ import numpy as np
 import torch
 
 from .arena import Arena
+from .free_pages import EMB, FREE, FreePages
+from .ghosts import KVGhostList
 from .mrc import KVReuse
-
-FREE = -1  # page_owner of a free KV page
-EMB = -2  # page_owner of a page in the EMB slab
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,21 @@ class ResidencyDelta:
     evicted: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class CachedSequence:
+    """What the pool holds of one user's sequence (`KVPool.lookup_sequence`).
+
+    ``num_tokens``: the tokens whose K/V the pages hold (0: none); ``items`` / ``ts``: their item
+    ids and timestamps, oldest first (views, valid until the user's next append or eviction;
+    ``None`` when the pages' tokens were appended without them); ``evicted``: nothing is cached
+    because the pool evicted the user's recorded tokens for space (LRU, or a boundary move)."""
+
+    num_tokens: int
+    items: np.ndarray | None = None
+    ts: np.ndarray | None = None
+    evicted: bool = False
+
+
 @dataclass
 class KVPoolStats:
     num_lookups: int = 0
@@ -77,44 +92,120 @@ class KVPoolStats:
 
 
 class _UserKV:
-    __slots__ = ("block_table", "num_tokens")
+    """One user's record: its pages, its token count and (optionally) which tokens they are."""
+
+    __slots__ = ("block_table", "num_tokens", "items", "ts")
 
     def __init__(self) -> None:
         self.block_table: list[int] = []
         self.num_tokens = 0
+        self.items: np.ndarray | None = None  # int64 [capacity]: the first num_tokens are recorded
+        self.ts: np.ndarray | None = None  # float64 [capacity]
+
+    def record(self, start: int, items: np.ndarray, ts: np.ndarray) -> None:
+        """Tokens ``[start, start + len(items))`` get these item ids and timestamps (the earlier
+        ones are recorded already)."""
+        n = start + len(items)
+        cap = 0 if self.items is None else len(self.items)
+        if n > cap:
+            cap = max(n, 2 * cap, 64)
+            ni, nt = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.float64)
+            if start:
+                ni[:start], nt[:start] = self.items[:start], self.ts[:start]
+            self.items, self.ts = ni, nt
+        self.items[start:n] = items
+        self.ts[start:n] = ts
+
+
+class TokenRecords:
+    """Which tokens the pool's pages hold: the item ids and timestamps of each user's cached
+    tokens (kept on the user's block-table entry), and the users evicted while recorded.
+
+    A user's record covers all its cached tokens or none: appended without their ids, a user's
+    tokens are no longer recorded. A user evicted while recorded (for space: LRU, a boundary
+    move; or by ``evict`` unless told to forget) is remembered until its next lookup or append,
+    so that lookup can say its K/V were evicted rather than never cached; `forget` forgets all of
+    them, amortised (the pool's owner calls it between batches).
+    """
+
+    def __init__(self) -> None:
+        self.num_recorded = 0  # users whose tokens are recorded
+        self.evicted: set[int] = set()
+        self._forget_at = 1024
+
+    def appended(self, entry: _UserKV, start: int, items: np.ndarray | None, ts: np.ndarray | None) -> None:
+        """``entry``'s tokens ``[start, entry.num_tokens)`` were just given pages."""
+        if items is not None and (start == 0 or entry.items is not None):
+            self.num_recorded += entry.items is None
+            entry.record(start, items, ts)
+        elif entry.items is not None:
+            entry.items = entry.ts = None
+            self.num_recorded -= 1
+
+    def freed(self, user_id: int, entry: _UserKV, remember: bool) -> None:
+        """``user_id``'s pages were freed (``remember``: as an eviction its next lookup tells)."""
+        if entry.items is not None:
+            self.num_recorded -= 1
+            if remember:
+                self.evicted.add(user_id)
+
+    def sequence(self, user_id: int, entry: _UserKV | None) -> CachedSequence:
+        """What the pool holds of ``user_id``'s sequence (``entry``: its block-table entry, None
+        when nothing is cached); a user remembered as evicted is then forgotten."""
+        if entry is None:
+            evicted = user_id in self.evicted
+            if evicted:
+                self.evicted.remove(user_id)
+            return CachedSequence(0, evicted=evicted)
+        n = entry.num_tokens
+        if entry.items is None:
+            return CachedSequence(n)
+        return CachedSequence(n, entry.items[:n], entry.ts[:n])
+
+    def forget(self) -> None:
+        """Forget the users evicted while recorded (their next lookup is a plain miss).
+        Amortised: only once the recorded and the remembered users together have doubled (plus
+        1024) since the last time it forgot them."""
+        if self.num_recorded + len(self.evicted) > self._forget_at:
+            self.evicted.clear()
+            self._forget_at = 2 * self.num_recorded + 1024
+
+    def check_invariants(self, users: dict[int, _UserKV]) -> list[str]:
+        out: list[str] = []
+        recorded = [u for u, e in users.items() if e.items is not None]
+        if len(recorded) != self.num_recorded:
+            out.append(f"kv: {len(recorded)} users recorded but the count says {self.num_recorded}")
+        for u in recorded:
+            e = users[u]
+            if len(e.items) < e.num_tokens or len(e.ts) != len(e.items):
+                out.append(f"kv: user {u} has {e.num_tokens} tokens but a record of {len(e.items)}")
+        if not self.evicted.isdisjoint(users):
+            out.append("kv: a user both cached and remembered as evicted")
+        return out
 
 
 class KVPool:
     """Per-user block tables over the KV pages of the arena.
 
-    **Allocation order:** highest-numbered free page first. Pages next to the EMB boundary are
-    then the last to fill, so growing the slab usually takes free pages (metadata only).
+    **Allocation order:** highest-numbered free page first (`FreePages`). Pages next to the EMB
+    boundary are then the last to fill, so growing the slab usually takes free pages (metadata
+    only).
 
     **Eviction order:** whole users, least recently used first, where ``lookup`` and ``append``
     count as use. A user's pages are all freed at once (partial KV is worth little: the model
     needs the whole prefix). ``append`` never evicts the user it appends to; a user whose total
     need exceeds the pool is dropped instead (``append`` returns ``None``).
 
-    Page metadata is a numpy ``page_owner`` array (``EMB``, ``FREE`` or the user id). Free pages
-    are a *bottom run* ``[kv_start, run_end)`` (all free, next to the boundary) plus a lazy
-    max-heap of the free pages above it (stale entries are skipped when popped; freed pages are
-    appended and the heap rebuilt only when popped one by one). Pages given
-    back by the slab extend the run and pages taken by the slab shorten it, both in O(1), so
-    moving the boundary over free pages costs a few slice operations whatever their number.
+    Page metadata is a numpy ``page_owner`` array (``EMB``, ``FREE`` or the user id).
 
-    **Ghost list** (``config.ghost_probes``): users evicted for space (LRU evictions, also
-    those forced by a boundary move) are remembered with their pages, their tokens and the
-    pages evicted up to theirs. On a lookup miss of such a user, everything in the pool now and
-    everything evicted after it was used more recently, so (LRU's stack property) a pool would
-    still hold it if it had ``used + evicted since + its pages`` pages; when that is at most
-    a probe's pages (``ghost_pages``) more than the pool has, the miss is a *ghost hit* of that
-    probe and ``ghost_hit_tokens`` (its cached tokens then) the recomputation that much more
-    memory would have saved.
-    Evicted users that came back are counted as still in the way (an undercount), but whole-user
-    LRU over users whose K/V grows is not a stack algorithm (a larger pool can evict a different
-    user), so ghost hits are estimates that can also exceed a larger pool's extra hits (by up to
-    ~12% on simulator-like random sequences). Users dropped by ``evict`` (stale K/V) are not
-    ghosts.
+    **Token records** (`TokenRecords`, ``records``): ``append`` may be given the new tokens' item
+    ids and timestamps; the user's entry then says which tokens its pages hold
+    (`lookup_sequence`), as vLLM's block table knows its blocks' hashes.
+
+    **Ghost list** (``config.ghost_probes``, `KVGhostList`): users evicted for space are
+    remembered with their pages and tokens; a lookup miss of one counts, per probe, as a hit of a
+    pool that much larger (``stats.ghost_hits``, ``ghost_hit_tokens``: the recomputation that much
+    more memory would have saved). Users dropped by ``evict`` (stale K/V) are not ghosts.
     """
 
     def __init__(self, arena: Arena) -> None:
@@ -127,110 +218,40 @@ class KVPool:
         self.kv_start = arena.emb_pages
         self.page_owner = np.full(self.num_pages, FREE, dtype=np.int64)
         self.page_owner[: self.kv_start] = EMB
-        # Free pages: the "bottom run" [kv_start, run_end) is free and not in the heap; every
-        # other free page is in the max-heap ``_heap`` (negated ids; stale entries are skipped).
-        self.run_end = self.num_pages
-        self._heap: list[int] = []
-        self._heap_dirty = False  # entries appended since the last heapify
+        self.free = FreePages(self.page_owner)
         self.num_free = self.num_pages - self.kv_start
         self.num_used = 0
         self._users: OrderedDict[int, _UserKV] = OrderedDict()  # LRU first
         self._residency: OrderedDict[int, bool] = OrderedDict()
+        self.records = TokenRecords()
         self.stats = KVPoolStats()
-        self.ghost_pages = cfg.ghost_probe_pages
-        self.stats.ghost_hits = self.stats.ghost_hit_tokens = (0,) * len(self.ghost_pages)
-        self._evicted_pages = 0  # pages freed by evictions so far
-        self._ghosts: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # user -> (evicted up to it, pages, tokens)
+        self.ghosts = KVGhostList(cfg.ghost_probe_pages, self.num_pages)
+        self.stats.ghost_hits = self.stats.ghost_hit_tokens = (0,) * len(self.ghosts.pages)
         # the miss-ratio curve (config.miss_curves): the pool's hits at every size, refusals included
         self.reuse = KVReuse(self.num_pages, self.page_tokens) if cfg.miss_curves_on else None
 
-    # ------------------------------------------------------------------------ page lists ---
-    def _pop_free(self) -> int:
-        """The highest free page: from the heap (pages >= run_end), else the run's top."""
-        owner = self.page_owner
-        heap = self._heap
-        if self._heap_dirty:
-            heapq.heapify(heap)
-            self._heap_dirty = False
-        while heap:
-            p = -heapq.heappop(heap)
-            if p >= self.run_end and owner[p] == FREE:  # entries below run_end are stale
-                return p
-        if self.run_end > self.kv_start:
-            self.run_end -= 1
-            return self.run_end
-        raise RuntimeError("kv pool: no free page while num_free > 0")
-
-    def _pop_free_many(self, k: int) -> list[int]:
-        """The ``k`` highest free pages, highest first: the same pages, in the same order, as
-        ``k`` calls of `_pop_free` (for more than a few pages, one scan of the pages above the
-        run instead of ``k`` heap pops, after which the heap is rebuilt without stale entries)."""
-        if k <= 4:
-            return [self._pop_free() for _ in range(k)]
-        hi = np.flatnonzero(self.page_owner[self.run_end:] == FREE) + self.run_end
-        take = min(k, len(hi))
-        out = hi[len(hi) - take:][::-1].tolist()
-        # the heap becomes exactly the free pages above the run that were not taken: negated
-        # and in descending page order it is sorted, hence already a heap
-        self._heap = (-hi[: len(hi) - take][::-1]).tolist()
-        self._heap_dirty = False
-        rest = k - len(out)
-        if rest:
-            if self.run_end - rest < self.kv_start:
-                raise RuntimeError("kv pool: no free page while num_free > 0")
-            out.extend(range(self.run_end - 1, self.run_end - rest - 1, -1))
-            self.run_end -= rest
-        return out
-
-    def _push_free(self, pages: list[int]) -> None:
-        if len(pages) > 8 or self._heap_dirty:  # heapified when next popped one by one; a scan of
-            # the pages above the run (`_pop_free_many`) rebuilds it without a heapify at all
-            self._heap.extend([-p for p in pages])
-            self._heap_dirty = True
-        else:
-            for p in pages:
-                heapq.heappush(self._heap, -p)
-        if len(self._heap) > 2 * self.num_pages + 64:  # drop stale entries
-            hi = np.flatnonzero(self.page_owner[self.run_end:] == FREE) + self.run_end
-            self._heap = [-int(p) for p in hi]
-            self._heap_dirty = True
-
-    def _free_user(self, user_id: int, entry: _UserKV) -> None:
+    # --------------------------------------------------------------------------- freeing ---
+    def _free_user(self, user_id: int, entry: _UserKV, remember: bool) -> None:
         pages = entry.block_table
         self.page_owner[pages] = FREE
-        self._push_free(pages)
+        self.free.push(pages)
         self.num_free += len(pages)
         self.num_used -= len(pages)
         self.stats.num_evicted_users += 1
         self.stats.evicted_tokens += entry.num_tokens
         self._residency[user_id] = False
         self._residency.move_to_end(user_id)
+        self.records.freed(user_id, entry, remember)
 
     def _evict_lru(self, protect: int | None) -> int | None:
         for uid in self._users:
             if uid != protect:
                 entry = self._users.pop(uid)
-                self._free_user(uid, entry)
-                if self.ghost_pages:
-                    self._add_ghost(uid, len(entry.block_table), entry.num_tokens)
+                self._free_user(uid, entry, remember=True)
+                if self.ghosts.pages:
+                    self.ghosts.add(uid, len(entry.block_table), entry.num_tokens)
                 return uid
         return None
-
-    def _add_ghost(self, user_id: int, pages: int, tokens: int) -> None:
-        ghosts = self._ghosts
-        ghosts.pop(user_id, None)
-        self._evicted_pages += pages
-        ghosts[user_id] = (self._evicted_pages, pages, tokens)
-        floor = self._evicted_pages - self.ghost_pages[-1] - self.num_pages
-        while ghosts:  # drop the ghosts no pool of this arena plus the probe could hold (oldest first)
-            uid = next(iter(ghosts))
-            if ghosts[uid][0] >= floor:
-                break
-            del ghosts[uid]
-
-    def _ghost_distance(self, mark: int, pages: int) -> int:
-        """Pages beyond the pool's size that LRU would need to still hold a ghost."""
-        return self.num_used + (self._evicted_pages - mark) + pages - self.num_kv_pages
 
     # -------------------------------------------------------------------------- requests ---
     @property
@@ -247,11 +268,10 @@ class KVPool:
         st.num_lookups += 1
         entry = self._users.get(user_id)
         if entry is None:
-            if self.ghost_pages and user_id in self._ghosts:
-                mark, pages, tokens = self._ghosts.pop(user_id)
-                d = self._ghost_distance(mark, pages)
-                if d <= self.ghost_pages[-1]:
-                    hit = [d <= g for g in self.ghost_pages]
+            if self.ghosts.pages:
+                ghost = self.ghosts.probe(user_id, self.num_used, self.num_kv_pages)
+                if ghost is not None:
+                    hit, tokens = ghost
                     st.ghost_hits = tuple(a + h for a, h in zip(st.ghost_hits, hit))
                     st.ghost_hit_tokens = tuple(a + tokens * h for a, h in zip(st.ghost_hit_tokens, hit))
             return 0
@@ -259,6 +279,22 @@ class KVPool:
         st.num_hits += 1
         st.hit_tokens += entry.num_tokens
         return entry.num_tokens
+
+    def lookup_sequence(self, user_id: int, history_tokens: int | None = None) -> CachedSequence:
+        """``lookup`` (the same LRU touch and counts), with the tokens recorded for the user. A
+        miss of a user evicted for space while recorded says so (``evicted``), once: the pool
+        then forgets it."""
+        self.lookup(user_id, history_tokens)
+        return self.records.sequence(user_id, self._users.get(user_id))
+
+    def recorded_tokens(self, user_id: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Copies of the item ids and timestamps of ``user_id``'s cached tokens (None: nothing
+        cached, or not recorded), without touching the LRU order."""
+        entry = self._users.get(user_id)
+        if entry is None or entry.items is None:
+            return None
+        n = entry.num_tokens
+        return entry.items[:n].copy(), entry.ts[:n].copy()
 
     def num_tokens(self, user_id: int) -> int:
         """Cached tokens without touching the LRU order."""
@@ -276,15 +312,22 @@ class KVPool:
         """Resident users, least recently used first (the eviction order)."""
         return list(self._users)
 
-    def append(self, user_id: int, num_tokens: int) -> KVAppend | None:
+    def append(self, user_id: int, num_tokens: int, items: np.ndarray | None = None,
+               ts: np.ndarray | None = None) -> KVAppend | None:
         """Give ``num_tokens`` more tokens of ``user_id`` pages, evicting LRU users if needed.
 
-        Returns ``None`` (and drops the user's KV) when the user's whole history cannot fit in
-        the pool even if it were empty; other users are left alone in that case."""
+        ``items`` / ``ts`` (optional, ``num_tokens`` each): the new tokens' item ids and
+        timestamps, recorded with the user's pages (`lookup_sequence`); appended without them,
+        the user's tokens are no longer recorded. Returns ``None`` (and drops the user's KV) when
+        the user's whole history cannot fit in the pool even if it were empty; other users are
+        left alone in that case."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         if user_id < 0:
             raise ValueError(f"user ids must be >= 0, got {user_id}")
+        if items is not None and not len(items) == len(ts) == num_tokens:
+            raise ValueError(f"items and ts must give the {num_tokens} new tokens")
+        self.records.evicted.discard(user_id)
         entry = self._users.get(user_id)
         start = 0 if entry is None else entry.num_tokens
         total = start + num_tokens
@@ -296,7 +339,7 @@ class KVPool:
             self.stats.num_rejected += 1
             if entry is not None:
                 del self._users[user_id]
-                self._free_user(user_id, entry)
+                self._free_user(user_id, entry, remember=False)
             return None
         have = 0 if entry is None else len(entry.block_table)
         extra = need_pages - have
@@ -313,25 +356,34 @@ class KVPool:
             self._residency.move_to_end(user_id)
         else:
             self._users.move_to_end(user_id)
-        new_pages = self._pop_free_many(extra)
+        new_pages = self.free.pop_many(extra, self.kv_start)
         if new_pages:
             self.page_owner[new_pages] = user_id
             entry.block_table.extend(new_pages)
             self.num_free -= extra
             self.num_used += extra
         entry.num_tokens = total
+        self.records.appended(entry, start, items, ts)
         st = self.stats
         st.num_appends += 1
         st.appended_tokens += num_tokens
         return KVAppend(user_id, start, num_tokens, tuple(new_pages), tuple(evicted))
 
-    def evict(self, user_id: int) -> bool:
-        """Drop ``user_id``'s KV; False when it held none."""
+    def evict(self, user_id: int, forget: bool = False) -> bool:
+        """Drop ``user_id``'s KV and record; False when it held none. A recorded user is
+        remembered as evicted (`lookup_sequence`) unless ``forget`` (K/V its owner found stale)."""
         entry = self._users.pop(user_id, None)
         if entry is None:
             return False
-        self._free_user(user_id, entry)
+        self._free_user(user_id, entry, remember=not forget)
         return True
+
+    def evict_all(self) -> None:
+        """Drop every user's KV and record, least recently used first, and forget the users
+        evicted before (K/V computed by other weights)."""
+        for u in list(self._users):
+            self.evict(u, forget=True)
+        self.records.evicted.clear()
 
     def drain_residency(self) -> ResidencyDelta:
         """Net residency changes since the last drain (the router applies them idempotently)."""
@@ -435,10 +487,10 @@ class KVPool:
         rng[free_mask] = EMB
         self.num_free -= taken
         self.kv_start = to_page
-        self.run_end = max(self.run_end, to_page)  # the run's pages below to_page are gone
+        self.free.cut_run(to_page)  # the run's pages below to_page are gone
         occ = np.flatnonzero(rng >= 0) + lo
         src = occ.tolist()
-        dst = [self._pop_free() for _ in src]
+        dst = [self.free.pop(self.kv_start) for _ in src]
         if src:
             uids = owner[occ]
             owner[dst] = uids
@@ -503,13 +555,4 @@ class KVPool:
             total += len(bt)
         if total != n_used:
             out.append(f"kv: block tables hold {total} pages but {n_used} are owned")
-        if not ks <= self.run_end <= self.num_pages:
-            out.append(f"kv: run_end {self.run_end} outside [{ks}, {self.num_pages}]")
-        elif not np.all(owner[ks: self.run_end] == FREE):
-            out.append("kv: a page of the bottom free run is not free")
-        heap_pages = {-h for h in self._heap}
-        above = np.flatnonzero(owner[self.run_end:] == FREE) + self.run_end
-        missing = set(above.tolist()) - heap_pages
-        if missing:
-            out.append(f"kv: free pages missing from the free heap: {sorted(missing)[:5]}")
-        return out
+        return out + self.free.check_invariants(ks) + self.records.check_invariants(self._users)

@@ -330,15 +330,15 @@ class MemoryManager:
         """Commit a finished refill chunk and issue the next one if the token bucket allows;
         returns the bytes issued. Never waits."""
         emb = self.emb
-        emb.poll_refill()
+        emb.refill.poll()
         r = self.config.refill
-        if not r.enabled or emb.refill_inflight or not emb.refill_pending():
+        if not r.enabled or emb.refill.inflight or not emb.refill.pending():
             return 0
         budget = min(self.bucket.available(now_s), r.chunk_bytes)
         max_rows = int(budget // emb.row_bytes)
         if max_rows == 0:
             return 0
-        rows = emb.issue_refill(max_rows)
+        rows = emb.refill.issue(max_rows)
         nbytes = rows * emb.row_bytes
         if rows and not self.bucket.take(nbytes, now_s):
             raise RuntimeError("refill issued more bytes than the bucket held")

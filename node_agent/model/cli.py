@@ -16,7 +16,7 @@ import json
 import sys
 
 from common.config import add_config_arguments, config_kwargs, default_of
-from common.secrets_args import add_secret_arguments, read_secret
+from node_agent.registry_client import add_push_arguments
 
 # `racer model train` options whose default, help and range are read from TrainConfig's fields
 TRAIN_FIELDS = ("max_seq_len", "max_epochs", "patience", "batch_size", "lr", "weight_decay", "dropout", "negatives",
@@ -147,18 +147,13 @@ def cmd_model_push(args) -> int:
     from pathlib import Path
 
     from common.artifact_pack import CHECKPOINT_FILES, pack_directory
-    from node_agent.registry_client import push
+    from node_agent.registry_client import push_from_args
 
     from .checkpoint import load_checkpoint
 
     src = Path(args.dir)
     ck = load_checkpoint(src)  # CheckpointError (a ValueError): exit 2 with its message
-    token = read_secret(args, "token", "RACER_TOKEN", prog="racer model push")
-    if not token:
-        raise ValueError("a token is needed: --token-file F or RACER_TOKEN (an operator token)")
-    body = pack_directory(src, CHECKPOINT_FILES)
-    rc, out = push("models", body, control_plane=args.control_plane, token=token, activate=args.activate,
-                   reason=args.reason, timeout_s=args.timeout_s, prog="racer model push")
+    rc, out = push_from_args("models", pack_directory(src, CHECKPOINT_FILES), args, prog="racer model push")
     if rc:
         return rc
     if out["version"] != ck.digest:
@@ -249,10 +244,5 @@ def add_model_parser(subparsers) -> None:
                                     "--activate, make it the model every node serves. For scripts; roll it out "
                                     "to a canary first with POST /api/v1/rollouts (kind model).")
     pu.add_argument("dir", help="checkpoint directory (the one `racer model train` wrote)")
-    pu.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://127.0.0.1:8400")
-    add_secret_arguments(pu, "token", "RACER_TOKEN", "operator token")
-    pu.add_argument("--activate", action="store_true", help="activate it once registered")
-    pu.add_argument("--reason", default="pushed with racer model push", help="the audit log's reason")
-    pu.add_argument("--timeout-s", type=_positive_float, default=120.0, help="per request (default 120)")
-    pu.add_argument("--json", action="store_true", help="print one JSON object")
+    add_push_arguments(pu, prog="racer model push", timeout_s=120.0, timeout_type=_positive_float)
     pu.set_defaults(func=cmd_model_push)

@@ -374,6 +374,77 @@ class TrainResult:
     seconds: float
 
 
+def _load_state(state_path: Path, key: str, net: Trainable, opt: torch.optim.Optimizer, rng: np.random.Generator,
+                gen: torch.Generator, say: Callable[[str], None]) -> tuple[list[dict], dict, int] | None:
+    """Resume from ``state_path`` when it was written by this run (``key``): the network, the
+    optimiser and both random generators are loaded in place; returns (history, best epoch so
+    far, the epoch to start from). None without a state to resume: none, a torn file or another
+    run's (said through ``say``)."""
+    if not state_path.exists():
+        return None
+    try:
+        st = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file: start afresh, say so
+        say(f"{state_path} does not load ({type(e).__name__}): starting afresh")
+        st = {}
+    if st.get("key") == key:
+        net.load_state_dict(st["net"])
+        opt.load_state_dict(st["opt"])
+        rng.bit_generator.state = st["rng"]
+        gen.set_state(st["gen"])
+        best = st["best"]
+        say(f"resuming after epoch {st['epoch'] + 1} (best so far: epoch {best['epoch'] + 1}, "
+            f"validation NDCG@10 {best['ndcg']:.4f})")
+        return st["history"], best, st["epoch"] + 1
+    if st:
+        say(f"{state_path} belongs to another trace or config: starting afresh")
+    return None
+
+
+def _train_epoch(net: Trainable, opt: torch.optim.Optimizer, split: Split, users: np.ndarray, cfg: TrainConfig,
+                 rng: np.random.Generator, gen: torch.Generator, dev: torch.device, bar, *, epoch: int,
+                 best_ndcg: float) -> float:
+    """One pass of minibatch steps over ``users``' training sequences; returns the mean loss per
+    target."""
+    net.train()
+    tot, cnt = 0.0, 0
+    for items, ts, lens in _batches(split, users, cfg.max_seq_len, cfg.batch_size, rng):
+        it = torch.from_numpy(items).to(dev)
+        tt = torch.from_numpy(ts).to(dev, torch.float32) if cfg.use_timestamps else None
+        slots, ok = sample_slots(lens, cfg.positions_per_seq, rng)
+        loss, n = batch_loss(net, it, tt, torch.from_numpy(slots).to(dev), torch.from_numpy(ok).to(dev), cfg, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        tot += float(loss.detach()) * n
+        cnt += n
+        bar.update(1)
+        bar.set_postfix(epoch=epoch + 1, loss=f"{tot / max(cnt, 1):.3f}", best_ndcg=f"{max(best_ndcg, 0):.4f}")
+    return tot / max(cnt, 1)
+
+
+def _save_best(out: Path, net: Trainable, best: dict, trace, tdigest: str, split: Split, cfg: TrainConfig,
+               dev: torch.device, history: list[dict], stopped: str) -> dict:
+    """Load the best epoch's weights into ``net``, evaluate them on the test targets and write the
+    checkpoint (with the run's figures) to ``out``; returns its manifest."""
+    from .eval import evaluate
+
+    net.load_state_dict(best["state"])
+    model = net.frozen_model()
+    table = net.table().detach().cpu()
+    test = evaluate(model, table, split, "test", max_seq_len=cfg.max_seq_len, full=False, seed=cfg.seed,
+                    use_timestamps=cfg.use_timestamps)
+    figures = {"history": history, "best_epoch": best["epoch"] + 1, "stopped": stopped,
+               "test_sampled": {k: test[k] for k in ("hr@10_sampled", "ndcg@10_sampled", "num_users")}}
+    train_info = {**_config_dict(cfg), "model": asdict(cfg.model), "device_used": str(dev),
+                  "best_epoch": best["epoch"] + 1, "epochs_run": len(history), "stopped": stopped,
+                  "seconds": history[-1]["elapsed_s"] if history else 0.0, "torch": torch.__version__}
+    trace_info = {"name": trace.name, "path": trace.source_path, "digest": tdigest, "num_users": trace.num_users,
+                  "num_items": trace.num_items, "num_interactions": trace.num_interactions}
+    return save_checkpoint(out, model, table, list(trace.item_keys), trace=trace_info, train=train_info,
+                           figures=figures, test=figures["test_sampled"], item_dtype=cfg.item_dtype)
+
+
 def train(trace, cfg: TrainConfig, out_dir: str | os.PathLike, *, progress: bool = True, resume: bool = True,
           log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic) -> TrainResult:
     """Train on ``trace`` with ``cfg``; write the best epoch's checkpoint to ``out_dir``."""
@@ -401,24 +472,9 @@ def train(trace, cfg: TrainConfig, out_dir: str | os.PathLike, *, progress: bool
     best = {"epoch": -1, "ndcg": -1.0, "state": None}
     start_epoch = 0
     state_path = out / STATE_FILE
-    if resume and state_path.exists():
-        try:
-            st = torch.load(state_path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - a torn or foreign file: start afresh, say so
-            say(f"{state_path} does not load ({type(e).__name__}): starting afresh")
-            st = {}
-        if st.get("key") == key:
-            net.load_state_dict(st["net"])
-            opt.load_state_dict(st["opt"])
-            rng.bit_generator.state = st["rng"]
-            gen.set_state(st["gen"])
-            history = st["history"]
-            best = st["best"]
-            start_epoch = st["epoch"] + 1
-            say(f"resuming after epoch {st['epoch'] + 1} (best so far: epoch {best['epoch'] + 1}, "
-                f"validation NDCG@10 {best['ndcg']:.4f})")
-        elif st:
-            say(f"{state_path} belongs to another trace or config: starting afresh")
+    resumed = _load_state(state_path, key, net, opt, rng, gen, say) if resume else None
+    if resumed is not None:
+        history, best, start_epoch = resumed
     t0 = clock()
     elapsed_before = history[-1]["elapsed_s"] if history else 0.0
     stopped = "max_epochs"
@@ -430,27 +486,12 @@ def train(trace, cfg: TrainConfig, out_dir: str | os.PathLike, *, progress: bool
             if best["epoch"] >= 0 and epoch - best["epoch"] > cfg.patience:
                 stopped = f"early stop: no better validation NDCG@10 for {cfg.patience} epochs"
                 break
-            net.train()
-            tot, cnt = 0.0, 0
-            for items, ts, lens in _batches(split, users, cfg.max_seq_len, cfg.batch_size, rng):
-                it = torch.from_numpy(items).to(dev)
-                tt = torch.from_numpy(ts).to(dev, torch.float32) if cfg.use_timestamps else None
-                slots, ok = sample_slots(lens, cfg.positions_per_seq, rng)
-                loss, n = batch_loss(net, it, tt, torch.from_numpy(slots).to(dev), torch.from_numpy(ok).to(dev),
-                                     cfg, gen)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                tot += float(loss.detach()) * n
-                cnt += n
-                bar.update(1)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{tot / max(cnt, 1):.3f}",
-                                best_ndcg=f"{max(best['ndcg'], 0):.4f}")
+            loss = _train_epoch(net, opt, split, users, cfg, rng, gen, dev, bar, epoch=epoch, best_ndcg=best["ndcg"])
             val = evaluate(net.frozen_model().to(dev), net.table().detach(), split, "valid",
                            max_seq_len=cfg.max_seq_len, full=False, seed=cfg.seed,
                            use_timestamps=cfg.use_timestamps)
             elapsed = elapsed_before + clock() - t0
-            row = {"epoch": epoch + 1, "loss": tot / max(cnt, 1), "valid_hr@10_sampled": val["hr@10_sampled"],
+            row = {"epoch": epoch + 1, "loss": loss, "valid_hr@10_sampled": val["hr@10_sampled"],
                    "valid_ndcg@10_sampled": val["ndcg@10_sampled"], "elapsed_s": round(elapsed, 2)}
             history.append(row)
             improved = val["ndcg@10_sampled"] > best["ndcg"]
@@ -472,19 +513,6 @@ def train(trace, cfg: TrainConfig, out_dir: str | os.PathLike, *, progress: bool
                 stopped = f"early stop: no better validation NDCG@10 for {cfg.patience} epochs"
     if best["state"] is None:
         raise ValueError("train: no epoch ran (max_epochs reached before this run started?)")
-    net.load_state_dict(best["state"])
-    model = net.frozen_model()
-    table = net.table().detach().cpu()
-    test = evaluate(model, table, split, "test", max_seq_len=cfg.max_seq_len, full=False, seed=cfg.seed,
-                    use_timestamps=cfg.use_timestamps)
-    figures = {"history": history, "best_epoch": best["epoch"] + 1, "stopped": stopped,
-               "test_sampled": {k: test[k] for k in ("hr@10_sampled", "ndcg@10_sampled", "num_users")}}
-    train_info = {**_config_dict(cfg), "model": asdict(cfg.model), "device_used": str(dev),
-                  "best_epoch": best["epoch"] + 1, "epochs_run": len(history), "stopped": stopped,
-                  "seconds": history[-1]["elapsed_s"] if history else 0.0, "torch": torch.__version__}
-    trace_info = {"name": trace.name, "path": trace.source_path, "digest": tdigest, "num_users": trace.num_users,
-                  "num_items": trace.num_items, "num_interactions": trace.num_interactions}
-    manifest = save_checkpoint(out, model, table, list(trace.item_keys), trace=trace_info, train=train_info,
-                               figures=figures, test=figures["test_sampled"], item_dtype=cfg.item_dtype)
+    manifest = _save_best(out, net, best, trace, tdigest, split, cfg, dev, history, stopped)
     return TrainResult(str(out), manifest, history, best["epoch"] + 1, stopped, start_epoch,
                        history[-1]["elapsed_s"] if history else 0.0)
