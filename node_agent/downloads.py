@@ -4,7 +4,7 @@ checkpoint (named by its digest), each a tar (`common.artifact_pack`).
 `download_artifact` fetches the archive, checks its SHA-256 against the digest the directive
 names, and unpacks it (`unpack_artifact`) into a fresh folder of the state folder
 (``policies/`` or ``models/``). The unpacking keeps the bounds the control plane's reader keeps
-(`control_plane.artifacts`): at most `MAX_ARTIFACT_MEMBERS` members and
+(`common.artifact_pack.unpack_artifact`): at most `MAX_ARTIFACT_MEMBERS` members and
 `MAX_ARTIFACT_UNPACKED_BYTES` bytes for a policy, `MAX_CHECKPOINT_MEMBERS` and
 `MAX_CHECKPOINT_UNPACKED_BYTES` for a checkpoint, counted from the headers before a member is
 read; links, special files and paths that leave the folder are refused.

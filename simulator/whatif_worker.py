@@ -140,7 +140,7 @@ def _policies_to_run(s, candidate: str | None) -> list[tuple]:
 def _unpack_policies(policies: list[tuple], d: Path) -> tuple[dict, dict]:
     """Each policy's artifact unpacked into its own folder under ``d``: ``(dirs, roles)``, by
     configuration name (``policy:<version>``) its folder and its ``(role, version)``."""
-    from control_plane.artifacts import unpack_artifact
+    from common.artifact_pack import unpack_artifact
 
     dirs, roles = {}, {}
     for version_name, status, blob in policies:

@@ -310,7 +310,7 @@ def test_policy_uploads_that_unpack_too_far_or_are_cut_get_422(cp):
     short, one with too many members, or garbage after a gzip header: a 422 naming the body, never
     a 500, and nothing stored."""
     from common.artifact_pack import MAX_ARTIFACT_UNPACKED_BYTES
-    from control_plane.artifacts import unpack_artifact
+    from common.artifact_pack import unpack_artifact
 
     bomb = _gzip_bomb()
     assert len(bomb) < 1_000_000

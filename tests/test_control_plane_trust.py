@@ -464,7 +464,7 @@ def test_tar_extension_headers_past_a_small_size_are_refused_before_tarfile_read
     """Python's tarfile parses PAX headers with a regular expression whose cost grows with their
     size (CVE-2024-6232): a 232-byte gzip froze the control plane 12.9 s. Such headers are refused
     from a linear walk of the archive's blocks first, for policies and models alike."""
-    from control_plane.artifacts import check_tar_headers
+    from common.artifact_pack import check_tar_headers
 
     data = body()
     for route in ("/policies", "/models"):

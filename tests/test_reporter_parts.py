@@ -211,7 +211,7 @@ def test_unpack_artifact_keeps_its_bounds_and_refuses_links_and_special_files(tm
 
 def test_one_canonical_tar_that_both_readers_take(tmp_path):
     from common.artifact_pack import pack_artifact, pack_directory
-    from control_plane.artifacts import unpack_artifact as control_plane_unpack
+    from common.artifact_pack import unpack_artifact as control_plane_unpack
 
     files = {"policy.onnx": b"onnx", "manifest.json": b"{}", "golden.npz": b"npz"}
     tar = pack_artifact(files)
