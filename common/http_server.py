@@ -218,10 +218,17 @@ async def send_json(send, status: int, payload: dict, *, close: bool = False,
     request's body was not read, and must not be)."""
     import json
 
-    body = json.dumps(payload).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    raw = list(headers)
     if close:
         raw.append((b"connection", b"close"))
+    await send_json_bytes(send, status, json.dumps(payload).encode(), raw)
+
+
+async def send_json_bytes(send, status: int, body: bytes, headers=()) -> None:
+    """Send ``body``, already JSON, as a whole answer with ``headers`` (``(bytes, bytes)`` pairs, or a
+    mapping of str to str) after its content type and length."""
+    extra = [(k.encode(), v.encode()) for k, v in headers.items()] if hasattr(headers, "items") else list(headers)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 

@@ -15,7 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from common.http_server import (AllowedMethods, BodyLimit, BodyTooLarge, JsonOnly, finite_validation_errors,
-                                json_content_type, may_have_body, read_body, send_json, unsupported_media_type)
+                                json_content_type, may_have_body, read_body, send_json, send_json_bytes,
+                                unsupported_media_type)
 from common.secrets_args import bearer_ok
 
 from .client_view import PHASE_HEADER, clean_phase
@@ -63,10 +64,7 @@ class GatewayApp:
             if body is None:  # the client went away
                 return
             status, content, headers = await self.gateway.serve(body, phase, t0, explain)
-            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
-            raw += [(k.encode(), v.encode()) for k, v in headers.items()]
-            await send({"type": "http.response.start", "status": status, "headers": raw})
-            await send({"type": "http.response.body", "body": content})
+            await send_json_bytes(send, status, content, headers)
             return
         await self.fastapi(scope, receive, send)
 

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DataError, IntegrityError
 
 from common.contract import API, ReportBatchIn
-from common.http_server import json_safe
+from common.http_server import json_safe, send_json_bytes
 from db.models import Node
 from db.queries import registered_device
 
@@ -181,9 +181,6 @@ class IngestFastPath:
                         break
                 status, body, extra = await ingest_batch(self.state, m.group(1), b"".join(chunks), self.state.clock,
                                                          scope.get("state", {}).get(PRINCIPAL_STATE))
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-                headers += [(k.encode(), v.encode()) for k, v in extra.items()]
-                await send({"type": "http.response.start", "status": status, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
+                await send_json_bytes(send, status, body, extra)
                 return
         await self.app(scope, receive, send)
