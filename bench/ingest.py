@@ -4,6 +4,7 @@
     python -m bench.ingest --json --db postgresql      [--pg-url postgresql://postgres@127.0.0.1/]
     python -m bench.ingest --json --db postgresql --replicas 2 --nodes 3000
     python -m bench.ingest --json --db sqlite --runs 5 --baseline-rev REV   # REV's server beside this one
+    python -m bench.ingest --json --db sqlite --http-floor --reports-per-request 5
 
 Starts ``--replicas`` control-plane processes (``python -m control_plane.main``; more than one
 only on PostgreSQL, each with the scheduler on, so the replicas elect its one leader) on a fresh
@@ -22,10 +23,16 @@ once, ``rows_unacknowledged`` rows stored whose request got no acknowledgement (
 connection). CPU is read from /proc over the measured drive: the servers' per request, the
 client's, and a local PostgreSQL server's (all its processes) as shares of one core.
 
+``--reports-per-request N`` has each node send its reports N at a time, every N seconds (a
+node told the control plane's ``send_period_s`` of N s does that; the servers get it too, for
+their liveness check): ``server_cpu_ms_per_report`` then differs from ``..._per_request``.
+
 ``--runs K`` repeats the whole measurement K times in a row (a fresh database each) and adds a
 summary (each run's P99, the worst, CPU per report). ``--baseline-rev REV`` runs the server of
 git revision REV (its tree from ``git archive``, the same client) before each run of this tree's
-server, so the two stand side by side in one output. Prints one JSON object with ``--json``.
+server, so the two stand side by side in one output. ``--http-floor`` does the same with
+`bench.ingest_floor`, the control plane's HTTP server with nothing behind it: the CPU per request
+no report handling can go below on this server. Prints one JSON object with ``--json``.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import numpy as np
 from common.http_server import tune_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
+FLOOR_SERVER = Path(__file__).resolve().parent / "ingest_floor.py"
 
 
 def free_port() -> int:
@@ -57,13 +65,15 @@ def free_port() -> int:
 
 
 def start_control_plane(db_url: str, port: int, admin: str, extra_env: dict | None = None,
-                        log_path: str | None = None, root: Path = ROOT) -> subprocess.Popen:
-    """A control-plane process of the tree at ``root`` (this one, or a baseline revision's)."""
+                        log_path: str | None = None, root: Path = ROOT,
+                        server_cmd: str | None = None) -> subprocess.Popen:
+    """A control-plane process of the tree at ``root`` (this one, or a baseline revision's), or the
+    script ``server_cmd`` taking (db_url, port) in its place."""
     env = dict(os.environ, RACER_ADMIN_TOKEN=admin,
                PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(extra_env or {})
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
-    cmd = os.environ.get("RACER_BENCH_SERVER_CMD")  # profiling hook: a script taking (db_url, port)
+    cmd = server_cmd or os.environ.get("RACER_BENCH_SERVER_CMD")  # profiling hook: a script taking (db_url, port)
     argv = ([sys.executable, cmd, db_url, str(port)] if cmd else
             [sys.executable, "-m", "control_plane.main", "--db", db_url, "--port", str(port)])
     proc = subprocess.Popen(argv,
@@ -113,7 +123,9 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 
 async def node_loop(node_id: str, port: int, token: str, t_start: float, t_end: float, phase: float,
-                    results: list, errors: list) -> None:
+                    results: list, errors: list, per_request: int = 1) -> None:
+    """One node: a report a second, sent ``per_request`` at a time (every ``per_request`` seconds,
+    as a node told a send period of that many seconds sends them)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     seq = 0
     next_t = t_start + phase
@@ -125,7 +137,9 @@ async def node_loop(node_id: str, port: int, token: str, t_start: float, t_end: 
                 break
             if next_t > now:
                 await asyncio.sleep(next_t - now)
-            body = json.dumps({"reports": [report(seq, time.time())]}).encode()
+            t_now = time.time()
+            body = json.dumps({"reports": [report(seq + k, t_now - (per_request - 1 - k))
+                                           for k in range(per_request)]}).encode()
             req = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
             t0 = time.perf_counter()
@@ -144,15 +158,15 @@ async def node_loop(node_id: str, port: int, token: str, t_start: float, t_end: 
                 stored = json.loads(data)["stored"]
             elif status:
                 errors.append(f"{node_id}: HTTP {status} {data[:200]!r}")
-            results.append((sent_at, dt, stored, node_id, seq))
-            seq += 1
-            next_t += 1.0
+            results.append((sent_at, dt, stored, node_id, seq, per_request))
+            seq += per_request
+            next_t += per_request
     finally:
         writer.close()
 
 
 async def drive(ports: dict[str, int], tokens: dict[str, str], node_ids: list[str], warmup_s: float,
-                duration_s: float, seed: int):
+                duration_s: float, seed: int, per_request: int = 1):
     """Every node reports with its own token (a node token is bound to one node id) to its
     replica's port (``ports``: node id -> port)."""
     rng = random.Random(seed)
@@ -160,7 +174,8 @@ async def drive(ports: dict[str, int], tokens: dict[str, str], node_ids: list[st
     t_end = t_start + warmup_s + duration_s
     results: list = []
     errors: list = []
-    await asyncio.gather(*(node_loop(n, ports[n], tokens[n], t_start, t_end, rng.random(), results, errors)
+    await asyncio.gather(*(node_loop(n, ports[n], tokens[n], t_start, t_end, per_request * rng.random(), results,
+                                     errors, per_request)
                            for n in node_ids))
     return t_start, results, errors
 
@@ -181,7 +196,7 @@ def stored_rows(url: str) -> list[tuple[str, int, int]]:
 
 def check_rows(url: str, results: list) -> dict:
     """What the database holds against what the server acknowledged (see the module docstring)."""
-    acked = {(nid, seq) for _t, _dt, stored, nid, seq in results if stored}
+    acked = {(nid, seq + k) for _t, _dt, stored, nid, seq, per in results if stored for k in range(per)}
     rows = stored_rows(url)
     have = {(nid, seq) for nid, seq, _n in rows}
     return {"rows_stored": len(rows), "rows_acknowledged": len(acked), "rows_lost": len(acked - have),
@@ -197,13 +212,17 @@ def baseline_tree(rev: str) -> Path:
 
 
 def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, seed: int = 0,
-        keep_log: str | None = None, replicas: int = 1, root: Path = ROOT) -> dict:
-    """One measurement (see the module docstring) of the server of the tree at ``root``."""
+        keep_log: str | None = None, replicas: int = 1, root: Path = ROOT, floor: bool = False,
+        per_request: int = 1) -> dict:
+    """One measurement (see the module docstring) of the server of the tree at ``root``; with
+    ``floor``, of `bench.ingest_floor` (the HTTP stack alone: no database, no rows to check)."""
     admin = "bench-admin-token"
     if replicas > 1 and db != "postgresql":
         raise ValueError("--replicas > 1 needs --db postgresql (SQLite: one process per database file)")
     tmp = tempfile.mkdtemp(prefix="racer-ingest-")
-    if db == "sqlite":
+    if floor:
+        url = "none:"
+    elif db == "sqlite":
         url = f"sqlite:///{tmp}/cp.db"
     else:
         url = fresh_pg_database(pg_url, "racer_bench_ingest")
@@ -213,7 +232,10 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             ports.append(free_port())
             log = (keep_log + (f".{k}" if k else "")) if keep_log else os.path.join(tmp, f"control_plane.{k}.log")
             procs.append(start_control_plane(url, ports[k], admin, log_path=log, root=root,
-                                             extra_env={"RACER_LIVENESS_MISSED_INTERVALS": "30"}))
+                                             extra_env={"RACER_LIVENESS_MISSED_INTERVALS": "30",
+                                                        **({"RACER_SEND_PERIOD_S": str(per_request)}
+                                                           if per_request > 1 else {})},
+                                             server_cmd=str(FLOOR_SERVER) if floor else None))
         ids = [f"bench-{i:05d}" for i in range(nodes)]
         node_port = {nid: ports[i % replicas] for i, nid in enumerate(ids)}
         tokens = {}
@@ -233,11 +255,12 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
         cpu0, me0, pg0 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), _postgres_cpu_s()
         w0 = time.time()
         tune_runtime()  # the client's own collections would otherwise show up as server latency
-        t_start, results, errors = asyncio.run(drive(node_port, tokens, ids, warmup_s, duration_s, seed))
+        t_start, results, errors = asyncio.run(drive(node_port, tokens, ids, warmup_s, duration_s, seed,
+                                                       per_request))
         cpu1, me1, w1, pg1 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), time.time(), _postgres_cpu_s()
         load = round(os.getloadavg()[0], 2)
         m0, m1 = t_start + warmup_s, t_start + warmup_s + duration_s
-        meas = [(t, dt, st) for t, dt, st, _n, _q in results if m0 <= t < m1]
+        meas = [(t, dt, st) for t, dt, st, _n, _q, _p in results if m0 <= t < m1]
         lat_ms = np.array([dt * 1e3 for _, dt, _ in meas]) if meas else np.array([np.nan])
         stored = sum(st for _, _, st in meas)
         metrics = []
@@ -255,8 +278,10 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             "ingest_p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
             "ingest_max_ms": round(float(np.max(lat_ms)), 2),
             "errors": len(errors), "error_examples": errors[:3],
-            **check_rows(url, results),
+            **({"http_floor": True} if floor else check_rows(url, results)),
+            "reports_per_request": per_request,
             "server_cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / max(len(results), 1), 3),
+            "server_cpu_ms_per_report": round((cpu1 - cpu0) * 1e3 / max(len(results) * per_request, 1), 3),
             "server_cpu_share_of_one_core": round((cpu1 - cpu0) / (w1 - w0), 3),
             "client_cpu_ms_per_request": round((me1 - me0) * 1e3 / max(len(results), 1), 3),
             "client_cpu_share_of_one_core": round((me1 - me0) / (w1 - w0), 3),
@@ -288,14 +313,17 @@ def summary(runs: list[dict]) -> dict:
     held the targets (rate, P99, nothing lost or doubled)."""
     p99 = [r["ingest_p99_ms"] for r in runs]
     cpu = [r["server_cpu_ms_per_request"] for r in runs]
+    per_report = [r["server_cpu_ms_per_report"] for r in runs]
     return {"ingest_p99_ms_each_run": p99, "ingest_p99_ms_worst": max(p99),
             "server_cpu_ms_per_request_each_run": cpu,
             "server_cpu_ms_per_request_median": round(float(np.median(cpu)), 3),
+            "server_cpu_ms_per_report_median": round(float(np.median(per_report)), 3),
             "reports_per_s_each_run": [r["reports_per_s"] for r in runs],
             "load_average_1m_each_run": [r["load_average_1m"] for r in runs],
-            "rows_lost": sum(r["rows_lost"] for r in runs), "rows_doubled": sum(r["rows_doubled"] for r in runs),
+            "rows_lost": sum(r.get("rows_lost", 0) for r in runs),
+            "rows_doubled": sum(r.get("rows_doubled", 0) for r in runs),
             "every_run_held": all(r["ingest_p99_ms"] <= 50 and r["reports_per_s"] >= 0.99 * r["nodes"]
-                                  and not r["rows_lost"] and not r["rows_doubled"] and not r["errors"]
+                                  and not r.get("rows_lost") and not r.get("rows_doubled") and not r["errors"]
                                   for r in runs)}
 
 
@@ -363,12 +391,18 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=1, help="measurements in a row (each on a fresh database)")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure the server of git revision REV, before each run of this tree's")
+    p.add_argument("--reports-per-request", type=int, default=1, metavar="N",
+                   help="each node sends its reports N at a time, every N s (the control plane's send_period_s)")
+    p.add_argument("--http-floor", action="store_true",
+                   help="also measure bench/ingest_floor.py (the HTTP stack alone), before each run")
     p.add_argument("--pg-url", default=os.environ.get("RACER_BENCH_PG_URL", "postgresql://postgres@127.0.0.1/"),
                    help="PostgreSQL server (a database racer_bench_ingest is created there)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.nodes < 1 or a.duration_s <= 0 or a.warmup_s < 0 or a.runs < 1 or a.replicas < 1:
-        print("error: --nodes >= 1, --duration-s > 0, --warmup-s >= 0, --runs >= 1, --replicas >= 1", file=sys.stderr)
+    if (a.nodes < 1 or a.duration_s <= 0 or a.warmup_s < 0 or a.runs < 1 or a.replicas < 1
+            or not 1 <= a.reports_per_request <= 60):
+        print("error: --nodes >= 1, --duration-s > 0, --warmup-s >= 0, --runs >= 1, --replicas >= 1, "
+              "--reports-per-request 1..60", file=sys.stderr)
         return 2
     if a.replicas > 1 and a.db != "postgresql":
         print("error: --replicas > 1 needs --db postgresql", file=sys.stderr)
@@ -376,11 +410,13 @@ def main(argv=None) -> int:
     trees = {"current": ROOT}
     if a.baseline_rev:
         trees = {f"baseline {a.baseline_rev}": baseline_tree(a.baseline_rev), "current": ROOT}
+    if a.http_floor:
+        trees = {"http floor": None, **trees}
     runs: dict[str, list[dict]] = {k: [] for k in trees}
     for i in range(a.runs):
         for name, root in trees.items():
             runs[name].append(run(a.db, a.nodes, a.duration_s, a.warmup_s, a.pg_url, seed=i, replicas=a.replicas,
-                                  root=root))
+                                  root=root or ROOT, floor=root is None, per_request=a.reports_per_request))
     if len(trees) == 1 and a.runs == 1:
         out = runs["current"][0]
     else:

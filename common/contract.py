@@ -30,6 +30,7 @@ API = "/api/v1"  # the control plane's base path
 INT64_MAX = 2**63 - 1  # the largest integer both databases store (SQLite and PostgreSQL BIGINT)
 MAX_SEQ = 2**31 - 1  # a report's seq (and its other 32-bit counts: num_requests, refill_bytes) at most
 MAX_REPORT_BATCH = 1000  # reports in one POST
+MAX_SEND_PERIOD_S = 60.0  # the longest a node waits between sends of its reports
 MAX_BURSTS_PER_REPORT = 100
 MAX_REASON_CHARS = 2000  # a decision's reason in words
 MAX_ERROR_CHARS = 4000  # why a policy or model failed to load
@@ -193,6 +194,8 @@ class RegisterIn(In):
 class RegisterOut(Out):
     node_id: str
     report_interval_s: float
+    # how often the node sends its reports and pulls its directives (None: every control step)
+    send_period_s: float | None = None
     last_report_seq: int | None = None  # highest seq stored for the node: a node that lost its state continues above it
 
 
@@ -313,6 +316,7 @@ class DirectivesOut(Out):
     node_id: str
     now_s: float
     report_interval_s: float
+    send_period_s: float | None = None  # as in RegisterOut: the node follows a change here
     override: OverrideDirective | None
     policy: PolicyDirective | None
     model: ModelDirective | None = None

@@ -207,7 +207,8 @@ def job_override_expiry(factory, settings, metrics, now_s: float) -> dict:
 
 def job_node_liveness(factory, settings, metrics, now_s: float) -> dict:
     with factory.begin() as s:
-        down = queries.mark_down(s, now_s=now_s, missed_intervals=settings.liveness_missed_intervals)
+        down = queries.mark_down(s, now_s=now_s, missed_intervals=settings.liveness_missed_intervals,
+                                 send_period_s=settings.send_period_s)
         for nid in down:
             queries.audit(s, ts_s=now_s, actor="system", action="node.down", target=f"node:{nid}",
                           before={"status": "up"}, after={"status": "down"},

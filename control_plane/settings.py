@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, fields
 
 from common.config import ranged, validate
-from common.contract import DEFAULT_MAX_EMB_SHARE, DEFAULT_MIN_EMB_SHARE
+from common.contract import DEFAULT_MAX_EMB_SHARE, DEFAULT_MIN_EMB_SHARE, MAX_SEND_PERIOD_S
 
 
 def _period(default: float, doc: str = ""):
@@ -20,6 +20,9 @@ class Settings:
     """- ``database_url``: SQLAlchemy URL (``RACER_DATABASE_URL``; default a SQLite file);
     - ``host`` / ``port``: where the API listens;
     - ``report_interval_s``: the control interval nodes are told to report at;
+    - ``send_period_s``: how often nodes are told to send their reports and pull their directives
+      (None: every control step; at fleet scale a few seconds, so each request carries several
+      reports: `bench.ingest --reports-per-request`). Liveness counts in the longer of the two;
     - ``liveness_missed_intervals``: a node is "down" after this many report intervals without one;
     - ``weights_period_s``, ``rollout_period_s``, ``override_period_s``, ``liveness_period_s``,
       ``retention_period_s``: job periods;
@@ -75,6 +78,8 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = ranged(8600, lo=0, hi=65535, integer=True, doc="port (0: a free one)")
     report_interval_s: float = _period(1.0)
+    send_period_s: float | None = ranged(None, lo=0, lo_open=True, hi=MAX_SEND_PERIOD_S, optional=True,
+                                         doc="how often nodes send their reports (None: every control step)")
     liveness_missed_intervals: float = ranged(5.0, lo=0, lo_open=True)
     weights_period_s: float = _period(10.0)
     rollout_period_s: float = _period(5.0)

@@ -359,10 +359,15 @@ def touch_nodes(session: Session, seen: dict[str, tuple[float, int, float, str |
                      "WHERE node_id = ? AND status <> 'retired'", [(v[0], v[1], v[2], k) for k, v in seen.items()])
 
 
-def mark_down(session: Session, *, now_s: float, missed_intervals: float) -> list[str]:
-    """Nodes whose last report is older than ``missed_intervals`` report intervals: status "down"."""
+def mark_down(session: Session, *, now_s: float, missed_intervals: float, send_period_s: float | None = None
+              ) -> list[str]:
+    """Nodes whose last report is older than ``missed_intervals`` report intervals (or send periods,
+    when ``send_period_s`` is longer: a node sends its reports that often): status "down"."""
+    interval = Node.report_interval_s
+    if send_period_s:
+        interval = case((Node.report_interval_s > send_period_s, Node.report_interval_s), else_=send_period_s)
     stale = session.scalars(select(Node.node_id).where(
-        Node.status == "up", Node.last_seen_s < now_s - missed_intervals * Node.report_interval_s)).all()
+        Node.status == "up", Node.last_seen_s < now_s - missed_intervals * interval)).all()
     if stale:
         session.execute(update(Node).where(Node.node_id.in_(stale)).values(status="down"))
     return list(stale)

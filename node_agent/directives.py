@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.contract import API, MAX_ERROR_CHARS
+from common.contract import API, MAX_ERROR_CHARS, MAX_SEND_PERIOD_S
 from common.ids import path_segment
 
 from .downloads import download_artifact
@@ -64,12 +64,23 @@ class Directives:
         self.wall = wall
         self._client = client
         self._applied_override: _AppliedOverride | None = None
+        self.send_period_s: float | None = None  # the control plane's send period (None: every control step)
         self._policy = _Slot("policy", "policy_version", "policies")
         self._model = _Slot("model", "model_version", "models")
         # the policy version the node runs (a control-plane version once one was loaded)
         pol = getattr(agent.allocator, "policy", None) if agent.allocator is not None else None
         self.policy_version: str | None = config_policy_version(pol)
         status.update(policy_version=self.policy_version)
+
+    def set_send_period(self, value) -> None:
+        """Follow the control plane's ``send_period_s`` (from registration or a directives answer);
+        a value that is not a number in (0, MAX_SEND_PERIOD_S] means every control step."""
+        period = finite_or_none(value)
+        period = period if period is not None and 0 < period <= MAX_SEND_PERIOD_S else None
+        if period != self.send_period_s:
+            self.status.event(f"send period {period if period is not None else 'every control step'}"
+                              f"{' s' if period is not None else ''} (the control plane's)")
+        self.send_period_s = period
 
     @property
     def model_digest(self) -> str | None:
@@ -90,6 +101,7 @@ class Directives:
         d = r.json()
         self.status.add(num_directive_pulls=1)
         self.status.ok()
+        self.set_send_period(d.get("send_period_s"))
         server_now = finite_or_none(d.get("now_s"))
         self.apply_override(d.get("override"), server_now if server_now is not None else wall_now_s,
                             agent_now_s=sent_at)

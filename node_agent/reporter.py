@@ -12,7 +12,10 @@ parts, one module each:
   (`node_agent.spool`, durable: fsync'd files and folder) before sending anything, then sends the
   spool in order, in batches (``POST /api/v1/nodes/{id}/reports``), deleting a report only once
   the control plane acknowledged it. The control plane stores a report once per (node id, seq),
-  so a batch resent after a lost answer is harmless;
+  so a batch resent after a lost answer is harmless. The spool is sent every **send period**
+  (the control plane's ``send_period_s``, in its answers to the registration and to each
+  directives pull; without one, every control step): at fleet scale a node sends several steps' reports in one request and pulls its
+  directives in the same cycle, so the control plane serves fewer, larger requests;
 - **buffer**: while the control plane is unreachable the spool grows up to
   ``max_buffered_reports``; beyond that the oldest report is deleted and counted
   (``num_dropped``). The spool and the sequence counter survive a restart of the agent, a kill -9
@@ -26,8 +29,8 @@ parts, one module each:
   restarted agent resumes from it (`Reporter.restore_allocator`: the split always, the rest when
   the same policy runs) instead of starting again at ``--emb-share``;
 - **directives** (`node_agent.directives`, downloads in `node_agent.downloads`): pulled every
-  ``directives_period_s``: an override, a policy version, a model to serve; each outcome confirmed
-  to the control plane.
+  ``directives_period_s`` (default: the send period): an override, a policy version, a model to
+  serve; each outcome confirmed to the control plane.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class ReporterConfig:
       read-only); the oldest of those are dropped (and counted) beyond it;
     - ``batch_size``: most reports per POST (the API takes up to ``common.contract.MAX_REPORT_BATCH``);
     - ``timeout_s``: per HTTP call; ``max_backoff_s``: longest wait between retries after an error;
-    - ``directives_period_s``: how often directives are pulled (None: every control interval);
+    - ``directives_period_s``: how often directives are pulled (None: every send period);
     - ``queue_capacity`` / ``service_time_us``: cost-profile figures sent at registration besides
       the miss costs (see `cost_profile`).
     """
@@ -128,6 +131,7 @@ class Reporter:
         self._thread: threading.Thread | None = None
         self.status_ = ReporterStatus(wall_clock=wall_clock)
         self.report_interval_s: float | None = None
+        self._next_send_s = 0.0  # time.monotonic() when the spool is next due
         self._client = httpx.Client(base_url=config.control_plane_url, timeout=config.timeout_s, transport=transport,
                                     headers={"Authorization": f"Bearer {config.token}"})
         self._backoff_s = 0.0
@@ -224,7 +228,8 @@ class Reporter:
             self._inbox.put(self.reports.build(out))
         except Exception:  # noqa: BLE001 - never hurt the worker
             log.exception("could not build the report of a control step")
-        self._wake.set()
+        if time.monotonic() >= self._next_send_s:  # else the report waits for its send period
+            self._wake.set()
 
     # ---- the reporter thread
     def _drain_inbox(self) -> None:
@@ -261,8 +266,15 @@ class Reporter:
             self._wake.wait(wait)
             self._wake.clear()
 
+    def _send_period(self) -> float:
+        return self.directives.send_period_s or self.agent.config.control_interval_s
+
+    def _directives_period(self) -> float:
+        return self.config.directives_period_s or self._send_period()
+
     def _period(self) -> float:
-        return self.config.directives_period_s or self.agent.config.control_interval_s
+        """The longest the thread sleeps between cycles."""
+        return min(self._directives_period(), self._send_period())
 
     def _cycle(self) -> bool:
         """Register if needed, send the spool, pull directives, confirm; False on a transport error."""
@@ -273,11 +285,12 @@ class Reporter:
                 return False
             if not self._send_spool():
                 return False
+            self._next_send_s = time.monotonic() + 0.9 * self._send_period()
             if not self.directives.confirm_pending():
                 return False
             now = time.monotonic()
             if now >= self._next_directives_s:
-                self._next_directives_s = now + self._period() * 0.9
+                self._next_directives_s = now + self._directives_period() * 0.9
                 if not self.directives.pull(self.wall_clock()):
                     return False
             return True
@@ -293,6 +306,7 @@ class Reporter:
             return False
         data = r.json()
         self.report_interval_s = finite_or_none(data.get("report_interval_s"))
+        self.directives.set_send_period(data.get("send_period_s"))
         last = data.get("last_report_seq")
         if isinstance(last, int):
             self.spool.raise_next_seq(last + 1)
@@ -311,7 +325,7 @@ class Reporter:
             if r.status_code in (200, 201):
                 data = r.json()
                 self.spool.remove(x["seq"] for x in batch)
-                self.status_.add(num_sent=int(data.get("stored", len(batch))),
+                self.status_.add(num_sent=int(data.get("stored", len(batch))), num_report_posts=1,
                                  num_duplicates=int(data.get("duplicates", 0)))
                 self.status_.ok()
                 self._drain_inbox()
@@ -373,6 +387,7 @@ class Reporter:
                     "spool_error": self.spool.disk_error,
                     "num_sent": s.num_sent, "num_duplicates": s.num_duplicates, "num_rejected": s.num_rejected,
                     "num_send_errors": s.num_send_errors, "num_directive_pulls": s.num_directive_pulls,
+                    "num_report_posts": s.num_report_posts, "send_period_s": self.directives.send_period_s,
                     "policy_version": s.policy_version, "policy_error": s.policy_error,
                     "override": s.override, "events": list(s.events)}
 

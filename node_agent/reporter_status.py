@@ -22,6 +22,7 @@ class ReporterStatus:
     last_error: str | None = None
     last_success_s: float | None = None
     num_sent: int = 0
+    num_report_posts: int = 0  # report requests the control plane acknowledged
     num_duplicates: int = 0
     num_rejected: int = 0
     num_send_errors: int = 0

@@ -158,6 +158,16 @@ def test_liveness_marks_silent_nodes_down_and_a_report_brings_them_up(db):
         assert (a.status, a.last_seen_s, a.last_report_seq, a.emb_share) == ("up", 106.0, 3, 0.4)
 
 
+
+def test_liveness_counts_in_send_periods_when_nodes_send_less_often_than_they_report(db):
+    _, factory = db
+    with factory.begin() as s:
+        _node(s, "a", now=100.0)  # reports every 1 s, sends every 3 s: silent 6 s is two sends
+    with factory.begin() as s:
+        assert queries.mark_down(s, now_s=106.0, missed_intervals=5, send_period_s=3.0) == []
+        assert queries.mark_down(s, now_s=106.0, missed_intervals=5, send_period_s=0.5) == ["a"]
+
+
 def test_window_values_select_nodes_versions_and_windows_with_requests(db):
     _, factory = db
     with factory.begin() as s:

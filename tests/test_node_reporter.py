@@ -471,3 +471,44 @@ def test_a_full_disk_loses_no_report_and_what_is_dropped_is_counted_and_shown(cl
             except subprocess.TimeoutExpired:
                 proc.kill()
         subprocess.run(["umount", "-l", str(full)], capture_output=True)
+
+
+def test_a_send_period_batches_the_reports_and_loses_none(cluster):
+    """The control plane's ``send_period_s`` reaches a running node through its directives: the
+    node then sends several control steps' reports per request (and pulls its directives as
+    often), stays up, and every report is stored once; without it, one request a step again."""
+    cp, base = cluster["cp"], cluster["agent"]
+    period = 3 * INTERVAL_S
+
+    def counts() -> tuple[int, int, int]:
+        st = agent_status(base)["control_plane"]
+        return st["num_sent"], st["num_report_posts"], st["num_directive_pulls"]
+
+    try:
+        with Traffic(base):
+            cp.stop()
+            cp.start(RACER_SEND_PERIOD_S=str(period))
+            wait_for(lambda: agent_status(base)["control_plane"]["send_period_s"] == period, 30, "the send period")
+            wait_for(lambda: agent_status(base)["control_plane"]["num_buffered"] == 0, 30, "an empty spool")
+            sent0, posts0, pulls0 = counts()
+            time.sleep(12 * period)
+            sent1, posts1, pulls1 = counts()
+            with cp.api() as api:
+                assert api.get("/nodes/n0").json()["status"] == "up"
+        per_post = (sent1 - sent0) / max(posts1 - posts0, 1)
+        assert 2.0 <= per_post <= 4.0, (sent1 - sent0, posts1 - posts0)
+        assert posts1 - posts0 <= 14 and pulls1 - pulls0 <= 14, (posts1 - posts0, pulls1 - pulls0)
+        with cp.api() as api:
+            wait_for(lambda: agent_status(base)["control_plane"]["num_buffered"] == 0, 30, "the last batch")
+            seqs = stored_seqs(api)
+        assert len(seqs) == len(set(seqs)) and sorted(seqs) == list(range(max(seqs) + 1))
+        print(f"send period {period} s: {sent1 - sent0} reports in {posts1 - posts0} requests "
+              f"({per_post:.2f} a request), {pulls1 - pulls0} directive pulls in {12 * period:g} s")
+    finally:
+        cp.stop()
+        cp.start()
+    wait_for(lambda: agent_status(base)["control_plane"]["send_period_s"] is None, 30, "every step again")
+    sent0, posts0, _ = counts()
+    time.sleep(8 * INTERVAL_S)
+    sent1, posts1, _ = counts()
+    assert (sent1 - sent0) / max(posts1 - posts0, 1) < 1.6, (sent1 - sent0, posts1 - posts0)

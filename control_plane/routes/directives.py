@@ -32,6 +32,7 @@ def directives(node_id: NodeId, request: Request):
         mdl, model_rollout_id = rollout_service.model_for_node(s, node_id)
         return DirectivesOut(
             node_id=node_id, now_s=now, report_interval_s=settings(request).report_interval_s,
+            send_period_s=settings(request).send_period_s,
             override=None if ov is None else OverrideDirective(
                 override_id=ov.id, emb_share=ov.emb_share, expires_at_s=ov.expires_at_s, reason=ov.reason,
                 scope="node" if ov.node_id else "cluster"),

@@ -28,7 +28,7 @@ def register(body: RegisterIn, request: Request, p: principal(NODE)):
     why = node_route_refusal(p, body.node_id)
     if why:
         raise HTTPException(403, why)
-    interval_s = settings(request).report_interval_s
+    interval_s, send_s = settings(request).report_interval_s, settings(request).send_period_s
     now = now_s(request)
     with begin(request) as s:
         old = s.get(Node, body.node_id)
@@ -52,7 +52,8 @@ def register(body: RegisterIn, request: Request, p: principal(NODE)):
                           before=before, after=body.model_dump(), reason="")
         last_seq = queries.highest_report_seq(s, body.node_id)
     request.app.state.known_nodes.add(body.node_id)
-    return RegisterOut(node_id=body.node_id, report_interval_s=interval_s, last_report_seq=last_seq)
+    return RegisterOut(node_id=body.node_id, report_interval_s=interval_s, send_period_s=send_s,
+                       last_report_seq=last_seq)
 
 
 # roles checked by the gate (no dependency: the route reads the body itself); the body's schema

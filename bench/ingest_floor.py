@@ -1,0 +1,65 @@
+"""The HTTP floor under the ingestion benchmark: the control plane's HTTP stack with nothing behind it.
+
+    python -m bench.ingest --json --db sqlite --http-floor     # this server beside the control plane
+
+Serves, through `common.http_server.serve_forever` (the uvicorn configuration, connection guards
+and runtime tuning the control plane runs on), a raw ASGI app that answers the calls
+`bench.ingest` makes: a token for every token request, an empty answer to a registration, and to
+each report batch it reads in full ``{"stored": N, "duplicates": 0}`` with N counted by a byte scan
+(no JSON parse, no validation, no gate, no database, no metrics). Its CPU per request is what the
+control plane cannot go below while it serves reports over this HTTP server, one request per
+report batch. Run as ``python bench/ingest_floor.py DB_URL PORT`` (the bench's server-command hook;
+the database URL is ignored).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.http_server import send_json_bytes, serve_forever  # noqa: E402
+
+_MAX_BODY = 1 << 20
+
+
+async def app(scope, receive, send) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        msg = await receive()
+        body += msg.get("body", b"")
+        more = msg.get("more_body", False)
+        if len(body) > _MAX_BODY:
+            await send_json_bytes(send, 413, b'{"detail": "too large"}')
+            return
+    path = scope["path"]
+    if path.endswith("/reports"):
+        out = b'{"stored": %d, "duplicates": 0}' % body.count(b'"seq"')
+    elif path == "/api/v1/tokens":
+        out = b'{"token": "floor"}'
+    else:
+        out = b"{}"
+    await send_json_bytes(send, 200, out)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python bench/ingest_floor.py DB_URL PORT", file=sys.stderr)
+        return 2
+    serve_forever(app, "127.0.0.1", int(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
