@@ -31,7 +31,8 @@ trend and burst phases go above the base rate, as they do in production. Nothing
 toward a configuration.
 
 **Noise**: the machine is shared. Configurations run interleaved in ``--rounds`` rounds (default
-3), a new random order of every (configuration, load) pair each round; each figure is reported as
+3), each in its own order of every (configuration, load) pair (`round_order`: a Williams design,
+so no run always comes first or always follows the same one); each figure is reported as
 the median and range over rounds, and the findings compare medians. Every run is saved under
 ``--out`` (``runs/``), so an interrupted bench resumes; ``fleet_p99.png`` plots P99 per phase per
 configuration, one panel per load.
@@ -121,6 +122,32 @@ class FleetConfig:
     def name(self) -> str:
         name = f"{'allocator' if self.split is None else f'static {self.split:g}'} + {self.router}"
         return name if self.copy == 1 else f"{name} (copy {self.copy})"
+
+
+def williams_rows(n: int) -> list[list[int]]:
+    """Orders of ``n`` runs, one per round, balanced for position and for carry-over (a Williams
+    design): over the rows each run is in every position equally often and follows every other
+    run equally often (``n`` rows when ``n`` is even, ``2n`` when odd). A run can leave something
+    behind for the next (a cold start's garbage, a warm host), so no configuration may always
+    come first or always follow the same one."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def round_order(n: int, rnd: int, seed: int) -> list[int]:
+    """The order of round ``rnd``'s ``n`` (configuration, load) runs: a row of `williams_rows`
+    (cycled), with the runs' labels drawn once per ``seed``."""
+    labels = np.random.default_rng(seed).permutation(n)
+    rows = williams_rows(n)
+    return [int(labels[i]) for i in rows[rnd % len(rows)]]
 
 
 def parse_configs(text: str) -> list[FleetConfig]:
@@ -970,8 +997,7 @@ def run_fleet(args) -> dict:
                    file=sys.stderr)
         with bar:
             for rnd in range(rounds):
-                order = np.random.default_rng([args.seed, rnd]).permutation(len(pairs))
-                for j in order:
+                for j in round_order(len(pairs), rnd, args.seed):
                     cfg, load = pairs[int(j)]
                     f = out_dir / "runs" / f"r{rnd}_{load:g}_{cfg.key.replace('/', '+')}.json"
                     r = _load(f)

@@ -94,6 +94,19 @@ def tune_runtime() -> dict:
             "switch_interval_s": sys.getswitchinterval()}
 
 
+def refreeze_runtime() -> int:
+    """After a process replaced what `tune_runtime` froze (an agent's reset in place): move the
+    frozen objects back, collect the replaced ones now, and freeze what is alive again, so their
+    collection does not fall inside the next run (a full collection of a replaced engine holds
+    the GIL for tens of milliseconds). Returns the objects frozen."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 ECHO_MAX_CHARS = 200  # most of a rejected input a 422 echoes back
 
 

@@ -51,7 +51,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from common.config import ranged, validate
-from common.http_server import AllowedMethods, BodyLimit, JsonOnly, json_safe  # shared with the gateway and control plane
+from common.http_server import AllowedMethods, BodyLimit, JsonOnly, json_safe, refreeze_runtime  # shared with the gateway and control plane
 from common.secrets_args import bearer_ok
 
 from .admission import AdmissionLanes, Job
@@ -298,6 +298,7 @@ class NodeAgent:
         self.recent_effects.clear()
         self._memory = self._memory_snapshot()
         self.num_resets += 1
+        refreeze_runtime()  # the replaced engine is collected here, not inside the next run
         return {"emb_share": engine.mm.emb_share, "allocator": alloc is not None, "num_resets": self.num_resets,
                 "device_mode": engine.device_info()}
 

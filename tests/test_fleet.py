@@ -546,3 +546,22 @@ def test_across_workloads_refuses_benches_on_different_devices():
 
     with pytest.raises(ValueError, match="different devices"):
         across({"a": res("emulated", "a100-hstu"), "b": res("cpu-compute", None)})
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
+def test_round_orders_balance_position_and_carry_over(n):
+    from collections import Counter
+
+    from bench.fleet import round_order, williams_rows
+
+    rows = williams_rows(n)
+    assert all(sorted(r) == list(range(n)) for r in rows)
+    reps = len(rows) // n  # 1 when n is even, 2 when odd
+    for pos in range(n):
+        assert Counter(r[pos] for r in rows) == {k: reps for k in range(n)}
+    follows = Counter((a, b) for r in rows for a, b in zip(r, r[1:]))
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert set(follows.values()) == {reps}
+    orders = [round_order(n, rnd, seed=0) for rnd in range(len(rows))]
+    assert Counter(o[0] for o in orders) == {k: reps for k in range(n)}  # no run always first
+    assert round_order(n, 1, seed=0) == round_order(n, 1 + len(rows), seed=0)  # rows cycle

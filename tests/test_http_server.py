@@ -329,3 +329,28 @@ def test_the_uvicorn_internals_the_guarded_protocol_uses_behave_as_it_expects(ht
     assert seen["answer"] == (b"HTTP/1.1 200 OK", b"helloworld")
     assert seen["after"] == (False, True, True, None)  # uvicorn's keep-alive timer took over from the guard's
     assert seen["nodelay"] is True
+
+
+def test_refreeze_collects_what_was_frozen_and_replaced():
+    """A reset in place replaces objects `tune_runtime` froze: `refreeze_runtime` collects them
+    (their cycles included) before the next run, and freezes what is alive."""
+    import gc
+    import weakref
+
+    from common.http_server import refreeze_runtime
+
+    class Node:
+        pass
+
+    old = Node()
+    old.self = old  # a cycle: only the cyclic collector frees it
+    gone = weakref.ref(old)
+    try:
+        gc.freeze()
+        del old
+        gc.collect()
+        assert gone() is not None  # frozen: a collection does not free it
+        assert refreeze_runtime() > 0
+        assert gone() is None
+    finally:
+        gc.unfreeze()
