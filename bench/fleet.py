@@ -705,6 +705,10 @@ def paired_pct(runs: list[dict], key: str, base: str, load: float, figure: str =
 #: the targets the verdicts judge, % of P99 (RACER over the best static configuration; the racer
 #: router over least_load at the same split)
 TARGETS_PCT = {"racer_over_best_static": 5.0, "racer_router_over_least_load": 2.0}
+#: an A/A interval must leave [-AA_RESOLUTION_PCT, +AA_RESOLUTION_PCT] to fail the control: a
+#: quarter of the smallest target, below anything a verdict decides (runs of a deterministic
+#: emulated device can repeat to 0.01%, and then a steady 0.03% between two copies excludes 0)
+AA_RESOLUTION_PCT = 0.5
 #: one-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's)
 _T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
         1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
@@ -772,8 +776,8 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
     met`` or ``undecided``, the difference the rounds can resolve and the rounds the target's
     width would need), against the best static configuration chosen on medians; with an A/A
     copy, ``aa_over_original`` gives the copy's interval, which should hold 0 (a check of the
-    noise model): where it does not, every verdict at that load is ``undecided`` and says what it
-    was (``overruled``)."""
+    noise model): where it lies wholly beyond `AA_RESOLUTION_PCT` of 0, every verdict at that
+    load is ``undecided`` and says what it was (``overruled``)."""
     runs = list(runs)
     statics = [c.key for c in configs if c.split is not None and c.copy == 1]
     aa = next((c for c in configs if c.copy > 1), None)
@@ -809,14 +813,16 @@ def findings(rows: list[dict], configs: list[FleetConfig], loads: list[float], r
             runs, load, "0.5/racer", "0.5/least_load", TARGETS_PCT["racer_router_over_least_load"])
         if aa is not None:
             a = verdicts["aa_over_original"]["by_load"][k] = block_interval(runs, load, aa.key, aa.base_key)
-            if a is not None and a["lo_pct"] is not None and not a["lo_pct"] <= 0.0 <= a["hi_pct"]:
+            if a is not None and a["lo_pct"] is not None and (a["lo_pct"] > AA_RESOLUTION_PCT
+                                                              or a["hi_pct"] < -AA_RESOLUTION_PCT):
                 # the control failed: two runs of one configuration differ beyond the interval, so
                 # the noise is not what the interval assumes (heavy tails, runs that are not
                 # independent) and no verdict at this load stands
                 for name in TARGETS_PCT:
                     v = verdicts[name]["by_load"][k]
                     if v is not None and v["verdict"] != "undecided":
-                        v["verdict"], v["overruled"] = "undecided", f"was {v['verdict']}: the A/A interval excludes 0"
+                        v["verdict"], v["overruled"] = "undecided", (
+                            f"was {v['verdict']}: the A/A interval excludes 0 (beyond {AA_RESOLUTION_PCT:g}%)")
     out["verdicts"] = verdicts
     return out
 

@@ -208,6 +208,15 @@ def test_findings_carry_the_verdicts_against_the_best_static_and_for_the_racer_r
     for name, was in (("racer_over_best_static", "met"), ("racer_router_over_least_load", "not met")):
         assert v[name]["by_load"]["0.5"]["verdict"] == "undecided"
         assert v[name]["by_load"]["0.5"]["overruled"].startswith(f"was {was}")
+    # a copy that repeats within a hair of its original (a deterministic device) excludes 0 by
+    # less than the resolution: the control holds
+    orig = {(r["round"], r["load"]): r["p99_ms"] for r in runs if r["config"] == "0.5/least_load"}
+    near = [dict(r, p99_ms=orig[r["round"], r["load"]] * 1.0003) if r["config"] == "0.5/least_load#2" else r
+            for r in runs]
+    v = findings(aggregate(near, cfgs, [0.5]), cfgs, [0.5], near)["verdicts"]
+    assert v["aa_over_original"]["by_load"]["0.5"]["lo_pct"] > 0.0
+    assert v["racer_over_best_static"]["by_load"]["0.5"]["verdict"] == "met"
+    assert "overruled" not in v["racer_over_best_static"]["by_load"]["0.5"]
 
 
 def test_replay_stats_sum_the_answers_kv_and_emb_counts_per_phase():
