@@ -362,15 +362,10 @@ class LocalFleet:
             return self._start_gateway(cfg, trace)
         self.stop()
         split = ["--emb-share", "0.5", "--policy", self.policy, "--allow-reset"]  # a reset picks the configuration
-        taken: set[int] = set()
         for i in range(self.num_nodes):
             args = ["node-agent", *trace, *self.device_args, *split, "--slo-ms", format(self.slo_ms, "g"),
                     "--seed", "1", "--control-interval-s", "1"]
-            port = free_port()
-            while port in taken:  # a port freed by the probe is not yet bound by the agent given it before
-                port = free_port()
-            taken.add(port)
-            self.agents.append(Proc(args, self.workdir / f"agent{i}.log", port, nice=self.agent_nice).start())
+            self.agents.append(Proc(args, self.workdir / f"agent{i}.log", free_port(), nice=self.agent_nice).start())
         for a in self.agents:
             a.wait_ready()
         self._reset_agents(cfg)

@@ -72,10 +72,19 @@ SMALL_AGENT = ["--num-pages", "256", "--max-history-len", "256", "--num-candidat
                "--emb-share", "0.5", "--embedding-dim", "32", "--head-dim", "16", "--num-layers", "1"]
 
 
+_ISSUED: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free local port, never one this process was given before: a probed port stays free until
+    the process it was handed to binds it, so two probes in a row can return the same one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
 
 
 class Proc:

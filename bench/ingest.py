@@ -42,7 +42,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,16 +51,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.gateway import free_port
 from common.http_server import tune_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SERVER = Path(__file__).resolve().parent / "ingest_floor.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_control_plane(db_url: str, port: int, admin: str, extra_env: dict | None = None,
