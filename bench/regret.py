@@ -223,7 +223,11 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
 def holdout_config(st: HoldoutSetting, quick: bool, smart: tuple[str, ...], policy: str | None = None,
                    share_step: float | None = None):
     """The `TableConfig` of one held-out setting (racer router only, the shares of `share_grid`:
-    0.1 .. 0.9 with ``quick``, 0.05 .. 0.95 without, unless ``share_step`` says)."""
+    0.1 .. 0.9 with ``quick``, 0.05 .. 0.95 without, unless ``share_step`` says), with the
+    ``oracle_start`` row: the replay oracle held at the configured split (0.5) for its first window,
+    as every online allocator is (`simulator.cluster.oracle_replay`'s ``first_share``). Its regret
+    is the start-up's floor: what knowing the future from the first decision on still loses to the
+    best known split of the setting."""
     from simulator.table import TableConfig
 
     shares = share_grid(default_share_step(quick) if share_step is None else share_step)
@@ -231,7 +235,8 @@ def holdout_config(st: HoldoutSetting, quick: bool, smart: tuple[str, ...], poli
                        rate_rps=st.rate_rps_per_node * st.num_nodes, duration_s=20.0 if quick else 30.0,
                        num_users=st.users_per_node * st.num_nodes, history_scale=st.history_scale,
                        cache_fraction=st.cache_fraction, shares=shares, routers=("racer",),
-                       other_router_allocators=(), extra_allocators=smart, policy=policy, seed=st.seed, jobs=1)
+                       other_router_allocators=(), extra_allocators=tuple(smart) + ("oracle_start",), policy=policy,
+                       seed=st.seed, jobs=1)
 
 
 def holdout_findings(res: dict, settings: list[HoldoutSetting]) -> dict:
@@ -240,17 +245,24 @@ def holdout_findings(res: dict, settings: list[HoldoutSetting]) -> dict:
     and for the constructed families the known side."""
     by_name = {st.name: st for st in settings}
     statics = sorted(a for a in res["allocators"] if a.startswith("static:"))
-    rows = []
+    rows, over = [], []
     for r in res["per_setting"]:
         best, best_by = best_known(r["p99_ms"])
         st = by_name.get(r["setting"])
+        start = r["p99_ms"].get("oracle_start")
         row = {"setting": r["setting"], "oracle_p99_ms": r["p99_ms"].get("oracle"), "best_known_p99_ms": best,
                "best_known_by": best_by,
+               "startup_floor_pct": round(100.0 * (start / best - 1.0), 2) if start and best else None,
                "regret_pct": {a: round(100.0 * (v / best - 1.0), 2) for a, v in r["p99_ms"].items()
                               if v is not None and best},
                "mean_share": r.get("mean_share", {}), "slo_attainment": r.get("slo_attainment", {}).get("oracle")}
         if st is not None and st.known is not None:
             row["known"] = st.known
+        if start and best and r["p99_ms"].get("racer"):
+            # racer against the better of the best known P99 and the oracle that starts at the
+            # configured split: what is left once the start-up, which no online allocator avoids, is paid
+            row["racer_over_startup_floor_pct"] = round(100.0 * (r["p99_ms"]["racer"] / max(best, start) - 1.0), 2)
+            over.append(row["racer_over_startup_floor_pct"])
         rows.append(row)
     racer = res["allocators"].get("racer")
     mm = res["allocators"].get("minimax_static")
@@ -261,6 +273,10 @@ def holdout_findings(res: dict, settings: list[HoldoutSetting]) -> dict:
             "static_max_regret_pct": {a: res["allocators"][a]["max_regret_pct"] for a in statics},
             "minimax_static": mm,
             "racer_max_within_5pct": racer is not None and racer["max_regret_pct"] <= 5.0,
+            "startup_floor_max_pct": max((r["startup_floor_pct"] for r in rows if r["startup_floor_pct"] is not None),
+                                         default=None),
+            "racer_max_over_startup_floor_pct": max(over) if over else None,
+            "racer_mean_over_startup_floor_pct": round(sum(over) / len(over), 2) if over else None,
             "racer_below_minimax_static": (racer is not None and mm is not None
                                            and racer["max_regret_pct"] < mm["max_regret_pct"]
                                            and racer["mean_regret_pct"] < mm["mean_regret_pct"]),
@@ -487,6 +503,8 @@ def _print(res: dict, as_json: bool) -> None:
         for r in h["per_setting"]:
             print(f"{r['setting']:>40} {r['mean_share'].get('oracle', float('nan')):>12.2f} "
                   + " ".join(f"{r['regret_pct'].get(a, float('nan')):>+11.2f}%" for a in names))
+        print(f"start-up floor (oracle_start's regret): max {h['startup_floor_max_pct']}%; racer over the floor: "
+              f"max {h['racer_max_over_startup_floor_pct']}%, mean {h['racer_mean_over_startup_floor_pct']}%")
         print()
     print(f"{'allocator':>14} {'max_regret_pct':>15} {'mean_regret_pct':>16} {'settings':>9}")
     for name, v in res["allocators"].items():

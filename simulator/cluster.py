@@ -788,7 +788,8 @@ class ClusterSim:
 
 
 def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "racer", *, rel_tol: float = 0.01,
-                  ties: str = "rel_tol", name: str = "oracle") -> tuple[SimResult, list[float]]:
+                  ties: str = "rel_tol", name: str = "oracle",
+                  first_share: float | None = None) -> tuple[SimResult, list[float]]:
     """The offline-optimal split per control window, found on the window's replay.
 
     At each window boundary the run is forked once per share in ``shares``; every fork runs the
@@ -796,7 +797,10 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
     router as the earlier choices left them); the share whose window P99 is lowest is kept (among
     shares within ``rel_tol`` of that P99, the one nearest the previous choice: the oracle does not
     move the boundary for noise) and the run continues from that fork. The first window tries each
-    share as the split configured at start-up. Greedy over one window: a share that would only pay
+    share as the split configured at start-up; with ``first_share`` it runs at that split alone
+    (``oracle_start``: the oracle that starts where every online allocator starts, at
+    ``cfg.initial_emb_share``, and knows nothing before its first window ends, so its regret
+    is the start-up's floor). Greedy over one window: a share that would only pay
     off after more than one window is not seen. Returns the oracle's own `SimResult` (measured
     like any run) and its schedule (one share per window); ``result.extra["oracle_observed"][i]``
     holds the nodes' `WindowStats` the choice ``schedule[i + 1]`` followed (what a policy would
@@ -830,8 +834,10 @@ def oracle_replay(stream: RequestStream, cfg: SimConfig, shares, router: str = "
         bands.append([cands[k][0] for k in sorted(set(in_band) | {i})])  # the choice is always in it
         return cands[i]
 
+    if first_share is not None and not 0.0 <= first_share <= 1.0:
+        raise ValueError(f"first_share must be in [0, 1], got {first_share!r}")
     cands = []
-    for s in shares:
+    for s in (shares if first_share is None else [float(first_share)]):
         sim = ClusterSim(stream, cfg, router, initial_share=s, name=name)
         cands.append((s, sim, sim.start()))
     s, sim, out = pick(cands, 0, None)

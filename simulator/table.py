@@ -177,7 +177,8 @@ GHOST_PROBES = DEFAULT_GHOST_PROBES  # the runs whose allocator reads the caches
 
 def _is_smart(spec: str) -> bool:
     """A SmartAllocator spec (read from a policy artifact), not one of the simulator's own."""
-    return not (spec.startswith("static:") or spec in ("heuristic", "oracle", "best_static", "oracle_lookahead"))
+    return not (spec.startswith("static:")
+                or spec in ("heuristic", "oracle", "best_static", "oracle_lookahead", "oracle_start"))
 
 
 def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = None):
@@ -185,7 +186,7 @@ def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = N
         return StaticAllocator(float(spec.split(":", 1)[1]))
     if spec == "heuristic":
         return HeuristicAllocator()
-    if spec == "oracle_lookahead" and schedule is None:  # run by `_run` itself; nothing to build
+    if spec in ("oracle_lookahead", "oracle_start") and schedule is None:  # run by `_run` itself; nothing to build
         return None
     if not _is_smart(spec):  # "oracle" or "best_static": a schedule replayed
         return ScheduleAllocator(schedule, scfg.control_interval_s, name=spec)
@@ -205,6 +206,10 @@ def _run(args) -> tuple[tuple, dict, dict]:
         scfg = replace(scfg, ghost_probes=GHOST_PROBES)
     if job.allocator == "oracle" and job.schedule is None:  # the replay oracle
         res, sched = oracle_replay(stream, scfg, cfg.shares, job.router)
+        bands = res.extra["oracle_bands"]
+    elif job.allocator == "oracle_start" and job.schedule is None:  # the replay oracle from the configured split
+        res, sched = oracle_replay(stream, scfg, cfg.shares, job.router, first_share=scfg.initial_emb_share,
+                                   name="oracle_start")
         bands = res.extra["oracle_bands"]
     elif job.allocator == "oracle_lookahead" and job.schedule is None:  # the per-phase schedule, beam search
         res, sched = oracle_lookahead(stream, scfg, cfg.shares, job.router)
@@ -331,7 +336,7 @@ class RunCache:
         return _canon(self._base | {"regime": job.regime, "allocator": job.allocator, "router": job.router,
                                     "schedule": job.schedule,
                                     "shares": list(self._cfg.shares)
-                                    if job.allocator in ("oracle", "oracle_lookahead") else None,
+                                    if job.allocator in ("oracle", "oracle_lookahead", "oracle_start") else None,
                                     "policy": self._policy_digest() if _is_smart(job.allocator) else None})
 
     def _file(self, key: dict) -> Path:

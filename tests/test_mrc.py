@@ -264,3 +264,44 @@ def test_one_lookup_with_more_new_ids_than_the_sampler_follows_lowers_the_rate_a
     for k in range(5):
         r.record(np.random.default_rng(k).integers(0, 10**6, 30_000))
         assert r.num_keys <= r.max_keys and r.check_invariants() == []
+
+
+def test_curve_layer_jumps_down_a_cliff_at_once_and_paces_a_growth(tmp_path):
+    """Above a KV cliff (the minimum, KV-ward of the split in force, saves at least ``jump_gain`` of
+    the split in force's time) the step-down limit is waived: the split reaches the minimum in one
+    decision. A move EMB-ward to a minimum stays paced by the step-up limit (new rows need a refill),
+    and below ``jump_gain`` the step-down limit paces a KV-ward move as before."""
+    # the K/V fit at shares 0.1 and 0.2 only; the EMB hit barely moves
+    cur = _curves(kv_hit=(0.9, 0.9, 0.02, 0.02, 0.02), emb_hit=(0.5, 0.52, 0.54, 0.56, 0.58), tokens=4000.0)
+    st = window(emb_share=0.5, load=0.5, num_requests=100, interval_s=1.0, emb_lookups_per_request=100.0,
+                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    g = GuardConfig()
+    out, t = curve_layer(CurveGuard(), cur, st, 0.5, 0.5, g)
+    s_min = t.detail["min_share"]
+    assert s_min <= 0.2 and (out, t.acted, t.detail["action"]) == (s_min, True, "jump")
+    assert t.detail["cost_prev_us"] >= 2 * t.detail["cost_min_us"]
+    # the same curve with a jump_gain above its saving: an ordinary to_minimum
+    out, t = curve_layer(CurveGuard(CurveConfig(jump_gain=0.99)), cur, st, 0.5, 0.5, g)
+    assert (out, t.detail["action"]) == (s_min, "to_minimum")
+
+    # through the allocator: one decision from 0.5 to the minimum (the guards' max_step_down is 0.1)
+    policy = constant_policy(tmp_path / "p", 0.5)
+
+    def decide(config, curves, stats, share):  # the first decision: the split in force is the stats'
+        assert stats.emb_share == share
+        alloc = SmartAllocator(config, policy_dir=policy)
+        alloc.read_curves(curves)
+        return alloc.decide(stats, 1.0)
+
+    d = decide(AllocatorConfig(), cur, st, 0.5)
+    assert d.emb_share == pytest.approx(s_min) and d.layer("curve").detail["action"] == "jump"
+    assert d.layer("guard").detail["action"] is None and "at once" in d.reason
+    d = decide(AllocatorConfig(curve=CurveConfig(jump_gain=0.99)), cur, st, 0.5)
+    assert d.emb_share == pytest.approx(0.4) and d.layer("guard").detail["action"] == "step_down"
+    # the mirror image: the minimum EMB-ward of the split in force is reached at the step-up limit only
+    up = _curves(kv_hit=(0.02,) * 5, emb_hit=(0.01, 0.01, 0.01, 0.99, 0.5), tokens=10.0)
+    st_up = window(emb_share=0.1, load=0.5, num_requests=100, interval_s=1.0, emb_lookups_per_request=2000.0,
+                   kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    d = decide(AllocatorConfig(), up, st_up, 0.1)
+    assert d.layer("curve").detail["min_share"] == 0.4 and d.layer("curve").detail["action"] == "to_minimum"
+    assert d.emb_share == pytest.approx(0.1 + g.max_step_up) and d.layer("guard").detail["action"] == "step_up"

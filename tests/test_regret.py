@@ -92,6 +92,26 @@ def test_regret_arithmetic_against_the_best_known_p99():
     assert res["minimax_static"] == {**res["static:0.50"], "share": 0.5}
 
 
+def test_holdout_findings_report_the_start_up_floor():
+    """``oracle_start`` (the oracle held at the configured split for its first window) is not a
+    candidate for the best known P99; its regret is each setting's start-up floor, and racer is
+    also judged against the better of the two."""
+    from bench.regret import holdout_findings, regret
+
+    per = [{"setting": "a", "p99_ms": {"oracle": 10.0, "static:0.10": 11.0, "oracle_start": 15.0, "racer": 16.5}},
+           {"setting": "b", "p99_ms": {"oracle": 20.0, "static:0.10": 20.0, "oracle_start": 19.0, "racer": 21.0}}]
+    res = {"allocators": regret(per), "per_setting": per}
+    h = holdout_findings(res, [])
+    a, b = h["per_setting"]
+    assert (a["best_known_p99_ms"], a["best_known_by"], a["startup_floor_pct"]) == (10.0, "oracle", 50.0)
+    assert a["racer_over_startup_floor_pct"] == 10.0 and a["regret_pct"]["racer"] == 65.0
+    # a start-constrained oracle that does better than the best known (greedy oracles can): floor < 0
+    assert b["startup_floor_pct"] == -5.0 and b["racer_over_startup_floor_pct"] == 5.0
+    assert (h["startup_floor_max_pct"], h["racer_max_over_startup_floor_pct"],
+            h["racer_mean_over_startup_floor_pct"]) == (50.0, 10.0, 7.5)
+    assert h["racer_max_regret_pct"] == 65.0 and not h["racer_max_within_5pct"]
+
+
 def test_share_grid_and_the_cliff_family():
     from bench.regret import holdout_config, holdout_grid, share_grid
 
@@ -105,6 +125,7 @@ def test_share_grid_and_the_cliff_family():
     assert sorted({st.family for st in cliffs}) == ["cliff-a", "cliff-b"]
     assert {(st.load, st.regime) for st in cliffs} == {(ld, rg) for ld in ("light", "busy") for rg in ("steady", "trend")}
     assert holdout_config(cliffs[0], True, ()).shares == share_grid(0.1)
+    assert holdout_config(cliffs[0], True, ("racer",)).extra_allocators == ("racer", "oracle_start")
     assert holdout_config(cliffs[0], False, ()).shares == share_grid(0.05)
     assert holdout_config(cliffs[0], True, (), share_step=0.05).shares == share_grid(0.05)
     # the cliff's K/V working set: two users of 1,000 tokens (63 pages of 16 tokens) against the arena

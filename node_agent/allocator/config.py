@@ -163,7 +163,8 @@ class RecoveryConfig:
 @dataclass(frozen=True)
 class CurveConfig:
     """The curve layer's settings (`node_agent.allocator.curve`: ``move_gain`` / ``hold_gain`` the
-    saving that moves the proposal to the curve's minimum / keeps it there, ``cliff_gain`` the
+    saving that moves the proposal to the curve's minimum / keeps it there, ``jump_gain`` the saving
+    over the split in force that waives the step-down limit for a KV-ward move there, ``cliff_gain`` the
     cost rise that refuses a step, ``flat_gain`` the dead band (the split in force within it of the
     curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
     ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed)."""
@@ -172,13 +173,14 @@ class CurveConfig:
     move_gain: float = 0.25
     hold_gain: float = 0.1
     cliff_gain: float = 0.25
+    jump_gain: float = 0.5
     flat_gain: float = 0.01
     rho_max: float = 0.95
     min_emb_refs: float = 200.0
     min_kv_lookups: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("move_gain", "hold_gain", "cliff_gain"):
+        for name in ("move_gain", "hold_gain", "cliff_gain", "jump_gain"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 < v < 10.0):
                 raise ValueError(f"CurveConfig.{name} must be in (0, 10), got {v!r}")

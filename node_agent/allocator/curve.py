@@ -21,6 +21,11 @@ guard range and at the split in force:
 - ``to_minimum``: the minimum saves at least ``move_gain`` of the proposal's ``T``: the proposal
   becomes the minimum's share (the guards' step limit still paces the move); it stays there while
   the saving is at least ``hold_gain`` (hysteresis);
+- ``jump``: ``to_minimum`` where the minimum lies KV-ward of the split in force and saves at least
+  ``jump_gain`` of the split in force's ``T`` (a cliff the node stands above): the guards'
+  step-down limit is waived for this decision, so the split reaches the minimum at once. A
+  shrink of the EMB slab is metadata-only (its pages go to the KV pool); a growth stays paced,
+  its new rows need a refill. Every interval above a cliff builds a backlog that the tail keeps;
 - ``refuse_step``: the proposal's ``T`` exceeds the split in force's by ``cliff_gain`` or more (a
   step over a cliff): the proposal becomes the split in force;
 - ``flat``: the split the layer last chose (``anchor``; at first the split in force) is within
@@ -44,7 +49,7 @@ from common.contract import curve_text
 from node_agent.allocator.config import CurveConfig, GuardConfig
 from node_agent.allocator.trace import LayerTrace
 
-CURVE_ACTIONS = ("pass", "no_curve", "to_minimum", "refuse_step", "flat")
+CURVE_ACTIONS = ("pass", "no_curve", "to_minimum", "jump", "refuse_step", "flat")
 
 
 def expected_costs(curves, stats, rho_max: float = 0.95) -> tuple[np.ndarray, np.ndarray] | None:
@@ -138,6 +143,8 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
     out, action = proposal, "pass"
     if gain >= c.move_gain or (guard_state.holding and gain >= c.hold_gain):
         out, action = s_min, "to_minimum"
+        if s_min < prev and t_prev > 0 and (t_prev - t_min) >= c.jump_gain * t_prev:
+            action = "jump"
     elif t_prev > 0 and t_p >= t_prev * (1.0 + c.cliff_gain):
         out, action = prev, "refuse_step"
     else:
@@ -146,7 +153,7 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
         t_held = float(np.interp(held, shares, cost))
         if proposal != held and t_held > 0 and (t_held - t_min) < c.flat_gain * t_held:
             out, action = held, "flat"
-    guard_state.holding = action == "to_minimum"
+    guard_state.holding = action in ("to_minimum", "jump")
     guard_state.anchor = out
     guard_state.num_actions[action] += 1
     acted = action != "pass" and out != proposal

@@ -166,10 +166,12 @@ class SmartAllocator:
             if res_t.acted:
                 source = "residual"
         curves, self._curves = self._curves, None
+        jump = False
         if hold is None and c.curve.enabled and curves is not None:
             proposal_in = proposal
             proposal, t = curve_layer(self.curve, curves, stats, proposal, prev, c.guard)
             layers.append(t)
+            jump = t.values[0] == "jump"
             if t.acted:
                 source, learnable = "guard", False
                 if res_t is not None and t.values[0] in ("flat", "refuse_step"):  # the offset stays with the split
@@ -193,7 +195,7 @@ class SmartAllocator:
                 self._override = None
                 notes += (note,)
         layer_source = source
-        share, t = guard_layer(proposal, prev, c.guard, source, source != "override")
+        share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not jump)
         layers.append(t)
         if t.acted and t.values[0] in self.num_at_bound:
             self.num_at_bound[t.values[0]] += 1

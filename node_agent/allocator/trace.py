@@ -65,10 +65,11 @@ def _residual_words(d: dict, inner: str) -> str:
 
 def _curve_words(d: dict, inner: str) -> str:
     a = d["action"]
-    if a == "to_minimum":
+    if a == "to_minimum" or a == "jump":
         return (f"miss-ratio curves: expected {d['cost_min_us']:.0f} us per request at {d['min_share']:.2f} against "
                 f"{d['cost_proposal_us']:.0f} at the proposal {d['proposal_in']:.4f} (saves {100 * d['gain']:.0f}%): "
-                f"to the curve's minimum ({inner})")
+                f"to the curve's minimum" + (f", at once (a cliff: {d['cost_prev_us']:.0f} us in force, the step-down "
+                                             f"limit waived)" if a == "jump" else "") + f" ({inner})")
     if a == "refuse_step":
         return (f"miss-ratio curves: the step to {d['proposal_in']:.4f} costs {d['cost_proposal_us']:.0f} us per "
                 f"request against {d['cost_prev_us']:.0f} in force (a cliff): step refused ({inner})")
