@@ -1,5 +1,5 @@
 """How close to the replay oracle can an allocator that starts at 0.5 get, on a setting of the
-regret grid? ``python -m bench.reachable --settings taobao-sample-schedule-s2,... [--json]``
+regret grid? ``python -m bench.reachable --settings taobao-sample-schedule-s2,...|in-sample [--jobs N] [--json]``
 
 The replay oracle (`simulator.cluster.oracle_replay`) may set any share in any window, from the
 first on. A runtime allocator starts at the configured split (0.5) and the guards move it at most
@@ -7,8 +7,10 @@ first on. A runtime allocator starts at the configured split (0.5) and the guard
 (`node_agent.allocator.GuardConfig`). The *reachable oracle* follows the oracle's schedule as fast
 as the guards allow from 0.5: window 0 at 0.5, then each window one guarded step toward the
 oracle's share for it. Its regret (P99 over the oracle's minus 1) is a floor for any allocator
-that does not know the schedule in advance and starts where the runtime starts; on a short
-setting (the quick grid's 4-s regimes are 4 control intervals) it can be several percent.
+that does not know the schedule in advance, starts where the runtime starts and keeps the step
+limits (the curve layer's ``jump`` waives the step-down limit above a KV cliff; `bench.regret`'s
+``oracle_start`` row is the floor without step limits); on a short setting (the quick grid's 4-s
+regimes are 4 control intervals) it can be several percent.
 
 Printed per setting: the oracle's schedule and P99, the reachable path and its P99 and regret,
 and (``--allocators``, default ``racer,ppo``) each SmartAllocator row's regret on the same
@@ -20,7 +22,11 @@ settings (``taobao-sample-schedule-s2``) and the held-out grid's
 and the SmartAllocator rows once per router tie-break seed (`SimConfig.router_seed`) and prints
 each one's P99 over the seeds (median and range) and the SmartAllocator rows' median over the
 best static split's: one run per cell carries the router's own randomness, which a single
-regret figure cannot tell from the allocator's.
+regret figure cannot tell from the allocator's. With router seeds the output ends with each
+SmartAllocator row's worst median over the best static split's and how many settings lie within
+5% of it. ``--settings in-sample`` names the quick regret grid's 36 settings (`bench.regret.grid`:
+both samples and the paper-scale setting, four regimes, seeds 0-2); ``--jobs`` runs settings in
+parallel processes.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+
+from tqdm import tqdm
 
 REACHABLE_START = 0.5
 
@@ -55,11 +63,27 @@ def _setting(name: str):
                 return st
         raise ValueError(f"no held-out setting {name!r} (e.g. holdout-kv-heavy-busy-trend-s0, "
                          "holdout-random-9-busy-trend-s0)")
-    parts = name.split("-")
-    if len(parts) != 4 or parts[1] != "sample" or not parts[3].startswith("s") or not parts[3][1:].isdigit():
-        raise ValueError(f"want a sample setting of the quick regret grid (TRACE-sample-REGIME-sN) or a held-out "
-                         f"one (holdout-...), got {name!r}")
-    return Setting(parts[0], "sample", parts[2], int(parts[3][1:]))
+    kind = "paper-scale" if "-paper-scale-" in name else "sample"
+    parts = name.replace("-paper-scale-", "-paper_scale-").split("-")
+    if len(parts) != 4 or parts[1] not in ("sample", "paper_scale") or not parts[3].startswith("s") \
+            or not parts[3][1:].isdigit():
+        raise ValueError(f"want a setting of the quick regret grid (TRACE-sample-REGIME-sN, "
+                         f"TRACE-paper-scale-REGIME-sN) or a held-out one (holdout-...), got {name!r}")
+    return Setting(parts[0], kind, parts[2], int(parts[3][1:]))
+
+
+def setting_names(spec: str) -> list[str]:
+    """``--settings``: comma-separated names, or ``in-sample`` for the quick regret grid's 36
+    settings (`bench.regret.grid`)."""
+    from bench.regret import grid
+
+    if spec == "in-sample":
+        return [st.name for st in grid()]
+    return [x for x in spec.split(",") if x]
+
+
+def _run_one(args) -> dict:
+    return run_one(*args)
 
 
 def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...] = (),
@@ -120,7 +144,9 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.reachable", description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", required=True, help="comma-separated setting names, e.g. amazon-sample-burst-s1")
+    p.add_argument("--settings", required=True, help="comma-separated setting names, e.g. amazon-sample-burst-s1, "
+                   "or 'in-sample' for the quick regret grid's 36")
+    p.add_argument("--jobs", type=int, default=1, help="settings run in parallel (processes)")
     p.add_argument("--allocators", default="racer,ppo", help="SmartAllocator rows to run beside ('' for none)")
     p.add_argument("--router-seeds", default="", help="also replay the static splits and the SmartAllocator rows "
                    "once per router seed (comma-separated) and compare medians")
@@ -134,16 +160,32 @@ def main(argv=None) -> int:
         p.error("--router-seeds takes integers, --shares numbers (comma-separated)")
     if shares and not all(0.0 <= x <= 1.0 for x in shares):
         p.error("--shares must be in [0, 1]")
-    names = [x for x in a.settings.split(",") if x]
+    names = setting_names(a.settings)
+    if a.jobs < 1:
+        p.error("--jobs must be at least 1")
     try:
         for n in names:
             _setting(n)
     except ValueError as e:
         p.error(str(e))
     allocators = tuple(x for x in a.allocators.split(",") if x)
-    rows = [run_one(n, allocators, seeds, shares) for n in names]
+    work = [(n, allocators, seeds, shares) for n in names]
+    if a.jobs > 1 and len(work) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(a.jobs, len(work))) as pool:
+            rows = list(tqdm(pool.map(_run_one, work), total=len(work), desc="reachable", unit="setting",
+                             file=sys.stderr))
+    else:
+        rows = [run_one(*w) for w in tqdm(work, desc="reachable", unit="setting", file=sys.stderr)]
+    if seeds:
+        over = {r["setting"]: r["over_router_seeds"]["over_best_static_pct"] for r in rows}
+        worst = {al: max(v[al] for v in over.values()) for al in allocators}
+        within = {al: sum(v[al] <= 5.0 for v in over.values()) for al in allocators}
+    summary = {"worst_over_best_static_pct": worst, "settings_within_5pct": within,
+               "settings_counted": len(rows)} if seeds else {}
     if a.json:
-        print(json.dumps({"settings": rows}))
+        print(json.dumps({"settings": rows, **summary}))
     else:
         for r in rows:
             print(f"{r['setting']}: oracle {r['oracle_p99_ms']} ms {r['oracle_schedule']}; reachable "
@@ -154,6 +196,9 @@ def main(argv=None) -> int:
                     print(f"  {k:<12} P99 over router seeds {o['router_seeds']}: median {v['median']:.3f} ms "
                           f"{v['p99_ms']} (spread {v['spread_pct']}%)")
                 print(f"  over the best static ({o['best_static']}), medians: {o['over_best_static_pct']}")
+        if summary:
+            print(f"medians over the best static split's, worst cell: {summary['worst_over_best_static_pct']}; "
+                  f"cells within 5%: {summary['settings_within_5pct']} of {len(rows)}")
     return 0
 
 

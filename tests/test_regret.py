@@ -159,9 +159,7 @@ def test_reachable_path_follows_the_oracle_at_the_guards_step_limits():
 
     assert reachable_path([0.8, 0.8, 0.8, 0.2, 0.2], 0.5, 0.05, 0.1) == [0.5, 0.55, 0.6, 0.5, 0.4]
     assert reachable_path([0.2], 0.5, 0.05, 0.1) == [0.5]
-    with pytest.raises(SystemExit):
-        main(["--settings", "taobao-paper-scale-burst-s0"])
-    for argv in (["--settings", "taobao-sample-burst-s0", "--router-seeds", "a"],
+    for argv in (["--settings", "taobao-paper-burst-s0"], ["--settings", "in-sample", "--jobs", "0"],["--settings", "taobao-sample-burst-s0", "--router-seeds", "a"],
                  ["--settings", "taobao-sample-burst-s0", "--router-seeds", "1", "--shares", "1.5"],
                  ["--settings", "holdout-random-9-busy-nope-s0"]):
         with pytest.raises(SystemExit) as e:
@@ -185,3 +183,13 @@ def test_reachable_names_held_out_settings_and_compares_medians_over_router_seed
     rows = out["rows"]
     assert set(rows) == {"static:0.3", "static:0.7"} and all(len(v["p99_ms"]) == 2 for v in rows.values())
     assert out["best_static"] == min(rows, key=lambda k: rows[k]["median"]) and out["over_best_static_pct"] == {}
+    # the in-sample grid by one name: the quick regret grid's 36 settings, paper-scale ones included
+    from bench.reachable import setting_names
+    from bench.regret import grid
+
+    names = setting_names("in-sample")
+    assert names == [g.name for g in grid()] and len(names) == 36
+    assert [_setting(n) for n in names] == grid()
+    assert setting_names("a,,b") == ["a", "b"]
+    with pytest.raises(ValueError, match="paper-scale"):
+        _setting("taobao-paper-steady-s0")
