@@ -51,10 +51,11 @@ def _run(burst, spec, artifact=None):
 
 def test_racer_finds_the_kv_heavy_split_that_an_emb_heavy_base_policy_misses(burst, emb_heavy_base):
     (racer, alloc), (ppo, _) = _run(burst, "racer", emb_heavy_base), _run(burst, "ppo", emb_heavy_base)
-    # the base policy alone stays EMB-heavy; with the tuner the split falls every interval once the KV
-    # pool's ghost list shows the burst's returning users (from the second interval)
+    # the base policy alone stays EMB-heavy; with the runtime layers the split leaves it once the
+    # caches show the burst's returning users (from the second interval: the KV pool's ghost list
+    # for the tuner, the miss-ratio curve's cliff for the curve layer, which takes it there at once)
     assert ppo.shares[-1].mean() > 0.45
-    assert racer.shares[-1].mean() < 0.3 and np.all(np.diff(racer.shares[2:].mean(axis=1)) < 0)
+    assert racer.shares[-1].mean() < 0.3 and racer.shares[2:].mean(axis=1).max() < 0.3
     decisions = [d for d in alloc.last_decisions if d is not None]
     assert decisions and all(d.tuner_offset < -0.2 and d.tuner_gradient < 0 for d in decisions)
     assert racer.summary()["p99_ms"] < 0.95 * ppo.summary()["p99_ms"]
