@@ -178,12 +178,12 @@ def main(argv=None) -> int:
                              file=sys.stderr))
     else:
         rows = [run_one(*w) for w in tqdm(work, desc="reachable", unit="setting", file=sys.stderr)]
+    summary = {}
     if seeds:
-        over = {r["setting"]: r["over_router_seeds"]["over_best_static_pct"] for r in rows}
-        worst = {al: max(v[al] for v in over.values()) for al in allocators}
-        within = {al: sum(v[al] <= 5.0 for v in over.values()) for al in allocators}
-    summary = {"worst_over_best_static_pct": worst, "settings_within_5pct": within,
-               "settings_counted": len(rows)} if seeds else {}
+        over = [r["over_router_seeds"]["over_best_static_pct"] for r in rows]
+        summary = {"worst_over_best_static_pct": {al: max(v[al] for v in over) for al in allocators},
+                   "settings_within_5pct": {al: sum(v[al] <= 5.0 for v in over) for al in allocators},
+                   "settings_counted": len(rows)}
     if a.json:
         print(json.dumps({"settings": rows, **summary}))
     else:

@@ -175,10 +175,13 @@ def sim_config(cfg: TableConfig) -> SimConfig:
 GHOST_PROBES = DEFAULT_GHOST_PROBES  # the runs whose allocator reads the caches' ghost lists
 
 
+# the oracles `_run` runs itself from the stream (their runs depend on the share grid)
+_ORACLES = ("oracle", "oracle_lookahead", "oracle_start")
+
+
 def _is_smart(spec: str) -> bool:
     """A SmartAllocator spec (read from a policy artifact), not one of the simulator's own."""
-    return not (spec.startswith("static:")
-                or spec in ("heuristic", "oracle", "best_static", "oracle_lookahead", "oracle_start"))
+    return not (spec.startswith("static:") or spec in ("heuristic", "best_static") + _ORACLES)
 
 
 def _make_allocator(spec: str, schedule, scfg: SimConfig, policy: str | None = None):
@@ -336,7 +339,7 @@ class RunCache:
         return _canon(self._base | {"regime": job.regime, "allocator": job.allocator, "router": job.router,
                                     "schedule": job.schedule,
                                     "shares": list(self._cfg.shares)
-                                    if job.allocator in ("oracle", "oracle_lookahead", "oracle_start") else None,
+                                    if job.allocator in _ORACLES else None,
                                     "policy": self._policy_digest() if _is_smart(job.allocator) else None})
 
     def _file(self, key: dict) -> Path:

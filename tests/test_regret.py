@@ -159,7 +159,8 @@ def test_reachable_path_follows_the_oracle_at_the_guards_step_limits():
 
     assert reachable_path([0.8, 0.8, 0.8, 0.2, 0.2], 0.5, 0.05, 0.1) == [0.5, 0.55, 0.6, 0.5, 0.4]
     assert reachable_path([0.2], 0.5, 0.05, 0.1) == [0.5]
-    for argv in (["--settings", "taobao-paper-burst-s0"], ["--settings", "in-sample", "--jobs", "0"],["--settings", "taobao-sample-burst-s0", "--router-seeds", "a"],
+    for argv in (["--settings", "taobao-paper-burst-s0"], ["--settings", "in-sample", "--jobs", "0"],
+                 ["--settings", "taobao-sample-burst-s0", "--router-seeds", "a"],
                  ["--settings", "taobao-sample-burst-s0", "--router-seeds", "1", "--shares", "1.5"],
                  ["--settings", "holdout-random-9-busy-nope-s0"]):
         with pytest.raises(SystemExit) as e:

@@ -326,8 +326,8 @@ def test_replay_oracle_picks_each_window_best_share_from_its_own_state(small):
     assert all(b == a or a not in band for a, b, band in zip(ssched, ssched[1:], sb[1:]))
     with pytest.raises(ValueError, match="ties"):
         oracle_replay(stream, cfg, shares, ties="noise")
-    # held at the configured split for its first window (every online allocator starts there):
-    # from the second window on it chooses like the oracle, and never beats the free start
+    # held at the configured split for its first window (every online allocator starts there),
+    # from the second window on it chooses from the grid like the oracle
     started, st_sched = oracle_replay(stream, cfg, shares, first_share=0.5, rel_tol=0.0)
     assert st_sched[0] == 0.5 and set(st_sched[1:]) <= set(shares) and len(st_sched) == len(sched)
     assert started.shares[0].tolist() == [0.5] * cfg.num_nodes
