@@ -17,10 +17,9 @@ whole history, and drives it in headless Chromium (Playwright, /usr/bin/chromium
   maximum (``callback_ms_p99_samples``: how many; `bench.stats`);
 - ``payload_bytes_p50`` (and p99, max): bytes of one refresh's response (``extendData`` and
   `Patch` updates, not whole figures);
-- ``rollup_wait_s``: how long after the seeding the control plane's ``history_rollup`` job took
-  to aggregate it (the bench opens the dashboard after that: a running cluster's history is
-  aggregated as it arrives); ``history_read_ms``: one ``GET /reports`` of the whole range at the
-  dashboard's step, timed by the bench at the end.
+- ``history_read_ms``: one ``GET /reports`` of the whole range at the dashboard's step, timed by
+  the bench at the end (the seeded history is pre-aggregated as it is stored, as a running
+  cluster's is).
 
 Targets: first render <= 3,000 ms, callback p99 <= 500 ms, payload <= 50 KB.
 The process helpers here (`start_control_plane`, `start_dashboard`, `launch_browser`,
@@ -184,20 +183,6 @@ def _timed_first_render(page, url: str, token: str, nodes: int) -> tuple[float, 
     return t_start, t_sign, time.perf_counter()
 
 
-def wait_history_rollup(cp_url: str, token: str, after_s: float, timeout_s: float = 90.0) -> float:
-    """Seconds until a ``history_rollup`` job run whose watermark was past ``after_s`` when it
-    started (it read only reports received after ``after_s``) has finished."""
-    t0 = time.perf_counter()
-    h = {"Authorization": f"Bearer {token}"}
-    while time.perf_counter() - t0 < timeout_s:
-        runs = httpx.get(f"{cp_url}/api/v1/jobs", params={"job": "history_rollup", "since_s": after_s}, headers=h,
-                         timeout=10).json()
-        if any(r["ok"] and ((r.get("summary") or {}).get("since_s") or 0.0) >= after_s for r in runs):
-            return round(time.perf_counter() - t0, 2)
-        time.sleep(0.5)
-    raise TimeoutError(f"no history_rollup run within {timeout_s:g} s")
-
-
 def history_read_ms(cp_url: str, token: str, range_s: float) -> float:
     """One ``GET /reports?step_s=`` of the range at the dashboard's step (the render's big read)."""
     from dashboard.app import step_for
@@ -236,14 +221,7 @@ def run(nodes: int = 32, history_s: float = 3600.0, interval_s: float = 1.0, tic
         t0 = time.perf_counter()
         out["num_seeded_reports"] = fleet.seed()
         out["seed_s"] = round(time.perf_counter() - t0, 2)
-        t_seeded = time.time()
         fleet.live()
-        # a running control plane keeps its recent history pre-aggregated (the history_rollup job,
-        # every 5 s); the seeding above is what nodes replaying an hour would send at once, so wait
-        # until the job has aggregated it and is back to its steady state (a run that starts from
-        # a watermark after the seeding): reads before that are exact too, but group raw rows,
-        # and the catching-up runs compete with the first render for the 2 cores
-        out["rollup_wait_s"] = wait_history_rollup(cp_url, admin, t_seeded)
         dash = start_dashboard(cp_url, dash_port, tmp / "dashboard.log", refresh_s=refresh_s, range_s=int(history_s))
         url = f"http://127.0.0.1:{dash_port}/"
         with sync_playwright() as p:

@@ -14,9 +14,9 @@ run twice, timed; an exception is recorded and logged and stops no other job (ea
 own APScheduler entry, ``max_instances=1``, ``coalesce=True``).
 
 Jobs: ``router_weights`` (recompute, store on change, push to routers), ``rollout_evaluation``,
-``override_expiry``, ``node_liveness``, ``retention`` (downsampling and retention), ``history_rollup``
-(keeps the pre-aggregated recent history current: `roll_up_history`, a short transaction per
-stored step).
+``override_expiry``, ``node_liveness``, ``retention`` (downsampling and retention), ``whatif``
+(off by default). The pre-aggregated recent history needs no job: each report batch's
+transaction adds its reports to it (`db.queries.insert_reports`).
 """
 
 from __future__ import annotations
@@ -236,52 +236,6 @@ def job_retention(factory, settings, metrics, now_s: float) -> dict:
         return out
 
 
-def roll_up_history(factory, *, now_s: float, margin_s: float) -> dict:
-    """Bring the pre-aggregated history (`db.models.NodeReportBucket`) up to date: recompute every
-    stored-step bucket that holds a report received since the last run (late and replayed reports
-    included), and record ``now_s - margin_s`` as the watermark (a report received before it but
-    committed after this run's read is picked up by the next run, which reads from the
-    watermark). The first run aggregates every stored raw report. Idempotent.
-
-    ``factory`` is a session factory: each stored step (`db.queries.HISTORY_STEPS`) is grouped
-    from the step below it (5-s buckets from raw reports, 30-s from 5-s, 300-s from 30-s) over the
-    span of report times received since the last run, in a short transaction of its own. On
-    PostgreSQL one INSERT .. SELECT .. ON CONFLICT per step (row locks only); on SQLite, whose write
-    lock is the whole database, the grouping runs as a read (which does not block the ingest writer)
-    and its rows are upserted with one driver-level executemany. Grouping and writing in one
-    INSERT .. SELECT held SQLite's write lock for 60-260 ms every run at 1,000 reports/s, and report
-    ingestion stalled behind it (bench.ingest p99 180-200 ms)."""
-    with factory() as s:
-        since, lo, hi = queries.history_rollup_span(s)
-        pg = s.get_bind().dialect.name == "postgresql"
-    written, prev = {}, None
-    for level in queries.HISTORY_STEPS:
-        if since is not None and lo is None:  # nothing received since the last run
-            written[level] = 0
-            continue
-        q = queries.history_step_select(level, prev, since, lo, hi)
-        if pg:
-            with factory.begin() as s:
-                written[level] = queries.upsert_history_step_in_sql(s, q)
-        else:
-            with factory() as s:  # the read takes no lock that blocks the ingest writer
-                rows = queries.history_step_rows(s, q)
-            if rows:
-                with factory.begin() as s:  # the write: one short transaction per step
-                    queries.upsert_history_buckets(s, rows)
-            written[level] = len(rows)
-        prev = level
-    mark = now_s - margin_s
-    with factory.begin() as s:
-        queries.advance_history_watermark(s, mark_s=mark, now_s=now_s)
-    return {"since_s": since, "received_to_s": max(mark, since or mark),
-            "buckets_written": {f"{k:g}s": v for k, v in written.items()}}
-
-
-def job_history_rollup(factory, settings, metrics, now_s: float) -> dict:
-    return roll_up_history(factory, now_s=now_s, margin_s=settings.history_rollup_margin_s)
-
-
 def job_whatif(factory, settings, metrics, now_s: float) -> dict:
     """The scheduled what-if over the last ``whatif_window_s`` (``whatif_period_s``; off by default)."""
     from .whatif import scheduled
@@ -295,7 +249,6 @@ JOBS = {
     "override_expiry": (job_override_expiry, "override_period_s"),
     "node_liveness": (job_node_liveness, "liveness_period_s"),
     "retention": (job_retention, "retention_period_s"),
-    "history_rollup": (job_history_rollup, "history_rollup_period_s"),
     "whatif": (job_whatif, "whatif_period_s"),  # None: off
 }
 
@@ -444,4 +397,4 @@ def _jsonable(x):
         return {"repr": repr(x)}
 
 
-__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights", "roll_up_history"]
+__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights"]

@@ -17,7 +17,24 @@ def serve(settings: Settings, *, log_level: str = "warning") -> None:
     from .api import asgi_app
 
     app = asgi_app(settings)
-    serve_forever(app, host=settings.host, port=settings.port, log_level=log_level)
+    serve_forever(app, host=settings.host, port=settings.port, log_level=log_level, timeouts=http_timeouts(settings))
+
+
+def http_timeouts(settings: Settings, environ=None):
+    """`common.http_server.HttpTimeouts` from the environment, with an idle kept-alive
+    connection living past ``send_period_s`` (plus 5 s) unless ``RACER_HTTP_KEEP_ALIVE_S`` says
+    otherwise: a node sends once a send period on its kept-alive connection, and one closed just
+    as it sends costs the node a failed request and a new connection."""
+    import dataclasses
+    import os
+
+    from common.http_server import HttpTimeouts
+
+    env = os.environ if environ is None else environ
+    t = HttpTimeouts.from_env(env)
+    if settings.send_period_s is not None and not env.get("RACER_HTTP_KEEP_ALIVE_S"):
+        t = dataclasses.replace(t, keep_alive_s=max(t.keep_alive_s, settings.send_period_s + 5.0))
+    return t
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

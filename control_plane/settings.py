@@ -30,9 +30,6 @@ class Settings:
     - ``weights_rel_change``: a node's cost must move by more than this fraction (or a node
       join/leave) for a new weights version;
     - ``rollup_step_s``, ``raw_retention_s``, ``rollup_retention_s``: downsampling and retention;
-    - ``history_rollup_period_s``: period of the job that keeps the pre-aggregated recent history
-      current; ``history_rollup_margin_s``: how far behind its run time its watermark stays (a
-      report committed up to this long after it was received is still picked up);
     - ``min_override_emb_share`` / ``max_override_emb_share``: the allocator's guard bounds
       (default: `common.contract.DEFAULT_MIN_EMB_SHARE` / ``DEFAULT_MAX_EMB_SHARE``, the allocator's
       `GuardConfig` defaults) outside which overrides are refused;
@@ -86,8 +83,6 @@ class Settings:
     override_period_s: float = _period(1.0)
     liveness_period_s: float = _period(2.0)
     retention_period_s: float = _period(300.0)
-    history_rollup_period_s: float = _period(5.0)
-    history_rollup_margin_s: float = _period(10.0)
     weights_window_s: float = _period(60.0)
     weights_rel_change: float = ranged(0.05, lo=0, hi=1, hi_open=True)
     rollup_step_s: float = _period(60.0)

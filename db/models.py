@@ -63,7 +63,7 @@ class NodeReport(Base):
     """One control interval of one node (the raw time series; idempotent on (node_id, seq))."""
 
     __tablename__ = "node_reports"
-    __table_args__ = (UniqueConstraint("node_id", "seq"), Index(None, "ts_s"), Index(None, "received_s"))
+    __table_args__ = (UniqueConstraint("node_id", "seq"), Index(None, "ts_s"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(Integer)
@@ -199,9 +199,10 @@ def bucket_sum_columns() -> list[Column]:
 
 
 class NodeReportBucket(Base):
-    """Recent history pre-aggregated per node at fixed steps (`db.queries.HISTORY_STEPS`), kept
-    current by the ``history_rollup`` job, as mergeable sums (`bucket_sum_columns`): a read at a
-    step that is a multiple of a stored step groups these rows instead of the raw reports."""
+    """Recent history pre-aggregated per node at fixed steps (`db.queries.HISTORY_STEPS`), as
+    mergeable sums (`bucket_sum_columns`), kept current in each report's own transaction
+    (`db.queries.insert_reports` adds the rows it inserts): a read at a step that is a multiple
+    of a stored step groups these rows instead of the raw reports."""
 
     __table__ = Table(
         "node_report_buckets", Base.metadata,
@@ -213,16 +214,6 @@ class NodeReportBucket(Base):
         UniqueConstraint("node_id", "step_s", "bucket_s"),
         Index(None, "step_s", "bucket_s"),
     )
-
-
-class HistoryRollupState(Base):
-    """How far the ``history_rollup`` job has aggregated: every raw report received (and
-    committed) before ``received_to_s`` minus the job's margin is in `NodeReportBucket`."""
-
-    __tablename__ = "history_rollup_state"
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    received_to_s: Mapped[float]
-    updated_s: Mapped[float]
 
 
 class Decision(Base):

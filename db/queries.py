@@ -3,17 +3,18 @@ never commits: the caller (an API route, a job) owns the transaction."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, case, delete, func, literal, or_, select, true, update
+from sqlalchemy import and_, case, delete, func, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from .models import (REPORT_FIGURES, REQUEST_WEIGHTED, AuditEntry, Burst, Decision, Gateway, GatewayReport,
-                     HistoryRollupState, JobRun,
+                     JobRun,
                      Node, NodeReport, NodeReportBucket, NodeReportRollup, Override, Policy, Router,
                      RouterWeightsVersion, Rollout, RolloutNode, RolloutStep, Token, bucket_sum_columns, ModelVersion,
                      TrafficSample)
@@ -274,27 +275,36 @@ def _pg_unnest(cols: list[str], rows: Sequence[dict]) -> tuple[str, list]:
 
 def insert_reports(session: Session, rows: Sequence[dict]) -> set[tuple[str, int]]:
     """Insert report rows, skipping any (node_id, seq) already stored (ON CONFLICT DO NOTHING on
-    both dialects); returns the keys actually inserted."""
+    both dialects), and add the rows inserted to the pre-aggregated history in the same
+    transaction (`add_to_history`); returns the keys actually inserted."""
     if not rows:
         return set()
     conn = session.connection().connection.driver_connection
     cols = _REPORT_COLS
     if session.get_bind().dialect.name == "postgresql":
         select_sql, arrays = _pg_unnest(cols, rows)
-        sql = (f"INSERT INTO node_reports ({', '.join(cols)}) {select_sql} "
-               f"ON CONFLICT (node_id, seq) DO NOTHING RETURNING node_id, seq")
+        # one statement: the rows, then every history step's buckets from the rows inserted
+        sql = (f"WITH ins AS (INSERT INTO node_reports ({', '.join(cols)}) {select_sql} "
+               f"ON CONFLICT (node_id, seq) DO NOTHING RETURNING *), {_STEPS_CTE}, "
+               f"history AS ({_history_add_sql('ins', 'true')} RETURNING 1) SELECT node_id, seq FROM ins")
         with conn.cursor() as cur:
             cur.execute(sql, arrays)
             return {(r[0], r[1]) for r in cur.fetchall()}
     sql = (f"INSERT INTO node_reports ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
            f"ON CONFLICT (node_id, seq) DO NOTHING")
     cur = conn.cursor()
-    inserted = set()
+    inserted, first_id = set(), None
     try:
         for r in rows:
             cur.execute(sql, [r.get(c) for c in cols])
             if cur.rowcount == 1:
                 inserted.add((r["node_id"], r["seq"]))
+                if first_id is None:
+                    first_id = cur.lastrowid
+        if first_id is not None:
+            # this transaction holds SQLite's write lock: the rows it inserted are exactly those
+            # from the first one's id on (a new row's id is above every stored one)
+            cur.execute(f"WITH {_STEPS_CTE} {_history_add_sql('node_reports NOT INDEXED', 'id >= ?')}", (first_id,))
     finally:
         cur.close()
     return inserted
@@ -411,25 +421,67 @@ def _bucket_row(r) -> dict:
     return d
 
 
-# ---- pre-aggregated recent history (node_report_buckets, kept by the history_rollup job)
+# ---- pre-aggregated recent history (node_report_buckets, kept at each report's commit)
 HISTORY_STEPS = (5.0, 30.0, 300.0)  # the stored steps; a read at a multiple of one groups its rows
-HISTORY_STATE = "history"
 SUM_COLUMNS = tuple(c.name for c in bucket_sum_columns())
+_BUCKET_NAMES = ["node_id", "step_s", "bucket_s", *SUM_COLUMNS]
 
 
-def _sums_of_raw() -> list:
-    """`bucket_sum_columns` of a group of raw reports (SQL aggregates, labelled)."""
-    R = NodeReport
-    cols = [func.count().label("num_reports"), func.sum(R.interval_s).label("sum_interval_s"),
-            func.sum(R.throughput_rps * R.interval_s).label("sum_rate_x_interval")]
+def _sum_exprs() -> list[tuple[str, str]]:
+    """(`bucket_sum_columns` name, SQL aggregate over raw report columns) for one group of reports:
+    the same text on SQLite and PostgreSQL, over ``node_reports`` or a CTE of its rows."""
+    out = [("num_reports", "count(*)"), ("sum_interval_s", "sum(interval_s)"),
+           ("sum_rate_x_interval", "sum(throughput_rps * interval_s)")]
     for f in REPORT_FIGURES:
-        c = getattr(R, f)
-        cols += [func.sum(c).label(f"sum_{f}"), func.count(c).label(f"cnt_{f}")]
+        out += [(f"sum_{f}", f"sum({f})"), (f"cnt_{f}", f"count({f})")]
     for f in REQUEST_WEIGHTED:
-        c = getattr(R, f)
-        cols += [func.sum(c * R.num_requests).label(f"wsum_{f}"),
-                 func.sum(case((c.is_not(None), R.num_requests), else_=None)).label(f"w_{f}")]
-    return cols
+        out += [(f"wsum_{f}", f"sum({f} * num_requests)"),
+                (f"w_{f}", f"sum(CASE WHEN {f} IS NOT NULL THEN num_requests END)")]
+    assert [n for n, _ in out] == list(SUM_COLUMNS)
+    return out
+
+
+# the stored steps as a CTE (one statement adds a batch to every step)
+_STEPS_CTE = "steps(level) AS (VALUES " + ", ".join(f"(CAST({lv!r} AS DOUBLE PRECISION))"
+                                                   for lv in map(float, HISTORY_STEPS)) + ")"
+
+
+@functools.lru_cache(maxsize=None)
+def _history_add_sql(source: str, where: str, merge: str = "add") -> str:
+    """INSERT .. SELECT of the buckets at every stored step (the CTE `_STEPS_CTE`, which the
+    statement's WITH must name) of the reports in ``source`` that match ``where``, upserted into
+    ``node_report_buckets``: ``merge`` "add" adds them to the stored sums (new reports joining a
+    bucket: sums add, and SQL's NULL sum stays NULL only where both are), "replace" overwrites
+    them (a bucket recomputed from all its reports). Rows go in key order, so concurrent writers
+    (replicas on PostgreSQL) lock buckets in one order."""
+    bucket = "floor(ts_s / level) * level"
+    exprs = _sum_exprs()
+    t = "node_report_buckets"
+    if merge == "add":
+        sets = ", ".join(f"{n} = coalesce({t}.{n} + excluded.{n}, {t}.{n}, excluded.{n})" for n, _ in exprs)
+    else:
+        sets = ", ".join(f"{n} = excluded.{n}" for n, _ in exprs)
+    # SQLite's upsert needs a WHERE in its SELECT (a parsing ambiguity otherwise)
+    return (f"INSERT INTO {t} ({', '.join(_BUCKET_NAMES)}) "
+            f"SELECT node_id, level, {bucket}, {', '.join(e for _, e in exprs)} FROM {source} CROSS JOIN steps "
+            f"WHERE {where} GROUP BY node_id, level, {bucket} ORDER BY node_id, level, {bucket} "
+            f"ON CONFLICT (node_id, step_s, bucket_s) DO UPDATE SET {sets}")
+
+
+def rebuild_history(conn, since_ts_s: float | None = None) -> None:
+    """Recompute every stored bucket from the raw reports (those of report times from
+    ``since_ts_s``'s buckets on; None: all), replacing what is stored, on the SQLAlchemy
+    connection ``conn`` (for a database whose buckets were not kept at commit: the migration that
+    began keeping them). Takes the buckets' table lock on PostgreSQL, so a writer's additions wait
+    for it (and count on top of it)."""
+    pg = conn.dialect.name == "postgresql"
+    if pg:
+        conn.exec_driver_sql("LOCK TABLE node_report_buckets IN SHARE ROW EXCLUSIVE MODE")
+    where, args = "true", ()
+    if since_ts_s is not None:
+        top = HISTORY_STEPS[-1]
+        where, args = ("ts_s >= %s" if pg else "ts_s >= ?"), (math.floor(since_ts_s / top) * top,)
+    conn.exec_driver_sql(f"WITH {_STEPS_CTE} {_history_add_sql('node_reports', where, merge='replace')}", args)
 
 
 def figures_of_sums(col) -> list:
@@ -467,53 +519,23 @@ def _aligned(t: float | None, step_s: float) -> bool:
     return abs(k - round(k)) < 1e-9
 
 
-def _history_split(session: Session, step_s: float, start_s: float | None, end_s: float | None):
-    """How a bucketed read of ``[start_s, end_s)`` splits at `history_boundary`: ``(stored,
-    raw_from, read_raw)``: ``stored`` is ``(level, upto)`` when the stored buckets serve
-    ``[start_s, upto)`` (None: they serve nothing), the raw reports serve ``[raw_from, end_s)``,
-    and ``read_raw`` says whether that raw part is non-empty."""
-    stored, raw_from = None, start_s
-    plan = history_boundary(session, step_s, start_s, end_s)
-    if plan is not None:
-        level, boundary = plan
-        upto = boundary if end_s is None else min(boundary, end_s)
-        if start_s is None or upto > start_s:
-            stored = (level, upto)
-        raw_from = boundary if start_s is None else max(start_s, boundary)
-    return stored, raw_from, end_s is None or raw_from is None or raw_from < end_s
-
-
-def history_boundary(session: Session, step_s: float, start_s: float | None, end_s: float | None
-                     ) -> tuple[float, float] | None:
-    """(stored step, boundary): buckets before ``boundary`` (a multiple of ``step_s``) are read
-    from `NodeReportBucket`, the newer ones from the raw reports; None when the stored buckets
-    cannot serve this read (no stored step divides ``step_s``, a range edge that is not on a
-    bucket edge, or the job has not run yet).
-
-    The stored buckets hold every report received before the job's watermark. The boundary is
-    at or before the watermark, and at or before the bucket of the oldest report received since
-    (a late report, or a node replaying its buffer after an outage): every report before the
-    boundary is in the stored buckets, and every one after it is read raw, so a read is exact
-    at any time, not only after the job's next run."""
+def stored_level(step_s: float, start_s: float | None, end_s: float | None) -> float | None:
+    """The stored step whose buckets serve a bucketed read of ``[start_s, end_s)`` at ``step_s``:
+    the largest one dividing ``step_s``, where both range edges lie on ``step_s`` edges; None
+    when none can (the read groups raw reports). The stored buckets hold every committed report
+    (`insert_reports` adds each to them in its own transaction), so such a read is exact."""
     level = history_level(step_s)
     if level is None or not _aligned(start_s, step_s) or not _aligned(end_s, step_s):
         return None
-    state = session.get(HistoryRollupState, HISTORY_STATE)
-    if state is None:
-        return None
-    boundary = state.received_to_s
-    # ``+ 0.0``: SQLite would otherwise walk the ts_s index for min() instead of the received_s one
-    oldest_late = session.scalar(select(func.min(NodeReport.ts_s + 0.0))
-                                 .where(NodeReport.received_s >= state.received_to_s))
-    if oldest_late is not None:
-        boundary = min(boundary, float(oldest_late))
-    return level, math.floor(boundary / step_s) * step_s
+    return level
 
 
-def _stored_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float,
+def _stored_buckets(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
                     step_s: float, level: float, limit: int) -> list[dict]:
     B = NodeReportBucket.__table__
-    conds = [B.c.step_s == level, B.c.bucket_s < end_s]
+    conds = [B.c.step_s == level]
+    if end_s is not None:
+        conds.append(B.c.bucket_s < end_s)
     if node_id:
         conds.append(B.c.node_id == node_id)
     if start_s is not None:
@@ -524,88 +546,12 @@ def _stored_buckets(session: Session, *, node_id: str | None, start_s: float | N
     return [_bucket_row(r) for r in session.execute(q)]
 
 
-def history_rollup_span(session: Session) -> tuple[float | None, float | None, float | None]:
-    """``(since, lo, hi)`` for a run of the ``history_rollup`` job (`control_plane.jobs.roll_up_history`):
-    the watermark of the last run (None: the job has not run) and the span of report times received
-    since it (``lo`` None: nothing received). Every stored-step bucket the span overlaps is
-    recomputed (a plain range on the ts_s index; recomputing an untouched bucket in it changes nothing)."""
-    R = NodeReport
-    state = session.get(HistoryRollupState, HISTORY_STATE)
-    since = None if state is None else state.received_to_s
-    lo, hi = (None, None) if since is None else session.execute(
-        select(func.min(R.ts_s), func.max(R.ts_s)).where(R.received_s >= since)).one()
-    return since, lo, hi
-
-
-def history_step_select(level: float, prev: float | None, since: float | None, lo: float | None,
-                        hi: float | None):
-    """The SELECT that groups the ``level`` buckets overlapping report times ``[lo, hi]`` (all
-    of them when ``since`` is None): from the raw reports (``prev`` None) or from the stored
-    ``prev`` step, as rows of ``node_report_buckets`` (node_id, step_s, bucket_s, *SUM_COLUMNS)."""
-    R, B = NodeReport, NodeReportBucket.__table__
-    if prev is None:
-        bucket = func.floor(R.ts_s / level) * level
-        q = select(R.node_id, literal(level), bucket, *_sums_of_raw())
-        if since is not None:
-            q = q.where(R.ts_s >= math.floor(lo / level) * level, R.ts_s < math.floor(hi / level) * level + level)
-        return q.group_by(R.node_id, bucket)
-    bucket = func.floor(B.c.bucket_s / level) * level
-    q = select(B.c.node_id, literal(level), bucket, *[func.sum(B.c[n]) for n in SUM_COLUMNS])
-    if since is not None:
-        q = q.where(B.c.bucket_s >= math.floor(lo / level) * level,
-                    B.c.bucket_s < math.floor(hi / level) * level + level)
-    return q.where(B.c.step_s == prev).group_by(B.c.node_id, bucket)
-
-
-_BUCKET_NAMES = ["node_id", "step_s", "bucket_s", *SUM_COLUMNS]
-
-
-def upsert_history_step_in_sql(session: Session, q) -> int:
-    """PostgreSQL: group and upsert one step's buckets in one INSERT .. SELECT .. ON CONFLICT (row
-    locks only, no rows through Python); how many rows it wrote."""
-    B = NodeReportBucket.__table__
-    ins = dialect_insert(session, B)
-    n = session.execute(ins.from_select(_BUCKET_NAMES, q).on_conflict_do_update(
-        index_elements=["node_id", "step_s", "bucket_s"], set_={c: ins.excluded[c] for c in SUM_COLUMNS})).rowcount
-    return int(n or 0)
-
-
-def history_step_rows(session: Session, q) -> list[tuple]:
-    """The rows of a `history_step_select` (SQLite: read apart from the write, so the grouping
-    takes no lock that blocks the ingest writer). Read on the session's connection: plain rows,
-    without the ORM's result machinery (a run reads every report received since the last one)."""
-    return [tuple(r) for r in session.connection().execute(q)]
-
-
-def upsert_history_buckets(session: Session, rows: Sequence[tuple]) -> None:
-    """SQLite: upsert `history_step_rows` with one driver-level executemany."""
-    conn = session.connection().connection.driver_connection
-    sql = (f"INSERT INTO node_report_buckets ({', '.join(_BUCKET_NAMES)}) "
-           f"VALUES ({', '.join(['?'] * len(_BUCKET_NAMES))}) "
-           f"ON CONFLICT (node_id, step_s, bucket_s) DO UPDATE SET "
-           + ", ".join(f"{n} = excluded.{n}" for n in SUM_COLUMNS))
-    cur = conn.cursor()
-    try:
-        cur.executemany(sql, rows)
-    finally:
-        cur.close()
-
-
-def advance_history_watermark(session: Session, *, mark_s: float, now_s: float) -> None:
-    """Record ``mark_s`` as the stored buckets' watermark (never moved back)."""
-    state = session.get(HistoryRollupState, HISTORY_STATE)
-    if state is None:
-        session.add(HistoryRollupState(name=HISTORY_STATE, received_to_s=mark_s, updated_s=now_s))
-    elif mark_s > state.received_to_s:
-        state.received_to_s, state.updated_s = mark_s, now_s
-
-
 def report_history(session: Session, *, node_id: str | None, start_s: float | None, end_s: float | None,
                    step_s: float | None, limit: int) -> list[dict]:
     """Raw reports (step_s None), or per-node ``step_s`` buckets (`bucket_figures`). Buckets are
     grouped from the pre-aggregated `NodeReportBucket` rows where they can serve the read
-    (`history_boundary`: up to the job's watermark) and from the raw reports after it; raw rows
-    already dropped by retention come from the stored rollups of the same step."""
+    (`stored_level`), else from the raw reports; raw rows already dropped by retention come from
+    the stored rollups of the same step."""
     conds = _report_conds(node_id, start_s, end_s)
     if not step_s:
         rows = session.scalars(select(NodeReport).where(*conds).order_by(NodeReport.ts_s, NodeReport.node_id)
@@ -618,14 +564,12 @@ def report_history(session: Session, *, node_id: str | None, start_s: float | No
                      device_mode=r.device_mode, device_profile=r.device_profile)
             out.append(d)
         return out
-    out: list[dict] = []
-    stored, raw_from, read_raw = _history_split(session, step_s, start_s, end_s)
-    if stored is not None:
-        level, upto = stored
-        out += _stored_buckets(session, node_id=node_id, start_s=start_s, end_s=upto, step_s=step_s,
-                               level=level, limit=limit)
-    if read_raw:
-        out += _raw_buckets(session, node_id=node_id, start_s=raw_from, end_s=end_s, step_s=step_s, limit=limit)
+    level = stored_level(step_s, start_s, end_s)
+    if level is not None:
+        out = _stored_buckets(session, node_id=node_id, start_s=start_s, end_s=end_s, step_s=step_s,
+                              level=level, limit=limit)
+    else:
+        out = _raw_buckets(session, node_id=node_id, start_s=start_s, end_s=end_s, step_s=step_s, limit=limit)
     have = {(d["node_id"], d["ts_s"]) for d in out}
     rconds = [NodeReportRollup.step_s == step_s]
     if node_id:
@@ -656,15 +600,15 @@ def cluster_history(session: Session, *, start_s: float | None, end_s: float | N
                     limit: int) -> list[dict]:
     """The cluster per ``step_s`` bucket: throughput, requests and refill bytes summed over nodes
     (each node's `bucket_figures` value in the bucket), every other figure the mean over all
-    reports in the bucket. From the pre-aggregated buckets up to their watermark, then the raw
-    reports (as `report_history`); buckets already rolled up by retention are left out."""
-    out: list[dict] = []
-    stored, raw_from, read_raw = _history_split(session, step_s, start_s, end_s)
-    if stored is not None:
-        level, upto = stored
+    reports in the bucket. From the pre-aggregated buckets where they serve the read, else the raw
+    reports (`stored_level`, as `report_history`); buckets already rolled up by retention are left out."""
+    level = stored_level(step_s, start_s, end_s)
+    if level is not None:
         B = NodeReportBucket.__table__
         bucket = (func.floor(B.c.bucket_s / step_s) * step_s).label("bucket")
-        conds = [B.c.step_s == level, B.c.bucket_s < upto]
+        conds = [B.c.step_s == level]
+        if end_s is not None:
+            conds.append(B.c.bucket_s < end_s)
         if start_s is not None:
             conds.append(B.c.bucket_s >= start_s)
         figs = {c.name: c for c in figures_of_sums(lambda n: B.c[n])}
@@ -673,17 +617,15 @@ def cluster_history(session: Session, *, start_s: float | None, end_s: float | N
                            *[func.sum(B.c["sum_" + k]).label("sum_" + k) for k in REPORT_FIGURES],
                            *[func.sum(B.c["cnt_" + k]).label("cnt_" + k) for k in REPORT_FIGURES])
                     .where(*conds).group_by(B.c.node_id, bucket).subquery())
-        out += [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
-    if read_raw:
-        conds = _report_conds(None, raw_from, end_s)
-        bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
-        per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
-                           *[c.element.label("avg_" + c.name) for c in bucket_figures() if c.name in CLUSTER_SUMS],
-                           *[func.sum(getattr(NodeReport, k)).label("sum_" + k) for k in REPORT_FIGURES],
-                           *[func.count(getattr(NodeReport, k)).label("cnt_" + k) for k in REPORT_FIGURES])
-                    .where(*conds).group_by(NodeReport.node_id, bucket).subquery())
-        out += [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
-    return out[:limit]
+        return [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
+    conds = _report_conds(None, start_s, end_s)
+    bucket = (func.floor(NodeReport.ts_s / step_s) * step_s).label("bucket")
+    per_node = (select(NodeReport.node_id, bucket, func.count().label("n"),
+                       *[c.element.label("avg_" + c.name) for c in bucket_figures() if c.name in CLUSTER_SUMS],
+                       *[func.sum(getattr(NodeReport, k)).label("sum_" + k) for k in REPORT_FIGURES],
+                       *[func.count(getattr(NodeReport, k)).label("cnt_" + k) for k in REPORT_FIGURES])
+                .where(*conds).group_by(NodeReport.node_id, bucket).subquery())
+    return [_cluster_row(r) for r in session.execute(_cluster_of(per_node, limit))]
 
 
 def _cluster_row(r) -> dict:

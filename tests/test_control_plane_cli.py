@@ -110,3 +110,16 @@ def test_a_revoked_admin_token_stays_revoked_and_the_control_plane_still_starts(
         cp.stop()
     log = (tmp_path / "second.log").read_text()
     assert "RACER_ADMIN_TOKEN is token" in log and "revoked" in log and "racer token create" in log
+
+
+def test_kept_alive_connections_outlive_the_send_period():
+    """A node sends once a send period on its kept-alive connection: the control plane keeps an
+    idle connection open past that (else one closed as the node sends costs a failed request),
+    unless the operator set RACER_HTTP_KEEP_ALIVE_S."""
+    from control_plane.main import http_timeouts
+    from control_plane.settings import Settings
+
+    assert http_timeouts(Settings(), {}).keep_alive_s == 5.0
+    assert http_timeouts(Settings(send_period_s=5.0), {}).keep_alive_s == 10.0
+    assert http_timeouts(Settings(send_period_s=60.0), {}).keep_alive_s == 65.0
+    assert http_timeouts(Settings(send_period_s=5.0), {"RACER_HTTP_KEEP_ALIVE_S": "3"}).keep_alive_s == 3.0
