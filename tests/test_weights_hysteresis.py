@@ -39,6 +39,36 @@ def test_quartiles_are_picked_in_sql(db):
         assert queries.recent_miss_costs(s, 0.0)["q"]["kv_recompute_us_per_token"] == 5.0
 
 
+def test_quartiles_match_sorting_every_report_with_repeats_gaps_and_the_window_edge(db):
+    """The database counts each node's distinct values; the quartiles read off the counts are
+    ``sorted(v)[k]`` of the reports in the window (repeated values, costs a report leaves out,
+    reports before the window, a node with one report)."""
+    import random
+
+    _, factory = db
+    rng = random.Random(2)
+    want: dict = {}
+    with factory.begin() as s:
+        for n in range(6):
+            nid = f"r{n}"
+            queries.upsert_node(s, node_id=nid, address="http://h:1", device="cpu", cost_profile=PROFILE,
+                                policy_version=None, now_s=0.0, report_interval_s=1.0)
+            rows = []
+            for i in range(1 if n == 5 else rng.randrange(2, 80)):
+                kv = rng.choice([None, 80.74, 157.8, 157.8, round(rng.uniform(50, 200), 3)])
+                emb = rng.choice([2.0, 2.0, 3.5, None])
+                ts = rng.uniform(0.0, 100.0)
+                rows.append(_row(nid, i, ts, kv_recompute_us_per_token=kv, emb_transfer_us_per_row=emb))
+                for name, v in (("kv_recompute_us_per_token", kv), ("emb_transfer_us_per_row", emb)):
+                    if v is not None and ts >= 40.0:
+                        want.setdefault(nid, {}).setdefault(name, []).append(v)
+            queries.insert_reports(s, rows)
+    expect = {nid: {k: (sorted(v)[len(v) // 4], sorted(v)[len(v) // 2], sorted(v)[(3 * len(v)) // 4])
+                    for k, v in costs.items()} for nid, costs in want.items()}
+    with factory() as s:
+        assert queries.recent_miss_cost_bands(s, 40.0) == expect
+
+
 def test_an_alternating_cost_keeps_one_version_and_a_real_move_makes_one(db):
     _, factory = db
     settings = Settings(weights_window_s=10.0, weights_rel_change=0.05)
