@@ -57,7 +57,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python bench/ingest_floor.py DB_URL PORT", file=sys.stderr)
         return 2
-    serve_forever(app, "127.0.0.1", int(argv[1]))
+    from control_plane.main import http_timeouts  # the control plane's keep-alive for its send period
+    from control_plane.settings import Settings
+
+    serve_forever(app, "127.0.0.1", int(argv[1]), timeouts=http_timeouts(Settings.from_env()))
     return 0
 
 

@@ -16,10 +16,11 @@ every number a node reports has a physical range.
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from .ids import ID_PATTERN
 # a cost profile's physical ranges: those the router weights' `CostProfile` holds
@@ -126,18 +127,55 @@ def _check_text(v, depth: int = 0) -> None:
                 _check_text(x, depth + 1)
 
 
+def _checked_text(v):
+    _check_text(v)
+    return v
+
+
+_TEXT_CHECK = AfterValidator(_checked_text)
+
+
+def _may_hold_text(tp) -> bool:
+    """Whether a value of annotation ``tp`` can carry a string (itself, or as a key or value of a
+    mapping or list): str, Any, an untyped or str-keyed container, a union with one of them; not
+    a number, a boolean, a Literal (its values are fixed), None or a model (which checks its own
+    fields). Anything else counts as text (the check is harmless on other values)."""
+    if tp in (str, Any, object, dict, list, tuple, set, frozenset):
+        return True
+    if tp in (float, int, bool, type(None)):
+        return False
+    origin = get_origin(tp)
+    if origin is Literal:
+        return False
+    if origin is Annotated:
+        return _may_hold_text(get_args(tp)[0])
+    if origin is not None:
+        return any(_may_hold_text(a) for a in get_args(tp) if a is not Ellipsis)
+    if isinstance(tp, type) and (issubclass(tp, (BaseModel, enum.Enum))):
+        return False
+    return True
+
+
 class In(BaseModel):
-    # strict: a boolean is not a number (nor a number a string); an integer is still a float
+    """An input: extra fields refused; strict (a boolean is not a number, nor a number a string;
+    an integer is still a float); and every string, also as a key or value of a mapping or list,
+    must be text that can be stored and echoed: JSON's ``\\ud800`` (a lone surrogate) parses into
+    one that cannot be encoded as UTF-8, and PostgreSQL's text refuses NUL (``\\u0000``). The
+    text check is attached to the fields that can hold a string only (`_may_hold_text`; a check
+    on every field cost a report batch 22 Python calls a report)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    @field_validator("*", mode="after")
     @classmethod
-    def _unicode_text(cls, v):
-        """A string, also as a key or value of a mapping or list, must be text that can be stored
-        and echoed: JSON's ``\\ud800`` (a lone surrogate) parses into one that cannot be encoded as
-        UTF-8, and PostgreSQL's text refuses NUL (``\\u0000``)."""
-        _check_text(v)
-        return v
+    def __pydantic_init_subclass__(cls, **kwargs) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        changed = False
+        for f in cls.model_fields.values():
+            if _may_hold_text(f.annotation) and not any(m is _TEXT_CHECK for m in f.metadata):
+                f.metadata.append(_TEXT_CHECK)
+                changed = True
+        if changed:
+            cls.model_rebuild(force=True)
 
 
 class Out(BaseModel):
