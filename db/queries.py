@@ -254,6 +254,7 @@ def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:
 # SQLAlchemy executemany machinery costs ~5x more per row here). SQLite: one C-level execute per
 # row (rowcount tells inserted from duplicate); PostgreSQL: one statement over unnest() arrays.
 _REPORT_COLS = [c.name for c in NodeReport.__table__.columns if c.name != "id"]
+_SQLITE_ROWS_PER_INSERT = 999 // len(_REPORT_COLS)  # within SQLite's oldest limit of 999 parameters
 _DECISION_COLS = [c.name for c in Decision.__table__.columns if c.name != "id"]
 _PG_TYPES = {"node_id": "text", "seq": "int", "num_requests": "int", "refill_bytes": "int", "policy_version": "text",
              "model_digest": "text", "device_mode": "text", "device_profile": "text",
@@ -275,8 +276,9 @@ def _pg_unnest(cols: list[str], rows: Sequence[dict]) -> tuple[str, list]:
 
 def insert_reports(session: Session, rows: Sequence[dict]) -> set[tuple[str, int]]:
     """Insert report rows, skipping any (node_id, seq) already stored (ON CONFLICT DO NOTHING on
-    both dialects), and add the rows inserted to the pre-aggregated history in the same
-    transaction (`add_to_history`); returns the keys actually inserted."""
+    both dialects), and add the rows inserted to the pre-aggregated history (`NodeReportBucket`)
+    in the same transaction, in the same statement on PostgreSQL; returns the keys actually
+    inserted."""
     if not rows:
         return set()
     conn = session.connection().connection.driver_connection
@@ -290,17 +292,18 @@ def insert_reports(session: Session, rows: Sequence[dict]) -> set[tuple[str, int
         with conn.cursor() as cur:
             cur.execute(sql, arrays)
             return {(r[0], r[1]) for r in cur.fetchall()}
-    sql = (f"INSERT INTO node_reports ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
-           f"ON CONFLICT (node_id, seq) DO NOTHING")
     cur = conn.cursor()
     inserted, first_id = set(), None
+    one = f"({', '.join('?' * len(cols))})"
     try:
-        for r in rows:
-            cur.execute(sql, [r.get(c) for c in cols])
-            if cur.rowcount == 1:
-                inserted.add((r["node_id"], r["seq"]))
-                if first_id is None:
-                    first_id = cur.lastrowid
+        for i in range(0, len(rows), _SQLITE_ROWS_PER_INSERT):  # one statement a chunk: few GIL hand-offs
+            part = rows[i:i + _SQLITE_ROWS_PER_INSERT]
+            cur.execute(f"INSERT INTO node_reports ({', '.join(cols)}) VALUES {', '.join([one] * len(part))} "
+                        f"ON CONFLICT (node_id, seq) DO NOTHING RETURNING id, node_id, seq",
+                        [r.get(c) for r in part for c in cols])
+            for rid, nid, seq in cur.fetchall():
+                inserted.add((nid, seq))
+                first_id = rid if first_id is None else min(first_id, rid)
         if first_id is not None:
             # this transaction holds SQLite's write lock: the rows it inserted are exactly those
             # from the first one's id on (a new row's id is above every stored one)
