@@ -174,18 +174,39 @@ async def drive(ports: dict[str, int], tokens: dict[str, str], node_ids: list[st
     return t_start, results, errors
 
 
-def stored_rows(url: str) -> list[tuple[str, int, int]]:
-    """(node_id, seq, copies) of every report stored in the database at ``url``."""
-    sql = "SELECT node_id, seq, count(*) FROM node_reports GROUP BY node_id, seq"
+def _query(url: str, sql: str, args: tuple = ()) -> list[tuple]:
+    """The rows of ``sql`` in the database at ``url`` (SQLite ``?`` or PostgreSQL ``%s`` style)."""
     if url.startswith("sqlite:///"):
         import sqlite3
 
         with sqlite3.connect(url[len("sqlite:///"):]) as c:
-            return [tuple(r) for r in c.execute(sql)]
+            return [tuple(r) for r in c.execute(sql, args)]
     import psycopg
 
     with psycopg.connect(url) as c:
-        return [tuple(r) for r in c.execute(sql)]
+        return [tuple(r) for r in c.execute(sql.replace("?", "%s"), args)]
+
+
+def jobs_in_window(url: str, m0: float, m1: float) -> list[dict]:
+    """The scheduled jobs that ran within the measured span ``[m0, m1)``: name, start (s into the
+    span) and duration, so a tail can be laid beside them."""
+    rows = _query(url, "SELECT job, started_s, duration_s FROM job_runs WHERE started_s + duration_s >= ? "
+                       "AND started_s < ? ORDER BY started_s", (m0, m1))
+    return [{"job": j, "at_s": round(t - m0, 2), "duration_ms": round(d * 1e3, 1)} for j, t, d in rows]
+
+
+def slow_seconds(meas: list, m0: float, p99_ms: float) -> dict[int, int]:
+    """Second into the measured span -> how many requests sent in it took longer than the P99."""
+    out: dict[int, int] = {}
+    for t, dt, _st in meas:
+        if dt * 1e3 > p99_ms:
+            out[int(t - m0)] = out.get(int(t - m0), 0) + 1
+    return dict(sorted(out.items()))
+
+
+def stored_rows(url: str) -> list[tuple[str, int, int]]:
+    """(node_id, seq, copies) of every report stored in the database at ``url``."""
+    return _query(url, "SELECT node_id, seq, count(*) FROM node_reports GROUP BY node_id, seq")
 
 
 def check_rows(url: str, results: list) -> dict:
@@ -264,6 +285,7 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
         rows = _hists_mean(metrics, "racer_cp_ingest_commit_rows")
         commit_s = _hists_mean(metrics, "racer_cp_ingest_commit_duration_seconds")
         handler_s = _hists_mean(metrics, "racer_cp_ingest_request_duration_seconds")
+        p99 = float(np.percentile(lat_ms, 99))
         return {
             "db": db, "replicas": replicas, "nodes": nodes, "duration_s": duration_s, "warmup_s": warmup_s,
             "reports_per_s": round(stored / duration_s, 1),
@@ -290,6 +312,9 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             "handler_p99_bound_ms": _ms(_hist_quantile_bound(metrics[0], "racer_cp_ingest_request_duration_seconds",
                                                              0.99)),
             "mean_server_handler_ms": None if handler_s is None else round(handler_s * 1e3, 3),
+            # where the tail lies: the seconds of the slowest requests, and the jobs run meanwhile
+            "slow_requests_by_second": slow_seconds(meas, m0, p99),
+            **({} if floor else {"jobs_in_window": jobs_in_window(url, m0, m1)}),
             "target": {"reports_per_s": f">= {nodes}", "ingest_p99_ms": "<= 50"},
         }
     finally:

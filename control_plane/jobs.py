@@ -79,8 +79,8 @@ def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
             prof[k], src[k] = band[1], "reported median"
             bands[nid, k] = band
         profiles[nid], sources[nid] = prof, src
-    prev = queries.latest_weights(s)
-    prev_nodes = prev.nodes if prev is not None else {}
+    prev = queries.latest_weights_nodes(s)
+    prev_nodes = prev[1] if prev is not None else {}
     changes, changed = [], set()
     for nid in sorted(set(prev_nodes) - set(profiles)):
         changes.append(f"{nid} left (down or gone)")
@@ -175,8 +175,8 @@ def job_router_weights(factory, settings, metrics, now_s: float) -> dict:
             w = queries.add_weights(s, computed_at_s=now_s, nodes=payload, inputs=inputs, reason=reason)
             version = w.version
         else:
-            prev = queries.latest_weights(s)
-            version = prev.version if prev else None
+            prev = queries.latest_weights_nodes(s)
+            version = prev[0] if prev else None
     if version is not None:
         metrics.weights_version.set(version)
     out = {"changed": got is not None, "version": version}

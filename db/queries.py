@@ -187,10 +187,31 @@ def list_nodes(session: Session, include_retired: bool = False) -> list[Node]:
     return list(session.scalars(q).all())
 
 
+def _json_value(v):
+    """A JSON column's value as the driver returns it (SQLite: text; PostgreSQL: parsed)."""
+    import json
+
+    return json.loads(v) if isinstance(v, (str, bytes)) else v
+
+
+def _driver_rows(session: Session, sql: str, args: tuple = ()) -> list[tuple]:
+    """Rows of ``sql`` (``?`` placeholders) on the driver connection of the session's transaction,
+    without SQLAlchemy's per-row result processing (for a scheduled job's reads of every node)."""
+    dbapi = session.connection().connection.driver_connection
+    if session.get_bind().dialect.name == "postgresql":
+        sql = sql.replace("?", "%s")
+    cur = dbapi.cursor()
+    try:
+        cur.execute(sql, args)
+        return cur.fetchall()
+    finally:
+        cur.close()
+
+
 def up_node_profiles(session: Session) -> list[tuple[str, dict]]:
     """(node_id, registered cost profile) of every node whose status is up, by node id."""
-    q = select(Node.node_id, Node.cost_profile).where(Node.status == "up").order_by(Node.node_id)
-    return [(nid, prof) for nid, prof in session.execute(q)]
+    return [(nid, _json_value(prof)) for nid, prof in _driver_rows(
+        session, "SELECT node_id, cost_profile FROM nodes WHERE status = 'up' ORDER BY node_id")]
 
 
 def registered_device(cost_profile: dict | None) -> tuple[str | None, str | None]:
@@ -763,10 +784,10 @@ def recent_miss_cost_bands(session: Session, since_s: float) -> dict[str, dict[s
     sqlite_db = session.get_bind().dialect.name == "sqlite"
     # SQLite would walk the (node_id, seq) index for the grouping's order: every stored report
     src = "node_reports INDEXED BY ix_node_reports__ts_s" if sqlite_db else "node_reports"
-    sql = (f"SELECT node_id, {', '.join(names)}, count(*) FROM {src} WHERE ts_s >= {'?' if sqlite_db else '%s'} "
+    sql = (f"SELECT node_id, {', '.join(names)}, count(*) FROM {src} WHERE ts_s >= ? "
            f"GROUP BY node_id, {', '.join(names)}")
     counts: dict[tuple[str, str], dict[float, int]] = {}
-    for nid, *vals, c in session.connection().exec_driver_sql(sql, (float(since_s),)):
+    for nid, *vals, c in _driver_rows(session, sql, (float(since_s),)):
         for name, v in zip(names, vals):
             if v is not None:
                 d = counts.setdefault((nid, name), {})
@@ -787,6 +808,13 @@ def recent_miss_cost_bands(session: Session, since_s: float) -> dict[str, dict[s
 # ---- routers and weights
 def latest_weights(session: Session) -> RouterWeightsVersion | None:
     return session.scalar(select(RouterWeightsVersion).order_by(RouterWeightsVersion.version.desc()).limit(1))
+
+
+def latest_weights_nodes(session: Session) -> tuple[int, dict] | None:
+    """(version, per-node payload) of the latest weights, without the version's inputs (what the
+    weights job compares against every period)."""
+    rows = _driver_rows(session, "SELECT version, nodes FROM router_weights ORDER BY version DESC LIMIT 1")
+    return (int(rows[0][0]), _json_value(rows[0][1])) if rows else None
 
 
 def weights_history(session: Session, limit: int) -> list[RouterWeightsVersion]:
