@@ -21,6 +21,7 @@ transaction adds its reports to it (`db.queries.insert_reports`).
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import threading
@@ -40,6 +41,7 @@ from . import rollout_service
 log = logging.getLogger("racer.control_plane.jobs")
 
 SCHEDULER_LOCK_KEY = 0x52414346  # "RACF"
+JOB_STAGGER_S = 0.37  # the k-th job's runs start this many seconds times k after the leader's start
 COST_FIELDS = ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "service_time_us", "queue_capacity")
 
 
@@ -341,11 +343,16 @@ class Scheduling:
             else:
                 lease.holder, lease.acquired_s, lease.renewed_s = self.instance, now, now
         sched = BackgroundScheduler(timezone="UTC")
-        for name, (_, period_attr) in JOBS.items():
-            if getattr(self.settings, period_attr) is None:  # a job that is off
+        start = datetime.datetime.now(datetime.timezone.utc)
+        for k, (name, (_, period_attr)) in enumerate(JOBS.items()):
+            period = getattr(self.settings, period_attr)
+            if period is None:  # a job that is off
                 continue
-            sched.add_job(self.run_job, "interval", args=[name], id=name, name=name,
-                          seconds=getattr(self.settings, period_attr), max_instances=1, coalesce=True,
+            # each job's runs offset from the others' (k * JOB_STAGGER_S, within its period): jobs
+            # started together would otherwise run together every common multiple of their periods
+            offset = (k * JOB_STAGGER_S) % period
+            sched.add_job(self.run_job, "interval", args=[name], id=name, name=name, seconds=period,
+                          start_date=start + datetime.timedelta(seconds=offset), max_instances=1, coalesce=True,
                           misfire_grace_time=None)
         sched.start()
         self._sched, self.leader = sched, True
