@@ -41,7 +41,7 @@ from . import rollout_service
 log = logging.getLogger("racer.control_plane.jobs")
 
 SCHEDULER_LOCK_KEY = 0x52414346  # "RACF"
-JOB_STAGGER_S = 0.37  # the k-th job's runs start this many seconds times k after the leader's start
+JOB_STAGGER_S = 0.37  # the k-th job's runs start k times this after the leader's start (`job_schedule`)
 COST_FIELDS = ("kv_recompute_us_per_token", "emb_transfer_us_per_row", "service_time_us", "queue_capacity")
 
 
@@ -255,6 +255,19 @@ JOBS = {
 }
 
 
+def job_schedule(settings) -> dict[str, tuple[float, float]]:
+    """Job name -> (period, offset of its runs from the leader's start), s, for the jobs that are
+    on. The k-th job's runs are offset by k * `JOB_STAGGER_S` within its period: jobs started
+    together would otherwise run together at every common multiple of their periods (at 1,000
+    nodes the weights, rollout and liveness jobs together stalled report ingestion)."""
+    out = {}
+    for k, (name, (_, period_attr)) in enumerate(JOBS.items()):
+        period = getattr(settings, period_attr)
+        if period is not None:  # None: a job that is off
+            out[name] = (period, (k * JOB_STAGGER_S) % period)
+    return out
+
+
 # ------------------------------------------------------------------------------------- leadership
 class Scheduling:
     """Leader election plus the scheduler of the leading replica (see the module docstring)."""
@@ -344,13 +357,7 @@ class Scheduling:
                 lease.holder, lease.acquired_s, lease.renewed_s = self.instance, now, now
         sched = BackgroundScheduler(timezone="UTC")
         start = datetime.datetime.now(datetime.timezone.utc)
-        for k, (name, (_, period_attr)) in enumerate(JOBS.items()):
-            period = getattr(self.settings, period_attr)
-            if period is None:  # a job that is off
-                continue
-            # each job's runs offset from the others' (k * JOB_STAGGER_S, within its period): jobs
-            # started together would otherwise run together every common multiple of their periods
-            offset = (k * JOB_STAGGER_S) % period
+        for name, (period, offset) in job_schedule(self.settings).items():
             sched.add_job(self.run_job, "interval", args=[name], id=name, name=name, seconds=period,
                           start_date=start + datetime.timedelta(seconds=offset), max_instances=1, coalesce=True,
                           misfire_grace_time=None)
@@ -404,4 +411,4 @@ def _jsonable(x):
         return {"repr": repr(x)}
 
 
-__all__ = ["JOBS", "Scheduling", "compute_weights", "push_weights"]
+__all__ = ["JOBS", "Scheduling", "compute_weights", "job_schedule", "push_weights"]

@@ -67,3 +67,24 @@ def test_sqlite_replica_leads_alone(tmp_path):
         assert "racer_cp_scheduler_leader 1.0" in httpx.get(c.base + "/metrics").text
     finally:
         c.stop()
+
+
+def test_jobs_started_together_never_run_together():
+    """Each job's runs are offset from the others' within its period, so no two of the default
+    schedule's jobs fire at the same instant over an hour (the weights, rollout and liveness jobs
+    firing together stalled report ingestion at 1,000 nodes), and a job that is off is left out."""
+    from control_plane.jobs import job_schedule
+    from control_plane.settings import Settings
+
+    sched = job_schedule(Settings())
+    assert "whatif" not in sched and {"router_weights", "node_liveness", "retention"} <= set(sched)
+    fires = {}
+    for name, (period, offset) in sched.items():
+        assert 0 <= offset < period
+        k = 0
+        while offset + k * period < 3600:
+            at = round(offset + k * period, 6)
+            assert at not in fires, (name, fires.get(at), at)
+            fires[at] = name
+            k += 1
+    assert job_schedule(Settings(whatif_period_s=60.0))["whatif"][0] == 60.0
