@@ -20,8 +20,11 @@ latency (send to full response), over the measured requests. Errors (non-200 rep
 connections) are counted. Then the stored rows are read back from the database: ``rows_lost``
 counts reports acknowledged as stored that are not there, ``rows_doubled`` rows stored more than
 once, ``rows_unacknowledged`` rows stored whose request got no acknowledgement (a broken
-connection). CPU is read from /proc over the measured drive: the servers' per request, the
-client's, and a local PostgreSQL server's (all its processes) as shares of one core.
+connection). CPU is read from /proc over the measured drive: the servers' per request (and their
+main threads' share: the event loop, where HTTP, the gate and validation run; the rest is the
+ingest writer's and the jobs'), the client's, and a local PostgreSQL server's (all its processes)
+as shares of one core. Where the tail lies: ``slow_requests_by_second`` (second of the measured
+span -> requests slower than the P99) beside ``jobs_in_window`` (each scheduled job run then).
 
 ``--reports-per-request N`` has each node send its reports N at a time, every N seconds (a
 node told the control plane's ``send_period_s`` of N s does that; the servers get it too, for
@@ -268,11 +271,13 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
                                                 "service_time_us": 1000.0, "queue_capacity": 64}})
                 r.raise_for_status()
         cpu0, me0, pg0 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), _postgres_cpu_s()
+        main0 = sum(_cpu_s(p.pid, task=p.pid) for p in procs)
         w0 = time.time()
         tune_runtime()  # the client's own collections would otherwise show up as server latency
         t_start, results, errors = asyncio.run(drive(node_port, tokens, ids, warmup_s, duration_s, seed,
                                                        per_request))
         cpu1, me1, w1, pg1 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), time.time(), _postgres_cpu_s()
+        main1 = sum(_cpu_s(p.pid, task=p.pid) for p in procs)
         load = round(os.getloadavg()[0], 2)
         m0, m1 = t_start + warmup_s, t_start + warmup_s + duration_s
         meas = [(t, dt, st) for t, dt, st, _n, _q, _p in results if m0 <= t < m1]
@@ -299,6 +304,9 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             "server_cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / max(len(results), 1), 3),
             "server_cpu_ms_per_report": round((cpu1 - cpu0) * 1e3 / max(len(results) * per_request, 1), 3),
             "server_cpu_share_of_one_core": round((cpu1 - cpu0) / (w1 - w0), 3),
+            # of it, the main thread's (the event loop: HTTP, gate, validation, replies); the rest is
+            # the other threads' (the ingest writer, the jobs, the WAL checkpoints, token refresh)
+            "server_main_thread_cpu_share_of_one_core": round((main1 - main0) / (w1 - w0), 3),
             "client_cpu_ms_per_request": round((me1 - me0) * 1e3 / max(len(results), 1), 3),
             "client_cpu_share_of_one_core": round((me1 - me0) / (w1 - w0), 3),
             # a local PostgreSQL server's processes (all of its databases), when there is one
@@ -367,10 +375,11 @@ def _postgres_cpu_s() -> float | None:
     return total if found else None
 
 
-def _cpu_s(pid: int, children: bool = False) -> float:
-    """utime + stime of a process (with ``children``: plus those of its exited, reaped children),
-    seconds (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, children: bool = False, task: int | None = None) -> float:
+    """utime + stime of a process (with ``children``: plus those of its exited, reaped children;
+    with ``task``: of that one thread), seconds (Linux /proc)."""
+    path = f"/proc/{pid}/task/{task}/stat" if task is not None else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
     return ticks / os.sysconf("SC_CLK_TCK")
 
