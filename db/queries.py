@@ -272,8 +272,8 @@ def known_node_ids(session: Session, node_ids: Iterable[str]) -> set[str]:
 
 
 # The ingestion hot path: plain SQL on the driver connection of the session's transaction (the
-# SQLAlchemy executemany machinery costs ~5x more per row here). SQLite: one C-level execute per
-# row (rowcount tells inserted from duplicate); PostgreSQL: one statement over unnest() arrays.
+# SQLAlchemy executemany machinery costs ~5x more per row here). SQLite: multi-row INSERTs whose
+# RETURNING tells inserted from duplicate; PostgreSQL: one statement over unnest() arrays.
 _REPORT_COLS = [c.name for c in NodeReport.__table__.columns if c.name != "id"]
 _SQLITE_ROWS_PER_INSERT = 999 // len(_REPORT_COLS)  # within SQLite's oldest limit of 999 parameters
 _DECISION_COLS = [c.name for c in Decision.__table__.columns if c.name != "id"]
