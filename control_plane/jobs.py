@@ -179,8 +179,7 @@ def job_router_weights(factory, settings, metrics, now_s: float) -> dict:
             w = queries.add_weights(s, computed_at_s=now_s, nodes=payload, inputs=inputs, reason=reason)
             version = w.version
         else:
-            prev = queries.latest_weights_nodes(s)
-            version = prev[0] if prev else None
+            version = queries.latest_weights_version(s)
     if version is not None:
         metrics.weights_version.set(version)
     out = {"changed": got is not None, "version": version}

@@ -838,11 +838,29 @@ def latest_weights(session: Session) -> RouterWeightsVersion | None:
     return session.scalar(select(RouterWeightsVersion).order_by(RouterWeightsVersion.version.desc()).limit(1))
 
 
+def latest_weights_version(session: Session) -> int | None:
+    """The latest weights version's number (None: no version yet)."""
+    v = _driver_rows(session, "SELECT max(version) FROM router_weights")[0][0]
+    return None if v is None else int(v)
+
+
+_LATEST_WEIGHTS: list = [None]  # ((database, version, computed_at_s), payload) last read by `latest_weights_nodes`
+
+
 def latest_weights_nodes(session: Session) -> tuple[int, dict] | None:
     """(version, per-node payload) of the latest weights, without the version's inputs (what the
-    weights job compares against every period)."""
-    rows = _driver_rows(session, "SELECT version, nodes FROM router_weights ORDER BY version DESC LIMIT 1")
-    return (int(rows[0][0]), _json_value(rows[0][1])) if rows else None
+    weights job compares against every period). A version is never rewritten, so the payload is
+    parsed once per version (of one database, at one computed time) and kept: at 3,000 nodes
+    parsing it held the GIL for tens of ms every period. Treat it as read-only."""
+    head = _driver_rows(session, "SELECT version, computed_at_s FROM router_weights ORDER BY version DESC LIMIT 1")
+    if not head:
+        return None
+    key = (str(session.get_bind().engine.url), int(head[0][0]), float(head[0][1]))
+    got = _LATEST_WEIGHTS[0]
+    if got is None or got[0] != key:
+        rows = _driver_rows(session, "SELECT nodes FROM router_weights WHERE version = ?", (key[1],))
+        got = _LATEST_WEIGHTS[0] = (key, _json_value(rows[0][0]))
+    return got[0][1], got[1]
 
 
 def weights_history(session: Session, limit: int) -> list[RouterWeightsVersion]:
