@@ -69,7 +69,7 @@ def compute_weights(s, settings, now_s: float) -> tuple[dict, dict, str] | None:
     and only the entries of nodes that joined or moved are validated and given a reason string.
     (With 1,000 nodes, building every entry each period held the GIL ~80 ms per run and showed
     up as a stall in the report ingestion of the same process.)"""
-    nodes = queries.up_node_profiles(s)
+    nodes = queries.up_node_profiles(s, COST_FIELDS)
     if not nodes:
         return None
     reported = queries.recent_miss_cost_bands(s, now_s - settings.weights_window_s)

@@ -208,10 +208,31 @@ def _driver_rows(session: Session, sql: str, args: tuple = ()) -> list[tuple]:
         cur.close()
 
 
-def up_node_profiles(session: Session) -> list[tuple[str, dict]]:
-    """(node_id, registered cost profile) of every node whose status is up, by node id."""
-    return [(nid, _json_value(prof)) for nid, prof in _driver_rows(
-        session, "SELECT node_id, cost_profile FROM nodes WHERE status = 'up' ORDER BY node_id")]
+def up_node_profiles(session: Session, fields: Sequence[str] | None = None) -> list[tuple[str, dict]]:
+    """(node_id, registered cost profile) of every node whose status is up, by node id; with
+    ``fields``, only those numeric fields of it, extracted by the database (no JSON parsed here:
+    the weights job reads every node's every period)."""
+    if fields is None:
+        return [(nid, _json_value(prof)) for nid, prof in _driver_rows(
+            session, "SELECT node_id, cost_profile FROM nodes WHERE status = 'up' ORDER BY node_id")]
+    pg = session.get_bind().dialect.name == "postgresql"
+    for f in fields:
+        if not f.isidentifier():
+            raise ValueError(f"not a profile field: {f!r}")
+    cols = ", ".join(f"cost_profile ->> '{f}'" if pg else f"json_extract(cost_profile, '$.{f}')" for f in fields)
+    rows = _driver_rows(session, f"SELECT node_id, {cols} FROM nodes WHERE status = 'up' ORDER BY node_id")
+    if pg:  # ->> gives the JSON number's text: back to the int or float it was
+        return [(row[0], {f: _json_number(v) for f, v in zip(fields, row[1:])}) for row in rows]
+    return [(row[0], dict(zip(fields, row[1:]))) for row in rows]
+
+
+def _json_number(text: str | None):
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def registered_device(cost_profile: dict | None) -> tuple[str | None, str | None]:
@@ -822,6 +843,10 @@ def recent_miss_cost_bands(session: Session, since_s: float) -> dict[str, dict[s
                 d[float(v)] = d.get(float(v), 0) + int(c)
     out: dict[str, dict[str, tuple]] = {}
     for (nid, name), d in counts.items():
+        if len(d) == 1:  # one value (most nodes): every quantile is it
+            v = next(iter(d))
+            out.setdefault(nid, {})[name] = (v, v, v)
+            continue
         n = sum(d.values())
         want, band, seen, i = [n // 4, n // 2, (3 * n) // 4], [], 0, 0
         for v in sorted(d):
