@@ -832,9 +832,7 @@ def recent_miss_cost_bands(session: Session, since_s: float) -> dict[str, dict[s
     k = n // 4, n // 2 and 3n // 4 over those reports. Read from `NodeCostCount`, the counts of
     each node's distinct pairs of costs kept as reports are stored, so a node's few values reach
     Python, not its reports (scanning 60 s of raw reports every run took 60-270 ms at 1,000 nodes
-    beside the ingestion, 320-500 ms at 3,000, and the requests of those seconds waited). The
-    counts are kept as long as the weights job's window (it drops the older buckets): a
-    ``since_s`` further back sees only that window."""
+    beside the ingestion, 320-500 ms at 3,000, and the requests of those seconds waited)."""
     since = math.floor(since_s / COST_STEP_S) * COST_STEP_S
     counts: dict[tuple[str, str], dict[float, int]] = {}
     for nid, kv, emb, c in _driver_rows(session, "SELECT node_id, kv, emb, sum(n) FROM node_cost_counts "
