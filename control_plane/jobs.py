@@ -171,8 +171,6 @@ def push_weights(factory, settings, metrics) -> dict:
 
 def job_router_weights(factory, settings, metrics, now_s: float) -> dict:
     with factory.begin() as s:
-        # the miss costs' counts its window has left (kept as reports are stored: `compute_weights` reads them)
-        queries.prune_cost_counts(s, before_s=now_s - settings.weights_window_s)
         got = compute_weights(s, settings, now_s)
         if got is not None:
             payload, inputs, reason = got

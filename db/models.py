@@ -216,23 +216,6 @@ class NodeReportBucket(Base):
     )
 
 
-class NodeCostCount(Base):
-    """How many of a node's reports in a 5-s bucket (`db.queries.COST_STEP_S`) carried each pair
-    of miss costs (``kv``, ``emb``: the reported ``kv_recompute_us_per_token`` and
-    ``emb_transfer_us_per_row``; -1 where a report left one out), kept in each report's own
-    transaction: the router weights' quartiles read these counts (a few rows a node) instead of
-    every raw report of their window. The weights job drops the buckets its window has left."""
-
-    __tablename__ = "node_cost_counts"
-    __table_args__ = (UniqueConstraint("node_id", "bucket_s", "kv", "emb"), Index(None, "bucket_s"))
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"))
-    bucket_s: Mapped[float]
-    kv: Mapped[float]
-    emb: Mapped[float]
-    n: Mapped[int] = mapped_column(Integer)
-
-
 class Decision(Base):
     """One allocator decision (source base/residual/recovery/override/guard) with its reason."""
 

@@ -1,8 +1,7 @@
 """Router weights change on a real move only: a node whose reported KV recompute cost alternates
 between two profiled points (157.8 and 80.74 µs/token as its window's history length crosses
 them) keeps one version, where each period used to publish the other value; a move of the whole
-range is published at once. The quartiles come from the per-node counts of each pair of costs, kept as reports are stored,
-on SQLite and PostgreSQL alike."""
+range is published at once. The quartiles come from SQL on SQLite and PostgreSQL alike."""
 
 from __future__ import annotations
 
@@ -68,32 +67,6 @@ def test_quartiles_match_sorting_every_report_with_repeats_gaps_and_the_window_e
                     for k, v in costs.items()} for nid, costs in want.items()}
     with factory() as s:
         assert queries.recent_miss_cost_bands(s, 40.0) == expect
-
-
-def test_the_counts_are_kept_as_reports_are_stored_and_the_job_drops_what_its_window_left(db):
-    """A duplicate adds no count; the weights job keeps only the buckets of its window; the
-    quartiles read from the counts cover the 5-s bucket holding the window's start on."""
-    from sqlalchemy import func, select
-
-    from control_plane.jobs import job_router_weights
-    from control_plane.cp_metrics import ControlPlaneMetrics
-    from db.models import NodeCostCount
-
-    _, factory = db
-    with factory.begin() as s:
-        queries.upsert_node(s, node_id="c", address="http://h:1", device="cpu", cost_profile=PROFILE,
-                            policy_version=None, now_s=0.0, report_interval_s=1.0)
-        rows = [_row("c", i, 1000.0 + i, kv_recompute_us_per_token=100.0 + (i % 2)) for i in range(120)]
-        queries.insert_reports(s, rows)
-    with factory.begin() as s:
-        queries.insert_reports(s, rows[:30])  # replayed: stored nothing, counts nothing
-    with factory() as s:
-        assert s.scalar(select(func.sum(NodeCostCount.n))) == 120
-        assert queries.recent_miss_cost_bands(s, 1062.5)["c"]["kv_recompute_us_per_token"] == (100.0, 101.0, 101.0)
-    job_router_weights(factory, Settings(weights_window_s=60.0), ControlPlaneMetrics(), 1120.0)
-    with factory() as s:
-        assert s.scalar(select(func.min(NodeCostCount.bucket_s))) == 1055.0  # the bucket holding 1060 - 5 s
-        assert s.scalar(select(func.sum(NodeCostCount.n))) == 65
 
 
 def test_an_alternating_cost_keeps_one_version_and_a_real_move_makes_one(db):
