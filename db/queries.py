@@ -208,13 +208,10 @@ def _driver_rows(session: Session, sql: str, args: tuple = ()) -> list[tuple]:
         cur.close()
 
 
-def up_node_profiles(session: Session, fields: Sequence[str] | None = None) -> list[tuple[str, dict]]:
-    """(node_id, registered cost profile) of every node whose status is up, by node id; with
-    ``fields``, only those numeric fields of it, extracted by the database (no JSON parsed here:
-    the weights job reads every node's every period)."""
-    if fields is None:
-        return [(nid, _json_value(prof)) for nid, prof in _driver_rows(
-            session, "SELECT node_id, cost_profile FROM nodes WHERE status = 'up' ORDER BY node_id")]
+def up_node_profiles(session: Session, fields: Sequence[str]) -> list[tuple[str, dict]]:
+    """(node_id, ``fields`` of its registered cost profile) of every node whose status is up, by
+    node id: numeric fields extracted by the database (no JSON parsed here: the weights job reads
+    every node's every period)."""
     pg = session.get_bind().dialect.name == "postgresql"
     for f in fields:
         if not f.isidentifier():
