@@ -26,6 +26,11 @@ ingest writer's and the jobs'), the client's, and a local PostgreSQL server's (a
 as shares of one core. Where the tail lies: ``slow_requests_by_second`` (second of the measured
 span -> requests slower than the P99) beside ``jobs_in_window`` (each scheduled job run then).
 
+``--jobs-process`` runs the replicas with no scheduler (``RACER_SCHEDULER=false``) beside one
+``python -m control_plane.main --jobs-only`` process at niceness ``--jobs-nice``, elected as any
+replica and taking no node traffic: the jobs' Python no longer shares an interpreter (its GIL)
+with ingestion. Its CPU counts in the server's.
+
 ``--reports-per-request N`` has each node send its reports N at a time, every N seconds (a
 node told the control plane's ``send_period_s`` of N s does that; the servers get it too, for
 their liveness check): ``server_cpu_ms_per_report`` then differs from ``..._per_request``.
@@ -63,16 +68,19 @@ FLOOR_SERVER = Path(__file__).resolve().parent / "ingest_floor.py"
 
 def start_control_plane(db_url: str, port: int, admin: str, extra_env: dict | None = None,
                         log_path: str | None = None, root: Path = ROOT,
-                        server_cmd: str | None = None) -> subprocess.Popen:
+                        server_cmd: str | None = None, args: tuple = (), nice: int = 0) -> subprocess.Popen:
     """A control-plane process of the tree at ``root`` (this one, or a baseline revision's), or the
-    script ``server_cmd`` taking (db_url, port) in its place."""
+    script ``server_cmd`` taking (db_url, port) in its place; ``args`` added to its command line,
+    run at niceness ``nice``."""
     env = dict(os.environ, RACER_ADMIN_TOKEN=admin,
                PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(extra_env or {})
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     cmd = server_cmd or os.environ.get("RACER_BENCH_SERVER_CMD")  # profiling hook: a script taking (db_url, port)
     argv = ([sys.executable, cmd, db_url, str(port)] if cmd else
-            [sys.executable, "-m", "control_plane.main", "--db", db_url, "--port", str(port)])
+            [sys.executable, "-m", "control_plane.main", "--db", db_url, "--port", str(port), *args])
+    if nice:
+        argv = ["nice", "-n", str(nice), *argv]
     proc = subprocess.Popen(argv,
                             cwd=str(root), env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 60
@@ -231,9 +239,11 @@ def baseline_tree(rev: str) -> Path:
 
 def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, seed: int = 0,
         keep_log: str | None = None, replicas: int = 1, root: Path = ROOT, floor: bool = False,
-        per_request: int = 1) -> dict:
+        per_request: int = 1, jobs_nice: int | None = None) -> dict:
     """One measurement (see the module docstring) of the server of the tree at ``root``; with
-    ``floor``, of `bench.ingest_floor` (the HTTP stack alone: no database, no rows to check)."""
+    ``floor``, of `bench.ingest_floor` (the HTTP stack alone: no database, no rows to check); with
+    ``jobs_nice``, the replicas run with no scheduler beside one ``--jobs-only`` process at that
+    niceness."""
     admin = "bench-admin-token"
     if replicas > 1 and db != "postgresql":
         raise ValueError("--replicas > 1 needs --db postgresql (SQLite: one process per database file)")
@@ -245,15 +255,20 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
     else:
         url = fresh_pg_database(pg_url, "racer_bench_ingest")
     procs, ports = [], []
+    jobs = jobs_nice is not None and not floor
+    env = {"RACER_LIVENESS_MISSED_INTERVALS": "30",
+           **({"RACER_SEND_PERIOD_S": str(per_request)} if per_request > 1 else {})}
     try:
         for k in range(replicas):
             ports.append(free_port())
             log = (keep_log + (f".{k}" if k else "")) if keep_log else os.path.join(tmp, f"control_plane.{k}.log")
             procs.append(start_control_plane(url, ports[k], admin, log_path=log, root=root,
-                                             extra_env={"RACER_LIVENESS_MISSED_INTERVALS": "30",
-                                                        **({"RACER_SEND_PERIOD_S": str(per_request)}
-                                                           if per_request > 1 else {})},
+                                             extra_env={**env, **({"RACER_SCHEDULER": "false"} if jobs else {})},
                                              server_cmd=str(FLOOR_SERVER) if floor else None))
+        serving = list(procs)  # the jobs process takes no node traffic: it is not behind `ports`
+        if jobs:
+            procs.append(start_control_plane(url, free_port(), admin, log_path=os.path.join(tmp, "jobs.log"),
+                                             root=root, extra_env=env, args=("--jobs-only",), nice=jobs_nice))
         ids = [f"bench-{i:05d}" for i in range(nodes)]
         node_port = {nid: ports[i % replicas] for i, nid in enumerate(ids)}
         tokens = {}
@@ -271,13 +286,13 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
                                                 "service_time_us": 1000.0, "queue_capacity": 64}})
                 r.raise_for_status()
         cpu0, me0, pg0 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), _postgres_cpu_s()
-        main0 = sum(_cpu_s(p.pid, task=p.pid) for p in procs)
+        main0 = sum(_cpu_s(p.pid, task=p.pid) for p in serving)
         w0 = time.time()
         tune_runtime()  # the client's own collections would otherwise show up as server latency
         t_start, results, errors = asyncio.run(drive(node_port, tokens, ids, warmup_s, duration_s, seed,
                                                        per_request))
         cpu1, me1, w1, pg1 = sum(_cpu_s(p.pid) for p in procs), _cpu_s(os.getpid()), time.time(), _postgres_cpu_s()
-        main1 = sum(_cpu_s(p.pid, task=p.pid) for p in procs)
+        main1 = sum(_cpu_s(p.pid, task=p.pid) for p in serving)
         load = round(os.getloadavg()[0], 2)
         m0, m1 = t_start + warmup_s, t_start + warmup_s + duration_s
         meas = [(t, dt, st) for t, dt, st, _n, _q, _p in results if m0 <= t < m1]
@@ -292,7 +307,7 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
         handler_s = _hists_mean(metrics, "racer_cp_ingest_request_duration_seconds")
         p99 = float(np.percentile(lat_ms, 99))
         return {
-            "db": db, "replicas": replicas, "nodes": nodes, "duration_s": duration_s, "warmup_s": warmup_s,
+            "db": db, "replicas": replicas, "jobs_process": ({"nice": jobs_nice} if jobs else None), "nodes": nodes, "duration_s": duration_s, "warmup_s": warmup_s,
             "reports_per_s": round(stored / duration_s, 1),
             "requests": len(meas),
             "ingest_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
@@ -304,8 +319,9 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             "server_cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / max(len(results), 1), 3),
             "server_cpu_ms_per_report": round((cpu1 - cpu0) * 1e3 / max(len(results) * per_request, 1), 3),
             "server_cpu_share_of_one_core": round((cpu1 - cpu0) / (w1 - w0), 3),
-            # of it, the main thread's (the event loop: HTTP, gate, validation, replies); the rest is
-            # the other threads' (the ingest writer, the jobs, the WAL checkpoints, token refresh)
+            # of it, the serving replicas' main threads' (the event loop: HTTP, gate, validation,
+            # replies); the rest is the other threads' (the ingest writer, the jobs, the WAL
+            # checkpoints, token refresh) and the jobs process's
             "server_main_thread_cpu_share_of_one_core": round((main1 - main0) / (w1 - w0), 3),
             "client_cpu_ms_per_request": round((me1 - me0) * 1e3 / max(len(results), 1), 3),
             "client_cpu_share_of_one_core": round((me1 - me0) / (w1 - w0), 3),
@@ -421,6 +437,12 @@ def main(argv=None) -> int:
                    help="also measure the server of git revision REV, before each run of this tree's")
     p.add_argument("--reports-per-request", type=int, default=1, metavar="N",
                    help="each node sends its reports N at a time, every N s (the control plane's send_period_s)")
+    p.add_argument("--jobs-process", action="store_true",
+                   help="the replicas serve with no scheduler beside one `control_plane.main --jobs-only` "
+                        "process (elected, taking no node traffic); this tree's server only")
+    p.add_argument("--jobs-nice", type=int, default=10, metavar="N",
+                   help="the jobs process's niceness (default 10: below the serving replicas, as on cores of "
+                        "their own)")
     p.add_argument("--http-floor", action="store_true",
                    help="also measure bench/ingest_floor.py (the HTTP stack alone), before each run")
     p.add_argument("--pg-url", default=os.environ.get("RACER_BENCH_PG_URL", "postgresql://postgres@127.0.0.1/"),
@@ -444,7 +466,8 @@ def main(argv=None) -> int:
     for i in range(a.runs):
         for name, root in trees.items():
             runs[name].append(run(a.db, a.nodes, a.duration_s, a.warmup_s, a.pg_url, seed=i, replicas=a.replicas,
-                                  root=root or ROOT, floor=root is None, per_request=a.reports_per_request))
+                                  root=root or ROOT, floor=root is None, per_request=a.reports_per_request,
+                                  jobs_nice=a.jobs_nice if a.jobs_process and name == "current" else None))
     if len(trees) == 1 and a.runs == 1:
         out = runs["current"][0]
     else:

@@ -86,6 +86,30 @@ async def lifespan(app: FastAPI):
         engine.dispose()
 
 
+@asynccontextmanager
+async def jobs_lifespan(app: FastAPI):
+    """A ``--jobs-only`` process (``settings.serve_api`` False): the database (migrated), the
+    metrics and the election with its scheduler; no ingestion writer, token cache or admin token."""
+    settings, clock = app.state.settings, app.state.clock
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    factory = session_factory(engine)
+    metrics = ControlPlaneMetrics()
+    app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
+    if secret_key_of(settings, factory) is None:
+        print("racer control plane (jobs): no secret key (RACER_SECRET_KEY or --secret-key-file): weight pushes "
+              "are off, gateways pull the weights", flush=True)
+    instance = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}:jobs"
+    app.state.instance = instance
+    app.state.scheduling = Scheduling(engine, factory, settings, metrics, instance, clock=clock)
+    app.state.scheduling.start()
+    try:
+        yield
+    finally:
+        app.state.scheduling.stop()
+        engine.dispose()
+
+
 async def _conflict(_req, e: Conflict):
     return JSONResponse({"detail": str(e)}, status_code=409)
 
@@ -127,6 +151,8 @@ class ControlPlaneApp(FastAPI):
 
 def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     settings = settings or Settings.from_env()
+    if not settings.serve_api:
+        return jobs_app(settings, clock=clock)
     app = ControlPlaneApp(title="RACER control plane", version="1", lifespan=lifespan,
                   description="Node registration, reports, directives, router weights, overrides, policy "
                               "registry and rollouts, audit log. See docs/control_plane.md.")
@@ -144,6 +170,16 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     app.front = RequestGate(IngestFastPath(app.framework, state=app.state), routes=app.router.routes,
                             state=app.state, settings=settings)
     app.openapi = lambda: openapi_document(app)
+    app.include_router(health.router)
+    return app
+
+
+def jobs_app(settings: Settings, *, clock=time.time) -> FastAPI:
+    """The app of a ``--jobs-only`` process: ``/healthz`` (whether it leads) and ``/metrics`` (the
+    jobs' runs and durations); every other path is 404."""
+    app = FastAPI(title="RACER control plane (jobs)", version="1", lifespan=jobs_lifespan, openapi_url=None,
+                  docs_url=None, redoc_url=None)
+    app.state.settings, app.state.clock = settings, clock
     app.include_router(health.router)
     return app
 

@@ -44,7 +44,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=None, help="database URL (default $RACER_DATABASE_URL or sqlite:///racer-control-plane.db)")
     p.add_argument("--host", default=None, help=f"listen address (default $RACER_HOST or {host})")
     p.add_argument("--port", type=int, default=None, help=f"port (default $RACER_PORT or {port})")
-    p.add_argument("--no-scheduler", action="store_true", help="serve the API only, never run the jobs")
+    jobs = p.add_mutually_exclusive_group()
+    jobs.add_argument("--no-scheduler", action="store_true", help="serve the API only, never run the jobs")
+    jobs.add_argument("--jobs-only", action="store_true",
+                      help="run the jobs only (elected as any replica), serving /healthz and /metrics but not the "
+                           "API: the API replicas then run with --no-scheduler")
     p.add_argument("--secret-key-file", default=None, metavar="PATH",
                    help="the key routers' push tokens are derived from (made, mode 0600, when missing; default "
                         "$RACER_SECRET_KEY, else <database file>.key beside a SQLite database, else pushes are off)")
@@ -55,6 +59,8 @@ def settings_from_args(args) -> Settings:
     kw = dict(database_url=args.db, host=args.host, port=args.port, secret_key_file=args.secret_key_file)
     if args.no_scheduler:
         kw["scheduler"] = False
+    if args.jobs_only:
+        kw["scheduler"], kw["serve_api"] = True, False
     return Settings.from_env(**kw)
 
 

@@ -34,6 +34,10 @@ class Settings:
       (default: `common.contract.DEFAULT_MIN_EMB_SHARE` / ``DEFAULT_MAX_EMB_SHARE``, the allocator's
       `GuardConfig` defaults) outside which overrides are refused;
     - ``scheduler``: False runs the API without jobs (a replica that never schedules);
+    - ``serve_api``: False runs the jobs without the API (``racer control-plane --jobs-only``: a
+      process that takes part in the election and, leading, runs the jobs, serving only
+      ``/healthz`` and ``/metrics``), so the jobs' Python never shares an interpreter with report
+      ingestion; the API replicas then run with ``scheduler`` False;
     - ``leader_poll_s``: how often a standby replica tries to become the scheduler leader;
     - ``ingest_max_rows``: most report rows one group commit writes; ``ingest_linger_s``: how long
       after a batch arrives the writer waits for others to share its commit (`control_plane.ingest`);
@@ -91,6 +95,7 @@ class Settings:
     min_override_emb_share: float | None = None
     max_override_emb_share: float | None = None
     scheduler: bool = True
+    serve_api: bool = True
     leader_poll_s: float = _period(2.0)
     ingest_max_rows: int = 5000
     ingest_linger_s: float = ranged(0.005, lo=0, hi=1, doc="wait for other batches to share a commit, s")
@@ -141,6 +146,9 @@ class Settings:
     def __post_init__(self) -> None:
         validate(self)
         self.whatif_grid()
+        if not self.serve_api and not self.scheduler:
+            raise ValueError("serve_api and scheduler are both off: such a process would do nothing (--jobs-only "
+                             "runs the jobs, --no-scheduler the API)")
         if self.node_burst_report_bytes < self.max_report_body_bytes:
             raise ValueError(f"node_burst_report_bytes ({self.node_burst_report_bytes}) must be at least "
                              f"max_report_body_bytes ({self.max_report_body_bytes}): a full batch would never pass")

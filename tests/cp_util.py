@@ -93,7 +93,8 @@ class ControlPlane:
 
     ADMIN = "test-admin-token"
 
-    def __init__(self, db_url: str, log_path: Path, env: dict | None = None, scheduler: bool = True):
+    def __init__(self, db_url: str, log_path: Path, env: dict | None = None, scheduler: bool = True,
+                 args: tuple = ()):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         e = dict(os.environ, RACER_ADMIN_TOKEN=self.ADMIN, PYTHONPATH=str(REPO))
@@ -104,6 +105,7 @@ class ControlPlane:
         argv = [sys.executable, "-m", "control_plane.main", "--db", db_url, "--port", str(self.port)]
         if not scheduler:
             argv.append("--no-scheduler")
+        argv += list(args)
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, cwd=str(REPO), env=e, stdout=self._log, stderr=subprocess.STDOUT)

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from .cp_util import ControlPlane, Database, backends, wait_for
+from .cp_util import ControlPlane, Database, backends, register, report, wait_for
 
 PG = [p for p in backends() if getattr(p, "values", [p])[0] == "postgresql"]
 
@@ -67,6 +67,52 @@ def test_sqlite_replica_leads_alone(tmp_path):
         assert "racer_cp_scheduler_leader 1.0" in httpx.get(c.base + "/metrics").text
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_jobs_only_process_runs_the_jobs_beside_an_api_replica(backend, tmp_path):
+    """``--jobs-only``: a process that is elected and runs the jobs, serving only /healthz and
+    /metrics, beside an API replica with no scheduler on the same database; the API replica's
+    reports reach the jobs (a node it registered is seen alive by the jobs process's liveness)."""
+    d = Database(backend, tmp_path)
+    api = jobs = None
+    try:
+        api = ControlPlane(d.url, tmp_path / "api.log", scheduler=False)
+        jobs = ControlPlane(d.url, tmp_path / "jobs.log", args=("--jobs-only",))
+        wait_for(lambda: httpx.get(jobs.base + "/healthz").json()["leader"], timeout_s=20)
+        health = httpx.get(jobs.base + "/healthz").json()
+        assert health["instance"].endswith(":jobs") and not httpx.get(api.base + "/healthz").json()["leader"]
+        assert "racer_cp_scheduler_leader 1.0" in httpx.get(jobs.base + "/metrics").text
+        # no API there: not the reports, not the tokens, not the summary, not the OpenAPI document
+        for path in ("/api/v1/summary", "/api/v1/nodes/n1/reports", "/openapi.json", "/docs"):
+            assert httpx.get(jobs.base + path).status_code == 404, path
+        assert httpx.post(jobs.base + "/api/v1/tokens", json={"role": "node"},
+                          headers={"Authorization": f"Bearer {ControlPlane.ADMIN}"}).status_code == 404
+        node = api.node("n1")
+        register(node, "n1")
+        now = time.time()
+        assert node.post("/nodes/n1/reports", json={"reports": [report(0, now)]}).status_code == 200
+        runs = wait_for(lambda: [x for x in api.admin.get("/jobs", params={"job": "node_liveness",
+                                                                            "since_s": now}).json()
+                                 if x["ok"] and x["started_s"] > now + 0.1], timeout_s=20)
+        assert {x["instance"] for x in runs} == {health["instance"]}
+        assert api.admin.get("/summary").json()["leader"] == health["instance"]
+    finally:
+        for c in (api, jobs):
+            if c is not None:
+                c.stop()
+        d.drop()
+
+
+def test_a_process_with_neither_api_nor_jobs_is_refused(tmp_path):
+    from control_plane.main import main
+    from control_plane.settings import Settings
+
+    with pytest.raises(ValueError, match="would do nothing"):
+        Settings(serve_api=False, scheduler=False)
+    with pytest.raises(SystemExit) as e:  # the two flags are exclusive on the command line
+        main(["--db", f"sqlite:///{tmp_path}/x.db", "--jobs-only", "--no-scheduler"])
+    assert e.value.code == 2
 
 
 def test_jobs_started_together_never_run_together():

@@ -61,6 +61,11 @@ COMBOS: dict[str, dict] = {
                                       "slo_objective": 0.995, "weights_rel_change": 0.1, "scheduler": True}},
         "gateway": {"advertise": True},
     },
+    "postgresql-jobs": {
+        "controlPlane": {"replicas": 2, "jobsProcess": {"enabled": True, "replicas": 2},
+                         "database": {"type": "postgresql", "postgresql": {"existingSecret": DB_SECRET}}},
+        "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+    },
     "gateways-hpa": {"gateway": {"replicas": 3, "extraArgs": ["--slo-ms", "50"],
                                  "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12,
                                                  "targetCPUUtilizationPercentage": 60}}},
@@ -446,7 +451,7 @@ def test_hpa_only_when_enabled_and_it_scales_the_gateways(docs):
 def test_monitoring_objects_only_when_enabled(docs):
     for combo, out in docs.items():
         kinds = {d["kind"] for d in out}
-        assert ("ServiceMonitor" in kinds) == ("PrometheusRule" in kinds) == (combo == "monitoring"), combo
+        assert ("ServiceMonitor" in kinds) == ("PrometheusRule" in kinds) == (combo in ("monitoring", "postgresql-jobs")), combo
     out = docs["monitoring"]
     (rule,) = of_kind(out, "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(ALERT_RULES.read_text())["groups"]
@@ -562,6 +567,8 @@ def test_schema_refuses_bad_values(patch, where):
 FAILS = [
     ({"controlPlane": {"replicas": 2}},
      "controlPlane.replicas is 2 with controlPlane.database.type sqlite: SQLite is one file on one volume"),
+    ({"controlPlane": {"jobsProcess": {"enabled": True}}},
+     "controlPlane.jobsProcess.enabled with controlPlane.database.type sqlite"),
     ({"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
      "gateway.autoscaling.maxReplicas (2) is below gateway.autoscaling.minReplicas (5)"),
     # null removes a default key in Helm's merge of the values
@@ -578,6 +585,30 @@ def test_templates_refuse_cross_field_mistakes(patch, message):
         render(merged(BASE, patch))
 
 
+def test_a_jobs_process_runs_the_jobs_and_the_api_replicas_do_not(docs):
+    out = docs["postgresql-jobs"]
+    deps = {component(w): w for w in of_kind(out, "Deployment") if component(w).startswith("control-plane")}
+    assert set(deps) == {"control-plane", "control-plane-jobs"}
+    api, jobs = deps["control-plane"], deps["control-plane-jobs"]
+    assert api["spec"]["replicas"] == 2 and jobs["spec"]["replicas"] == 2
+    (a,) = api["spec"]["template"]["spec"]["containers"]
+    (j,) = jobs["spec"]["template"]["spec"]["containers"]
+    assert "--no-scheduler" in a["args"] and "--jobs-only" not in a["args"]
+    assert "--jobs-only" in j["args"] and "--no-scheduler" not in j["args"]
+    assert env_of(j)["RACER_DATABASE_URL"] == env_of(a)["RACER_DATABASE_URL"]
+    assert env_of(j)["RACER_SECRET_KEY"] == env_of(a)["RACER_SECRET_KEY"]  # it pushes the weights
+    assert j["resources"]["requests"]["cpu"] == "250m"
+    # its /metrics (the jobs' runs and durations) behind a Service of its own, scraped; no API traffic
+    svcs = {component(x): x for x in of_kind(out, "Service")}
+    assert svcs["control-plane-jobs"]["spec"]["selector"]["app.kubernetes.io/component"] == "control-plane-jobs"
+    (sm,) = of_kind(out, "ServiceMonitor")
+    assert "control-plane-jobs" in sm["spec"]["selector"]["matchExpressions"][0]["values"]
+    # off by default: one Deployment whose replicas elect the scheduler among themselves
+    plain = docs["postgresql-ha"]
+    (cp,) = [w for w in of_kind(plain, "Deployment") if component(w).startswith("control-plane")]
+    assert "--no-scheduler" not in cp["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def test_postgresql_with_two_replicas_and_the_default_slo_objective_renders():
     render(merged(BASE, COMBOS["postgresql-ha"], {"controlPlane": {"settings": {"slo_objective": 0.99}},
                                                   "metrics": {"prometheusRule": {"enabled": True}}}))
@@ -590,7 +621,7 @@ def test_every_racer_command_line_parses_with_racers_own_parser(docs, parsers):
         for w, _spec, c in containers(out):
             assert c["command"] == ["racer"], c["command"]
             cmd, args = c["args"][0], c["args"][1:]
-            assert cmd == component(w), (cmd, component(w))
+            assert cmd == component(w).removesuffix("-jobs"), (cmd, component(w))  # control-plane-jobs
             seen.add(cmd)
             sub = subparser(parsers[cmd], cmd)
             for arg in args:

@@ -153,6 +153,9 @@ Cross-field rules that values.schema.json cannot say; `fail` stops the render wi
 {{- if and (eq $cp.database.type "sqlite") (gt (int $cp.replicas) 1) -}}
 {{- fail (printf "controlPlane.replicas is %d with controlPlane.database.type sqlite: SQLite is one file on one volume, so it takes one replica; use PostgreSQL (controlPlane.database.type: postgresql) for more" (int $cp.replicas)) -}}
 {{- end -}}
+{{- if and (eq $cp.database.type "sqlite") $cp.jobsProcess.enabled -}}
+{{- fail "controlPlane.jobsProcess.enabled with controlPlane.database.type sqlite: the jobs' pod would need the API pod's SQLite file; use PostgreSQL (controlPlane.database.type: postgresql)" -}}
+{{- end -}}
 {{- $as := .Values.gateway.autoscaling -}}
 {{- if and $as.enabled (lt (int $as.maxReplicas) (int $as.minReplicas)) -}}
 {{- fail (printf "gateway.autoscaling.maxReplicas (%d) is below gateway.autoscaling.minReplicas (%d)" (int $as.maxReplicas) (int $as.minReplicas)) -}}
