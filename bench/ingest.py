@@ -307,7 +307,8 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
         handler_s = _hists_mean(metrics, "racer_cp_ingest_request_duration_seconds")
         p99 = float(np.percentile(lat_ms, 99))
         return {
-            "db": db, "replicas": replicas, "jobs_process": ({"nice": jobs_nice} if jobs else None), "nodes": nodes, "duration_s": duration_s, "warmup_s": warmup_s,
+            "db": db, "replicas": replicas, "jobs_process": {"nice": jobs_nice} if jobs else None, "nodes": nodes,
+            "duration_s": duration_s, "warmup_s": warmup_s,
             "reports_per_s": round(stored / duration_s, 1),
             "requests": len(meas),
             "ingest_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),

@@ -49,16 +49,36 @@ API_ROUTERS = (tokens, nodes, directives, history, routers, overrides, audit, po
                gateways, whatif)
 
 
+def _open_database(app: FastAPI, *, background_checkpoint: bool, who: str):
+    """The database (migrated), its session factory and the metrics, in ``app.state``; says once
+    when weight pushes are off for want of a secret key (made now beside a SQLite file)."""
+    settings = app.state.settings
+    engine = make_engine(settings.database_url, background_checkpoint=background_checkpoint)
+    upgrade(engine)
+    factory = session_factory(engine)
+    metrics = ControlPlaneMetrics()
+    app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
+    if secret_key_of(settings, factory) is None:
+        print(f"{who}: no secret key (RACER_SECRET_KEY or --secret-key-file): weight pushes are off, gateways "
+              "pull the weights", flush=True)
+    return engine, factory, metrics
+
+
+def _scheduling(app: FastAPI, suffix: str = "") -> Scheduling:
+    """This process's instance name and its part in the scheduler election (not started), in
+    ``app.state``."""
+    st = app.state
+    st.instance = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}{suffix}"
+    st.scheduling = Scheduling(st.engine, st.factory, st.settings, st.metrics, st.instance, clock=st.clock)
+    return st.scheduling
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     """Open the database (migrated), build the state the routes use, start the scheduler (when
     ``settings.scheduler``); on the way out stop it, drain the ingest writer, close the engine."""
     settings, clock = app.state.settings, app.state.clock
-    engine = make_engine(settings.database_url, background_checkpoint=True)
-    upgrade(engine)
-    factory = session_factory(engine)
-    metrics = ControlPlaneMetrics()
-    app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
+    engine, factory, metrics = _open_database(app, background_checkpoint=True, who="racer control plane")
     app.state.tokens = TokenCache(factory, refresh_s=settings.token_refresh_s)
     app.state.tokens.start()
     app.state.known_nodes = set()
@@ -66,21 +86,16 @@ async def lifespan(app: FastAPI):
     app.state.writer = IngestWriter(factory, metrics, settings.ingest_max_rows, settings.ingest_linger_s)
     app.state.quota = NodeQuota(settings.node_reports_per_s, settings.node_burst_reports,
                                 settings.node_report_bytes_per_s, settings.node_burst_report_bytes)
-    if secret_key_of(settings, factory) is None:  # made now beside a SQLite file; else said once
-        print("racer control plane: no secret key (RACER_SECRET_KEY or --secret-key-file): weight pushes are "
-              "off, gateways pull the weights", flush=True)
     secret = ensure_admin_token(factory, admin_token=settings.admin_token, now_s=clock())
     if secret is not None:
         print(f"racer control plane: admin operator token (shown once): {secret}", flush=True)
-    instance = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-    app.state.instance = instance
-    app.state.scheduling = Scheduling(engine, factory, settings, metrics, instance, clock=clock)
+    scheduling = _scheduling(app)
     if settings.scheduler:
-        app.state.scheduling.start()
+        scheduling.start()
     try:
         yield
     finally:
-        app.state.scheduling.stop()
+        scheduling.stop()
         app.state.tokens.stop()
         app.state.writer.close()
         engine.dispose()
@@ -90,23 +105,13 @@ async def lifespan(app: FastAPI):
 async def jobs_lifespan(app: FastAPI):
     """A ``--jobs-only`` process (``settings.serve_api`` False): the database (migrated), the
     metrics and the election with its scheduler; no ingestion writer, token cache or admin token."""
-    settings, clock = app.state.settings, app.state.clock
-    engine = make_engine(settings.database_url)
-    upgrade(engine)
-    factory = session_factory(engine)
-    metrics = ControlPlaneMetrics()
-    app.state.engine, app.state.factory, app.state.metrics = engine, factory, metrics
-    if secret_key_of(settings, factory) is None:
-        print("racer control plane (jobs): no secret key (RACER_SECRET_KEY or --secret-key-file): weight pushes "
-              "are off, gateways pull the weights", flush=True)
-    instance = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}:jobs"
-    app.state.instance = instance
-    app.state.scheduling = Scheduling(engine, factory, settings, metrics, instance, clock=clock)
-    app.state.scheduling.start()
+    engine, _, _ = _open_database(app, background_checkpoint=False, who="racer control plane (jobs)")
+    scheduling = _scheduling(app, ":jobs")
+    scheduling.start()
     try:
         yield
     finally:
-        app.state.scheduling.stop()
+        scheduling.stop()
         engine.dispose()
 
 

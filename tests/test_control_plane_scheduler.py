@@ -96,6 +96,7 @@ def test_jobs_only_process_runs_the_jobs_beside_an_api_replica(backend, tmp_path
                                                                             "since_s": now}).json()
                                  if x["ok"] and x["started_s"] > now + 0.1], timeout_s=20)
         assert {x["instance"] for x in runs} == {health["instance"]}
+        assert runs[-1]["summary"]["up"] == 1  # the node the API replica registered, seen by the jobs process
         assert api.admin.get("/summary").json()["leader"] == health["instance"]
     finally:
         for c in (api, jobs):
