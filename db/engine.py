@@ -25,6 +25,10 @@ MIGRATION_LOCK_KEY = 0x52414345  # "RACE": advisory lock taken while migrating o
 #: which the background checkpointer forces that reset (TRUNCATE) instead of a passive checkpoint:
 #: a WAL otherwise keeps its largest size for good, and on a full disk grows into whatever is freed
 WAL_SIZE_LIMIT = 64 * 2**20
+#: WAL bytes (frames since the WAL last started over) past which the checkpointer follows its
+#: PASSIVE pass with a RESTART (`checkpoint_wal`), and the most it then waits for readers
+WAL_RESTART_BYTES = 4 * 2**20
+RESTART_WAIT_MS = 50
 
 
 def normalize_url(url: str) -> str:
@@ -41,8 +45,9 @@ def database_url(url: str | None = None) -> str:
 
 def make_engine(url: str | None = None, *, pool_size: int = 10, background_checkpoint: bool = False) -> Engine:
     """``background_checkpoint`` (SQLite): connections never checkpoint the WAL on commit (which
-    would fsync inside a writer's commit); a daemon thread checkpoints (PASSIVE) every second
-    instead, so the ingestion writer's commits stay short. For long-running servers only."""
+    would fsync inside a writer's commit); a daemon thread checkpoints every second instead
+    (`checkpoint_wal`), so the ingestion writer's commits stay short and the WAL starts over every
+    few megabytes. For long-running servers only."""
     url = database_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
@@ -80,11 +85,7 @@ def _start_checkpointer(engine: Engine, period_s: float = 1.0) -> None:
             if eng is None:
                 return
             try:
-                if _wal_bytes(eng) > WAL_SIZE_LIMIT:
-                    reclaim_wal(eng)
-                else:
-                    with eng.connect() as conn:
-                        conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+                checkpoint_wal(eng)
             except Exception:  # noqa: BLE001 - a busy or disposed database: try again later
                 pass
             del eng
@@ -98,6 +99,35 @@ def _wal_bytes(engine: Engine) -> int:
         return os.path.getsize(f"{path}-wal") if path and path != ":memory:" else 0
     except OSError:
         return 0
+
+
+def checkpoint_wal(engine: Engine, restart_bytes: int = WAL_RESTART_BYTES,
+                   restart_wait_ms: int = RESTART_WAIT_MS) -> str:
+    """One pass of the background checkpointer (SQLite); returns what it did.
+
+    A PASSIVE checkpoint copies the WAL's frames into the database without blocking anyone, but
+    under a steady writer it never finishes (the writer appends while it copies), and SQLite starts
+    the WAL over only after a finished one: the WAL grows until the TRUNCATE at `WAL_SIZE_LIMIT`
+    holds the writer for seconds. So past ``restart_bytes`` of frames a RESTART follows the PASSIVE
+    pass: it copies the few frames written meanwhile and makes the next writer start the WAL over,
+    holding writers for that copy and at most ``restart_wait_ms`` more for readers still on old
+    frames (it gives up, "restart-busy", rather than stall the ingestion writer behind a long
+    read). Returns "truncate" or "truncate-busy" past `WAL_SIZE_LIMIT` (after a full disk),
+    "restart" / "restart-busy", or "passive"."""
+    if _wal_bytes(engine) > WAL_SIZE_LIMIT:
+        return "truncate" if reclaim_wal(engine) else "truncate-busy"
+    with engine.connect() as conn:
+        _, frames, _ = conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        page = conn.exec_driver_sql("PRAGMA page_size").scalar()
+        if frames * (page + 24) <= restart_bytes:
+            return "passive"
+        (timeout,) = conn.exec_driver_sql("PRAGMA busy_timeout").fetchone()
+        conn.exec_driver_sql(f"PRAGMA busy_timeout={int(restart_wait_ms)}")
+        try:
+            busy, _, _ = conn.exec_driver_sql("PRAGMA wal_checkpoint(RESTART)").fetchone()
+        finally:
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={int(timeout)}")
+    return "restart-busy" if busy else "restart"
 
 
 def reclaim_wal(engine: Engine) -> bool:

@@ -341,3 +341,52 @@ def test_recent_miss_costs_is_the_upper_median_per_node_in_the_window(db):
     assert "c" in got and "emb_transfer_us_per_row" not in got["c"]
     assert "d" not in got
     assert counts == {"up": 4}
+
+
+def test_the_checkpointer_starts_the_wal_over_and_does_not_wait_long_behind_a_reader(tmp_path):
+    """A steady writer keeps a PASSIVE checkpoint from finishing, and SQLite starts the WAL over
+    only after a finished one: `checkpoint_wal` follows it with a RESTART past its byte bound, so
+    the next write lands at the WAL's start. A reader on old frames makes that RESTART give up
+    after its short wait ("restart-busy") instead of holding the writer for the 30-s busy timeout;
+    once the reader is gone it succeeds."""
+    import sqlite3
+    import time
+
+    from db.engine import checkpoint_wal
+
+    path = tmp_path / "wal.db"
+    engine = make_engine(f"sqlite:///{path}")
+    w = sqlite3.connect(path, isolation_level=None)
+    w.execute("PRAGMA journal_mode=WAL")
+    w.execute("PRAGMA wal_autocheckpoint=0")  # as on the control plane's connections
+    w.execute("CREATE TABLE t (b BLOB)")
+
+    def write(n: int) -> None:
+        for _ in range(n):
+            w.execute("INSERT INTO t VALUES (randomblob(3000))")
+
+    def wal_frames() -> int:
+        return w.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+
+    write(200)
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM t").fetchone()  # a snapshot on the frames so far
+    write(200)
+    assert checkpoint_wal(engine, restart_bytes=10**9) == "passive"
+    t0 = time.monotonic()
+    assert checkpoint_wal(engine, restart_bytes=2**20, restart_wait_ms=50) == "restart-busy"
+    assert time.monotonic() - t0 < 5.0  # the 50-ms wait, not the connection's 30-s busy timeout
+    write(1)
+    assert wal_frames() > 400  # the WAL did not start over: frames pile up behind the reader
+    reader.execute("COMMIT")
+    write(200)
+    assert checkpoint_wal(engine, restart_bytes=2**20) == "restart"
+    write(1)
+    assert wal_frames() <= 3  # the write after the RESTART started the WAL over
+    assert checkpoint_wal(engine, restart_bytes=2**20) == "passive"
+    assert w.execute("SELECT count(*) FROM t").fetchone()[0] == 602  # nothing lost
+    assert engine.connect().exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000  # restored
+    reader.close()
+    w.close()
+    engine.dispose()
