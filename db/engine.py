@@ -1,7 +1,9 @@
 """Engine and session factory; the schema is made by Alembic (``upgrade(engine)``).
 
 - ``make_engine(url)``: SQLite gets WAL, ``synchronous=NORMAL``, foreign keys, a busy timeout and
-  a `WAL_SIZE_LIMIT` on every connection (`reclaim_wal` after a full disk); PostgreSQL URLs are normalised to psycopg 3 (``postgresql+psycopg://``).
+  a `WAL_SIZE_LIMIT` on every connection; servers checkpoint in the background (`checkpoint_wal`,
+  which starts the WAL over every few MB; `reclaim_wal` after a full disk). PostgreSQL URLs are
+  normalised to psycopg 3 (``postgresql+psycopg://``).
 - ``session_factory(engine)``: ``Session`` objects with ``expire_on_commit=False``; callers (the
   API routes, the jobs) own the transaction: ``with factory.begin() as s: queries.f(s, ...)``.
 - ``upgrade(engine)``: ``alembic upgrade head`` run in-process (the control plane calls it on
