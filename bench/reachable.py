@@ -55,6 +55,15 @@ def _setting(name: str):
     (TRACE-sample-REGIME-sN) or a held-out one (holdout-FAMILY-LOAD-REGIME-s0, quick)."""
     from bench.regret import Setting, holdout_grid
 
+    if name.startswith("holdout-tune-"):
+        from bench.regret import tune_grid
+
+        parts = name.split("-")
+        first = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0
+        for st in tune_grid(first, 1):
+            if st.name == name:
+                return st
+        raise ValueError(f"no tuning setting {name!r} (e.g. holdout-tune-0-light-trend-s0)")
     if name.startswith("holdout-"):
         parts = name.split("-")
         first = int(parts[2]) if len(parts) > 2 and parts[1] == "random" and parts[2].isdigit() else 0

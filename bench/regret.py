@@ -154,6 +154,7 @@ class HoldoutSetting:
 HOLDOUT_RATES = {"light": 60.0, "busy": 300.0}
 HOLDOUT_FAMILIES = ("kv-heavy", "emb-heavy", "cliff", "random", "file")
 HOLDOUT_SEED_BASE = 7_000  # synthetic traces' seeds: disjoint from every seed a training or tuning run used
+TUNE_SEED_BASE = 9_000  # `tune_grid`'s: the settings a tuning run may look at, disjoint from the held-out ones
 
 
 def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] = (), num_random: int | None = None,
@@ -186,8 +187,6 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
     ``steady`` and ``trend``. ``--quick``: 4 nodes, 20 s per run, 4 random settings; otherwise
     8 nodes, 30 s, 8 random settings. ``first_random`` (``--holdout-random-from``) starts the
     random settings at another index: a fresh draw, for a check on settings nobody has looked at."""
-    import numpy as np
-
     nodes = 4 if quick else 8
     n_rand = (4 if quick else 8) if num_random is None else num_random
     out: list[HoldoutSetting] = []
@@ -206,17 +205,38 @@ def holdout_grid(quick: bool = True, extra_traces: tuple[tuple[str, str], ...] =
         add(f"cliff-{tag}", "synthetic", f"users={2 * nodes},items=20000,len=250,zipf=0.9,seed={seed}", 2, 4.0, cf,
             ("steady", "trend"))
     for i in range(first_random, first_random + n_rand):
-        rng = np.random.default_rng(HOLDOUT_SEED_BASE + 100 + i)
-        upn = int(round(math.exp(rng.uniform(math.log(20), math.log(2000)))))
-        items = int(round(math.exp(rng.uniform(math.log(5_000), math.log(150_000)))))
-        length = round(float(rng.uniform(10, 150)), 1)
-        zipf = round(float(rng.uniform(0.8, 1.3)), 3)
-        hs = round(float(rng.uniform(1.0, 5.0)), 2)
-        cf = round(math.exp(float(rng.uniform(math.log(0.3), math.log(2.0)))), 3)
-        spec = f"users={upn * nodes},items={items},len={length:g},zipf={zipf:g},seed={HOLDOUT_SEED_BASE + 200 + i}"
-        add(f"random-{i}", "synthetic", spec, upn, hs, cf, ("steady", "trend"))
+        add(f"random-{i}", *_random_draw(HOLDOUT_SEED_BASE, i, nodes), ("steady", "trend"))
     for j, (kind, path) in enumerate(extra_traces):
         add(f"file-{j}", kind, path, 150, 4.0, 1.0, ("steady", "trend"))
+    return out
+
+
+def _random_draw(seed_base: int, i: int, nodes: int) -> tuple:
+    """The ``i``-th random setting drawn from ``seed_base``: ``("synthetic", spec, users per node,
+    history scale, cache fraction)`` (the ranges: `holdout_grid`'s ``random-i``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed_base + 100 + i)
+    upn = int(round(math.exp(rng.uniform(math.log(20), math.log(2000)))))
+    items = int(round(math.exp(rng.uniform(math.log(5_000), math.log(150_000)))))
+    length = round(float(rng.uniform(10, 150)), 1)
+    zipf = round(float(rng.uniform(0.8, 1.3)), 3)
+    hs = round(float(rng.uniform(1.0, 5.0)), 2)
+    cf = round(math.exp(float(rng.uniform(math.log(0.3), math.log(2.0)))), 3)
+    spec = f"users={upn * nodes},items={items},len={length:g},zipf={zipf:g},seed={seed_base + 200 + i}"
+    return "synthetic", spec, upn, hs, cf
+
+
+def tune_grid(first: int = 0, num: int = 4, loads: tuple[str, ...] = ("light", "busy")) -> list[HoldoutSetting]:
+    """Settings for tuning the allocator, never for judging it: random settings drawn as the
+    held-out grid's ``random-i`` are (same ranges, 4 nodes, quick), from `TUNE_SEED_BASE`, disjoint
+    from the held-out seeds. Named ``holdout-tune-i-LOAD-REGIME-s0`` (`bench.reachable` runs them)."""
+    out = []
+    for i in range(first, first + num):
+        trace, spec, upn, hs, cf = _random_draw(TUNE_SEED_BASE, i, 4)
+        for load in loads:
+            for rg in ("steady", "trend"):
+                out.append(HoldoutSetting(f"tune-{i}", trace, spec, 4, upn, HOLDOUT_RATES[load], hs, cf, load, rg))
     return out
 
 

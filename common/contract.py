@@ -55,7 +55,7 @@ DETAIL_FIELDS = {
     "curve": ("action", "min_share", "cost_min_us", "cost_proposal_us", "cost_prev_us", "gain", "emb_refs",
               "kv_lookups", "kv_refused", "proposal_in", "curve", "taken_back"),
     "recovery": ("phase", "event", "cap", "capped", "rate_ratio", "hot_ratio", "burst_started_s", "entry_emb_share",
-                 "kv_shift", "proposal_in", "source_in"),
+                 "kv_shift", "proposal_in", "source_in", "cap_declined"),
     "override": ("active", "emb_share", "reason", "expires_at_s", "proposal_in", "source_in"),
     "guard": ("action", "limit", "prev", "proposal_in", "source_in", "step_limit", "taken_back"),
 }

@@ -10,8 +10,9 @@
   decision's fields, a key/value table per allocator layer where the stored decision has a
   ``layers`` list, the features the policy saw, the miss costs, and the node's report of that
   control interval (hit rates, latency, load) as context; where the decision's curve layer ran,
-  the expected time per request against share from the caches' miss-ratio curves, with the
-  share chosen, the curve's minimum and the layers' proposal marked (`curve_figure`).
+  the expected cost against share from the caches' miss-ratio curves (time per request plus
+  the tail's extra recompute), with the share chosen, the curve's minimum and the layers'
+  proposal marked (`curve_figure`).
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ def _kv_table(pairs, label: str) -> html.Table:
 
 
 def curve_figure(curve: dict):
-    """Expected time per request (µs) against emb_share from `dashboard.details.decision_curve`,
-    the chosen share (solid), the curve's minimum (dotted) and the proposal the curve layer got
-    (dashed) marked."""
+    """Expected cost (µs: time per request plus the tail's extra recompute) against emb_share from
+    `dashboard.details.decision_curve`, the chosen share (solid), the curve's minimum (dotted) and
+    the proposal the curve layer got (dashed) marked."""
     import plotly.graph_objects as go
 
     fig = go.Figure(go.Scatter(x=curve["shares"], y=curve["cost_us"], mode="lines+markers", name="expected cost",
@@ -89,7 +90,7 @@ def curve_figure(curve: dict):
         if x is not None:
             fig.add_vline(x=x, line_dash=dash, annotation_text=f"{label} {x:.2f}", annotation_position="top")
     fig.update_layout(height=260, margin=dict(l=50, r=10, t=30, b=40), showlegend=False,
-                      xaxis_title="emb_share", yaxis_title="expected µs per request", xaxis_range=[0, 1])
+                      xaxis_title="emb_share", yaxis_title="expected µs (mean + tail)", xaxis_range=[0, 1])
     return fig
 
 

@@ -283,7 +283,7 @@ def decision_detail(decision: Mapping, report: Mapping | None = None, bursts: Se
 
 
 def decision_curve(decision: Mapping) -> dict | None:
-    """The expected time per request against share that the decision's curve layer used
+    """The expected cost against share that the decision's curve layer used
     (`node_agent.allocator.curve`; its ``curve`` detail read by `common.contract.parse_curve_text`):
     ``{"shares", "cost_us", "chosen", "min_share", "proposal_in", "action"}``, or None when the
     decision has no curve layer with a curve (curves off, too little evidence)."""

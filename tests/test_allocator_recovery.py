@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from node_agent.allocator import (AllocatorConfig, GuardConfig, RecoveryConfig, RecoveryController, ResidualConfig,
@@ -177,3 +178,27 @@ def test_steady_burst_steady_is_one_burst_that_ends(c60):
     assert events == {25: "entered", 29: "ended"}
     assert [d[t].recovery_active for t in (24, 25, 28, 29, 40)] == [False, True, True, False, False]
     assert alloc.recovery.state().num_bursts == 1
+
+
+def test_the_burst_cap_asks_the_curve_and_is_declined_where_it_saves_nothing():
+    """In a burst the cap takes the proposal KV-ward unless the curve layer's cost says the pages
+    buy less than ``decline_gain`` there; without a curve the cap stands."""
+    from node_agent.allocator.curve import CostCurve
+    from node_agent.allocator.recovery import recovery_layer
+
+    def in_burst():
+        ctl = RecoveryController(RecoveryConfig(warmup_s=2.0))
+        for t in range(5):
+            recovery_layer(ctl, 100.0, 0.1, float(t), 0.8, 0.8, "base")
+        return ctl
+
+    shares = np.array([0.1, 0.3, 0.5, 0.7, 0.9])
+    flat = CostCurve(shares, np.array([1000.0, 1000.0, 999.0, 998.0, 998.0]))
+    kv_ward = CostCurve(shares, np.array([600.0, 700.0, 800.0, 900.0, 1000.0]))
+    for cost, gain, want, declined in ((None, 0.01, 0.65, False), (flat, 0.01, 0.8, True),
+                                       (kv_ward, 0.01, 0.65, False), (flat, 0.0, 0.65, False)):
+        ctl = in_burst()
+        out, t, _ = recovery_layer(ctl, 400.0, 0.5, 5.0, 0.8, 0.8, "base", cost, gain)
+        assert ctl.phase == "burst" and t.detail["event"] == "entered"
+        assert out == pytest.approx(want) and t.detail["cap_declined"] is declined
+        assert t.detail["capped"] is (not declined) and t.detail["cap"] == pytest.approx(0.65)

@@ -305,3 +305,52 @@ def test_curve_layer_jumps_down_a_cliff_at_once_and_paces_a_growth(tmp_path):
     d = decide(AllocatorConfig(), up, st_up, 0.1)
     assert d.layer("curve").detail["min_share"] == 0.4 and d.layer("curve").detail["action"] == "to_minimum"
     assert d.emb_share == pytest.approx(0.1 + g.max_step_up) and d.layer("guard").detail["action"] == "step_up"
+
+
+def test_the_kv_tail_curve_sees_the_long_histories_that_need_a_larger_pool():
+    """Six short users (2 pages) and one long one (40 pages) return in turn: the cut settles at the
+    90th percentile of the histories (inside the long user's), the tail's curve is the long user's
+    (a hit only once the pool holds all 52 pages) while the mean's is mostly the short users' (hits
+    from 12 pages on)."""
+    rng = np.random.default_rng(3)
+    k = KVReuse(200, 16)
+    for _ in range(600):
+        u = int(rng.integers(0, 7))
+        toks = 640 if u == 0 else int(rng.integers(20, 33))
+        k.lookup(u, toks)
+        k.append(u, toks)
+    assert 32 < k.tail_cut <= 640
+    assert k.tail_tokens() == pytest.approx(640, rel=0.05)
+    mean, tail = k.hit_fraction([20, 60]), k.tail_hit_fraction([20, 60])
+    assert tail[0] < 0.05 < 0.9 < tail[1]  # the long user fits only in the larger pool
+    assert mean[0] > 0.05 > tail[0]  # the short users (a fifth of the tokens) fit in the small one
+    assert k.mean_tokens() < k.tail_tokens()
+
+
+def _tail_curves(kv_hit, kv_tail_hit, tokens, tail_tokens, emb_hit, shares=(0.1, 0.2, 0.3, 0.4, 0.5)):
+    return MissCurves(tuple(shares), tuple(emb_hit), tuple(kv_hit), 1e4, 1e3, 1.0, 1.0, tokens, 0.0,
+                      tuple(kv_tail_hit), tail_tokens)
+
+
+def test_the_tail_term_moves_a_light_loads_minimum_to_where_the_long_histories_fit():
+    # the mean user fits everywhere; the tail's long histories only at 0.1 and 0.2; EMB gains a
+    # little with share. The mean time says 0.5, the tail says 0.2
+    cur = _tail_curves(kv_hit=(0.9,) * 5, kv_tail_hit=(0.9, 0.9, 0.1, 0.1, 0.1), tokens=200.0, tail_tokens=2000.0,
+                       emb_hit=(0.5, 0.55, 0.6, 0.65, 0.7))
+    st = window(emb_share=0.5, load=0.1, num_requests=100, interval_s=1.0, emb_lookups_per_request=100.0,
+                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    _, mean = expected_costs(cur, st, tail=False)
+    _, both = expected_costs(cur, st)
+    assert int(np.argmin(mean)) == 4 and int(np.argmin(both)) == 1
+    assert both[2] - mean[2] == pytest.approx((2000 * 0.9 - 2000 * 0.1) * 2.0, rel=1e-6)  # over its minimum
+    out, t = curve_layer(CurveGuard(), cur, st, 0.5, 0.5, GuardConfig())
+    assert (out, t.detail["action"]) == (0.2, "jump")
+    out, t = curve_layer(CurveGuard(CurveConfig(tail=False)), cur, st, 0.5, 0.5, GuardConfig())
+    assert (out, t.detail["action"]) == (0.5, "pass")
+    # no tail curve (an older report's curves), or a tail no longer than the mean: the mean alone
+    old = _curves(kv_hit=(0.9,) * 5, emb_hit=(0.5, 0.55, 0.6, 0.65, 0.7), tokens=200.0)
+    assert np.allclose(expected_costs(old, st)[1], mean)
+    short = _tail_curves((0.9,) * 5, (0.1,) * 5, 200.0, 150.0, (0.5, 0.55, 0.6, 0.65, 0.7))
+    assert np.allclose(expected_costs(short, st)[1], mean)
+    flat = _tail_curves((0.9,) * 5, (0.3,) * 5, 200.0, 2000.0, (0.5, 0.55, 0.6, 0.65, 0.7))
+    assert np.allclose(expected_costs(flat, st)[1], mean)  # a tail the split cannot help adds nothing

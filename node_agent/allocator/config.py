@@ -167,9 +167,11 @@ class CurveConfig:
     over the split in force that waives the step-down limit for a KV-ward move there, ``cliff_gain`` the
     cost rise that refuses a step, ``flat_gain`` the dead band (the split in force within it of the
     curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
-    ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed)."""
+    ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed, ``tail`` whether the cost adds the
+    tail's extra recompute (the longest histories' KV curve) to the mean time)."""
 
     enabled: bool = True
+    tail: bool = True
     move_gain: float = 0.25
     hold_gain: float = 0.1
     cliff_gain: float = 0.25

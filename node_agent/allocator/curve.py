@@ -13,7 +13,16 @@ costs:
   over the split in force (a recomputed token looks its item up);
 - queueing from the node's load: the device's time per request ``S(s) = S_now + miss(s) -
   miss(now)`` (``S_now``: the window's busy time per request) at utilisation
-  ``rho(s) = load * S(s) / S_now``, ``T(s) = S(s) / (1 - min(rho, rho_max))`` (M/M/1).
+  ``rho(s) = load * S(s) / S_now``, ``T(s) = S(s) / (1 - min(rho, rho_max))`` (M/M/1);
+- the tail (``CurveConfig.tail``): a light load's P99 is the service time of the longest
+  histories, whose K/V need a larger pool than the mean's. The KV curve of the tail's lookups
+  alone (``kv_tail_hit_rate``: histories in the top tenth, mean ``kv_tail_tokens``) gives what a
+  tail request recomputes beyond the mean one, ``X(s) = max(tail_tokens * (1 - kv_tail_hit(s)) -
+  tokens * (1 - kv_hit(s)), 0) * kv_recompute_us_per_token`` (a tail request waits as the mean
+  one does), and the layer's cost is ``C(s) = T(s) + X(s) - min X``: what the tail adds where the
+  split decides it (where the tail's curve is flat, ``C`` is ``T`` and the layer decides as it
+  does without it). Under a busy load ``T`` dominates, under a light one the tail's term. ``T``
+  below means ``C`` where the tail is on.
 
 The layer (`curve_layer`) compares ``T`` at the proposal with ``T`` at the curve's minimum over the
 guard range and at the split in force:
@@ -52,9 +61,10 @@ from node_agent.allocator.trace import LayerTrace
 CURVE_ACTIONS = ("pass", "no_curve", "to_minimum", "jump", "refuse_step", "flat")
 
 
-def expected_costs(curves, stats, rho_max: float = 0.95) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(shares, T)``: the expected time per request (µs) at each of ``curves.shares`` (see the
-    module docstring), or None without requests or busy time in the window."""
+def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(shares, C)``: the expected cost (µs) at each of ``curves.shares``, the time per request
+    ``T`` plus, with ``tail``, the tail's extra recompute (see the module docstring), or None
+    without requests or busy time in the window."""
     n = stats.num_requests
     if n <= 0 or stats.load <= 0.0:
         return None
@@ -72,7 +82,13 @@ def expected_costs(curves, stats, rho_max: float = 0.95) -> tuple[np.ndarray, np
     miss_now = kv_miss_now * kv_us + stats.emb_lookups_per_request * (1.0 - e_now) * emb_us
     service = np.maximum(s_now + miss - miss_now, 0.05 * s_now)
     rho = np.minimum(stats.load * service / s_now, rho_max)
-    return shares, service / (1.0 - rho)
+    cost = service / (1.0 - rho)
+    if tail and curves.kv_tail_hit_rate is not None and curves.kv_tail_tokens > tokens:
+        # a request of the tail waits as the mean one does but recomputes its own history's misses
+        t_hit = np.asarray(curves.kv_tail_hit_rate, dtype=np.float64)
+        extra = np.maximum(curves.kv_tail_tokens * (1.0 - t_hit) - kv_miss, 0.0) * kv_us
+        cost = cost + (extra - extra.min())
+    return shares, cost
 
 
 class CurveGuard:
@@ -123,7 +139,7 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
     nan = float("nan")
     costs = None
     if curves is not None and curves.emb_followed >= c.min_emb_refs and curves.kv_followed >= c.min_kv_lookups:
-        costs = expected_costs(curves, stats, c.rho_max)
+        costs = expected_costs(curves, stats, c.rho_max, c.tail)
     if costs is None:
         guard_state.holding = False
         guard_state.anchor = proposal

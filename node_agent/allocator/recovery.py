@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from node_agent.allocator.config import RecoveryConfig
 from node_agent.allocator.trace import LayerTrace
 
@@ -151,19 +153,30 @@ class RecoveryController:
 
 
 def recovery_layer(controller: RecoveryController, rate_rps: float, hot_user_ratio: float, now_s: float,
-                   prev: float, proposal: float, source_in: str) -> tuple[float, LayerTrace, str | None]:
+                   prev: float, proposal: float, source_in: str, cost=None,
+                   decline_gain: float = 0.0) -> tuple[float, LayerTrace, str | None]:
     """Update the burst detector with this window and, in a burst, cap the proposal at the
-    controller's KV-ward cap. Returns ``(proposal, trace, note)``: ``note`` says when a burst
+    controller's KV-ward cap. ``cost`` (optional, the curve layer's `CostCurve` of this decision):
+    the cap is declined where that curve says it saves less than ``decline_gain`` of the cost at
+    the proposal (the KV-ward pages would buy nothing: no K/V the burst's users reuse fits there
+    that does not fit already). Returns ``(proposal, trace, note)``: ``note`` says when a burst
     ended or lasted into a new regime (control handed back to the base policy), else None.
     Detail: ``phase``, ``event`` (``entered``, ``ended``, ``new_regime`` or None), ``cap`` (None
     outside a burst), ``capped`` (the cap lowered the proposal), ``rate_ratio``, ``hot_ratio``,
-    ``burst_started_s``, ``entry_emb_share``, ``kv_shift``, ``proposal_in``, ``source_in``."""
+    ``burst_started_s``, ``entry_emb_share``, ``kv_shift``, ``proposal_in``, ``source_in``,
+    ``cap_declined`` (the curve said the cap saves nothing)."""
     event = controller.update(rate_rps, hot_user_ratio, now_s, prev)
     c = controller.config
     ev = None if event is None else (event if event in ("entered", "ended") else "new_regime")
     burst = controller.phase == "burst"
     cap = controller.cap if burst else None
     capped = burst and proposal > cap
+    declined = False
+    if capped and cost is not None and decline_gain > 0.0:
+        at_p = float(np.interp(proposal, cost.shares, cost.cost))
+        at_cap = float(np.interp(cap, cost.shares, cost.cost))
+        declined = at_p > 0 and at_p - at_cap < decline_gain * at_p
+        capped = not declined
     out = cap if capped else proposal
     note = None
     if not burst and event is not None:
@@ -172,4 +185,5 @@ def recovery_layer(controller: RecoveryController, rate_rps: float, hot_user_rat
     return out, LayerTrace("recovery", out, burst,
                            (controller.phase, ev, cap, capped, controller.rate_ratio, controller.hot_ratio,
                             controller.burst_started_s if burst else None,
-                            controller.entry_emb_share if burst else None, c.kv_shift, proposal, source_in)), note
+                            controller.entry_emb_share if burst else None, c.kv_shift, proposal, source_in,
+                            declined)), note

@@ -167,11 +167,14 @@ class SmartAllocator:
                 source = "residual"
         curves, self._curves = self._curves, None
         jump = False
+        cost = None
         if hold is None and c.curve.enabled and curves is not None:
             proposal_in = proposal
             proposal, t = curve_layer(self.curve, curves, stats, proposal, prev, c.guard)
             layers.append(t)
             jump = t.values[0] == "jump"
+            if t.values[0] != "no_curve":
+                cost = t.values[10]
             if t.acted:
                 source, learnable = "guard", False
                 if res_t is not None and t.values[0] in ("flat", "refuse_step"):  # the offset stays with the split
@@ -180,7 +183,7 @@ class SmartAllocator:
                         t.values = t.values[:-1] + (back,)
         if hold is None and c.recovery.enabled:
             proposal, t, note = recovery_layer(self.recovery, stats.arrival_rate_rps, stats.hot_user_ratio, now_s,
-                                               prev, proposal, source)
+                                               prev, proposal, source, cost, c.curve.flat_gain)
             layers.append(t)
             if t.acted:
                 source, learnable = "recovery", False

@@ -161,12 +161,15 @@ class ReuseSampler:
     def hit_fraction(self, capacity_pages) -> np.ndarray:
         """Predicted hit fraction (of the references' weight) of an LRU cache of
         ``capacity_pages`` pages (array-like), linear inside a bin; 0 before any reference."""
+        return self._fraction(self.hits, self.total, capacity_pages)
+
+    def _fraction(self, hits: np.ndarray, total: float, capacity_pages) -> np.ndarray:
         cap = np.asarray(capacity_pages, dtype=np.float64)
-        if self.total <= 0:
+        if total <= 0:
             return np.zeros_like(cap)
         edges = np.arange(self.num_bins + 1) * self.bin_pages
-        cum = np.concatenate(([0.0], np.cumsum(self.hits[: self.num_bins])))
-        return np.clip(np.interp(cap, edges, cum) / self.total, 0.0, 1.0)
+        cum = np.concatenate(([0.0], np.cumsum(hits[: self.num_bins])))
+        return np.clip(np.interp(cap, edges, cum) / total, 0.0, 1.0)
 
     def check_invariants(self) -> list[str]:
         out = []
@@ -256,6 +259,15 @@ class KVReuse(ReuseSampler):
         self.num_refused = 0.0  # followed appends the pool refused (decayed like the histograms)
         self.tokens_per_lookup = 0.0  # decayed mean of the followed lookups' history tokens (weight: total)
         self._lookups = 0.0
+        # the tail: lookups whose history is at least `tail_cut` tokens, the TAIL_QUANTILE of the
+        # followed lookups' histories (read at each from a decayed histogram of their lengths in
+        # quarter-octave bins: the tail is the quantile's bin and those above); the tail's own hit
+        # histogram, total and count
+        self.tail_cut = 0.0
+        self._lengths = np.zeros(LENGTH_BINS, dtype=np.float64)
+        self.hits_tail = np.zeros(self.num_bins + 1, dtype=np.float64)
+        self.total_tail = 0.0
+        self._tail_lookups = 0.0
         self._pending_history: int | None = 0  # None: the last lookup's denominator comes at its append
         self._inv_rate = 1.0
 
@@ -264,6 +276,10 @@ class KVReuse(ReuseSampler):
             f = 0.5 ** (n / self.half_life)
             self._lookups *= f
             self.num_refused *= f
+            self.hits_tail *= f
+            self._lengths *= f
+            self.total_tail *= f
+            self._tail_lookups *= f
         super()._decay(n)
 
     def followed(self, user_id: int) -> bool:
@@ -275,6 +291,15 @@ class KVReuse(ReuseSampler):
         h = _hash1(user_id)
         if h >= self.threshold:
             return
+        tail = False
+        if history_tokens is not None:
+            x = float(history_tokens)
+            xb = min(int(4.0 * math.log2(x + 1.0)), LENGTH_BINS - 1)
+            self._lengths[xb] += 1.0
+            cum = np.cumsum(self._lengths)
+            b = int(np.searchsorted(cum, TAIL_QUANTILE * cum[-1]))
+            self.tail_cut = 2.0 ** (b / 4.0) - 1.0  # the lower edge of the quantile's bin
+            tail = xb >= b
         s = self._slot.get(user_id, -1)
         if s >= 0 and self.pos[s] >= 0:
             p = self.pos[s]
@@ -282,7 +307,10 @@ class KVReuse(ReuseSampler):
             held = self.tokens[s]
             hit = held if history_tokens is None else min(held, float(history_tokens))
             if hit > 0:
-                self.hits[int(self._bin(np.array([newer]), self.size[s])[0])] += hit / self.rate
+                b = int(self._bin(np.array([newer]), self.size[s])[0])
+                self.hits[b] += hit / self.rate
+                if tail:
+                    self.hits_tail[b] += hit / self.rate
         else:
             s = self._new_slot(user_id, h)
             if s < 0:
@@ -294,6 +322,9 @@ class KVReuse(ReuseSampler):
         if history_tokens is not None:
             self.total += float(history_tokens) * self._inv_rate
             self._lookups += self._inv_rate
+            if tail:
+                self.total_tail += float(history_tokens) * self._inv_rate
+                self._tail_lookups += self._inv_rate
         self._decay(1)
 
     def append(self, user_id: int, total_tokens: int, refused: bool = False) -> None:
@@ -315,6 +346,19 @@ class KVReuse(ReuseSampler):
         """Mean history tokens of a followed lookup (recent-weighted)."""
         return self.total / self._lookups if self._lookups > 0 else 0.0
 
+    def tail_hit_fraction(self, capacity_pages) -> np.ndarray:
+        """`hit_fraction` of the tail's lookups only (histories of at least ``tail_cut`` tokens)."""
+        return self._fraction(self.hits_tail, self.total_tail, capacity_pages)
+
+    def tail_tokens(self) -> float:
+        """Mean history tokens of a followed tail lookup (recent-weighted; 0 before any)."""
+        return self.total_tail / self._tail_lookups if self._tail_lookups > 0 else 0.0
+
+
+#: the quantile of the followed lookups' history tokens above which a lookup is the tail's, and the
+#: bins of the histogram of their lengths it is read from
+TAIL_QUANTILE = 0.9
+LENGTH_BINS = 72  # quarter octaves: histories up to 2**18 tokens
 
 #: the shares at which `MemoryManager.miss_curves` evaluates the curves (and the allocator's trace shows them)
 CURVE_SHARES = tuple(round(0.05 * k, 2) for k in range(1, 20))
@@ -329,7 +373,10 @@ class MissCurves:
     ``emb_followed`` / ``kv_followed``: the recent (decayed) followed references behind each
     curve (its evidence); ``emb_rate`` / ``kv_rate``: the sampling rates; ``kv_tokens_per_lookup``:
     a followed lookup's mean history tokens; ``kv_refused``: recent followed appends the pool
-    refused (users larger than the pool in force)."""
+    refused (users larger than the pool in force); ``kv_tail_hit_rate`` / ``kv_tail_tokens``: the
+    KV curve and the mean history tokens of the tail's lookups alone (histories in the top
+    ``1 - TAIL_QUANTILE`` of the followed lookups': the requests a light load's P99 is made of;
+    None / 0 where unknown)."""
 
     shares: tuple[float, ...]
     emb_hit_rate: tuple[float, ...]
@@ -340,6 +387,8 @@ class MissCurves:
     kv_rate: float
     kv_tokens_per_lookup: float
     kv_refused: float
+    kv_tail_hit_rate: tuple[float, ...] | None = None
+    kv_tail_tokens: float = 0.0
 
     def at(self, share: float) -> tuple[float, float]:
         """(EMB, KV) predicted hit rates at ``share``, linear between the grid's shares."""
@@ -350,7 +399,10 @@ class MissCurves:
 def miss_curves(emb: EmbReuse, kv: KVReuse, emb_pages, kv_pages, shares) -> MissCurves:
     """`MissCurves` at ``shares`` given each share's EMB and KV pages."""
     e = emb.hit_fraction(np.asarray(emb_pages, dtype=np.float64))
-    k = kv.hit_fraction(np.asarray(kv_pages, dtype=np.float64))
+    kp = np.asarray(kv_pages, dtype=np.float64)
+    k = kv.hit_fraction(kp)
+    kt = kv.tail_hit_fraction(kp)
     return MissCurves(tuple(float(x) for x in shares), tuple(round(float(x), 6) for x in e),
                       tuple(round(float(x), 6) for x in k), round(emb.recent, 3), round(kv.recent, 3),
-                      emb.rate, kv.rate, round(kv.mean_tokens(), 3), round(kv.num_refused, 3))
+                      emb.rate, kv.rate, round(kv.mean_tokens(), 3), round(kv.num_refused, 3),
+                      tuple(round(float(x), 6) for x in kt), round(kv.tail_tokens(), 3))
