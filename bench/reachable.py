@@ -52,26 +52,19 @@ def reachable_path(schedule: list[float], start: float, max_up: float, max_down:
 
 def _setting(name: str):
     """The `bench.regret` setting called ``name``: a sample setting of the quick grid
-    (TRACE-sample-REGIME-sN) or a held-out one (holdout-FAMILY-LOAD-REGIME-s0, quick)."""
-    from bench.regret import Setting, holdout_grid
+    (TRACE-sample-REGIME-sN), a held-out one (holdout-FAMILY-LOAD-REGIME-s0, quick) or one of the
+    tuning draw (holdout-tune-I-LOAD-REGIME-s0, `bench.regret.tune_grid`)."""
+    from bench.regret import Setting, holdout_grid, tune_grid
 
-    if name.startswith("holdout-tune-"):
-        from bench.regret import tune_grid
-
-        parts = name.split("-")
-        first = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0
-        for st in tune_grid(first, 1):
-            if st.name == name:
-                return st
-        raise ValueError(f"no tuning setting {name!r} (e.g. holdout-tune-0-light-trend-s0)")
     if name.startswith("holdout-"):
         parts = name.split("-")
-        first = int(parts[2]) if len(parts) > 2 and parts[1] == "random" and parts[2].isdigit() else 0
-        for st in holdout_grid(True, num_random=1, first_random=first):
+        first = int(parts[2]) if len(parts) > 2 and parts[1] in ("random", "tune") and parts[2].isdigit() else 0
+        grid = tune_grid(first, 1) if parts[1] == "tune" else holdout_grid(True, num_random=1, first_random=first)
+        for st in grid:
             if st.name == name:
                 return st
         raise ValueError(f"no held-out setting {name!r} (e.g. holdout-kv-heavy-busy-trend-s0, "
-                         "holdout-random-9-busy-trend-s0)")
+                         "holdout-random-9-busy-trend-s0, holdout-tune-0-light-trend-s0)")
     kind = "paper-scale" if "-paper-scale-" in name else "sample"
     parts = name.replace("-paper-scale-", "-paper_scale-").split("-")
     if len(parts) != 4 or parts[1] not in ("sample", "paper_scale") or not parts[3].startswith("s") \

@@ -178,6 +178,11 @@ def test_reachable_names_held_out_settings_and_compares_medians_over_router_seed
     st = _setting("holdout-random-9-busy-trend-s0")
     assert isinstance(st, HoldoutSetting) and st.family == "random-9" and st.load == "busy"
     assert _setting("holdout-kv-heavy-light-steady-s0").known == "kv"
+    # the tuning draw: the held-out random ranges from seeds of its own, never a held-out setting's
+    tune = _setting("holdout-tune-9-busy-trend-s0")
+    assert tune.family == "tune-9" and tune.load == "busy" and tune.path != st.path
+    with pytest.raises(ValueError, match="no held-out setting"):
+        _setting("holdout-tune-9-busy-sideways-s0")
     trace = synthetic_trace(num_users=200, num_items=3_000, mean_seq_len=20, seed=2)
     stream = generate(trace, regime="steady", rate_rps=400, duration_s=2, num_users=500, seed=5)
     out = over_router_seeds(stream, SimConfig(num_nodes=3, cache_fraction=0.3), (0.3, 0.7), (), (0, 1))
