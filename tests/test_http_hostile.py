@@ -192,7 +192,7 @@ def _send_huge_header(port: int, chunk: int = 16 * 1024, total: int = 2**20, pre
                 except ConnectionResetError:
                     break
                 answer += b
-                if not b or b"431" in answer:
+                if not b or b"HTTP/1.1 431 " in answer:  # the status line: digits in a JSON body are not one
                     break
         s.settimeout(5)
         try:

@@ -243,9 +243,10 @@ def _a_worse_model_is_rolled_out_and_rolled_back_by_its_judge(page, tmp_path: Pa
     """A checkpoint with random weights for the shipped model's items and config, pushed to the
     registry and rolled out from the Policies tab to half the nodes with a 150-s bake: the panel
     shows the model rollout with its own controls (Roll back and Promote enabled while it bakes);
-    then the judge alone, on the nodes' online model quality (each returning user's next item among
-    its candidates, `node_agent.model.quality`), rolls it back, and the panel says so with every
-    action disabled. The judge may bake on past 150 s while the drop is not yet significant."""
+    then the judge alone rolls it back, on the nodes' online model quality (each returning user's
+    next item among its candidates, `node_agent.model.quality`) or on the canary's P99 with its
+    quality worse, and the panel says so with every action disabled. The judge may bake on past
+    150 s while the drop is not yet significant."""
     import httpx
     import torch
 
@@ -282,14 +283,19 @@ def _a_worse_model_is_rolled_out_and_rolled_back_by_its_judge(page, tmp_path: Pa
     wait_text(page, "ro-state", "rolled_back", timeout_s=700)
     wait_disabled(page, ROLLOUT_BUTTONS, timeout_s=30)
     card = page.inner_text("#ro-status")  # the judge's reason and its table of judgements
-    # the reason's one "fail:" line lists every failed metric, "; " apart (P99 may fail beside quality)
-    assert re.search(r"^fail: (?:.*; )?model_quality: canary worse", card, re.M), card
+    # the reason's one "fail:" line lists every failed metric, "; " apart. Quality usually fails; the
+    # canary's P99 may fail first (the swap dropped its users' K/V, and two shared cores are noisy),
+    # and then quality need only be worse, not yet proven (the scripted path in
+    # tests/test_model_rollout.py fails on quality alone)
+    assert re.search(r"^fail: (?:.*; )?(?:model_quality|p99_ms): canary worse", card, re.M), card
     page.screenshot(path=str(shots / "model_rolled_back.png"), full_page=True)
     done = httpx.get(f"{cp}/api/v1/rollouts/{ro['id']}", headers=auth, timeout=30).json()
     last = done["steps"][-1]
     assert last["actor"] == "judge" and last["to_state"] == "rolled_back", last
     quality = next(j for j in done["verdict"]["judgements"] if j["metric"] == "model_quality")
-    assert quality["verdict"] == "fail" and quality["mean_canary"] < quality["mean_baseline"], quality
+    assert quality["verdict"] in ("fail", "inconclusive") and quality["mean_canary"] < quality["mean_baseline"], quality
+    if quality["verdict"] == "inconclusive":
+        assert re.search(r"^fail: (?:.*; )?p99_ms: canary worse", card, re.M), card
 
 
 def _wait(pred, t0: float, limit_s: float, what: str) -> None:
