@@ -25,7 +25,7 @@ throughout): a request flows through the gateway to an agent; both nodes' report
 an override reaches its node's allocator; a policy rollout (shipped policy active, a derived
 candidate on a canary, promoted by hand) ends with every node reporting the candidate; one
 agent's cable pulled for 8 s while it serves requests from inside its namespace loses no report
-(every seq 0..last stored once); the control plane's cable pulled for 5 s loses no report of
+(every seq 0..last stored once); the control plane's cable pulled for 8 s loses no report of
 either node while the gateway keeps answering.
 
 Needs root (network namespaces) and iproute2; skipped without them (without ``ip`` it fails under
