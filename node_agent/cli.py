@@ -189,7 +189,10 @@ def build_agent(args, *, announce=None):
                                    checkpoint=ckpt)
             costs = {k: prof[k] for k in ("kv_recompute_us_per_token", "emb_transfer_us_per_row",
                                           "emb_hit_us_per_row")}
+    from .model.checkpoint import item_keys_digest
+
     info = {"trace": trace.name, "trace_path": trace.source_path, "num_users_in_trace": trace.num_users,
+            "item_keys_sha256": item_keys_digest(list(trace.item_keys)),
             "policy": args.policy, "profile": args.profile, "model": dict(engine.model_info)}
     from .residency_feed import ResidencyFeed
 

@@ -187,16 +187,23 @@ class Directives:
     def apply_model(self, md: dict) -> None:
         """Serve the checkpoint the control plane names (``md``: version = checkpoint digest, digest
         = the tar's SHA-256, download_url). Downloaded, checked (tar digest, then every file's and
-        the manifest's digest, the config and item count this node serves), then swapped in on the
-        device worker (`NodeAgent.swap_model` -> `Engine.load_checkpoint`); on any failure the
+        the manifest's digest, the config and item count this node serves, and the item-id mapping
+        of the trace it serves: a checkpoint trained on another trace or item order with as many
+        items would rank with every item's embedding in another item's place), then swapped in on
+        the device worker (`NodeAgent.swap_model` -> `Engine.load_checkpoint`); on any failure the
         current model keeps serving. The outcome is confirmed with ``POST /nodes/{id}/model``."""
         version = str(md.get("version"))
 
         def load(fetch: Callable[[], Path]) -> None:
-            from .model.checkpoint import load_checkpoint
+            from .model.checkpoint import CheckpointError, load_checkpoint
 
             ecfg = self.agent.engine.config
             ck = load_checkpoint(fetch(), digest=version, num_items=ecfg.num_items, config=ecfg.model)
+            served = self.agent.info.get("item_keys_sha256")
+            if served is not None and ck.manifest.get("item_keys_sha256") != served:
+                raise CheckpointError(f"its item-id mapping (items sha256 {str(ck.manifest.get('item_keys_sha256'))[:12]}..) "
+                                      f"differs from the trace served here ({served[:12]}..): another trace or "
+                                      "item order")
             self.agent.call_on_worker(lambda: self.agent.swap_model(ck)).result(timeout=120.0)
 
         tried, error = self._apply_version(self._model, md, self.model_digest, load)

@@ -321,11 +321,14 @@ def test_migration_0007_upgrades_and_downgrades(backend, tmp_path):
 def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says_why(checkpoints, tmp_path):
     """In process: a Reporter on a real engine, the control plane mocked. A checkpoint of another
     item count is refused by the loader (confirmed ``failed`` with the reason; the engine keeps its
-    model, and the same version is not retried); a fitting one is swapped in and confirmed."""
+    model, and the same version is not retried), and so is one with as many items in another
+    order (the agent's trace's item mapping, as `racer node-agent` records it in ``info``); a
+    fitting one is swapped in and confirmed."""
     import hashlib
 
     from node_agent.agent import NodeAgent
     from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig
+    from node_agent.model.checkpoint import item_keys_digest
     from node_agent.reporter import Reporter, ReporterConfig
 
     _, trace_path, ck, dg = checkpoints
@@ -333,8 +336,11 @@ def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says
     engine = Engine(EngineConfig(model=TINY, num_items=trace.num_items, num_pages=64, page_tokens=4,
                                  max_history_len=32, max_candidates=trace.num_items, default_num_candidates=16,
                                  link=LinkEmulationConfig(mode="off"), device="cpu"))
-    agent = NodeAgent(engine)
-    tars = {dg[n]: ckpt_tar(ck[n]) for n in ("b", "small")}
+    agent = NodeAgent(engine, info={"item_keys_sha256": item_keys_digest(list(trace.item_keys))})
+    torch.manual_seed(6)  # as many items, in reverse order: another trace's mapping for this node
+    rev = save_checkpoint(tmp_path / "reversed", HSTUModel(TINY), torch.randn(trace.num_items, TINY.embedding_dim),
+                          list(trace.item_keys)[::-1], trace={"path": "walks, reversed"})["digest"]
+    tars = {dg[n]: ckpt_tar(ck[n]) for n in ("b", "small")} | {rev: ckpt_tar(tmp_path / "reversed")}
     confirmations, downloads = [], []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -360,6 +366,10 @@ def test_the_agent_refuses_a_checkpoint_it_cannot_serve_keeps_its_model_and_says
         assert engine.model_info["kind"] == "random" and rep.model_digest is None
         rep.apply_model(directive)  # the same refused version: not downloaded again
         assert downloads == [dg["small"]] and len(confirmations) == 1
+        rep.apply_model({"version": rev, "digest": hashlib.sha256(tars[rev]).hexdigest(),
+                         "download_url": f"/api/v1/models/{rev}/artifact"})
+        assert confirmations[-1]["status"] == "failed" and "item-id mapping" in confirmations[-1]["error"], confirmations
+        assert engine.model_info["kind"] == "random" and rep.model_digest is None
         rep.apply_model({"version": dg["b"], "digest": hashlib.sha256(tars[dg["b"]]).hexdigest(),
                          "download_url": f"/api/v1/models/{dg['b']}/artifact"})
         assert confirmations[-1] == {"model_version": dg["b"], "status": "loaded", "error": None}
