@@ -30,10 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench import print_figures
+from bench.up import ENV, ROOT, kill_left_behind
 
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "PYTHONUNBUFFERED": "1"}
 FIELDS = ("kv_hit_rate", "emb_hit_rate", "p99_ms", "emb_share")
 BUCKET_S = 15.0
 
@@ -110,11 +108,11 @@ def one_run(tmp: Path, bake_s: float, serve_s: float) -> dict:
                     "judgements", [])},
                 "buckets": buckets(rows, canary, t0)}
     finally:
-        proc.terminate()
+        proc.terminate()  # racer up stops what it started on SIGTERM
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            kill_left_behind(proc, data)  # and each process it recorded, not racer up alone
 
 
 def main(argv: list[str] | None = None) -> None:

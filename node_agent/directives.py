@@ -195,15 +195,11 @@ class Directives:
         version = str(md.get("version"))
 
         def load(fetch: Callable[[], Path]) -> None:
-            from .model.checkpoint import CheckpointError, load_checkpoint
+            from .model.checkpoint import load_checkpoint
 
             ecfg = self.agent.engine.config
-            ck = load_checkpoint(fetch(), digest=version, num_items=ecfg.num_items, config=ecfg.model)
-            served = self.agent.info.get("item_keys_sha256")
-            if served is not None and ck.manifest.get("item_keys_sha256") != served:
-                raise CheckpointError(f"its item-id mapping (items sha256 {str(ck.manifest.get('item_keys_sha256'))[:12]}..) "
-                                      f"differs from the trace served here ({served[:12]}..): another trace or "
-                                      "item order")
+            ck = load_checkpoint(fetch(), digest=version, num_items=ecfg.num_items, config=ecfg.model,
+                                 item_keys_sha256=self.agent.info.get("item_keys_sha256"))
             self.agent.call_on_worker(lambda: self.agent.swap_model(ck)).result(timeout=120.0)
 
         tried, error = self._apply_version(self._model, md, self.model_digest, load)

@@ -171,10 +171,12 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 def load_checkpoint(path: str | os.PathLike, *, item_keys: list[str] | None = None, num_items: int | None = None,
-                    config: ModelConfig | None = None, digest: str | None = None) -> Checkpoint:
+                    config: ModelConfig | None = None, digest: str | None = None,
+                    item_keys_sha256: str | None = None) -> Checkpoint:
     """Read and verify checkpoint ``path``; optional expectations: the serving trace's item keys
-    (or just its ``num_items``), the model config the node runs (shapes its memory layout holds),
-    a digest. Raises `CheckpointError` naming the first thing that does not match."""
+    (or just its ``num_items``, and the keys' `item_keys_digest` as ``item_keys_sha256`` where the
+    caller holds only that), the model config the node runs (shapes its memory layout holds), a
+    digest. Raises `CheckpointError` naming the first thing that does not match."""
     p = Path(path)
     m = read_manifest(p)
     files = m.get("files")
@@ -214,6 +216,9 @@ def load_checkpoint(path: str | os.PathLike, *, item_keys: list[str] | None = No
             raise CheckpointError(f"checkpoint {p}: its item-id mapping differs from the trace served here "
                                   f"(dense id {first} is item {keys[first]!r} in the checkpoint, "
                                   f"{item_keys[first]!r} here)")
+    if item_keys_sha256 is not None and (got := item_keys_digest(keys)) != item_keys_sha256:
+        raise CheckpointError(f"checkpoint {p}: its item-id mapping (items sha256 {got[:12]}..) differs from the "
+                              f"trace served here ({item_keys_sha256[:12]}..): another trace or item order")
     try:
         tensors = torch.load(p / WEIGHTS_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one clear refusal
