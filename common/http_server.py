@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 from .config import ranged, validate
 
-__all__ = ["AllowedMethods", "BodyLimit", "BodyTooLarge", "HttpTimeouts", "JsonOnly", "json_content_type", "declared_body_bytes", "finite_validation_errors", "json_safe", "listen_socket",
+__all__ = ["AllowedMethods", "BodyLimit", "BodyTooLarge", "HttpTimeouts", "JsonOnly", "NativeRoute", "json_content_type", "declared_body_bytes", "finite_validation_errors", "json_safe", "listen_socket",
            "may_have_body", "read_body", "replay_body", "send_json", "serve_forever", "set_nodelay", "tune_runtime"]
 
 #: generation-0 threshold while serving (CPython's default is 700): a request allocates a few
@@ -569,26 +569,152 @@ class _ConnectionGuard:
         super().connection_lost(exc)
 
 
-def _guarded_protocol(base, timeouts: HttpTimeouts):
-    """uvicorn's HTTP protocol class ``base`` with `_ConnectionGuard` over it (``TCP_NODELAY``, the
-    head cap and the head and body-idle timers of ``timeouts``)."""
+class NativeRoute:
+    """A route the HTTP protocol answers itself, without the ASGI app: for a hot path whose
+    requests are many and small (the control plane's report batches), where the ASGI request
+    cycle (a task, the scope's middleware chain, the send and receive messages) costs a third of
+    the request's CPU. ``serve_forever(..., native=route)``.
 
-    class GuardedProtocol(_ConnectionGuard, base):
+    `claim` sees each request's head (method, path, lower-cased header pairs) and returns what
+    `handle` needs, or None: the request then goes to the ASGI app as usual. A route claims only
+    requests it can answer whole without I/O before the body is in (a Content-Length within its
+    cap, no chunked body, credentials it can check from memory); everything else, refusals
+    included, takes the app's path, which holds the full checks. `handle` gets the claim and the
+    body (at most the Content-Length the claim accepted) and answers through ``respond(status,
+    body, headers)`` (``body`` JSON bytes, ``headers`` a str mapping), now or later; it returns a
+    future when it answers later (a graceful shutdown waits for it), else None. Both run in the
+    event loop and must not block."""
+
+    def claim(self, method: str, path: str, headers: list) -> object | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def handle(self, claim, body: bytes, respond: Callable) -> object | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _NativeRoutes:
+    """What `_guarded_protocol` puts over uvicorn's httptools protocol for a `NativeRoute`: at
+    the point uvicorn would start the request's ASGI task (`_start_asgi_task`, after the head; a
+    pipelined request after the answer before it), a request the route claims gets no task; once
+    its body is in, the route handles it (in a later turn of the loop, as a task would) and its
+    answer is written as uvicorn's `RequestResponseCycle.send` writes one (uvicorn's default
+    headers, ``connection: close`` and the close when the request did not keep the connection
+    alive, then ``on_response``: the keep-alive timer, the next pipelined request). A request
+    waiting for ``100 Continue`` or asking to upgrade is never claimed. The request cycle object
+    stays uvicorn's, so the connection guard's timers and head cap see it as any other.
+
+    What it uses of uvicorn beyond its public API (``_start_asgi_task``, ``on_body``,
+    ``on_message_complete``, ``parser``, ``flow``, ``tasks``, ``STATUS_LINE``, and the cycle's
+    ``scope``, ``body``, ``more_body``, ``waiting_for_100_continue``, ``default_headers``,
+    ``keep_alive``, ``response_complete``, ``disconnected``, ``message_event``, ``on_response``)
+    holds for the uvicorn range pinned in pyproject.toml; tests/test_native_route.py checks it on
+    real sockets, on uvloop and on asyncio's own loop."""
+
+    _racer_native: NativeRoute | None = None
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        claim = None
+        if not cycle.waiting_for_100_continue and not self.parser.should_upgrade():
+            try:
+                scope = cycle.scope
+                claim = self._racer_native.claim(scope["method"], scope["path"], scope["headers"])
+            except Exception:  # noqa: BLE001 - the app's path answers it
+                _log().exception("native route: claim failed")
+        if claim is None:
+            super()._start_asgi_task(cycle, app)
+            return
+        cycle.racer_claim = claim
+        if not cycle.more_body:  # a pipelined request, its body already in
+            self.loop.call_soon(self._racer_handle, cycle)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        c = self.cycle
+        if getattr(c, "racer_claim", None) is not None:  # bounded by the claim's Content-Length
+            self.flow.resume_reading()
+
+    def on_message_complete(self) -> None:
+        c = self.cycle
+        super().on_message_complete()
+        if getattr(c, "racer_claim", None) is not None and not c.more_body:
+            self.loop.call_soon(self._racer_handle, c)
+
+    def _racer_handle(self, c) -> None:
+        if c.response_complete or c.disconnected:
+            return
+
+        def respond(status: int, body: bytes, headers=None) -> None:
+            self._racer_respond(c, status, body, headers or {})
+
+        try:
+            pending = self._racer_native.handle(c.racer_claim, bytes(c.body), respond)
+        except Exception:  # noqa: BLE001 - a bug in the route: a 500, the connection kept
+            _log().exception("native route: handler failed")
+            respond(500, b'{"detail": "internal error"}')
+            return
+        c.body = bytearray()
+        if pending is not None and not c.response_complete:  # a graceful shutdown waits for it
+            tasks = self.tasks
+            tasks.add(pending)
+            pending.add_done_callback(tasks.discard)
+
+    def _racer_respond(self, c, status: int, body: bytes, headers) -> None:
+        if c.response_complete:
+            return
+        c.response_complete = True
+        c.message_event.set()
+        if c.disconnected or self.transport.is_closing():
+            return
+        from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+        parts = [STATUS_LINE[status]]
+        for name, value in c.default_headers:
+            parts += [name, b": ", value, b"\r\n"]
+        parts.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+        for name, value in headers.items():
+            parts += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
+        if not c.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += [b"\r\n", body]
+        self.transport.write(b"".join(parts))
+        if not c.keep_alive:
+            self.transport.close()
+        c.on_response()
+
+
+def _log():
+    import logging
+
+    return logging.getLogger("racer.http_server")
+
+
+def _guarded_protocol(base, timeouts: HttpTimeouts, native: NativeRoute | None = None):
+    """uvicorn's HTTP protocol class ``base`` with `_ConnectionGuard` over it (``TCP_NODELAY``, the
+    head cap and the head and body-idle timers of ``timeouts``), and `_NativeRoutes` for
+    ``native`` (httptools' protocol only: h11's serves every request through the app)."""
+    mixins = (_ConnectionGuard,)
+    if native is not None and base.__name__ == "HttpToolsProtocol":
+        mixins = (_ConnectionGuard, _NativeRoutes)
+
+    class GuardedProtocol(*mixins, base):
         _racer_header_s = timeouts.header_timeout_s
         _racer_body_s = timeouts.body_idle_timeout_s
         _racer_max_head = timeouts.max_head_bytes
+        _racer_native = native
 
     GuardedProtocol.__name__ = f"Guarded{base.__name__}"
     return GuardedProtocol
 
 
 def serve_forever(app, host: str, port: int, *, log_level: str = "warning",
-                  ready: Callable[[str, int], None] | None = None, timeouts: HttpTimeouts | None = None) -> None:
+                  ready: Callable[[str, int], None] | None = None, timeouts: HttpTimeouts | None = None,
+                  native: NativeRoute | None = None) -> None:
     """Bind ``host:port`` (0: a free port), report it through ``ready``, serve ``app`` (any
     ASGI app) until SIGINT/SIGTERM, then return normally after a graceful shutdown.
 
     Every accepted connection has ``TCP_NODELAY`` set and is bounded in time by ``timeouts``
-    (default: `HttpTimeouts.from_env`; see the module docstring). Call it from the main thread.
+    (default: `HttpTimeouts.from_env`; see the module docstring); ``native``: a `NativeRoute`
+    answered without the app. Call it from the main thread.
     """
     import signal
 
@@ -606,7 +732,7 @@ def serve_forever(app, host: str, port: int, *, log_level: str = "warning",
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
                             timeout_keep_alive=timeouts.keep_alive_s)
     config.load()  # resolves config.http_protocol_class (h11 or httptools)
-    config.http_protocol_class = _guarded_protocol(config.http_protocol_class, timeouts)
+    config.http_protocol_class = _guarded_protocol(config.http_protocol_class, timeouts, native)
     _gc_tuned_server_class()(config).run(sockets=[sock])
 
 

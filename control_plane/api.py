@@ -39,7 +39,7 @@ from .rollout_service import Conflict, NotFound
 from .routes import (audit, directives, gateways, health, history, models, nodes, overrides, policies, rollouts,
                      routers, tokens, whatif)
 from .routes.deps import errors
-from .routes.report_ingest import IngestFastPath
+from .routes.report_ingest import IngestFastPath, IngestNative
 from .settings import Settings
 
 log = logging.getLogger("racer.control_plane")
@@ -174,6 +174,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time) -> FastAPI:
     # fast path or any route reads it
     app.front = RequestGate(IngestFastPath(app.framework, state=app.state), routes=app.router.routes,
                             state=app.state, settings=settings)
+    # report batches of known nodes with cached tokens: answered in the HTTP protocol (serve_forever)
+    app.native = IngestNative(app.state, settings.max_report_body_bytes)
     app.openapi = lambda: openapi_document(app)
     app.include_router(health.router)
     return app

@@ -17,7 +17,8 @@ def serve(settings: Settings, *, log_level: str = "warning") -> None:
     from .api import asgi_app
 
     app = asgi_app(settings)
-    serve_forever(app, host=settings.host, port=settings.port, log_level=log_level, timeouts=http_timeouts(settings))
+    serve_forever(app, host=settings.host, port=settings.port, log_level=log_level, timeouts=http_timeouts(settings),
+                  native=getattr(app, "native", None))
 
 
 def http_timeouts(settings: Settings, environ=None):

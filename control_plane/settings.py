@@ -98,7 +98,7 @@ class Settings:
     serve_api: bool = True
     leader_poll_s: float = _period(2.0)
     ingest_max_rows: int = 5000
-    ingest_linger_s: float = ranged(0.005, lo=0, hi=1, doc="wait for other batches to share a commit, s")
+    ingest_linger_s: float = ranged(0.015, lo=0, hi=1, doc="wait for other batches to share a commit, s")
     token_refresh_s: float = _period(5.0, "how often the cached tokens are re-read (revocations elsewhere reach here)")
     push_timeout_s: float = _period(2.0)
     admin_token: str | None = None

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import and_, case, delete, func, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+from sqlalchemy.engine import Connection
 
 from .models import (REPORT_FIGURES, REQUEST_WEIGHTED, AuditEntry, Burst, Decision, Gateway, GatewayReport,
                      JobRun,
@@ -45,9 +46,9 @@ def bucket_figures():
     return cols
 
 
-def dialect_insert(session: Session, table):
+def dialect_insert(session: Session | Connection, table):
     """The dialect's own INSERT (for ON CONFLICT DO NOTHING on SQLite and PostgreSQL)."""
-    name = session.get_bind().dialect.name
+    name = (session.get_bind() if isinstance(session, Session) else session).dialect.name
     if name == "postgresql":
         return postgresql.insert(table)
     if name == "sqlite":
@@ -313,16 +314,24 @@ def _pg_unnest(cols: list[str], rows: Sequence[dict]) -> tuple[str, list]:
     return f"SELECT * FROM unnest({casts})", arrays
 
 
-def insert_reports(session: Session, rows: Sequence[dict]) -> set[tuple[str, int]]:
+def _driver(bind: Session | Connection) -> tuple:
+    """(the DBAPI connection, whether it is PostgreSQL's) under a Session or a Core Connection (the
+    ingestion writer's: no Session's bookkeeping on the hot path)."""
+    if isinstance(bind, Session):
+        return bind.connection().connection.driver_connection, bind.get_bind().dialect.name == "postgresql"
+    return bind.connection.driver_connection, bind.dialect.name == "postgresql"
+
+
+def insert_reports(session: Session | Connection, rows: Sequence[dict]) -> set[tuple[str, int]]:
     """Insert report rows, skipping any (node_id, seq) already stored (ON CONFLICT DO NOTHING on
     both dialects), and add the rows inserted to the pre-aggregated history (`NodeReportBucket`)
     in the same transaction, in the same statement on PostgreSQL; returns the keys actually
     inserted."""
     if not rows:
         return set()
-    conn = session.connection().connection.driver_connection
+    conn, pg = _driver(session)
     cols = _REPORT_COLS
-    if session.get_bind().dialect.name == "postgresql":
+    if pg:
         select_sql, arrays = _pg_unnest(cols, rows)
         # one statement: the rows, then every history step's buckets from the rows inserted
         sql = (f"WITH ins AS (INSERT INTO node_reports ({', '.join(cols)}) {select_sql} "
@@ -352,14 +361,14 @@ def insert_reports(session: Session, rows: Sequence[dict]) -> set[tuple[str, int
     return inserted
 
 
-def insert_decisions(session: Session, rows: Sequence[dict]) -> None:
+def insert_decisions(session: Session | Connection, rows: Sequence[dict]) -> None:
     if not rows:
         return
     import json
 
-    conn = session.connection().connection.driver_connection
+    conn, pg = _driver(session)
     cols = _DECISION_COLS
-    if session.get_bind().dialect.name == "postgresql":
+    if pg:
         select_sql, arrays = _pg_unnest(cols, rows)
         with conn.cursor() as cur:
             cur.execute(f"INSERT INTO decisions ({', '.join(cols)}) {select_sql} ON CONFLICT (node_id, seq) DO NOTHING",
@@ -372,7 +381,7 @@ def insert_decisions(session: Session, rows: Sequence[dict]) -> None:
                        for c in cols] for r in rows])
 
 
-def upsert_bursts(session: Session, rows: Sequence[dict]) -> None:
+def upsert_bursts(session: Session | Connection, rows: Sequence[dict]) -> None:
     """Insert bursts; a burst already stored (same node and start) gets its end and magnitude."""
     if not rows:
         return
@@ -392,13 +401,13 @@ def highest_report_seq(session: Session, node_id: str) -> int | None:
     return max(vals) if vals else None
 
 
-def touch_nodes(session: Session, seen: dict[str, tuple[float, int, float, str | None]]) -> None:
+def touch_nodes(session: Session | Connection, seen: dict[str, tuple[float, int, float, str | None]]) -> None:
     """Mark nodes seen and up: node_id -> (last_seen_s, last_report_seq, emb_share, policy_version).
     A retired node stays retired (only a new registration brings it back)."""
     if not seen:
         return
-    conn = session.connection().connection.driver_connection
-    if session.get_bind().dialect.name == "postgresql":
+    conn, pg = _driver(session)
+    if pg:
         ids = list(seen)
         with conn.cursor() as cur:
             cur.execute("UPDATE nodes SET last_seen_s = v.seen, last_report_seq = v.seq, emb_share = v.share, "

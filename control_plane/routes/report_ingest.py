@@ -15,11 +15,11 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DataError, IntegrityError
 
 from common.contract import API, ReportBatchIn
-from common.http_server import json_safe, send_json_bytes
+from common.http_server import NativeRoute, json_safe, send_json_bytes
 from db.models import Node
 from db.queries import registered_device
 
-from ..auth import PRINCIPAL_STATE, Principal, node_route_refusal, role_refusal
+from ..auth import PRINCIPAL_STATE, Principal, bearer_secret, node_route_refusal, role_refusal
 from ..schemas import NodeOut
 from .deps import NODE
 
@@ -67,7 +67,8 @@ def _rows(node_id: str, body: ReportBatchIn, now: float) -> tuple[list, list, li
     """The batch as rows of the reports, the decisions and the bursts tables."""
     rows, decisions, bursts = [], [], []
     for rep in body.reports:
-        d = rep.model_dump(exclude={"decision", "bursts"})
+        d = rep.__dict__.copy()  # its validated fields (all plain values but these two): a model_dump's tenth
+        del d["decision"], d["bursts"]
         d["node_id"], d["received_s"] = node_id, now
         d["decision_source"] = rep.decision.source if rep.decision is not None else None
         rows.append(d)
@@ -116,13 +117,10 @@ def _throttled(state, node_id: str, wait_s: float, what: str) -> tuple[int, byte
         {"retry-after": str(retry)}
 
 
-async def ingest_batch(state, node_id: str, raw: bytes, clock,
-                       principal: Principal | None) -> tuple[int, bytes, dict[str, str]]:
-    """Validate and store one report batch of ``node_id`` sent by ``principal`` (the token
-    `control_plane.gate` checked before the body was read; checked again here: role node, bound
-    to ``node_id``), within the node's quota (`control_plane.quota`: its bytes before the body is
-    parsed, its rows after); (HTTP status, JSON body, extra headers)."""
-    t0 = time.perf_counter()
+def _checked(state, node_id: str, raw: bytes, principal: Principal | None) -> ReportBatchIn | tuple:
+    """The batch ``raw`` of ``node_id`` sent by ``principal``, validated within the node's quota
+    (its bytes before the body is parsed, its rows after), else the (status, JSON body, extra
+    headers) refusing it."""
     if principal is None:
         return 401, _json({"detail": "missing bearer token (Authorization: Bearer <token>)"}), \
             {"www-authenticate": "Bearer"}
@@ -140,22 +138,51 @@ async def ingest_batch(state, node_id: str, raw: bytes, clock,
     wait = state.quota.take(node_id, rows=len(body.reports))
     if wait:
         return _throttled(state, node_id, wait, "reports")
-    if node_id not in state.known_nodes:
-        refused = await _known_node(state, node_id)
-        if refused is not None:
-            return (*refused, {})
+    return body
+
+
+def _stage(state, node_id: str, body: ReportBatchIn, clock) -> tuple:
+    """Hand a validated batch to the group-commit writer: (its future, what `_settled` needs)."""
     now = clock()
     rows, decisions, bursts = _rows(node_id, body, now)
     last = max(body.reports, key=lambda x: x.seq)
+    fut = state.writer.enqueue(node_id, rows, decisions, bursts, (now, last.seq, last.emb_share, last.policy_version))
+    return fut, (body, last, len(rows), now)
+
+
+def _settled(state, node_id: str, fut, staged: tuple, t0: float) -> tuple[int, bytes, dict]:
+    """The answer to a batch whose commit ``fut`` is done (the metrics counted when stored)."""
+    body, last, num_rows, now = staged
     try:
-        stored, dup = await state.writer.submit(node_id, rows, decisions, bursts,
-                                                (now, last.seq, last.emb_share, last.policy_version))
+        stored, dup = fut.result()
     except (IntegrityError, DataError) as e:  # the batch itself is wrong: the node drops it and counts it
         return 422, _json({"detail": f"reports refused by the database: {type(e).__name__}: {e}"}), {}
     except Exception as e:  # noqa: BLE001 - database unreachable or failing: the node keeps the batch and retries
         return 503, _json({"detail": f"database unavailable, retry later: {type(e).__name__}: {str(e)[:300]}"}), {}
-    _count(state, node_id, body, last, len(rows), stored, dup, t0, now)
+    _count(state, node_id, body, last, num_rows, stored, dup, t0, now)
     return 200, b'{"stored":%d,"duplicates":%d}' % (stored, dup), {}
+
+
+async def ingest_batch(state, node_id: str, raw: bytes, clock,
+                       principal: Principal | None) -> tuple[int, bytes, dict[str, str]]:
+    """Validate and store one report batch of ``node_id`` sent by ``principal`` (the token
+    `control_plane.gate` checked before the body was read; checked again here: role node, bound
+    to ``node_id``), within the node's quota (`control_plane.quota`: its bytes before the body is
+    parsed, its rows after); (HTTP status, JSON body, extra headers)."""
+    t0 = time.perf_counter()
+    body = _checked(state, node_id, raw, principal)
+    if isinstance(body, tuple):
+        return body
+    if node_id not in state.known_nodes:
+        refused = await _known_node(state, node_id)
+        if refused is not None:
+            return (*refused, {})
+    fut, staged = _stage(state, node_id, body, clock)
+    try:
+        await fut
+    except Exception:  # noqa: BLE001 - `_settled` answers it
+        pass
+    return _settled(state, node_id, fut, staged, t0)
 
 
 class IngestFastPath:
@@ -184,3 +211,55 @@ class IngestFastPath:
                 await send_json_bytes(send, status, body, extra)
                 return
         await self.app(scope, receive, send)
+
+
+class IngestNative(NativeRoute):
+    """The report batch route answered in the HTTP protocol (`common.http_server.NativeRoute`),
+    without the ASGI request cycle, `RequestGate` and `IngestFastPath`: it claims ``POST
+    /api/v1/nodes/{node_id}/reports`` of a registered node (known to this process) carrying a
+    bearer token whose principal is cached (`TokenCache.cached`, the gate's own cache hit) and
+    may send this node's reports, with a Content-Length within ``max_report_body_bytes``; then
+    `ingest_batch`'s steps run on the body. Any other request, a refusal of the token or the
+    size included, takes the ASGI path (the gate, then `IngestFastPath`), which answers it."""
+
+    def __init__(self, state, max_body_bytes: int) -> None:
+        self.state = state
+        self.max_body_bytes = max_body_bytes
+
+    def claim(self, method: str, path: str, headers: list):
+        if method != "POST":
+            return None
+        m = INGEST_PATH.match(path)
+        st = self.state
+        if m is None or getattr(st, "writer", None) is None:  # not a batch, or the lifespan not begun
+            return None
+        node_id = m.group(1)
+        if node_id not in st.known_nodes:
+            return None
+        secret = length = None
+        for name, value in headers:
+            if name == b"authorization":
+                secret = bearer_secret(value.decode("latin-1"))
+            elif name == b"content-length":
+                length = value
+            elif name == b"transfer-encoding":
+                return None
+        if secret is None or length is None or not length.isdigit() or int(length) > self.max_body_bytes:
+            return None
+        p = st.tokens.cached(secret)
+        if p is None or role_refusal(p, (NODE,)) or node_route_refusal(p, node_id):
+            return None
+        return node_id, p
+
+    def handle(self, claim, body: bytes, respond):
+        node_id, principal = claim
+        t0 = time.perf_counter()
+        st = self.state
+        st.metrics.ingest_native.inc()
+        batch = _checked(st, node_id, body, principal)
+        if isinstance(batch, tuple):
+            respond(*batch)
+            return None
+        fut, staged = _stage(st, node_id, batch, st.clock)
+        fut.add_done_callback(lambda f: respond(*_settled(st, node_id, f, staged, t0)))
+        return fut
