@@ -337,6 +337,8 @@ def run(db: str, nodes: int, duration_s: float, warmup_s: float, pg_url: str, se
             "handler_p99_bound_ms": _ms(_hist_quantile_bound(metrics[0], "racer_cp_ingest_request_duration_seconds",
                                                              0.99)),
             "mean_server_handler_ms": None if handler_s is None else round(handler_s * 1e3, 3),
+            # the batches the servers answered in the HTTP protocol (the native route), of all sent
+            "native_share": _native_share(metrics, len(results)),
             # where the tail lies: the seconds of the slowest requests, and the jobs run meanwhile
             "slow_requests_by_second": slow_seconds(meas, m0, p99),
             **({} if floor else {"jobs_in_window": jobs_in_window(url, m0, m1)}),
@@ -369,6 +371,25 @@ def summary(runs: list[dict]) -> dict:
             "every_run_held": all(r["ingest_p99_ms"] <= 50 and r["reports_per_s"] >= 0.99 * r["nodes"]
                                   and not r.get("rows_lost") and not r.get("rows_doubled") and not r["errors"]
                                   for r in runs)}
+
+
+def _native_share(texts: list[str], requests: int) -> float | None:
+    """``racer_cp_ingest_native_requests_total`` summed over the servers' scrapes, over
+    ``requests`` (None: a server without the counter, such as an older revision's)."""
+    total, seen = 0.0, False
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("racer_cp_ingest_native_requests_total "):
+                total += float(line.split()[1])
+                seen = True
+    return round(total / requests, 3) if seen and requests else None
+
+
+def cpu_ratios(current: list[dict], baseline: list[dict]) -> list[float]:
+    """Each run's server CPU per report over the baseline server's in the same run (measured one
+    after the other on one machine)."""
+    return [round(c["server_cpu_ms_per_report"] / b["server_cpu_ms_per_report"], 3)
+            for c, b in zip(current, baseline)]
 
 
 def _ms(x: float | None) -> float | None:
@@ -473,6 +494,9 @@ def main(argv=None) -> int:
         out = runs["current"][0]
     else:
         out = {"runs": runs, "summary": {k: summary(v) for k, v in runs.items()}}
+        base = f"baseline {a.baseline_rev}"
+        if base in runs:  # the machine's speed drifts between runs: the ratio within each run is the figure
+            out["summary"]["current"]["cpu_ratio_to_baseline_each_run"] = cpu_ratios(runs["current"], runs[base])
     print(json.dumps(out) if a.json else json.dumps(out, indent=2))
     return 0
 
