@@ -261,5 +261,5 @@ class IngestNative(NativeRoute):
             respond(*batch)
             return None
         fut, staged = _stage(st, node_id, batch, st.clock)
-        fut.add_done_callback(lambda f: respond(*_settled(st, node_id, f, staged, t0)))
-        return fut
+        fut.add_done_callback(lambda f: None if f.cancelled() else respond(*_settled(st, node_id, f, staged, t0)))
+        return fut  # (cancelled only by a forced shutdown: the node resends, the replay is stored once)
