@@ -583,7 +583,8 @@ class NativeRoute:
     body (at most the Content-Length the claim accepted) and answers through ``respond(status,
     body, headers)`` (``body`` JSON bytes, ``headers`` a str mapping), now or later; it returns a
     future when it answers later (a graceful shutdown waits for it), else None. Both run in the
-    event loop and must not block."""
+    event loop and must not block. A route should claim POST (or other methods whose answers carry
+    a body): the answer always has one."""
 
     def claim(self, method: str, path: str, headers: list) -> object | None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -614,7 +615,8 @@ class _NativeRoutes:
 
     def _start_asgi_task(self, cycle, app) -> None:
         claim = None
-        if not cycle.waiting_for_100_continue and not self.parser.should_upgrade():
+        # not a request uvicorn turned away (its limit_concurrency 503 app), nor one waiting to continue or upgrade
+        if app is self.app and not cycle.waiting_for_100_continue and not self.parser.should_upgrade():
             try:
                 scope = cycle.scope
                 claim = self._racer_native.claim(scope["method"], scope["path"], scope["headers"])
@@ -646,13 +648,13 @@ class _NativeRoutes:
         def respond(status: int, body: bytes, headers=None) -> None:
             self._racer_respond(c, status, body, headers or {})
 
+        c.body, body = bytearray(), bytes(c.body)
         try:
-            pending = self._racer_native.handle(c.racer_claim, bytes(c.body), respond)
+            pending = self._racer_native.handle(c.racer_claim, body, respond)
         except Exception:  # noqa: BLE001 - a bug in the route: a 500, the connection kept
             _log().exception("native route: handler failed")
             respond(500, b'{"detail": "internal error"}')
             return
-        c.body = bytearray()
         if pending is not None and not c.response_complete:  # a graceful shutdown waits for it
             tasks = self.tasks
             tasks.add(pending)
@@ -661,18 +663,30 @@ class _NativeRoutes:
     def _racer_respond(self, c, status: int, body: bytes, headers) -> None:
         if c.response_complete:
             return
+        if self.flow.write_paused and not c.disconnected:
+            # the client is not reading its answers: as uvicorn's send, wait for the buffer to
+            # drain before this answer (and the next pipelined request) goes out
+            task = self.loop.create_task(self._racer_drained(c, status, body, headers))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            return
+        from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+
+        extra = []
+        for name, value in headers.items():
+            n, v = name.encode("latin-1"), value.encode("latin-1")
+            if HEADER_RE.search(n) or HEADER_VALUE_RE.search(v):
+                raise ValueError(f"invalid header {name!r}: {value!r}")
+            extra += [n, b": ", v, b"\r\n"]
         c.response_complete = True
         c.message_event.set()
         if c.disconnected or self.transport.is_closing():
             return
-        from uvicorn.protocols.http.httptools_impl import STATUS_LINE
-
         parts = [STATUS_LINE[status]]
         for name, value in c.default_headers:
             parts += [name, b": ", value, b"\r\n"]
         parts.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
-        for name, value in headers.items():
-            parts += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
+        parts += extra
         if not c.keep_alive:
             parts.append(b"connection: close\r\n")
         parts += [b"\r\n", body]
@@ -680,6 +694,10 @@ class _NativeRoutes:
         if not c.keep_alive:
             self.transport.close()
         c.on_response()
+
+    async def _racer_drained(self, c, status: int, body: bytes, headers) -> None:
+        await self.flow.drain()  # also released when the connection is lost
+        self._racer_respond(c, status, body, headers)
 
 
 def _log():

@@ -104,7 +104,7 @@ class _NodeFigures:
         return [GaugeMetricFamily(name, doc, labels=["node_id"]) for name, doc, _, _ in _NODE_GAUGES]
 
     def collect(self):
-        nodes = list(self.latest.items())  # a copy: reports arrive while a scrape renders
+        nodes = list(self.latest.copy().items())  # reports arrive (event loop) while a scrape renders (a thread)
         for name, doc, field, k in _NODE_GAUGES:
             g = GaugeMetricFamily(name, doc, labels=["node_id"])
             for node_id, rep in nodes:

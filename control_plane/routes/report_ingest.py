@@ -6,6 +6,7 @@ machinery) both call it. Storage goes through the group-commit writer (`control_
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
@@ -23,6 +24,7 @@ from ..auth import PRINCIPAL_STATE, Principal, bearer_secret, node_route_refusal
 from ..schemas import NodeOut
 from .deps import NODE
 
+log = logging.getLogger("racer.control_plane.ingest")
 INGEST_PATH = re.compile(r"^/api/v1/nodes/([A-Za-z0-9_.:\-]{1,128})/reports$")
 
 
@@ -239,12 +241,14 @@ class IngestNative(NativeRoute):
         secret = length = None
         for name, value in headers:
             if name == b"authorization":
-                secret = bearer_secret(value.decode("latin-1"))
+                if secret is not None:  # the gate reads the first one: two are the gate's to judge
+                    return None
+                secret = bearer_secret(value.decode("latin-1")) or ""
             elif name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
                 return None
-        if secret is None or length is None or not length.isdigit() or int(length) > self.max_body_bytes:
+        if not secret or length is None or not length.isdigit() or int(length) > self.max_body_bytes:
             return None
         p = st.tokens.cached(secret)
         if p is None or role_refusal(p, (NODE,)) or node_route_refusal(p, node_id):
@@ -261,5 +265,15 @@ class IngestNative(NativeRoute):
             respond(*batch)
             return None
         fut, staged = _stage(st, node_id, batch, st.clock)
-        fut.add_done_callback(lambda f: None if f.cancelled() else respond(*_settled(st, node_id, f, staged, t0)))
-        return fut  # (cancelled only by a forced shutdown: the node resends, the replay is stored once)
+        def done(f) -> None:
+            if f.cancelled():  # only by a forced shutdown: the node resends, the replay is stored once
+                return
+            try:
+                answer = _settled(st, node_id, f, staged, t0)
+            except Exception:  # noqa: BLE001 - answered, not left hanging
+                log.exception("report batch of %s: answering failed", node_id)
+                answer = 500, b'{"detail": "internal error"}', {}
+            respond(*answer)
+
+        fut.add_done_callback(done)
+        return fut
