@@ -63,6 +63,7 @@ class Toy(NativeRoute):
 
             def answer():
                 respond(201, out, {"x-later": "yes"})
+                print("later answered", flush=True, file=sys.stderr)
                 fut.set_result(None)
 
             loop.call_later(0.5, answer)
@@ -81,7 +82,8 @@ def toy(request, tmp_path):
     script.write_text(TOY_SERVER)
     err = open(tmp_path / "toy.err", "w")
     proc = subprocess.Popen([sys.executable, str(script), request.param], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=err, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stderr=err, text=True, env={**os.environ, "PYTHONPATH": str(REPO),
+                                                        "RACER_HTTP_BODY_IDLE_TIMEOUT_S": "1"})
     try:
         port = int(proc.stdout.readline())
         yield proc, port, tmp_path / "toy.err"
@@ -220,6 +222,64 @@ def test_a_graceful_shutdown_waits_for_a_pending_native_answer(toy):
     assert proc.wait(timeout=20) == 0
 
 
+def test_a_request_waiting_to_continue_or_upgrading_is_never_claimed(toy):
+    _, port, _ = toy
+    with connect(port) as s:
+        buf = bytearray()
+        s.sendall(b"POST /native HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+        status, _, _ = read_answer(s, buf)
+        assert status == 100  # the app asked for the body: it is the app's request
+        s.sendall(b"ok")
+        assert json.loads(read_answer(s, buf)[2]) == {"native": False, "len": 2, "path": "/native"}
+    with connect(port) as s:
+        s.sendall(post("/native", b"up", extra="Connection: Upgrade\r\nUpgrade: h2c\r\n"))
+        assert json.loads(read_answer(s, bytearray())[2])["native"] is False
+
+
+def test_a_claimed_body_that_stalls_is_cut_by_the_body_idle_timer(toy):
+    _, port, _ = toy
+    with connect(port) as s:
+        s.sendall(b"POST /native HTTP/1.1\r\nHost: t\r\nContent-Length: 20\r\n\r\nhalf")
+        t0 = time.monotonic()
+        assert closed_by_server(s, within_s=10)  # RACER_HTTP_BODY_IDLE_TIMEOUT_S 1 in the fixture
+        assert time.monotonic() - t0 < 8
+
+
+def test_answers_to_a_client_that_reads_late_all_arrive_in_order(toy):
+    """A client pipelining a thousand claimed requests into a small receive buffer: the server's
+    write buffer fills (its answers wait for it to drain, as uvicorn's own do) and every answer
+    still arrives, in order, once the client reads."""
+    _, port, _ = toy
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            s.connect(("127.0.0.1", port))
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    s.settimeout(30)
+    with s:
+        n = 1000
+        s.sendall(b"".join(post("/native", b"%d" % i) for i in range(n)))
+        time.sleep(1.0)  # the server answers into a full buffer meanwhile
+        buf = bytearray()
+        lens = [json.loads(read_answer(s, buf)[2])["len"] for _ in range(n)]
+    assert lens == [len(b"%d" % i) for i in range(n)]
+
+
+def test_a_graceful_shutdown_waits_for_a_pending_answer_of_a_client_gone(toy):
+    proc, port, err = toy
+    with connect(port) as s:
+        s.sendall(post("/native/later", b"left"))
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # no connection is open: only the pending answer holds the server
+    assert proc.wait(timeout=20) == 0
+    assert "later answered" in err.read_text()
+
+
 # ---- the control plane's report route
 
 
@@ -279,3 +339,16 @@ def test_what_the_native_route_does_not_claim_gets_the_apps_answers(cp):
     assert _native_count(cp) - before == 1  # only the last one was claimed
     unregistered = cp.node("nat-ghost")
     assert unregistered.post("/nodes/nat-ghost/reports", json=ok).status_code == 404
+
+
+def test_a_nodes_gauges_show_its_latest_report_and_no_sample_for_a_figure_it_lacks(cp):
+    node = cp.node("nat-4")
+    register(node, "nat-4")
+    assert node.post("/nodes/nat-4/reports", json={"reports": [report(0, ts_s=1000.0, kv_hit_rate=0.25)]}).status_code == 200
+    text = httpx.get(cp.base + "/metrics").text
+    assert 'racer_node_kv_hit_ratio{node_id="nat-4"} 0.25' in text
+    assert 'racer_node_latency_p99_seconds{node_id="nat-4"} 0.01' in text  # 10 ms
+    assert node.post("/nodes/nat-4/reports", json={"reports": [report(1, ts_s=1001.0)]}).status_code == 200
+    text = httpx.get(cp.base + "/metrics").text
+    assert 'racer_node_kv_hit_ratio{node_id="nat-4"}' not in text  # the latest report has none
+    assert 'racer_node_emb_share_ratio{node_id="nat-4"} 0.5' in text
