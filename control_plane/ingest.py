@@ -8,7 +8,7 @@ after a failure it takes a fresh one): ``INSERT ... ON CONFLICT (node_id,
 seq) DO NOTHING RETURNING`` (so a replayed report is stored once and the reply counts it as a
 duplicate), the decisions and bursts they carry, and each node's last-seen time. A commit costs
 a fixed part (on PostgreSQL several round trips) and a part per row, so the linger trades a few
-milliseconds of latency for fewer commits (at 1,000 reports/s and a 5-ms linger, 9-30 batches
+milliseconds of latency for fewer commits (at 1,000 reports/s and a 15-ms linger, 16-17 batches
 shared each in bench.ingest's runs). At low load a batch commits alone once its linger has
 passed. If a group's transaction fails, each batch is retried in its own transaction, so one bad
 batch fails alone.

@@ -1,7 +1,9 @@
 """Report ingestion, the hot path (one request per node per interval): `ingest_batch` validates
 and stores one batch; the ``POST /nodes/{node_id}/reports`` route (`routes.nodes`) and the ASGI
 fast path `IngestFastPath` (the same function without FastAPI's routing and dependency
-machinery) both call it. Storage goes through the group-commit writer (`control_plane.ingest`)."""
+machinery) both call it, and `IngestNative` runs its steps (`_checked`, `_stage`, `_settled`) in
+the HTTP protocol for the batches it claims. Storage goes through the group-commit writer
+(`control_plane.ingest`)."""
 
 from __future__ import annotations
 
