@@ -103,9 +103,12 @@ def test_prefill_and_rank_batch_equal_the_one_request_paths(model):
     scores = model.rank_batch(cand, [past_blk, new_blk], now)
     for b, (p, n, c) in enumerate(shapes):
         assert torch.allclose(scores[b, :c], scores_ref[b], atol=F32_ATOL)
-    # one block holding the whole history ranks the same
+    # one block holding the whole history ranks the same (the real candidates: a pad candidate's
+    # score is any value, and its rounding differs with the key layout on some CPUs)
     whole = block(model, full_kv, [p + n for p, n, _ in shapes], [0] * B, pmax + nmax)
-    assert torch.allclose(model.rank_batch(cand, [whole], now), scores, atol=F32_ATOL)
+    again = model.rank_batch(cand, [whole], now)
+    for b, (_p, _n, c) in enumerate(shapes):
+        assert torch.allclose(again[b, :c], scores[b, :c], atol=F32_ATOL)
 
 
 def test_a_pad_key_contributes_exactly_nothing(model):
