@@ -673,9 +673,10 @@ def test_a_full_disk_stops_ingestion_with_503_and_freed_space_restores_it(tmp_pa
                 time.sleep(0.5)
         db_at_second = (mnt / "cp.db").stat().st_size
         # the freed space went to the database (the WAL checkpointed into it, then truncated), not
-        # to a WAL that grew into it: the database file grew by most of the 5 MiB
-        assert db_at_second - db_at_first >= 2 * 2**20, (db_at_first, db_at_second, first, second)
-        assert second >= 0.3 * first, (first, second, last[:300])
+        # to a WAL that grew into it (before: the file kept its size). On a loaded machine the WAL
+        # takes part of it between the 1-s checkpoints (seen in CI: 1.4 MB, 12,800 reports)
+        assert db_at_second - db_at_first >= 2**20, (db_at_first, db_at_second, first, second)
+        assert second >= 0.2 * first, (first, second, last[:300])
     finally:
         if cp is not None:
             cp.stop()
