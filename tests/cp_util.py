@@ -142,13 +142,7 @@ class ControlPlane:
         return self.client(self.token("node", f"node-{node_id}", node_id=node_id))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 
@@ -213,3 +207,14 @@ def wait_for(fn, timeout_s: float = 20.0, interval_s: float = 0.1):
             return last
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s} s; last value: {last!r}")
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """SIGTERM ``proc`` if it still runs and wait ``timeout_s`` for it to stop; then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from .conftest import REPO
+from .cp_util import stop_process
 from .test_node_agent import free_port, wait_healthy, write_taobao_csv
 
 MAX_BODY = 4 * 2**20  # the agent's default --max-body-bytes
@@ -42,12 +43,7 @@ def agent(tmp_path_factory):
         num_items = httpx.get(f"{base}/v1/metrics").json()["node"]["num_items"]
         yield base, num_items, tmp / "agent.err"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         err.close()
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from .conftest import REPO
-from .cp_util import ControlPlane, Database, register, report
+from .cp_util import ControlPlane, Database, register, report, stop_process
 
 TOY_SERVER = """
 import asyncio, json, sys
@@ -88,13 +88,7 @@ def toy(request, tmp_path):
         port = int(proc.stdout.readline())
         yield proc, port, tmp_path / "toy.err"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         err.close()
 
 
