@@ -26,7 +26,10 @@ regret figure cannot tell from the allocator's. With router seeds the output end
 SmartAllocator row's worst median over the best static split's and how many settings lie within
 5% of it. ``--settings in-sample`` names the quick regret grid's 36 settings (`bench.regret.grid`:
 both samples and the paper-scale setting, four regimes, seeds 0-2); ``--jobs`` runs settings in
-parallel processes.
+parallel processes. ``--out FILE`` appends each setting's row to FILE (JSON lines) as it
+finishes, and a later run with the same FILE takes the rows already there for the same
+allocators, router seeds and shares instead of running them again: a long grid survives an
+interruption, and may be run in parts.
 """
 
 from __future__ import annotations
@@ -144,6 +147,35 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds) -> dict:
                                      for a in allocators}}
 
 
+def _saved_rows(path: str, key: dict) -> dict[str, dict]:
+    """The rows of ``path`` (JSON lines, `_saved`) run with ``key``'s allocators, seeds and shares,
+    by setting name (the last one of a setting wins); none when the file does not exist."""
+    rows = {}
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        return rows
+    with f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise ValueError(f"line {i} is not JSON (a run cut while writing it? remove that line)") from None
+            if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("row"), dict):
+                rows[rec["row"]["setting"]] = rec["row"]
+    return rows
+
+
+def _saved(path: str | None, key: dict, row: dict) -> dict:
+    """Append ``row`` (run with ``key``) to ``path`` as one JSON line, flushed; returns ``row``."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"key": key, "row": row}) + "\n")
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.reachable", description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", required=True, help="comma-separated setting names, e.g. amazon-sample-burst-s1, "
@@ -153,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--router-seeds", default="", help="also replay the static splits and the SmartAllocator rows "
                    "once per router seed (comma-separated) and compare medians")
     p.add_argument("--shares", default="", help="static splits of --router-seeds (default: the setting's)")
+    p.add_argument("--out", default=None, help="JSON-lines file: each setting's row appended when done; rows "
+                   "already there (same allocators, seeds and shares) are reused, not run again")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -171,15 +205,29 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     allocators = tuple(x for x in a.allocators.split(",") if x)
-    work = [(n, allocators, seeds, shares) for n in names]
+    key = {"allocators": list(allocators), "router_seeds": list(seeds), "shares": None if shares is None else list(shares)}
+    try:
+        done = _saved_rows(a.out, key) if a.out else {}
+    except (OSError, ValueError) as e:
+        p.error(f"--out {a.out}: {e}")
+    work = [(n, allocators, seeds, shares) for n in names if n not in done]
+    by_name = dict(done)
+    bar = tqdm(total=len(names), initial=len(names) - len(work), desc="reachable", unit="setting", file=sys.stderr)
     if a.jobs > 1 and len(work) > 1:
-        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(min(a.jobs, len(work))) as pool:
-            rows = list(tqdm(pool.map(_run_one, work), total=len(work), desc="reachable", unit="setting",
-                             file=sys.stderr))
+            for fut in as_completed([pool.submit(_run_one, w) for w in work]):  # saved as each one ends
+                row = fut.result()
+                by_name[row["setting"]] = _saved(a.out, key, row)
+                bar.update()
     else:
-        rows = [run_one(*w) for w in tqdm(work, desc="reachable", unit="setting", file=sys.stderr)]
+        for w in work:
+            row = run_one(*w)
+            by_name[row["setting"]] = _saved(a.out, key, row)
+            bar.update()
+    bar.close()
+    rows = [by_name[n] for n in names]
     summary = {}
     if seeds:
         over = [r["over_router_seeds"]["over_best_static_pct"] for r in rows]

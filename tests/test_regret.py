@@ -199,3 +199,39 @@ def test_reachable_names_held_out_settings_and_compares_medians_over_router_seed
     assert setting_names("a,,b") == ["a", "b"]
     with pytest.raises(ValueError, match="paper-scale"):
         _setting("taobao-paper-steady-s0")
+
+
+@pytest.mark.timeout(120)
+def test_reachable_out_keeps_each_setting_and_a_rerun_takes_them_instead_of_running(tmp_path, capsys):
+    """``bench.reachable --out``: rows saved for the same allocators, seeds and shares are taken,
+    not run again (a run that ran any would take minutes here); a row saved with other seeds is
+    not; a cut last line is refused with a clear message."""
+    import json
+
+    from bench import reachable
+
+    out = tmp_path / "rows.jsonl"
+    names = ["taobao-sample-steady-s0", "amazon-sample-burst-s1"]
+    key = {"allocators": ["racer"], "router_seeds": [0, 1], "shares": None}
+
+    def row(name, worst):
+        return {"setting": name, "oracle_p99_ms": 10.0, "oracle_schedule": [0.5], "reachable_path": [0.5],
+                "reachable_p99_ms": 10.0, "regret_pct": {"reachable": 0.0, "racer": 1.0},
+                "over_router_seeds": {"router_seeds": [0, 1], "rows": {}, "best_static": "static:0.5",
+                                      "over_best_static_pct": {"racer": worst}}}
+
+    reachable._saved(str(out), {**key, "router_seeds": [0, 1, 2]}, row(names[0], 99.0))  # other seeds: not taken
+    for n, w in zip(names, (2.5, 7.0)):
+        reachable._saved(str(out), key, row(n, w))
+    assert sorted(reachable._saved_rows(str(out), key)) == sorted(names)
+    assert reachable._saved_rows(str(tmp_path / "none.jsonl"), key) == {}
+    assert reachable.main(["--settings", ",".join(names), "--allocators", "racer", "--router-seeds", "0,1",
+                           "--json", "--out", str(out)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["setting"] for r in got["settings"]] == names
+    assert got["worst_over_best_static_pct"] == {"racer": 7.0} and got["settings_within_5pct"] == {"racer": 1}
+    with open(out, "a") as f:
+        f.write('{"key": {"allocators"')  # a run cut while writing its last row
+    with pytest.raises(SystemExit):
+        reachable.main(["--settings", names[0], "--router-seeds", "0,1", "--allocators", "racer", "--out", str(out)])
+    assert "not JSON" in capsys.readouterr().err
