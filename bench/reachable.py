@@ -147,6 +147,20 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds) -> dict:
                                      for a in allocators}}
 
 
+def _run_all(work: list[tuple], jobs: int):
+    """`run_one` on each item of ``work``, in ``jobs`` processes when more than one; yields each
+    row as it ends (in the order they end)."""
+    if jobs > 1 and len(work) > 1:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(min(jobs, len(work))) as pool:
+            for fut in as_completed([pool.submit(_run_one, w) for w in work]):
+                yield fut.result()
+    else:
+        for w in work:
+            yield run_one(*w)
+
+
 def _saved_rows(path: str, key: dict) -> dict[str, dict]:
     """The rows of ``path`` (JSON lines, `_saved`) run with ``key``'s allocators, seeds and shares,
     by setting name (the last one of a setting wins); none when the file does not exist."""
@@ -213,19 +227,9 @@ def main(argv=None) -> int:
     work = [(n, allocators, seeds, shares) for n in names if n not in done]
     by_name = dict(done)
     bar = tqdm(total=len(names), initial=len(names) - len(work), desc="reachable", unit="setting", file=sys.stderr)
-    if a.jobs > 1 and len(work) > 1:
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        with ProcessPoolExecutor(min(a.jobs, len(work))) as pool:
-            for fut in as_completed([pool.submit(_run_one, w) for w in work]):  # saved as each one ends
-                row = fut.result()
-                by_name[row["setting"]] = _saved(a.out, key, row)
-                bar.update()
-    else:
-        for w in work:
-            row = run_one(*w)
-            by_name[row["setting"]] = _saved(a.out, key, row)
-            bar.update()
+    for row in _run_all(work, a.jobs):
+        by_name[row["setting"]] = _saved(a.out, key, row)
+        bar.update()
     bar.close()
     rows = [by_name[n] for n in names]
     summary = {}

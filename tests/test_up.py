@@ -273,7 +273,7 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
             # node-1 may be out for only the seconds its restart takes: a poll of /v1/router on a
             # loaded box can miss that window, the gateway's own record of taking it out cannot
             _wait(lambda: _gateway_live(gw_url, node_url, fleet) is False
-                  or _node_out_events(gw_log, "node-1") > outs_before, 30,
+                  or _node_out_events(gw_log, "node-1") > outs_before, 15,
                   "the gateway to take node-1 out of rotation")
         new = _wait(lambda: (s := _state(data)) and s["node-1"]["pid"] != old_pid and s["node-1"], 30,
                     "racer up to restart node-1")
