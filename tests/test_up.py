@@ -221,9 +221,9 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
     try:
         up_log = data / "logs" / "up.log"
 
-        def tails() -> str:
+        def tails(*files: Path) -> str:
             return "".join(f"\n--- end of {f}:\n" + (f.read_text()[-3000:] if f.exists() else "(none)")
-                           for f in (up_log, tmp_path / "up.err"))
+                           for f in files or (up_log, tmp_path / "up.err"))
 
         def load_running():
             assert proc.poll() is None, f"racer up exited ({proc.returncode}) while starting" + tails()
@@ -268,13 +268,24 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
         time.sleep(3)  # under load
         gw_log = data / "logs" / "gateway.log"
         outs_before = _node_out_events(gw_log, "node-1")
-        os.kill(old_pid, signal.SIGKILL)
-        if gw_url:
-            # node-1 may be out for only the seconds its restart takes: a poll of /v1/router on a
-            # loaded box can miss that window, the gateway's own record of taking it out cannot
-            _wait(lambda: _gateway_live(gw_url, node_url, fleet) is False
-                  or _node_out_events(gw_log, "node-1") > outs_before, 15,
-                  "the gateway to take node-1 out of rotation")
+        # racer up restarts node-1 at once, and a new agent can answer /healthz before the gateway's
+        # third failed check (one a second): whether the gateway takes it out would then be a race.
+        # racer up is held (SIGSTOP) while node-1 is dead, so the gateway sees a dead node for as
+        # long as it needs; the restart follows once it goes on (SIGCONT)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(old_pid, signal.SIGKILL)
+            if gw_url:
+                try:
+                    _wait(lambda: _gateway_live(gw_url, node_url, fleet) is False
+                          or _node_out_events(gw_log, "node-1") > outs_before, 30,
+                          "the gateway to take node-1 out of rotation")
+                except AssertionError as e:
+                    raise AssertionError(str(e) + tails(gw_log, data / "logs" / "node-1.log")) from None
+            else:
+                time.sleep(3)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         new = _wait(lambda: (s := _state(data)) and s["node-1"]["pid"] != old_pid and s["node-1"], 30,
                     "racer up to restart node-1")
         assert new["restarts"] == 1
