@@ -22,9 +22,11 @@ settings (``taobao-sample-schedule-s2``) and the held-out grid's
 and the SmartAllocator rows once per router tie-break seed (`SimConfig.router_seed`) and prints
 each one's P99 over the seeds (median and range) and the SmartAllocator rows' median over the
 best static split's: one run per cell carries the router's own randomness, which a single
-regret figure cannot tell from the allocator's. With router seeds the output ends with each
-SmartAllocator row's worst median over the best static split's and how many settings lie within
-5% of it. ``--settings in-sample`` names the quick regret grid's 36 settings (`bench.regret.grid`:
+regret figure cannot tell from the allocator's. Beside them, ``start_to_best``: the best static
+split reached from 0.5 at the guards' step limits, once per seed, the price of starting at 0.5
+for an allocator that knew the best static split in advance. With router seeds the output ends
+with each SmartAllocator row's worst median over the best static split's and how many settings
+lie within 5% of it. ``--settings in-sample`` names the quick regret grid's 36 settings (`bench.regret.grid`:
 both samples and the paper-scale setting, four regimes, seeds 0-2); ``--jobs`` runs settings in
 parallel processes. ``--out FILE`` appends each setting's row to FILE (JSON lines) as it
 finishes, and a later run with the same FILE takes the rows already there for the same
@@ -114,7 +116,8 @@ def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...
     for spec in allocators:
         out["regret_pct"][spec] = round(100.0 * (_p99(stream, scfg, spec) / oracle - 1.0), 2)
     if router_seeds:
-        out["over_router_seeds"] = over_router_seeds(stream, scfg, shares or cfg.shares, allocators, router_seeds)
+        out["over_router_seeds"] = over_router_seeds(stream, scfg, shares or cfg.shares, allocators, router_seeds,
+                                                     windows=len(schedule))
     return out
 
 
@@ -130,21 +133,40 @@ def _p99(stream, scfg, spec: str) -> float:
     return simulate(stream, scfg, _make_allocator(spec, None, scfg), "racer").summary()["p99_ms"]
 
 
-def over_router_seeds(stream, scfg, shares, allocators, router_seeds) -> dict:
+def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: int = 0) -> dict:
     """Each static split of ``shares`` and each SmartAllocator row replayed once per router seed:
-    P99s, their median and range, and each row's median over the best static split's median."""
+    P99s, their median and range, and each row's median over the best static split's median.
+    ``windows`` > 0 (the setting's control intervals) adds the row ``start_to_best``: the best
+    static split reached from `REACHABLE_START` at the guards' step limits (`reachable_path`),
+    what knowing the best static split in advance costs an allocator that starts where the
+    runtime starts."""
     import numpy as np
+
+    from node_agent.allocator import GuardConfig
+    from simulator.allocators import ScheduleAllocator
+    from simulator.cluster import simulate
+
+    def row(p99: list[float]) -> dict:
+        med = float(np.median(p99))
+        return {"p99_ms": p99, "median": med, "spread_pct": round(100.0 * (max(p99) - min(p99)) / med, 1)}
 
     rows = {}
     for spec in [f"static:{x:g}" for x in shares] + list(allocators):
-        p99 = [round(_p99(stream, replace(scfg, router_seed=rs), spec), 3) for rs in router_seeds]
-        med = float(np.median(p99))
-        rows[spec] = {"p99_ms": p99, "median": med, "spread_pct": round(100.0 * (max(p99) - min(p99)) / med, 1)}
+        rows[spec] = row([round(_p99(stream, replace(scfg, router_seed=rs), spec), 3) for rs in router_seeds])
     statics = [k for k in rows if k.startswith("static:")]
     best = min(statics, key=lambda k: rows[k]["median"])
+    compared = list(allocators)
+    if windows > 0:
+        g = GuardConfig()
+        path = reachable_path([float(best.split(":", 1)[1])] * windows, REACHABLE_START, g.max_step_up,
+                              g.max_step_down)
+        rows["start_to_best"] = {**row([round(simulate(stream, replace(scfg, router_seed=rs), ScheduleAllocator(
+            path, scfg.control_interval_s, name="start_to_best"), "racer").summary()["p99_ms"], 3)
+            for rs in router_seeds]), "path": path}
+        compared.append("start_to_best")
     return {"router_seeds": list(router_seeds), "rows": rows, "best_static": best,
             "over_best_static_pct": {a: round(100.0 * (rows[a]["median"] / rows[best]["median"] - 1.0), 2)
-                                     for a in allocators}}
+                                     for a in compared}}
 
 
 def _run_all(work: list[tuple], jobs: int):

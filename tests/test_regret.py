@@ -189,6 +189,15 @@ def test_reachable_names_held_out_settings_and_compares_medians_over_router_seed
     rows = out["rows"]
     assert set(rows) == {"static:0.3", "static:0.7"} and all(len(v["p99_ms"]) == 2 for v in rows.values())
     assert out["best_static"] == min(rows, key=lambda k: rows[k]["median"]) and out["over_best_static_pct"] == {}
+    # with the setting's windows: the best static split reached from 0.5 at the guards' steps
+    out = over_router_seeds(stream, SimConfig(num_nodes=3, cache_fraction=0.3), (0.3, 0.7), (), (0, 1), windows=6)
+    best = float(out["best_static"].split(":")[1])
+    path = out["rows"]["start_to_best"]["path"]
+    assert path[0] == 0.5 and path[-1] == best and len(path) == 6 and "start_to_best" in out["over_best_static_pct"]
+    # held at 0.5 from the start, it is the static split 0.5 itself
+    out = over_router_seeds(stream, SimConfig(num_nodes=3, cache_fraction=0.3), (0.5,), (), (0,), windows=4)
+    assert out["rows"]["start_to_best"]["path"] == [0.5] * 4
+    assert out["rows"]["start_to_best"]["p99_ms"] == out["rows"]["static:0.5"]["p99_ms"]
     # the in-sample grid by one name: the quick regret grid's 36 settings, paper-scale ones included
     from bench.reachable import setting_names
     from bench.regret import grid
