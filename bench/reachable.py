@@ -26,8 +26,9 @@ regret figure cannot tell from the allocator's. Beside them, ``start_to_best``: 
 split reached from 0.5 at the guards' step limits, once per seed, the price of starting at 0.5
 for an allocator that knew the best static split in advance. With router seeds the output ends
 with each SmartAllocator row's worst median over the best static split's and how many settings
-lie within 5% of it. ``--settings in-sample`` names the quick regret grid's 36 settings (`bench.regret.grid`:
-both samples and the paper-scale setting, four regimes, seeds 0-2); ``--jobs`` runs settings in
+lie within 5% of it. ``--settings in-sample`` names the quick regret grid's 36 settings
+(`bench.regret.grid`: both samples and the paper-scale setting, four regimes, seeds 0-2; the
+paper-scale ones are one node, where router seeds change nothing); ``--jobs`` runs settings in
 parallel processes. ``--out FILE`` appends each setting's row to FILE (JSON lines) as it
 finishes, and a later run with the same FILE takes the rows already there for the same
 allocators, router seeds and shares instead of running them again: a long grid survives an
