@@ -97,9 +97,7 @@ def _run_one(args) -> dict:
 def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...] = (),
             shares: tuple[float, ...] | None = None) -> dict:
     from bench.regret import HoldoutSetting, holdout_config, table_config
-    from node_agent.allocator import GuardConfig
-    from simulator.allocators import ScheduleAllocator
-    from simulator.cluster import oracle_replay, simulate
+    from simulator.cluster import oracle_replay
     from simulator.table import _stream, sim_config
 
     st = _setting(name)
@@ -108,18 +106,33 @@ def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...
     scfg = sim_config(cfg)
     res, schedule = oracle_replay(stream, scfg, cfg.shares, "racer")
     oracle = res.summary()["p99_ms"]
-    g = GuardConfig()
-    path = reachable_path(schedule, REACHABLE_START, g.max_step_up, g.max_step_down)
-    reach = simulate(stream, scfg, ScheduleAllocator(path, scfg.control_interval_s, name="reachable"), "racer")
+    path = guarded_path(schedule)
+    reach = _path_p99(stream, scfg, path, "reachable")
     out = {"setting": name, "oracle_p99_ms": oracle, "oracle_schedule": schedule, "reachable_path": path,
-           "reachable_p99_ms": reach.summary()["p99_ms"],
-           "regret_pct": {"reachable": round(100.0 * (reach.summary()["p99_ms"] / oracle - 1.0), 2)}}
+           "reachable_p99_ms": reach, "regret_pct": {"reachable": round(100.0 * (reach / oracle - 1.0), 2)}}
     for spec in allocators:
         out["regret_pct"][spec] = round(100.0 * (_p99(stream, scfg, spec) / oracle - 1.0), 2)
     if router_seeds:
         out["over_router_seeds"] = over_router_seeds(stream, scfg, shares or cfg.shares, allocators, router_seeds,
                                                      windows=len(schedule))
     return out
+
+
+def guarded_path(schedule: list[float]) -> list[float]:
+    """`reachable_path` of ``schedule`` from `REACHABLE_START` at the runtime guards' step limits."""
+    from node_agent.allocator import GuardConfig
+
+    g = GuardConfig()
+    return reachable_path(schedule, REACHABLE_START, g.max_step_up, g.max_step_down)
+
+
+def _path_p99(stream, scfg, path: list[float], name: str) -> float:
+    """P99 of a replay that sets the shares of ``path``, one per control interval, under the racer router."""
+    from simulator.allocators import ScheduleAllocator
+    from simulator.cluster import simulate
+
+    alloc = ScheduleAllocator(path, scfg.control_interval_s, name=name)
+    return simulate(stream, scfg, alloc, "racer").summary()["p99_ms"]
 
 
 def _p99(stream, scfg, spec: str) -> float:
@@ -138,14 +151,10 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: i
     """Each static split of ``shares`` and each SmartAllocator row replayed once per router seed:
     P99s, their median and range, and each row's median over the best static split's median.
     ``windows`` > 0 (the setting's control intervals) adds the row ``start_to_best``: the best
-    static split reached from `REACHABLE_START` at the guards' step limits (`reachable_path`),
+    static split reached from `REACHABLE_START` at the guards' step limits (`guarded_path`),
     what knowing the best static split in advance costs an allocator that starts where the
     runtime starts."""
     import numpy as np
-
-    from node_agent.allocator import GuardConfig
-    from simulator.allocators import ScheduleAllocator
-    from simulator.cluster import simulate
 
     def row(p99: list[float]) -> dict:
         med = float(np.median(p99))
@@ -158,12 +167,9 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: i
     best = min(statics, key=lambda k: rows[k]["median"])
     compared = list(allocators)
     if windows > 0:
-        g = GuardConfig()
-        path = reachable_path([float(best.split(":", 1)[1])] * windows, REACHABLE_START, g.max_step_up,
-                              g.max_step_down)
-        rows["start_to_best"] = {**row([round(simulate(stream, replace(scfg, router_seed=rs), ScheduleAllocator(
-            path, scfg.control_interval_s, name="start_to_best"), "racer").summary()["p99_ms"], 3)
-            for rs in router_seeds]), "path": path}
+        path = guarded_path([float(best.split(":", 1)[1])] * windows)
+        p99 = [round(_path_p99(stream, replace(scfg, router_seed=rs), path, "start_to_best"), 3) for rs in router_seeds]
+        rows["start_to_best"] = {**row(p99), "path": path}
         compared.append("start_to_best")
     return {"router_seeds": list(router_seeds), "rows": rows, "best_static": best,
             "over_best_static_pct": {a: round(100.0 * (rows[a]["median"] / rows[best]["median"] - 1.0), 2)

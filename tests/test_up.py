@@ -282,8 +282,6 @@ def test_racer_up_survives_kill_9_of_a_node_agent_and_a_second_run_reuses_the_da
                           "the gateway to take node-1 out of rotation")
                 except AssertionError as e:
                     raise AssertionError(str(e) + tails(gw_log, data / "logs" / "node-1.log")) from None
-            else:
-                time.sleep(3)
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         new = _wait(lambda: (s := _state(data)) and s["node-1"]["pid"] != old_pid and s["node-1"], 30,
