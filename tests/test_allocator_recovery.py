@@ -28,12 +28,14 @@ def run(alloc, script, t0=0):
     return {t0 + i: alloc.decide(window(**kw), float(t0 + i)) for i, kw in enumerate(script)}
 
 
-def test_scripted_burst_enter_hold_exit_hand_back(c60):
-    alloc = allocator(c60)
+@pytest.mark.parametrize("paced, load", [(False, 0.3), (True, 1.0), (False, 1.0)])
+def test_scripted_burst_enter_hold_exit_hand_back(c60, paced, load):
+    alloc = allocator(c60, paced=paced)
+    at_once = load >= 0.95 and not paced  # a saturated node's KV-ward step in a burst is not paced
     script = [NORMAL] * 12 + [BETWEEN] + [NORMAL] * 7 + [BURST, BURST] + [BETWEEN] * 4 + [NORMAL] * 4
     d = {}
     for t, kw in enumerate(script):
-        d[t] = alloc.decide(window(**kw), float(t))
+        d[t] = alloc.decide(window(**kw, load=load), float(t))
         if t == 19:
             baseline = (alloc.recovery.rate_baseline, alloc.recovery.hot_baseline)
         if t == 26:
@@ -44,9 +46,13 @@ def test_scripted_burst_enter_hold_exit_hand_back(c60):
     # steady, and the in-between level does not start a burst (enter thresholds are higher)
     assert all(source[t] == "base" and share[t] == 0.6 for t in range(20))
     assert not d[12].recovery_active
-    # enter at t=20: cap = 0.6 - kv_shift 0.15 = 0.45, reached in two steps (max_step_down 0.1)
-    assert d[20].recovery_active and source[20] == "guard" and share[20] == 0.5
+    # enter at t=20: cap = 0.6 - kv_shift 0.15 = 0.45, reached in two steps (max_step_down 0.1), or
+    # at once on a saturated node (the step-down limit waived unless paced)
     assert "burst entered at t=20s" in d[20].reason and "KV-ward cap 0.4500" in d[20].reason
+    if at_once:
+        assert d[20].recovery_active and source[20] == "recovery" and share[20] == 0.45
+    else:
+        assert d[20].recovery_active and source[20] == "guard" and share[20] == 0.5
     assert source[21] == "recovery" and share[21] == 0.45
     # hold: the in-between level keeps the burst (above the exit thresholds), past min_hold_s
     assert all(d[t].recovery_active and source[t] == "recovery" and share[t] == 0.45 for t in range(22, 26))
@@ -58,7 +64,7 @@ def test_scripted_burst_enter_hold_exit_hand_back(c60):
     assert [source[t] for t in (27, 28, 29)] == ["guard", "guard", "base"]
     st = alloc.recovery.state()
     assert st.phase == "normal" and st.num_bursts == 1 and st.last_event == "ended" and st.cap_emb_share is None
-    assert alloc.num_decisions["recovery"] == 6  # t = 21..26
+    assert alloc.num_decisions["recovery"] == (7 if at_once else 6)  # t = 21..26 (20..26 at once)
 
 
 def test_min_hold_keeps_a_short_burst_for_three_seconds(c60):

@@ -354,3 +354,32 @@ def test_the_tail_term_moves_a_light_loads_minimum_to_where_the_long_histories_f
     assert np.allclose(expected_costs(short, st)[1], mean)
     flat = _tail_curves((0.9,) * 5, (0.3,) * 5, 200.0, 2000.0, (0.5, 0.55, 0.6, 0.65, 0.7))
     assert np.allclose(expected_costs(flat, st)[1], mean)  # a tail the split cannot help adds nothing
+
+
+def test_a_saturated_nodes_queue_term_reads_the_offered_load_and_grows_past_rho_max():
+    """Below ``rho_max`` the saturation term changes nothing; on a saturated node (busy fraction 1)
+    the offered load (arrivals x time per request) sets ``rho``, and past ``rho_max`` the cost
+    follows the M/M/1 curve's tangent there instead of the cap, so a share that serves 0.55% faster
+    saves a backlog's worth (2-3%) and is out of the dead band, where the cap saw 0.55% and held."""
+    cur = _curves(kv_hit=(0.525, 0.5, 0.5, 0.5, 0.5), emb_hit=(0.5,) * 5, tokens=1000.0)
+    kw = dict(emb_share=0.5, num_requests=100, interval_s=1.0, emb_lookups_per_request=10.0,
+              kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    light = window(load=0.5, arrival_rate_rps=100.0, **kw)
+    for a, b in zip(expected_costs(cur, light, saturation=True), expected_costs(cur, light, saturation=False)):
+        assert np.array_equal(a, b)
+    busy = window(load=1.0, arrival_rate_rps=120.0, **kw)  # 100 served in the second, 120 arrived: offered 1.2
+    _, capped = expected_costs(cur, busy, saturation=False)
+    _, grown = expected_costs(cur, busy, saturation=True)
+    service = np.array([10_000.0 - 55.0, 10_000.0, 10_000.0, 10_000.0, 10_000.0])  # µs: S_now 10 ms
+    assert capped == pytest.approx(service / 0.05)
+    rho = 1.2 * service / 10_000.0
+    assert grown == pytest.approx(service / 0.05 * (1.0 + (rho - 0.95) / 0.05))
+    assert 1.0 - capped[0] / capped[4] == pytest.approx(0.0055)
+    assert 1.0 - grown[0] / grown[4] > 0.02
+    # the tuner's step KV-ward from 0.5: the cap's 0.55% is inside the 1% dead band (held at 0.5),
+    # the backlog's saving is not (the step passes)
+    g = GuardConfig()
+    out, t = curve_layer(CurveGuard(CurveConfig(saturation=False)), cur, busy, 0.45, 0.5, g)
+    assert (out, t.detail["action"]) == (0.5, "flat")
+    out, t = curve_layer(CurveGuard(CurveConfig()), cur, busy, 0.45, 0.5, g)
+    assert (out, t.detail["action"]) == (0.45, "pass")

@@ -133,7 +133,10 @@ class RecoveryConfig:
     when either is <= its ``exit_*`` threshold (lower than the enter ones: hysteresis) on every
     interval for ``exit_confirm_s``, and at least ``min_hold_s`` after entry; a burst longer than
     ``max_burst_s`` is a new regime: the baselines jump to the current values and control returns.
-    In a burst emb_share is capped at (split at entry - ``kv_shift``).
+    In a burst emb_share is capped at (split at entry - ``kv_shift``); on a saturated node (busy
+    fraction at least ``CurveConfig.rho_max``) a KV-ward step is then taken at once, the guards'
+    step-down limit waived (shrinking the EMB slab is metadata-only, and every interval of an
+    overloaded node builds backlog), unless ``paced``.
     ``rate_floor_rps`` and ``hot_floor`` keep the ratios finite near zero baselines.
     """
 
@@ -148,6 +151,7 @@ class RecoveryConfig:
     exit_confirm_s: float = ranged(1.0, lo=0)
     max_burst_s: float = ranged(60.0, lo=0, lo_open=True)
     kv_shift: float = ranged(0.15, lo=0, hi=1, lo_open=True)
+    paced: bool = ranged(False, kind=bool)
     rate_floor_rps: float = ranged(1.0, lo=0, lo_open=True)
     hot_floor: float = ranged(0.005, lo=0, lo_open=True)
 
@@ -168,10 +172,13 @@ class CurveConfig:
     cost rise that refuses a step, ``flat_gain`` the dead band (the split in force within it of the
     curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
     ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed, ``tail`` whether the cost adds the
-    tail's extra recompute (the longest histories' KV curve) to the mean time)."""
+    tail's extra recompute (the longest histories' KV curve) to the mean time, ``saturation``
+    whether a saturated node's queueing term reads the offered load and grows past ``rho_max``
+    instead of stopping there)."""
 
     enabled: bool = True
     tail: bool = True
+    saturation: bool = True
     move_gain: float = 0.25
     hold_gain: float = 0.1
     cliff_gain: float = 0.25

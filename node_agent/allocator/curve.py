@@ -13,7 +13,16 @@ costs:
   over the split in force (a recomputed token looks its item up);
 - queueing from the node's load: the device's time per request ``S(s) = S_now + miss(s) -
   miss(now)`` (``S_now``: the window's busy time per request) at utilisation
-  ``rho(s) = load * S(s) / S_now``, ``T(s) = S(s) / (1 - min(rho, rho_max))`` (M/M/1);
+  ``rho(s) = offered * S(s) / S_now``, ``T(s) = S(s) / (1 - rho)`` (M/M/1) below ``rho_max``.
+  ``offered`` is the busy fraction ``load``, except on a saturated node (``load >= rho_max``),
+  where the busy fraction is clipped at 1 and hides how far the node is overloaded: there it is
+  ``arrival_rate * S_now`` (the work that arrived over the time the node had) when that is more.
+  At and above ``rho_max`` the queue no longer settles, it grows by ``rho - 1`` seconds of work a
+  second, so every share that serves faster shrinks a backlog that every later request waits
+  behind: ``T`` continues past ``rho_max`` along its tangent there, ``T(s) = S(s) / (1 - rho_max)
+  * (1 + (rho - rho_max) / (1 - rho_max))``, instead of stopping at the cap, which made every
+  share of an overloaded node look the same up to its service time (``CurveConfig.saturation``;
+  off: the cap);
 - the tail (``CurveConfig.tail``): a light load's P99 is the service time of the longest
   histories, whose K/V need a larger pool than the mean's. The KV curve of the tail's lookups
   alone (``kv_tail_hit_rate``: histories in the top tenth, mean ``kv_tail_tokens``) gives what a
@@ -61,10 +70,17 @@ from node_agent.allocator.trace import LayerTrace
 CURVE_ACTIONS = ("pass", "no_curve", "to_minimum", "jump", "refuse_step", "flat")
 
 
-def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+def saturated(stats, rho_max: float) -> bool:
+    """Whether the node was saturated in the window: its busy fraction at ``rho_max`` or more."""
+    return stats.load >= rho_max
+
+
+def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True,
+                   saturation: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
     """``(shares, C)``: the expected cost (µs) at each of ``curves.shares``, the time per request
     ``T`` plus, with ``tail``, the tail's extra recompute (see the module docstring), or None
-    without requests or busy time in the window."""
+    without requests or busy time in the window. ``saturation``: the offered load and the tangent
+    past ``rho_max`` (off: ``rho`` capped at ``rho_max``)."""
     n = stats.num_requests
     if n <= 0 or stats.load <= 0.0:
         return None
@@ -81,8 +97,17 @@ def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True) -> t
     miss = kv_miss * kv_us + rows * (1.0 - e_hit) * emb_us
     miss_now = kv_miss_now * kv_us + stats.emb_lookups_per_request * (1.0 - e_now) * emb_us
     service = np.maximum(s_now + miss - miss_now, 0.05 * s_now)
-    rho = np.minimum(stats.load * service / s_now, rho_max)
-    cost = service / (1.0 - rho)
+    if saturation:
+        offered = stats.load
+        if saturated(stats, rho_max):
+            offered = max(offered, stats.arrival_rate_rps * s_now * 1e-6)
+        rho = offered * service / s_now
+        under = rho < rho_max
+        cost = np.where(under, service / (1.0 - np.where(under, rho, 0.0)),
+                        service / (1.0 - rho_max) * (1.0 + (rho - rho_max) / (1.0 - rho_max)))
+    else:
+        rho = np.minimum(stats.load * service / s_now, rho_max)
+        cost = service / (1.0 - rho)
     if tail and curves.kv_tail_hit_rate is not None and curves.kv_tail_tokens > tokens:
         # a request of the tail waits as the mean one does but recomputes its own history's misses
         t_hit = np.asarray(curves.kv_tail_hit_rate, dtype=np.float64)
@@ -139,7 +164,7 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
     nan = float("nan")
     costs = None
     if curves is not None and curves.emb_followed >= c.min_emb_refs and curves.kv_followed >= c.min_kv_lookups:
-        costs = expected_costs(curves, stats, c.rho_max, c.tail)
+        costs = expected_costs(curves, stats, c.rho_max, c.tail, c.saturation)
     if costs is None:
         guard_state.holding = False
         guard_state.anchor = proposal

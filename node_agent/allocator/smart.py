@@ -15,7 +15,7 @@ from common.config import finite_number as _num
 from common.contract import DECISION_SOURCES
 from node_agent.allocator.base import OnnxPolicy, PolicyLoadError, base_layer
 from node_agent.allocator.config import AllocatorConfig
-from node_agent.allocator.curve import CurveGuard, curve_layer
+from node_agent.allocator.curve import CurveGuard, curve_layer, saturated
 from node_agent.allocator.decision import AllocatorDecision
 from node_agent.allocator.guards import guard_layer
 from node_agent.allocator.override import Override, override_layer
@@ -198,7 +198,11 @@ class SmartAllocator:
                 self._override = None
                 notes += (note,)
         layer_source = source
-        share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not jump)
+        # in a burst on a saturated node a KV-ward step is not paced: each interval above the split
+        # it needs builds backlog, and shrinking the EMB slab is metadata-only
+        unpaced = (hold is None and self.recovery.active and not c.recovery.paced
+                   and saturated(stats, c.curve.rho_max))
+        share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not (jump or unpaced))
         layers.append(t)
         if t.acted and t.values[0] in self.num_at_bound:
             self.num_at_bound[t.values[0]] += 1
