@@ -32,7 +32,10 @@ paper-scale ones are one node, where router seeds change nothing); ``--jobs`` ru
 parallel processes. ``--out FILE`` appends each setting's row to FILE (JSON lines) as it
 finishes, and a later run with the same FILE takes the rows already there for the same
 allocators, router seeds and shares instead of running them again: a long grid survives an
-interruption, and may be run in parts.
+interruption, and may be run in parts. ``--path SHARE[xN],...`` (repeatable) also replays a fixed
+path, one share per control interval and the last one held after it (``0.5x15,0.1x5``: 0.5 for
+fifteen intervals, then 0.1): the price of a schedule one can name, such as a move one interval
+earlier or later.
 """
 
 from __future__ import annotations
@@ -94,8 +97,24 @@ def _run_one(args) -> dict:
     return run_one(*args)
 
 
+def parse_path(spec: str) -> list[float]:
+    """``--path``: comma-separated ``SHARE`` or ``SHAREx N`` (``N`` intervals at ``SHARE``), e.g.
+    ``0.5x15,0.1x5``; ValueError on a share outside [0, 1] or a bad count."""
+    out: list[float] = []
+    for part in (x.strip() for x in spec.split(",")):
+        share, _, n = part.partition("x")
+        try:
+            v, k = float(share), int(n) if n else 1
+        except ValueError:
+            raise ValueError(f"--path: want SHARE or SHARExN, got {part!r}") from None
+        if not 0.0 <= v <= 1.0 or k < 1 or k > 100_000:
+            raise ValueError(f"--path: share in [0, 1] and N >= 1, got {part!r}")
+        out += [v] * k
+    return out
+
+
 def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...] = (),
-            shares: tuple[float, ...] | None = None) -> dict:
+            shares: tuple[float, ...] | None = None, paths: tuple[tuple[float, ...], ...] = ()) -> dict:
     from bench.regret import HoldoutSetting, holdout_config, table_config
     from simulator.cluster import oracle_replay
     from simulator.table import _stream, sim_config
@@ -112,6 +131,8 @@ def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...
            "reachable_p99_ms": reach, "regret_pct": {"reachable": round(100.0 * (reach / oracle - 1.0), 2)}}
     for spec in allocators:
         out["regret_pct"][spec] = round(100.0 * (_p99(stream, scfg, spec) / oracle - 1.0), 2)
+    if paths:
+        out["paths"] = [{"path": list(x), "p99_ms": _path_p99(stream, scfg, list(x), "path")} for x in paths]
     if router_seeds:
         out["over_router_seeds"] = over_router_seeds(stream, scfg, shares or cfg.shares, allocators, router_seeds,
                                                      windows=len(schedule))
@@ -228,6 +249,9 @@ def main(argv=None) -> int:
     p.add_argument("--router-seeds", default="", help="also replay the static splits and the SmartAllocator rows "
                    "once per router seed (comma-separated) and compare medians")
     p.add_argument("--shares", default="", help="static splits of --router-seeds (default: the setting's)")
+    p.add_argument("--path", action="append", default=[], metavar="SHARE[xN],...",
+                   help="also replay this fixed path, one share per control interval (the last held), "
+                   "e.g. 0.5x15,0.1x5; repeatable")
     p.add_argument("--out", default=None, help="JSON-lines file: each setting's row appended when done; rows "
                    "already there (same allocators, seeds and shares) are reused, not run again")
     p.add_argument("--json", action="store_true")
@@ -239,6 +263,10 @@ def main(argv=None) -> int:
         p.error("--router-seeds takes integers, --shares numbers (comma-separated)")
     if shares and not all(0.0 <= x <= 1.0 for x in shares):
         p.error("--shares must be in [0, 1]")
+    try:
+        paths = tuple(tuple(parse_path(x)) for x in a.path)
+    except ValueError as e:
+        p.error(str(e))
     names = setting_names(a.settings)
     if a.jobs < 1:
         p.error("--jobs must be at least 1")
@@ -249,11 +277,13 @@ def main(argv=None) -> int:
         p.error(str(e))
     allocators = tuple(x for x in a.allocators.split(",") if x)
     key = {"allocators": list(allocators), "router_seeds": list(seeds), "shares": None if shares is None else list(shares)}
+    if paths:
+        key["paths"] = [list(x) for x in paths]
     try:
         done = _saved_rows(a.out, key) if a.out else {}
     except (OSError, ValueError) as e:
         p.error(f"--out {a.out}: {e}")
-    work = [(n, allocators, seeds, shares) for n in names if n not in done]
+    work = [(n, allocators, seeds, shares, paths) for n in names if n not in done]
     by_name = dict(done)
     bar = tqdm(total=len(names), initial=len(names) - len(work), desc="reachable", unit="setting", file=sys.stderr)
     for row in _run_all(work, a.jobs):
@@ -273,6 +303,8 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r['setting']}: oracle {r['oracle_p99_ms']} ms {r['oracle_schedule']}; reachable "
                   f"{r['reachable_path']} -> {r['reachable_p99_ms']} ms; regret % {r['regret_pct']}")
+            for x in r.get("paths", []):
+                print(f"  path {x['path']} -> {x['p99_ms']} ms")
             o = r.get("over_router_seeds")
             if o:
                 for k, v in o["rows"].items():

@@ -244,3 +244,45 @@ def test_reachable_out_keeps_each_setting_and_a_rerun_takes_them_instead_of_runn
     with pytest.raises(SystemExit):
         reachable.main(["--settings", names[0], "--router-seeds", "0,1", "--allocators", "racer", "--out", str(out)])
     assert "not JSON" in capsys.readouterr().err
+
+
+def test_saturation_bench_names_its_grids_and_finds_no_change_where_no_node_saturates(capsys):
+    """``bench.saturation``: the grids by name, bad names refused, and on a stream that never
+    saturates a node `racer` with the saturation terms off and on is one and the same run."""
+    from bench import saturation
+    from simulator import SimConfig
+    from workloads.regimes import generate
+    from workloads.trace import synthetic_trace
+
+    held = saturation.setting_names("held-out")
+    assert len(held) == 36 and all(n.startswith("holdout-") for n in held)
+    fresh = saturation.setting_names("random:24:2")
+    assert len(fresh) == 8 and fresh[0].startswith("holdout-random-24-") and fresh[-1].startswith("holdout-random-25-")
+    for bad in ("random:24", "random:x:2", "random:24:0"):
+        with pytest.raises(ValueError, match="random:FROM:COUNT"):
+            saturation.setting_names(bad)
+    with pytest.raises(SystemExit):
+        saturation.main(["--settings", "random:1"])
+    assert "random:FROM:COUNT" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown variant"):
+        saturation.allocator_config("half")
+    off = saturation.allocator_config("off")
+    assert off.curve.saturation is False and off.recovery.paced is True
+    trace = synthetic_trace(num_users=200, num_items=3_000, mean_seq_len=20, seed=2)
+    stream = generate(trace, regime="steady", rate_rps=200, duration_s=3, num_users=500, seed=5)
+    out = saturation.compare(stream, SimConfig(num_nodes=2, cache_fraction=0.3), (0, 1))
+    assert out["router_seeds"] == [0, 1] and all(len(v) == 2 for v in out["p99_ms"].values())
+    assert out["same"] and out["change_pct"] == [0.0, 0.0]
+
+
+def test_reachable_path_specs():
+    """``bench.reachable --path``: ``SHARExN`` runs, a bad share or count refused with a clear error."""
+    from bench.reachable import main, parse_path
+
+    assert parse_path("0.5x3,0.1x2") == [0.5, 0.5, 0.5, 0.1, 0.1]
+    assert parse_path("0.3") == [0.3] and parse_path("0.2, 0.4x2") == [0.2, 0.4, 0.4]
+    for bad in ("1.5x2", "0.5x0", "0.5xq", "half", ""):
+        with pytest.raises(ValueError, match="--path"):
+            parse_path(bad)
+    with pytest.raises(SystemExit):
+        main(["--settings", "taobao-sample-steady-s0", "--path", "0.5x-1"])
