@@ -67,9 +67,10 @@ def racer_p99(stream, scfg, variant: str) -> float:
 
 
 def compare(stream, scfg, router_seeds: tuple[int, ...] = ()) -> dict:
-    """Both variants on ``stream`` once per router seed (none: ``scfg``'s own): P99s by variant,
+    """Both variants on ``stream`` once per router seed (none: ``scfg``'s own, as `simulate` takes
+    it: ``router_seed``, else ``seed``): P99s by variant,
     the change of ``on`` over ``off`` (%) and whether every pair is equal."""
-    seeds = router_seeds or (scfg.router_seed,)
+    seeds = router_seeds or (scfg.seed if scfg.router_seed is None else scfg.router_seed,)
     p99 = {v: [racer_p99(stream, replace(scfg, router_seed=s), v) for s in seeds] for v in VARIANTS}
     change = [round(100.0 * (b / a - 1.0), 2) for a, b in zip(p99["off"], p99["on"])]
     return {"router_seeds": list(seeds), "p99_ms": p99, "change_pct": change, "same": p99["off"] == p99["on"]}

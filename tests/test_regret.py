@@ -273,6 +273,7 @@ def test_saturation_bench_names_its_grids_and_finds_no_change_where_no_node_satu
     out = saturation.compare(stream, SimConfig(num_nodes=2, cache_fraction=0.3), (0, 1))
     assert out["router_seeds"] == [0, 1] and all(len(v) == 2 for v in out["p99_ms"].values())
     assert out["same"] and out["change_pct"] == [0.0, 0.0]
+    assert saturation.compare(stream, SimConfig(num_nodes=2, cache_fraction=0.3, seed=3))["router_seeds"] == [3]
 
 
 def test_reachable_path_specs():
