@@ -51,8 +51,10 @@ def test_scripted_burst_enter_hold_exit_hand_back(c60, paced, load):
     assert "burst entered at t=20s" in d[20].reason and "KV-ward cap 0.4500" in d[20].reason
     if at_once:
         assert d[20].recovery_active and source[20] == "recovery" and share[20] == 0.45
+        assert "KV-ward step 0.1500 taken at once, not paced by max_step_down 0.1" in d[20].reason
     else:
         assert d[20].recovery_active and source[20] == "guard" and share[20] == 0.5
+        assert "not paced" not in d[20].reason
     assert source[21] == "recovery" and share[21] == 0.45
     # hold: the in-between level keeps the burst (above the exit thresholds), past min_hold_s
     assert all(d[t].recovery_active and source[t] == "recovery" and share[t] == 0.45 for t in range(22, 26))

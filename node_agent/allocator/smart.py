@@ -204,6 +204,9 @@ class SmartAllocator:
                    and saturated(stats, c.curve.rho_max))
         share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not (jump or unpaced))
         layers.append(t)
+        if unpaced and not jump and prev - share > c.guard.max_step_down + 1e-9:
+            notes += (f"a burst on a saturated node (busy {stats.load:.2f}): KV-ward step {prev - share:.4f} "
+                      f"taken at once, not paced by max_step_down {c.guard.max_step_down:g}",)
         if t.acted and t.values[0] in self.num_at_bound:
             self.num_at_bound[t.values[0]] += 1
         if t.acted:
