@@ -108,7 +108,7 @@ def parse_path(spec: str) -> list[float]:
         except ValueError:
             raise ValueError(f"--path: want SHARE or SHARExN, got {part!r}") from None
         if not 0.0 <= v <= 1.0 or k < 1 or k > 100_000:
-            raise ValueError(f"--path: share in [0, 1] and N >= 1, got {part!r}")
+            raise ValueError(f"--path: share in [0, 1] and 1 <= N <= 100000, got {part!r}")
         out += [v] * k
     return out
 

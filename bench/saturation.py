@@ -1,14 +1,15 @@
 """`racer` with its saturation terms off and on, side by side, on the regret grids' settings:
 ``python -m bench.saturation --settings in-sample|held-out|random:FROM:COUNT|NAME,... [--router-seeds S,...] [--jobs N] [--json]``
 
-Two parts of the allocator act only on a saturated node (busy fraction at least
+Two parts of the allocator are built for a saturated node (busy fraction at least
 ``CurveConfig.rho_max``, 0.95): the curve layer's queueing term reads the offered load there and
-grows past ``rho_max`` (`CurveConfig.saturation`), and a burst's KV-ward step is not paced by the
-guards' step-down limit (`RecoveryConfig.paced` off). Per setting and router seed this replays the
+grows past ``rho_max`` (`CurveConfig.saturation`; the tangent also prices a share that would
+overload a node not yet saturated), and in a burst a KV-ward step on a saturated node is not paced
+by the guards' step-down limit (`RecoveryConfig.paced` off). Per setting and router seed this replays the
 ``racer`` row twice, as `bench.reachable` runs it (ghost lists on): ``off`` with both turned off
 (``saturation=False``, ``paced=True``) and ``on`` (the shipped config), and prints both P99s, the
 change and whether they are equal to the microsecond. The summary counts the settings where any
-seed differs: on a setting that never saturates a node the two are the same run.
+seed differs.
 
 ``--settings``: comma-separated names as `bench.reachable` takes them; ``in-sample`` (the quick
 regret grid's 36), ``held-out`` (`bench.regret.holdout_grid`'s 36) or ``random:FROM:COUNT`` (the
@@ -72,7 +73,7 @@ def compare(stream, scfg, router_seeds: tuple[int, ...] = ()) -> dict:
     the change of ``on`` over ``off`` (%) and whether every pair is equal."""
     seeds = router_seeds or (scfg.seed if scfg.router_seed is None else scfg.router_seed,)
     p99 = {v: [racer_p99(stream, replace(scfg, router_seed=s), v) for s in seeds] for v in VARIANTS}
-    change = [round(100.0 * (b / a - 1.0), 2) for a, b in zip(p99["off"], p99["on"])]
+    change = [round(100.0 * (b / a - 1.0), 2) if a and b is not None else None for a, b in zip(p99["off"], p99["on"])]
     return {"router_seeds": list(seeds), "p99_ms": p99, "change_pct": change, "same": p99["off"] == p99["on"]}
 
 
@@ -135,8 +136,10 @@ def main(argv=None) -> int:
         print(json.dumps({"settings": rows, "settings_changed": changed, "settings_counted": len(rows)}))
     else:
         for r in rows:
-            print(f"{r['setting']}: off {r['p99_ms']['off']} ms, on {r['p99_ms']['on']} ms "
-                  f"({r['change_pct']}%){'' if not r['same'] else ', the same'}")
+            for i, seed in enumerate(r["router_seeds"]):
+                off, on, ch = r["p99_ms"]["off"][i], r["p99_ms"]["on"][i], r["change_pct"][i]
+                print(f"{r['setting']} router seed {seed}: P99 off {off} ms, on {on} ms"
+                      + (", the same" if off == on else f" ({ch:+.2f}%)" if ch is not None else ""))
         print(f"settings where the saturation terms change racer's P99: {len(changed)} of {len(rows)}"
               + (f" ({', '.join(changed)})" if changed else ""))
     return 0

@@ -383,3 +383,20 @@ def test_a_saturated_nodes_queue_term_reads_the_offered_load_and_grows_past_rho_
     assert (out, t.detail["action"]) == (0.5, "flat")
     out, t = curve_layer(CurveGuard(CurveConfig()), cur, busy, 0.45, 0.5, g)
     assert (out, t.detail["action"]) == (0.45, "pass")
+
+
+def test_below_saturation_the_tangent_prices_only_a_share_that_would_overload_the_node():
+    """At a busy fraction of 0.9 the node is not saturated (offered load = busy fraction), and a
+    share whose service time is 10% longer would put it at 0.99: with ``saturation`` its cost is
+    the M/M/1 tangent's at 0.99, above the cap's; shares under ``rho_max`` cost the same either way."""
+    cur = _curves(kv_hit=(0.5, 0.5, 0.5, 0.5, 0.45), emb_hit=(0.5,) * 5, tokens=1000.0)
+    st = window(emb_share=0.3, load=0.9, num_requests=100, interval_s=1.0, arrival_rate_rps=150.0,
+                emb_lookups_per_request=10.0, kv_recompute_us_per_token=20.0, emb_transfer_us_per_row=1.0)
+    _, capped = expected_costs(cur, st, saturation=False)
+    _, grown = expected_costs(cur, st, saturation=True)
+    s_now = 9_000.0  # 0.9 s busy over 100 requests, µs
+    service = s_now + 1000.0 + 0.5 * 50.0  # 50 more missed tokens (20 µs each), 50 more rows half-missed
+    rho = 0.9 * service / s_now
+    assert rho > 0.95 and capped[4] == pytest.approx(service / 0.05)
+    assert grown[4] == pytest.approx(service / 0.05 * (1.0 + (rho - 0.95) / 0.05))
+    assert np.array_equal(capped[:4], grown[:4])

@@ -173,8 +173,8 @@ class CurveConfig:
     curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
     ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed, ``tail`` whether the cost adds the
     tail's extra recompute (the longest histories' KV curve) to the mean time, ``saturation``
-    whether a saturated node's queueing term reads the offered load and grows past ``rho_max``
-    instead of stopping there)."""
+    whether the queueing term reads a saturated node's offered load and grows past ``rho_max`` at
+    any share that reaches it, instead of stopping there)."""
 
     enabled: bool = True
     tail: bool = True

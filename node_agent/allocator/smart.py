@@ -198,9 +198,10 @@ class SmartAllocator:
                 self._override = None
                 notes += (note,)
         layer_source = source
-        # in a burst on a saturated node a KV-ward step is not paced: each interval above the split
-        # it needs builds backlog, and shrinking the EMB slab is metadata-only
-        unpaced = (hold is None and self.recovery.active and not c.recovery.paced
+        # in a burst on a saturated node a KV-ward step (whichever layer proposed it) is not paced:
+        # each interval above the split it needs builds backlog, and shrinking the EMB slab is
+        # metadata-only
+        unpaced = (hold is None and source != "override" and self.recovery.active and not c.recovery.paced
                    and saturated(stats, c.curve.rho_max))
         share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not (jump or unpaced))
         layers.append(t)
