@@ -6,8 +6,8 @@ Two parts of the allocator are built for a saturated node (busy fraction at leas
 grows past ``rho_max`` (`CurveConfig.saturation`; the tangent also prices a share that would
 overload a node not yet saturated), and in a burst a KV-ward step on a saturated node is not paced
 by the guards' step-down limit (`RecoveryConfig.paced` off). Per setting and router seed this replays the
-``racer`` row twice, as `bench.reachable` runs it (ghost lists on): ``off`` with both turned off
-(``saturation=False``, ``paced=True``) and ``on`` (the shipped config), and prints both P99s, the
+``racer`` row twice, as `bench.reachable` runs it (ghost lists on): ``off``, the shipped config
+(``saturation=False``, ``paced=True``), and ``on``, with both (``saturation=True``, ``paced=False``), and prints both P99s, the
 change and whether they are equal to the microsecond. The summary counts the settings where any
 seed differs.
 
@@ -47,13 +47,13 @@ def setting_names(spec: str) -> list[str]:
 
 
 def allocator_config(variant: str):
-    """The `AllocatorConfig` of ``variant``: ``on`` the shipped one, ``off`` without the saturation terms."""
+    """The `AllocatorConfig` of ``variant``: ``off`` the shipped one (both terms off), ``on`` with both."""
     from node_agent.allocator import AllocatorConfig, CurveConfig, RecoveryConfig
 
     if variant == "on":
-        return AllocatorConfig()
+        return AllocatorConfig(curve=CurveConfig(saturation=True), recovery=RecoveryConfig(paced=False))
     if variant == "off":
-        return AllocatorConfig(curve=CurveConfig(saturation=False), recovery=RecoveryConfig(paced=True))
+        return AllocatorConfig()
     raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(VARIANTS)}")
 
 

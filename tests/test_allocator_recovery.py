@@ -215,7 +215,7 @@ def test_the_burst_cap_asks_the_curve_and_is_declined_where_it_saves_nothing():
 def test_an_override_in_a_saturated_burst_is_the_operators_step_not_an_unpaced_one(c60):
     """An operator's override skips the step limit by itself: in a burst on a saturated node the
     decision is the override's, and its reason does not claim the burst's unpaced step."""
-    alloc = allocator(c60, warmup_s=0.0)
+    alloc = allocator(c60, warmup_s=0.0, paced=False)
     run(alloc, [dict(NORMAL, load=1.0)] * 3)
     alloc.set_override(0.2, now_s=3.0)
     d = alloc.decide(window(**BURST, load=1.0), 3.0)

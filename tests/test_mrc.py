@@ -381,8 +381,9 @@ def test_a_saturated_nodes_queue_term_reads_the_offered_load_and_grows_past_rho_
     g = GuardConfig()
     out, t = curve_layer(CurveGuard(CurveConfig(saturation=False)), cur, busy, 0.45, 0.5, g)
     assert (out, t.detail["action"]) == (0.5, "flat")
-    out, t = curve_layer(CurveGuard(CurveConfig()), cur, busy, 0.45, 0.5, g)
+    out, t = curve_layer(CurveGuard(CurveConfig(saturation=True)), cur, busy, 0.45, 0.5, g)
     assert (out, t.detail["action"]) == (0.45, "pass")
+    assert CurveConfig().saturation is False  # opt-in (docs/allocator.md says why)
 
 
 def test_below_saturation_the_tangent_prices_only_a_share_that_would_overload_the_node():

@@ -266,8 +266,9 @@ def test_saturation_bench_names_its_grids_and_finds_no_change_where_no_node_satu
     assert "random:FROM:COUNT" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown variant"):
         saturation.allocator_config("half")
-    off = saturation.allocator_config("off")
+    off, on = saturation.allocator_config("off"), saturation.allocator_config("on")
     assert off.curve.saturation is False and off.recovery.paced is True
+    assert on.curve.saturation is True and on.recovery.paced is False
     from simulator.smart import make_smart_allocator  # the variant's config reaches the runtime's
     built = make_smart_allocator("racer", None, off).config
     assert built.curve.saturation is False and built.recovery.paced is True and built.curve.enabled

@@ -21,8 +21,8 @@ costs:
   second, so every share that serves faster shrinks a backlog that every later request waits
   behind: ``T`` continues past ``rho_max`` along its tangent there, ``T(s) = S(s) / (1 - rho_max)
   * (1 + (rho - rho_max) / (1 - rho_max))``, instead of stopping at the cap, which made every
-  share of an overloaded node look the same up to its service time (``CurveConfig.saturation``;
-  off: the cap);
+  share of an overloaded node look the same up to its service time (``CurveConfig.saturation``,
+  opt-in; off: the cap);
 - the tail (``CurveConfig.tail``): a light load's P99 is the service time of the longest
   histories, whose K/V need a larger pool than the mean's. The KV curve of the tail's lookups
   alone (``kv_tail_hit_rate``: histories in the top tenth, mean ``kv_tail_tokens``) gives what a
@@ -76,7 +76,7 @@ def saturated(stats, rho_max: float) -> bool:
 
 
 def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True,
-                   saturation: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+                   saturation: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """``(shares, C)``: the expected cost (µs) at each of ``curves.shares``, the time per request
     ``T`` plus, with ``tail``, the tail's extra recompute (see the module docstring), or None
     without requests or busy time in the window. ``saturation``: the offered load and the tangent
