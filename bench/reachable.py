@@ -93,10 +93,6 @@ def setting_names(spec: str) -> list[str]:
     return [x for x in spec.split(",") if x]
 
 
-def _run_one(args) -> dict:
-    return run_one(*args)
-
-
 def parse_path(spec: str) -> list[float]:
     """``--path``: comma-separated ``SHARE`` or ``SHAREx N`` (``N`` intervals at ``SHARE``), e.g.
     ``0.5x15,0.1x5``; ValueError on a share outside [0, 1] or a bad count."""
@@ -113,16 +109,22 @@ def parse_path(spec: str) -> list[float]:
     return out
 
 
-def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...] = (),
-            shares: tuple[float, ...] | None = None, paths: tuple[tuple[float, ...], ...] = ()) -> dict:
+def setting_run(name: str, allocators: tuple[str, ...]):
+    """``(cfg, stream, scfg)`` of the setting called ``name`` (`_setting`) as `bench.regret` runs it
+    with ``allocators``: its table config, its request stream and its simulator config."""
     from bench.regret import HoldoutSetting, holdout_config, table_config
-    from simulator.cluster import oracle_replay
     from simulator.table import _stream, sim_config
 
     st = _setting(name)
     cfg = holdout_config(st, True, allocators) if isinstance(st, HoldoutSetting) else table_config(st, True, allocators)
-    stream = _stream(cfg, st.regime)
-    scfg = sim_config(cfg)
+    return cfg, _stream(cfg, st.regime), sim_config(cfg)
+
+
+def run_one(name: str, allocators: tuple[str, ...], router_seeds: tuple[int, ...] = (),
+            shares: tuple[float, ...] | None = None, paths: tuple[tuple[float, ...], ...] = ()) -> dict:
+    from simulator.cluster import oracle_replay
+
+    cfg, stream, scfg = setting_run(name, allocators)
     res, schedule = oracle_replay(stream, scfg, cfg.shares, "racer")
     oracle = res.summary()["p99_ms"]
     path = guarded_path(schedule)
@@ -197,18 +199,19 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: i
                                      for a in compared}}
 
 
-def _run_all(work: list[tuple], jobs: int):
-    """`run_one` on each item of ``work``, in ``jobs`` processes when more than one; yields each
-    row as it ends (in the order they end)."""
+def _run_all(work: list[tuple], jobs: int, fn=None):
+    """``fn`` (default `run_one`; a module-level function) on each item of ``work``, in ``jobs``
+    processes when more than one; yields each row as it ends (in the order they end)."""
+    fn = fn or run_one
     if jobs > 1 and len(work) > 1:
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(min(jobs, len(work))) as pool:
-            for fut in as_completed([pool.submit(_run_one, w) for w in work]):
+            for fut in as_completed([pool.submit(fn, *w) for w in work]):
                 yield fut.result()
     else:
         for w in work:
-            yield run_one(*w)
+            yield fn(*w)
 
 
 def _saved_rows(path: str, key: dict) -> dict[str, dict]:

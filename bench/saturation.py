@@ -78,17 +78,10 @@ def compare(stream, scfg, router_seeds: tuple[int, ...] = ()) -> dict:
 
 
 def run_one(name: str, router_seeds: tuple[int, ...] = ()) -> dict:
-    from bench.reachable import _setting
-    from bench.regret import HoldoutSetting, holdout_config, table_config
-    from simulator.table import _stream, sim_config
+    from bench.reachable import setting_run
 
-    st = _setting(name)
-    cfg = holdout_config(st, True, ("racer",)) if isinstance(st, HoldoutSetting) else table_config(st, True, ("racer",))
-    return {"setting": name, **compare(_stream(cfg, st.regime), sim_config(cfg), router_seeds)}
-
-
-def _run_one(args) -> dict:
-    return run_one(*args)
+    _, stream, scfg = setting_run(name, ("racer",))
+    return {"setting": name, **compare(stream, scfg, router_seeds)}
 
 
 def main(argv=None) -> int:
@@ -114,21 +107,13 @@ def main(argv=None) -> int:
         p.error(str(e))
     if not names:
         p.error("--settings names no setting")
-    work = [(n, seeds) for n in names]
+    from bench.reachable import _run_all
+
     by_name = {}
     bar = tqdm(total=len(names), desc="saturation", unit="setting", file=sys.stderr)
-    if a.jobs > 1 and len(work) > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(min(a.jobs, len(work))) as pool:
-            for row in pool.map(_run_one, work):
-                by_name[row["setting"]] = row
-                bar.update()
-    else:
-        for w in work:
-            row = run_one(*w)
-            by_name[row["setting"]] = row
-            bar.update()
+    for row in _run_all([(n, seeds) for n in names], a.jobs, run_one):
+        by_name[row["setting"]] = row
+        bar.update()
     bar.close()
     rows = [by_name[n] for n in names]
     changed = [r["setting"] for r in rows if not r["same"]]
