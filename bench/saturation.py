@@ -1,15 +1,18 @@
 """`racer` with its saturation terms off and on, side by side, on the regret grids' settings:
 ``python -m bench.saturation --settings in-sample|held-out|random:FROM:COUNT|NAME,... [--router-seeds S,...] [--jobs N] [--json]``
 
-Two parts of the allocator are built for a saturated node (busy fraction at least
-``CurveConfig.rho_max``, 0.95): the curve layer's queueing term reads the offered load there and
-grows past ``rho_max`` (`CurveConfig.saturation`; the tangent also prices a share that would
-overload a node not yet saturated), and in a burst a KV-ward step on a saturated node is not paced
-by the guards' step-down limit (`RecoveryConfig.paced` off). Per setting and router seed this replays the
-``racer`` row twice, as `bench.reachable` runs it (ghost lists on): ``off``, the shipped config
-(``saturation=False``, ``paced=True``), and ``on``, with both (``saturation=True``, ``paced=False``), and prints both P99s, the
-change and whether they are equal to the microsecond. The summary counts the settings where any
-seed differs.
+Three parts of the allocator are built for a saturated node (busy fraction at least
+``CurveConfig.rho_max``, 0.95), all on by default: the curve layer's queueing term reads the
+offered load there and grows past ``rho_max`` (`CurveConfig.saturation`; the tangent also prices a
+share that would overload a node not yet saturated, and a saturated node still jumps where the
+capped cost would); in a burst a KV-ward step on a saturated node is not paced by the guards'
+step-down limit nor declined by the curve (`RecoveryConfig.paced` off); and the burst detector
+reads the hot-user ratio of the arrivals, which a saturated node serves a backlog late
+(`RecoveryConfig.hot_over_arrivals`). Per setting and router seed this replays the ``racer`` row
+twice, as `bench.reachable` runs it (ghost lists on): ``off``, all three off (``saturation=False``,
+``paced=True``, ``hot_over_arrivals=False``), and ``on``, the shipped config, and prints both
+P99s, the change and whether they are equal to the microsecond. The summary counts the settings
+where any seed differs.
 
 ``--settings``: comma-separated names as `bench.reachable` takes them; ``in-sample`` (the quick
 regret grid's 36), ``held-out`` (`bench.regret.holdout_grid`'s 36) or ``random:FROM:COUNT`` (the
@@ -47,13 +50,15 @@ def setting_names(spec: str) -> list[str]:
 
 
 def allocator_config(variant: str):
-    """The `AllocatorConfig` of ``variant``: ``off`` the shipped one (both terms off), ``on`` with both."""
+    """The `AllocatorConfig` of ``variant``: ``on`` the shipped one, ``off`` without its three
+    saturated-node terms."""
     from node_agent.allocator import AllocatorConfig, CurveConfig, RecoveryConfig
 
     if variant == "on":
-        return AllocatorConfig(curve=CurveConfig(saturation=True), recovery=RecoveryConfig(paced=False))
-    if variant == "off":
         return AllocatorConfig()
+    if variant == "off":
+        return AllocatorConfig(curve=CurveConfig(saturation=False),
+                               recovery=RecoveryConfig(paced=True, hot_over_arrivals=False))
     raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(VARIANTS)}")
 
 

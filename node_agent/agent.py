@@ -188,6 +188,9 @@ class NodeAgent:
         self._last_control_s = self.started_s
         self._arrivals = 0
         self._arrivals_at_control = 0
+        # the users of the arrivals not yet in a window (appended before _arrivals counts them;
+        # bounded: a window's hot-user ratio needs no more than its last 65,536 arrivals)
+        self._arrival_users: collections.deque[int] = collections.deque(maxlen=1 << 16)
         self.costs = MissCosts.from_dict(miss_costs)
         self.window = WindowAccumulator(self.started_s)  # the control core's window (worker thread only)
         self.last_effect: ControlEffect | None = None
@@ -293,6 +296,7 @@ class NodeAgent:
         self.window = WindowAccumulator(now)
         self.started_s = self._last_control_s = now
         self._arrivals_at_control = self._arrivals
+        self._arrival_users.clear()
         self.lanes.num_large_batches = self.lanes.num_expired = self.num_control_steps = 0
         self.last_effect, self.last_window = None, None
         self.recent_effects.clear()
@@ -320,6 +324,7 @@ class NodeAgent:
             self._queue.put_nowait(Job(req, loop, fut))
         except queue.Full:
             raise QueueFull(f"the node's queue is full ({self.config.max_queue} requests waiting)") from None
+        self._arrival_users.append(req.user_id)
         self._arrivals += 1
         return await asyncio.wait_for(fut, self.config.request_timeout_s)
 
@@ -405,7 +410,8 @@ class NodeAgent:
         interval's `WindowStats` and the number of requests that arrived in it."""
         arrivals = self._arrivals - self._arrivals_at_control
         self._arrivals_at_control += arrivals
-        self.window.add_arrivals(arrivals)
+        users = self._arrival_users
+        self.window.add_arrivals(arrivals, [users.popleft() for _ in range(min(arrivals, len(users)))])
         return self.window.close_window(now_s, self.engine.mm, self.costs, self.config.slo_ms), arrivals
 
     def control_step(self, now_s: float) -> dict:

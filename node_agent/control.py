@@ -8,7 +8,7 @@ the allocator decides a split; the split becomes the memory manager's target. Th
 they only feed it (their clocks and I/O):
 
     acc = WindowAccumulator(start_s=0.0)
-    acc.add_arrivals(n)                              # requests accepted by the node
+    acc.add_arrivals(n, users)                       # requests accepted by the node, their users
     acc.add_batch(start_s, end_s, latency_s, users,  # one served micro-batch (end_s may lie in the
                   history_len, kv_hit_tokens,        # future in the simulator: it counts once the
                   emb_rows, emb_hits)                # window closes after it)
@@ -85,17 +85,21 @@ class WindowAccumulator:
     window. In the node agent a batch is added after it ran; in the simulator when it is
     scheduled (possibly to run after the window closes): the rule is the same."""
 
-    __slots__ = ("start_s", "arrivals", "refill_bytes", "_pending")
+    __slots__ = ("start_s", "arrivals", "refill_bytes", "_pending", "_arrival_users")
 
     def __init__(self, start_s: float = 0.0) -> None:
         self.start_s = float(start_s)
         self.arrivals = 0
         self.refill_bytes = 0
         self._pending: list[_Batch] = []
+        self._arrival_users: list[np.ndarray] = []
 
-    def add_arrivals(self, n: int) -> None:
-        """``n`` requests arrived (accepted by the node) in the current window."""
+    def add_arrivals(self, n: int, users=None) -> None:
+        """``n`` requests arrived (accepted by the node) in the current window; ``users``, their
+        ``n`` user ids, if known (the window's ``arrival_hot_user_ratio``; without them it is 0)."""
         self.arrivals += int(n)
+        if users is not None and len(users):
+            self._arrival_users.append(np.asarray(users))
 
     def add_refill_bytes(self, n: int) -> None:
         """Bytes the memory manager's background refill copied host -> device."""
@@ -158,9 +162,11 @@ class WindowAccumulator:
             emb_share=manager.emb_share, load=min(1.0, busy / interval), p99_ms=p99_ms, slo_ms=float(slo_ms),
             refill_bytes=float(self.refill_bytes), arena_bytes=float(mcfg.num_pages * mcfg.page_bytes),
             emb_marginal_us=emb_marginal, kv_marginal_us=kv_marginal,
-            table_bytes=float(mcfg.num_items * mcfg.row_bytes), kv_bytes_per_token=mcfg.page_bytes / mcfg.kv.page_tokens)
+            table_bytes=float(mcfg.num_items * mcfg.row_bytes), kv_bytes_per_token=mcfg.page_bytes / mcfg.kv.page_tokens,
+            arrival_hot_user_ratio=top_share(np.concatenate(self._arrival_users), 0.01) if self._arrival_users else 0.0)
         self.start_s = float(now_s)
         self.arrivals = 0
+        self._arrival_users = []
         self.refill_bytes = 0
         return stats
 

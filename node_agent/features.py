@@ -119,7 +119,11 @@ class WindowStats:
       the ghost lists are off;
     - ``table_bytes`` (optional, default 0: unknown): the embedding table's bytes (rows x row
       bytes); ``kv_bytes_per_token`` (optional, default 0: unknown): K and V bytes of one history
-      token (all layers); both >= 0, read from the node's `MemoryConfig`.
+      token (all layers); both >= 0, read from the node's `MemoryConfig`;
+    - ``arrival_hot_user_ratio`` (optional, default 0: not measured; not a policy feature): the
+      hot-user ratio of the requests that *arrived* in the interval (``hot_user_ratio`` counts
+      those completed, which on a saturated node arrived a backlog earlier), in [0, 1]; the burst
+      detector reads it (`RecoveryConfig.hot_over_arrivals`).
     """
 
     interval_s: float
@@ -143,6 +147,7 @@ class WindowStats:
     kv_marginal_us: float = 0.0
     table_bytes: float = 0.0
     kv_bytes_per_token: float = 0.0
+    arrival_hot_user_ratio: float = 0.0
 
     def problems(self) -> list[str]:
         """Every violated constraint, as readable lines (empty when the snapshot is valid)."""
@@ -168,7 +173,7 @@ class WindowStats:
                      "p99_ms", "refill_bytes", "emb_marginal_us", "kv_marginal_us", "table_bytes",
                      "kv_bytes_per_token"):
             check(name, lambda v: v >= 0, ">= 0")
-        for name in ("hot_user_ratio", "emb_hit_rate", "kv_hit_rate", "emb_share", "load"):
+        for name in ("hot_user_ratio", "emb_hit_rate", "kv_hit_rate", "emb_share", "load", "arrival_hot_user_ratio"):
             check(name, lambda v: 0 <= v <= 1, "in [0, 1]")
         if "num_requests" not in bad_type and float(self.num_requests) != int(self.num_requests):
             out.append(f"num_requests must be a whole number, got {self.num_requests!r}")
@@ -292,13 +297,13 @@ def _check(s: WindowStats) -> None:
                  + s.history_len_p99 + s.emb_lookups_per_request + s.emb_hit_rate + s.kv_hit_rate
                  + s.kv_recompute_us_per_token + s.emb_transfer_us_per_row + s.emb_share + s.load + s.p99_ms
                  + s.slo_ms + s.refill_bytes + s.arena_bytes + s.emb_marginal_us
-                 + s.kv_marginal_us + s.table_bytes + s.kv_bytes_per_token)
+                 + s.kv_marginal_us + s.table_bytes + s.kv_bytes_per_token + s.arrival_hot_user_ratio)
         ok = (math.isfinite(total) and s.interval_s > 0 and s.slo_ms > 0 and s.arena_bytes > 0
               and s.num_requests >= 0 and s.arrival_rate_rps >= 0 and 0 <= s.history_len_p50 <= s.history_len_p99
               and s.emb_lookups_per_request >= 0 and s.kv_recompute_us_per_token >= 0
               and s.emb_transfer_us_per_row >= 0 and s.p99_ms >= 0 and s.refill_bytes >= 0
               and s.emb_marginal_us >= 0 and s.kv_marginal_us >= 0 and s.table_bytes >= 0
-              and s.kv_bytes_per_token >= 0
+              and s.kv_bytes_per_token >= 0 and 0 <= s.arrival_hot_user_ratio <= 1
               and 0 <= s.hot_user_ratio <= 1 and 0 <= s.emb_hit_rate <= 1 and 0 <= s.kv_hit_rate <= 1
               and 0 <= s.emb_share <= 1 and 0 <= s.load <= 1 and s.num_requests == int(s.num_requests))
     except (TypeError, ValueError, OverflowError):

@@ -674,7 +674,7 @@ class ClusterSim:
         for r0, r1 in zip(g.node_start.tolist(), np.r_[g.node_start[1:], n].tolist()):
             node = nodes[int(g.snode[r0])]
             node.win.n += r1 - r0
-            node.acc.add_arrivals(r1 - r0)
+            node.acc.add_arrivals(r1 - r0, users[r0:r1])
 
     def _run_batches(self, g: _Batches, emb: _EmbIds, users, cached, L, nn, nc, t1: float):
         """Each batch of the slice in turn: its EMB lookup, its modelled time on its node (from

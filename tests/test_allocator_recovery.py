@@ -193,6 +193,7 @@ def test_the_burst_cap_asks_the_curve_and_is_declined_where_it_saves_nothing():
     buy less than ``decline_gain`` there; without a curve the cap stands."""
     from node_agent.allocator.curve import CostCurve
     from node_agent.allocator.recovery import recovery_layer
+    from node_agent.allocator.trace import _recovery_words
 
     def in_burst():
         ctl = RecoveryController(RecoveryConfig(warmup_s=2.0))
@@ -210,6 +211,8 @@ def test_the_burst_cap_asks_the_curve_and_is_declined_where_it_saves_nothing():
         assert ctl.phase == "burst" and t.detail["event"] == "entered"
         assert out == pytest.approx(want) and t.detail["cap_declined"] is declined
         assert t.detail["capped"] is (not declined) and t.detail["cap"] == pytest.approx(0.65)
+        words = _recovery_words(t.detail, "base")  # the decision's reason says which
+        assert ("KV-ward cap 0.6500 declined" in words) is declined and "already under" not in words
 
 
 def test_an_override_in_a_saturated_burst_is_the_operators_step_not_an_unpaced_one(c60):
@@ -221,3 +224,21 @@ def test_an_override_in_a_saturated_burst_is_the_operators_step_not_an_unpaced_o
     d = alloc.decide(window(**BURST, load=1.0), 3.0)
     assert d.recovery_active and d.source == "override" and round(d.emb_share, 6) == 0.2
     assert "not paced" not in d.reason
+
+
+@pytest.mark.parametrize("over_arrivals", [False, True])
+def test_a_saturated_nodes_burst_is_seen_in_its_arrivals_an_interval_before_its_completions(c60, over_arrivals):
+    """A saturated node completes requests that arrived a backlog earlier: in the burst's first
+    interval the arrivals show the hot users (x6) while the completed requests still show the
+    baseline. Counted over arrivals (`hot_over_arrivals`), the burst is entered then; over
+    completions, one interval later. A window without the arrivals' ratio (0: not measured) falls
+    back to the completions'."""
+    alloc = allocator(c60, hot_over_arrivals=over_arrivals)
+    normal = dict(NORMAL, arrival_hot_user_ratio=0.02)
+    first = dict(arrival_rate_rps=4000.0, hot_user_ratio=0.02, arrival_hot_user_ratio=0.12)
+    d = run(alloc, [normal] * 20 + [first, dict(BURST, arrival_hot_user_ratio=0.12)])
+    assert d[20].recovery_active is over_arrivals
+    assert d[21].recovery_active
+    unmeasured = allocator(c60, hot_over_arrivals=True)
+    d = run(unmeasured, [NORMAL] * 20 + [BURST])  # arrival_hot_user_ratio left 0: the completions' ratio
+    assert d[20].recovery_active

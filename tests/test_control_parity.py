@@ -67,9 +67,10 @@ class SimSide:
         self.alloc.reset(1, 0.5)
         self.batches: list[dict] = []
 
-    def serve(self, batch: dict, arrivals: int) -> None:
-        """One batch, as `ClusterSim._serve_slice` hands its batches to `feed_batches`."""
-        self.acc.add_arrivals(arrivals)
+    def serve(self, batch: dict, arrivals: list[int]) -> None:
+        """One batch and its arrivals' users, as `ClusterSim._serve_slice` hands them to
+        `feed_batches` and `WindowAccumulator.add_arrivals`."""
+        self.acc.add_arrivals(len(arrivals), np.array(arrivals))
         n = len(batch["users"])
         feed_batches([self.acc], np.array([0]), np.array([batch["start"]]), np.array([batch["end"]]), np.array([0]),
                      np.array([n]), np.array(batch["arrival"]), np.array(batch["users"]), np.array(batch["L"]),
@@ -122,7 +123,8 @@ def run_parity(agent_cls, policy_dir, num_windows: int = 3, seed: int = 0):
                     reqs.append(RecRequest(u, list(hist), new, top_k=3, arrival_s=arrival))
                     histories[u] = (hist + new) if len(hist) < 50 else new
                 jobs = [Job(r, loop, loop.create_future()) for r in reqs]
-                agent._arrivals += len(jobs)  # what NodeAgent.submit counts
+                agent._arrival_users.extend(r.user_id for r in reqs)  # what NodeAgent.submit records
+                agent._arrivals += len(jobs)
                 resps_box = {}
                 real_serve = eng.serve_batch
 
@@ -140,7 +142,7 @@ def run_parity(agent_cls, policy_dir, num_windows: int = 3, seed: int = 0):
                            "users": [r.user_id for r in resps], "L": [r.num_history for r in resps],
                            "cached": [r.kv_hit_tokens for r in resps],
                            "emb_rows": sum(r.emb_rows for r in resps), "emb_hits": sum(r.emb_hits for r in resps)},
-                          len(jobs))
+                          [r.user_id for r in reqs])
                 seen.clear()
                 for _ in range(3):  # the boundary moves and refills between batches, on both sides
                     step = eng.maintenance(t[0])
@@ -214,18 +216,21 @@ def test_pending_batches_count_when_they_end_and_busy_time_by_overlap():
     mm = MemoryManager(MemoryConfig(num_pages=8, num_items=100, emb_dim=4, emb_dtype="float32",
                                     kv=KVLayout(1, 1, 2, 4, "float32"), payload=False, device="cpu"))
     acc = WindowAccumulator(0.0)
-    acc.add_arrivals(3)
+    acc.add_arrivals(3, [5, 5, 6])
+    acc.add_arrivals(1, [7])
     acc.add_batch(0.2, 0.6, [0.5], [1], [10], [4], 20, 10)
     acc.add_batch(0.8, 1.4, [0.9, 0.7], [2, 3], [20, 30], [0, 30], 40, 0)  # ends after the first close
     s1 = acc.close_window(1.0, mm, _costs(), 30.0)
-    assert (s1.num_requests, s1.arrival_rate_rps) == (1, 3.0)
+    assert (s1.num_requests, s1.arrival_rate_rps) == (1, 4.0)
+    # the hot-user ratio of the completed requests (one, user 1) and of the arrivals (user 5: 2 of 4)
+    assert (s1.hot_user_ratio, s1.arrival_hot_user_ratio) == (1.0, 0.5)
     assert s1.load == pytest.approx(0.4 + 0.2) and s1.p99_ms == pytest.approx(500.0)
     assert (s1.emb_lookups_per_request, s1.emb_hit_rate, s1.kv_hit_rate) == (20.0, 0.5, 0.4)
     assert s1.kv_recompute_us_per_token == 3.0 and s1.emb_share == mm.emb_share  # p50 10: nearest profiled 8
     # schema 3's sizes from the manager's config: 100 rows x 4 float32; K and V of 1 layer x 1 head x dim 2
     assert (s1.table_bytes, s1.kv_bytes_per_token) == (100 * 4 * 4, 2 * 1 * 1 * 2 * 4)
     s2 = acc.close_window(2.0, mm, _costs(), 30.0)
-    assert (s2.num_requests, s2.arrival_rate_rps) == (2, 0.0)
+    assert (s2.num_requests, s2.arrival_rate_rps, s2.arrival_hot_user_ratio) == (2, 0.0, 0.0)
     assert s2.load == pytest.approx(0.4) and s2.kv_hit_rate == pytest.approx(30 / 50)
     assert asdict(acc.close_window(3.0, mm, _costs(), 30.0))["num_requests"] == 0
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from common.contract import DETAIL_FIELDS, LAYERS, parse_curve_text
-from node_agent.allocator import AllocatorConfig, CurveConfig, CurveGuard, GuardConfig, SmartAllocator, curve_layer
+from node_agent.allocator import (AllocatorConfig, CurveConfig, CurveGuard, GuardConfig, ResidualConfig, SmartAllocator,
+                                  curve_layer)
 from node_agent.allocator.curve import expected_costs
 from node_agent.control import control_step
 from node_agent.memory import KVLayout, MemoryConfig, MemoryManager, MissCurves
@@ -383,7 +384,7 @@ def test_a_saturated_nodes_queue_term_reads_the_offered_load_and_grows_past_rho_
     assert (out, t.detail["action"]) == (0.5, "flat")
     out, t = curve_layer(CurveGuard(CurveConfig(saturation=True)), cur, busy, 0.45, 0.5, g)
     assert (out, t.detail["action"]) == (0.45, "pass")
-    assert CurveConfig().saturation is False  # opt-in (docs/allocator.md says why)
+    assert CurveConfig().saturation is True
 
 
 def test_below_saturation_the_tangent_prices_only_a_share_that_would_overload_the_node():
@@ -401,3 +402,58 @@ def test_below_saturation_the_tangent_prices_only_a_share_that_would_overload_th
     assert rho > 0.95 and capped[4] == pytest.approx(service / 0.05)
     assert grown[4] == pytest.approx(service / 0.05 * (1.0 + (rho - 0.95) / 0.05))
     assert np.array_equal(capped[:4], grown[:4])
+
+
+def test_on_a_saturated_node_the_tangent_keeps_the_jumps_the_capped_cost_makes():
+    """With ``saturation`` the tangent's T (here 42x the service time at every share) dwarfs the
+    tail's extra recompute, which decides this node's split: the minimum saves 4.5% over the split
+    in force, under ``move_gain``. The capped cost sees the same minimum as a 67% saving, a cliff
+    the node stands above; on a saturated node the layer keeps that jump (its thresholds were set
+    on the capped cost) and takes it at once."""
+    cur = _tail_curves(kv_hit=(0.5,) * 5, kv_tail_hit=(0.9, 0.9, 0.1, 0.1, 0.1), tokens=1000.0,
+                       tail_tokens=50_000.0, emb_hit=(0.5,) * 5)
+    st = window(emb_share=0.5, load=1.0, num_requests=1000, interval_s=1.0, arrival_rate_rps=3000.0,
+                emb_lookups_per_request=10.0, kv_recompute_us_per_token=1.0, emb_transfer_us_per_row=1.0)
+    _, capped = expected_costs(cur, st, saturation=False)
+    _, grown = expected_costs(cur, st, saturation=True)
+    assert 1.0 - capped[0] / capped[4] == pytest.approx(40_000 / 60_000)  # tail 44,500 vs 4,500 µs; T 20,000
+    assert 1.0 - grown[0] / grown[4] < CurveConfig().move_gain
+    for saturation in (False, True):
+        out, t = curve_layer(CurveGuard(CurveConfig(saturation=saturation)), cur, st, 0.5, 0.5, GuardConfig())
+        assert (out, t.detail["action"]) == (0.1, "jump"), saturation
+    # below saturation the tangent prices nothing differently here, and the capped jump stands as it was
+    light = window(emb_share=0.5, load=0.5, num_requests=1000, interval_s=1.0, arrival_rate_rps=500.0,
+                   emb_lookups_per_request=10.0, kv_recompute_us_per_token=1.0, emb_transfer_us_per_row=1.0)
+    out, t = curve_layer(CurveGuard(CurveConfig(saturation=True)), cur, light, 0.5, 0.5, GuardConfig())
+    assert t.detail["action"] == "jump"
+
+
+@pytest.mark.parametrize("holds_split", [False, True])
+def test_the_dead_band_holds_the_split_the_guards_let_through_with_flat_holds_split(tmp_path, holds_split):
+    """A base policy that asks for 0.9 where the curve is flat: the curve layer passes its first
+    proposal (the curve then not flat, its minimum under ``move_gain``), the step limit lets 0.55
+    through, and the curve is flat from then on. The dead band holds the layer's last choice:
+    by default the base's 0.9, the proposal itself, which passes and which the guards walk to at
+    0.05 an interval across a valley where nothing is gained; with ``flat_holds_split`` the split
+    the guards let through, 0.55."""
+    policy = constant_policy(tmp_path / "p", 0.9)
+    cfg = AllocatorConfig(device="cpu", residual=ResidualConfig(enabled=False),
+                          curve=CurveConfig(flat_holds_split=holds_split))
+    alloc = SmartAllocator(cfg, policy_dir=policy)
+    shares9 = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    sloped = _curves(kv_hit=tuple(0.445 - 0.003125 * i for i in range(9)), emb_hit=(0.5,) * 9, shares=shares9)
+    flat = _curves(kv_hit=(0.42,) * 9, emb_hit=(0.5,) * 9, shares=shares9)
+    share, out = 0.5, []
+    for i in range(6):
+        alloc.read_curves(sloped if i == 0 else flat)
+        d = alloc.decide(window(emb_share=share, load=0.4, num_requests=1000, interval_s=1.0,
+                                emb_lookups_per_request=50.0, kv_recompute_us_per_token=2.0,
+                                emb_transfer_us_per_row=1.0), float(i))
+        share = d.emb_share
+        out.append((round(share, 4), d.layer("curve").detail["action"]))
+    assert out[0] == (0.55, "pass")
+    if holds_split:
+        assert out[1:] == [(0.55, "flat")] * 5
+    else:
+        assert [s for s, _ in out] == [0.55, 0.6, 0.65, 0.7, 0.75, 0.8]
+        assert all(a == "pass" for _, a in out[1:]), out

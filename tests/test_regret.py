@@ -267,11 +267,13 @@ def test_saturation_bench_names_its_grids_and_finds_no_change_where_no_node_satu
     with pytest.raises(ValueError, match="unknown variant"):
         saturation.allocator_config("half")
     off, on = saturation.allocator_config("off"), saturation.allocator_config("on")
-    assert off.curve.saturation is False and off.recovery.paced is True
-    assert on.curve.saturation is True and on.recovery.paced is False
+    assert off.curve.saturation is False and off.recovery.paced is True and off.recovery.hot_over_arrivals is False
+    assert on == type(on)()  # the shipped config: all three on
+    assert on.curve.saturation is True and on.recovery.paced is False and on.recovery.hot_over_arrivals is True
     from simulator.smart import make_smart_allocator  # the variant's config reaches the runtime's
     built = make_smart_allocator("racer", None, off).config
     assert built.curve.saturation is False and built.recovery.paced is True and built.curve.enabled
+    assert built.recovery.hot_over_arrivals is False
     trace = synthetic_trace(num_users=200, num_items=3_000, mean_seq_len=20, seed=2)
     stream = generate(trace, regime="steady", rate_rps=200, duration_s=3, num_users=500, seed=5)
     out = saturation.compare(stream, SimConfig(num_nodes=2, cache_fraction=0.3), (0, 1))

@@ -133,10 +133,14 @@ class RecoveryConfig:
     when either is <= its ``exit_*`` threshold (lower than the enter ones: hysteresis) on every
     interval for ``exit_confirm_s``, and at least ``min_hold_s`` after entry; a burst longer than
     ``max_burst_s`` is a new regime: the baselines jump to the current values and control returns.
-    In a burst emb_share is capped at (split at entry - ``kv_shift``); with ``paced`` off (opt-in),
-    on a saturated node (busy fraction at least ``CurveConfig.rho_max``) a KV-ward step is then
-    taken at once, the guards' step-down limit waived (shrinking the EMB slab is metadata-only, and
-    every interval of an overloaded node builds backlog).
+    In a burst emb_share is capped at (split at entry - ``kv_shift``); with ``paced`` off (the
+    default), on a saturated node (busy fraction at least ``CurveConfig.rho_max``) a KV-ward step is
+    then taken at once, the guards' step-down limit waived (shrinking the EMB slab is metadata-only,
+    and every interval of an overloaded node builds backlog), and the cap is not declined by the
+    curve (whose histograms still hold the reuse from before the burst). ``hot_over_arrivals`` (on
+    by default): the hot-user ratio is that of the requests that arrived in the interval
+    (`WindowStats.arrival_hot_user_ratio`, where measured), not of those completed, which a
+    saturated node serves a backlog late.
     ``rate_floor_rps`` and ``hot_floor`` keep the ratios finite near zero baselines.
     """
 
@@ -151,7 +155,8 @@ class RecoveryConfig:
     exit_confirm_s: float = ranged(1.0, lo=0)
     max_burst_s: float = ranged(60.0, lo=0, lo_open=True)
     kv_shift: float = ranged(0.15, lo=0, hi=1, lo_open=True)
-    paced: bool = ranged(True, kind=bool)
+    paced: bool = ranged(False, kind=bool)
+    hot_over_arrivals: bool = ranged(True, kind=bool)
     rate_floor_rps: float = ranged(1.0, lo=0, lo_open=True)
     hot_floor: float = ranged(0.005, lo=0, lo_open=True)
 
@@ -173,12 +178,15 @@ class CurveConfig:
     curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
     ``min_emb_refs`` / ``min_kv_lookups`` the evidence needed, ``tail`` whether the cost adds the
     tail's extra recompute (the longest histories' KV curve) to the mean time, ``saturation``
-    (opt-in) whether the queueing term reads a saturated node's offered load and grows past ``rho_max`` at
-    any share that reaches it, instead of stopping there)."""
+    whether the queueing term reads a saturated node's offered load and grows past ``rho_max`` at
+    any share that reaches it, instead of stopping there (a saturated node then also jumps where
+    the capped cost would), ``flat_holds_split`` (opt-in) whether the dead band holds the split the
+    guards let through rather than the layer's own last choice)."""
 
     enabled: bool = True
     tail: bool = True
-    saturation: bool = False
+    saturation: bool = True
+    flat_holds_split: bool = False
     move_gain: float = 0.25
     hold_gain: float = 0.1
     cliff_gain: float = 0.25

@@ -22,7 +22,7 @@ costs:
   behind: ``T`` continues past ``rho_max`` along its tangent there, ``T(s) = S(s) / (1 - rho_max)
   * (1 + (rho - rho_max) / (1 - rho_max))``, instead of stopping at the cap, which made every
   share of an overloaded node look the same up to its service time (``CurveConfig.saturation``,
-  opt-in; off: the cap);
+  on by default; off: the cap);
 - the tail (``CurveConfig.tail``): a light load's P99 is the service time of the longest
   histories, whose K/V need a larger pool than the mean's. The KV curve of the tail's lookups
   alone (``kv_tail_hit_rate``: histories in the top tenth, mean ``kv_tail_tokens``) gives what a
@@ -43,11 +43,17 @@ guard range and at the split in force:
   ``jump_gain`` of the split in force's ``T`` (a cliff the node stands above): the guards'
   step-down limit is waived for this decision, so the split reaches the minimum at once. A
   shrink of the EMB slab is metadata-only (its pages go to the KV pool); a growth stays paced,
-  its new rows need a refill. Every interval above a cliff builds a backlog that the tail keeps;
+  its new rows need a refill. Every interval above a cliff builds a backlog that the tail keeps.
+  On a saturated node with ``saturation``, the jump is also taken where the capped cost (``rho``
+  stopped at ``rho_max``) sees that saving: the tangent's growth dwarfs the tail's term there,
+  and the thresholds were set on the capped cost (the minimum is then taken even under
+  ``move_gain``);
 - ``refuse_step``: the proposal's ``T`` exceeds the split in force's by ``cliff_gain`` or more (a
   step over a cliff): the proposal becomes the split in force;
-- ``flat``: the split the layer last chose (``anchor``; at first the split in force) is within
-  ``flat_gain`` of the curve's minimum (the valley is flat: no share saves that much): the
+- ``flat``: the split the layer last chose (``anchor``; at first the split in force; with
+  ``flat_holds_split`` the split the guards let through after it, unless a burst's cap or an
+  override set it) is within ``flat_gain`` of the curve's minimum (the valley is flat: no share
+  saves that much): the
   proposal becomes that split, a dead band that keeps a noisy gradient from walking the split
   across a valley where it does not matter. It holds the layer's own choice, not the split in
   force, so a burst's KV-ward cap (the recovery layer, after this one) is undone when the burst
@@ -75,12 +81,10 @@ def saturated(stats, rho_max: float) -> bool:
     return stats.load >= rho_max
 
 
-def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True,
-                   saturation: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(shares, C)``: the expected cost (µs) at each of ``curves.shares``, the time per request
-    ``T`` plus, with ``tail``, the tail's extra recompute (see the module docstring), or None
-    without requests or busy time in the window. ``saturation``: the offered load and the tangent
-    past ``rho_max`` (off: ``rho`` capped at ``rho_max``)."""
+def _service(curves, stats):
+    """``(shares, S, S_now, kv_miss)``: the device's time per request at each share (µs), the
+    window's, and the KV tokens a request misses at each share; None without requests or busy
+    time in the window."""
     n = stats.num_requests
     if n <= 0 or stats.load <= 0.0:
         return None
@@ -96,12 +100,30 @@ def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True,
     rows = np.maximum(stats.emb_lookups_per_request + kv_miss - kv_miss_now, 0.0)
     miss = kv_miss * kv_us + rows * (1.0 - e_hit) * emb_us
     miss_now = kv_miss_now * kv_us + stats.emb_lookups_per_request * (1.0 - e_now) * emb_us
-    service = np.maximum(s_now + miss - miss_now, 0.05 * s_now)
+    return shares, np.maximum(s_now + miss - miss_now, 0.05 * s_now), s_now, kv_miss
+
+
+def _offered(stats, s_now: float, rho_max: float) -> float:
+    """The offered load: the busy fraction, or on a saturated node the arrivals' work when more."""
+    if saturated(stats, rho_max):
+        return max(stats.load, stats.arrival_rate_rps * s_now * 1e-6)
+    return stats.load
+
+
+def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True,
+                   saturation: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(shares, C)``: the expected cost (µs) at each of ``curves.shares``, the time per request
+    ``T`` plus, with ``tail``, the tail's extra recompute (see the module docstring), or None
+    without requests or busy time in the window. ``saturation``: the offered load and the tangent
+    past ``rho_max`` (off: ``rho`` capped at ``rho_max``)."""
+    m = _service(curves, stats)
+    if m is None:
+        return None
+    shares, service, s_now, kv_miss = m
+    kv_us = stats.kv_recompute_us_per_token
+    tokens = float(curves.kv_tokens_per_lookup)
     if saturation:
-        offered = stats.load
-        if saturated(stats, rho_max):
-            offered = max(offered, stats.arrival_rate_rps * s_now * 1e-6)
-        rho = offered * service / s_now
+        rho = _offered(stats, s_now, rho_max) * service / s_now
         under = rho < rho_max
         cost = np.where(under, service / (1.0 - np.where(under, rho, 0.0)),
                         service / (1.0 - rho_max) * (1.0 + (rho - rho_max) / (1.0 - rho_max)))
@@ -182,9 +204,14 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
     t_prev = float(np.interp(prev, shares, cost))
     gain = (t_p - t_min) / t_p if t_p > 0 else 0.0
     out, action = proposal, "pass"
-    if gain >= c.move_gain or (guard_state.holding and gain >= c.hold_gain):
+    drains = False  # on a saturated node: the jump the capped cost would make (its thresholds were set on it)
+    if s_min < prev and c.saturation and saturated(stats, c.rho_max):
+        _, capped = expected_costs(curves, stats, c.rho_max, c.tail, False)
+        c_prev = float(np.interp(prev, shares, capped))
+        drains = c_prev > 0 and c_prev - float(capped[j]) >= c.jump_gain * c_prev
+    if gain >= c.move_gain or (guard_state.holding and gain >= c.hold_gain) or drains:
         out, action = s_min, "to_minimum"
-        if s_min < prev and t_prev > 0 and (t_prev - t_min) >= c.jump_gain * t_prev:
+        if drains or (s_min < prev and t_prev > 0 and (t_prev - t_min) >= c.jump_gain * t_prev):
             action = "jump"
     elif t_prev > 0 and t_p >= t_prev * (1.0 + c.cliff_gain):
         out, action = prev, "refuse_step"

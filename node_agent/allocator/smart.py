@@ -182,8 +182,13 @@ class SmartAllocator:
                     if back != 0.0:
                         t.values = t.values[:-1] + (back,)
         if hold is None and c.recovery.enabled:
-            proposal, t, note = recovery_layer(self.recovery, stats.arrival_rate_rps, stats.hot_user_ratio, now_s,
-                                               prev, proposal, source, cost, c.curve.flat_gain)
+            hot = (stats.arrival_hot_user_ratio if c.recovery.hot_over_arrivals and stats.arrival_hot_user_ratio > 0
+                   else stats.hot_user_ratio)
+            # on a saturated node an unpaced burst's cap is not declined: the curves' histograms
+            # still hold the reuse from before the burst
+            sat_burst = not c.recovery.paced and saturated(stats, c.curve.rho_max)
+            proposal, t, note = recovery_layer(self.recovery, stats.arrival_rate_rps, hot, now_s,
+                                               prev, proposal, source, cost, 0.0 if sat_burst else c.curve.flat_gain)
             layers.append(t)
             if t.acted:
                 source, learnable = "recovery", False
@@ -208,6 +213,8 @@ class SmartAllocator:
         if unpaced and not jump and prev - share > c.guard.max_step_down + 1e-9:
             notes += (f"a burst on a saturated node (busy {stats.load:.2f}): KV-ward step {prev - share:.4f} "
                       f"taken at once, not paced by max_step_down {c.guard.max_step_down:g}",)
+        if c.curve.flat_holds_split and layer_source in ("base", "residual", "guard") and self.curve.anchor is not None:
+            self.curve.anchor = share
         if t.acted and t.values[0] in self.num_at_bound:
             self.num_at_bound[t.values[0]] += 1
         if t.acted:

@@ -88,6 +88,9 @@ def _recovery_words(d: dict, inner: str) -> str:
     if d["capped"]:
         return (f"{head}KV-ward cap {d['cap']:.4f} (entry {d['entry_emb_share']:.4f} - {d['kv_shift']:g}) under "
                 f"{d['source_in']} proposal {d['proposal_in']:.4f} ({inner})")
+    if d.get("cap_declined"):
+        return (f"{head}KV-ward cap {d['cap']:.4f} declined (the miss-ratio curve says it saves next to "
+                f"nothing): {d['source_in']} proposal {d['proposal_in']:.4f} kept ({inner})")
     return (f"{head}{d['source_in']} proposal {d['proposal_in']:.4f} already under the KV-ward cap "
             f"{d['cap']:.4f} ({inner})")
 
