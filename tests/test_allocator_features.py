@@ -148,6 +148,8 @@ def test_writes_in_place_into_the_callers_buffer():
     ("refill_bytes", -1.0, "refill_bytes must be >= 0"),
     ("table_bytes", -1.0, "table_bytes must be >= 0"),
     ("kv_bytes_per_token", float("nan"), "kv_bytes_per_token must be finite"),
+    ("arrival_hot_user_ratio", 1.5, "arrival_hot_user_ratio must be in [0, 1]"),
+    ("arrival_hot_user_ratio", float("nan"), "arrival_hot_user_ratio must be finite"),
     ("history_len_p50", 20000.0, "history_len_p50 must be <= history_len_p99"),
     ("load", "high", "load must be a number"),
     ("num_requests", 2.5, "num_requests must be a whole number"),

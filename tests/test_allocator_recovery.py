@@ -226,19 +226,20 @@ def test_an_override_in_a_saturated_burst_is_the_operators_step_not_an_unpaced_o
     assert "not paced" not in d.reason
 
 
-@pytest.mark.parametrize("over_arrivals", [False, True])
-def test_a_saturated_nodes_burst_is_seen_in_its_arrivals_an_interval_before_its_completions(c60, over_arrivals):
+@pytest.mark.parametrize("over_arrivals, load", [(False, 1.0), (True, 1.0), (True, 0.5)])
+def test_a_saturated_nodes_burst_is_seen_in_its_arrivals_an_interval_before_its_completions(c60, over_arrivals,
+                                                                                             load):
     """A saturated node completes requests that arrived a backlog earlier: in the burst's first
     interval the arrivals show the hot users (x6) while the completed requests still show the
-    baseline. Counted over arrivals (`hot_over_arrivals`), the burst is entered then; over
-    completions, one interval later. A window without the arrivals' ratio (0: not measured) falls
-    back to the completions'."""
+    baseline. On a saturated node with `hot_over_arrivals` the burst is entered then; otherwise
+    (off, or a node that keeps up, which reads the completed requests' ratio) one interval later.
+    A window without the arrivals' ratio (0: not measured) falls back to the completions'."""
     alloc = allocator(c60, hot_over_arrivals=over_arrivals)
-    normal = dict(NORMAL, arrival_hot_user_ratio=0.02)
-    first = dict(arrival_rate_rps=4000.0, hot_user_ratio=0.02, arrival_hot_user_ratio=0.12)
-    d = run(alloc, [normal] * 20 + [first, dict(BURST, arrival_hot_user_ratio=0.12)])
-    assert d[20].recovery_active is over_arrivals
+    normal = dict(NORMAL, arrival_hot_user_ratio=0.02, load=load)
+    first = dict(arrival_rate_rps=4000.0, hot_user_ratio=0.02, arrival_hot_user_ratio=0.12, load=load)
+    d = run(alloc, [normal] * 20 + [first, dict(BURST, arrival_hot_user_ratio=0.12, load=load)])
+    assert d[20].recovery_active is (over_arrivals and load >= 0.95)
     assert d[21].recovery_active
     unmeasured = allocator(c60, hot_over_arrivals=True)
-    d = run(unmeasured, [NORMAL] * 20 + [BURST])  # arrival_hot_user_ratio left 0: the completions' ratio
+    d = run(unmeasured, [dict(NORMAL, load=load)] * 20 + [dict(BURST, load=load)])  # the completions' ratio
     assert d[20].recovery_active

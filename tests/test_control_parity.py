@@ -172,7 +172,7 @@ def test_agent_and_simulator_paths_give_identical_stats_and_decisions(policy_dir
     assert len(rounds) == 3
     for w, (diffs, d_agent, d_sim, tgt_agent, tgt_sim, stats) in enumerate(rounds):
         assert diffs == [], f"window {w}: {diffs}"
-        assert stats.num_requests > 0 and 0 < stats.load <= 1 and stats.p99_ms > 0
+        assert stats.num_requests > 0 and 0 < stats.load <= 1 and stats.p99_ms > 0 and stats.arrival_hot_user_ratio > 0
         assert _decision_record(d_agent) == _decision_record(d_sim)
         assert np.array_equal(d_agent.features, d_sim.features)
         assert tgt_agent == tgt_sim

@@ -404,7 +404,7 @@ def test_below_saturation_the_tangent_prices_only_a_share_that_would_overload_th
     assert np.array_equal(capped[:4], grown[:4])
 
 
-def test_on_a_saturated_node_the_tangent_keeps_the_jumps_the_capped_cost_makes():
+def test_on_a_saturated_node_the_tangent_keeps_the_jumps_the_capped_cost_makes(tmp_path):
     """With ``saturation`` the tangent's T (here 42x the service time at every share) dwarfs the
     tail's extra recompute, which decides this node's split: the minimum saves 4.5% over the split
     in force, under ``move_gain``. The capped cost sees the same minimum as a 67% saving, a cliff
@@ -421,6 +421,12 @@ def test_on_a_saturated_node_the_tangent_keeps_the_jumps_the_capped_cost_makes()
     for saturation in (False, True):
         out, t = curve_layer(CurveGuard(CurveConfig(saturation=saturation)), cur, st, 0.5, 0.5, GuardConfig())
         assert (out, t.detail["action"]) == (0.1, "jump"), saturation
+    # the decision says which cost took it
+    policy = constant_policy(tmp_path / "p", 0.5)
+    alloc = SmartAllocator(AllocatorConfig(device="cpu", residual=ResidualConfig(enabled=False)), policy_dir=policy)
+    alloc.read_curves(cur)
+    d = alloc.decide(st, 0.0)
+    assert d.emb_share == pytest.approx(0.1) and "the capped queueing cost sees a cliff" in d.reason
     # below saturation the tangent prices nothing differently here, and the capped jump stands as it was
     light = window(emb_share=0.5, load=0.5, num_requests=1000, interval_s=1.0, arrival_rate_rps=500.0,
                    emb_lookups_per_request=10.0, kv_recompute_us_per_token=1.0, emb_transfer_us_per_row=1.0)
@@ -457,3 +463,25 @@ def test_the_dead_band_holds_the_split_the_guards_let_through_with_flat_holds_sp
     else:
         assert [s for s, _ in out] == [0.55, 0.6, 0.65, 0.7, 0.75, 0.8]
         assert all(a == "pass" for _, a in out[1:]), out
+
+
+@pytest.mark.parametrize("paced, load, declined", [(False, 1.0, False), (False, 0.5, True), (True, 1.0, True)])
+def test_a_saturated_nodes_burst_cap_is_not_declined_unless_paced(tmp_path, paced, load, declined):
+    """A burst where the curve is flat (the cap would save nothing by it): below saturation, or
+    with ``paced``, the cap is declined and the base's 0.6 stands; on a saturated node with
+    ``paced`` off (the default) the cap is taken, at once (the curves' histograms still hold the
+    reuse from before the burst)."""
+    from node_agent.allocator import RecoveryConfig
+
+    policy = constant_policy(tmp_path / "p", 0.6)
+    cfg = AllocatorConfig(device="cpu", residual=ResidualConfig(enabled=False),
+                          recovery=RecoveryConfig(warmup_s=0.0, paced=paced))
+    alloc = SmartAllocator(cfg, policy_dir=policy)
+    flat = _curves(kv_hit=(0.5,) * 5, emb_hit=(0.5,) * 5, shares=(0.1, 0.3, 0.5, 0.7, 0.9))
+    for i, (rate, hot) in enumerate([(1000.0, 0.02)] * 3 + [(4000.0, 0.12)]):
+        alloc.read_curves(flat)
+        d = alloc.decide(window(emb_share=0.6, load=load, arrival_rate_rps=rate, hot_user_ratio=hot), float(i))
+    rec = d.layer("recovery").detail
+    assert rec["event"] == "entered" and rec["cap"] == pytest.approx(0.45)
+    assert rec["cap_declined"] is declined
+    assert d.emb_share == pytest.approx(0.6 if declined else 0.45)

@@ -191,6 +191,34 @@ def test_device_worker_micro_batches_requests_that_arrive_together():
     assert snap["link_emulated"] is False and snap["metrics"]["link_emulated"] is False
 
 
+def test_the_window_counts_the_hot_user_ratio_of_the_requests_submit_accepted():
+    """`submit` records each accepted request's user; the window's close gives their hot-user
+    ratio (`WindowStats.arrival_hot_user_ratio`: top 1% of 4 users is one, user 1 with 2 of 5)
+    beside the completed requests' one, and starts the next window empty."""
+    from common.shares import top_share
+
+    users = (1, 2, 3, 1, 4)
+    agent = NodeAgent(small_engine(), AgentConfig(max_batch=8, control_interval_s=3600.0))
+    rng = np.random.default_rng(0)
+    reqs = [RecRequest(u, rng.integers(0, 200, 10).tolist(), rng.integers(0, 200, 2).tolist(), top_k=3)
+            for u in users]
+
+    async def run():
+        tasks = [asyncio.create_task(agent.submit(r)) for r in reqs]
+        await asyncio.sleep(0)
+        agent.start()
+        return await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(run())
+    finally:
+        agent.stop()
+    stats, arrivals = agent.window_stats(agent.clock())
+    assert arrivals == 5 and stats.arrival_hot_user_ratio == top_share(np.array(users), 0.01) == 0.4
+    stats, arrivals = agent.window_stats(agent.clock())
+    assert arrivals == 0 and stats.arrival_hot_user_ratio == 0.0
+
+
 def test_control_step_runs_the_allocator_and_moves_the_boundary(tmp_path):
     from node_agent.allocator import AllocatorConfig, SmartAllocator
     from policies.actor import make_initial_actor

@@ -138,9 +138,9 @@ class RecoveryConfig:
     then taken at once, the guards' step-down limit waived (shrinking the EMB slab is metadata-only,
     and every interval of an overloaded node builds backlog), and the cap is not declined by the
     curve (whose histograms still hold the reuse from before the burst). ``hot_over_arrivals`` (on
-    by default): the hot-user ratio is that of the requests that arrived in the interval
-    (`WindowStats.arrival_hot_user_ratio`, where measured), not of those completed, which a
-    saturated node serves a backlog late.
+    by default): on a saturated node the hot-user ratio is that of the requests that arrived in the
+    interval (`WindowStats.arrival_hot_user_ratio`, where measured), not of those completed, which
+    it serves a backlog late; a node that keeps up reads the completed requests' ratio.
     ``rate_floor_rps`` and ``hot_floor`` keep the ratios finite near zero baselines.
     """
 

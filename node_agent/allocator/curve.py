@@ -51,8 +51,8 @@ guard range and at the split in force:
 - ``refuse_step``: the proposal's ``T`` exceeds the split in force's by ``cliff_gain`` or more (a
   step over a cliff): the proposal becomes the split in force;
 - ``flat``: the split the layer last chose (``anchor``; at first the split in force; with
-  ``flat_holds_split`` the split the guards let through after it, unless a burst's cap or an
-  override set it) is within ``flat_gain`` of the curve's minimum (the valley is flat: no share
+  ``flat_holds_split`` the split the guards let through after it, unless a burst or an override
+  was in force) is within ``flat_gain`` of the curve's minimum (the valley is flat: no share
   saves that much): the
   proposal becomes that split, a dead band that keeps a noisy gradient from walking the split
   across a valley where it does not matter. It holds the layer's own choice, not the split in
@@ -141,7 +141,9 @@ def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True,
 class CurveGuard:
     """The curve layer's state: whether it holds the curve's minimum (hysteresis), and the split
     its dead band holds (``anchor``: the layer's own last output, so a cap a later layer put on
-    the split, a burst's or an override's, is not held after it ends)."""
+    the split, a burst's or an override's, is not held after it ends; with
+    ``CurveConfig.flat_holds_split`` the decision's split when neither a burst nor an override
+    was in force, set by `SmartAllocator.decide`)."""
 
     def __init__(self, config: CurveConfig | None = None) -> None:
         self.config = config or CurveConfig()

@@ -173,6 +173,11 @@ class SmartAllocator:
             proposal, t = curve_layer(self.curve, curves, stats, proposal, prev, c.guard)
             layers.append(t)
             jump = t.values[0] == "jump"
+            t_min, t_prev = t.values[2], t.values[4]
+            if jump and t_prev > 0 and t_prev - t_min < c.curve.jump_gain * t_prev:
+                notes += (f"a saturated node's jump to {t.values[1]:.2f}: the capped queueing cost sees a cliff "
+                          f"there (on the tangent it saves {100 * (t_prev - t_min) / t_prev:.1f}% of the split in "
+                          "force's)",)
             if t.values[0] != "no_curve":
                 cost = t.values[10]
             if t.acted:
@@ -182,11 +187,13 @@ class SmartAllocator:
                     if back != 0.0:
                         t.values = t.values[:-1] + (back,)
         if hold is None and c.recovery.enabled:
-            hot = (stats.arrival_hot_user_ratio if c.recovery.hot_over_arrivals and stats.arrival_hot_user_ratio > 0
+            sat = saturated(stats, c.curve.rho_max)
+            # a saturated node completes requests a backlog late: its arrivals show a burst first
+            hot = (stats.arrival_hot_user_ratio if c.recovery.hot_over_arrivals and sat and stats.arrival_hot_user_ratio > 0
                    else stats.hot_user_ratio)
             # on a saturated node an unpaced burst's cap is not declined: the curves' histograms
             # still hold the reuse from before the burst
-            sat_burst = not c.recovery.paced and saturated(stats, c.curve.rho_max)
+            sat_burst = not c.recovery.paced and sat
             proposal, t, note = recovery_layer(self.recovery, stats.arrival_rate_rps, hot, now_s,
                                                prev, proposal, source, cost, 0.0 if sat_burst else c.curve.flat_gain)
             layers.append(t)
