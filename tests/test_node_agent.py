@@ -23,6 +23,7 @@ from node_agent.agent import AgentConfig, NodeAgent
 from node_agent.engine import Engine, EngineConfig, LinkEmulationConfig, RecRequest
 from node_agent.model import ModelConfig
 from racer.cli import main as racer_main
+from tests.test_admission import run_queued
 from workloads import generate, load_trace
 
 from .conftest import REPO
@@ -171,17 +172,7 @@ def test_device_worker_micro_batches_requests_that_arrive_together():
     rng = np.random.default_rng(0)
     reqs = [RecRequest(u, rng.integers(0, 200, 10).tolist(), rng.integers(0, 200, 2).tolist(), top_k=3)
             for u in (1, 2, 3, 1, 4)]
-
-    async def run():
-        tasks = [asyncio.create_task(agent.submit(r)) for r in reqs]
-        await asyncio.sleep(0)  # every request is queued before the worker starts
-        agent.start()
-        return await asyncio.gather(*tasks)
-
-    try:
-        out = asyncio.run(run())
-    finally:
-        agent.stop()
+    out = run_queued(agent, reqs)  # every request is queued before the worker starts
     assert [r.batch_size for r in out] == [5] * 5
     expected = ref.serve_batch(reqs)
     for a, b in zip(out, expected):
@@ -194,7 +185,7 @@ def test_device_worker_micro_batches_requests_that_arrive_together():
 def test_the_window_counts_the_hot_user_ratio_of_the_requests_submit_accepted():
     """`submit` records each accepted request's user; the window's close gives their hot-user
     ratio (`WindowStats.arrival_hot_user_ratio`: top 1% of 4 users is one, user 1 with 2 of 5)
-    beside the completed requests' one, and starts the next window empty."""
+    and starts the next window empty."""
     from common.shares import top_share
 
     users = (1, 2, 3, 1, 4)
@@ -202,17 +193,7 @@ def test_the_window_counts_the_hot_user_ratio_of_the_requests_submit_accepted():
     rng = np.random.default_rng(0)
     reqs = [RecRequest(u, rng.integers(0, 200, 10).tolist(), rng.integers(0, 200, 2).tolist(), top_k=3)
             for u in users]
-
-    async def run():
-        tasks = [asyncio.create_task(agent.submit(r)) for r in reqs]
-        await asyncio.sleep(0)
-        agent.start()
-        return await asyncio.gather(*tasks)
-
-    try:
-        asyncio.run(run())
-    finally:
-        agent.stop()
+    run_queued(agent, reqs)
     stats, arrivals = agent.window_stats(agent.clock())
     assert arrivals == 5 and stats.arrival_hot_user_ratio == top_share(np.array(users), 0.01) == 0.4
     stats, arrivals = agent.window_stats(agent.clock())

@@ -117,8 +117,11 @@ def expected_costs(curves, stats, rho_max: float = 0.95, tail: bool = True,
     without requests or busy time in the window. ``saturation``: the offered load and the tangent
     past ``rho_max`` (off: ``rho`` capped at ``rho_max``)."""
     m = _service(curves, stats)
-    if m is None:
-        return None
+    return None if m is None else _priced(m, curves, stats, rho_max, tail, saturation)
+
+
+def _priced(m, curves, stats, rho_max: float, tail: bool, saturation: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`expected_costs` from `_service`'s ``m``: the queueing term (and the tail's) on its service times."""
     shares, service, s_now, kv_miss = m
     kv_us = stats.kv_recompute_us_per_token
     tokens = float(curves.kv_tokens_per_lookup)
@@ -186,17 +189,17 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
     part of the operating point's step a hold took back, filled in by `SmartAllocator.decide`)."""
     c = guard_state.config
     nan = float("nan")
-    costs = None
+    m = None
     if curves is not None and curves.emb_followed >= c.min_emb_refs and curves.kv_followed >= c.min_kv_lookups:
-        costs = expected_costs(curves, stats, c.rho_max, c.tail, c.saturation)
-    if costs is None:
+        m = _service(curves, stats)
+    if m is None:
         guard_state.holding = False
         guard_state.anchor = proposal
         guard_state.num_actions["no_curve"] += 1
         ev = (nan, nan, nan) if curves is None else (curves.emb_followed, curves.kv_followed, curves.kv_refused)
         return proposal, LayerTrace("curve", proposal, False,
                                     ("no_curve", nan, nan, nan, nan, nan, *ev, proposal, "", 0.0))
-    shares, cost = costs
+    shares, cost = _priced(m, curves, stats, c.rho_max, c.tail, c.saturation)
     inside = (shares >= guard.min_emb_share - 1e-9) & (shares <= guard.max_emb_share + 1e-9)
     idx = np.flatnonzero(inside)
     j = int(idx[np.argmin(cost[idx])])
@@ -208,7 +211,7 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
     out, action = proposal, "pass"
     drains = False  # on a saturated node: the jump the capped cost would make (its thresholds were set on it)
     if s_min < prev and c.saturation and saturated(stats, c.rho_max):
-        _, capped = expected_costs(curves, stats, c.rho_max, c.tail, False)
+        _, capped = _priced(m, curves, stats, c.rho_max, c.tail, False)
         c_prev = float(np.interp(prev, shares, capped))
         drains = c_prev > 0 and c_prev - float(capped[j]) >= c.jump_gain * c_prev
     if gain >= c.move_gain or (guard_state.holding and gain >= c.hold_gain) or drains:

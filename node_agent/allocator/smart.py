@@ -166,6 +166,7 @@ class SmartAllocator:
             if res_t.acted:
                 source = "residual"
         curves, self._curves = self._curves, None
+        sat = hold is None and saturated(stats, c.curve.rho_max)  # (invalid stats are never read)
         jump = False
         cost = None
         if hold is None and c.curve.enabled and curves is not None:
@@ -187,7 +188,6 @@ class SmartAllocator:
                     if back != 0.0:
                         t.values = t.values[:-1] + (back,)
         if hold is None and c.recovery.enabled:
-            sat = saturated(stats, c.curve.rho_max)
             # a saturated node completes requests a backlog late: its arrivals show a burst first
             hot = (stats.arrival_hot_user_ratio if c.recovery.hot_over_arrivals and sat and stats.arrival_hot_user_ratio > 0
                    else stats.hot_user_ratio)
@@ -213,8 +213,7 @@ class SmartAllocator:
         # in a burst on a saturated node a KV-ward step (whichever layer proposed it) is not paced:
         # each interval above the split it needs builds backlog, and shrinking the EMB slab is
         # metadata-only
-        unpaced = (hold is None and source != "override" and self.recovery.active and not c.recovery.paced
-                   and saturated(stats, c.curve.rho_max))
+        unpaced = sat and source != "override" and self.recovery.active and not c.recovery.paced
         share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not (jump or unpaced))
         layers.append(t)
         if unpaced and not jump and prev - share > c.guard.max_step_down + 1e-9:
