@@ -24,9 +24,13 @@ each one's P99 over the seeds (median and range) and the SmartAllocator rows' me
 best static split's: one run per cell carries the router's own randomness, which a single
 regret figure cannot tell from the allocator's. Beside them, ``start_to_best``: the best static
 split reached from 0.5 at the guards' step limits, once per seed, the price of starting at 0.5
-for an allocator that knew the best static split in advance. With router seeds the output ends
-with each SmartAllocator row's worst median over the best static split's and how many settings
-lie within 5% of it. ``--settings in-sample`` names the quick regret grid's 36 settings
+for an allocator that knew the best static split in advance, and ``start_floor``: one interval
+at 0.5, then the best static split at once (the curve layer's ``jump`` may waive the step
+limit), the start-up's floor for an allocator whose first decision closes the first interval;
+each SmartAllocator row is also judged over the larger of the best static split's median and
+``start_floor``'s (``over_start_floor_pct``). With router seeds the output ends with each
+SmartAllocator row's worst median over the best static split's and how many settings lie within
+5% of it, and the same over the start-up floor. ``--settings in-sample`` names the quick regret grid's 36 settings
 (`bench.regret.grid`: both samples and the paper-scale setting, four regimes, seeds 0-2; the
 paper-scale ones are one node, where router seeds change nothing); ``--jobs`` runs settings in
 parallel processes. ``--out FILE`` appends each setting's row to FILE (JSON lines) as it
@@ -173,10 +177,15 @@ def _p99(stream, scfg, spec: str) -> float:
 def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: int = 0) -> dict:
     """Each static split of ``shares`` and each SmartAllocator row replayed once per router seed:
     P99s, their median and range, and each row's median over the best static split's median.
-    ``windows`` > 0 (the setting's control intervals) adds the row ``start_to_best``: the best
-    static split reached from `REACHABLE_START` at the guards' step limits (`guarded_path`),
-    what knowing the best static split in advance costs an allocator that starts where the
-    runtime starts."""
+    ``windows`` > 0 (the setting's control intervals) adds two rows: ``start_to_best``, the best
+    static split reached from `REACHABLE_START` at the guards' step limits (`guarded_path`), what
+    knowing the best static split in advance costs an allocator that starts where the runtime
+    starts and keeps the step limits; and ``start_floor``, one interval at `REACHABLE_START`, then
+    the best static split (the curve layer's ``jump`` waives the step limit), the start-up's floor
+    on medians: no allocator that starts at the configured split and first decides at the end of
+    the first interval can do better than knowing the best split then. ``over_start_floor_pct``
+    is each SmartAllocator row's median over the larger of the best static split's median and
+    ``start_floor``'s."""
     import numpy as np
 
     def row(p99: list[float]) -> dict:
@@ -193,10 +202,22 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: i
         path = guarded_path([float(best.split(":", 1)[1])] * windows)
         p99 = [round(_path_p99(stream, replace(scfg, router_seed=rs), path, "start_to_best"), 3) for rs in router_seeds]
         rows["start_to_best"] = {**row(p99), "path": path}
-        compared.append("start_to_best")
-    return {"router_seeds": list(router_seeds), "rows": rows, "best_static": best,
-            "over_best_static_pct": {a: round(100.0 * (rows[a]["median"] / rows[best]["median"] - 1.0), 2)
-                                     for a in compared}}
+        floor = start_floor_path(float(best.split(":", 1)[1]), windows)
+        p99 = [round(_path_p99(stream, replace(scfg, router_seed=rs), floor, "start_floor"), 3) for rs in router_seeds]
+        rows["start_floor"] = {**row(p99), "path": floor}
+        compared += ["start_to_best", "start_floor"]
+    out = {"router_seeds": list(router_seeds), "rows": rows, "best_static": best,
+           "over_best_static_pct": {a: round(100.0 * (rows[a]["median"] / rows[best]["median"] - 1.0), 2)
+                                    for a in compared}}
+    if "start_floor" in rows:
+        bar = max(rows[best]["median"], rows["start_floor"]["median"])
+        out["over_start_floor_pct"] = {a: round(100.0 * (rows[a]["median"] / bar - 1.0), 2) for a in allocators}
+    return out
+
+
+def start_floor_path(best: float, windows: int) -> list[float]:
+    """One control interval at `REACHABLE_START`, then ``best`` for the other ``windows - 1``."""
+    return [REACHABLE_START] + [float(best)] * max(windows - 1, 0)
 
 
 def _run_all(work: list[tuple], jobs: int, fn=None):
@@ -300,6 +321,14 @@ def main(argv=None) -> int:
         summary = {"worst_over_best_static_pct": {al: max(v[al] for v in over) for al in allocators},
                    "settings_within_5pct": {al: sum(v[al] <= 5.0 for v in over) for al in allocators},
                    "settings_counted": len(rows)}
+        # rows saved by a run before the start_floor row lack it: counted only where present
+        floor = [r["over_router_seeds"]["over_start_floor_pct"] for r in rows
+                 if "over_start_floor_pct" in r["over_router_seeds"]]
+        if floor and allocators:
+            summary.update({"worst_over_start_floor_pct": {al: max(v[al] for v in floor) for al in allocators},
+                            "settings_within_5pct_over_start_floor": {al: sum(v[al] <= 5.0 for v in floor)
+                                                                      for al in allocators},
+                            "settings_counted_over_start_floor": len(floor)})
     if a.json:
         print(json.dumps({"settings": rows, **summary}))
     else:
@@ -314,9 +343,16 @@ def main(argv=None) -> int:
                     print(f"  {k:<12} P99 over router seeds {o['router_seeds']}: median {v['median']:.3f} ms "
                           f"{v['p99_ms']} (spread {v['spread_pct']}%)")
                 print(f"  over the best static ({o['best_static']}), medians: {o['over_best_static_pct']}")
+                if "over_start_floor_pct" in o:
+                    print(f"  over the start-up floor (the larger of the best static's and start_floor's "
+                          f"medians): {o['over_start_floor_pct']}")
         if summary:
             print(f"medians over the best static split's, worst cell: {summary['worst_over_best_static_pct']}; "
                   f"cells within 5%: {summary['settings_within_5pct']} of {len(rows)}")
+            if "worst_over_start_floor_pct" in summary:
+                print(f"over the start-up floor, worst cell: {summary['worst_over_start_floor_pct']}; cells within "
+                      f"5%: {summary['settings_within_5pct_over_start_floor']} of "
+                      f"{summary['settings_counted_over_start_floor']}")
     return 0
 
 

@@ -1,14 +1,14 @@
-"""`racer` with its saturation terms off and on, side by side, on the regret grids' settings:
+"""`racer` with its saturation terms and the unpaced burst off and on, side by side, on the regret grids' settings:
 ``python -m bench.saturation --settings in-sample|held-out|random:FROM:COUNT|NAME,... [--router-seeds S,...] [--jobs N] [--json]``
 
-Three parts of the allocator are built for a saturated node (busy fraction at least
-``CurveConfig.rho_max``, 0.95), all on by default: the curve layer's queueing term reads the
-offered load there and grows past ``rho_max`` (`CurveConfig.saturation`; the tangent also prices a
-share that would overload a node not yet saturated, and a saturated node still jumps where the
-capped cost would); in a burst a KV-ward step on a saturated node is not paced by the guards'
-step-down limit nor declined by the curve (`RecoveryConfig.paced` off); and the burst detector
-reads the hot-user ratio of the arrivals, which a saturated node serves a backlog late
-(`RecoveryConfig.hot_over_arrivals`). Per setting and router seed this replays the ``racer`` row
+Three parts of the allocator, all on by default, were built for a saturated node (busy fraction
+at least ``CurveConfig.rho_max``, 0.95): the curve layer's queueing term reads the offered load
+there and grows past ``rho_max`` (`CurveConfig.saturation`; the tangent also prices a share that
+would overload a node not yet saturated, and a saturated node still jumps where the capped cost
+would); in a burst a KV-ward step is not paced by the guards' step-down limit, on any node, and
+on a saturated node the cap is not declined by the curve (`RecoveryConfig.paced` off); and on a
+saturated node the burst detector reads the hot-user ratio of the arrivals, which it serves a
+backlog late (`RecoveryConfig.hot_over_arrivals`). Per setting and router seed this replays the ``racer`` row
 twice, as `bench.reachable` runs it (ghost lists on): ``off``, all three off (``saturation=False``,
 ``paced=True``, ``hot_over_arrivals=False``), and ``on``, the shipped config, and prints both
 P99s, the change and whether they are equal to the microsecond. The summary counts the settings

@@ -28,10 +28,10 @@ def run(alloc, script, t0=0):
     return {t0 + i: alloc.decide(window(**kw), float(t0 + i)) for i, kw in enumerate(script)}
 
 
-@pytest.mark.parametrize("paced, load", [(False, 0.3), (True, 1.0), (False, 1.0)])
+@pytest.mark.parametrize("paced, load", [(False, 0.3), (True, 0.3), (True, 1.0), (False, 1.0)])
 def test_scripted_burst_enter_hold_exit_hand_back(c60, paced, load):
     alloc = allocator(c60, paced=paced)
-    at_once = load >= 0.95 and not paced  # a saturated node's KV-ward step in a burst is not paced
+    at_once = not paced  # a KV-ward step in a burst is not paced, saturated node or not
     script = [NORMAL] * 12 + [BETWEEN] + [NORMAL] * 7 + [BURST, BURST] + [BETWEEN] * 4 + [NORMAL] * 4
     d = {}
     for t, kw in enumerate(script):
@@ -46,8 +46,8 @@ def test_scripted_burst_enter_hold_exit_hand_back(c60, paced, load):
     # steady, and the in-between level does not start a burst (enter thresholds are higher)
     assert all(source[t] == "base" and share[t] == 0.6 for t in range(20))
     assert not d[12].recovery_active
-    # enter at t=20: cap = 0.6 - kv_shift 0.15 = 0.45, reached in two steps (max_step_down 0.1), or
-    # at once on a saturated node (the step-down limit waived unless paced)
+    # enter at t=20: cap = 0.6 - kv_shift 0.15 = 0.45, at once (the step-down limit waived), or in
+    # two steps (max_step_down 0.1) when paced
     assert "burst entered at t=20s" in d[20].reason and "KV-ward cap 0.4500" in d[20].reason
     if at_once:
         assert d[20].recovery_active and source[20] == "recovery" and share[20] == 0.45

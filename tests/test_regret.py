@@ -194,10 +194,24 @@ def test_reachable_names_held_out_settings_and_compares_medians_over_router_seed
     best = float(out["best_static"].split(":")[1])
     path = out["rows"]["start_to_best"]["path"]
     assert path[0] == 0.5 and path[-1] == best and len(path) == 6 and "start_to_best" in out["over_best_static_pct"]
+    # the start-up floor: one interval at 0.5, then the best static split at once
+    assert out["rows"]["start_floor"]["path"] == [0.5] + [best] * 5
+    assert len(out["rows"]["start_floor"]["p99_ms"]) == 2 and "start_floor" in out["over_best_static_pct"]
+    assert out["over_start_floor_pct"] == {}
     # held at 0.5 from the start, it is the static split 0.5 itself
     out = over_router_seeds(stream, SimConfig(num_nodes=3, cache_fraction=0.3), (0.5,), (), (0,), windows=4)
     assert out["rows"]["start_to_best"]["path"] == [0.5] * 4
     assert out["rows"]["start_to_best"]["p99_ms"] == out["rows"]["static:0.5"]["p99_ms"]
+    assert out["rows"]["start_floor"]["p99_ms"] == out["rows"]["static:0.5"]["p99_ms"]
+    # a SmartAllocator row is judged over the larger of the two medians
+    from bench.reachable import start_floor_path
+
+    assert start_floor_path(0.1, 3) == [0.5, 0.1, 0.1] and start_floor_path(0.2, 1) == [0.5]
+    out = over_router_seeds(stream, SimConfig(num_nodes=3, cache_fraction=0.3), (0.3, 0.7), ("racer",), (0,),
+                            windows=2)
+    rows = out["rows"]
+    bar = max(rows[out["best_static"]]["median"], rows["start_floor"]["median"])
+    assert out["over_start_floor_pct"]["racer"] == round(100.0 * (rows["racer"]["median"] / bar - 1.0), 2)
     # the in-sample grid by one name: the quick regret grid's 36 settings, paper-scale ones included
     from bench.reachable import setting_names
     from bench.regret import grid
@@ -248,7 +262,8 @@ def test_reachable_out_keeps_each_setting_and_a_rerun_takes_them_instead_of_runn
 
 def test_saturation_bench_names_its_grids_and_finds_no_change_where_no_node_saturates(capsys):
     """``bench.saturation``: the grids by name, bad names refused, and on a stream that never
-    saturates a node `racer` with the saturation terms off and on is one and the same run."""
+    saturates a node nor bursts (3 s, under the burst detector's warm-up) `racer` with the terms
+    off and on is one and the same run."""
     from bench import saturation
     from simulator import SimConfig
     from workloads.regimes import generate

@@ -26,13 +26,13 @@ order, and the decision records every trace (``decision.layers``) and which laye
    step handed it curves (`read_curves`).
 4. ``recovery`` (`recovery.py`): `RecoveryController`, a burst detector with hysteresis over slow
    EWMA baselines of the arrival rate and the hot-user ratio; in a burst it caps emb_share at the
-   split in force when the burst began minus ``kv_shift`` (memory moves to the KV cache; on a
-   saturated node at once, unless ``RecoveryConfig.paced``), then hands control back.
+   split in force when the burst began minus ``kv_shift`` (memory moves to the KV cache, at once
+   unless ``RecoveryConfig.paced``), then hands control back.
 5. ``override`` (`override.py`): an operator's emb_share (validated against the bounds when set),
    which takes precedence over every layer until it expires (``expires_at_s``, against ``now_s``).
 6. ``guard`` (`guards.py`): the max step per decision (asymmetric: growing EMB needs a background
    refill, shrinking it is metadata-only; the step-down limit is waived for the curve layer's
-   ``jump``, and unless ``paced`` in a burst on a saturated node) and then the [min, max] bounds; the source becomes
+   ``jump``, and unless ``paced`` in a burst) and then the [min, max] bounds; the source becomes
    ``guard`` when a guard changed the value, and also when the allocator had to hold the split
    (invalid stats, a non-finite base output, no policy loaded). When the step limit refuses part
    of the tuner's step, that part is taken back from its offset (anti-windup).

@@ -134,10 +134,11 @@ class RecoveryConfig:
     interval for ``exit_confirm_s``, and at least ``min_hold_s`` after entry; a burst longer than
     ``max_burst_s`` is a new regime: the baselines jump to the current values and control returns.
     In a burst emb_share is capped at (split at entry - ``kv_shift``); with ``paced`` off (the
-    default), on a saturated node (busy fraction at least ``CurveConfig.rho_max``) a KV-ward step is
-    then taken at once, the guards' step-down limit waived (shrinking the EMB slab is metadata-only,
-    and every interval of an overloaded node builds backlog), and the cap is not declined by the
-    curve (whose histograms still hold the reuse from before the burst). ``hot_over_arrivals`` (on
+    default) a KV-ward step is then taken at once, the guards' step-down limit waived (shrinking
+    the EMB slab is metadata-only, and every interval above the split the burst needs costs its
+    hot users their K/V; on an overloaded node it also builds backlog), and on a saturated node
+    (busy fraction at least ``CurveConfig.rho_max``) the cap is not declined by the curve (whose
+    histograms still hold the reuse from before the burst). ``hot_over_arrivals`` (on
     by default): on a saturated node the hot-user ratio is that of the requests that arrived in the
     interval (`WindowStats.arrival_hot_user_ratio`, where measured), not of those completed, which
     it serves a backlog late; a node that keeps up reads the completed requests' ratio.

@@ -14,7 +14,7 @@ def guard_stage(proposed: float, prev: float, guard: GuardConfig, *, step_limit:
     (`policies.env.apply_guards`): the step limit from ``prev`` (``max_step_up`` /
     ``max_step_down``; skipped with ``step_limit=False``, as for an operator override; the step-down
     limit alone skipped with ``step_down_limit=False``, as for the curve layer's ``jump`` and, unless
-    paced, in a burst on a saturated node), then the ``[min_emb_share, max_emb_share]`` bounds. Returns
+    paced, in a burst), then the ``[min_emb_share, max_emb_share]`` bounds. Returns
     ``(emb_share, action)`` with ``action`` the last guard that changed the value (one of
     `GUARD_ACTIONS`) or None."""
     share = proposed

@@ -210,14 +210,14 @@ class SmartAllocator:
                 self._override = None
                 notes += (note,)
         layer_source = source
-        # in a burst on a saturated node a KV-ward step (whichever layer proposed it) is not paced:
-        # each interval above the split it needs builds backlog, and shrinking the EMB slab is
-        # metadata-only
-        unpaced = sat and source != "override" and self.recovery.active and not c.recovery.paced
+        # in a burst a KV-ward step (whichever layer proposed it) is not paced: the burst's hot users
+        # need their K/V now, each interval above the split they need costs them, and shrinking the
+        # EMB slab is metadata-only
+        unpaced = source != "override" and self.recovery.active and not c.recovery.paced
         share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not (jump or unpaced))
         layers.append(t)
         if unpaced and not jump and prev - share > c.guard.max_step_down + 1e-9:
-            notes += (f"a burst on a saturated node (busy {stats.load:.2f}): KV-ward step {prev - share:.4f} "
+            notes += (f"a burst (busy {stats.load:.2f}): KV-ward step {prev - share:.4f} "
                       f"taken at once, not paced by max_step_down {c.guard.max_step_down:g}",)
         if c.curve.flat_holds_split and layer_source in ("base", "residual", "guard") and self.curve.anchor is not None:
             self.curve.anchor = share
