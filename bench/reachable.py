@@ -181,9 +181,10 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: i
     static split reached from `REACHABLE_START` at the guards' step limits (`guarded_path`), what
     knowing the best static split in advance costs an allocator that starts where the runtime
     starts and keeps the step limits; and ``start_floor``, one interval at `REACHABLE_START`, then
-    the best static split (the curve layer's ``jump`` waives the step limit), the start-up's floor
-    on medians: no allocator that starts at the configured split and first decides at the end of
-    the first interval can do better than knowing the best split then. ``over_start_floor_pct``
+    the best static split (the curve layer's ``jump`` waives the step limit), the start-up's price
+    on medians for an allocator that starts at the configured split and knows the best split from
+    its first decision (a price, not a strict bound: near saturation a slower path can be the
+    luckier one, as ``start_to_best`` is on some cells). ``over_start_floor_pct``
     is each SmartAllocator row's median over the larger of the best static split's median and
     ``start_floor``'s."""
     import numpy as np
