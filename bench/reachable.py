@@ -200,10 +200,11 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: i
     best = min(statics, key=lambda k: rows[k]["median"])
     compared = list(allocators)
     if windows > 0:
-        path = guarded_path([float(best.split(":", 1)[1])] * windows)
+        best_share = float(best.split(":", 1)[1])
+        path = guarded_path([best_share] * windows)
         p99 = [round(_path_p99(stream, replace(scfg, router_seed=rs), path, "start_to_best"), 3) for rs in router_seeds]
         rows["start_to_best"] = {**row(p99), "path": path}
-        floor = start_floor_path(float(best.split(":", 1)[1]), windows)
+        floor = start_floor_path(best_share, windows)
         p99 = [round(_path_p99(stream, replace(scfg, router_seed=rs), floor, "start_floor"), 3) for rs in router_seeds]
         rows["start_floor"] = {**row(p99), "path": floor}
         compared += ["start_to_best", "start_floor"]
@@ -214,6 +215,13 @@ def over_router_seeds(stream, scfg, shares, allocators, router_seeds, windows: i
         bar = max(rows[best]["median"], rows["start_floor"]["median"])
         out["over_start_floor_pct"] = {a: round(100.0 * (rows[a]["median"] / bar - 1.0), 2) for a in allocators}
     return out
+
+
+def _worst_and_within(over: list[dict], allocators: tuple[str, ...], worst_key: str, within_key: str) -> dict:
+    """Per allocator, the worst of the settings' ``over`` percentages (``worst_key``) and how many
+    are at most 5% (``within_key``)."""
+    return {worst_key: {al: max(v[al] for v in over) for al in allocators},
+            within_key: {al: sum(v[al] <= 5.0 for v in over) for al in allocators}}
 
 
 def start_floor_path(best: float, windows: int) -> list[float]:
@@ -319,16 +327,14 @@ def main(argv=None) -> int:
     summary = {}
     if seeds:
         over = [r["over_router_seeds"]["over_best_static_pct"] for r in rows]
-        summary = {"worst_over_best_static_pct": {al: max(v[al] for v in over) for al in allocators},
-                   "settings_within_5pct": {al: sum(v[al] <= 5.0 for v in over) for al in allocators},
+        summary = {**_worst_and_within(over, allocators, "worst_over_best_static_pct", "settings_within_5pct"),
                    "settings_counted": len(rows)}
         # rows saved by a run before the start_floor row lack it: counted only where present
         floor = [r["over_router_seeds"]["over_start_floor_pct"] for r in rows
                  if "over_start_floor_pct" in r["over_router_seeds"]]
         if floor and allocators:
-            summary.update({"worst_over_start_floor_pct": {al: max(v[al] for v in floor) for al in allocators},
-                            "settings_within_5pct_over_start_floor": {al: sum(v[al] <= 5.0 for v in floor)
-                                                                      for al in allocators},
+            summary.update({**_worst_and_within(floor, allocators, "worst_over_start_floor_pct",
+                                                "settings_within_5pct_over_start_floor"),
                             "settings_counted_over_start_floor": len(floor)})
     if a.json:
         print(json.dumps({"settings": rows, **summary}))

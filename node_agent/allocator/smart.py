@@ -213,7 +213,7 @@ class SmartAllocator:
         # in a burst a KV-ward step (whichever layer proposed it) is not paced: the burst's hot users
         # need their K/V now, each interval above the split they need costs them, and shrinking the
         # EMB slab is metadata-only
-        unpaced = source != "override" and self.recovery.active and not c.recovery.paced
+        unpaced = hold is None and source != "override" and self.recovery.active and not c.recovery.paced
         share, t = guard_layer(proposal, prev, c.guard, source, source != "override", not (jump or unpaced))
         layers.append(t)
         if unpaced and not jump and prev - share > c.guard.max_step_down + 1e-9:
