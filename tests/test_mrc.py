@@ -228,7 +228,8 @@ def test_smart_allocator_runs_the_curve_layer_from_the_control_step(tmp_path):
         mm.kv.lookup(u, 240)
         mm.kv.append(u, 240 - mm.kv.num_tokens(u)) if mm.kv.num_tokens(u) < 240 else None
         mm.emb.lookup(torch.from_numpy(rng.integers(0, 500, size=20)))
-    alloc = SmartAllocator(AllocatorConfig(), policy_dir=policy)
+    # (without the first decision's jump, which the next test covers)
+    alloc = SmartAllocator(AllocatorConfig(curve=CurveConfig(first_jump=False)), policy_dir=policy)
     st = window(emb_share=0.6, load=0.6, num_requests=400, emb_lookups_per_request=20.0, kv_hit_rate=0.0,
                 kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
     eff = control_step(alloc, st, mm, 1.0)
@@ -282,7 +283,7 @@ def test_curve_layer_jumps_down_a_cliff_at_once_and_paces_a_growth(tmp_path):
     assert s_min <= 0.2 and (out, t.acted, t.detail["action"]) == (s_min, True, "jump")
     assert t.detail["cost_prev_us"] >= 2 * t.detail["cost_min_us"]
     # the same curve with a jump_gain above its saving: an ordinary to_minimum
-    out, t = curve_layer(CurveGuard(CurveConfig(jump_gain=0.99)), cur, st, 0.5, 0.5, g)
+    out, t = curve_layer(CurveGuard(CurveConfig(jump_gain=0.99, first_jump=False)), cur, st, 0.5, 0.5, g)
     assert (out, t.detail["action"]) == (s_min, "to_minimum")
 
     # through the allocator: one decision from 0.5 to the minimum (the guards' max_step_down is 0.1)
@@ -297,7 +298,7 @@ def test_curve_layer_jumps_down_a_cliff_at_once_and_paces_a_growth(tmp_path):
     d = decide(AllocatorConfig(), cur, st, 0.5)
     assert d.emb_share == pytest.approx(s_min) and d.layer("curve").detail["action"] == "jump"
     assert d.layer("guard").detail["action"] is None and "at once" in d.reason
-    d = decide(AllocatorConfig(curve=CurveConfig(jump_gain=0.99)), cur, st, 0.5)
+    d = decide(AllocatorConfig(curve=CurveConfig(jump_gain=0.99, first_jump=False)), cur, st, 0.5)
     assert d.emb_share == pytest.approx(0.4) and d.layer("guard").detail["action"] == "step_down"
     # the mirror image: the minimum EMB-ward of the split in force is reached at the step-up limit only
     up = _curves(kv_hit=(0.02,) * 5, emb_hit=(0.01, 0.01, 0.01, 0.99, 0.5), tokens=10.0)
@@ -305,6 +306,51 @@ def test_curve_layer_jumps_down_a_cliff_at_once_and_paces_a_growth(tmp_path):
                    kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
     d = decide(AllocatorConfig(), up, st_up, 0.1)
     assert d.layer("curve").detail["min_share"] == 0.4 and d.layer("curve").detail["action"] == "to_minimum"
+    assert d.emb_share == pytest.approx(0.1 + g.max_step_up) and d.layer("guard").detail["action"] == "step_up"
+
+
+def test_the_first_decision_on_the_curves_jumps_to_a_kv_ward_minimum(tmp_path):
+    """The configured split has no curve behind it: the layer's first decision on evidence takes a
+    KV-ward minimum it moves to at once, even where the saving is under ``jump_gain``; later
+    decisions are paced again, and so is a restored split's first one (chosen on evidence)."""
+    cur = _curves(kv_hit=(0.9, 0.9, 0.02, 0.02, 0.02), emb_hit=(0.5, 0.52, 0.54, 0.56, 0.58), tokens=4000.0)
+    st = window(emb_share=0.5, load=0.5, num_requests=100, interval_s=1.0, emb_lookups_per_request=100.0,
+                kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    g = GuardConfig()
+    cfg = CurveConfig(jump_gain=0.99)  # the saving is under it: only the first decision jumps
+    gs = CurveGuard(cfg)
+    out, t = curve_layer(gs, None, st, 0.5, 0.5, g)  # no evidence yet: not the first decision on it
+    assert t.detail["action"] == "no_curve" and not gs.evidenced
+    out, t = curve_layer(gs, cur, st, 0.5, 0.5, g)
+    s_min = t.detail["min_share"]
+    assert s_min <= 0.2 and (out, t.detail["action"], gs.first_jump) == (s_min, "jump", True)
+    out, t = curve_layer(gs, cur, st, 0.5, 0.5, g)
+    assert (out, t.detail["action"], gs.first_jump) == (s_min, "to_minimum", False)
+
+    policy = constant_policy(tmp_path / "p", 0.5)
+    alloc = SmartAllocator(AllocatorConfig(curve=cfg), policy_dir=policy)
+    alloc.read_curves(cur)
+    d = alloc.decide(st, 1.0)
+    assert d.emb_share == pytest.approx(s_min) and d.layer("guard").detail["action"] is None
+    assert "first decision on the curves" in d.reason
+    # back at 0.5 (an operator's restore): the second decision is paced by max_step_down
+    alloc.restore({**alloc.snapshot(), "emb_share": 0.5})
+    alloc.read_curves(cur)
+    d = alloc.decide(st, 2.0)
+    assert d.emb_share == pytest.approx(0.5 - g.max_step_down) and d.layer("guard").detail["action"] == "step_down"
+    # a fresh allocator restored from a snapshot: its split was chosen on evidence, no first jump
+    fresh = SmartAllocator(AllocatorConfig(curve=cfg), policy_dir=policy)
+    fresh.restore({**alloc.snapshot(), "emb_share": 0.5})
+    fresh.read_curves(cur)
+    d = fresh.decide(st, 3.0)
+    assert d.emb_share == pytest.approx(0.5 - g.max_step_down) and "first decision" not in d.reason
+    # an EMB-ward minimum is never jumped to (new rows need a refill)
+    up = _curves(kv_hit=(0.02,) * 5, emb_hit=(0.01, 0.01, 0.01, 0.99, 0.5), tokens=10.0)
+    st_up = window(emb_share=0.1, load=0.5, num_requests=100, interval_s=1.0, emb_lookups_per_request=2000.0,
+                   kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+    alloc = SmartAllocator(AllocatorConfig(), policy_dir=constant_policy(tmp_path / "q", 0.1))
+    alloc.read_curves(up)
+    d = alloc.decide(st_up, 1.0)
     assert d.emb_share == pytest.approx(0.1 + g.max_step_up) and d.layer("guard").detail["action"] == "step_up"
 
 

@@ -182,12 +182,15 @@ class CurveConfig:
     whether the queueing term reads a saturated node's offered load and grows past ``rho_max`` at
     any share that reaches it, instead of stopping there (a saturated node then also jumps where
     the capped cost would), ``flat_holds_split`` (opt-in) whether the dead band holds the split the
-    guards let through rather than the layer's own last choice)."""
+    guards let through rather than the layer's own last choice), ``first_jump`` whether the layer's
+    first decision on evidence waives the step-down limit to reach a KV-ward minimum it moves to
+    (the split in force then has no curve behind it)."""
 
     enabled: bool = True
     tail: bool = True
     saturation: bool = True
     flat_holds_split: bool = False
+    first_jump: bool = True
     move_gain: float = 0.25
     hold_gain: float = 0.1
     cliff_gain: float = 0.25

@@ -175,7 +175,11 @@ class SmartAllocator:
             layers.append(t)
             jump = t.values[0] == "jump"
             t_min, t_prev = t.values[2], t.values[4]
-            if jump and t_prev > 0 and t_prev - t_min < c.curve.jump_gain * t_prev:
+            if jump and self.curve.first_jump:
+                notes += (f"the first decision on the curves: jump to {t.values[1]:.2f} at once (the split in "
+                          f"force has no curve behind it; the minimum saves {100 * (t_prev - t_min) / t_prev:.1f}% "
+                          "of its time)",)
+            elif jump and t_prev > 0 and t_prev - t_min < c.curve.jump_gain * t_prev:
                 notes += (f"a saturated node's jump to {t.values[1]:.2f}: the capped queueing cost sees a cliff "
                           f"there (on the tangent it saves {100 * (t_prev - t_min) / t_prev:.1f}% of the split in "
                           "force's)",)
@@ -307,6 +311,7 @@ class SmartAllocator:
             self.tuner.offset = float(offset)
         if share is not None:
             self._share = float(share)
+            self.curve.evidenced = True  # the split was chosen on evidence: no first jump from it
         said = "none" if share is None else f"{float(share):.4f}"
         return (f"emb_share {said}" + (f", residual weights and tuner offset {float(offset):+.3f} (policy "
                                        f"{snap.get('policy_id')})" if same else
