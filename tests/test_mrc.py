@@ -354,6 +354,31 @@ def test_the_first_decision_on_the_curves_jumps_to_a_kv_ward_minimum(tmp_path):
     assert d.emb_share == pytest.approx(0.1 + g.max_step_up) and d.layer("guard").detail["action"] == "step_up"
 
 
+def test_a_busy_node_moves_to_the_curves_minimum_at_a_smaller_saving():
+    """A minimum that saves 10-25% of the proposal's time: a lightly loaded node keeps the proposal
+    (under ``move_gain``), a busy one (busy fraction at least ``busy_load``) moves to it (at least
+    ``busy_move_gain``); with ``busy_load`` above the node's load, or ``busy_move_gain`` at
+    ``move_gain``, it does not."""
+    cur = _curves(kv_hit=(0.8, 0.7, 0.6, 0.5, 0.4), emb_hit=(0.5, 0.52, 0.54, 0.56, 0.58), tokens=400.0)
+    g = GuardConfig()
+
+    def run(load, **kw):
+        st = window(emb_share=0.5, load=load, num_requests=100, interval_s=1.0, emb_lookups_per_request=100.0,
+                    kv_recompute_us_per_token=2.0, emb_transfer_us_per_row=1.0)
+        out, t = curve_layer(CurveGuard(CurveConfig(first_jump=False, **kw)), cur, st, 0.5, 0.5, g)
+        assert CurveConfig().busy_move_gain <= t.detail["gain"] < CurveConfig().move_gain
+        return out, t.detail["action"]
+
+    assert run(0.3) == (0.5, "pass")
+    assert run(0.6) == (0.1, "to_minimum")
+    assert run(0.6, busy_load=0.7) == (0.5, "pass")
+    assert run(0.6, busy_move_gain=0.25) == (0.5, "pass")
+    with pytest.raises(ValueError, match="flat_gain"):
+        CurveConfig(busy_move_gain=0.01)
+    with pytest.raises(ValueError, match="busy_load"):
+        CurveConfig(busy_load=1.5)
+
+
 def test_the_kv_tail_curve_sees_the_long_histories_that_need_a_larger_pool():
     """Six short users (2 pages) and one long one (40 pages) return in turn: the cut settles at the
     90th percentile of the histories (inside the long user's), the tail's curve is the long user's

@@ -173,7 +173,8 @@ class RecoveryConfig:
 @dataclass(frozen=True)
 class CurveConfig:
     """The curve layer's settings (`node_agent.allocator.curve`: ``move_gain`` / ``hold_gain`` the
-    saving that moves the proposal to the curve's minimum / keeps it there, ``jump_gain`` the saving
+    saving that moves the proposal to the curve's minimum / keeps it there, ``busy_move_gain`` the
+    saving that moves it on a busy node (busy fraction at least ``busy_load``; 1: never), ``jump_gain`` the saving
     over the split in force that waives the step-down limit for a KV-ward move there, ``cliff_gain`` the
     cost rise that refuses a step, ``flat_gain`` the dead band (the split in force within it of the
     curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
@@ -192,6 +193,8 @@ class CurveConfig:
     flat_holds_split: bool = False
     first_jump: bool = True
     move_gain: float = 0.25
+    busy_move_gain: float = 0.1
+    busy_load: float = 0.5
     hold_gain: float = 0.1
     cliff_gain: float = 0.25
     jump_gain: float = 0.5
@@ -201,12 +204,16 @@ class CurveConfig:
     min_kv_lookups: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("move_gain", "hold_gain", "cliff_gain", "jump_gain"):
+        for name in ("move_gain", "busy_move_gain", "hold_gain", "cliff_gain", "jump_gain"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 < v < 10.0):
                 raise ValueError(f"CurveConfig.{name} must be in (0, 10), got {v!r}")
-        if not (isinstance(self.flat_gain, (int, float)) and 0.0 <= self.flat_gain < self.move_gain):
-            raise ValueError(f"CurveConfig.flat_gain must be in [0, move_gain), got {self.flat_gain!r}")
+        if not (isinstance(self.flat_gain, (int, float)) and 0.0 <= self.flat_gain < min(self.move_gain,
+                                                                                           self.busy_move_gain)):
+            raise ValueError(f"CurveConfig.flat_gain must be in [0, min(move_gain, busy_move_gain)), "
+                             f"got {self.flat_gain!r}")
+        if not (isinstance(self.busy_load, (int, float)) and 0.0 <= self.busy_load <= 1.0):
+            raise ValueError(f"CurveConfig.busy_load must be in [0, 1], got {self.busy_load!r}")
         if self.hold_gain > self.move_gain:
             raise ValueError("CurveConfig.hold_gain must be at most move_gain")
         if not (0.0 < self.rho_max < 1.0):

@@ -36,9 +36,13 @@ costs:
 The layer (`curve_layer`) compares ``T`` at the proposal with ``T`` at the curve's minimum over the
 guard range and at the split in force:
 
-- ``to_minimum``: the minimum saves at least ``move_gain`` of the proposal's ``T``: the proposal
-  becomes the minimum's share (the guards' step limit still paces the move); it stays there while
-  the saving is at least ``hold_gain`` (hysteresis);
+- ``to_minimum``: the minimum saves at least ``move_gain`` of the proposal's ``T`` (on a busy
+  node, busy fraction at least ``busy_load``: ``busy_move_gain``, lower): the proposal becomes the
+  minimum's share (the guards' step limit still paces the move); it stays there while the saving
+  is at least ``hold_gain`` (hysteresis). Under a busy load the queueing term is most of ``T`` and
+  a queue's P99 moves with its mean wait, so a smaller saving of ``T`` is already a P99 saving;
+  under a light one the P99 is the longest histories' service time, which ``T`` resolves less
+  well, and the base policy keeps the valley unless the curve sees a large saving;
 - ``jump``: ``to_minimum`` where the minimum lies KV-ward of the split in force and saves at least
   ``jump_gain`` of the split in force's ``T`` (a cliff the node stands above): the guards'
   step-down limit is waived for this decision, so the split reaches the minimum at once. A
@@ -225,7 +229,8 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
         drains = c_prev > 0 and c_prev - float(capped[j]) >= c.jump_gain * c_prev
     first, guard_state.evidenced = not guard_state.evidenced, True
     guard_state.first_jump = False
-    if gain >= c.move_gain or (guard_state.holding and gain >= c.hold_gain) or drains:
+    move = c.busy_move_gain if stats.load >= c.busy_load else c.move_gain
+    if gain >= move or (guard_state.holding and gain >= min(c.hold_gain, move)) or drains:
         out, action = s_min, "to_minimum"
         if drains or (s_min < prev and t_prev > 0 and (t_prev - t_min) >= c.jump_gain * t_prev):
             action = "jump"
