@@ -174,7 +174,8 @@ class RecoveryConfig:
 class CurveConfig:
     """The curve layer's settings (`node_agent.allocator.curve`: ``move_gain`` / ``hold_gain`` the
     saving that moves the proposal to the curve's minimum / keeps it there, ``busy_move_gain`` the
-    saving that moves it on a busy node (busy fraction at least ``busy_load``; 1: never), ``jump_gain`` the saving
+    saving that moves it on a busy node (busy fraction at least ``busy_load``; set to ``move_gain`` to
+    turn it off), ``jump_gain`` the saving
     over the split in force that waives the step-down limit for a KV-ward move there, ``cliff_gain`` the
     cost rise that refuses a step, ``flat_gain`` the dead band (the split in force within it of the
     curve's minimum is held; 0 turns it off), ``rho_max`` the utilisation cap of the queueing term,
