@@ -323,9 +323,9 @@ def test_the_first_decision_on_the_curves_jumps_to_a_kv_ward_minimum(tmp_path):
     assert t.detail["action"] == "no_curve" and not gs.evidenced
     out, t = curve_layer(gs, cur, st, 0.5, 0.5, g)
     s_min = t.detail["min_share"]
-    assert s_min <= 0.2 and (out, t.detail["action"], gs.first_jump) == (s_min, "jump", True)
+    assert s_min <= 0.2 and (out, t.detail["action"], gs.jumped_first) == (s_min, "jump", True)
     out, t = curve_layer(gs, cur, st, 0.5, 0.5, g)
-    assert (out, t.detail["action"], gs.first_jump) == (s_min, "to_minimum", False)
+    assert (out, t.detail["action"], gs.jumped_first) == (s_min, "to_minimum", False)
 
     policy = constant_policy(tmp_path / "p", 0.5)
     alloc = SmartAllocator(AllocatorConfig(curve=cfg), policy_dir=policy)

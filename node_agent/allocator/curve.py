@@ -155,21 +155,23 @@ class CurveGuard:
     its dead band holds (``anchor``: the layer's own last output, so a cap a later layer put on
     the split, a burst's or an override's, is not held after it ends; with
     ``CurveConfig.flat_holds_split`` the decision's split when neither a burst nor an override
-    was in force, set by `SmartAllocator.decide`)."""
+    was in force, set by `SmartAllocator.decide`), whether it has decided on evidence yet
+    (``evidenced``; a restored split counts) and whether its last decision was the first one's jump
+    (``jumped_first``, which the decision's note reads)."""
 
     def __init__(self, config: CurveConfig | None = None) -> None:
         self.config = config or CurveConfig()
         self.holding = False
         self.anchor: float | None = None
         self.evidenced = False
-        self.first_jump = False
+        self.jumped_first = False
         self.num_actions = {a: 0 for a in CURVE_ACTIONS}
 
     def reset(self) -> None:
         self.holding = False
         self.anchor = None
         self.evidenced = False
-        self.first_jump = False
+        self.jumped_first = False
 
     def state(self) -> dict:
         return {"enabled": self.config.enabled, "holding_minimum": self.holding, "num_actions": dict(self.num_actions)}
@@ -228,14 +230,14 @@ def curve_layer(guard_state: CurveGuard, curves, stats, proposal: float, prev: f
         c_prev = float(np.interp(prev, shares, capped))
         drains = c_prev > 0 and c_prev - float(capped[j]) >= c.jump_gain * c_prev
     first, guard_state.evidenced = not guard_state.evidenced, True
-    guard_state.first_jump = False
+    guard_state.jumped_first = False
     move = c.busy_move_gain if stats.load >= c.busy_load else c.move_gain
     if gain >= move or (guard_state.holding and gain >= min(c.hold_gain, move)) or drains:
         out, action = s_min, "to_minimum"
         if drains or (s_min < prev and t_prev > 0 and (t_prev - t_min) >= c.jump_gain * t_prev):
             action = "jump"
         elif first and c.first_jump and s_min < prev and t_prev > 0:
-            action, guard_state.first_jump = "jump", True
+            action, guard_state.jumped_first = "jump", True
     elif t_prev > 0 and t_p >= t_prev * (1.0 + c.cliff_gain):
         out, action = prev, "refuse_step"
     else:

@@ -175,7 +175,7 @@ class SmartAllocator:
             layers.append(t)
             jump = t.values[0] == "jump"
             t_min, t_prev = t.values[2], t.values[4]
-            if jump and self.curve.first_jump:
+            if jump and self.curve.jumped_first:
                 notes += (f"the first decision on the curves: jump to {t.values[1]:.2f} at once (the split in "
                           f"force has no curve behind it; the minimum saves {100 * (t_prev - t_min) / t_prev:.1f}% "
                           "of its time)",)
